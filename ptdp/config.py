@@ -1,0 +1,386 @@
+"""Typed run configuration: defaults < TOML file < `--section.key value` overrides.
+
+Every field carries a type, a default and an attribute docstring; the docstrings are
+what `ptdp train --help` prints. `validate()` holds every cross-field rule and runs
+before any process group exists, so a layout that cannot work fails in the shell, not
+an hour into a cluster job. Derived numbers live in `Plan`, never written back.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import enum
+import inspect
+import json
+import sys
+import textwrap
+from dataclasses import dataclass, field, fields, replace
+from functools import cache
+from pathlib import Path
+from typing import Any, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from ptdp.errors import ConfigError
+
+
+class PositionEmbedding(str, enum.Enum):
+    LEARNED = "learned"
+    ROPE = "rope"
+
+
+class Normalization(str, enum.Enum):
+    LAYERNORM = "layernorm"
+    RMSNORM = "rmsnorm"
+
+
+class Activation(str, enum.Enum):
+    GELU = "gelu"
+    SWIGLU = "swiglu"
+
+
+class Schedule(str, enum.Enum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZB_H1 = "zb-h1"
+
+
+class Recompute(str, enum.Enum):
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class Precision(str, enum.Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    num_layers: int = 4
+    """Transformer layers."""
+    hidden_size: int = 256
+    """Model width h."""
+    num_heads: int = 4
+    """Attention heads; must divide hidden_size."""
+    num_query_groups: int = 0
+    """Key/value heads for grouped-query attention; 0 = num_heads (plain multi-head)."""
+    ffn_hidden_size: int = 0
+    """MLP inner width; 0 = 4h for gelu, 8h/3 rounded up to a multiple of 64 for swiglu."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 = take it from the data's tokenizer."""
+    seq_length: int = 256
+    """Tokens per training sample (context length)."""
+    position_embedding: PositionEmbedding = PositionEmbedding.LEARNED
+    """Positions: learned (GPT-2) or rope (Llama)."""
+    rope_theta: float = 10000.0
+    """Rotary base frequency."""
+    normalization: Normalization = Normalization.LAYERNORM
+    """layernorm (GPT-2) or rmsnorm (Llama)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalisation layers."""
+    activation: Activation = Activation.GELU
+    """MLP: gelu (GPT-2) or swiglu (Llama)."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output layer."""
+    bias: bool = True
+    """Biases in linear layers and LayerNorm (Llama uses none)."""
+    dropout: float = 0.0
+    """Dropout on attention probabilities and residual branches."""
+    init_std: float = 0.02
+    """Std of the normal initialisation; residual output layers use init_std/sqrt(2L)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.activation is Activation.SWIGLU:
+            return -(-(8 * self.hidden_size // 3) // 64) * 64
+        return 4 * self.hidden_size
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size (ranks that split each layer)."""
+    pp: int = 1
+    """Pipeline-parallel size (ranks that split the layers into stages)."""
+    dp: int = 0
+    """Data-parallel size; 0 = world_size / (tp * pp)."""
+    vpp: int = 1
+    """Model chunks per pipeline rank (interleaved schedule)."""
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    """Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1."""
+    sequence_parallel: bool = False
+    """Split norm/dropout activations along the sequence over the tensor group."""
+    recompute: Recompute = Recompute.NONE
+    """Activation recomputation: none, selective (attention core) or full (whole layer)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    path: str = ""
+    """Prefix of a preprocessed dataset (PREFIX.bin / PREFIX.idx), from `ptdp preprocess`."""
+    tokenizer: str = ""
+    """Tokenizer for generation and checks: bytes or a tokenizer.json; empty = the data's own."""
+    valid_fraction: float = 0.05
+    """Fraction of the token stream (at its end) held out for validation."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    """Peak learning rate, reached after warm-up."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 100
+    """Steps of linear warm-up from 0 to lr."""
+    decay_steps: int = 0
+    """Steps of warm-up plus cosine decay; 0 = train.steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not norms, biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 = no clipping."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    micro_batch_size: int = 8
+    """Samples per microbatch on one data-parallel rank."""
+    global_batch_size: int = 8
+    """Samples per optimizer step over all ranks = micro_batch_size * microbatches * dp."""
+    steps: int = 1000
+    """Optimizer steps to train."""
+    seed: int = 1234
+    """Seed of the weights, the data order and dropout; weights do not depend on the layout."""
+    run_dir: str = "runs/default"
+    """Directory for config.toml, metrics.jsonl, checkpoints and TensorBoard files."""
+    log_interval: int = 10
+    """Log a line and a metrics.jsonl entry every this many steps."""
+    eval_interval: int = 100
+    """Validation loss every this many steps (and at the end); 0 = never."""
+    eval_iters: int = 10
+    """Microbatches averaged for one validation loss."""
+    save_interval: int = 0
+    """Checkpoint every this many steps (and at the end); 0 = only at the end."""
+    keep_checkpoints: int = 2
+    """Most recent checkpoints kept on disk; 0 = keep all."""
+    precision: Precision = Precision.FP32
+    """fp32, or bf16 autocast with fp32 weights; fp16 arrives with loss scaling."""
+    device: str = "auto"
+    """cpu, cuda, or auto (cuda when available)."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard events under run_dir/tensorboard."""
+    progress: bool = True
+    """Show a progress bar (on an interactive terminal)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid: {', '.join(options)}"
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Turn a TOML value or a command-line string into the field's annotated type."""
+    if isinstance(typ, type) and issubclass(typ, enum.Enum):
+        options = [m.value for m in typ]
+        if isinstance(value, typ):
+            return value
+        if str(value) not in options:
+            raise ConfigError(f"{where} = {value!r} is not valid{_suggest(str(value), options)}")
+        return typ(str(value))
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{where} = {value!r} is not a boolean; use true or false")
+    if typ is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ConfigError(f"{where} = {value!r} is not an integer")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{where} = {value!r} is not an integer") from None
+    if typ is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} = {value!r} is not a number")
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{where} = {value!r} is not a number") from None
+    if typ is str:
+        if not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{where} = {value!r} is not a string")
+        return str(value)
+    raise ConfigError(f"{where}: unsupported field type {typ}")  # pragma: no cover
+
+
+def apply_updates(cfg: RunConfig, updates: dict[str, dict[str, Any]], source: str) -> RunConfig:
+    """Return `cfg` with `{section: {key: value}}` applied; unknown names are errors."""
+    new_sections = {}
+    for section, values in updates.items():
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"unknown config section '{section}' in {source}{_suggest(section, list(SECTIONS))}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"'{section}' in {source} must be a table of key = value pairs")
+        cls = SECTIONS[section]
+        hints = get_type_hints(cls)
+        names = [f.name for f in fields(cls)]
+        changes = {}
+        for key, value in values.items():
+            if key not in names:
+                raise ConfigError(
+                    f"unknown key '{section}.{key}' in {source}{_suggest(key, names)}"
+                )
+            changes[key] = _coerce(value, hints[key], f"{section}.{key}")
+        current = new_sections.get(section, getattr(cfg, section))
+        new_sections[section] = replace(current, **changes)
+    return replace(cfg, **new_sections)
+
+
+def load_toml(path: str | Path, cfg: RunConfig | None = None) -> RunConfig:
+    """Apply a TOML file of `[section]` tables on top of `cfg` (defaults if None)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; see configs/ for examples")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    return apply_updates(cfg or RunConfig(), data, str(path))
+
+
+def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
+    """Parse `--section.key value` and `--section.key=value` pairs into nested dicts."""
+    updates: dict[str, dict[str, str]] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(
+                f"unexpected argument '{arg}'; config overrides look like --section.key value"
+            )
+        if "=" in arg:
+            name, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{arg} needs a value, e.g. {arg} 2 or {arg}=2")
+            name, value = arg[2:], args[i + 1]
+            i += 2
+        section, key = name.split(".", 1)
+        updates.setdefault(section, {})[key] = value
+    return updates
+
+
+def resolve(config_path: str | None, overrides: list[str]) -> RunConfig:
+    """Defaults < TOML file < command line."""
+    cfg = RunConfig()
+    if config_path:
+        cfg = load_toml(config_path, cfg)
+    return apply_updates(cfg, parse_overrides(overrides), "the command line")
+
+
+# --------------------------------------------------------------------------- writing, help
+
+
+def to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for section in SECTIONS:
+        values = dataclasses.asdict(getattr(cfg, section))
+        out[section] = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in values.items()}
+    return out
+
+
+def from_dict(data: dict[str, dict[str, Any]]) -> RunConfig:
+    return apply_updates(RunConfig(), data, "a saved config")
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """TOML text of the resolved config; json.dumps quoting is valid TOML for our types."""
+    lines = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            text = str(value).lower() if isinstance(value, bool) else json.dumps(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a config dataclass (the string after each field)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def help_text() -> str:
+    """Every option of every section with its default and docstring, for --help."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        docs = field_docs(cls)
+        for f in fields(cls):
+            default = getattr(cls(), f.name)
+            if isinstance(default, enum.Enum):
+                choices = "|".join(m.value for m in type(default))
+                default_text = f"{default.value} ({choices})"
+            else:
+                default_text = json.dumps(default)
+            lines.append(f"  --{section}.{f.name} (default {default_text})")
+            lines.append(f"      {docs.get(f.name, '')}")
+    return "\n".join(lines)

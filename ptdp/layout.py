@@ -1,0 +1,204 @@
+"""Validation of a run config against a world size, and the numbers derived from it.
+
+`validate()` is the single place for cross-field rules (DESIGN invariant 4). It is pure
+(no torch.distributed), so it runs before any process group is created, and each
+message names the values involved and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptdp.config import PositionEmbedding, Precision, RunConfig, Schedule
+from ptdp.errors import ConfigError
+
+# Capabilities that later parts of ptdp add; until then a request for them is an error,
+# never silently ignored.
+SUPPORTED_TP = 1
+SUPPORTED_PP = 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Derived numbers of one run; never written back into the config."""
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    vpp: int
+    num_microbatches: int
+    """Microbatches per optimizer step on each data-parallel rank."""
+
+    def describe(self) -> str:
+        return (
+            f"world={self.world_size} tp={self.tp} pp={self.pp} dp={self.dp} vpp={self.vpp} "
+            f"microbatches/step/rank={self.num_microbatches}"
+        )
+
+
+def _positive(errors: list[str], name: str, value: int | float, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        errors.append(f"{name} = {value} must be {bound}")
+
+
+def _model_rules(cfg: RunConfig, errors: list[str]) -> None:
+    m = cfg.model
+    for name in ("num_layers", "hidden_size", "num_heads", "seq_length"):
+        _positive(errors, f"model.{name}", getattr(m, name))
+    for name in ("num_query_groups", "ffn_hidden_size", "vocab_size"):
+        _positive(errors, f"model.{name}", getattr(m, name), zero_ok=True)
+    if errors:
+        return
+    if m.hidden_size % m.num_heads:
+        errors.append(
+            f"model.hidden_size = {m.hidden_size} is not divisible by model.num_heads = "
+            f"{m.num_heads}; choose heads that divide the width (e.g. {_divisor(m.hidden_size)})"
+        )
+    elif m.position_embedding is PositionEmbedding.ROPE and m.head_dim % 2:
+        errors.append(
+            f"rotary positions need an even head size, got hidden_size/num_heads = {m.head_dim}; "
+            "change model.num_heads or model.hidden_size"
+        )
+    if m.num_heads % m.query_groups:
+        errors.append(
+            f"model.num_query_groups = {m.num_query_groups} does not divide model.num_heads = "
+            f"{m.num_heads}; use a divisor of the head count (1 = multi-query)"
+        )
+    if not 0.0 <= m.dropout < 1.0:
+        errors.append(f"model.dropout = {m.dropout} must be in [0, 1)")
+    if m.norm_eps <= 0:
+        errors.append(f"model.norm_eps = {m.norm_eps} must be > 0")
+
+
+def _divisor(n: int) -> int:
+    return next(d for d in (8, 4, 2, 1) if n % d == 0)
+
+
+def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
+    """Check the layout; return the data-parallel size (0 if it could not be derived)."""
+    p = cfg.parallel
+    for name in ("tp", "pp", "vpp"):
+        _positive(errors, f"parallel.{name}", getattr(p, name))
+    _positive(errors, "parallel.dp", p.dp, zero_ok=True)
+    if errors:
+        return 0
+    model_ranks = p.tp * p.pp
+    if p.dp == 0:
+        if world_size % model_ranks:
+            errors.append(
+                f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp} = "
+                f"{model_ranks}; launch a multiple of {model_ranks} processes"
+            )
+            return 0
+        dp = world_size // model_ranks
+    else:
+        dp = p.dp
+        if p.tp * p.pp * dp != world_size:
+            errors.append(
+                f"tp*pp*dp = {p.tp}*{p.pp}*{dp} = {model_ranks * dp} does not match the world "
+                f"size {world_size}; launch {model_ranks * dp} processes or set "
+                "--parallel.dp 0 to derive dp from the world size"
+            )
+    if p.tp > SUPPORTED_TP:
+        errors.append(
+            f"parallel.tp = {p.tp}: tensor parallelism is not available in this version of "
+            "ptdp yet; use --parallel.tp 1"
+        )
+    if p.pp > SUPPORTED_PP:
+        errors.append(
+            f"parallel.pp = {p.pp}: pipeline parallelism is not available in this version of "
+            "ptdp yet; use --parallel.pp 1"
+        )
+    if p.vpp > 1 and p.schedule is not Schedule.INTERLEAVED:
+        errors.append(
+            f"parallel.vpp = {p.vpp} needs the interleaved schedule, got "
+            f"parallel.schedule = {p.schedule.value}; set --parallel.schedule interleaved "
+            "or --parallel.vpp 1"
+        )
+    if p.schedule is Schedule.INTERLEAVED and p.vpp < 2:
+        errors.append(
+            "parallel.schedule = interleaved needs parallel.vpp >= 2 model chunks per rank; "
+            "set --parallel.vpp 2 or use --parallel.schedule 1f1b"
+        )
+    if cfg.model.num_layers % (p.pp * p.vpp) and not errors:
+        errors.append(
+            f"model.num_layers = {cfg.model.num_layers} is not divisible by pp*vpp = "
+            f"{p.pp}*{p.vpp}; choose a layer count that is a multiple of {p.pp * p.vpp}"
+        )
+    if p.sequence_parallel and p.tp == 1:
+        errors.append(
+            "parallel.sequence_parallel = true needs parallel.tp > 1 (it splits the sequence "
+            "over the tensor-parallel group); set --parallel.sequence_parallel false"
+        )
+    return dp
+
+
+def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
+    t, o = cfg.train, cfg.optim
+    for name in ("micro_batch_size", "global_batch_size", "steps", "log_interval"):
+        _positive(errors, f"train.{name}", getattr(t, name))
+    for name in ("eval_interval", "eval_iters", "save_interval", "keep_checkpoints"):
+        _positive(errors, f"train.{name}", getattr(t, name), zero_ok=True)
+    if t.eval_interval and not t.eval_iters:
+        errors.append("train.eval_iters = 0 with train.eval_interval > 0; set eval_iters >= 1")
+    microbatches = 0
+    if dp and t.micro_batch_size > 0 and t.global_batch_size > 0:
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size % per_step:
+            errors.append(
+                f"train.global_batch_size = {t.global_batch_size} is not divisible by "
+                f"micro_batch_size*dp = {t.micro_batch_size}*{dp} = {per_step}; use a "
+                f"multiple of {per_step}, e.g. {max(per_step, t.global_batch_size // per_step * per_step)}"
+            )
+        else:
+            microbatches = t.global_batch_size // per_step
+    if t.precision is Precision.FP16:
+        errors.append(
+            "train.precision = fp16 needs dynamic loss scaling, which this version of ptdp does "
+            "not have yet; use --train.precision bf16 (same speed, no scaling needed) or fp32"
+        )
+    if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
+        errors.append(f"train.device = {t.device!r}; use auto, cpu or cuda")
+    if o.lr <= 0:
+        errors.append(f"optim.lr = {o.lr} must be > 0")
+    if o.min_lr < 0 or o.min_lr > o.lr:
+        errors.append(f"optim.min_lr = {o.min_lr} must be in [0, optim.lr = {o.lr}]")
+    _positive(errors, "optim.warmup_steps", o.warmup_steps, zero_ok=True)
+    _positive(errors, "optim.decay_steps", o.decay_steps, zero_ok=True)
+    decay = o.decay_steps or t.steps
+    if o.warmup_steps > decay:
+        errors.append(
+            f"optim.warmup_steps = {o.warmup_steps} exceeds the decay horizon {decay} "
+            "(optim.decay_steps, or train.steps when 0); lower warmup_steps"
+        )
+    if o.grad_clip < 0:
+        errors.append(f"optim.grad_clip = {o.grad_clip} must be >= 0 (0 disables clipping)")
+    if o.weight_decay < 0:
+        errors.append(f"optim.weight_decay = {o.weight_decay} must be >= 0")
+    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
+        errors.append(f"optim.beta1/beta2 = {o.beta1}/{o.beta2} must be in [0, 1)")
+    if not 0.0 <= cfg.data.valid_fraction < 1.0:
+        errors.append(f"data.valid_fraction = {cfg.data.valid_fraction} must be in [0, 1)")
+    elif cfg.data.valid_fraction == 0 and t.eval_interval:
+        errors.append(
+            "data.valid_fraction = 0 leaves no validation data but train.eval_interval > 0; "
+            "set --train.eval_interval 0 or a valid_fraction such as 0.05"
+        )
+    return microbatches
+
+
+def validate(cfg: RunConfig, world_size: int = 1) -> Layout:
+    """Check every cross-field rule; raise one ConfigError listing all problems."""
+    if world_size < 1:
+        raise ConfigError(f"world size {world_size} must be >= 1")
+    errors: list[str] = []
+    _model_rules(cfg, errors)
+    dp = _parallel_rules(cfg, world_size, errors)
+    microbatches = _train_rules(cfg, dp, errors)
+    if errors:
+        bullet = "\n  - "
+        raise ConfigError(f"invalid configuration:{bullet}{bullet.join(errors)}")
+    p = cfg.parallel
+    return Layout(world_size, p.tp, p.pp, dp, p.vpp, microbatches)

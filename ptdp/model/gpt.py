@@ -1,0 +1,213 @@
+"""GPT decoder (GPT-2 and Llama options), the single-process reference model.
+
+Shapes: b = micro-batch, s = sequence, h = hidden, v = vocabulary, n = query heads,
+g = key/value groups, d = head size (h / n). The transformer body runs sequence-first,
+[s, b, h], as Megatron does, so that sequence parallelism can later split dim 0
+contiguously. Tokens and labels stay [b, s].
+
+The model is built from swappable parts (embedding, layers keyed by their *global*
+index, final norm + output layer) so that a pipeline stage can hold a range of layers
+(`layers=range(...)`, `has_embedding`, `has_head`) and a tensor-parallel version can
+replace the linear layers. Attention goes through `scaled_dot_product_attention` with
+the causal flag, so no mask is materialised and flash kernels are used on GPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ptdp.config import Activation, ModelConfig, Normalization, PositionEmbedding, Recompute
+from ptdp.model.init import apply_init
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.normalization is Normalization.RMSNORM:
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (Su et al. 2021), rotate-half convention as in Llama."""
+
+    def __init__(self, head_dim: int, seq_length: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(seq_length, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # [s, d]
+        # Not persistent: derived from the config, so checkpoints need not carry it.
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """x: [b, heads, s, d] -> same, rotated by each position's angle."""
+        s = x.shape[-2]
+        cos = self.cos[offset : offset + s].to(x.dtype)
+        sin = self.sin[offset : offset + s].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query support.
+
+    The fused QKV weight is laid out group by group, [q heads of group 0, k0, v0, q heads
+    of group 1, k1, v1, ...], so that a contiguous split of its rows over tensor-parallel
+    ranks hands each rank whole groups (Megatron's layout).
+    """
+
+    def __init__(self, cfg: ModelConfig, recompute_core: bool) -> None:
+        super().__init__()
+        self.num_heads, self.groups, self.head_dim = cfg.num_heads, cfg.query_groups, cfg.head_dim
+        self.q_per_group = self.num_heads // self.groups
+        qkv_out = self.groups * (self.q_per_group + 2) * self.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.recompute_core = recompute_core
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary | None) -> torch.Tensor:
+        s, b, _ = x.shape
+        qkv = self.qkv(x).view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.num_heads, self.head_dim)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, g, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if rotary is not None:
+            q, k = rotary(q), rotary(k)
+        if self.q_per_group > 1:  # each group's k/v serve q_per_group consecutive query heads
+            k = k.repeat_interleave(self.q_per_group, dim=1)
+            v = v.repeat_interleave(self.q_per_group, dim=1)
+        if self.recompute_core and self.training:
+            # Selective recomputation (Korthikanti et al. 2022): keep only q, k, v.
+            out = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            out = self._core(q, k, v)  # [b, n, s, d]
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+        return self.proj(out)
+
+
+class MLP(nn.Module):
+    """h -> ffn -> h. For SwiGLU, fc1's output rows are [gate; up]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.swiglu = cfg.activation is Activation.SWIGLU
+        width = cfg.ffn_size * (2 if self.swiglu else 1)
+        self.fc1 = nn.Linear(cfg.hidden_size, width, bias=cfg.bias)
+        self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc1(x)
+        if self.swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        else:
+            x = F.gelu(x, approximate="tanh")  # GPT-2's GeLU
+        return self.fc2(x)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, recompute: Recompute = Recompute.NONE) -> None:
+        super().__init__()
+        self.norm1 = build_norm(cfg)
+        self.attn = Attention(cfg, recompute_core=recompute is Recompute.SELECTIVE)
+        self.norm2 = build_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.recompute_full = recompute is Recompute.FULL
+
+    def _forward(self, x: torch.Tensor, rotary: Rotary | None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.norm1(x), rotary))
+        return x + self.dropout(self.mlp(self.norm2(x)))
+
+    def forward(self, x: torch.Tensor, rotary: Rotary | None = None) -> torch.Tensor:
+        if self.recompute_full and self.training:
+            # Full recomputation: store only the layer input, redo the layer in backward.
+            return checkpoint(self._forward, x, rotary, use_reentrant=False)
+        return self._forward(x, rotary)
+
+
+class GPT(nn.Module):
+    """A GPT model, or one pipeline chunk of it.
+
+    Args:
+        cfg: model shape; `cfg.vocab_size` must be resolved (> 0).
+        seed: initialisation seed; weights depend only on it and parameter names.
+        recompute: activation recomputation mode.
+        layers: the global indices of the layers this chunk holds (default: all).
+        has_embedding / has_head: whether this chunk holds the input embedding /
+            the final norm, output layer and loss.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        seed: int = 1234,
+        recompute: Recompute = Recompute.NONE,
+        layers: range | None = None,
+        has_embedding: bool = True,
+        has_head: bool = True,
+    ) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("GPT needs a resolved model.vocab_size (> 0)")
+        self.cfg = cfg
+        self.has_embedding, self.has_head = has_embedding, has_head
+        layers = range(cfg.num_layers) if layers is None else layers
+        if has_embedding:
+            self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            if cfg.position_embedding is PositionEmbedding.LEARNED:
+                self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+            self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.rotary = (
+            Rotary(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
+            if cfg.position_embedding is PositionEmbedding.ROPE
+            else None
+        )
+        # Keyed by global index, so parameter names (and thus init) match across layouts.
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, recompute) for i in layers})
+        if has_head:
+            self.final_norm = build_norm(cfg)
+            if not (cfg.tie_embeddings and has_embedding):
+                self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        apply_init(self, seed=seed, base_std=cfg.init_std, num_layers=cfg.num_layers)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embedding.weight if not hasattr(self, "output") else self.output.weight
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> hidden [s, b, h]."""
+        x = self.embedding(tokens)
+        if hasattr(self, "position"):
+            x = x + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.embed_dropout(x.transpose(0, 1).contiguous())
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens [b, s] (or hidden [s, b, h] for a later chunk) -> hidden, logits or loss.
+
+        With the head: logits [b, s, v] when `labels` is None, else the mean token loss.
+        """
+        if self.has_embedding:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x, self.rotary)
+        if not self.has_head:
+            return x
+        logits = F.linear(self.final_norm(x), self.output_weight())  # [s, b, v]
+        if labels is None:
+            return logits.transpose(0, 1)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.t().flatten())
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,95 @@
+"""The process mesh: rank <-> (tp, dp, pp) coordinates and one process group per axis.
+
+Ranks are laid out tensor-parallel fastest, then data-parallel, then pipeline
+(rank = tp + t*(dp + d*pp)), so a tensor-parallel group shares a node and pipeline
+stages cross nodes, as the paper recommends. `ORDER` is the one place that says so.
+The coordinate logic is pure; `ParallelMesh.build` creates the groups once, and the
+mesh is passed explicitly to whatever needs a group (no module-level state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import product
+
+import torch.distributed as dist
+
+ORDER = ("tp", "dp", "pp")  # fastest-varying first
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def sizes(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in ORDER}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinates of `rank` along each axis."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a mesh of {self.world_size} ranks")
+        out = {}
+        for axis in ORDER:
+            size = getattr(self, axis)
+            out[axis], rank = rank % size, rank // size
+        return out
+
+    def rank_of(self, **coords: int) -> int:
+        rank, stride = 0, 1
+        for axis in ORDER:
+            rank += coords.get(axis, 0) * stride
+            stride *= getattr(self, axis)
+        return rank
+
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """Every group along `axis`: ranks that differ only in that coordinate."""
+        others = [a for a in ORDER if a != axis]
+        groups = []
+        for fixed in product(*(range(getattr(self, a)) for a in others)):
+            base = dict(zip(others, fixed))
+            groups.append([self.rank_of(**base, **{axis: i}) for i in range(getattr(self, axis))])
+        return groups
+
+
+@dataclass
+class ParallelMesh:
+    """One rank's view of the mesh: its coordinates and its group along each axis."""
+
+    shape: MeshShape
+    rank: int = 0
+    groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+
+    @classmethod
+    def single(cls) -> ParallelMesh:
+        """The one-process mesh (no process group needed)."""
+        return cls(MeshShape(), 0, {axis: None for axis in ORDER})
+
+    @classmethod
+    def build(cls, shape: MeshShape, rank: int) -> ParallelMesh:
+        """Create every axis group; all ranks must call this in the same order."""
+        groups: dict[str, dist.ProcessGroup | None] = {}
+        for axis in ORDER:
+            for ranks in shape.group_ranks(axis):
+                group = dist.new_group(ranks) if shape.world_size > 1 else None
+                if rank in ranks:
+                    groups[axis] = group
+        return cls(shape, rank, groups)
+
+    def coord(self, axis: str) -> int:
+        return self.shape.coords(self.rank)[axis]
+
+    def size(self, axis: str) -> int:
+        return getattr(self.shape, axis)
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        return self.groups[axis]
+
+    def __str__(self) -> str:
+        c = self.shape.coords(self.rank)
+        return "-".join(f"{a.upper()}({c[a]}/{self.size(a)})" for a in ORDER) + f"-Rank({self.rank})"

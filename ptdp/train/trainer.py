@@ -1,0 +1,292 @@
+"""The training loop: microbatches, gradient accumulation, data-parallel averaging,
+clipping, AdamW, evaluation, logging and checkpoints.
+
+Batch bookkeeping: optimizer step k consumes global samples [k*G, (k+1)*G). Data-parallel
+rank r takes the contiguous slice [r*G/d, (r+1)*G/d) of them, in microbatches of
+micro_batch_size, so the union over ranks is exactly the single-process batch and every
+layout sees the same data. Each microbatch's mean loss is divided by the number of
+microbatches, so the accumulated gradient is that of the mean loss over the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ptdp.config import Precision, RunConfig, to_dict, to_toml
+from ptdp.errors import CheckpointError
+from ptdp.layout import Layout, validate
+from ptdp.model.gpt import GPT, count_parameters
+from ptdp.parallel.comm import all_reduce_mean_, barrier
+from ptdp.parallel.data import average_gradients
+from ptdp.parallel.env import LaunchEnv, destroy_process_group, init_process_group, pick_device
+from ptdp.parallel.mesh import MeshShape, ParallelMesh
+from ptdp.perf.flops import flops_per_iteration
+from ptdp.train import checkpoint as ckpt
+from ptdp.train.data_setup import RunData, open_data, resolve_vocab
+from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
+from ptdp.train.optim import build_optimizer, lr_at, set_lr
+
+
+@dataclass
+class TrainResult:
+    """What a run did, for callers and tests (rank 0's view)."""
+
+    run_dir: Path
+    start_step: int
+    final_step: int
+    losses: dict[int, float] = field(default_factory=dict)
+    """Mean training loss of each step (1-based step numbers)."""
+    val_losses: dict[int, float] = field(default_factory=dict)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+
+
+class Trainer:
+    """Owns one rank's model, optimizer and data position; `run()` trains to train.steps."""
+
+    def __init__(self, cfg: RunConfig, layout: Layout, env: LaunchEnv, data: RunData) -> None:
+        self.cfg, self.layout, self.env, self.data = cfg, layout, env, data
+        self.device = pick_device(cfg.train.device, env.local_rank)
+        init_process_group(env, self.device)
+        self.mesh = (
+            ParallelMesh.build(MeshShape(layout.tp, layout.dp, layout.pp), env.rank)
+            if env.world_size > 1
+            else ParallelMesh.single()
+        )
+        self.is_main = env.rank == 0
+        self.run_dir = Path(cfg.train.run_dir)
+        self.model = GPT(cfg.model, seed=cfg.train.seed, recompute=cfg.parallel.recompute)
+        self.model.to(self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.step = 0
+        # Dropout stream: per data-parallel rank (they see different samples anyway).
+        torch.manual_seed(cfg.train.seed + 7919 * (1 + self.mesh.coord("dp")))
+        self.flops_per_step = flops_per_iteration(
+            cfg.model, cfg.train.global_batch_size, cfg.parallel.recompute
+        )
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+
+    # ------------------------------------------------------------------ batches
+
+    def _microbatch(self, dataset, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = dataset.batch(first_sample, self.cfg.train.micro_batch_size)
+        batch = batch.to(self.device, non_blocking=True)
+        return batch[:, :-1], batch[:, 1:]
+
+    def _autocast(self):
+        if self.cfg.train.precision is Precision.BF16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (mean loss over the global batch, grad norm)."""
+        t, dp_rank = self.cfg.train, self.mesh.coord("dp")
+        per_rank = t.global_batch_size // self.layout.dp
+        first = self.step * t.global_batch_size + dp_rank * per_rank
+        n = self.layout.num_microbatches
+        set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, t.steps))
+        self.model.train()
+        total = torch.zeros((), device=self.device)
+        for j in range(n):
+            tokens, labels = self._microbatch(self.data.train, first + j * t.micro_batch_size)
+            with self._autocast():
+                loss = self.model(tokens, labels) / n
+            loss.backward()
+            total += loss.detach()
+        average_gradients(self.model, self.mesh)
+        clip = self.cfg.optim.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        all_reduce_mean_(total, self.mesh.group("dp"), self.layout.dp)
+        self.step += 1
+        return total, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the first eval_iters microbatches of each rank's validation share."""
+        t, valid = self.cfg.train, self.data.valid
+        per_rank = max(1, min(t.eval_iters, len(valid) // (t.micro_batch_size * self.layout.dp)))
+        first = self.mesh.coord("dp") * per_rank * t.micro_batch_size
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for j in range(per_rank):
+            tokens, labels = self._microbatch(valid, first + j * t.micro_batch_size)
+            with self._autocast():
+                total += self.model(tokens, labels).float()
+        total /= per_rank
+        all_reduce_mean_(total, self.mesh.group("dp"), self.layout.dp)
+        return total.item()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state(self) -> dict:
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "consumed_samples": self.step * self.cfg.train.global_batch_size,
+            "rng": rng,
+            "config": to_dict(self.cfg),
+            "tokenizer": self._tokenizer_entry(),
+        }
+
+    def _tokenizer_entry(self) -> str:
+        """How generation finds the tokenizer: "bytes", the copied tokenizer.json, or ""."""
+        spec = self.data.tokenizer_spec
+        return spec if spec in ("bytes", "") else "tokenizer.json"
+
+    def save(self) -> Path | None:
+        path = None
+        if self.is_main:  # replicas are identical under data parallelism: one writer
+            spec = self.data.tokenizer_spec
+            tok = Path(spec) if spec and spec != "bytes" else None
+            path = ckpt.save_checkpoint(
+                self.run_dir, self.step, self.state(), self.cfg, tok,
+                keep=self.cfg.train.keep_checkpoints,
+            )
+        barrier(None, self.env.world_size)
+        return path
+
+    def restore(self, step_dir: Path) -> None:
+        state = ckpt.load_checkpoint(step_dir)
+        saved_model = state["config"]["model"]
+        current = to_dict(self.cfg)["model"]
+        diff = [f"{k}: {saved_model.get(k)} -> {v}" for k, v in current.items() if saved_model.get(k) != v]
+        if diff:
+            raise CheckpointError(
+                f"checkpoint {step_dir} was trained with a different model ({'; '.join(diff)}); "
+                "resume with the same model settings or use another --train.run_dir"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if "cuda" in state["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+
+    # ------------------------------------------------------------------ the loop
+
+    def say(self, message: str) -> None:
+        if self.is_main:
+            tqdm.write(message, file=sys.stdout)
+
+    def run(self) -> TrainResult:
+        t = self.cfg.train
+        result = TrainResult(self.run_dir, self.step, self.step)
+        writer = MetricsWriter(self.run_dir, t.tensorboard) if self.is_main else None
+        bar = tqdm(
+            total=t.steps, initial=self.step, unit="step", dynamic_ncols=True, file=sys.stderr,
+            disable=not (self.is_main and t.progress and sys.stderr.isatty()),
+        )
+        pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        clock, train_time, steps_timed = time.perf_counter(), 0.0, 0
+        try:
+            while self.step < t.steps:
+                loss, grad_norm = self.train_step()
+                pending.append((self.step, loss, grad_norm))
+                bar.update(1)
+                last = self.step == t.steps
+                if self.step % t.log_interval == 0 or last:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    now = time.perf_counter()
+                    train_time, steps_timed = train_time + now - clock, steps_timed + len(pending)
+                    record = self._log(pending, now - clock, result)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}")
+                    if writer:
+                        writer.write(record)
+                    self.say(format_line(record))
+                    pending = []
+                    clock = time.perf_counter()
+                if t.eval_interval and (self.step % t.eval_interval == 0 or last):
+                    val = self.evaluate()
+                    result.val_losses[self.step] = val
+                    if writer:
+                        writer.write({"step": self.step, "val_loss": val})
+                    self.say(f"step {self.step:>6} | validation loss {val:.4f} "
+                             f"| perplexity {math.exp(min(val, 50)):.1f}")
+                    clock = time.perf_counter()
+                if (t.save_interval and self.step % t.save_interval == 0) or last:
+                    path = self.save()
+                    self.say(f"saved checkpoint {path}")
+                    clock = time.perf_counter()
+        finally:
+            bar.close()
+            if writer:
+                writer.close()
+        result.final_step = self.step
+        if steps_timed:
+            self.say(f"trained {steps_timed} steps in {train_time:.1f} s "
+                     f"({steps_timed * self.tokens_per_step / train_time:,.0f} tokens/s)")
+        return result
+
+    def _log(self, pending, elapsed: float, result: TrainResult) -> dict:
+        """Turn a log interval's losses into one record (one host sync per interval)."""
+        steps = [s for s, _, _ in pending]
+        losses = torch.stack([loss for _, loss, _ in pending]).tolist()
+        norms = torch.stack([n.float() for _, _, n in pending]).tolist()
+        result.losses.update(zip(steps, losses))
+        result.grad_norms.update(zip(steps, norms))
+        n = len(pending)
+        return {
+            "step": self.step,
+            "loss": sum(losses) / n,
+            "lr": lr_at(self.step - 1, self.cfg.optim, self.cfg.train.steps),
+            "grad_norm": norms[-1],
+            "tokens_per_s": n * self.tokens_per_step / elapsed,
+            "tflops_per_device": n * self.flops_per_step / elapsed / self.env.world_size / 1e12,
+            "peak_mem_gb": peak_memory_gb(self.device),
+        }
+
+
+def prepare(cfg: RunConfig, env: LaunchEnv) -> tuple[RunConfig, Layout, RunData]:
+    """Every check that can fail, before any process group exists."""
+    layout = validate(cfg, env.world_size)
+    cfg = resolve_vocab(cfg)
+    return cfg, layout, open_data(cfg)
+
+
+def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None) -> TrainResult:
+    """Train as one process, or as one rank of a torchrun launch."""
+    env = env or LaunchEnv.from_environ()
+    cfg, layout, data = prepare(cfg, env)
+    run_dir = Path(cfg.train.run_dir)
+    existing = ckpt.checkpoint_root(run_dir) / ckpt.LATEST
+    if existing.exists() and not resume:
+        raise CheckpointError(
+            f"{run_dir} already holds checkpoints; pass --resume to continue that run "
+            "or choose another --train.run_dir"
+        )
+    trainer = Trainer(cfg, layout, env, data)
+    try:
+        if trainer.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if not (resume and existing.exists()):
+                (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            (run_dir / "config.toml").write_text(to_toml(cfg))
+        if resume and existing.exists():
+            step_dir = ckpt.find_checkpoint(run_dir)
+            trainer.restore(step_dir)
+            trainer.say(f"resumed from {step_dir} at step {trainer.step}")
+        elif resume:
+            trainer.say(f"no checkpoint in {run_dir}; starting from step 0")
+        n_params = count_parameters(trainer.model)
+        trainer.say(
+            f"ptdp | {layout.describe()} | device {trainer.device} | "
+            f"{n_params / 1e6:.2f}M parameters | {len(data.train):,} training samples of "
+            f"{cfg.model.seq_length} tokens | {cfg.train.precision.value}"
+        )
+        return trainer.run()
+    finally:
+        destroy_process_group()

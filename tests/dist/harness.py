@@ -1,0 +1,76 @@
+"""run_ranks(): spawn N processes, join them in one gloo group, re-raise a rank's error.
+
+Rendezvous goes through a file in a fresh temporary directory (no port races between
+tests), each child runs on one thread, and a hung or crashed child fails the test with
+its rank named instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """A child process failed; the message carries its rank and traceback."""
+
+
+def _child(
+    index: int, fn: Callable[..., Any], world_size: int, store: str, errors: Any, args: tuple
+) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(index), WORLD_SIZE=str(world_size), LOCAL_RANK=str(index))
+    backend = os.environ.get("PTDP_TEST_BACKEND", "gloo")
+    try:
+        dist.init_process_group(
+            backend, init_method=f"file://{store}", rank=index, world_size=world_size,
+            timeout=timedelta(seconds=60),
+        )
+        torch.manual_seed(1000 + index)
+        fn(index, world_size, *args)
+    except BaseException:
+        errors.put((index, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180
+) -> None:
+    """Run `fn(rank, world_size, *args)` in `world_size` processes; raise the first error.
+
+    `fn` must be a module-level function (it is pickled into spawned children).
+    """
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = mp.start_processes(
+            _child, args=(fn, world_size, os.path.join(tmp, "store"), errors, args),
+            nprocs=world_size, join=False, start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not procs.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    alive = [i for i, p in enumerate(procs.processes) if p.is_alive()]
+                    raise RankError(f"ranks {alive} still running after {timeout_s} s (hang?)")
+        except mp.ProcessRaisedException as exc:
+            first = errors.get() if not errors.empty() else (None, str(exc))
+            raise RankError(f"rank {first[0]} failed:\n{first[1]}") from None
+        except mp.ProcessExitedException as exc:
+            raise RankError(f"rank {exc.error_index} exited with code {exc.exit_code}") from None
+        finally:
+            for p in procs.processes:
+                if p.is_alive():
+                    p.terminate()
