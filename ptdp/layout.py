@@ -44,12 +44,12 @@ def _positive(errors: list[str], name: str, value: int | float, zero_ok: bool = 
 
 
 def _model_rules(cfg: RunConfig, errors: list[str]) -> None:
-    m = cfg.model
+    m, before = cfg.model, len(errors)
     for name in ("num_layers", "hidden_size", "num_heads", "seq_length"):
         _positive(errors, f"model.{name}", getattr(m, name))
     for name in ("num_query_groups", "ffn_hidden_size", "vocab_size"):
         _positive(errors, f"model.{name}", getattr(m, name), zero_ok=True)
-    if errors:
+    if len(errors) > before:
         return
     if m.hidden_size % m.num_heads:
         errors.append(
@@ -78,11 +78,11 @@ def _divisor(n: int) -> int:
 
 def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
     """Check the layout; return the data-parallel size (0 if it could not be derived)."""
-    p = cfg.parallel
+    p, before = cfg.parallel, len(errors)
     for name in ("tp", "pp", "vpp"):
         _positive(errors, f"parallel.{name}", getattr(p, name))
     _positive(errors, "parallel.dp", p.dp, zero_ok=True)
-    if errors:
+    if len(errors) > before:
         return 0
     model_ranks = p.tp * p.pp
     if p.dp == 0:
@@ -122,7 +122,7 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
             "parallel.schedule = interleaved needs parallel.vpp >= 2 model chunks per rank; "
             "set --parallel.vpp 2 or use --parallel.schedule 1f1b"
         )
-    if cfg.model.num_layers % (p.pp * p.vpp) and not errors:
+    if cfg.model.num_layers > 0 and cfg.model.num_layers % (p.pp * p.vpp):
         errors.append(
             f"model.num_layers = {cfg.model.num_layers} is not divisible by pp*vpp = "
             f"{p.pp}*{p.vpp}; choose a layer count that is a multiple of {p.pp * p.vpp}"
@@ -167,11 +167,11 @@ def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
         errors.append(f"optim.min_lr = {o.min_lr} must be in [0, optim.lr = {o.lr}]")
     _positive(errors, "optim.warmup_steps", o.warmup_steps, zero_ok=True)
     _positive(errors, "optim.decay_steps", o.decay_steps, zero_ok=True)
-    decay = o.decay_steps or t.steps
-    if o.warmup_steps > decay:
+    if o.decay_steps and o.warmup_steps > o.decay_steps:
         errors.append(
-            f"optim.warmup_steps = {o.warmup_steps} exceeds the decay horizon {decay} "
-            "(optim.decay_steps, or train.steps when 0); lower warmup_steps"
+            f"optim.warmup_steps = {o.warmup_steps} exceeds optim.decay_steps = "
+            f"{o.decay_steps} (warm-up is part of the decay horizon); lower warmup_steps "
+            "or raise decay_steps"
         )
     if o.grad_clip < 0:
         errors.append(f"optim.grad_clip = {o.grad_clip} must be >= 0 (0 disables clipping)")

@@ -37,7 +37,8 @@ def tokenizer_spec_for(cfg: RunConfig) -> str:
 
 def resolve_vocab(cfg: RunConfig) -> RunConfig:
     """Fill model.vocab_size from the data when it is 0; reject a model too small for it."""
-    meta = read_metadata(cfg.data.path) if cfg.data.path else None
+    require_data_path(cfg)
+    meta = read_metadata(cfg.data.path)
     data_vocab = meta["vocab_size"] if meta else 0
     if cfg.data.tokenizer and not data_vocab:
         from ptdp.data.tokenizers import load_tokenizer
@@ -57,12 +58,16 @@ def resolve_vocab(cfg: RunConfig) -> RunConfig:
     return replace(cfg, model=replace(cfg.model, vocab_size=vocab))
 
 
-def open_data(cfg: RunConfig) -> RunData:
+def require_data_path(cfg: RunConfig) -> None:
     if not cfg.data.path:
         raise ConfigError(
             "data.path is empty; preprocess a corpus with `ptdp preprocess --input FILES "
             "--output-prefix data/NAME --tokenizer bpe` and pass --data.path data/NAME"
         )
+
+
+def open_data(cfg: RunConfig) -> RunData:
+    require_data_path(cfg)
     d, s, seed = cfg.data, cfg.model.seq_length, cfg.train.seed
     train = GPTDataset(d.path, s, "train", valid_fraction=d.valid_fraction, seed=seed)
     valid = None

@@ -24,6 +24,7 @@ class MetricsWriter:
     """Append one JSON object per logged step; mirror scalars to TensorBoard if asked."""
 
     def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self._tb = None

@@ -35,6 +35,33 @@ from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
 from ptdp.train.optim import build_optimizer, lr_at, set_lr
 
 
+class _IntervalTimer:
+    """Training time per log interval, leaving out evaluation and checkpoint saves."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.interval, self.total = device, 0.0, 0.0
+        self.clock: float | None = time.perf_counter()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":  # kernels are asynchronous: wait for them
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def pause(self) -> None:
+        self.interval += self._now() - self.clock
+        self.clock = None
+
+    def resume(self) -> None:
+        self.clock = time.perf_counter()
+
+    def take_interval(self) -> float:
+        self.pause()
+        self.resume()
+        elapsed, self.interval = self.interval, 0.0
+        self.total += elapsed
+        return elapsed
+
+
 @dataclass
 class TrainResult:
     """What a run did, for callers and tests (rank 0's view)."""
@@ -190,7 +217,7 @@ class Trainer:
             disable=not (self.is_main and t.progress and sys.stderr.isatty()),
         )
         pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        clock, train_time, steps_timed = time.perf_counter(), 0.0, 0
+        timer = _IntervalTimer(self.device)
         try:
             while self.step < t.steps:
                 loss, grad_norm = self.train_step()
@@ -198,37 +225,34 @@ class Trainer:
                 bar.update(1)
                 last = self.step == t.steps
                 if self.step % t.log_interval == 0 or last:
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
-                    now = time.perf_counter()
-                    train_time, steps_timed = train_time + now - clock, steps_timed + len(pending)
-                    record = self._log(pending, now - clock, result)
+                    record = self._log(pending, timer.take_interval(), result)
                     bar.set_postfix(loss=f"{record['loss']:.3f}")
                     if writer:
                         writer.write(record)
                     self.say(format_line(record))
                     pending = []
-                    clock = time.perf_counter()
                 if t.eval_interval and (self.step % t.eval_interval == 0 or last):
+                    timer.pause()
                     val = self.evaluate()
                     result.val_losses[self.step] = val
                     if writer:
                         writer.write({"step": self.step, "val_loss": val})
                     self.say(f"step {self.step:>6} | validation loss {val:.4f} "
                              f"| perplexity {math.exp(min(val, 50)):.1f}")
-                    clock = time.perf_counter()
+                    timer.resume()
                 if (t.save_interval and self.step % t.save_interval == 0) or last:
-                    path = self.save()
-                    self.say(f"saved checkpoint {path}")
-                    clock = time.perf_counter()
+                    timer.pause()
+                    self.say(f"saved checkpoint {self.save()}")
+                    timer.resume()
         finally:
             bar.close()
             if writer:
                 writer.close()
         result.final_step = self.step
-        if steps_timed:
-            self.say(f"trained {steps_timed} steps in {train_time:.1f} s "
-                     f"({steps_timed * self.tokens_per_step / train_time:,.0f} tokens/s)")
+        if timer.total and self.step > result.start_step:
+            steps = self.step - result.start_step
+            self.say(f"trained {steps} steps in {timer.total:.1f} s "
+                     f"({steps * self.tokens_per_step / timer.total:,.0f} tokens/s)")
         return result
 
     def _log(self, pending, elapsed: float, result: TrainResult) -> dict:
@@ -253,8 +277,8 @@ class Trainer:
 def prepare(cfg: RunConfig, env: LaunchEnv) -> tuple[RunConfig, Layout, RunData]:
     """Every check that can fail, before any process group exists."""
     layout = validate(cfg, env.world_size)
-    cfg = resolve_vocab(cfg)
-    return cfg, layout, open_data(cfg)
+    data = open_data(cfg)  # names a missing or damaged file before anything else
+    return resolve_vocab(cfg), layout, data
 
 
 def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None) -> TrainResult:

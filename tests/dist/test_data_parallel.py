@@ -1,0 +1,71 @@
+"""Data parallelism (dp = world size, tp = pp = 1) against one process: same losses and
+parameters to float32 rounding, through the harness and through a real torchrun launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ptdp.parallel.env import LaunchEnv
+from ptdp.train import checkpoint as ckpt
+from ptdp.train.trainer import train
+from tests.dist.harness import run_ranks
+from tests.helpers import tiny_config
+
+pytestmark = pytest.mark.dist
+
+SETTINGS = {"train": {"micro_batch_size": 2, "global_batch_size": 8, "steps": 4}}
+
+
+def _check_dp_training(rank: int, world_size: int, data: str, run_dir: str) -> None:
+    cfg = tiny_config(data, Path(run_dir), **SETTINGS)
+    result = train(cfg, env=LaunchEnv(rank, world_size, rank))
+    if rank == 0:
+        (Path(run_dir) / "losses.json").write_text(json.dumps(result.losses))
+
+
+def assert_same_run(single: Path, parallel: Path, losses: dict[int, float], other: dict) -> None:
+    for step, loss in losses.items():
+        assert other[step] == pytest.approx(loss, rel=1e-5), step
+    a = ckpt.load_checkpoint(ckpt.find_checkpoint(single))["model"]
+    b = ckpt.load_checkpoint(ckpt.find_checkpoint(parallel))["model"]
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_dp2_matches_single_process(tiny_data: str, tmp_path: Path) -> None:
+    single = train(tiny_config(tiny_data, tmp_path / "single", **SETTINGS))
+    run_ranks(_check_dp_training, 2, tiny_data, str(tmp_path / "dp2"))
+    losses = {int(k): v for k, v in json.loads((tmp_path / "dp2" / "losses.json").read_text()).items()}
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert_same_run(tmp_path / "single", tmp_path / "dp2", single.losses, losses)
+
+
+def test_torchrun_launch(tiny_data: str, tmp_path: Path) -> None:
+    """The user's command: torchrun --nproc-per-node 2 -m ptdp train ..."""
+    single = train(tiny_config(tiny_data, tmp_path / "single", **SETTINGS))
+    run_dir = tmp_path / "torchrun"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "-m", "ptdp", "train",
+        "--data.path", tiny_data, "--model.num_layers", "2", "--model.hidden_size", "32",
+        "--model.num_heads", "4", "--model.seq_length", "32", "--data.valid_fraction", "0.1",
+        "--optim.lr", "3e-3", "--optim.min_lr", "3e-4", "--optim.warmup_steps", "2",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "8", "--train.steps", "4",
+        "--train.log_interval", "1", "--train.eval_interval", "0", "--train.device", "cpu",
+        "--train.run_dir", str(run_dir),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "world=2 tp=1 pp=1 dp=2" in proc.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert_same_run(tmp_path / "single", run_dir, single.losses, losses)

@@ -1,0 +1,41 @@
+"""Test helpers: a tiny generated corpus and a tiny run config built on it."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from ptdp.config import RunConfig, apply_updates
+
+WORDS = (
+    "to be or not that is the question whether tis nobler in mind suffer slings and "
+    "arrows of outrageous fortune take arms against a sea troubles by opposing end them"
+).split()
+
+
+def make_corpus(directory: Path, docs: int = 12, seed: int = 0) -> list[Path]:
+    rnd = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    files = []
+    for i in range(docs):
+        lines = [" ".join(rnd.choice(WORDS) for _ in range(rnd.randint(4, 10))) for _ in range(30)]
+        path = directory / f"doc{i:02d}.txt"
+        path.write_text("\n".join(lines) + "\n")
+        files.append(path)
+    return files
+
+
+def tiny_config(data_path: str, run_dir: Path, **sections: dict) -> RunConfig:
+    """A 2-layer, h=32 model on the tiny corpus; `sections` override any field."""
+    base = {
+        "model": {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 32},
+        "data": {"path": data_path, "valid_fraction": 0.1},
+        "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2},
+        "train": {
+            "micro_batch_size": 4, "global_batch_size": 8, "steps": 6, "log_interval": 1,
+            "eval_interval": 0, "run_dir": str(run_dir), "progress": False, "device": "cpu",
+        },
+    }
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    return apply_updates(RunConfig(), base, "a test")

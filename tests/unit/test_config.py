@@ -1,0 +1,158 @@
+"""Config: precedence, override syntax, unknown keys, validation messages, help, TOML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ptdp.config import (
+    Activation,
+    RunConfig,
+    Schedule,
+    apply_updates,
+    from_dict,
+    help_text,
+    load_toml,
+    parse_overrides,
+    resolve,
+    to_dict,
+    to_toml,
+)
+from ptdp.errors import ConfigError
+from ptdp.layout import validate
+
+
+def test_defaults_then_toml_then_command_line(tmp_path: Path) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text('[model]\nnum_layers = 8\nhidden_size = 512\n[parallel]\nschedule = "gpipe"\n')
+    cfg = resolve(str(toml), ["--model.num_layers", "12", "--optim.lr=1e-3"])
+    assert cfg.model.num_layers == 12  # command line beats TOML
+    assert cfg.model.hidden_size == 512  # TOML beats default
+    assert cfg.model.num_heads == RunConfig().model.num_heads  # default kept
+    assert cfg.optim.lr == 1e-3
+    assert cfg.parallel.schedule is Schedule.GPIPE
+
+
+def test_override_forms_and_coercion() -> None:
+    updates = parse_overrides(
+        ["--parallel.tp", "2", "--parallel.sequence_parallel=true", "--model.activation", "swiglu"]
+    )
+    assert updates == {
+        "parallel": {"tp": "2", "sequence_parallel": "true"},
+        "model": {"activation": "swiglu"},
+    }
+    cfg = apply_updates(RunConfig(), updates, "cli")
+    assert cfg.parallel.tp == 2 and cfg.parallel.sequence_parallel is True
+    assert cfg.model.activation is Activation.SWIGLU
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model.num_layer", "2"], "did you mean 'num_layers'"),
+        (["--modle.num_layers", "2"], "did you mean 'model'"),
+        (["--parallel.schedule", "interleave"], "did you mean 'interleaved'"),
+        (["--model.num_layers", "two"], "is not an integer"),
+        (["--model.num_layers", "2.5"], "is not an integer"),
+        (["--train.tensorboard", "maybe"], "not a boolean"),
+        (["--optim.lr", "fast"], "not a number"),
+        (["--model.num_layers"], "needs a value"),
+        (["model.num_layers=2"], "config overrides look like"),
+    ],
+)
+def test_bad_command_line(args: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        resolve(None, args)
+
+
+def test_bad_toml(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nnum_layers = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_toml(bad)
+    bad.write_text("[train]\nstep = 3\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'train.step'.*did you mean 'steps'"):
+        load_toml(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_toml(tmp_path / "missing.toml")
+
+
+# Each row: overrides, world size, a fragment the message must contain.
+INVALID = [
+    ({"model": {"hidden_size": 250, "num_heads": 4}}, 1, "not divisible by model.num_heads = 4"),
+    ({"model": {"num_heads": 8, "num_query_groups": 3}}, 1, "does not divide model.num_heads"),
+    ({"model": {"num_layers": 0}}, 1, "model.num_layers = 0 must be > 0"),
+    ({"model": {"hidden_size": 20, "num_heads": 4, "position_embedding": "rope"}}, 1,
+     "even head size"),
+    ({"model": {"dropout": 1.0}}, 1, "model.dropout = 1.0 must be in [0, 1)"),
+    ({"parallel": {"tp": 2}}, 2, "tensor parallelism is not available"),
+    ({"parallel": {"pp": 2}}, 2, "pipeline parallelism is not available"),
+    ({"parallel": {"dp": 2}}, 3, "does not match the world size 3"),
+    ({"parallel": {"tp": 2}}, 3, "world size 3 is not divisible by tp*pp"),
+    ({"parallel": {"vpp": 2}}, 1, "needs the interleaved schedule"),
+    ({"parallel": {"schedule": "interleaved"}}, 1, "needs parallel.vpp >= 2"),
+    ({"parallel": {"sequence_parallel": True}}, 1, "needs parallel.tp > 1"),
+    ({"train": {"global_batch_size": 12, "micro_batch_size": 8}}, 1,
+     "global_batch_size = 12 is not divisible by micro_batch_size*dp"),
+    ({"train": {"global_batch_size": 8, "micro_batch_size": 4}}, 4, "micro_batch_size*dp = 4*4"),
+    ({"train": {"precision": "fp16"}}, 1, "needs dynamic loss scaling"),
+    ({"optim": {"lr": 1e-4, "min_lr": 1e-3}}, 1, "optim.min_lr = 0.001 must be in [0"),
+    ({"optim": {"warmup_steps": 50, "decay_steps": 10}}, 1, "exceeds optim.decay_steps = 10"),
+    ({"optim": {"grad_clip": -1.0}}, 1, "optim.grad_clip = -1.0 must be >= 0"),
+    ({"train": {"device": "tpu"}}, 1, "use auto, cpu or cuda"),
+    ({"data": {"valid_fraction": 0.0}}, 1, "leaves no validation data"),
+    ({"train": {"eval_iters": 0}}, 1, "train.eval_iters = 0"),
+]
+
+
+@pytest.mark.parametrize(("updates", "world", "message"), INVALID)
+def test_invalid_configs_are_rejected(updates: dict, world: int, message: str) -> None:
+    cfg = apply_updates(RunConfig(), updates, "test")
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world)
+    assert message in str(info.value)
+
+
+def test_all_problems_reported_together() -> None:
+    cfg = apply_updates(
+        RunConfig(), {"model": {"num_layers": 0}, "parallel": {"tp": 2}}, "test"
+    )
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, 2)
+    text = str(info.value)
+    assert "num_layers = 0" in text and "tensor parallelism" in text
+
+
+def test_valid_layouts_derive_dp_and_microbatches() -> None:
+    cfg = apply_updates(
+        RunConfig(), {"train": {"micro_batch_size": 2, "global_batch_size": 16}}, "t"
+    )
+    layout = validate(cfg, 4)
+    assert (layout.dp, layout.num_microbatches) == (4, 2)
+    assert validate(cfg, 1).num_microbatches == 8
+
+
+def test_help_lists_every_field_with_its_doc() -> None:
+    text = help_text()
+    for section, values in to_dict(RunConfig()).items():
+        for key in values:
+            assert f"--{section}.{key} " in text
+    assert "Model width h." in text
+    assert "1f1b" in text and "interleaved" in text
+
+
+def test_toml_round_trip(tmp_path: Path) -> None:
+    cfg = resolve(None, ["--model.activation", "swiglu", "--data.path", 'a "quoted" path',
+                         "--optim.lr", "1e-3", "--train.tensorboard", "true"])
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg))
+    assert load_toml(path) == cfg
+    assert from_dict(to_dict(cfg)) == cfg
+
+
+def test_readme_documents_every_key() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for section, values in to_dict(RunConfig()).items():
+        for key in values:
+            assert f"`{section}.{key}`" in readme, f"README lacks {section}.{key}"

@@ -1,0 +1,125 @@
+"""End-to-end training on one process: learning, logging, checkpoints, exact resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ptdp.cli import main
+from ptdp.config import load_toml
+from ptdp.errors import CheckpointError, ConfigError
+from ptdp.model.sample import sample_from_checkpoint
+from ptdp.train import checkpoint as ckpt
+from ptdp.train.trainer import train
+from tests.helpers import tiny_config
+
+
+def test_tiny_model_learns(tiny_data: str, tmp_path: Path) -> None:
+    cfg = tiny_config(
+        tiny_data, tmp_path / "run",
+        train={"steps": 40, "log_interval": 10, "eval_interval": 20, "eval_iters": 2},
+    )
+    result = train(cfg)
+    first, last = result.losses[1], sum(result.losses[s] for s in range(36, 41)) / 5
+    assert first > 5.0  # ~ln(257) at initialisation
+    assert last < first - 2.0, result.losses
+    assert result.val_losses[40] < result.val_losses[20] < first
+
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    train_records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_records] == [10, 20, 30, 40]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "peak_mem_gb"):
+        assert all(r[key] > 0 for r in train_records), key
+    assert [r["step"] for r in records if "val_loss" in r] == [20, 40]
+    assert load_toml(tmp_path / "run" / "config.toml") == cfg.__class__(
+        **{**cfg.__dict__, "model": cfg.model.__class__(**{**cfg.model.__dict__, "vocab_size": 257})}
+    )
+
+
+def test_resume_is_bitwise_exact(tiny_data: str, tmp_path: Path) -> None:
+    # decay_steps fixes the LR schedule, so a 3-step run is the start of the 6-step one.
+    common = {"optim": {"decay_steps": 6}, "model": {"dropout": 0.1}}
+    full = train(tiny_config(tiny_data, tmp_path / "full", **common))
+    first = tiny_config(tiny_data, tmp_path / "split", train={"steps": 3}, **common)
+    train(first)
+    resumed = train(
+        tiny_config(tiny_data, tmp_path / "split", train={"steps": 6}, **common), resume=True
+    )
+    assert resumed.start_step == 3
+    for step in (4, 5, 6):
+        assert resumed.losses[step] == full.losses[step]  # bitwise, not approximately
+    a = ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path / "full"))["model"]
+    b = ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path / "split"))["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoints_rotate_and_refuse_overwrite(tiny_data: str, tmp_path: Path) -> None:
+    cfg = tiny_config(tiny_data, tmp_path / "run",
+                      train={"steps": 4, "save_interval": 1, "keep_checkpoints": 2})
+    train(cfg)
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000003", "step_00000004"]
+    assert (root / "latest").read_text().strip() == "step_00000004"
+    with pytest.raises(CheckpointError, match="already holds checkpoints; pass --resume"):
+        train(cfg)
+    # A half-written checkpoint (left by a crash) is never the latest.
+    (root / "step_00000005.tmp").mkdir()
+    assert ckpt.find_checkpoint(tmp_path / "run").name == "step_00000004"
+
+
+def test_resume_with_another_model_is_refused(tiny_data: str, tmp_path: Path) -> None:
+    train(tiny_config(tiny_data, tmp_path / "run", train={"steps": 2}))
+    other = tiny_config(tiny_data, tmp_path / "run", train={"steps": 4},
+                        model={"hidden_size": 64})
+    with pytest.raises(CheckpointError, match="hidden_size: 32 -> 64"):
+        train(other, resume=True)
+
+
+def test_corrupt_checkpoint_is_named(tiny_data: str, tmp_path: Path) -> None:
+    train(tiny_config(tiny_data, tmp_path / "run", train={"steps": 1}))
+    step_dir = ckpt.find_checkpoint(tmp_path / "run")
+    state = step_dir / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=str(state)):
+        ckpt.load_checkpoint(step_dir)
+
+
+def test_generate_from_checkpoint(tiny_data: str, tmp_path: Path) -> None:
+    train(tiny_config(tiny_data, tmp_path / "run", train={"steps": 2}))
+    texts = sample_from_checkpoint(tmp_path / "run", "to be", max_new_tokens=10,
+                                   num_samples=2, seed=3)
+    assert len(texts) == 2 and all(t.startswith("to be") for t in texts)
+    again = sample_from_checkpoint(tmp_path / "run", "to be", max_new_tokens=10,
+                                   num_samples=2, seed=3)
+    assert texts == again
+
+
+def test_bf16_autocast_trains(tiny_data: str, tmp_path: Path) -> None:
+    result = train(tiny_config(tiny_data, tmp_path / "run",
+                               train={"steps": 3, "precision": "bf16"}))
+    assert all(torch.isfinite(torch.tensor(v)) for v in result.losses.values())
+
+
+def test_data_errors_before_training(tiny_data: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="data.path is empty"):
+        train(tiny_config("", tmp_path / "run"))
+    with pytest.raises(ConfigError, match="smaller than the data's vocabulary of 257"):
+        train(tiny_config(tiny_data, tmp_path / "run", model={"vocab_size": 100}))
+    with pytest.raises(Exception, match="ptdp preprocess"):
+        train(tiny_config(str(tmp_path / "nothing"), tmp_path / "run"))
+
+
+def test_cli_train_dry_run_and_errors(tiny_data: str, tmp_path: Path, capsys) -> None:
+    args = ["train", "--dry-run", "--data.path", tiny_data, "--model.num_layers", "2",
+            "--train.run_dir", str(tmp_path / "run")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "vocab_size = 257" in out and "# layout: world=1" in out
+    assert main(args + ["--world-size", "3", "--parallel.dp", "2"]) == 2
+    assert "does not match the world size 3" in capsys.readouterr().err
+    assert main(["train", "--dry-run", "--model.num_layer", "2"]) == 2
+    assert "did you mean 'num_layers'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing was written by a dry run
