@@ -187,14 +187,6 @@ class Trainer:
 
     def restore(self, step_dir: Path) -> None:
         state = ckpt.load_checkpoint(step_dir)
-        saved_model = state["config"]["model"]
-        current = to_dict(self.cfg)["model"]
-        diff = [f"{k}: {saved_model.get(k)} -> {v}" for k, v in current.items() if saved_model.get(k) != v]
-        if diff:
-            raise CheckpointError(
-                f"checkpoint {step_dir} was trained with a different model ({'; '.join(diff)}); "
-                "resume with the same model settings or use another --train.run_dir"
-            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
@@ -281,30 +273,46 @@ def prepare(cfg: RunConfig, env: LaunchEnv) -> tuple[RunConfig, Layout, RunData]
     return resolve_vocab(cfg), layout, data
 
 
-def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None) -> TrainResult:
-    """Train as one process, or as one rank of a torchrun launch."""
-    env = env or LaunchEnv.from_environ()
-    cfg, layout, data = prepare(cfg, env)
+def _checkpoint_to_resume(cfg: RunConfig, resume: bool) -> Path | None:
+    """The checkpoint a run continues from; refuses to overwrite or mix runs."""
     run_dir = Path(cfg.train.run_dir)
-    existing = ckpt.checkpoint_root(run_dir) / ckpt.LATEST
-    if existing.exists() and not resume:
+    has_checkpoint = (ckpt.checkpoint_root(run_dir) / ckpt.LATEST).exists()
+    if has_checkpoint and not resume:
         raise CheckpointError(
             f"{run_dir} already holds checkpoints; pass --resume to continue that run "
             "or choose another --train.run_dir"
         )
-    trainer = Trainer(cfg, layout, env, data)
+    if not has_checkpoint:
+        return None
+    step_dir = ckpt.find_checkpoint(run_dir)
+    saved, current = to_dict(ckpt.load_config(step_dir))["model"], to_dict(cfg)["model"]
+    diff = [f"{k}: {saved[k]} -> {v}" for k, v in current.items() if saved[k] != v]
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {step_dir} was trained with a different model ({'; '.join(diff)}); "
+            "resume with the same model settings or use another --train.run_dir"
+        )
+    return step_dir
+
+
+def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None) -> TrainResult:
+    """Train as one process, or as one rank of a torchrun launch."""
+    env = env or LaunchEnv.from_environ()
+    cfg, layout, data = prepare(cfg, env)
+    step_dir = _checkpoint_to_resume(cfg, resume)
+    run_dir = Path(cfg.train.run_dir)
     try:
-        if trainer.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if not (resume and existing.exists()):
-                (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-            (run_dir / "config.toml").write_text(to_toml(cfg))
-        if resume and existing.exists():
-            step_dir = ckpt.find_checkpoint(run_dir)
+        trainer = Trainer(cfg, layout, env, data)  # creates the process group
+        if step_dir is not None:
             trainer.restore(step_dir)
             trainer.say(f"resumed from {step_dir} at step {trainer.step}")
         elif resume:
             trainer.say(f"no checkpoint in {run_dir}; starting from step 0")
+        if trainer.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if step_dir is None:
+                (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            (run_dir / "config.toml").write_text(to_toml(cfg))
         n_params = count_parameters(trainer.model)
         trainer.say(
             f"ptdp | {layout.describe()} | device {trainer.device} | "

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from ptdp.cli import main
-from ptdp.config import load_toml
+from ptdp.config import load_toml, to_toml
 from ptdp.errors import CheckpointError, ConfigError
 from ptdp.model.sample import sample_from_checkpoint
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.trainer import train
-from tests.helpers import tiny_config
+from tests.helpers import make_corpus, tiny_config
 
 
 def test_tiny_model_learns(tiny_data: str, tmp_path: Path) -> None:
@@ -76,6 +76,8 @@ def test_resume_with_another_model_is_refused(tiny_data: str, tmp_path: Path) ->
                         model={"hidden_size": 64})
     with pytest.raises(CheckpointError, match="hidden_size: 32 -> 64"):
         train(other, resume=True)
+    # The refused run changed nothing: the run's recorded config is still the old one.
+    assert load_toml(tmp_path / "run" / "config.toml").model.hidden_size == 32
 
 
 def test_corrupt_checkpoint_is_named(tiny_data: str, tmp_path: Path) -> None:
@@ -97,10 +99,29 @@ def test_generate_from_checkpoint(tiny_data: str, tmp_path: Path) -> None:
     assert texts == again
 
 
-def test_bf16_autocast_trains(tiny_data: str, tmp_path: Path) -> None:
+def test_cli_preprocess_train_generate(tmp_path: Path, capsys) -> None:
+    make_corpus(tmp_path / "text", docs=4)
+    prefix = str(tmp_path / "data" / "c")
+    assert main(["preprocess", "--input", str(tmp_path / "text"), "--output-prefix", prefix,
+                 "--tokenizer", "bpe", "--vocab-size", "300"]) == 0
+    assert "4 documents" in capsys.readouterr().out
+    cfg = tiny_config(prefix, tmp_path / "run", train={"steps": 2},
+                      data={"valid_fraction": 0.2})
+    config_file = tmp_path / "c.toml"
+    config_file.write_text(to_toml(cfg))
+    assert main(["train", "--config", str(config_file), "--train.steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "step      3 | loss" in out and "vocab_size" not in out
+    assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "to be",
+                 "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("to be")
+
+
+def test_bf16_autocast_and_tensorboard(tiny_data: str, tmp_path: Path) -> None:
     result = train(tiny_config(tiny_data, tmp_path / "run",
-                               train={"steps": 3, "precision": "bf16"}))
+                               train={"steps": 3, "precision": "bf16", "tensorboard": True}))
     assert all(torch.isfinite(torch.tensor(v)) for v in result.losses.values())
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_data_errors_before_training(tiny_data: str, tmp_path: Path) -> None:
