@@ -14,7 +14,6 @@ from ptdp.errors import ConfigError
 
 # Capabilities that later parts of ptdp add; until then a request for them is an error,
 # never silently ignored.
-SUPPORTED_TP = 1
 SUPPORTED_PP = 1
 
 
@@ -30,9 +29,12 @@ class Layout:
     num_microbatches: int
     """Microbatches per optimizer step on each data-parallel rank."""
 
+    sequence_parallel: bool = False
+
     def describe(self) -> str:
+        sp = " sp=on" if self.sequence_parallel else ""
         return (
-            f"world={self.world_size} tp={self.tp} pp={self.pp} dp={self.dp} vpp={self.vpp} "
+            f"world={self.world_size} tp={self.tp}{sp} pp={self.pp} dp={self.dp} vpp={self.vpp} "
             f"microbatches/step/rank={self.num_microbatches}"
         )
 
@@ -101,11 +103,7 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
                 f"size {world_size}; launch {model_ranks * dp} processes or set "
                 "--parallel.dp 0 to derive dp from the world size"
             )
-    if p.tp > SUPPORTED_TP:
-        errors.append(
-            f"parallel.tp = {p.tp}: tensor parallelism is not available in this version of "
-            "ptdp yet; use --parallel.tp 1"
-        )
+    _tensor_parallel_rules(cfg, errors)
     if p.pp > SUPPORTED_PP:
         errors.append(
             f"parallel.pp = {p.pp}: pipeline parallelism is not available in this version of "
@@ -127,12 +125,38 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
             f"model.num_layers = {cfg.model.num_layers} is not divisible by pp*vpp = "
             f"{p.pp}*{p.vpp}; choose a layer count that is a multiple of {p.pp * p.vpp}"
         )
-    if p.sequence_parallel and p.tp == 1:
+    return dp
+
+
+def _tensor_parallel_rules(cfg: RunConfig, errors: list[str]) -> None:
+    m, t = cfg.model, cfg.parallel.tp
+    if cfg.parallel.sequence_parallel and t == 1:
         errors.append(
             "parallel.sequence_parallel = true needs parallel.tp > 1 (it splits the sequence "
             "over the tensor-parallel group); set --parallel.sequence_parallel false"
         )
-    return dp
+    if t == 1 or m.num_heads <= 0 or m.hidden_size <= 0:
+        return
+    if m.num_heads % t:
+        errors.append(
+            f"model.num_heads = {m.num_heads} is not divisible by parallel.tp = {t}: tensor "
+            "parallelism gives each rank whole heads; choose tp dividing the head count"
+        )
+    elif m.num_heads % m.query_groups == 0 and m.query_groups % t:
+        errors.append(
+            f"model.num_query_groups = {m.query_groups} is not divisible by parallel.tp = {t}: "
+            "each rank needs whole key/value groups; use more groups or a smaller tp"
+        )
+    if m.ffn_size % t:
+        errors.append(
+            f"the MLP width {m.ffn_size} (model.ffn_hidden_size) is not divisible by "
+            f"parallel.tp = {t}; choose a width that is a multiple of {t}"
+        )
+    if cfg.parallel.sequence_parallel and m.seq_length % t:
+        errors.append(
+            f"model.seq_length = {m.seq_length} is not divisible by parallel.tp = {t}, which "
+            "sequence parallelism needs; use a multiple of tp or turn sequence_parallel off"
+        )
 
 
 def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
@@ -201,4 +225,4 @@ def validate(cfg: RunConfig, world_size: int = 1) -> Layout:
         bullet = "\n  - "
         raise ConfigError(f"invalid configuration:{bullet}{bullet.join(errors)}")
     p = cfg.parallel
-    return Layout(world_size, p.tp, p.pp, dp, p.vpp, microbatches)
+    return Layout(world_size, p.tp, p.pp, dp, p.vpp, microbatches, p.sequence_parallel)

@@ -7,12 +7,17 @@ contiguously. Tokens and labels stay [b, s].
 
 The model is built from swappable parts (embedding, layers keyed by their *global*
 index, final norm + output layer) so that a pipeline stage can hold a range of layers
-(`layers=range(...)`, `has_embedding`, `has_head`) and a tensor-parallel version can
-replace the linear layers. Attention goes through `scaled_dot_product_attention` with
-the causal flag, so no mask is materialised and flash kernels are used on GPUs.
+(`layers=range(...)`, `has_embedding`, `has_head`). Its linear layers and embedding are
+the tensor-parallel ones of `ptdp.parallel.tensor`: given a tensor group of size t, each
+rank holds 1/t of the heads, the MLP width and the vocabulary; with t = 1 (no group) it
+is the single-process reference model. Attention goes through
+`scaled_dot_product_attention` with the causal flag, so no mask is materialised and
+flash kernels are used on GPUs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,12 +26,30 @@ from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import Activation, ModelConfig, Normalization, PositionEmbedding, Recompute
 from ptdp.model.init import apply_init
+from ptdp.parallel import comm
+from ptdp.parallel.comm import Group
+from ptdp.parallel.init import rank_rng
+from ptdp.parallel.loss import vocab_parallel_cross_entropy
+from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
-def build_norm(cfg: ModelConfig) -> nn.Module:
+@dataclass(frozen=True)
+class TPContext:
+    """What the layers need to know about tensor parallelism (not the whole config)."""
+
+    tp: Group = Group(None, 1, 0)
+    sequence_parallel: bool = False
+
+
+def build_norm(cfg: ModelConfig, ctx: TPContext) -> nn.Module:
     if cfg.normalization is Normalization.RMSNORM:
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+        norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    else:
+        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+    if ctx.sequence_parallel:  # each rank normalises a sequence slice: sum the gradients
+        for param in norm.parameters():
+            param.sequence_parallel = True
+    return norm
 
 
 class Rotary(nn.Module):
@@ -59,23 +82,35 @@ class Attention(nn.Module):
     ranks hands each rank whole groups (Megatron's layout).
     """
 
-    def __init__(self, cfg: ModelConfig, recompute_core: bool) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, recompute_core: bool) -> None:
         super().__init__()
-        self.num_heads, self.groups, self.head_dim = cfg.num_heads, cfg.query_groups, cfg.head_dim
-        self.q_per_group = self.num_heads // self.groups
-        qkv_out = self.groups * (self.q_per_group + 2) * self.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
+        t = ctx.tp.size
+        self.num_heads, self.groups = cfg.num_heads // t, cfg.query_groups // t  # local
+        self.head_dim = cfg.head_dim
+        self.q_per_group = cfg.num_heads // cfg.query_groups
+        qkv_out = cfg.query_groups * (self.q_per_group + 2) * self.head_dim
+        sp = ctx.sequence_parallel
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size, qkv_out, tp=ctx.tp, bias=cfg.bias, sequence_parallel=sp
+        )
+        self.proj = RowParallelLinear(
+            cfg.hidden_size, cfg.hidden_size, tp=ctx.tp, bias=cfg.bias, sequence_parallel=sp
+        )
         self.dropout = cfg.dropout
         self.recompute_core = recompute_core
+        self.tp = ctx.tp
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if p == 0.0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with rank_rng(self.tp, q.device):  # heads are split: a different mask per rank
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None) -> torch.Tensor:
-        s, b, _ = x.shape
-        qkv = self.qkv(x).view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
+        qkv = self.qkv(x)  # [s, b, local groups * (q_per_group + 2) * d], full sequence
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.num_heads, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, g, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
@@ -96,12 +131,18 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """h -> ffn -> h. For SwiGLU, fc1's output rows are [gate; up]."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: TPContext) -> None:
         super().__init__()
         self.swiglu = cfg.activation is Activation.SWIGLU
-        width = cfg.ffn_size * (2 if self.swiglu else 1)
-        self.fc1 = nn.Linear(cfg.hidden_size, width, bias=cfg.bias)
-        self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.bias)
+        parts = 2 if self.swiglu else 1
+        sp = ctx.sequence_parallel
+        self.fc1 = ColumnParallelLinear(
+            cfg.hidden_size, cfg.ffn_size * parts, tp=ctx.tp, bias=cfg.bias,
+            sequence_parallel=sp, parts=parts,
+        )
+        self.fc2 = RowParallelLinear(
+            cfg.ffn_size, cfg.hidden_size, tp=ctx.tp, bias=cfg.bias, sequence_parallel=sp
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.fc1(x)
@@ -116,18 +157,29 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, recompute: Recompute = Recompute.NONE) -> None:
+    def __init__(
+        self, cfg: ModelConfig, ctx: TPContext, recompute: Recompute = Recompute.NONE
+    ) -> None:
         super().__init__()
-        self.norm1 = build_norm(cfg)
-        self.attn = Attention(cfg, recompute_core=recompute is Recompute.SELECTIVE)
-        self.norm2 = build_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.norm1 = build_norm(cfg, ctx)
+        self.attn = Attention(cfg, ctx, recompute_core=recompute is Recompute.SELECTIVE)
+        self.norm2 = build_norm(cfg, ctx)
+        self.mlp = MLP(cfg, ctx)
         self.dropout = nn.Dropout(cfg.dropout)
         self.recompute_full = recompute is Recompute.FULL
+        self.ctx = ctx
+
+    def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and self.dropout.p):
+            return x
+        if self.ctx.sequence_parallel:  # a sequence slice per rank: per-rank masks
+            with rank_rng(self.ctx.tp, x.device):
+                return self.dropout(x)
+        return self.dropout(x)  # replicated: the shared stream keeps ranks identical
 
     def _forward(self, x: torch.Tensor, rotary: Rotary | None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.norm1(x), rotary))
-        return x + self.dropout(self.mlp(self.norm2(x)))
+        x = x + self._residual_dropout(self.attn(self.norm1(x), rotary))
+        return x + self._residual_dropout(self.mlp(self.norm2(x)))
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None = None) -> torch.Tensor:
         if self.recompute_full and self.training:
@@ -137,12 +189,14 @@ class TransformerLayer(nn.Module):
 
 
 class GPT(nn.Module):
-    """A GPT model, or one pipeline chunk of it.
+    """A GPT model, or one pipeline chunk of it, on one tensor-parallel rank.
 
     Args:
         cfg: model shape; `cfg.vocab_size` must be resolved (> 0).
         seed: initialisation seed; weights depend only on it and parameter names.
         recompute: activation recomputation mode.
+        tp: this rank's tensor-parallel group (default: none, the reference model).
+        sequence_parallel: split norm/dropout activations along the sequence over `tp`.
         layers: the global indices of the layers this chunk holds (default: all).
         has_embedding / has_head: whether this chunk holds the input embedding /
             the final norm, output layer and loss.
@@ -154,6 +208,8 @@ class GPT(nn.Module):
         *,
         seed: int = 1234,
         recompute: Recompute = Recompute.NONE,
+        tp: Group | None = None,
+        sequence_parallel: bool = False,
         layers: range | None = None,
         has_embedding: bool = True,
         has_head: bool = True,
@@ -162,12 +218,16 @@ class GPT(nn.Module):
         if cfg.vocab_size <= 0:
             raise ValueError("GPT needs a resolved model.vocab_size (> 0)")
         self.cfg = cfg
+        self.ctx = ctx = TPContext(tp or Group.single(), sequence_parallel and tp is not None)
         self.has_embedding, self.has_head = has_embedding, has_head
         layers = range(cfg.num_layers) if layers is None else layers
         if has_embedding:
-            self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embedding = VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, tp=ctx.tp, sequence_parallel=ctx.sequence_parallel
+            )
             if cfg.position_embedding is PositionEmbedding.LEARNED:
                 self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+                self.position.weight.sequence_parallel = ctx.sequence_parallel
             self.embed_dropout = nn.Dropout(cfg.dropout)
         self.rotary = (
             Rotary(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
@@ -175,27 +235,47 @@ class GPT(nn.Module):
             else None
         )
         # Keyed by global index, so parameter names (and thus init) match across layouts.
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, recompute) for i in layers})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(cfg, ctx, recompute) for i in layers}
+        )
         if has_head:
-            self.final_norm = build_norm(cfg)
+            self.final_norm = build_norm(cfg, ctx)
             if not (cfg.tie_embeddings and has_embedding):
-                self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        apply_init(self, seed=seed, base_std=cfg.init_std, num_layers=cfg.num_layers)
+                self.output = ColumnParallelLinear(
+                    cfg.hidden_size, cfg.vocab_size, tp=ctx.tp, bias=False,
+                    pad_to_multiple=True,
+                )
+        apply_init(self, seed=seed, base_std=cfg.init_std, num_layers=cfg.num_layers, tp=ctx.tp)
 
     def output_weight(self) -> torch.Tensor:
+        """[v/t, h]: the output layer's weight, the embedding's when they are tied."""
         return self.embedding.weight if not hasattr(self, "output") else self.output.weight
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> hidden [s, b, h]."""
+        """tokens [b, s] -> hidden [s, b, h] ([s/t, b, h] under sequence parallelism)."""
         x = self.embedding(tokens)
         if hasattr(self, "position"):
-            x = x + self.position(torch.arange(tokens.shape[1], device=tokens.device))
-        return self.embed_dropout(x.transpose(0, 1).contiguous())
+            s = x.shape[0]
+            first = self.ctx.tp.rank * s if self.ctx.sequence_parallel else 0
+            x = x + self.position(torch.arange(first, first + s, device=tokens.device))[:, None]
+        if self.training and self.embed_dropout.p and self.ctx.sequence_parallel:
+            with rank_rng(self.ctx.tp, x.device):
+                return self.embed_dropout(x)
+        return self.embed_dropout(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """hidden -> this rank's vocabulary slice of the logits, [s, b, v/t]."""
+        x = self.final_norm(x)
+        if self.ctx.sequence_parallel:
+            x = comm.gather_from_sp(x, self.ctx.tp)
+        else:
+            x = comm.copy_to_tp(x, self.ctx.tp)
+        return F.linear(x, self.output_weight())
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens [b, s] (or hidden [s, b, h] for a later chunk) -> hidden, logits or loss.
 
-        With the head: logits [b, s, v] when `labels` is None, else the mean token loss.
+        With the head: full logits [b, s, v] when `labels` is None, else the mean token loss.
         """
         if self.has_embedding:
             x = self.embed(x)
@@ -203,10 +283,12 @@ class GPT(nn.Module):
             x = layer(x, self.rotary)
         if not self.has_head:
             return x
-        logits = F.linear(self.final_norm(x), self.output_weight())  # [s, b, v]
+        logits = self.head(x)
+        tp = self.ctx.tp
         if labels is None:
+            logits = comm.gather_from_tp(logits, tp)[..., : self.cfg.vocab_size]
             return logits.transpose(0, 1)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.t().flatten())
+        return vocab_parallel_cross_entropy(logits, labels.t(), tp, self.cfg.vocab_size)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -15,6 +15,9 @@ import zlib
 import torch
 from torch import nn
 
+from ptdp.parallel.comm import Group
+from ptdp.parallel.init import shard_spec
+
 
 def _generator(seed: int, name: str) -> torch.Generator:
     # crc32 is stable across processes and Python versions (unlike hash()).
@@ -34,8 +37,14 @@ def init_std(name: str, base_std: float, num_layers: int) -> float:
 
 
 @torch.no_grad()
-def apply_init(model: nn.Module, *, seed: int, base_std: float, num_layers: int) -> None:
-    """Initialise every parameter of `model` in place from its global name."""
+def apply_init(
+    model: nn.Module, *, seed: int, base_std: float, num_layers: int, tp: Group | None = None
+) -> None:
+    """Initialise every parameter of `model` in place from its global name.
+
+    A tensor-parallel shard takes its slice of the full master value, so every layout
+    starts from the same model.
+    """
     norms = (nn.LayerNorm, nn.RMSNorm)
     for mod_name, module in model.named_modules():
         for leaf, param in module.named_parameters(recurse=False):
@@ -45,5 +54,9 @@ def apply_init(model: nn.Module, *, seed: int, base_std: float, num_layers: int)
             elif leaf == "bias":
                 param.zero_()
             else:
-                std = init_std(name, base_std, num_layers)
-                param.copy_(init_tensor(name, tuple(param.shape), std, seed).to(param.dtype))
+                spec = shard_spec(param)
+                shape = spec.full_shape(param.shape) if spec else tuple(param.shape)
+                full = init_tensor(name, shape, init_std(name, base_std, num_layers), seed)
+                if spec is not None and tp is not None:
+                    full = spec.shard(full, tp.rank)
+                param.copy_(full.to(param.dtype))

@@ -1,13 +1,204 @@
 """The one module that calls torch.distributed collectives.
 
-Later parts of ptdp add the tensor-parallel region operators here; for now it holds
-what data parallelism and logging need.
+Tensor-parallel region operators after Shoeybi et al. 2019 (arXiv 1909.08053, the f and g
+of Fig. 3) and their sequence-parallel pairs after Korthikanti et al. 2022 (arXiv
+2205.05198). Each is an autograd function whose backward is the conjugate collective.
+Shapes: s = sequence, b = batch, h = hidden, t = tensor-parallel size; the body runs
+sequence-first, so sequence parallelism splits dim 0.
+
+Every collective goes through the four primitives below (`_all_reduce`, `_all_gather`,
+`_reduce_scatter`, `_split`), which is where tests count communication. gloo has no
+reduce-scatter, so on gloo it is an all-reduce followed by taking this rank's slice: the
+same numbers, more bytes on the wire (counted as a reduce-scatter all the same).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group with its size and this rank's index in it (group=None: one rank)."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+
+    @classmethod
+    def single(cls) -> Group:
+        return cls(None, 1, 0)
+
+
+# ----------------------------------------------------------------------------- primitives
+
+
+def _all_reduce(x: torch.Tensor, g: Group) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=g.group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`."""
+    parts = [torch.empty_like(x) for _ in range(g.size)]
+    dist.all_gather(parts, x.contiguous(), group=g.group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
+    """Sum over ranks, keep this rank's 1/t slice along `dim`."""
+    if dist.get_backend(g.group) == "nccl" and dim == 0:
+        out = torch.empty((x.shape[0] // g.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=g.group)
+        return out
+    summed = x.clone().contiguous()
+    dist.all_reduce(summed, group=g.group)  # gloo: no reduce-scatter; same result
+    return _split(summed, g, dim)
+
+
+def _split(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
+    """This rank's 1/t slice along `dim` (no communication)."""
+    size = x.shape[dim]
+    if size % g.size:
+        raise ValueError(f"dim {dim} of size {size} does not split over {g.size} ranks")
+    return x.narrow(dim, g.rank * (size // g.size), size // g.size).contiguous()
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward; all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.g), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        return _all_reduce(x.clone(), g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather along the last dim forward; keep this rank's slice backward."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _all_gather(x, g, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.g, dim=-1), None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Keep this rank's slice of the last dim forward; all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _split(x, g, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.g, dim=-1), None
+
+
+# ----------------------------------------------------------------------------- sequence parallel
+
+
+class _GatherFromSP(torch.autograd.Function):
+    """All-gather along the sequence (dim 0) forward; reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _all_gather(x, g, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.g, dim=0), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    """Reduce-scatter along the sequence forward; all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _reduce_scatter(x, g, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.g, dim=0), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    """Keep this rank's sequence slice forward; all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _split(x, g, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.g, dim=0), None
+
+
+def copy_to_tp(x: torch.Tensor, g: Group) -> torch.Tensor:
+    return x if g.size == 1 else _CopyToTP.apply(x, g)
+
+
+def reduce_from_tp(x: torch.Tensor, g: Group) -> torch.Tensor:
+    return x if g.size == 1 else _ReduceFromTP.apply(x, g)
+
+
+def gather_from_tp(x: torch.Tensor, g: Group) -> torch.Tensor:
+    return x if g.size == 1 else _GatherFromTP.apply(x, g)
+
+
+def scatter_to_tp(x: torch.Tensor, g: Group) -> torch.Tensor:
+    return x if g.size == 1 else _ScatterToTP.apply(x, g)
+
+
+def gather_from_sp(x: torch.Tensor, g: Group) -> torch.Tensor:
+    return x if g.size == 1 else _GatherFromSP.apply(x, g)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, g: Group) -> torch.Tensor:
+    return x if g.size == 1 else _ReduceScatterToSP.apply(x, g)
+
+
+def scatter_to_sp(x: torch.Tensor, g: Group) -> torch.Tensor:
+    return x if g.size == 1 else _ScatterToSP.apply(x, g)
+
+
+# ----------------------------------------------------------------------------- plain helpers
+
+
+def all_reduce_sum_(tensor: torch.Tensor, g: Group) -> None:
+    """In place, no autograd: the sum over the group (gradients, norms)."""
+    if g.size > 1:
+        dist.all_reduce(tensor, group=g.group)
 
 
 def all_reduce_mean_(tensor: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> None:
@@ -18,9 +209,23 @@ def all_reduce_mean_(tensor: torch.Tensor, group: dist.ProcessGroup | None, size
     tensor.div_(size)
 
 
-def all_reduce_max_(tensor: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> None:
-    if size > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+def all_reduce_value(x: torch.Tensor, g: Group) -> torch.Tensor:
+    """No autograd: a new tensor holding the sum of `x` over the group."""
+    return x if g.size == 1 else _all_reduce(x.clone(), g)
+
+
+def all_reduce_max_value(x: torch.Tensor, g: Group) -> torch.Tensor:
+    """No autograd: a new tensor holding the elementwise max of `x` over the group."""
+    if g.size == 1:
+        return x
+    x = x.clone().contiguous()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=g.group)
+    return x
+
+
+def gather_full(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
+    """No autograd: concatenate the shards of `x` along `dim` (for checkpoints and tests)."""
+    return x if g.size == 1 else _all_gather(x.detach(), g, dim)
 
 
 def barrier(group: dist.ProcessGroup | None, size: int) -> None:

@@ -14,6 +14,8 @@ from itertools import product
 
 import torch.distributed as dist
 
+from ptdp.parallel.comm import Group
+
 ORDER = ("tp", "dp", "pp")  # fastest-varying first
 
 
@@ -89,6 +91,10 @@ class ParallelMesh:
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         return self.groups[axis]
+
+    def axis(self, axis: str) -> Group:
+        """This rank's group along `axis`, with its size and rank, for the comm ops."""
+        return Group(self.groups[axis], self.size(axis), self.coord(axis))
 
     def __str__(self) -> str:
         c = self.shape.coords(self.rank)

@@ -26,6 +26,13 @@ from ptdp.layout import Layout, validate
 from ptdp.model.gpt import GPT, count_parameters
 from ptdp.parallel.comm import all_reduce_mean_, barrier
 from ptdp.parallel.data import average_gradients
+from ptdp.parallel.grads import clip_gradients, reduce_sequence_parallel_grads
+from ptdp.parallel.state import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
 from ptdp.parallel.env import LaunchEnv, destroy_process_group, init_process_group, pick_device
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.perf.flops import flops_per_iteration
@@ -89,11 +96,17 @@ class Trainer:
         )
         self.is_main = env.rank == 0
         self.run_dir = Path(cfg.train.run_dir)
-        self.model = GPT(cfg.model, seed=cfg.train.seed, recompute=cfg.parallel.recompute)
+        self.tp = self.mesh.axis("tp")
+        self.model = GPT(
+            cfg.model, seed=cfg.train.seed, recompute=cfg.parallel.recompute,
+            tp=self.tp if layout.tp > 1 else None,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+        )
         self.model.to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.step = 0
-        # Dropout stream: per data-parallel rank (they see different samples anyway).
+        # Dropout: the shared stream is per data-parallel rank (they see different samples)
+        # and the same on the ranks of a tensor group; split regions fork it (rank_rng).
         torch.manual_seed(cfg.train.seed + 7919 * (1 + self.mesh.coord("dp")))
         self.flops_per_step = flops_per_iteration(
             cfg.model, cfg.train.global_batch_size, cfg.parallel.recompute
@@ -127,9 +140,10 @@ class Trainer:
                 loss = self.model(tokens, labels) / n
             loss.backward()
             total += loss.detach()
+        if self.cfg.parallel.sequence_parallel:
+            reduce_sequence_parallel_grads(self.model, self.tp)
         average_gradients(self.model, self.mesh)
-        clip = self.cfg.optim.grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = clip_gradients(self.model, self.cfg.optim.grad_clip, self.tp)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         all_reduce_mean_(total, self.mesh.group("dp"), self.layout.dp)
@@ -159,8 +173,8 @@ class Trainer:
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": full_model_state(self.model, self.tp),
+            "optimizer": full_optimizer_state(self.optimizer, self.tp),
             "step": self.step,
             "consumed_samples": self.step * self.cfg.train.global_batch_size,
             "rng": rng,
@@ -175,11 +189,12 @@ class Trainer:
 
     def save(self) -> Path | None:
         path = None
-        if self.is_main:  # replicas are identical under data parallelism: one writer
+        state = self.state()  # every rank joins the gathers of its tensor group
+        if self.is_main:  # data-parallel replicas are identical: one writer
             spec = self.data.tokenizer_spec
             tok = Path(spec) if spec and spec != "bytes" else None
             path = ckpt.save_checkpoint(
-                self.run_dir, self.step, self.state(), self.cfg, tok,
+                self.run_dir, self.step, state, self.cfg, tok,
                 keep=self.cfg.train.keep_checkpoints,
             )
         barrier(None, self.env.world_size)
@@ -187,8 +202,8 @@ class Trainer:
 
     def restore(self, step_dir: Path) -> None:
         state = ckpt.load_checkpoint(step_dir)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_full_model_state(self.model, state["model"], self.tp)
+        load_full_optimizer_state(self.optimizer, state["optimizer"], self.tp)
         self.step = int(state["step"])
         torch.set_rng_state(state["rng"]["cpu"])
         if "cuda" in state["rng"] and self.device.type == "cuda":

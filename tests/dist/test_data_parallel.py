@@ -1,5 +1,5 @@
-"""Data parallelism (dp = world size, tp = pp = 1) against one process: same losses and
-parameters to float32 rounding, through the harness and through a real torchrun launch."""
+"""Training in parallel layouts against one process: the same losses and parameters to
+float32 rounding, through the harness and through a real torchrun launch."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from ptdp.config import RunConfig
+from ptdp.model.sample import sample_from_checkpoint
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.trainer import train
@@ -22,9 +25,24 @@ pytestmark = pytest.mark.dist
 
 SETTINGS = {"train": {"micro_batch_size": 2, "global_batch_size": 8, "steps": 4}}
 
+LAYOUTS = {  # name: (world size, parallel section)
+    "dp2": (2, {}),
+    "tp2-sp": (2, {"tp": 2, "sequence_parallel": True}),
+    "tp2-dp2-llama": (4, {"tp": 2}),
+}
+LLAMA = {"position_embedding": "rope", "normalization": "rmsnorm", "activation": "swiglu",
+         "num_query_groups": 2, "tie_embeddings": False, "bias": False}
 
-def _check_dp_training(rank: int, world_size: int, data: str, run_dir: str) -> None:
-    cfg = tiny_config(data, Path(run_dir), **SETTINGS)
+
+def _layout_config(data: str, run_dir: Path, name: str):
+    # optim.eps = 1e-6: see tests/dist/test_tensor.py (rounding-level gradients, Adam).
+    model = LLAMA if "llama" in name else {}
+    return tiny_config(data, run_dir, parallel=LAYOUTS[name][1], model=model,
+                       optim={"eps": 1e-6}, **SETTINGS)
+
+
+def _check_training(rank: int, world_size: int, data: str, run_dir: str, name: str) -> None:
+    cfg = _layout_config(data, Path(run_dir), name)
     result = train(cfg, env=LaunchEnv(rank, world_size, rank))
     if rank == 0:
         (Path(run_dir) / "losses.json").write_text(json.dumps(result.losses))
@@ -40,32 +58,39 @@ def assert_same_run(single: Path, parallel: Path, losses: dict[int, float], othe
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_dp2_matches_single_process(tiny_data: str, tmp_path: Path) -> None:
-    single = train(tiny_config(tiny_data, tmp_path / "single", **SETTINGS))
-    run_ranks(_check_dp_training, 2, tiny_data, str(tmp_path / "dp2"))
-    losses = {int(k): v for k, v in json.loads((tmp_path / "dp2" / "losses.json").read_text()).items()}
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(tiny_data: str, tmp_path: Path, name: str) -> None:
+    reference = _layout_config(tiny_data, tmp_path / "single", name)
+    reference = replace(reference, parallel=RunConfig().parallel)
+    single = train(reference)
+    world = LAYOUTS[name][0]
+    run_ranks(_check_training, world, tiny_data, str(tmp_path / name), name)
+    losses = json.loads((tmp_path / name / "losses.json").read_text())
+    losses = {int(k): v for k, v in losses.items()}
     assert sorted(losses) == [1, 2, 3, 4]
-    assert_same_run(tmp_path / "single", tmp_path / "dp2", single.losses, losses)
+    assert_same_run(tmp_path / "single", tmp_path / name, single.losses, losses)
+    # The checkpoint is layout-free: one process samples from what tp ranks saved.
+    assert sample_from_checkpoint(tmp_path / name, "to be", max_new_tokens=4)[0].startswith("to")
 
 
 def test_torchrun_launch(tiny_data: str, tmp_path: Path) -> None:
-    """The user's command: torchrun --nproc-per-node 2 -m ptdp train ..."""
-    single = train(tiny_config(tiny_data, tmp_path / "single", **SETTINGS))
+    """The user's command: torchrun --nproc-per-node 2 -m ptdp train ... --parallel.tp 2"""
+    single = train(tiny_config(tiny_data, tmp_path / "single", optim={"eps": 1e-6}, **SETTINGS))
     run_dir = tmp_path / "torchrun"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "-m", "ptdp", "train",
         "--data.path", tiny_data, "--model.num_layers", "2", "--model.hidden_size", "32",
         "--model.num_heads", "4", "--model.seq_length", "32", "--data.valid_fraction", "0.1",
-        "--optim.lr", "3e-3", "--optim.min_lr", "3e-4", "--optim.warmup_steps", "2",
+        "--optim.lr", "3e-3", "--optim.min_lr", "3e-4", "--optim.warmup_steps", "2", "--optim.eps", "1e-6",
         "--train.micro_batch_size", "2", "--train.global_batch_size", "8", "--train.steps", "4",
         "--train.log_interval", "1", "--train.eval_interval", "0", "--train.device", "cpu",
-        "--train.run_dir", str(run_dir),
+        "--train.run_dir", str(run_dir), "--parallel.tp", "2",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "world=2 tp=1 pp=1 dp=2" in proc.stdout
+    assert "world=2 tp=2 pp=1 dp=1" in proc.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert_same_run(tmp_path / "single", run_dir, single.losses, losses)

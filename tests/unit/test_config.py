@@ -86,7 +86,13 @@ INVALID = [
     ({"model": {"hidden_size": 20, "num_heads": 4, "position_embedding": "rope"}}, 1,
      "even head size"),
     ({"model": {"dropout": 1.0}}, 1, "model.dropout = 1.0 must be in [0, 1)"),
-    ({"parallel": {"tp": 2}}, 2, "tensor parallelism is not available"),
+    ({"model": {"num_heads": 6, "hidden_size": 384}, "parallel": {"tp": 4}}, 4,
+     "model.num_heads = 6 is not divisible by parallel.tp = 4"),
+    ({"model": {"num_heads": 8, "num_query_groups": 2}, "parallel": {"tp": 4}}, 4,
+     "model.num_query_groups = 2 is not divisible by parallel.tp = 4"),
+    ({"model": {"ffn_hidden_size": 1001}, "parallel": {"tp": 2}}, 2, "MLP width 1001"),
+    ({"model": {"seq_length": 255}, "parallel": {"tp": 2, "sequence_parallel": True}}, 2,
+     "model.seq_length = 255 is not divisible by parallel.tp = 2"),
     ({"parallel": {"pp": 2}}, 2, "pipeline parallelism is not available"),
     ({"parallel": {"dp": 2}}, 3, "does not match the world size 3"),
     ({"parallel": {"tp": 2}}, 3, "world size 3 is not divisible by tp*pp"),
@@ -116,12 +122,12 @@ def test_invalid_configs_are_rejected(updates: dict, world: int, message: str) -
 
 def test_all_problems_reported_together() -> None:
     cfg = apply_updates(
-        RunConfig(), {"model": {"num_layers": 0}, "parallel": {"tp": 2}}, "test"
+        RunConfig(), {"model": {"num_layers": 0}, "parallel": {"pp": 2}}, "test"
     )
     with pytest.raises(ConfigError) as info:
         validate(cfg, 2)
     text = str(info.value)
-    assert "num_layers = 0" in text and "tensor parallelism" in text
+    assert "num_layers = 0" in text and "pipeline parallelism" in text
 
 
 def test_valid_layouts_derive_dp_and_microbatches() -> None:

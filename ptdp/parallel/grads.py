@@ -1,0 +1,64 @@
+"""Gradient bookkeeping across the tensor-parallel group: sequence-parallel sums and
+one global gradient norm for clipping.
+
+The norm must be the single-process norm: a sharded parameter contributes each rank's
+slice, a replicated one (norms, biases of row-parallel layers, tied or positional
+embeddings) only once, however many ranks hold a copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ptdp.parallel.comm import Group, all_reduce_sum_
+from ptdp.parallel.init import shard_spec
+
+
+def reduce_sequence_parallel_grads(model: nn.Module, tp: Group) -> None:
+    """Sum over the tensor group the gradients of replicated weights that each rank
+    applied to its own sequence slice (norms, row-parallel biases, positions)."""
+    if tp.size == 1:
+        return
+    grads = [
+        p.grad for p in model.parameters()
+        if getattr(p, "sequence_parallel", False) and p.grad is not None
+    ]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce_sum_(flat, tp)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def global_grad_norm(model: nn.Module, tp: Group) -> torch.Tensor:
+    """L2 norm of the full model's gradient, identical on every rank of the group."""
+    sharded, replicated = [], []
+    for p in model.parameters():
+        if p.grad is not None:
+            (sharded if shard_spec(p) is not None else replicated).append(p.grad)
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g in sharded:
+        total += g.float().pow(2).sum()
+    if tp.rank == 0:  # replicated copies are identical: count them on one rank
+        for g in replicated:
+            total += g.float().pow(2).sum()
+    all_reduce_sum_(total, tp)
+    return total.sqrt()
+
+
+def clip_gradients(model: nn.Module, max_norm: float, tp: Group) -> torch.Tensor:
+    """Scale all gradients so that the global norm is at most `max_norm`; return the norm."""
+    norm = global_grad_norm(model, tp)
+    if max_norm > 0 and math.isfinite(max_norm):
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm

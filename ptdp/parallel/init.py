@@ -1,0 +1,97 @@
+"""How a parameter is split over the tensor-parallel group, and per-rank random streams.
+
+A sharded parameter carries a `ShardSpec` (attribute `tp_shard`). Its master value is
+the single-process tensor (seeded by name, see model/init.py); each rank keeps its slice.
+The same spec gathers shards back to the full tensor for checkpoints, gradient norms and
+equivalence tests, so tp = 1 and tp = t hold the same model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ptdp.parallel.comm import Group, gather_full
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Split `dim` of the full tensor over `size` ranks.
+
+    `parts` > 1: the dim is that many equal blocks, each split on its own (SwiGLU's
+    [gate; up] rows), so each rank holds matching rows of every block.
+    `full_size`: the true length of `dim`; the split length may be padded past it
+    with zero rows (a vocabulary not divisible by t). Padded rows never reach the loss.
+    """
+
+    dim: int
+    full_size: int
+    padded_size: int
+    size: int
+    parts: int = 1
+
+    @property
+    def local_size(self) -> int:
+        return self.padded_size // self.size
+
+    def full_shape(self, local_shape: torch.Size) -> tuple[int, ...]:
+        shape = list(local_shape)
+        shape[self.dim] = self.full_size
+        return tuple(shape)
+
+    def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """This rank's slice of the full tensor."""
+        pad = self.padded_size - self.full_size
+        if pad:
+            widths = [0, 0] * (full.dim() - 1 - self.dim) + [0, pad]
+            full = nn.functional.pad(full, widths)
+        blocks = full.unflatten(self.dim, (self.parts, -1))
+        chunk = blocks.shape[self.dim + 1] // self.size
+        return blocks.narrow(self.dim + 1, rank * chunk, chunk).flatten(self.dim, self.dim + 1)
+
+    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's slice, in rank order."""
+        blocks = [s.unflatten(self.dim, (self.parts, -1)) for s in shards]
+        full = torch.cat(blocks, dim=self.dim + 1).flatten(self.dim, self.dim + 1)
+        return full.narrow(self.dim, 0, self.full_size)
+
+
+def padded(n: int, size: int) -> int:
+    """n rounded up to a multiple of size."""
+    return -(-n // size) * size
+
+
+def full_tensor(param: torch.Tensor, spec: ShardSpec | None, tp: Group) -> torch.Tensor:
+    """Gather a (possibly sharded) tensor back to its full single-process shape."""
+    if spec is None or tp.size == 1:
+        return param.detach()
+    gathered = gather_full(param, tp, spec.dim)
+    return spec.unshard(list(gathered.chunk(tp.size, dim=spec.dim)))
+
+
+def shard_spec(param: torch.Tensor) -> ShardSpec | None:
+    return getattr(param, "tp_shard", None)
+
+
+@contextlib.contextmanager
+def rank_rng(tp: Group, device: torch.device) -> Iterator[None]:
+    """Run a block on a random stream of this tensor-parallel rank's own.
+
+    The replicated regions use torch's global stream, which all ranks of a tensor group
+    keep in step. A split region (attention heads, a sequence slice) needs different
+    random numbers on each rank: draw one seed from the shared stream (advancing it alike
+    everywhere), then run the block on seed + rank and restore the shared stream. Because
+    the seed comes from the shared stream, activation recomputation replays the same masks.
+    """
+    if tp.size == 1:
+        yield
+        return
+    seed = int(torch.randint(0, 2**62, (1,)).item())
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed + tp.rank)
+        yield

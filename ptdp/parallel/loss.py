@@ -1,0 +1,57 @@
+"""Cross-entropy over vocabulary-parallel logits, never gathering the full [s, b, v].
+
+Each rank holds logits for its vocabulary slice [s, b, v/t]. The softmax needs only two
+numbers per token from the other ranks: the max (all-reduce MAX) and the sum of
+exponentials (all-reduce SUM); the target's logit lives on one rank (all-reduce SUM of a
+masked pick). Backward is local: softmax minus the one-hot target, on this slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ptdp.parallel import comm
+from ptdp.parallel.comm import Group
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, tp: Group, start: int):
+        logits = logits.float()
+        shifted = logits - comm.all_reduce_max_value(logits.max(dim=-1).values, tp).unsqueeze(-1)
+        width = logits.shape[-1]
+        outside = (target < start) | (target >= start + width)
+        local = (target - start).masked_fill(outside, 0)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        picked = comm.all_reduce_value(picked, tp)
+        exp = shifted.exp()
+        sum_exp = comm.all_reduce_value(exp.sum(dim=-1), tp)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)
+        return sum_exp.log() - picked
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local, outside = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        onehot = (~outside).to(softmax.dtype).unsqueeze(-1)
+        grad_logits.scatter_add_(-1, local.unsqueeze(-1), -onehot)
+        return grad_logits * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, tp: Group, vocab_size: int
+) -> torch.Tensor:
+    """Mean token loss. logits: [s, b, v_padded/t] on each rank; target: [s, b] global ids.
+
+    Columns past `vocab_size` (padding of a vocabulary not divisible by t) are masked to
+    -inf, so they take no probability and get no gradient.
+    """
+    if tp.size == 1:
+        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+    width = logits.shape[-1]
+    start = tp.rank * width
+    if start + width > vocab_size:
+        columns = torch.arange(start, start + width, device=logits.device)
+        logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
+    return _VocabParallelCrossEntropy.apply(logits, target, tp, start).mean()

@@ -1,0 +1,126 @@
+"""Tensor-parallel layers (Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053).
+
+Shapes: s = sequence, b = batch, h = hidden, v = vocabulary, t = tensor-parallel size.
+Activations are sequence-first [s, b, h]; under sequence parallelism (Korthikanti et al.
+2022) the tensors outside the layers' split regions are [s/t, b, h].
+
+Each layer allocates only its shard, records how it is split (`param.tp_shard`), and is
+a composition of `comm.py` operators and a plain `F.linear`/`F.embedding`. With t = 1 the
+operators are identities, so the same classes make the single-process model.
+Parameters whose gradient must be summed over the tensor group after backward (replicated
+weights that see only a sequence slice under sequence parallelism) carry
+`param.sequence_parallel = True`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ptdp.parallel import comm
+from ptdp.parallel.comm import Group
+from ptdp.parallel.init import ShardSpec, padded
+
+
+def _sharded(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape))
+    if spec is not None and spec.size > 1:
+        param.tp_shard = spec
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A with A split by columns: A = [A_1 ... A_t], rank i computes Y_i = X A_i.
+
+    Input: replicated [s, b, in] (or [s/t, b, in] under sequence parallelism, all-gathered
+    here). Output: [s, b, out/t], or [s, b, out] with `gather_output`.
+    Forward: nothing (all-gather of the sequence under SP). Backward: all-reduce of dX
+    (reduce-scatter under SP). `parts` > 1 splits each of that many row blocks separately.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, *, tp: Group, bias: bool = True,
+        gather_output: bool = False, sequence_parallel: bool = False, parts: int = 1,
+        pad_to_multiple: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tp, self.gather_output, self.sequence_parallel = tp, gather_output, sequence_parallel
+        full = padded(out_features, tp.size) if pad_to_multiple else out_features
+        if full % (tp.size * parts):
+            raise ValueError(f"{out_features} output features do not split over {tp.size} ranks")
+        spec = ShardSpec(dim=0, full_size=out_features, padded_size=full, size=tp.size, parts=parts)
+        self.weight = _sharded((full // tp.size, in_features), spec)
+        self.bias = _sharded((full // tp.size,), spec) if bias else None
+        if gather_output and (parts > 1 or full != out_features):
+            raise ValueError("gather_output needs an unpadded, single-block split")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = comm.gather_from_sp(x, self.tp) if self.sequence_parallel else comm.copy_to_tp(x, self.tp)
+        y = F.linear(x, self.weight, self.bias)
+        return comm.gather_from_tp(y, self.tp) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A with A split by rows and X by columns: Y = sum_i X_i A_i.
+
+    Input: [s, b, in/t], already split (the output of a ColumnParallelLinear).
+    Output: replicated [s, b, out], or [s/t, b, out] under sequence parallelism.
+    Forward: all-reduce of the partial sums (reduce-scatter under SP). Backward: nothing
+    (all-gather under SP). The bias is added after the reduction, once.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, *, tp: Group, bias: bool = True,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        if in_features % tp.size:
+            raise ValueError(f"{in_features} input features do not split over {tp.size} ranks")
+        spec = ShardSpec(dim=1, full_size=in_features, padded_size=in_features, size=tp.size)
+        self.weight = _sharded((out_features, in_features // tp.size), spec)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = comm.reduce_scatter_to_sp(y, self.tp)
+        else:
+            y = comm.reduce_from_tp(y, self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; rank i holds rows [i*v/t, (i+1)*v/t).
+
+    A vocabulary not divisible by t is padded with zero rows at the end (never produced by
+    the tokenizer, masked out of the loss). Tokens [b, s] -> [s, b, h] replicated (all-
+    reduce of the per-rank partial lookups) or [s/t, b, h] (reduce-scatter) under SP.
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, *, tp: Group,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.num_embeddings = num_embeddings
+        full = padded(num_embeddings, tp.size)
+        self.vocab_start = tp.rank * (full // tp.size)
+        self.vocab_end = self.vocab_start + full // tp.size
+        spec = ShardSpec(dim=0, full_size=num_embeddings, padded_size=full, size=tp.size)
+        self.weight = _sharded((full // tp.size, embedding_dim), spec)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.t()  # [s, b]: sequence-first from here on
+        if self.tp.size == 1:
+            return F.embedding(tokens, self.weight)
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+        local = (tokens - self.vocab_start).masked_fill(outside, 0)
+        x = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return comm.reduce_scatter_to_sp(x, self.tp)
+        return comm.reduce_from_tp(x, self.tp)
