@@ -63,7 +63,9 @@ def run_plain(cfg: RunConfig, run_dir: Path) -> float:
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": o.weight_decay}, {"params": other, "weight_decay": 0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
     )
     accum = t.global_batch_size // t.micro_batch_size
     s = m.seq_length
@@ -73,7 +75,10 @@ def run_plain(cfg: RunConfig, run_dir: Path) -> float:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, o, t.steps)
         for _ in range(accum):
-            rows = [tokens[(sample + i) * s : (sample + i) * s + s + 1] for i in range(t.micro_batch_size)]
+            rows = [
+                tokens[(sample + i) * s : (sample + i) * s + s + 1]
+                for i in range(t.micro_batch_size)
+            ]
             sample += t.micro_batch_size
             batch = torch.from_numpy(np.stack(rows).astype(np.int64))
             loss = model(batch[:, :-1], batch[:, 1:]) / accum
@@ -100,12 +105,22 @@ def main() -> None:
         tmp = Path(tmp)
         base = load_toml(args.config)
         data = synthetic_data(tmp, vocab=4096, tokens=2_000_000)
-        cfg = apply_updates(base, {
-            "model": {"vocab_size": 4096, "dropout": 0.0},
-            "data": {"path": data},
-            "train": {"steps": args.steps, "eval_interval": 0, "save_interval": 0,
-                      "progress": False, "device": "cpu", "log_interval": 5},
-        }, "benchmark")
+        cfg = apply_updates(
+            base,
+            {
+                "model": {"vocab_size": 4096, "dropout": 0.0},
+                "data": {"path": data},
+                "train": {
+                    "steps": args.steps,
+                    "eval_interval": 0,
+                    "save_interval": 0,
+                    "progress": False,
+                    "device": "cpu",
+                    "log_interval": 5,
+                },
+            },
+            "benchmark",
+        )
         cfg = resolve_vocab(cfg)
         tokens = args.steps * cfg.train.global_batch_size * cfg.model.seq_length
         ours, plain = [], []
@@ -114,11 +129,18 @@ def main() -> None:
             plain.append(tokens / run_plain(cfg, tmp / f"plain{r}"))
             print(f"round {r}: ptdp {ours[-1]:,.0f} tok/s | plain {plain[-1]:,.0f} tok/s")
     mo, mp = statistics.median(ours), statistics.median(plain)
-    print(f"\nmachine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"model: {cfg.model.num_layers} layers, h={cfg.model.hidden_size}, s={cfg.model.seq_length}, "
-          f"batch {cfg.train.global_batch_size} (micro {cfg.train.micro_batch_size}), {args.steps} steps x {args.rounds} rounds")
-    print(f"median tokens/s: ptdp {mo:,.0f} | plain loop {mp:,.0f} | ptdp/plain = {mo / mp:.3f} "
-          f"(overhead {100 * (1 - mo / mp):+.1f}%)")
+    m, t = cfg.model, cfg.train
+    threads = torch.get_num_threads()
+    print(f"\nmachine: {platform.machine()}, {threads} threads, torch {torch.__version__}")
+    print(
+        f"model: {m.num_layers} layers, h={m.hidden_size}, s={m.seq_length}, "
+        f"batch {t.global_batch_size} (micro {t.micro_batch_size}), "
+        f"{args.steps} steps x {args.rounds} rounds"
+    )
+    print(
+        f"median tokens/s: ptdp {mo:,.0f} | plain loop {mp:,.0f} | ptdp/plain = {mo / mp:.3f} "
+        f"(overhead {100 * (1 - mo / mp):+.1f}%)"
+    )
     assert math.isfinite(mo) and math.isfinite(mp)
 
 

@@ -34,15 +34,20 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", metavar="FILE", help="TOML config file (see configs/)")
     p.add_argument(
-        "--resume", action="store_true",
+        "--resume",
+        action="store_true",
         help="continue from the latest checkpoint in train.run_dir (start fresh if none)",
     )
     p.add_argument(
-        "--dry-run", action="store_true",
+        "--dry-run",
+        action="store_true",
         help="validate the config and data, print the resolved config and layout, and exit",
     )
     p.add_argument(
-        "--world-size", type=int, default=0, metavar="N",
+        "--world-size",
+        type=int,
+        default=0,
+        metavar="N",
         help="with --dry-run: check the layout for N processes (default: this launch's)",
     )
 
@@ -57,30 +62,57 @@ def _preprocess_parser(sub: argparse._SubParsersAction) -> None:
             "plus PREFIX.json recording the tokenizer."
         ),
     )
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR",
-                   help="files or directories (searched for *.txt, *.jsonl, *.json)")
-    p.add_argument("--output-prefix", required=True, metavar="PREFIX",
-                   help="output path without extension, e.g. data/shakespeare/shakespeare")
-    p.add_argument("--tokenizer", default="bpe", metavar="bytes|bpe|PATH",
-                   help="raw bytes, a byte-level BPE trained on the input, or a tokenizer.json "
-                        "(default: bpe)")
-    p.add_argument("--vocab-size", type=int, default=4096, metavar="N",
-                   help="vocabulary of the trained BPE (default: 4096)")
-    p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="tokenizer processes (default: 1)")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="FILE_OR_DIR",
+        help="files or directories (searched for *.txt, *.jsonl, *.json)",
+    )
+    p.add_argument(
+        "--output-prefix",
+        required=True,
+        metavar="PREFIX",
+        help="output path without extension, e.g. data/shakespeare/shakespeare",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="bpe",
+        metavar="bytes|bpe|PATH",
+        help="raw bytes, a byte-level BPE trained on the input, or a tokenizer.json (default: bpe)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="vocabulary of the trained BPE (default: 4096)",
+    )
+    p.add_argument(
+        "--workers", type=int, default=1, metavar="N", help="tokenizer processes (default: 1)"
+    )
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "generate", help="sample text from a checkpoint",
+        "generate",
+        help="sample text from a checkpoint",
         description="Sample text from a trained checkpoint.",
     )
-    p.add_argument("--checkpoint", required=True, metavar="PATH",
-                   help="a run directory (uses its latest checkpoint) or a step directory")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="PATH",
+        help="a run directory (uses its latest checkpoint) or a step directory",
+    )
     p.add_argument("--prompt", default="", help="text to continue (default: empty)")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.8,
-                   help="softmax temperature; 0 = greedy (default: 0.8)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="softmax temperature; 0 = greedy (default: 0.8)",
+    )
     p.add_argument("--top-k", type=int, default=50, help="sample from the k likeliest (0 = all)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1 = off)")
     p.add_argument("--num-samples", type=int, default=1, metavar="N")
@@ -124,8 +156,11 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
     from ptdp.data.preprocess import preprocess
 
     result = preprocess(
-        args.input, args.output_prefix, args.tokenizer,
-        vocab_size=args.vocab_size, workers=args.workers,
+        args.input,
+        args.output_prefix,
+        args.tokenizer,
+        vocab_size=args.vocab_size,
+        workers=args.workers,
     )
     print(
         f"wrote {result.prefix}.bin/.idx: {result.num_docs:,} documents, "
@@ -138,10 +173,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from ptdp.model.sample import sample_from_checkpoint
 
     for text in sample_from_checkpoint(
-        Path(args.checkpoint), args.prompt,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, num_samples=args.num_samples,
-        seed=args.seed, device=args.device,
+        Path(args.checkpoint),
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        num_samples=args.num_samples,
+        seed=args.seed,
+        device=args.device,
     ):
         print(text)
         print("-" * 72)

@@ -171,10 +171,11 @@ def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
     if dp and t.micro_batch_size > 0 and t.global_batch_size > 0:
         per_step = t.micro_batch_size * dp
         if t.global_batch_size % per_step:
+            nearest = max(per_step, t.global_batch_size // per_step * per_step)
             errors.append(
                 f"train.global_batch_size = {t.global_batch_size} is not divisible by "
                 f"micro_batch_size*dp = {t.micro_batch_size}*{dp} = {per_step}; use a "
-                f"multiple of {per_step}, e.g. {max(per_step, t.global_batch_size // per_step * per_step)}"
+                f"multiple of {per_step}, e.g. {nearest}"
             )
         else:
             microbatches = t.global_batch_size // per_step

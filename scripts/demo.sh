@@ -6,13 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ ! -x .venv/bin/python ]; then
-  "${PYTHON:-python3}" -m venv .venv
-fi
-. .venv/bin/activate
-# torch==2.13.0 takes the CPU wheel on these machines; a GPU user's own torch is kept.
-python -c "import torch" 2>/dev/null || pip install --quiet torch==2.13.0
-pip install --quiet -e .
+PTDP_EXTRAS="" . scripts/venv.sh
 
 DATA=data/shakespeare
 if [ ! -f "$DATA/shakespeare.idx" ]; then

@@ -4,10 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ ! -x .venv/bin/python ]; then
-  "${PYTHON:-python3}" -m venv .venv
-fi
-. .venv/bin/activate
-python -c "import torch" 2>/dev/null || pip install --quiet torch==2.13.0
-pip install --quiet -e ".[test,tensorboard]"
+PTDP_EXTRAS="[test,tensorboard]" . scripts/venv.sh
 python -m pytest -q "$@"

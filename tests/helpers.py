@@ -32,8 +32,14 @@ def tiny_config(data_path: str, run_dir: Path, **sections: dict) -> RunConfig:
         "data": {"path": data_path, "valid_fraction": 0.1},
         "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2},
         "train": {
-            "micro_batch_size": 4, "global_batch_size": 8, "steps": 6, "log_interval": 1,
-            "eval_interval": 0, "run_dir": str(run_dir), "progress": False, "device": "cpu",
+            "micro_batch_size": 4,
+            "global_batch_size": 8,
+            "steps": 6,
+            "log_interval": 1,
+            "eval_interval": 0,
+            "run_dir": str(run_dir),
+            "progress": False,
+            "device": "cpu",
         },
     }
     for section, values in sections.items():

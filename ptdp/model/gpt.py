@@ -17,6 +17,7 @@ flash kernels are used on GPUs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from ptdp.config import Activation, ModelConfig, Normalization, PositionEmbeddin
 from ptdp.model.init import apply_init
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
-from ptdp.parallel.init import rank_rng
+from ptdp.parallel.init import rank_rng, shard_spec
 from ptdp.parallel.loss import vocab_parallel_cross_entropy
 from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -137,8 +138,12 @@ class MLP(nn.Module):
         parts = 2 if self.swiglu else 1
         sp = ctx.sequence_parallel
         self.fc1 = ColumnParallelLinear(
-            cfg.hidden_size, cfg.ffn_size * parts, tp=ctx.tp, bias=cfg.bias,
-            sequence_parallel=sp, parts=parts,
+            cfg.hidden_size,
+            cfg.ffn_size * parts,
+            tp=ctx.tp,
+            bias=cfg.bias,
+            sequence_parallel=sp,
+            parts=parts,
         )
         self.fc2 = RowParallelLinear(
             cfg.ffn_size, cfg.hidden_size, tp=ctx.tp, bias=cfg.bias, sequence_parallel=sp
@@ -235,14 +240,15 @@ class GPT(nn.Module):
             else None
         )
         # Keyed by global index, so parameter names (and thus init) match across layouts.
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(cfg, ctx, recompute) for i in layers}
-        )
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, recompute) for i in layers})
         if has_head:
             self.final_norm = build_norm(cfg, ctx)
             if not (cfg.tie_embeddings and has_embedding):
                 self.output = ColumnParallelLinear(
-                    cfg.hidden_size, cfg.vocab_size, tp=ctx.tp, bias=False,
+                    cfg.hidden_size,
+                    cfg.vocab_size,
+                    tp=ctx.tp,
+                    bias=False,
                     pad_to_multiple=True,
                 )
         apply_init(self, seed=seed, base_std=cfg.init_std, num_layers=cfg.num_layers, tp=ctx.tp)
@@ -291,5 +297,10 @@ class GPT(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels.t(), tp, self.cfg.vocab_size)
 
 
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def count_parameters(model: nn.Module, *, full: bool = True) -> int:
+    """Parameters of the whole (unsharded) model, or only this rank's shards."""
+    total = 0
+    for p in model.parameters():
+        spec = shard_spec(p) if full else None
+        total += math.prod(spec.full_shape(p.shape)) if spec else p.numel()
+    return total

@@ -45,7 +45,13 @@ def sample_from_checkpoint(
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eod_id]
     tokens = torch.tensor([ids] * num_samples, device=device)
     out = generate(
-        model, tokens, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        generator=torch.Generator().manual_seed(seed), stop_token=None,
+        model,
+        tokens,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=torch.Generator().manual_seed(seed),
+        stop_token=None,
     )
     return [tokenizer.decode(row.tolist()) for row in out]

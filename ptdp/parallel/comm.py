@@ -209,6 +209,20 @@ def all_reduce_mean_(tensor: torch.Tensor, group: dist.ProcessGroup | None, size
     tensor.div_(size)
 
 
+def all_reduce_tensors_(tensors: list[torch.Tensor], g: Group, *, average: bool) -> None:
+    """In place, no autograd: sum (or average) many tensors over the group in one call."""
+    if g.size == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=g.group)
+    if average:
+        flat.div_(g.size)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def all_reduce_value(x: torch.Tensor, g: Group) -> torch.Tensor:
     """No autograd: a new tensor holding the sum of `x` over the group."""
     return x if g.size == 1 else _all_reduce(x.clone(), g)

@@ -13,27 +13,19 @@ import math
 import torch
 from torch import nn
 
-from ptdp.parallel.comm import Group, all_reduce_sum_
+from ptdp.parallel.comm import Group, all_reduce_sum_, all_reduce_tensors_
 from ptdp.parallel.init import shard_spec
 
 
 def reduce_sequence_parallel_grads(model: nn.Module, tp: Group) -> None:
     """Sum over the tensor group the gradients of replicated weights that each rank
     applied to its own sequence slice (norms, row-parallel biases, positions)."""
-    if tp.size == 1:
-        return
     grads = [
-        p.grad for p in model.parameters()
+        p.grad
+        for p in model.parameters()
         if getattr(p, "sequence_parallel", False) and p.grad is not None
     ]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    all_reduce_sum_(flat, tp)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    all_reduce_tensors_(grads, tp, average=False)
 
 
 def global_grad_norm(model: nn.Module, tp: Group) -> torch.Tensor:

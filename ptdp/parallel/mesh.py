@@ -56,7 +56,14 @@ class MeshShape:
         for fixed in product(*(range(getattr(self, a)) for a in others)):
             base = dict(zip(others, fixed))
             groups.append([self.rank_of(**base, **{axis: i}) for i in range(getattr(self, axis))])
-        return groups
+        return sorted(groups)
+
+    def embedding_group_ranks(self) -> list[list[int]]:
+        """Pairs of ranks holding the first and last pipeline stage at the same (tp, dp):
+        they share the tied input embedding / output layer and sum its gradient."""
+        if self.pp == 1:
+            return [[r] for r in range(self.world_size)]
+        return [[g[0], g[-1]] for g in self.group_ranks("pp")]
 
 
 @dataclass
@@ -70,23 +77,31 @@ class ParallelMesh:
     @classmethod
     def single(cls) -> ParallelMesh:
         """The one-process mesh (no process group needed)."""
-        return cls(MeshShape(), 0, {axis: None for axis in ORDER})
+        return cls(MeshShape(), 0, {axis: None for axis in (*ORDER, "embedding")})
 
     @classmethod
     def build(cls, shape: MeshShape, rank: int) -> ParallelMesh:
         """Create every axis group; all ranks must call this in the same order."""
         groups: dict[str, dist.ProcessGroup | None] = {}
-        for axis in ORDER:
-            for ranks in shape.group_ranks(axis):
-                group = dist.new_group(ranks) if shape.world_size > 1 else None
+        axes = {axis: shape.group_ranks(axis) for axis in ORDER}
+        axes["embedding"] = shape.embedding_group_ranks()
+        for axis, all_ranks in axes.items():
+            groups[axis] = None
+            for ranks in all_ranks:
+                # new_group is collective over the world: every rank creates every group.
+                group = dist.new_group(ranks) if shape.world_size > 1 and len(ranks) > 1 else None
                 if rank in ranks:
                     groups[axis] = group
         return cls(shape, rank, groups)
 
     def coord(self, axis: str) -> int:
+        if axis == "embedding":  # 0 on the first stage, 1 on the last
+            return min(self.shape.coords(self.rank)["pp"], 1)
         return self.shape.coords(self.rank)[axis]
 
     def size(self, axis: str) -> int:
+        if axis == "embedding":
+            return min(self.shape.pp, 2)
         return getattr(self.shape, axis)
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
@@ -98,4 +113,6 @@ class ParallelMesh:
 
     def __str__(self) -> str:
         c = self.shape.coords(self.rank)
-        return "-".join(f"{a.upper()}({c[a]}/{self.size(a)})" for a in ORDER) + f"-Rank({self.rank})"
+        return (
+            "-".join(f"{a.upper()}({c[a]}/{self.size(a)})" for a in ORDER) + f"-Rank({self.rank})"
+        )

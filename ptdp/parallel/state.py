@@ -53,11 +53,16 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, tp: Group) -> dict[st
     """The optimizer's state_dict with each per-parameter tensor gathered to full shape."""
     sd = optimizer.state_dict()
     params = _params(optimizer)
-    for index, entry in sd["state"].items():
-        p = params[index]
-        for key, value in entry.items():
-            if torch.is_tensor(value) and value.shape == p.shape:
-                entry[key] = full_tensor(value, shard_spec(p), tp).clone()
+    # state_dict() shares the live per-parameter dicts: build new ones, never edit them.
+    sd["state"] = {
+        index: {
+            key: full_tensor(value, shard_spec(params[index]), tp).clone()
+            if torch.is_tensor(value) and value.shape == params[index].shape
+            else value
+            for key, value in entry.items()
+        }
+        for index, entry in sd["state"].items()
+    }
     return sd
 
 

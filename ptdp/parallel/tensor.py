@@ -40,8 +40,15 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, in_features: int, out_features: int, *, tp: Group, bias: bool = True,
-        gather_output: bool = False, sequence_parallel: bool = False, parts: int = 1,
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp: Group,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        parts: int = 1,
         pad_to_multiple: bool = False,
     ) -> None:
         super().__init__()
@@ -56,7 +63,11 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("gather_output needs an unpadded, single-block split")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.gather_from_sp(x, self.tp) if self.sequence_parallel else comm.copy_to_tp(x, self.tp)
+        x = (
+            comm.gather_from_sp(x, self.tp)
+            if self.sequence_parallel
+            else comm.copy_to_tp(x, self.tp)
+        )
         y = F.linear(x, self.weight, self.bias)
         return comm.gather_from_tp(y, self.tp) if self.gather_output else y
 
@@ -71,7 +82,12 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, in_features: int, out_features: int, *, tp: Group, bias: bool = True,
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp: Group,
+        bias: bool = True,
         sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
@@ -102,7 +118,11 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, *, tp: Group,
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp: Group,
         sequence_parallel: bool = False,
     ) -> None:
         super().__init__()

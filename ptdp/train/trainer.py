@@ -26,15 +26,15 @@ from ptdp.layout import Layout, validate
 from ptdp.model.gpt import GPT, count_parameters
 from ptdp.parallel.comm import all_reduce_mean_, barrier
 from ptdp.parallel.data import average_gradients
+from ptdp.parallel.env import LaunchEnv, destroy_process_group, init_process_group, pick_device
 from ptdp.parallel.grads import clip_gradients, reduce_sequence_parallel_grads
+from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.parallel.state import (
     full_model_state,
     full_optimizer_state,
     load_full_model_state,
     load_full_optimizer_state,
 )
-from ptdp.parallel.env import LaunchEnv, destroy_process_group, init_process_group, pick_device
-from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.perf.flops import flops_per_iteration
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
@@ -98,7 +98,9 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         self.tp = self.mesh.axis("tp")
         self.model = GPT(
-            cfg.model, seed=cfg.train.seed, recompute=cfg.parallel.recompute,
+            cfg.model,
+            seed=cfg.train.seed,
+            recompute=cfg.parallel.recompute,
             tp=self.tp if layout.tp > 1 else None,
             sequence_parallel=cfg.parallel.sequence_parallel,
         )
@@ -194,7 +196,11 @@ class Trainer:
             spec = self.data.tokenizer_spec
             tok = Path(spec) if spec and spec != "bytes" else None
             path = ckpt.save_checkpoint(
-                self.run_dir, self.step, state, self.cfg, tok,
+                self.run_dir,
+                self.step,
+                state,
+                self.cfg,
+                tok,
                 keep=self.cfg.train.keep_checkpoints,
             )
         barrier(None, self.env.world_size)
@@ -220,7 +226,11 @@ class Trainer:
         result = TrainResult(self.run_dir, self.step, self.step)
         writer = MetricsWriter(self.run_dir, t.tensorboard) if self.is_main else None
         bar = tqdm(
-            total=t.steps, initial=self.step, unit="step", dynamic_ncols=True, file=sys.stderr,
+            total=t.steps,
+            initial=self.step,
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
             disable=not (self.is_main and t.progress and sys.stderr.isatty()),
         )
         pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
@@ -244,8 +254,10 @@ class Trainer:
                     result.val_losses[self.step] = val
                     if writer:
                         writer.write({"step": self.step, "val_loss": val})
-                    self.say(f"step {self.step:>6} | validation loss {val:.4f} "
-                             f"| perplexity {math.exp(min(val, 50)):.1f}")
+                    self.say(
+                        f"step {self.step:>6} | validation loss {val:.4f} "
+                        f"| perplexity {math.exp(min(val, 50)):.1f}"
+                    )
                     timer.resume()
                 if (t.save_interval and self.step % t.save_interval == 0) or last:
                     timer.pause()
@@ -258,8 +270,10 @@ class Trainer:
         result.final_step = self.step
         if timer.total and self.step > result.start_step:
             steps = self.step - result.start_step
-            self.say(f"trained {steps} steps in {timer.total:.1f} s "
-                     f"({steps * self.tokens_per_step / timer.total:,.0f} tokens/s)")
+            self.say(
+                f"trained {steps} steps in {timer.total:.1f} s "
+                f"({steps * self.tokens_per_step / timer.total:,.0f} tokens/s)"
+            )
         return result
 
     def _log(self, pending, elapsed: float, result: TrainResult) -> dict:
@@ -328,10 +342,11 @@ def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None)
             if step_dir is None:
                 (run_dir / "metrics.jsonl").unlink(missing_ok=True)
             (run_dir / "config.toml").write_text(to_toml(cfg))
-        n_params = count_parameters(trainer.model)
+        n_params, n_local = (count_parameters(trainer.model, full=f) for f in (True, False))
+        local = f" ({n_local / 1e6:.2f}M on this rank)" if n_local != n_params else ""
         trainer.say(
             f"ptdp | {layout.describe()} | device {trainer.device} | "
-            f"{n_params / 1e6:.2f}M parameters | {len(data.train):,} training samples of "
+            f"{n_params / 1e6:.2f}M parameters{local} | {len(data.train):,} training samples of "
             f"{cfg.model.seq_length} tokens | {cfg.train.precision.value}"
         )
         return trainer.run()

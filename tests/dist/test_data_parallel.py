@@ -23,7 +23,10 @@ from tests.helpers import tiny_config
 
 pytestmark = pytest.mark.dist
 
-SETTINGS = {"train": {"micro_batch_size": 2, "global_batch_size": 8, "steps": 4}}
+# A checkpoint mid-run: saving (which gathers shards) must not disturb training.
+SETTINGS = {
+    "train": {"micro_batch_size": 2, "global_batch_size": 8, "steps": 4, "save_interval": 2}
+}
 
 LAYOUTS = {  # name: (world size, parallel section)
     "dp2": (2, {}),

@@ -14,10 +14,11 @@ import torch.nn.functional as F
 
 from ptdp.config import RunConfig, apply_updates
 from ptdp.model.gpt import GPT, TPContext, TransformerLayer
+from ptdp.model.init import apply_init
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
 from ptdp.parallel.grads import clip_gradients, reduce_sequence_parallel_grads
-from ptdp.parallel.init import ShardSpec, full_tensor, padded, shard_spec
+from ptdp.parallel.init import ShardSpec, full_tensor, padded, rank_rng, shard_spec
 from ptdp.parallel.loss import vocab_parallel_cross_entropy
 from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tests.dist.harness import run_ranks
@@ -227,8 +228,40 @@ def _compare_params(model: GPT, ref: GPT, tp: Group, degenerate: set[str], what:
     assert (diff / total) ** 0.5 < 1e-5, f"{what}: whole model"
 
 
+def _gathered(x: torch.Tensor, tp: Group) -> list[torch.Tensor]:
+    return list(comm.gather_full(x.contiguous(), tp, 0).chunk(tp.size))
+
+
+def _check_dropout_streams(tp: Group) -> None:
+    """Replicated regions: the same random numbers on every rank; split regions: not."""
+    torch.manual_seed(11)  # the shared stream, seeded alike on every rank
+    shared = torch.rand(4)
+    with rank_rng(tp, torch.device("cpu")):
+        own = torch.rand(4)
+    after = torch.rand(4)
+    shared_all, own_all, after_all = (_gathered(t, tp) for t in (shared, own, after))
+    assert all(torch.equal(t, shared_all[0]) for t in shared_all)
+    assert all(torch.equal(t, after_all[0]) for t in after_all)  # stream stays in step
+    assert len({tuple(t.tolist()) for t in own_all}) == tp.size  # one stream per rank
+
+    cfg = _model_cfg({"dropout": 0.5})
+    for sp in (False, True):
+        torch.manual_seed(12)
+        layer = TransformerLayer(cfg, TPContext(tp, sp)).train()
+        apply_init(layer, seed=3, base_std=0.02, num_layers=1, tp=tp)
+        x = torch.randn(16 // tp.size if sp else 16, 2, 32)
+        if not sp:
+            x = _gathered(x, tp)[0]  # a replicated input
+        out = _gathered(layer(x), tp)
+        if sp:  # sequence slices: masks differ, so no two slices' outputs are alike
+            assert not torch.allclose(out[0], out[1])
+        else:  # the residual-dropout masks agree: the replicated output is identical
+            assert all(torch.equal(o, out[0]) for o in out)
+
+
 def _check_model(rank: int, world_size: int) -> None:
     tp = Group(None, world_size, rank)
+    _check_dropout_streams(tp)
     for family, options in FAMILIES.items():
         for sp in (False, True):
             cfg = _model_cfg(options)

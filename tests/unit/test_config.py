@@ -83,24 +83,39 @@ INVALID = [
     ({"model": {"hidden_size": 250, "num_heads": 4}}, 1, "not divisible by model.num_heads = 4"),
     ({"model": {"num_heads": 8, "num_query_groups": 3}}, 1, "does not divide model.num_heads"),
     ({"model": {"num_layers": 0}}, 1, "model.num_layers = 0 must be > 0"),
-    ({"model": {"hidden_size": 20, "num_heads": 4, "position_embedding": "rope"}}, 1,
-     "even head size"),
+    (
+        {"model": {"hidden_size": 20, "num_heads": 4, "position_embedding": "rope"}},
+        1,
+        "even head size",
+    ),
     ({"model": {"dropout": 1.0}}, 1, "model.dropout = 1.0 must be in [0, 1)"),
-    ({"model": {"num_heads": 6, "hidden_size": 384}, "parallel": {"tp": 4}}, 4,
-     "model.num_heads = 6 is not divisible by parallel.tp = 4"),
-    ({"model": {"num_heads": 8, "num_query_groups": 2}, "parallel": {"tp": 4}}, 4,
-     "model.num_query_groups = 2 is not divisible by parallel.tp = 4"),
+    (
+        {"model": {"num_heads": 6, "hidden_size": 384}, "parallel": {"tp": 4}},
+        4,
+        "model.num_heads = 6 is not divisible by parallel.tp = 4",
+    ),
+    (
+        {"model": {"num_heads": 8, "num_query_groups": 2}, "parallel": {"tp": 4}},
+        4,
+        "model.num_query_groups = 2 is not divisible by parallel.tp = 4",
+    ),
     ({"model": {"ffn_hidden_size": 1001}, "parallel": {"tp": 2}}, 2, "MLP width 1001"),
-    ({"model": {"seq_length": 255}, "parallel": {"tp": 2, "sequence_parallel": True}}, 2,
-     "model.seq_length = 255 is not divisible by parallel.tp = 2"),
+    (
+        {"model": {"seq_length": 255}, "parallel": {"tp": 2, "sequence_parallel": True}},
+        2,
+        "model.seq_length = 255 is not divisible by parallel.tp = 2",
+    ),
     ({"parallel": {"pp": 2}}, 2, "pipeline parallelism is not available"),
     ({"parallel": {"dp": 2}}, 3, "does not match the world size 3"),
     ({"parallel": {"tp": 2}}, 3, "world size 3 is not divisible by tp*pp"),
     ({"parallel": {"vpp": 2}}, 1, "needs the interleaved schedule"),
     ({"parallel": {"schedule": "interleaved"}}, 1, "needs parallel.vpp >= 2"),
     ({"parallel": {"sequence_parallel": True}}, 1, "needs parallel.tp > 1"),
-    ({"train": {"global_batch_size": 12, "micro_batch_size": 8}}, 1,
-     "global_batch_size = 12 is not divisible by micro_batch_size*dp"),
+    (
+        {"train": {"global_batch_size": 12, "micro_batch_size": 8}},
+        1,
+        "global_batch_size = 12 is not divisible by micro_batch_size*dp",
+    ),
     ({"train": {"global_batch_size": 8, "micro_batch_size": 4}}, 4, "micro_batch_size*dp = 4*4"),
     ({"train": {"precision": "fp16"}}, 1, "needs dynamic loss scaling"),
     ({"optim": {"lr": 1e-4, "min_lr": 1e-3}}, 1, "optim.min_lr = 0.001 must be in [0"),
@@ -121,9 +136,7 @@ def test_invalid_configs_are_rejected(updates: dict, world: int, message: str) -
 
 
 def test_all_problems_reported_together() -> None:
-    cfg = apply_updates(
-        RunConfig(), {"model": {"num_layers": 0}, "parallel": {"pp": 2}}, "test"
-    )
+    cfg = apply_updates(RunConfig(), {"model": {"num_layers": 0}, "parallel": {"pp": 2}}, "test")
     with pytest.raises(ConfigError) as info:
         validate(cfg, 2)
     text = str(info.value)
@@ -149,8 +162,19 @@ def test_help_lists_every_field_with_its_doc() -> None:
 
 
 def test_toml_round_trip(tmp_path: Path) -> None:
-    cfg = resolve(None, ["--model.activation", "swiglu", "--data.path", 'a "quoted" path',
-                         "--optim.lr", "1e-3", "--train.tensorboard", "true"])
+    cfg = resolve(
+        None,
+        [
+            "--model.activation",
+            "swiglu",
+            "--data.path",
+            'a "quoted" path',
+            "--optim.lr",
+            "1e-3",
+            "--train.tensorboard",
+            "true",
+        ],
+    )
     path = tmp_path / "config.toml"
     path.write_text(to_toml(cfg))
     assert load_toml(path) == cfg

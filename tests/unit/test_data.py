@@ -294,6 +294,7 @@ def test_splits_disjoint_and_cover(stream: tuple[Path, np.ndarray]) -> None:
         train.stop,
         len(tokens),
     )
+
     def positions(ds: GPTDataset) -> set[int]:
         return {ds.start + ds.window_of(k) * 5 + i for k in range(len(ds)) for i in range(6)}
 

@@ -14,15 +14,28 @@ from ptdp.perf.flops import (
 
 # Table 1 of the paper: (params in billions, heads, hidden, layers).
 TABLE_1 = [
-    (1.7, 24, 2304, 24), (3.6, 32, 3072, 30), (7.5, 32, 4096, 36), (18.4, 48, 6144, 40),
-    (39.1, 64, 8192, 48), (76.1, 80, 10240, 60), (145.6, 96, 12288, 80),
-    (310.1, 128, 16384, 96), (529.6, 128, 20480, 105), (1008.0, 160, 25600, 128),
+    (1.7, 24, 2304, 24),
+    (3.6, 32, 3072, 30),
+    (7.5, 32, 4096, 36),
+    (18.4, 48, 6144, 40),
+    (39.1, 64, 8192, 48),
+    (76.1, 80, 10240, 60),
+    (145.6, 96, 12288, 80),
+    (310.1, 128, 16384, 96),
+    (529.6, 128, 20480, 105),
+    (1008.0, 160, 25600, 128),
 ]
 
 
 def gpt(heads: int, hidden: int, layers: int, **kw) -> RunConfig:
-    model = {"num_heads": heads, "hidden_size": hidden, "num_layers": layers,
-             "seq_length": 2048, "vocab_size": 51200, **kw}
+    model = {
+        "num_heads": heads,
+        "hidden_size": hidden,
+        "num_layers": layers,
+        "seq_length": 2048,
+        "vocab_size": 51200,
+        **kw,
+    }
     return apply_updates(RunConfig(), {"model": model}, "test")
 
 
@@ -49,9 +62,19 @@ def test_model_flops_without_recompute_is_the_72_form() -> None:
 
 def test_hand_computed_small_model() -> None:
     # h=4, s=2, one layer, V=10, f=16: qkv 2*4*12=96, proj 32, mlp 4*4*16=256, core 4*2*4=32.
-    cfg = apply_updates(RunConfig(), {"model": {
-        "num_layers": 1, "hidden_size": 4, "num_heads": 1, "seq_length": 2, "vocab_size": 10,
-    }}, "t").model
+    cfg = apply_updates(
+        RunConfig(),
+        {
+            "model": {
+                "num_layers": 1,
+                "hidden_size": 4,
+                "num_heads": 1,
+                "seq_length": 2,
+                "vocab_size": 10,
+            }
+        },
+        "t",
+    ).model
     forward_layer = 96 + 32 + 256 + 32
     assert flops_per_token(cfg) == 3 * forward_layer + 3 * 2 * 4 * 10
     assert flops_per_token(cfg, Recompute.SELECTIVE) == flops_per_token(cfg) + 32

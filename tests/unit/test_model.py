@@ -13,14 +13,17 @@ from ptdp.model.gpt import GPT, Rotary, count_parameters
 from ptdp.perf.flops import paper_parameter_count
 
 LLAMA = {
-    "position_embedding": "rope", "normalization": "rmsnorm", "activation": "swiglu",
-    "num_query_groups": 2, "tie_embeddings": False, "bias": False,
+    "position_embedding": "rope",
+    "normalization": "rmsnorm",
+    "activation": "swiglu",
+    "num_query_groups": 2,
+    "tie_embeddings": False,
+    "bias": False,
 }
 
 
 def model_cfg(**kw) -> ModelConfig:
-    base = {"num_layers": 3, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
-            "vocab_size": 50}
+    base = {"num_layers": 3, "hidden_size": 32, "num_heads": 4, "seq_length": 16, "vocab_size": 50}
     return apply_updates(RunConfig(), {"model": {**base, **kw}}, "test").model
 
 
@@ -64,7 +67,7 @@ def naive_attention(attn, x: torch.Tensor, rotary: Rotary | None) -> torch.Tenso
     """Per-head loops, explicit mask: an independent statement of the attention math."""
     s, b, h = x.shape
     n, g, d = attn.num_heads, attn.groups, attn.head_dim
-    qkv = (x @ attn.qkv.weight.t() + (attn.qkv.bias if attn.qkv.bias is not None else 0))
+    qkv = x @ attn.qkv.weight.t() + (attn.qkv.bias if attn.qkv.bias is not None else 0)
     per_group = qkv.view(s, b, g, n // g + 2, d)
     mask = torch.ones(s, s).tril().bool()
     heads = []
@@ -89,8 +92,10 @@ def test_attention_matches_naive(options: dict) -> None:
     x = torch.randn(16, 3, 32)
     layer = model.layers["0"]
     torch.testing.assert_close(
-        layer.attn(x, model.rotary), naive_attention(layer.attn, x, model.rotary),
-        rtol=1e-5, atol=1e-6,
+        layer.attn(x, model.rotary),
+        naive_attention(layer.attn, x, model.rotary),
+        rtol=1e-5,
+        atol=1e-6,
     )
 
 

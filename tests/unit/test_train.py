@@ -19,7 +19,8 @@ from tests.helpers import make_corpus, tiny_config
 
 def test_tiny_model_learns(tiny_data: str, tmp_path: Path) -> None:
     cfg = tiny_config(
-        tiny_data, tmp_path / "run",
+        tiny_data,
+        tmp_path / "run",
         train={"steps": 40, "log_interval": 10, "eval_interval": 20, "eval_iters": 2},
     )
     result = train(cfg)
@@ -35,7 +36,10 @@ def test_tiny_model_learns(tiny_data: str, tmp_path: Path) -> None:
         assert all(r[key] > 0 for r in train_records), key
     assert [r["step"] for r in records if "val_loss" in r] == [20, 40]
     assert load_toml(tmp_path / "run" / "config.toml") == cfg.__class__(
-        **{**cfg.__dict__, "model": cfg.model.__class__(**{**cfg.model.__dict__, "vocab_size": 257})}
+        **{
+            **cfg.__dict__,
+            "model": cfg.model.__class__(**{**cfg.model.__dict__, "vocab_size": 257}),
+        }
     )
 
 
@@ -57,8 +61,9 @@ def test_resume_is_bitwise_exact(tiny_data: str, tmp_path: Path) -> None:
 
 
 def test_checkpoints_rotate_and_refuse_overwrite(tiny_data: str, tmp_path: Path) -> None:
-    cfg = tiny_config(tiny_data, tmp_path / "run",
-                      train={"steps": 4, "save_interval": 1, "keep_checkpoints": 2})
+    cfg = tiny_config(
+        tiny_data, tmp_path / "run", train={"steps": 4, "save_interval": 1, "keep_checkpoints": 2}
+    )
     train(cfg)
     root = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000003", "step_00000004"]
@@ -72,8 +77,7 @@ def test_checkpoints_rotate_and_refuse_overwrite(tiny_data: str, tmp_path: Path)
 
 def test_resume_with_another_model_is_refused(tiny_data: str, tmp_path: Path) -> None:
     train(tiny_config(tiny_data, tmp_path / "run", train={"steps": 2}))
-    other = tiny_config(tiny_data, tmp_path / "run", train={"steps": 4},
-                        model={"hidden_size": 64})
+    other = tiny_config(tiny_data, tmp_path / "run", train={"steps": 4}, model={"hidden_size": 64})
     with pytest.raises(CheckpointError, match="hidden_size: 32 -> 64"):
         train(other, resume=True)
     # The refused run changed nothing: the run's recorded config is still the old one.
@@ -91,35 +95,67 @@ def test_corrupt_checkpoint_is_named(tiny_data: str, tmp_path: Path) -> None:
 
 def test_generate_from_checkpoint(tiny_data: str, tmp_path: Path) -> None:
     train(tiny_config(tiny_data, tmp_path / "run", train={"steps": 2}))
-    texts = sample_from_checkpoint(tmp_path / "run", "to be", max_new_tokens=10,
-                                   num_samples=2, seed=3)
+    texts = sample_from_checkpoint(
+        tmp_path / "run", "to be", max_new_tokens=10, num_samples=2, seed=3
+    )
     assert len(texts) == 2 and all(t.startswith("to be") for t in texts)
-    again = sample_from_checkpoint(tmp_path / "run", "to be", max_new_tokens=10,
-                                   num_samples=2, seed=3)
+    again = sample_from_checkpoint(
+        tmp_path / "run", "to be", max_new_tokens=10, num_samples=2, seed=3
+    )
     assert texts == again
 
 
 def test_cli_preprocess_train_generate(tmp_path: Path, capsys) -> None:
     make_corpus(tmp_path / "text", docs=4)
     prefix = str(tmp_path / "data" / "c")
-    assert main(["preprocess", "--input", str(tmp_path / "text"), "--output-prefix", prefix,
-                 "--tokenizer", "bpe", "--vocab-size", "300"]) == 0
+    assert (
+        main(
+            [
+                "preprocess",
+                "--input",
+                str(tmp_path / "text"),
+                "--output-prefix",
+                prefix,
+                "--tokenizer",
+                "bpe",
+                "--vocab-size",
+                "300",
+            ]
+        )
+        == 0
+    )
     assert "4 documents" in capsys.readouterr().out
-    cfg = tiny_config(prefix, tmp_path / "run", train={"steps": 2},
-                      data={"valid_fraction": 0.2})
+    cfg = tiny_config(prefix, tmp_path / "run", train={"steps": 2}, data={"valid_fraction": 0.2})
     config_file = tmp_path / "c.toml"
     config_file.write_text(to_toml(cfg))
     assert main(["train", "--config", str(config_file), "--train.steps", "3"]) == 0
     out = capsys.readouterr().out
     assert "step      3 | loss" in out and "vocab_size" not in out
-    assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "to be",
-                 "--max-new-tokens", "5"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(tmp_path / "run"),
+                "--prompt",
+                "to be",
+                "--max-new-tokens",
+                "5",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("to be")
 
 
 def test_bf16_autocast_and_tensorboard(tiny_data: str, tmp_path: Path) -> None:
-    result = train(tiny_config(tiny_data, tmp_path / "run",
-                               train={"steps": 3, "precision": "bf16", "tensorboard": True}))
+    result = train(
+        tiny_config(
+            tiny_data,
+            tmp_path / "run",
+            train={"steps": 3, "precision": "bf16", "tensorboard": True},
+        )
+    )
     assert all(torch.isfinite(torch.tensor(v)) for v in result.losses.values())
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
@@ -134,8 +170,16 @@ def test_data_errors_before_training(tiny_data: str, tmp_path: Path) -> None:
 
 
 def test_cli_train_dry_run_and_errors(tiny_data: str, tmp_path: Path, capsys) -> None:
-    args = ["train", "--dry-run", "--data.path", tiny_data, "--model.num_layers", "2",
-            "--train.run_dir", str(tmp_path / "run")]
+    args = [
+        "train",
+        "--dry-run",
+        "--data.path",
+        tiny_data,
+        "--model.num_layers",
+        "2",
+        "--train.run_dir",
+        str(tmp_path / "run"),
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "vocab_size = 257" in out and "# layout: world=1" in out

@@ -1,0 +1,58 @@
+"""Rank <-> (tp, dp, pp) coordinates and groups: pure logic, no processes."""
+
+from __future__ import annotations
+
+from itertools import product
+
+import pytest
+
+from ptdp.parallel.mesh import ORDER, MeshShape, ParallelMesh
+
+SHAPES = [MeshShape(t, d, p) for t, d, p in product([1, 2, 4], [1, 2, 3], [1, 2, 4])]
+
+
+def test_order_is_tensor_then_data_then_pipeline() -> None:
+    assert ORDER == ("tp", "dp", "pp")
+    shape = MeshShape(tp=2, dp=2, pp=2)
+    # rank = tp + t * (dp + d * pp)
+    assert [tuple(shape.coords(r).values()) for r in range(8)] == [
+        (0, 0, 0),
+        (1, 0, 0),
+        (0, 1, 0),
+        (1, 1, 0),
+        (0, 0, 1),
+        (1, 0, 1),
+        (0, 1, 1),
+        (1, 1, 1),
+    ]
+    assert shape.group_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert shape.group_ranks("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert shape.group_ranks("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert shape.embedding_group_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert MeshShape(tp=1, dp=1, pp=4).embedding_group_ranks() == [[0, 3]]
+    assert MeshShape(tp=2, dp=1, pp=1).embedding_group_ranks() == [[0], [1]]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_coordinates_round_trip_and_groups_partition(shape: MeshShape) -> None:
+    for rank in range(shape.world_size):
+        assert shape.rank_of(**shape.coords(rank)) == rank
+    for axis in ORDER:
+        groups = shape.group_ranks(axis)
+        assert sorted(r for g in groups for r in g) == list(range(shape.world_size))
+        assert all(len(g) == getattr(shape, axis) for g in groups)
+        for g in groups:  # members differ only along `axis`
+            others = {tuple(v for a, v in shape.coords(r).items() if a != axis) for r in g}
+            assert len(others) == 1
+
+
+def test_two_meshes_coexist_and_describe_themselves() -> None:
+    a = ParallelMesh(MeshShape(2, 2, 1), rank=3)
+    b = ParallelMesh(MeshShape(1, 4, 1), rank=3)
+    assert (a.coord("tp"), a.coord("dp")) == (1, 1)
+    assert (b.coord("tp"), b.coord("dp")) == (0, 3)
+    assert str(a) == "TP(1/2)-DP(1/2)-PP(0/1)-Rank(3)"
+    single = ParallelMesh.single()
+    assert single.axis("tp").size == 1 and single.axis("dp").rank == 0
+    with pytest.raises(ValueError, match="rank 4 outside a mesh of 4"):
+        MeshShape(2, 2, 1).coords(4)
