@@ -349,6 +349,8 @@ def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None)
             f"{n_params / 1e6:.2f}M parameters{local} | {len(data.train):,} training samples of "
             f"{cfg.model.seq_length} tokens | {cfg.train.precision.value}"
         )
-        return trainer.run()
+        result = trainer.run()
+        barrier(None, env.world_size)  # leave together (see destroy_process_group)
+        return result
     finally:
         destroy_process_group()

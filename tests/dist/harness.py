@@ -37,6 +37,11 @@ def _child(
         )
         torch.manual_seed(1000 + index)
         fn(index, world_size, *args)
+        if dist.is_initialized():
+            # Tear down together: a rank that closes its gloo connections while a peer is
+            # still using them can abort that peer ("terminate called without an active
+            # exception").
+            dist.barrier()
     except BaseException:
         errors.put((index, traceback.format_exc()))
         raise
