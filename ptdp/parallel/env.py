@@ -40,12 +40,14 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return device
 
 
-def init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float = 300) -> None:
-    """Start the default group (NCCL on GPUs, gloo on CPUs); nothing for one process."""
+def init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float = 300) -> bool:
+    """Start the default group (NCCL on GPUs, gloo on CPUs) unless one process or a group
+    already exists (a test harness, a notebook). Returns whether this call created it."""
     if env.world_size == 1 or dist.is_initialized():
-        return
+        return False
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return True
 
 
 def destroy_process_group() -> None:

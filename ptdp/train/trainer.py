@@ -88,7 +88,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, layout: Layout, env: LaunchEnv, data: RunData) -> None:
         self.cfg, self.layout, self.env, self.data = cfg, layout, env, data
         self.device = pick_device(cfg.train.device, env.local_rank)
-        init_process_group(env, self.device)
+        self.owns_process_group = init_process_group(env, self.device)
         self.mesh = (
             ParallelMesh.build(MeshShape(layout.tp, layout.dp, layout.pp), env.rank)
             if env.world_size > 1
@@ -330,8 +330,9 @@ def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None)
     cfg, layout, data = prepare(cfg, env)
     step_dir = _checkpoint_to_resume(cfg, resume)
     run_dir = Path(cfg.train.run_dir)
+    trainer = None
     try:
-        trainer = Trainer(cfg, layout, env, data)  # creates the process group
+        trainer = Trainer(cfg, layout, env, data)  # creates the process group if none
         if step_dir is not None:
             trainer.restore(step_dir)
             trainer.say(f"resumed from {step_dir} at step {trainer.step}")
@@ -353,4 +354,5 @@ def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None)
         barrier(None, env.world_size)  # leave together (see destroy_process_group)
         return result
     finally:
-        destroy_process_group()
+        if trainer is None or trainer.owns_process_group:
+            destroy_process_group()

@@ -38,6 +38,6 @@ def test_collectives_and_errors() -> None:
 
 def test_hang_is_reported() -> None:
     start = time.monotonic()
-    with pytest.raises(RankError, match=r"ranks \[0\] still running"):
+    with pytest.raises(RankError, match=r"ranks \[0(, 1)?\] still running"):
         run_ranks(_hang_on_rank_0, 2, timeout_s=8)
     assert time.monotonic() - start < 30
