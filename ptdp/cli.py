@@ -106,7 +106,13 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
         help="a run directory (uses its latest checkpoint) or a step directory",
     )
     p.add_argument("--prompt", default="", help="text to continue (default: empty)")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=200,
+        metavar="N",
+        help="tokens to generate (default: 200)",
+    )
     p.add_argument(
         "--temperature",
         type=float,
@@ -115,8 +121,16 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--top-k", type=int, default=50, help="sample from the k likeliest (0 = all)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--num-samples", type=int, default=1, metavar="N")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=1,
+        metavar="N",
+        help="independent samples of the same prompt (default: 1)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="sampling seed: same seed, same text (default: 0)"
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
 
 
