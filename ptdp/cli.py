@@ -134,6 +134,41 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
 
 
+def _schedule_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "schedule",
+        help="print a pipeline schedule's per-rank actions and check it",
+        description=(
+            "Build a pipeline schedule, add its sends and receives, verify it (dependencies, "
+            "matching sends/receives, no deadlock, in-flight activations) and print the "
+            "step x rank table with its unit-cost bubble. No cluster needed."
+        ),
+    )
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
+        help="schedule name, as in parallel.schedule (default: 1f1b)",
+    )
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default: 4)")
+    p.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        help="model chunks per rank; >= 2 for interleaved (default: 1)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=8,
+        metavar="M",
+        help="microbatches per pipeline per step (default: 8)",
+    )
+    p.add_argument(
+        "--no-comms", action="store_true", help="show compute actions only (no SEND/RECV rows)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ptdp",
@@ -144,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _preprocess_parser(sub)
     _generate_parser(sub)
+    _schedule_parser(sub)
     return parser
 
 
@@ -202,6 +238,30 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from ptdp.pipeline.schedules import add_comms, build, in_flight_bound
+    from ptdp.pipeline.verify import ScheduleError, format_table, verify
+
+    pp, m, vpp = args.pp, args.microbatches, args.vpp
+    try:
+        plan = build(args.schedule, pp, m, vpp)
+        lowered = add_comms(plan, pp, vpp)
+        bound = in_flight_bound(args.schedule, pp, m, vpp)
+        report = verify(lowered, pp, vpp, m, max_in_flight=bound)
+    except (ValueError, ScheduleError) as exc:
+        print(f"ptdp schedule: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(plan if args.no_comms else lowered))
+    theory = (pp - 1) / (vpp * m) if args.schedule != "zb-h1" else (pp - 1) / (3 * m)
+    print(
+        f"\n{args.schedule}: pp={pp} vpp={vpp} microbatches={m} | unit-cost makespan "
+        f"{report.makespan} (ideal {report.ideal}) | bubble {report.bubble_fraction:.4f} "
+        f"(theory {theory:.4f}) | peak in-flight activations per rank "
+        f"{list(report.peak_in_flight)}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -213,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "preprocess":
             return _cmd_preprocess(args)
+        if args.command == "schedule":
+            return _cmd_schedule(args)
         return _cmd_generate(args)
     except PtdpError as exc:
         print(f"ptdp {args.command}: error: {exc}", file=sys.stderr)

@@ -1,0 +1,260 @@
+"""Pipeline schedules as pure functions of ints: each builder returns a compute-only `Plan`.
+
+A new schedule is one builder here plus its `SCHEDULES` entry; the runtime never grows a branch
+for it (DESIGN invariant 1). `add_comms` lowers a compute-only plan to one with explicit
+send/recv actions, which is what the runtime executes and `verify` checks.
+
+Letters: pp = pipeline ranks, vpp = model chunks per rank, m = microbatches per pipeline per
+step, r = pipeline rank (0 first). Rank r holds the global virtual stages r, r + pp, r + 2 pp, ...
+(Megatron's interleaving), so stage s runs on rank s % pp.
+
+Sources: GPipe (Huang et al., arXiv 1811.06965); 1F1B = PipeDream-Flush and interleaved 1F1B
+(Narayanan et al., arXiv 2104.04473, section 2.2); ZB-H1 (Qi et al., arXiv 2401.10241).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from ptdp.pipeline.actions import Action, Kind, Plan
+
+Builder = Callable[[int, int, int], Plan]
+"""Registry signature: (pp, m, vpp) -> compute-only plan."""
+
+
+def stage_to_rank(stage: int, pp: int) -> int:
+    """Pipeline rank that runs global virtual `stage`."""
+    return stage % pp
+
+
+def stages_of_rank(rank: int, pp: int, vpp: int) -> list[int]:
+    """Global virtual stages on `rank`, in chunk order: rank, rank + pp, rank + 2 pp, ..."""
+    return [chunk * pp + rank for chunk in range(vpp)]
+
+
+def gpipe(pp: int, m: int) -> Plan:
+    """GPipe: every rank runs all forwards, then all fused backwards.
+
+    Backwards run in increasing microbatch order (as PyTorch's ScheduleGPipe does, rather than
+    the GPipe paper's last-in-first-out), so every schedule accumulates weight gradients in the
+    same microbatch order and gives bitwise-identical sums. The bubble is the same either way.
+    """
+    return {
+        r: [Action(Kind.F, r, mb) for mb in range(m)] + [Action(Kind.BW, r, mb) for mb in range(m)]
+        for r in range(pp)
+    }
+
+
+def one_f_one_b_warmup(rank: int, pp: int, m: int) -> int:
+    """Forwards a rank runs before its first backward in 1F1B (and ZB-H1)."""
+    return min(pp - rank - 1, m)
+
+
+def one_f_one_b(pp: int, m: int) -> Plan:
+    """1F1B (PipeDream-Flush): warm-up forwards, steady one forward + one backward, cool-down.
+
+    At most pp - rank microbatches are in flight on a rank, against m for GPipe, with the same
+    bubble (pp - 1) / m.
+    """
+    plan: Plan = {}
+    for r in range(pp):
+        warmup = one_f_one_b_warmup(r, pp, m)
+        actions = [Action(Kind.F, r, mb) for mb in range(warmup)]
+        for i in range(m - warmup):
+            actions += [Action(Kind.F, r, warmup + i), Action(Kind.BW, r, i)]
+        actions += [Action(Kind.BW, r, mb) for mb in range(m - warmup, m)]
+        plan[r] = actions
+    return plan
+
+
+def interleaved_warmup(rank: int, pp: int, m: int, vpp: int) -> int:
+    """Forwards before the first backward in interleaved 1F1B (Megatron's formula)."""
+    return min(2 * (pp - rank - 1) + (vpp - 1) * pp, m * vpp)
+
+
+def _virtual_mb(k: int, pp: int, vpp: int, *, forward: bool) -> tuple[int, int]:
+    """(chunk, microbatch) of the k-th forward or backward on a rank, in Megatron's order.
+
+    Microbatches go through in groups of pp: a group runs on chunk 0, then chunk 1, ..., before
+    the next group starts; backwards visit the chunks in reverse.
+    """
+    chunk = (k // pp) % vpp
+    mb = (k // (pp * vpp)) * pp + k % pp
+    return (chunk if forward else vpp - 1 - chunk), mb
+
+
+def interleaved(pp: int, m: int, vpp: int) -> Plan:
+    """Interleaved 1F1B: vpp model chunks per rank shrink the bubble to (pp - 1) / (vpp * m).
+
+    Requires vpp >= 2 and m a multiple of pp, as the microbatches go through in groups of pp.
+    """
+    _check_interleaved(pp, m, vpp)
+    return {r: _interleaved_rank(r, pp, m, vpp) for r in range(pp)}
+
+
+def _interleaved_rank(rank: int, pp: int, m: int, vpp: int) -> list[Action]:
+    def act(kind: Kind, k: int) -> Action:
+        chunk, mb = _virtual_mb(k, pp, vpp, forward=kind is Kind.F)
+        return Action(kind, chunk * pp + rank, mb)
+
+    total = m * vpp
+    warmup = interleaved_warmup(rank, pp, m, vpp)
+    actions = [act(Kind.F, k) for k in range(warmup)]
+    for i in range(total - warmup):
+        actions += [act(Kind.F, warmup + i), act(Kind.BW, i)]
+    return actions + [act(Kind.BW, k) for k in range(total - warmup, total)]
+
+
+def zb_h1(pp: int, m: int) -> Plan:
+    """ZB-H1 (Qi et al., arXiv 2401.10241): 1F1B with the backward split into B and W.
+
+    F and B run in 1F1B's order, so in-flight activations (forwards whose B has not run) stay
+    within 1F1B's pp - rank. W needs no neighbour, so it can wait: after each B, rank r runs
+    the oldest pending W only if more than r are pending, and runs the r held back at the end.
+
+    Why r: the last microbatch's B still has r ranks to pass after it leaves rank r, so rank r
+    would idle r slots at the end; its r deferred W's fill them (at T_F = T_B = T_W every rank
+    then ends together). The bubble falls from 1F1B's (pp - 1)(T_F + T_B + T_W) to the
+    paper's (pp - 1)(T_F + T_B - T_W) for m >= pp; with fewer microbatches the dependency chain
+    through all stages is longer than that.
+    """
+    return {r: _zb_h1_rank(r, pp, m) for r in range(pp)}
+
+
+def _zb_h1_rank(rank: int, pp: int, m: int) -> list[Action]:
+    pending: deque[int] = deque()  # microbatches whose B ran and whose W has not
+
+    def backward(mb: int) -> list[Action]:
+        pending.append(mb)
+        done = [Action(Kind.B, rank, mb)]
+        if len(pending) > rank:
+            done.append(Action(Kind.W, rank, pending.popleft()))
+        return done
+
+    warmup = one_f_one_b_warmup(rank, pp, m)
+    actions = [Action(Kind.F, rank, mb) for mb in range(warmup)]
+    for i in range(m - warmup):
+        actions += [Action(Kind.F, rank, warmup + i), *backward(i)]
+    for mb in range(m - warmup, m):
+        actions += backward(mb)
+    return actions + [Action(Kind.W, rank, mb) for mb in pending]
+
+
+def _one_chunk(builder: Callable[[int, int], Plan]) -> Builder:
+    """Adapt a builder without model chunks to the registry's (pp, m, vpp) signature."""
+
+    def build_one_chunk(pp: int, m: int, vpp: int) -> Plan:
+        return builder(pp, m)
+
+    return build_one_chunk
+
+
+SCHEDULES: dict[str, Builder] = {
+    "gpipe": _one_chunk(gpipe),
+    "1f1b": _one_chunk(one_f_one_b),
+    "interleaved": interleaved,
+    "zb-h1": _one_chunk(zb_h1),
+}
+"""Builders by the config's schedule names (`ptdp.config.Schedule` values)."""
+
+INTERLEAVED = frozenset({"interleaved"})
+"""Schedules that take vpp >= 2 model chunks per rank; every other one takes vpp = 1."""
+
+
+def _check_interleaved(pp: int, m: int, vpp: int) -> None:
+    if vpp < 2:
+        raise ValueError(
+            f"interleaved needs vpp >= 2 model chunks per rank, got vpp = {vpp}; "
+            "set vpp >= 2 or use the 1f1b schedule"
+        )
+    if m % pp:
+        lower, upper = (m // pp) * pp, (m // pp + 1) * pp
+        near = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ValueError(
+            f"interleaved needs the number of microbatches m = {m} to be a multiple of pp = {pp}; "
+            f"use m = {near}"
+        )
+
+
+def check_args(name: str, pp: int, m: int, vpp: int = 1) -> None:
+    """Raise ValueError, naming the numbers and the fix, if `build` cannot make this plan."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if pp < 1:
+        raise ValueError(f"pp = {pp} pipeline ranks must be >= 1")
+    if m < 1:
+        raise ValueError(f"m = {m} microbatches must be >= 1")
+    if name in INTERLEAVED:
+        _check_interleaved(pp, m, vpp)
+    elif vpp != 1:
+        raise ValueError(
+            f"schedule {name!r} runs one model chunk per rank but vpp = {vpp}; "
+            "set vpp = 1 or use the interleaved schedule"
+        )
+
+
+def build(name: str, pp: int, m: int, vpp: int = 1) -> Plan:
+    """Compute-only plan of schedule `name` (a `SCHEDULES` key) after checking the arguments."""
+    check_args(name, pp, m, vpp)
+    return SCHEDULES[name](pp, m, vpp)
+
+
+def _all_microbatches(pp: int, m: int) -> list[int]:
+    return [m] * pp
+
+
+def _pp_minus_rank(pp: int, m: int) -> list[int]:
+    return [pp - r for r in range(pp)]
+
+
+_IN_FLIGHT_BOUNDS: dict[str, Callable[[int, int], list[int]]] = {
+    "gpipe": _all_microbatches,
+    "1f1b": _pp_minus_rank,
+    "zb-h1": _pp_minus_rank,
+}
+
+
+def in_flight_bound(name: str, pp: int, m: int, vpp: int = 1) -> list[int] | None:
+    """Most activations each rank may stash under schedule `name`; None where only reported.
+
+    GPipe stashes all m; 1F1B and ZB-H1 at most pp - rank (the paper's p * M_B on rank 0).
+    Interleaved has no simple closed form (Korthikanti et al. give the first stage's), so
+    `verify` only reports it.
+    """
+    check_args(name, pp, m, vpp)
+    bound = _IN_FLIGHT_BOUNDS.get(name)
+    return None if bound is None else bound(pp, m)
+
+
+def add_comms(plan: Plan, pp: int, vpp: int) -> Plan:
+    """Lower a compute-only plan: add the sends and receives between neighbouring stages.
+
+    RECV_F goes right before each F of a stage > 0 and SEND_F right after each F of a stage
+    below the last; RECV_B/SEND_B do the same around each B or BW. Transfers whose two stages
+    share a rank (only when pp == 1) stay in memory and get no action. Receives are placed as
+    late as possible and sends as early as possible, so a rank blocks only when it must.
+    """
+    last = pp * vpp - 1
+    lowered: Plan = {}
+    for rank, actions in plan.items():
+        out: list[Action] = []
+        for a in actions:
+            if a.kind is Kind.F:
+                before = _comm(Kind.RECV_F, a, a.stage - 1, pp, a.stage > 0)
+                after = _comm(Kind.SEND_F, a, a.stage + 1, pp, a.stage < last)
+            elif a.kind in (Kind.B, Kind.BW):
+                before = _comm(Kind.RECV_B, a, a.stage + 1, pp, a.stage < last)
+                after = _comm(Kind.SEND_B, a, a.stage - 1, pp, a.stage > 0)
+            else:
+                before = after = []
+            out += [*before, a, *after]
+        lowered[rank] = out
+    return lowered
+
+
+def _comm(kind: Kind, a: Action, peer_stage: int, pp: int, exists: bool) -> list[Action]:
+    """The transfer of `kind` for compute action `a`, if the peer stage exists on another rank."""
+    if not exists or stage_to_rank(peer_stage, pp) == stage_to_rank(a.stage, pp):
+        return []
+    return [Action(kind, a.stage, a.mb)]

@@ -1,0 +1,351 @@
+"""Checks that a pipeline plan can run, by rules and by a unit-time dry run of all ranks.
+
+`verify` returns a `ScheduleReport` or raises `ScheduleError` whose message names the problem
+and shows a step x rank table (one column per rank, one row per position in the rank's list,
+failing cells marked `<<`, after PyTorch's `_format_pipeline_order`). Rules, in check order:
+
+1. every action runs on its stage's rank (stage % pp), with stage < pp * vpp and mb < m;
+2. every (stage, mb) runs one F and either one BW or one B and one W;
+3. every action comes after what it needs on its own rank (F(s) after F(s - 1), B/BW(s) after
+   F(s) and B/BW(s + 1), W after its B, a SEND after the pass whose result it carries) and, in a
+   plan with comms, F and B/BW after the RECV that brings their input;
+4. with comms, each SEND has its RECV on the peer and vice versa, and on each channel (sender,
+   receiver, F or B) the receiver receives in the order the sender sends, as point-to-point
+   messages match in order;
+5. the dry run finishes (no deadlock);
+6. in-flight activations (forwards whose B or BW has not run) stay within a given bound.
+
+Dry-run model: F = B = W = 1 and BW = 2 time units; comms take no time; a SEND never blocks (the
+runtime posts it asynchronously) while a RECV blocks its rank until the matching SEND has run. A
+compute-only plan is dry-run with direct dependencies between stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from ptdp.pipeline.actions import BACKWARD_KINDS, Action, Kind, Plan
+from ptdp.pipeline.schedules import add_comms, build, in_flight_bound, stage_to_rank
+
+Cell = tuple[int, int]
+"""(rank, step): position of an action in a plan."""
+_Needs = list[tuple[Action, str]]  # what an action waits for, each with the reason
+
+MARK = "<<"
+UNIT_COST: dict[Kind, int] = {Kind.F: 1, Kind.B: 1, Kind.W: 1, Kind.BW: 2}
+"""Dry-run time of each compute kind; comm kinds take none."""
+CHUNK_COST = UNIT_COST[Kind.F] + UNIT_COST[Kind.B] + UNIT_COST[Kind.W]
+"""Ideal time of one microbatch through one model chunk (F + B + W, which BW equals)."""
+_CONTEXT = 6  # table rows kept around each marked cell in error messages
+
+_PEER_STEP = {Kind.SEND_F: 1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: 1}
+_MATCH = {Kind.SEND_F: Kind.RECV_F, Kind.RECV_F: Kind.SEND_F}
+_MATCH |= {Kind.SEND_B: Kind.RECV_B, Kind.RECV_B: Kind.SEND_B}
+
+
+class ScheduleError(ValueError):
+    """A plan that cannot run as written; the message marks where in a step x rank table."""
+
+
+@dataclass(frozen=True)
+class ScheduleReport:
+    """What the unit-time dry run of a valid plan measured."""
+
+    peak_in_flight: tuple[int, ...]
+    """Per rank: most forwards whose B or BW had not yet run."""
+    makespan: int
+    """Time units from the first action to the last, over all ranks."""
+    busy: tuple[int, ...]
+    """Per rank: time units spent computing."""
+    ideal: int
+    """m * vpp * (F + B + W): one rank's work with no bubble."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The paper's bubble time / ideal time, (makespan - ideal) / ideal.
+
+        1F1B gives (pp - 1) / m here; idle time over total time would be (pp - 1) / (m + pp - 1).
+        """
+        return (self.makespan - self.ideal) / self.ideal
+
+
+def verify(
+    plan: Plan, pp: int, vpp: int, m: int, *, max_in_flight: Sequence[int] | None = None
+) -> ScheduleReport:
+    """Check `plan` (with or without comms) against the rules above and dry-run it.
+
+    Args:
+        plan: rank -> actions, for ranks 0..pp-1.
+        pp, vpp, m: pipeline ranks, model chunks per rank, microbatches.
+        max_in_flight: per-rank bound on stashed activations; None only reports the peaks.
+    """
+    if sorted(plan) != list(range(pp)):
+        _fail(plan, f"plan has ranks {sorted(plan)}, but pp = {pp} needs ranks 0..{pp - 1}")
+    where = _check_placement(plan, pp, vpp, m)
+    _check_complete(plan, where, pp * vpp, m)
+    lowered = any(a.kind.is_comm for actions in plan.values() for a in actions)
+    needs = {
+        rank: [_needs(a, pp, pp * vpp - 1, lowered) for a in actions]
+        for rank, actions in plan.items()
+    }
+    _check_order(plan, where, needs)
+    if lowered:
+        _check_channels(plan, pp)
+    makespan, busy = _dry_run(plan, where, needs)
+    peaks = _check_in_flight(plan, max_in_flight)
+    return ScheduleReport(peaks, makespan, busy, m * vpp * CHUNK_COST)
+
+
+def verify_schedule(name: str, pp: int, m: int, vpp: int = 1) -> ScheduleReport:
+    """Build schedule `name`, lower it with comms and verify it against its in-flight bound."""
+    plan = add_comms(build(name, pp, m, vpp), pp, vpp)
+    return verify(plan, pp, vpp, m, max_in_flight=in_flight_bound(name, pp, m, vpp))
+
+
+def format_table(plan: Plan, marks: Collection[Cell] = (), context: int | None = None) -> str:
+    """Render `plan` with one column per rank and one row per step, marking `marks` cells.
+
+    With `context`, only rows within that many steps of a marked cell are kept.
+    """
+    ranks = sorted(plan)
+    rows = max((len(plan[r]) for r in ranks), default=0)
+    keep = range(rows)
+    if context is not None and marks:
+        near = {s for _, step in marks for s in range(step - context, step + context + 1)}
+        keep = [s for s in range(rows) if s in near]
+
+    def cell(rank: int, step: int) -> str:
+        if step >= len(plan[rank]):
+            return ""
+        return f"{plan[rank][step]} {MARK}" if (rank, step) in marks else str(plan[rank][step])
+
+    table = [["step", *(f"rank {r}" for r in ranks)]]
+    previous = -1
+    for step in keep:
+        if step != previous + 1:
+            table.append(["...", *("" for _ in ranks)])
+        table.append([str(step), *(cell(r, step) for r in ranks)])
+        previous = step
+    if previous != rows - 1:
+        table.append(["...", *("" for _ in ranks)])
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return "\n".join(
+        " | ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip() for row in table
+    )
+
+
+def _fail(plan: Plan, message: str, cells: Collection[Cell] = ()) -> NoReturn:
+    """Raise ScheduleError: `message`, then the plan's table around the `cells` marked."""
+    table = format_table(plan, cells, _CONTEXT)
+    raise ScheduleError(f"{message}\n{table}")
+
+
+def _at(cell: Cell) -> str:
+    return f"rank {cell[0]} step {cell[1]}"
+
+
+def _check_placement(plan: Plan, pp: int, vpp: int, m: int) -> dict[Action, Cell]:
+    """Index every action by its cell, rejecting misplaced and duplicated ones."""
+    where: dict[Action, Cell] = {}
+    for rank in sorted(plan):
+        for step, a in enumerate(plan[rank]):
+            here = (rank, step)
+            if a.stage >= pp * vpp or a.mb >= m:
+                limits = f"stage must be < {pp * vpp} and microbatch < {m}"
+                _fail(plan, f"{a} at {_at(here)}: {limits}", [here])
+            if stage_to_rank(a.stage, pp) != rank:
+                home = stage_to_rank(a.stage, pp)
+                _fail(
+                    plan, f"{a} runs on rank {rank}, but stage {a.stage} is on rank {home}", [here]
+                )
+            if a.kind.is_comm:
+                _check_peer(plan, a, here, pp, vpp)
+            if a in where:
+                _fail(plan, f"{a} runs twice: {_at(where[a])} and {_at(here)}", [where[a], here])
+            where[a] = here
+    return where
+
+
+def _check_complete(plan: Plan, where: dict[Action, Cell], stages: int, m: int) -> None:
+    """Every (stage, mb): one F and either one BW or one B and one W."""
+    for stage in range(stages):
+        for mb in range(m):
+            f, b, w, bw = (
+                where.get(Action(k, stage, mb)) for k in (Kind.F, Kind.B, Kind.W, Kind.BW)
+            )
+            present = [c for c in (f, b, w, bw) if c is not None]
+            name = f"stage {stage} microbatch {mb}"
+            if f is None:
+                _fail(plan, f"{name} has no forward {Action(Kind.F, stage, mb)}", present)
+            elif bw is not None and (b is not None or w is not None):
+                _fail(plan, f"{name} runs BW and also B or W: use BW, or B and W", present)
+            elif bw is None and b is None:
+                missing = (
+                    "input-gradient pass B" if w is not None else "backward: add BW, or B and W"
+                )
+                _fail(plan, f"{name} has no {missing}", present)
+            elif bw is None and w is None:
+                _fail(plan, f"{name} has B but no weight-gradient pass W", present)
+
+
+def _check_peer(plan: Plan, a: Action, here: Cell, pp: int, vpp: int) -> None:
+    """A transfer must go to an existing stage on another rank."""
+    peer = a.stage + _PEER_STEP[a.kind]
+    if not 0 <= peer < pp * vpp:
+        _fail(plan, f"{a} at {_at(here)} has no peer: there is no stage {peer}", [here])
+    if stage_to_rank(peer, pp) == here[0]:
+        _fail(plan, f"{a} at {_at(here)} transfers within rank {here[0]}: drop it", [here])
+
+
+def _needs(a: Action, pp: int, last: int, lowered: bool) -> _Needs:
+    """What `a` waits for, each with the reason; a fused BW is found under its B name."""
+    s, mb = a.stage, a.mb
+
+    def remote(peer: int) -> bool:
+        return lowered and stage_to_rank(peer, pp) != stage_to_rank(s, pp)
+
+    if a.kind is Kind.F:
+        if s == 0:
+            return []
+        if remote(s - 1):
+            return [(Action(Kind.RECV_F, s, mb), "the RECV_F of its input")]
+        return [(Action(Kind.F, s - 1, mb), "the forward of the previous stage")]
+    if a.kind in BACKWARD_KINDS:
+        needs = [(Action(Kind.F, s, mb), "its forward")]
+        if s < last and remote(s + 1):
+            needs.append((Action(Kind.RECV_B, s, mb), "the RECV_B of its output gradient"))
+        elif s < last:
+            needs.append((Action(Kind.B, s + 1, mb), "the backward of the next stage"))
+        return needs
+    if a.kind is Kind.W:
+        return [(Action(Kind.B, s, mb), "its B")]
+    if a.kind is Kind.SEND_F:
+        return [(Action(Kind.F, s, mb), "the forward whose output it sends")]
+    if a.kind is Kind.SEND_B:
+        return [(Action(Kind.B, s, mb), "the backward whose input gradient it sends")]
+    sender = Kind.SEND_F if a.kind is Kind.RECV_F else Kind.SEND_B
+    return [(Action(sender, s + _PEER_STEP[a.kind], mb), f"the matching {sender.value}")]
+
+
+def _find(where: dict[Action, Cell], a: Action) -> tuple[Action, Cell] | None:
+    """Locate `a`, reading a B as the fused BW where the plan has that instead."""
+    if a.kind is Kind.B and a not in where:
+        a = Action(Kind.BW, a.stage, a.mb)
+    return (a, where[a]) if a in where else None
+
+
+def _check_order(plan: Plan, where: dict[Action, Cell], needs: dict[int, list[_Needs]]) -> None:
+    """Every action exists after what it needs where that runs on the same rank."""
+    for rank in sorted(plan):
+        for step, a in enumerate(plan[rank]):
+            for need, why in needs[rank][step]:
+                found = _find(where, need)
+                if found is None:
+                    text = f"{a} at {_at((rank, step))} needs {need} ({why}), which is missing"
+                    _fail(plan, text, [(rank, step)])
+                other, cell = found
+                if cell[0] == rank and cell[1] > step:
+                    text = (
+                        f"{a} at {_at((rank, step))} runs before {other} (step {cell[1]}), "
+                        f"which it needs first ({why})"
+                    )
+                    _fail(plan, text, [(rank, step), cell])
+
+
+def _check_channels(plan: Plan, pp: int) -> None:
+    """Each SEND has its RECV, and each channel receives in the order it sends."""
+    comm_cells = {a: (r, i) for r in plan for i, a in enumerate(plan[r]) if a.kind.is_comm}
+    sent: dict[tuple[int, int, Kind], list[tuple[Action, Cell]]] = {}
+    received: dict[tuple[int, int, Kind], list[tuple[Action, Cell]]] = {}
+    for rank in sorted(plan):
+        for step, a in enumerate(plan[rank]):
+            if a.kind not in _PEER_STEP:
+                continue
+            peer = stage_to_rank(a.stage + _PEER_STEP[a.kind], pp)
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                partner = Action(_MATCH[a.kind], a.stage + _PEER_STEP[a.kind], a.mb)
+                if partner not in comm_cells:
+                    text = f"{a} at {_at((rank, step))} has no matching {partner} on rank {peer}"
+                    _fail(plan, text, [(rank, step)])
+                sent.setdefault((rank, peer, _MATCH[a.kind]), []).append((partner, (rank, step)))
+            else:
+                received.setdefault((peer, rank, a.kind), []).append((a, (rank, step)))
+    for channel, sends in sent.items():
+        for i, ((expected, send_cell), (got, recv_cell)) in enumerate(
+            zip(sends, received.get(channel, []))
+        ):
+            if expected != got:
+                src, dst, kind = channel
+                send = plan[send_cell[0]][send_cell[1]]
+                text = (
+                    f"rank {dst} receives from rank {src} out of send order: {kind.value[-1]} send "
+                    f"#{i} is {send} but receive #{i} is {got}; receive in the order sent"
+                )
+                _fail(plan, text, [send_cell, recv_cell])
+
+
+def _done_key(a: Action) -> Action:
+    """Name a fused BW as B, which is how dependents ask for it."""
+    return Action(Kind.B, a.stage, a.mb) if a.kind is Kind.BW else a
+
+
+def _dry_run(
+    plan: Plan, where: dict[Action, Cell], needs: dict[int, list[_Needs]]
+) -> tuple[int, tuple[int, ...]]:
+    """Run every rank in unit time; return the makespan and each rank's busy time."""
+    waits = {
+        rank: [[_done_key(need) for need, _ in step_needs] for step_needs in needs[rank]]
+        for rank in plan
+    }
+    finish: dict[Action, int] = {}
+    step = dict.fromkeys(plan, 0)
+    clock = dict.fromkeys(plan, 0)
+    busy = dict.fromkeys(plan, 0)
+    progress = True
+    while progress:  # each pass runs every rank as far as it can go
+        progress = False
+        for rank, actions in plan.items():
+            while step[rank] < len(actions):
+                a, keys = actions[step[rank]], waits[rank][step[rank]]
+                if any(key not in finish for key in keys):
+                    break
+                cost = UNIT_COST.get(a.kind, 0)
+                clock[rank] = max([clock[rank], *(finish[key] for key in keys)]) + cost
+                busy[rank] += cost
+                finish[_done_key(a)] = clock[rank]
+                step[rank] += 1
+                progress = True
+    stuck = [(rank, step[rank]) for rank in sorted(plan) if step[rank] < len(plan[rank])]
+    if stuck:
+        lines = ["deadlock: each unfinished rank waits for an action that cannot run first"]
+        for rank, i in stuck:
+            a = plan[rank][i]
+            need, why = next(n for n in needs[rank][i] if _done_key(n[0]) not in finish)
+            found = _find(where, need)
+            assert found is not None, "_check_order has seen every need exist"
+            other, cell = found
+            lines.append(f"  {_at((rank, i))}: {a} waits for {other} ({why}) at {_at(cell)}")
+        _fail(plan, "\n".join(lines), stuck)
+    return max(clock.values(), default=0), tuple(busy[r] for r in sorted(plan))
+
+
+def _check_in_flight(plan: Plan, bound: Sequence[int] | None) -> tuple[int, ...]:
+    """Peak forwards per rank whose B or BW has not run, checked against `bound`."""
+    if bound is not None and len(bound) != len(plan):
+        raise ValueError(f"max_in_flight has {len(bound)} entries for {len(plan)} ranks")
+    peaks = []
+    for rank in sorted(plan):
+        held = peak = 0
+        for step, a in enumerate(plan[rank]):
+            held += 1 if a.kind is Kind.F else -1 if a.kind in BACKWARD_KINDS else 0
+            peak = max(peak, held)
+            if bound is not None and held > bound[rank]:
+                text = (
+                    f"rank {rank} holds {held} activations at step {step}, over its in-flight "
+                    f"bound {bound[rank]}"
+                )
+                _fail(plan, text, [(rank, step)])
+        peaks.append(peak)
+    return tuple(peaks)

@@ -1,0 +1,26 @@
+"""Layer ranges per pipeline stage (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ptdp.pipeline.partition import layer_ranges, stage_to_rank, stages_of_rank
+
+
+@pytest.mark.parametrize(("layers", "pp", "vpp"), [(8, 1, 1), (8, 2, 1), (8, 2, 2), (24, 4, 3)])
+def test_every_layer_exactly_once_in_order(layers: int, pp: int, vpp: int) -> None:
+    ranges = layer_ranges(layers, pp, vpp)
+    assert [i for r in ranges for i in r] == list(range(layers))
+    assert len(ranges) == pp * vpp and len({len(r) for r in ranges}) == 1
+
+
+def test_interleaved_ownership() -> None:
+    # The paper's example: 4 devices, 2 chunks each; device 1 holds stages 1 and 5.
+    assert stages_of_rank(1, 4, 2) == [1, 5]
+    assert [stage_to_rank(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert list(layer_ranges(16, 4, 2)[5]) == [10, 11]
+
+
+def test_uneven_split_is_an_error() -> None:
+    with pytest.raises(ValueError, match="10 layers do not split evenly over pp\\*vpp = 4\\*1"):
+        layer_ranges(10, 4)

@@ -1,0 +1,375 @@
+"""Pipeline schedules, their lowering with comms, and the verifier (pure, no torch).
+
+Grid: every schedule, pp in 1..8, m in {pp, 2pp, 4pp}, vpp in {1, 2, 4} where valid. Interleaved
+includes pp = 1: one rank runs its vpp chunks back to back, which is valid if pointless, and its
+bubble (pp - 1) / (vpp m) = 0 is still a useful check.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from ptdp.config import Schedule
+from ptdp.pipeline.actions import Action, Kind, Plan
+from ptdp.pipeline.schedules import (
+    SCHEDULES,
+    add_comms,
+    build,
+    check_args,
+    gpipe,
+    in_flight_bound,
+    interleaved,
+    interleaved_warmup,
+    one_f_one_b,
+    stage_to_rank,
+    stages_of_rank,
+    zb_h1,
+)
+from ptdp.pipeline.verify import MARK, ScheduleError, format_table, verify, verify_schedule
+
+
+def _grid() -> list[tuple[str, int, int, int]]:
+    cases = []
+    for name in SCHEDULES:
+        for pp in range(1, 9):
+            for m in (pp, 2 * pp, 4 * pp):
+                for vpp in (1, 2, 4):
+                    try:
+                        check_args(name, pp, m, vpp)
+                    except ValueError:
+                        continue
+                    cases.append((name, pp, m, vpp))
+    return cases
+
+
+GRID = _grid()
+
+# The paper's bubble fraction, bubble time / ideal time, at T_F = T_B = T_W (BW = 2).
+BUBBLE = {
+    "gpipe": lambda pp, m, vpp: (pp - 1) / m,
+    "1f1b": lambda pp, m, vpp: (pp - 1) / m,
+    "interleaved": lambda pp, m, vpp: (pp - 1) / (vpp * m),
+    "zb-h1": lambda pp, m, vpp: (pp - 1) / (3 * m),
+}
+
+
+def test_grid_covers_every_schedule() -> None:
+    assert set(SCHEDULES) == {s.value for s in Schedule}
+    assert Counter(name for name, *_ in GRID) == {
+        "gpipe": 24,
+        "1f1b": 24,
+        "zb-h1": 24,
+        "interleaved": 48,
+    }
+
+
+@pytest.mark.parametrize("name,pp,m,vpp", GRID)
+def test_schedule_verifies_with_paper_bubble(name: str, pp: int, m: int, vpp: int) -> None:
+    plan = build(name, pp, m, vpp)
+    report = verify_schedule(name, pp, m, vpp)
+    assert report.bubble_fraction == pytest.approx(BUBBLE[name](pp, m, vpp))
+    assert report.busy == (m * vpp * 3,) * pp
+    # Comms take no time, so the compute-only dry run takes as long.
+    assert verify(plan, pp, vpp, m).makespan == report.makespan
+    for rank, actions in plan.items():
+        kinds = Counter(a.kind for a in actions)
+        backward = {Kind.B: m * vpp, Kind.W: m * vpp} if name == "zb-h1" else {Kind.BW: m * vpp}
+        assert kinds == {Kind.F: m * vpp, **backward}
+        assert {a.stage for a in actions} == set(stages_of_rank(rank, pp, vpp))
+
+
+@pytest.mark.parametrize("name,pp,m,vpp", GRID)
+def test_peak_in_flight(name: str, pp: int, m: int, vpp: int) -> None:
+    peaks = verify_schedule(name, pp, m, vpp).peak_in_flight
+    if name == "gpipe":
+        assert peaks == (m,) * pp
+    elif name in ("1f1b", "zb-h1"):
+        assert peaks == tuple(min(pp - r, m) for r in range(pp))
+    else:  # reported only; one more than the warm-up, whose F is still in flight
+        assert peaks == tuple(
+            min(interleaved_warmup(r, pp, m, vpp) + 1, m * vpp) for r in range(pp)
+        )
+
+
+@pytest.mark.parametrize("pp,m,vpp", [c[1:] for c in GRID if c[0] == "interleaved"])
+def test_interleaved_warmup_matches_megatron(pp: int, m: int, vpp: int) -> None:
+    for rank, actions in interleaved(pp, m, vpp).items():
+        warmup = min(2 * (pp - rank - 1) + (vpp - 1) * pp, m * vpp)
+        assert interleaved_warmup(rank, pp, m, vpp) == warmup
+        # The warm-up forwards, then the steady phase opens with one more F before its BW.
+        first_backward = next(i for i, a in enumerate(actions) if a.kind is Kind.BW)
+        assert first_backward == min(warmup + 1, m * vpp)
+
+
+def test_interleaved_order_pp2_vpp2() -> None:
+    # Microbatches go in groups of pp through chunk 0, then chunk 1; backwards chunk 1 first.
+    assert [str(a) for a in interleaved(2, 4, 2)[1]] == (
+        "1F0 1F1 3F0 3BW0 3F1 3BW1 1F2 1BW0 1F3 1BW1 3F2 3BW2 3F3 3BW3 1BW2 1BW3".split()
+    )
+
+
+@pytest.mark.parametrize("pp,m", [(pp, m) for pp in range(1, 9) for m in (pp, 2 * pp, 4 * pp)])
+def test_zb_h1_bubble_is_a_third_of_1f1b(pp: int, m: int) -> None:
+    zb = verify(zb_h1(pp, m), pp, 1, m)
+    ofob = verify(one_f_one_b(pp, m), pp, 1, m)
+    assert zb.makespan == 3 * m + (pp - 1)  # ideal + (pp - 1)(T_F + T_B - T_W)
+    assert ofob.makespan == 3 * m + 3 * (pp - 1)  # ideal + (pp - 1)(T_F + T_B + T_W)
+    assert zb.peak_in_flight <= ofob.peak_in_flight
+    # Same F/B order as 1F1B, with BW split.
+    for rank in range(pp):
+        ours = [a for a in zb_h1(pp, m)[rank] if a.kind is not Kind.W]
+        theirs = one_f_one_b(pp, m)[rank]
+        assert [(a.stage, a.mb) for a in ours] == [(a.stage, a.mb) for a in theirs]
+
+
+@pytest.mark.parametrize("pp,m", [(2, 1), (4, 1), (4, 3), (8, 5)])
+def test_fewer_microbatches_than_ranks(pp: int, m: int) -> None:
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        verify_schedule(name, pp, m)
+
+
+def test_one_f_one_b_phases() -> None:
+    assert " ".join(map(str, one_f_one_b(3, 4)[0])) == "0F0 0F1 0F2 0BW0 0F3 0BW1 0BW2 0BW3"
+    assert " ".join(map(str, gpipe(2, 2)[1])) == "1F0 1F1 1BW0 1BW1"
+
+
+def test_zb_h1_defers_rank_w_passes() -> None:
+    # Rank r holds r W's back, so the last rank's steady state is F B, then F B W.
+    assert " ".join(map(str, zb_h1(2, 3)[1])) == "1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2"
+    assert " ".join(map(str, zb_h1(2, 3)[0])) == "0F0 0F1 0B0 0W0 0F2 0B1 0W1 0B2 0W2"
+
+
+def test_stage_placement() -> None:
+    assert stages_of_rank(1, 4, 3) == [1, 5, 9]
+    assert [stage_to_rank(s, 4) for s in (0, 3, 4, 9)] == [0, 3, 0, 1]
+
+
+def test_add_comms() -> None:
+    plan = add_comms(one_f_one_b(2, 2), 2, 1)
+    assert " ".join(map(str, plan[0])) == ("0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0BW0 0RECV_B1 0BW1")
+    assert " ".join(map(str, plan[1])) == ("1RECV_F0 1F0 1BW0 1SEND_B0 1RECV_F1 1F1 1BW1 1SEND_B1")
+    # One rank: every transfer stays in memory.
+    assert add_comms(interleaved(1, 2, 2), 1, 2) == interleaved(1, 2, 2)
+    # Interleaved: the last rank sends to rank 0's next chunk.
+    assert Action(Kind.SEND_F, 1, 0) in add_comms(interleaved(2, 2, 2), 2, 2)[1]
+
+
+@pytest.mark.parametrize(
+    "text", ["0F0", "12BW3", "2SEND_F5", "0RECV_F1", "7SEND_B0", "3RECV_B10", "1B2", "1W2"]
+)
+def test_action_round_trip(text: str) -> None:
+    assert str(Action.parse(text)) == text
+
+
+def test_action_parse_errors() -> None:
+    assert Action.parse("2SEND_F5") == Action(Kind.SEND_F, 2, 5)
+    with pytest.raises(ValueError, match="unknown action kind 'X'"):
+        Action.parse("1X2")
+    with pytest.raises(ValueError, match="cannot parse"):
+        Action.parse("F1")
+
+
+@pytest.mark.parametrize(
+    "name,pp,m,vpp,fix",
+    [
+        ("interleaved", 4, 6, 2, "multiple of pp = 4; use m = 4 or 8"),
+        ("interleaved", 4, 3, 2, "use m = 4"),
+        ("interleaved", 4, 8, 1, "set vpp >= 2 or use the 1f1b schedule"),
+        ("1f1b", 4, 8, 2, "set vpp = 1 or use the interleaved schedule"),
+        ("zb-h1", 0, 8, 1, "pp = 0 pipeline ranks must be >= 1"),
+        ("gpipe", 2, 0, 1, "m = 0 microbatches must be >= 1"),
+        ("zb-h2", 2, 2, 1, "choose one of gpipe, 1f1b, interleaved, zb-h1"),
+    ],
+)
+def test_invalid_arguments(name: str, pp: int, m: int, vpp: int, fix: str) -> None:
+    with pytest.raises(ValueError, match=fix):
+        build(name, pp, m, vpp)
+
+
+def test_planning_does_not_import_torch() -> None:
+    # Plans are functions of ints (STYLE principle 3), so `ptdp schedule` runs without torch.
+    code = "import sys, ptdp.pipeline.verify; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_config_enum_selects_a_schedule() -> None:
+    assert build(Schedule.ZB_H1, 2, 2) == zb_h1(2, 2)
+    assert in_flight_bound("gpipe", 3, 5) == [5, 5, 5]
+    assert in_flight_bound("interleaved", 2, 2, 2) is None
+
+
+# Hand-broken plans: each mutation of a valid plan and what the error must say.
+
+
+def _swap(plan: Plan, rank: int, x: str, y: str) -> Plan:
+    actions = [str(a) for a in plan[rank]]
+    i, j = actions.index(x), actions.index(y)
+    plan[rank][i], plan[rank][j] = plan[rank][j], plan[rank][i]
+    return plan
+
+
+def _drop(plan: Plan, rank: int, text: str) -> Plan:
+    plan[rank].remove(Action.parse(text))
+    return plan
+
+
+def _move_first(plan: Plan, rank: int, text: str) -> Plan:
+    _drop(plan, rank, text)
+    plan[rank].insert(0, Action.parse(text))
+    return plan
+
+
+def _move_before(plan: Plan, rank: int, text: str, anchor: str) -> Plan:
+    _drop(plan, rank, text)
+    plan[rank].insert(plan[rank].index(Action.parse(anchor)), Action.parse(text))
+    return plan
+
+
+def _lowered(name: str, pp: int, m: int, vpp: int = 1) -> Plan:
+    return add_comms(build(name, pp, m, vpp), pp, vpp)
+
+
+BROKEN = {
+    "F order across stages, one rank": (
+        lambda: _swap(interleaved(1, 2, 2), 0, "0F0", "1F0"),
+        (1, 2, 2),
+        "1F0 at rank 0 step 0 runs before 0F0 (step 1), which it needs first "
+        "(the forward of the previous stage)",
+    ),
+    "F order across stages, two ranks": (
+        lambda: _swap(interleaved(2, 2, 2), 0, "0F0", "2F0"),
+        (2, 2, 2),
+        "deadlock",
+    ),
+    "missing RECV": (
+        lambda: _drop(_lowered("1f1b", 2, 4), 1, "1RECV_F2"),
+        (2, 1, 4),
+        "1F2 at rank 1 step 8 needs 1RECV_F2 (the RECV_F of its input), which is missing",
+    ),
+    "unmatched SEND": (
+        lambda: _drop(_lowered("1f1b", 2, 4), 0, "0RECV_B3"),
+        (2, 1, 4),
+        "0BW3 at rank 0 step 14 needs 0RECV_B3",
+    ),
+    "W before its B": (
+        lambda: _swap(zb_h1(3, 6), 2, "2B0", "2W0"),
+        (3, 1, 6),
+        "2W0 at rank 2 step 1 runs before 2B0 (step 6), which it needs first (its B)",
+    ),
+    "W before its B, same microbatch": (
+        lambda: _swap(zb_h1(1, 2), 0, "0B1", "0W1"),
+        (1, 1, 2),
+        "0W1 at rank 0 step 4 runs before 0B1 (step 5), which it needs first (its B)",
+    ),
+    "deadlock": (
+        lambda: _move_first(_lowered("1f1b", 2, 2), 0, "0RECV_B0"),
+        (2, 1, 2),
+        "deadlock",
+    ),
+    "receive order": (
+        lambda: _move_before(_lowered("1f1b", 3, 3), 1, "1RECV_F2", "1RECV_F1"),
+        (3, 1, 3),
+        "receives from rank 0 out of send order",
+    ),
+    "duplicate": (
+        lambda: {**gpipe(2, 2), 1: [*gpipe(2, 2)[1], Action.parse("1F0")]},
+        (2, 1, 2),
+        "1F0 runs twice",
+    ),
+    "wrong rank": (
+        lambda: _drop({**gpipe(2, 1), 0: [*gpipe(2, 1)[0], Action.parse("1W0")]}, 0, "0BW0"),
+        (2, 1, 1),
+        "1W0 runs on rank 0, but stage 1 is on rank 1",
+    ),
+    "missing backward": (
+        lambda: _drop(gpipe(2, 2), 1, "1BW1"),
+        (2, 1, 2),
+        "stage 1 microbatch 1 has no backward",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_plan_is_rejected(case: str) -> None:
+    mutate, (pp, vpp, m), problem = BROKEN[case]
+    with pytest.raises(ScheduleError) as error:
+        verify(mutate(), pp, vpp, m)
+    message = str(error.value)
+    assert problem in message
+    assert MARK in message and "| rank 0" in message
+
+
+def test_deadlock_names_each_wait() -> None:
+    plan = _move_first(_lowered("1f1b", 2, 2), 0, "0RECV_B0")
+    with pytest.raises(ScheduleError) as error:
+        verify(plan, 2, 1, 2)
+    message = str(error.value)
+    assert "rank 0 step 0: 0RECV_B0 waits for 1SEND_B0 (the matching SEND_B) at rank 1 step 3" in (
+        message
+    )
+    assert "rank 1 step 0: 1RECV_F0 waits for 0SEND_F0" in message
+    assert message.count(MARK) == 2
+
+
+def test_in_flight_bound_is_enforced() -> None:
+    with pytest.raises(ScheduleError, match="rank 0 holds 5 activations at step 4"):
+        verify(gpipe(4, 8), 4, 1, 8, max_in_flight=in_flight_bound("1f1b", 4, 8))
+
+
+def test_format_table() -> None:
+    table = format_table(one_f_one_b(2, 2))
+    assert table.splitlines() == [
+        "step | rank 0 | rank 1",
+        "0    | 0F0    | 1F0",
+        "1    | 0F1    | 1BW0",
+        "2    | 0BW0   | 1F1",
+        "3    | 0BW1   | 1BW1",
+    ]
+    marked = format_table(gpipe(2, 20), marks=[(1, 20)], context=1).splitlines()
+    assert marked[1].startswith("...") and marked[-1].startswith("...")
+    assert marked[3] == "20   | 0BW0   | 1BW0 <<"
+    assert len(marked) == 6
+
+
+def test_cli_prints_the_table_and_the_bubble(capsys) -> None:
+    from ptdp.cli import main
+
+    assert (
+        main(
+            [
+                "schedule",
+                "--schedule",
+                "interleaved",
+                "--pp",
+                "4",
+                "--vpp",
+                "2",
+                "--microbatches",
+                "8",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "bubble 0.1875 (theory 0.1875)" in out and "0SEND_F0" in out
+    assert (
+        main(
+            [
+                "schedule",
+                "--schedule",
+                "interleaved",
+                "--pp",
+                "4",
+                "--vpp",
+                "2",
+                "--microbatches",
+                "6",
+            ]
+        )
+        == 2
+    )
+    assert "multiple of pp = 4" in capsys.readouterr().err
