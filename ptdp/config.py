@@ -131,6 +131,8 @@ class ParallelConfig:
     """Split norm/dropout activations along the sequence over the tensor group."""
     recompute: Recompute = Recompute.NONE
     """Activation recomputation: none, selective (attention core) or full (whole layer)."""
+    scatter_gather: bool = True
+    """Pipeline sends of 1/tp of each boundary tensor, all-gathered by the receiver (tp > 1)."""
 
 
 @dataclass(kw_only=True, frozen=True)

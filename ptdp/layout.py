@@ -12,10 +12,6 @@ from dataclasses import dataclass
 from ptdp.config import PositionEmbedding, Precision, RunConfig, Schedule
 from ptdp.errors import ConfigError
 
-# Capabilities that later parts of ptdp add; until then a request for them is an error,
-# never silently ignored.
-SUPPORTED_PP = 1
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -104,11 +100,6 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
                 "--parallel.dp 0 to derive dp from the world size"
             )
     _tensor_parallel_rules(cfg, errors)
-    if p.pp > SUPPORTED_PP:
-        errors.append(
-            f"parallel.pp = {p.pp}: pipeline parallelism is not available in this version of "
-            "ptdp yet; use --parallel.pp 1"
-        )
     if p.vpp > 1 and p.schedule is not Schedule.INTERLEAVED:
         errors.append(
             f"parallel.vpp = {p.vpp} needs the interleaved schedule, got "
@@ -222,8 +213,18 @@ def validate(cfg: RunConfig, world_size: int = 1) -> Layout:
     _model_rules(cfg, errors)
     dp = _parallel_rules(cfg, world_size, errors)
     microbatches = _train_rules(cfg, dp, errors)
+    p = cfg.parallel
+    if microbatches and cfg.parallel.pp > 1:
+        from ptdp.pipeline.schedules import check_args
+
+        try:
+            check_args(p.schedule.value, p.pp, microbatches, p.vpp)
+        except ValueError as exc:
+            errors.append(
+                f"parallel.schedule = {p.schedule.value} with {microbatches} microbatches per "
+                f"step (global_batch_size / (micro_batch_size * dp)): {exc}"
+            )
     if errors:
         bullet = "\n  - "
         raise ConfigError(f"invalid configuration:{bullet}{bullet.join(errors)}")
-    p = cfg.parallel
     return Layout(world_size, p.tp, p.pp, dp, p.vpp, microbatches, p.sequence_parallel)

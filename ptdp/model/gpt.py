@@ -251,6 +251,10 @@ class GPT(nn.Module):
                     bias=False,
                     pad_to_multiple=True,
                 )
+                if cfg.tie_embeddings:
+                    # The last pipeline stage's copy of the embedding shared with stage 0:
+                    # same initial value, gradients summed over the embedding group.
+                    self.output.weight.tied_to = "embedding.weight"
         apply_init(self, seed=seed, base_std=cfg.init_std, num_layers=cfg.num_layers, tp=ctx.tp)
 
     def output_weight(self) -> torch.Tensor:
@@ -297,10 +301,12 @@ class GPT(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels.t(), tp, self.cfg.vocab_size)
 
 
-def count_parameters(model: nn.Module, *, full: bool = True) -> int:
+def count_parameters(model: nn.Module, *, full: bool = True, skip_tied_copies: bool = False) -> int:
     """Parameters of the whole (unsharded) model, or only this rank's shards."""
     total = 0
     for p in model.parameters():
+        if skip_tied_copies and hasattr(p, "tied_to"):
+            continue
         spec = shard_spec(p) if full else None
         total += math.prod(spec.full_shape(p.shape)) if spec else p.numel()
     return total

@@ -54,6 +54,7 @@ def apply_init(
             elif leaf == "bias":
                 param.zero_()
             else:
+                name = getattr(param, "tied_to", name)  # a tied copy starts as its original
                 spec = shard_spec(param)
                 shape = spec.full_shape(param.shape) if spec else tuple(param.shape)
                 full = init_tensor(name, shape, init_std(name, base_std, num_layers), seed)

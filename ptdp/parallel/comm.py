@@ -242,6 +242,16 @@ def gather_full(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
     return x if g.size == 1 else _all_gather(x.detach(), g, dim)
 
 
+def gather_objects(obj: object, g: Group) -> list[object]:
+    """Every group member's `obj` on the group's first member (others get [])."""
+    if g.size == 1:
+        return [obj]
+    out = [None] * g.size if g.rank == 0 else None
+    dst = dist.get_global_rank(g.group, 0) if g.group is not None else 0
+    dist.gather_object(obj, out, dst=dst, group=g.group)
+    return out or []
+
+
 def barrier(group: dist.ProcessGroup | None, size: int) -> None:
     if size > 1:
         dist.barrier(group=group)

@@ -28,11 +28,26 @@ def reduce_sequence_parallel_grads(model: nn.Module, tp: Group) -> None:
     all_reduce_tensors_(grads, tp, average=False)
 
 
-def global_grad_norm(model: nn.Module, tp: Group) -> torch.Tensor:
-    """L2 norm of the full model's gradient, identical on every rank of the group."""
+def reduce_tied_grads(model: nn.Module, embedding: Group) -> None:
+    """Sum the gradients of the embedding shared by the first and last pipeline stage.
+
+    Both copies then hold the same gradient, so they stay equal after the optimizer step.
+    """
+    if embedding.size == 1:
+        return
+    grads = [
+        p.grad
+        for name, p in model.named_parameters()
+        if p.grad is not None and (name.endswith("embedding.weight") or hasattr(p, "tied_to"))
+    ]
+    all_reduce_tensors_(grads, embedding, average=False)
+
+
+def global_grad_norm(model: nn.Module, tp: Group, pp: Group | None = None) -> torch.Tensor:
+    """L2 norm of the full model's gradient, identical on every rank of the tp x pp groups."""
     sharded, replicated = [], []
     for p in model.parameters():
-        if p.grad is not None:
+        if p.grad is not None and not hasattr(p, "tied_to"):  # a tied copy counts once
             (sharded if shard_spec(p) is not None else replicated).append(p.grad)
     device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -42,12 +57,16 @@ def global_grad_norm(model: nn.Module, tp: Group) -> torch.Tensor:
         for g in replicated:
             total += g.float().pow(2).sum()
     all_reduce_sum_(total, tp)
+    if pp is not None:  # each pipeline rank holds different layers
+        all_reduce_sum_(total, pp)
     return total.sqrt()
 
 
-def clip_gradients(model: nn.Module, max_norm: float, tp: Group) -> torch.Tensor:
+def clip_gradients(
+    model: nn.Module, max_norm: float, tp: Group, pp: Group | None = None
+) -> torch.Tensor:
     """Scale all gradients so that the global norm is at most `max_norm`; return the norm."""
-    norm = global_grad_norm(model, tp)
+    norm = global_grad_norm(model, tp, pp)
     if max_norm > 0 and math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in model.parameters():

@@ -96,12 +96,13 @@ class ParallelMesh:
 
     def coord(self, axis: str) -> int:
         if axis == "embedding":  # 0 on the first stage, 1 on the last
-            return min(self.shape.coords(self.rank)["pp"], 1)
+            return 0 if self.shape.coords(self.rank)["pp"] == 0 else min(self.size(axis) - 1, 1)
         return self.shape.coords(self.rank)[axis]
 
     def size(self, axis: str) -> int:
-        if axis == "embedding":
-            return min(self.shape.pp, 2)
+        if axis == "embedding":  # 2 on the first and last stage of a pipeline, else 1
+            pp = self.shape.coords(self.rank)["pp"]
+            return 2 if self.shape.pp > 1 and pp in (0, self.shape.pp - 1) else 1
         return getattr(self.shape, axis)
 
     def group(self, axis: str) -> dist.ProcessGroup | None:

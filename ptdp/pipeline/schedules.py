@@ -258,3 +258,15 @@ def _comm(kind: Kind, a: Action, peer_stage: int, pp: int, exists: bool) -> list
     if not exists or stage_to_rank(peer_stage, pp) == stage_to_rank(a.stage, pp):
         return []
     return [Action(kind, a.stage, a.mb)]
+
+
+def forward_only(pp: int, m: int, vpp: int = 1) -> Plan:
+    """Forwards only (evaluation): each rank runs microbatch by microbatch, its stages in order.
+
+    Every wait points to a lower stage of the same microbatch or to an earlier microbatch,
+    so with non-blocking sends it cannot deadlock. Not for `verify` (it has no backward).
+    """
+    return {
+        r: [Action(Kind.F, s, mb) for mb in range(m) for s in stages_of_rank(r, pp, vpp)]
+        for r in range(pp)
+    }

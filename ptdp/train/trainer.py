@@ -18,16 +18,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from ptdp.config import Precision, RunConfig, to_dict, to_toml
 from ptdp.errors import CheckpointError
 from ptdp.layout import Layout, validate
-from ptdp.model.gpt import GPT, count_parameters
-from ptdp.parallel.comm import all_reduce_mean_, barrier
+from ptdp.model.gpt import count_parameters
+from ptdp.parallel.comm import all_reduce_mean_, all_reduce_sum_, barrier, gather_objects
 from ptdp.parallel.data import average_gradients
 from ptdp.parallel.env import LaunchEnv, destroy_process_group, init_process_group, pick_device
-from ptdp.parallel.grads import clip_gradients, reduce_sequence_parallel_grads
+from ptdp.parallel.grads import (
+    clip_gradients,
+    reduce_sequence_parallel_grads,
+    reduce_tied_grads,
+)
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.parallel.state import (
     full_model_state,
@@ -36,10 +41,12 @@ from ptdp.parallel.state import (
     load_full_optimizer_state,
 )
 from ptdp.perf.flops import flops_per_iteration
+from ptdp.pipeline.partition import stages_of_rank
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
 from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
 from ptdp.train.optim import build_optimizer, lr_at, set_lr
+from ptdp.train.pipelined import PipelineStep, build_chunks
 
 
 class _IntervalTimer:
@@ -96,15 +103,21 @@ class Trainer:
         )
         self.is_main = env.rank == 0
         self.run_dir = Path(cfg.train.run_dir)
-        self.tp = self.mesh.axis("tp")
-        self.model = GPT(
-            cfg.model,
-            seed=cfg.train.seed,
-            recompute=cfg.parallel.recompute,
-            tp=self.tp if layout.tp > 1 else None,
-            sequence_parallel=cfg.parallel.sequence_parallel,
+        self.tp, self.pp = self.mesh.axis("tp"), self.mesh.axis("pp")
+        self.chunks = list(build_chunks(cfg, self.mesh, layout).values())
+        self.model = nn.ModuleList(self.chunks).to(self.device)
+        self.pipeline = (
+            PipelineStep(
+                cfg,
+                layout,
+                self.mesh,
+                dict(zip(self._stages(), self.chunks)),
+                self.device,
+                self._autocast,
+            )
+            if layout.pp > 1
+            else None
         )
-        self.model.to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.step = 0
         # Dropout: the shared stream is per data-parallel rank (they see different samples)
@@ -127,44 +140,84 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def parameter_count(self, *, full: bool) -> int:
+        """The whole model's parameters (full), or this rank's (its shards of its stages)."""
+        local = sum(count_parameters(c, full=full, skip_tied_copies=full) for c in self.chunks)
+        if not full:
+            return local
+        total = torch.tensor(float(local))
+        all_reduce_sum_(total, self.pp)
+        return int(total.item())
+
+    def _stages(self) -> list[int]:
+        return stages_of_rank(self.mesh.coord("pp"), self.layout.pp, self.layout.vpp)
+
+    def _batches(self, dataset, first: int):
+        """mb -> (tokens, labels), loaded once per microbatch."""
+        cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        size = self.cfg.train.micro_batch_size
+
+        def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if mb not in cache:
+                cache[mb] = self._microbatch(dataset, first + mb * size)
+            return cache[mb]
+
+        return batch
+
+    def _accumulate(self, batch, n: int) -> torch.Tensor:
+        """Forward and backward of n microbatches on the whole model (no pipeline)."""
+        total = torch.zeros((), device=self.device)
+        for j in range(n):
+            tokens, labels = batch(j)
+            with self._autocast():
+                loss = self.chunks[0](tokens, labels) / n
+            loss.backward()
+            total += loss.detach()
+        return total
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (mean loss over the global batch, grad norm)."""
         t, dp_rank = self.cfg.train, self.mesh.coord("dp")
         per_rank = t.global_batch_size // self.layout.dp
-        first = self.step * t.global_batch_size + dp_rank * per_rank
-        n = self.layout.num_microbatches
+        batch = self._batches(self.data.train, self.step * t.global_batch_size + dp_rank * per_rank)
         set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, t.steps))
         self.model.train()
-        total = torch.zeros((), device=self.device)
-        for j in range(n):
-            tokens, labels = self._microbatch(self.data.train, first + j * t.micro_batch_size)
-            with self._autocast():
-                loss = self.model(tokens, labels) / n
-            loss.backward()
-            total += loss.detach()
-        if self.cfg.parallel.sequence_parallel:
-            reduce_sequence_parallel_grads(self.model, self.tp)
-        average_gradients(self.model, self.mesh)
-        grad_norm = clip_gradients(self.model, self.cfg.optim.grad_clip, self.tp)
+        if self.pipeline is None:
+            total = self._accumulate(batch, self.layout.num_microbatches)
+        else:
+            total = self.pipeline.train(batch).to(self.device)
+        self._reduce_gradients()
+        grad_norm = clip_gradients(self.model, self.cfg.optim.grad_clip, self.tp, self.pp)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        all_reduce_sum_(total, self.pp)  # the loss lives on the last stage
         all_reduce_mean_(total, self.mesh.group("dp"), self.layout.dp)
         self.step += 1
         return total, grad_norm
+
+    def _reduce_gradients(self) -> None:
+        if self.cfg.parallel.sequence_parallel:
+            reduce_sequence_parallel_grads(self.model, self.tp)
+        if self.cfg.model.tie_embeddings:
+            reduce_tied_grads(self.model, self.mesh.axis("embedding"))
+        average_gradients(self.model, self.mesh)
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the first eval_iters microbatches of each rank's validation share."""
         t, valid = self.cfg.train, self.data.valid
         per_rank = max(1, min(t.eval_iters, len(valid) // (t.micro_batch_size * self.layout.dp)))
-        first = self.mesh.coord("dp") * per_rank * t.micro_batch_size
+        batch = self._batches(valid, self.mesh.coord("dp") * per_rank * t.micro_batch_size)
         self.model.eval()
-        total = torch.zeros((), device=self.device)
-        for j in range(per_rank):
-            tokens, labels = self._microbatch(valid, first + j * t.micro_batch_size)
-            with self._autocast():
-                total += self.model(tokens, labels).float()
-        total /= per_rank
+        if self.pipeline is None:
+            total = torch.zeros((), device=self.device)
+            for j in range(per_rank):
+                tokens, labels = batch(j)
+                with self._autocast():
+                    total += self.chunks[0](tokens, labels).float() / per_rank
+        else:
+            total = self.pipeline.evaluate(batch, per_rank).to(self.device)
+        all_reduce_sum_(total, self.pp)
         all_reduce_mean_(total, self.mesh.group("dp"), self.layout.dp)
         return total.item()
 
@@ -175,14 +228,28 @@ class Trainer:
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {
-            "model": full_model_state(self.model, self.tp),
-            "optimizer": full_optimizer_state(self.optimizer, self.tp),
+            "model": self._gather_pipeline(full_model_state(self.chunks, self.tp)),
+            "optimizer": self._gather_optimizer(),
             "step": self.step,
             "consumed_samples": self.step * self.cfg.train.global_batch_size,
             "rng": rng,
             "config": to_dict(self.cfg),
             "tokenizer": self._tokenizer_entry(),
         }
+
+    def _gather_pipeline(self, part: dict) -> dict:
+        """Merge the pipeline ranks' name-keyed parts on rank 0 (names are global)."""
+        if self.layout.pp == 1 or self.mesh.coord("tp") or self.mesh.coord("dp"):
+            return part
+        merged: dict = {}
+        for other in gather_objects(part, self.pp):
+            merged.update(other)
+        return merged
+
+    def _gather_optimizer(self) -> dict:
+        sd = full_optimizer_state(self.optimizer, self.chunks, self.tp)
+        sd["state"] = self._gather_pipeline(sd["state"])
+        return sd
 
     def _tokenizer_entry(self) -> str:
         """How generation finds the tokenizer: "bytes", the copied tokenizer.json, or ""."""
@@ -208,8 +275,8 @@ class Trainer:
 
     def restore(self, step_dir: Path) -> None:
         state = ckpt.load_checkpoint(step_dir)
-        load_full_model_state(self.model, state["model"], self.tp)
-        load_full_optimizer_state(self.optimizer, state["optimizer"], self.tp)
+        load_full_model_state(self.chunks, state["model"], self.tp)
+        load_full_optimizer_state(self.optimizer, state["optimizer"], self.chunks, self.tp)
         self.step = int(state["step"])
         torch.set_rng_state(state["rng"]["cpu"])
         if "cuda" in state["rng"] and self.device.type == "cuda":
@@ -343,7 +410,7 @@ def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None)
             if step_dir is None:
                 (run_dir / "metrics.jsonl").unlink(missing_ok=True)
             (run_dir / "config.toml").write_text(to_toml(cfg))
-        n_params, n_local = (count_parameters(trainer.model, full=f) for f in (True, False))
+        n_params, n_local = (trainer.parameter_count(full=f) for f in (True, False))
         local = f" ({n_local / 1e6:.2f}M on this rank)" if n_local != n_params else ""
         trainer.say(
             f"ptdp | {layout.describe()} | device {trainer.device} | "

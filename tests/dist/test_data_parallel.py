@@ -29,20 +29,28 @@ SETTINGS = {
     "train": {"micro_batch_size": 2, "global_batch_size": 8, "steps": 4, "save_interval": 2}
 }
 
-LAYOUTS = {  # name: (world size, parallel section)
-    "dp2": (2, {}),
-    "tp2-sp": (2, {"tp": 2, "sequence_parallel": True}),
-    "tp2-dp2-llama": (4, {"tp": 2}),
+LAYOUTS = {  # name: (world size, parallel section, model section)
+    "dp2": (2, {}, {}),
+    "tp2-sp": (2, {"tp": 2, "sequence_parallel": True}, {}),
+    "tp2-dp2-llama": (4, {"tp": 2}, {}),
+    "pp2-1f1b": (2, {"pp": 2}, {"num_layers": 4}),
+    "pp2-gpipe": (2, {"pp": 2, "schedule": "gpipe"}, {"num_layers": 4}),
+    "pp2-zb-h1": (2, {"pp": 2, "schedule": "zb-h1"}, {"num_layers": 4}),
+    "pp2-vpp2-llama": (2, {"pp": 2, "vpp": 2, "schedule": "interleaved"}, {"num_layers": 4}),
+    "pp4-vpp2": (4, {"pp": 4, "vpp": 2, "schedule": "interleaved"}, {"num_layers": 8}),
+    "tp2-pp2-sp": (4, {"tp": 2, "pp": 2, "sequence_parallel": True}, {"num_layers": 4}),
+    "tp2-pp2-dp2-zb-h1": (8, {"tp": 2, "pp": 2, "schedule": "zb-h1"}, {"num_layers": 4}),
 }
 LLAMA = {"position_embedding": "rope", "normalization": "rmsnorm", "activation": "swiglu",
          "num_query_groups": 2, "tie_embeddings": False, "bias": False}
 
 
-def _layout_config(data: str, run_dir: Path, name: str):
+def _layout_config(data: str, run_dir: Path, name: str, parallel: dict | None = None):
     # optim.eps = 1e-6: see tests/dist/test_tensor.py (rounding-level gradients, Adam).
-    model = LLAMA if "llama" in name else {}
-    return tiny_config(data, run_dir, parallel=LAYOUTS[name][1], model=model,
-                       optim={"eps": 1e-6}, **SETTINGS)
+    world, par, model = LAYOUTS.get(name, (1, {}, {}))
+    model = {**model, **(LLAMA if "llama" in name else {})}
+    par = {**par, **(parallel or {})}
+    return tiny_config(data, run_dir, parallel=par, model=model, optim={"eps": 1e-6}, **SETTINGS)
 
 
 def _check_training(rank: int, world_size: int, data: str, run_dir: str, name: str) -> None:
@@ -131,3 +139,29 @@ def test_resume_under_tp_and_reshard_to_one_process(tiny_data: str, tmp_path: Pa
     single = train(cfg, resume=True)
     for step in (4, 5, 6):
         assert single.losses[step] == pytest.approx(full[step], rel=1e-5), step
+
+
+def _scatter_gather_config(data: str, run_dir: Path, **parallel):
+    return tiny_config(
+        data, run_dir, parallel=parallel, model={"num_layers": 4}, optim={"eps": 1e-6}, **SETTINGS
+    )
+
+
+def _check_scatter_gather(rank: int, world_size: int, data: str, root: str) -> None:
+    env = LaunchEnv(rank, world_size, rank)
+    out = {}
+    for sg in (True, False):
+        cfg = _scatter_gather_config(data, Path(root) / f"sg{sg}", tp=2, pp=2, scatter_gather=sg)
+        out[str(sg)] = train(cfg, env=env).losses
+    if rank == 0:
+        (Path(root) / "losses.json").write_text(json.dumps(out))
+
+
+def test_scatter_gather_on_and_off_are_identical(tiny_data: str, tmp_path: Path) -> None:
+    run_ranks(_check_scatter_gather, 4, tiny_data, str(tmp_path))
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert losses["True"] == losses["False"]  # the same numbers, moved differently
+    single = train(_scatter_gather_config(tiny_data, tmp_path / "single"))
+    for step, loss in single.losses.items():
+        assert losses["True"][str(step)] == pytest.approx(loss, rel=1e-5)
+    assert_same_run(tmp_path / "single", tmp_path / "sgTrue", single.losses, single.losses)

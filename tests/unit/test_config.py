@@ -105,7 +105,19 @@ INVALID = [
         2,
         "model.seq_length = 255 is not divisible by parallel.tp = 2",
     ),
-    ({"parallel": {"pp": 2}}, 2, "pipeline parallelism is not available"),
+    (
+        {"parallel": {"pp": 4}, "model": {"num_layers": 6}},
+        4,
+        "model.num_layers = 6 is not divisible by pp*vpp = 4*1",
+    ),
+    (
+        {
+            "parallel": {"pp": 2, "vpp": 2, "schedule": "interleaved"},
+            "train": {"global_batch_size": 24, "micro_batch_size": 8},
+        },
+        2,
+        "with 3 microbatches per step",
+    ),
     ({"parallel": {"dp": 2}}, 3, "does not match the world size 3"),
     ({"parallel": {"tp": 2}}, 3, "world size 3 is not divisible by tp*pp"),
     ({"parallel": {"vpp": 2}}, 1, "needs the interleaved schedule"),
@@ -136,11 +148,12 @@ def test_invalid_configs_are_rejected(updates: dict, world: int, message: str) -
 
 
 def test_all_problems_reported_together() -> None:
-    cfg = apply_updates(RunConfig(), {"model": {"num_layers": 0}, "parallel": {"pp": 2}}, "test")
+    cfg = apply_updates(RunConfig(), {"model": {"num_layers": 0}, "parallel": {"tp": 3}}, "test")
     with pytest.raises(ConfigError) as info:
-        validate(cfg, 2)
+        validate(cfg, 3)
     text = str(info.value)
-    assert "num_layers = 0" in text and "pipeline parallelism" in text
+    assert "num_layers = 0" in text
+    assert "num_heads = 4 is not divisible by parallel.tp = 3" in text
 
 
 def test_valid_layouts_derive_dp_and_microbatches() -> None:

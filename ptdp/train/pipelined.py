@@ -1,0 +1,101 @@
+"""A rank's model chunks and the pipeline step that runs them through a schedule.
+
+With pp = 1 there is one chunk (the whole model) and the trainer runs plain gradient
+accumulation; with pp > 1 the rank holds `vpp` chunks (stages r, r + pp, ...) and each
+step executes this rank's action list from `ptdp.pipeline.schedules` with the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ptdp.config import RunConfig
+from ptdp.layout import Layout
+from ptdp.model.gpt import GPT
+from ptdp.parallel.mesh import ParallelMesh
+from ptdp.pipeline.actions import Action
+from ptdp.pipeline.p2p import P2P
+from ptdp.pipeline.partition import layer_ranges, stages_of_rank
+from ptdp.pipeline.runtime import PipelineRuntime
+from ptdp.pipeline.schedules import add_comms, build, forward_only
+
+Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+"""mb -> (tokens, labels) of that microbatch."""
+
+
+def build_chunks(cfg: RunConfig, mesh: ParallelMesh, layout: Layout) -> dict[int, GPT]:
+    """This rank's model chunks by global stage, each initialised as its slice of the
+    single-process model."""
+    pp, vpp = layout.pp, layout.vpp
+    ranges = layer_ranges(cfg.model.num_layers, pp, vpp)
+    last = pp * vpp - 1
+    tp = mesh.axis("tp") if layout.tp > 1 else None
+    return {
+        stage: GPT(
+            cfg.model,
+            seed=cfg.train.seed,
+            recompute=cfg.parallel.recompute,
+            tp=tp,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            layers=ranges[stage],
+            has_embedding=stage == 0,
+            has_head=stage == last,
+        )
+        for stage in stages_of_rank(mesh.coord("pp"), pp, vpp)
+    }
+
+
+class PipelineStep:
+    """Runs one training or evaluation step of this rank's schedule."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        layout: Layout,
+        mesh: ParallelMesh,
+        chunks: dict[int, GPT],
+        device: torch.device,
+        autocast: Callable,
+    ) -> None:
+        self.cfg, self.layout, self.chunks, self.autocast = cfg, layout, chunks, autocast
+        pp, vpp, rank = layout.pp, layout.vpp, mesh.coord("pp")
+        self.pp_rank, self.last = rank, pp * vpp - 1
+        plan = build(cfg.parallel.schedule.value, pp, layout.num_microbatches, vpp)
+        self.actions: list[Action] = add_comms(plan, pp, vpp)[rank]
+        m, s, t = cfg.model, cfg.model.seq_length, layout.tp
+        sp = cfg.parallel.sequence_parallel and t > 1
+        coords = mesh.shape.coords(mesh.rank)
+        self.p2p = P2P(
+            ranks=[mesh.shape.rank_of(tp=coords["tp"], dp=coords["dp"], pp=i) for i in range(pp)],
+            shape=(s // t if sp else s, cfg.train.micro_batch_size, m.hidden_size),
+            dtype=torch.float32,  # the residual stream stays fp32, also under bf16 autocast
+            device=device,
+            tp=mesh.axis("tp"),
+            scatter_gather=cfg.parallel.scatter_gather and t > 1 and not sp,
+        )
+
+    def _runtime(self, batch: Batch, num_microbatches: int) -> PipelineRuntime:
+        def forward_step(stage: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
+            tokens, labels = batch(mb)
+            chunk = self.chunks[stage]
+            with self.autocast():
+                if stage == self.last:
+                    return chunk(tokens if x is None else x, labels) / num_microbatches
+                return chunk(tokens if x is None else x)
+
+        return PipelineRuntime(self.chunks, forward_step, self.p2p, self.last + 1, self.layout.pp)
+
+    def train(self, batch: Batch) -> torch.Tensor:
+        """Forward and backward of every microbatch; returns this rank's share of the loss
+        (the mean over microbatches on the last stage, 0 elsewhere)."""
+        losses = self._runtime(batch, self.layout.num_microbatches).run(self.actions)
+        return torch.stack(losses).sum() if losses else torch.zeros(())
+
+    @torch.no_grad()
+    def evaluate(self, batch: Batch, num_microbatches: int) -> torch.Tensor:
+        plan = forward_only(self.layout.pp, num_microbatches, self.layout.vpp)
+        actions = add_comms(plan, self.layout.pp, self.layout.vpp)[self.pp_rank]
+        losses = self._runtime(batch, num_microbatches).run(actions)
+        return torch.stack(losses).sum() if losses else torch.zeros(())
