@@ -64,6 +64,21 @@ class P2P:
         works = dist.batch_isend_irecv(ops) if ops else []
         return works[: len(sends)], list(zip(works[len(sends) :], buffers))
 
+    def warm_up(self, pp_rank: int) -> None:
+        """One tiny exchange with both neighbours, so that communicators (NCCL creates them
+        lazily, per pair) exist before the first timed step."""
+        pp = len(self.ranks)
+        if pp == 1:
+            return
+        out = torch.zeros(1, dtype=self.dtype, device=self.device)
+        into = torch.empty(1, dtype=self.dtype, device=self.device)
+        ops = [
+            dist.P2POp(dist.isend, out, self.ranks[(pp_rank + 1) % pp]),
+            dist.P2POp(dist.irecv, into, self.ranks[(pp_rank - 1) % pp]),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
     def finish_recv(self, work, buf: torch.Tensor) -> torch.Tensor:
         """Wait for a receive and return the full boundary tensor."""
         work.wait()

@@ -58,8 +58,10 @@ class PipelineStep:
         chunks: dict[int, GPT],
         device: torch.device,
         autocast: Callable,
+        on_last_backward: Callable[[], None] | None = None,
     ) -> None:
         self.cfg, self.layout, self.chunks, self.autocast = cfg, layout, chunks, autocast
+        self.on_last_backward, self.device = on_last_backward, device
         pp, vpp, rank = layout.pp, layout.vpp, mesh.coord("pp")
         self.pp_rank, self.last = rank, pp * vpp - 1
         plan = build(cfg.parallel.schedule.value, pp, layout.num_microbatches, vpp)
@@ -75,8 +77,11 @@ class PipelineStep:
             tp=mesh.axis("tp"),
             scatter_gather=cfg.parallel.scatter_gather and t > 1 and not sp,
         )
+        self.p2p.warm_up(rank)
 
-    def _runtime(self, batch: Batch, num_microbatches: int) -> PipelineRuntime:
+    def _runtime(
+        self, batch: Batch, num_microbatches: int, hook: Callable[[], None] | None = None
+    ) -> PipelineRuntime:
         def forward_step(stage: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
             tokens, labels = batch(mb)
             chunk = self.chunks[stage]
@@ -85,17 +90,20 @@ class PipelineStep:
                     return chunk(tokens if x is None else x, labels) / num_microbatches
                 return chunk(tokens if x is None else x)
 
-        return PipelineRuntime(self.chunks, forward_step, self.p2p, self.last + 1, self.layout.pp)
+        return PipelineRuntime(
+            self.chunks, forward_step, self.p2p, self.last + 1, self.layout.pp, hook
+        )
 
     def train(self, batch: Batch) -> torch.Tensor:
         """Forward and backward of every microbatch; returns this rank's share of the loss
         (the mean over microbatches on the last stage, 0 elsewhere)."""
-        losses = self._runtime(batch, self.layout.num_microbatches).run(self.actions)
-        return torch.stack(losses).sum() if losses else torch.zeros(())
+        runtime = self._runtime(batch, self.layout.num_microbatches, self.on_last_backward)
+        losses = runtime.run(self.actions)
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
 
     @torch.no_grad()
     def evaluate(self, batch: Batch, num_microbatches: int) -> torch.Tensor:
         plan = forward_only(self.layout.pp, num_microbatches, self.layout.vpp)
         actions = add_comms(plan, self.layout.pp, self.layout.vpp)[self.pp_rank]
         losses = self._runtime(batch, num_microbatches).run(actions)
-        return torch.stack(losses).sum() if losses else torch.zeros(())
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)

@@ -114,6 +114,7 @@ class Trainer:
                 dict(zip(self._stages(), self.chunks)),
                 self.device,
                 self._autocast,
+                on_last_backward=self._reduce_gradients,  # after this rank's last backward
             )
             if layout.pp > 1
             else None
@@ -184,9 +185,9 @@ class Trainer:
         self.model.train()
         if self.pipeline is None:
             total = self._accumulate(batch, self.layout.num_microbatches)
-        else:
-            total = self.pipeline.train(batch).to(self.device)
-        self._reduce_gradients()
+            self._reduce_gradients()
+        else:  # the runtime calls _reduce_gradients after this rank's last backward
+            total = self.pipeline.train(batch)
         grad_norm = clip_gradients(self.model, self.cfg.optim.grad_clip, self.tp, self.pp)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -216,7 +217,7 @@ class Trainer:
                 with self._autocast():
                     total += self.chunks[0](tokens, labels).float() / per_rank
         else:
-            total = self.pipeline.evaluate(batch, per_rank).to(self.device)
+            total = self.pipeline.evaluate(batch, per_rank)
         all_reduce_sum_(total, self.pp)
         all_reduce_mean_(total, self.mesh.group("dp"), self.layout.dp)
         return total.item()
