@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ptdp.config import PositionEmbedding, Precision, RunConfig, Schedule
 from ptdp.errors import ConfigError
+from ptdp.pipeline.schedules import check_args
 
 
 @dataclass(frozen=True)
@@ -215,14 +216,15 @@ def validate(cfg: RunConfig, world_size: int = 1) -> Layout:
     microbatches = _train_rules(cfg, dp, errors)
     p = cfg.parallel
     if microbatches and cfg.parallel.pp > 1:
-        from ptdp.pipeline.schedules import check_args
-
         try:
             check_args(p.schedule.value, p.pp, microbatches, p.vpp)
         except ValueError as exc:
+            per_mb = cfg.train.micro_batch_size * dp
+            fits = -(-microbatches // p.pp) * p.pp * per_mb
             errors.append(
                 f"parallel.schedule = {p.schedule.value} with {microbatches} microbatches per "
-                f"step (global_batch_size / (micro_batch_size * dp)): {exc}"
+                f"step (global_batch_size / (micro_batch_size * dp)): {exc}; e.g. "
+                f"--train.global_batch_size {fits}"
             )
     if errors:
         bullet = "\n  - "

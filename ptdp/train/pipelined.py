@@ -20,6 +20,7 @@ from ptdp.pipeline.p2p import P2P
 from ptdp.pipeline.partition import layer_ranges, stages_of_rank
 from ptdp.pipeline.runtime import PipelineRuntime
 from ptdp.pipeline.schedules import add_comms, build, forward_only
+from ptdp.pipeline.verify import verify
 
 Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 """mb -> (tokens, labels) of that microbatch."""
@@ -45,6 +46,18 @@ def build_chunks(cfg: RunConfig, mesh: ParallelMesh, layout: Layout) -> dict[int
         )
         for stage in stages_of_rank(mesh.coord("pp"), pp, vpp)
     }
+
+
+def pipeline_summary(cfg: RunConfig, layout: Layout) -> str:
+    """The schedule and its bubble under unit costs (verify's dry run), for the run's log."""
+    name, pp, vpp, m = cfg.parallel.schedule.value, layout.pp, layout.vpp, layout.num_microbatches
+    report = verify(add_comms(build(name, pp, m, vpp), pp, vpp), pp, vpp, m)
+    return (
+        f"pipeline | schedule {name} | {pp} stages x {vpp} chunks | {m} microbatches per "
+        f"pipeline per step | predicted bubble {report.bubble_fraction:.3f} of the ideal time "
+        f"(unit costs) | peak stored activations (microbatch x chunk) per rank "
+        f"{list(report.peak_in_flight)}"
+    )
 
 
 class PipelineStep:

@@ -46,7 +46,7 @@ from ptdp.train import checkpoint as ckpt
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
 from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
 from ptdp.train.optim import build_optimizer, lr_at, set_lr
-from ptdp.train.pipelined import PipelineStep, build_chunks
+from ptdp.train.pipelined import PipelineStep, build_chunks, pipeline_summary
 
 
 class _IntervalTimer:
@@ -413,6 +413,8 @@ def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None)
             (run_dir / "config.toml").write_text(to_toml(cfg))
         n_params, n_local = (trainer.parameter_count(full=f) for f in (True, False))
         local = f" ({n_local / 1e6:.2f}M on this rank)" if n_local != n_params else ""
+        if layout.pp > 1:
+            trainer.say(pipeline_summary(cfg, layout))
         trainer.say(
             f"ptdp | {layout.describe()} | device {trainer.device} | "
             f"{n_params / 1e6:.2f}M parameters{local} | {len(data.train):,} training samples of "

@@ -1,0 +1,561 @@
+"""Pipeline efficiency on CPU: ptdp's schedules on synthetic stages of known cost, and PyTorch's.
+
+Every stage's F, B and W sleep a fixed time and pass an [8, 8] tensor, so ranks do not compete
+for cores and the ideal time of a schedule is known exactly: the makespan of its action lists
+replayed with these durations and free communication. For p = 4 ranks (4 processes, gloo) and
+m in {4, 8, 16, 32}, each schedule reports measured / ideal (target <= 1.05) and the measured
+bubble against the paper's formula. The same stages then run under `torch.distributed.pipelining`
+in the same process group, iterations alternating with ours: ours / theirs (target <= 1.0).
+One measured iteration of interleaved 1F1B (v = 2, m = 8) is drawn as a timeline PNG.
+
+    python benchmarks/pipeline_efficiency.py            # about 4 minutes
+    python benchmarks/pipeline_efficiency.py --quick    # about 1 minute sanity run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import date, timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from ptdp.parallel.comm import Group
+from ptdp.pipeline.actions import Action, Kind, Plan
+from ptdp.pipeline.p2p import P2P
+from ptdp.pipeline.runtime import PipelineRuntime
+from ptdp.pipeline.schedules import add_comms, build, stages_of_rank
+from ptdp.pipeline.verify import UNIT_COST, verify
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG = ROOT / "benchmarks" / "results" / "interleaved_timeline.png"
+PP = 4
+SHAPE = (8, 8)
+TIMELINE = ("interleaved", 2, 8)  # (schedule, v, m) of the iteration drawn
+PAIRS = [  # (ours, v, theirs): the torch schedule run next to ours
+    ("gpipe", 1, "ScheduleGPipe"),
+    ("1f1b", 1, "Schedule1F1B"),
+    ("zb-h1", 1, "ScheduleInterleavedZeroBubble"),  # theirs needs v = 2: a different schedule
+    ("interleaved", 2, "ScheduleInterleaved1F1B"),
+]
+TORCH_V = {"ScheduleInterleavedZeroBubble": 2}  # torch schedules run at another v than ours
+
+
+# ----------------------------------------------------------------------------- stage costs
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds that one microbatch's F, B and W take on one model chunk."""
+
+    f: float
+    b: float
+    w: float
+
+    def of(self, kind: Kind, stage: int) -> float:
+        """Duration of a compute action as the synthetic stage really runs it (comms: 0).
+
+        Stage 0 has no input gradient to send, so B there computes nothing (in ptdp and in
+        PyTorch alike) and its W backpropagates through the whole chunk, B's path included,
+        as the weight gradients of a real first stage (embedding, layers) need.
+        """
+        if kind is Kind.F:
+            return self.f
+        if kind is Kind.BW:
+            return self.b + self.w
+        if kind is Kind.B:
+            return 0.0 if stage == 0 else self.b
+        if kind is Kind.W:
+            return self.b + self.w if stage == 0 else self.w
+        return 0.0
+
+
+# ----------------------------------------------------------------------------- synthetic stage
+
+_trace: list[tuple[Action | None, float, float]] | None = None  # sleeps, when recording
+_current: Action | None = None  # the ptdp action whose handler is running
+
+
+def _sleep(seconds: float) -> None:
+    """Sleep (the stage's "compute") and log the interval against the running action."""
+    start = time.perf_counter()
+    time.sleep(seconds)
+    if _trace is not None:
+        _trace.append((_current, start, time.perf_counter()))
+
+
+class _InputPath(torch.autograd.Function):
+    """Identity whose backward, the input-gradient path, sleeps T_B."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _sleep(ctx.seconds)
+        return grad, None
+
+
+class _WeightPath(torch.autograd.Function):
+    """w * x with x detached, whose backward, the weight-gradient path, sleeps T_W."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.seconds = seconds
+        return w * x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (x,) = ctx.saved_tensors
+        _sleep(ctx.seconds)
+        return grad * x, None, None
+
+
+class SleepStage(nn.Module):
+    """One model chunk: forward sleeps T_F; y = x + w * x, the two terms' backwards apart.
+
+    The input-gradient pass (autograd.grad w.r.t. x) reaches only `_InputPath` and the
+    weight-gradient pass (w.r.t. the parameters) only `_WeightPath`, so ptdp's B sleeps T_B,
+    its W T_W and BW both. Stage 0 scales its input by an `embed` parameter that stands for
+    the embedding: its weight gradient needs the input-gradient path, as in a real model.
+    """
+
+    def __init__(self, costs: Costs, first: bool) -> None:
+        super().__init__()
+        self.costs = costs
+        self.weight = nn.Parameter(torch.full(SHAPE, 0.01))
+        self.embed = nn.Parameter(torch.ones(SHAPE)) if first else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _sleep(self.costs.f)
+        if self.embed is not None:
+            x = x * self.embed
+        return _InputPath.apply(x, self.costs.b) + _WeightPath.apply(
+            self.weight, x.detach(), self.costs.w
+        )
+
+
+def make_chunks(rank: int, v: int, costs: Costs) -> dict[int, SleepStage]:
+    """This rank's chunks by global stage (rank, rank + pp, ...), as ptdp places them."""
+    return {s: SleepStage(costs, s == 0) for s in stages_of_rank(rank, PP, v)}
+
+
+def loss_of(out: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+    """The last stage's loss (PyTorch's loss_fn signature; the target is not needed)."""
+    return out.mean()
+
+
+# ----------------------------------------------------------------------------- ideal time
+
+
+def replay(plan: Plan, cost: Callable[[Kind, int], float]) -> dict[int, list[tuple]]:
+    """Makespan model: each rank runs its actions in order, compute takes `cost`, comms none.
+
+    A SEND never blocks (ptdp posts it asynchronously) and a RECV waits until its SEND ran.
+    Returns per rank [(action, start, end)] of the compute actions.
+    """
+    sent: dict[Action, float] = {}  # the RECV a SEND satisfies -> when it was sent
+    pos, clock = dict.fromkeys(plan, 0), dict.fromkeys(plan, 0.0)
+    spans: dict[int, list[tuple]] = {r: [] for r in plan}
+    progress = True
+    while progress:
+        progress = False
+        for r, actions in plan.items():
+            while pos[r] < len(actions):
+                a = actions[pos[r]]
+                if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                    if a not in sent:
+                        break
+                    clock[r] = max(clock[r], sent.pop(a))
+                elif a.kind is Kind.SEND_F:
+                    sent[Action(Kind.RECV_F, a.stage + 1, a.mb)] = clock[r]
+                elif a.kind is Kind.SEND_B:
+                    sent[Action(Kind.RECV_B, a.stage - 1, a.mb)] = clock[r]
+                else:
+                    start = clock[r]
+                    clock[r] += cost(a.kind, a.stage)
+                    spans[r].append((a, start, clock[r]))
+                pos[r] += 1
+                progress = True
+    if any(pos[r] < len(plan[r]) for r in plan):
+        raise RuntimeError(f"replay deadlocked at {pos}")
+    return spans
+
+
+def makespan(spans: dict[int, list[tuple]]) -> float:
+    return max((end for rank in spans.values() for _, _, end in rank), default=0.0)
+
+
+def lowered(name: str, v: int, m: int) -> Plan:
+    """Schedule `name` with its comms; checked against verify's unit-time dry run first."""
+    plan = add_comms(build(name, PP, m, v), PP, v)
+    unit = makespan(replay(plan, lambda kind, stage: UNIT_COST[kind]))
+    report = verify(plan, PP, v, m)
+    if unit != report.makespan:
+        raise AssertionError(f"{name} m={m}: replay {unit} != verify {report.makespan}")
+    return plan
+
+
+def formula_bubble(name: str, v: int, m: int, c: Costs) -> float:
+    """The papers' bubble fraction, bubble time over m * v * (T_F + T_B + T_W)."""
+    if name == "zb-h1":
+        return (PP - 1) * (c.f + c.b - c.w) / (m * (c.f + c.b + c.w))
+    return (PP - 1) / (v * m)
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+class _TaggedRuntime(PipelineRuntime):
+    """Tags the sleeps each compute handler runs with its action (for the timeline only)."""
+
+    @contextmanager
+    def _tag(self, a: Action) -> Iterator[None]:
+        global _current
+        _current = a
+        try:
+            yield
+        finally:
+            _current = None
+
+    def _forward(self, a: Action) -> None:
+        with self._tag(a):
+            super()._forward(a)
+
+    def _backward_full(self, a: Action) -> None:
+        with self._tag(a):
+            super()._backward_full(a)
+
+    def _backward_input(self, a: Action) -> None:
+        with self._tag(a):
+            super()._backward_input(a)
+
+    def _backward_weight(self, a: Action) -> None:
+        with self._tag(a):
+            super()._backward_weight(a)
+
+
+def _timed(step: Callable[[], object], chunks: dict[int, SleepStage]) -> tuple[float, float]:
+    """(start, end) of one iteration on this rank, started together with the other ranks."""
+    for p in (p for c in chunks.values() for p in c.parameters()):
+        p.grad = None
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    return start, time.perf_counter()
+
+
+def _span(start_end: tuple[float, float]) -> tuple[float, float]:
+    """(iteration time over all ranks, earliest start); perf_counter is one machine clock."""
+    every: list[tuple[float, float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, start_end)
+    t0 = min(s for s, _ in every)
+    return max(e for _, e in every) - t0, t0
+
+
+class Ours:
+    """ptdp's runtime executing this rank's action list of one schedule."""
+
+    def __init__(self, rank: int, name: str, v: int, m: int, costs: Costs) -> None:
+        self.rank, self.v, self.m = rank, v, m
+        self.actions = lowered(name, v, m)[rank]
+        self.chunks = make_chunks(rank, v, costs)
+        tp = Group(None, 1, 0)
+        self.p2p = P2P(list(range(PP)), SHAPE, torch.float32, torch.device("cpu"), tp)
+        self.input = torch.ones(SHAPE)
+
+    def forward_step(self, stage: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
+        out = self.chunks[stage](self.input if x is None else x)
+        return loss_of(out) if stage == PP * self.v - 1 else out
+
+    def step(self) -> None:
+        runtime = _TaggedRuntime(self.chunks, self.forward_step, self.p2p, PP * self.v, PP)
+        runtime.run(self.actions)
+
+
+class Theirs:
+    """The same stages under a `torch.distributed.pipelining` schedule."""
+
+    def __init__(self, rank: int, name: str, v: int, m: int, costs: Costs) -> None:
+        from torch.distributed import pipelining
+
+        self.rank, self.m = rank, m
+        self.chunks = make_chunks(rank, v, costs)
+        example = torch.ones(SHAPE)
+        stages = [
+            pipelining.PipelineStage(
+                chunk, s, PP * v, torch.device("cpu"), input_args=example, output_args=example
+            )
+            for s, chunk in self.chunks.items()
+        ]
+        cls = getattr(pipelining, name)
+        self.schedule = cls(stages[0] if v == 1 else stages, m, loss_fn=loss_of)
+        self.first, self.last = 0 in self.chunks, PP * v - 1 in self.chunks
+        self.batch = torch.ones(m * SHAPE[0], *SHAPE[1:])
+
+    def step(self) -> None:
+        args = (self.batch,) if self.first else ()
+        self.schedule.step(*args, target=self.batch if self.last else None)
+
+
+def _agree(error: str | None) -> str | None:
+    """The first rank's error, on every rank, so that all skip a failed torch schedule."""
+    every: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, error)
+    return next((e for e in every if e), None)
+
+
+def _brief(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ").replace("|", "/")
+    return " ".join(text.split())[:200]
+
+
+def _build(rank: int, cls: type, name: str, v: int, m: int, costs: Costs) -> tuple:
+    try:
+        return cls(rank, name, v, m, costs), None
+    except Exception as exc:  # a torch schedule may refuse these settings
+        return None, _brief(exc)
+
+
+def _measure_pair(
+    rank: int, pair: tuple[str, int, str], m: int, costs: Costs, args: argparse.Namespace
+) -> dict:
+    """Alternate iterations of ours and theirs; medians of the measured ones."""
+    name, v, torch_name = pair
+    tv = TORCH_V.get(torch_name, v)
+    torch_costs = Costs(*(t * v / tv for t in (costs.f, costs.b, costs.w)))  # same work per rank
+    ours = Ours(rank, name, v, m, costs)
+    theirs, error = _build(rank, Theirs, torch_name, tv, m, torch_costs)
+    error = _agree(error)
+    global _trace
+    ours_t, theirs_t, row = [], [], {}
+    for i in range(args.warmup + args.iters):
+        record = (name, v, m) == TIMELINE and i == args.warmup + args.iters - 1
+        _trace = [] if record else None
+        took, t0 = _span(_timed(ours.step, ours.chunks))
+        if record:
+            row["timeline"] = _timeline(_trace, t0, took)
+        _trace = None
+        if i >= args.warmup:
+            ours_t.append(took)
+        if error is None:
+            try:
+                span = _timed(theirs.step, theirs.chunks)
+                failure = None
+            except Exception as exc:
+                span, failure = (0.0, 0.0), _brief(exc)
+            error = _agree(failure)
+            took, _ = _span(span)
+            if i >= args.warmup and error is None:
+                theirs_t.append(took)
+    row.update(schedule=name, v=v, m=m, torch=torch_name, torch_v=tv, ours=ours_t)
+    row.update(theirs=theirs_t if error is None else [], error=error)
+    return row
+
+
+def _timeline(trace: list, t0: float, took: float) -> dict:
+    """Every rank's compute intervals of this iteration, one per action, from the first start."""
+    spans: dict[str, list[float]] = {}
+    for a, s, e in trace:
+        key = str(a)
+        s, e = s - t0, e - t0
+        old = spans.get(key)
+        spans[key] = [s, e] if old is None else [min(old[0], s), max(old[1], e)]
+    every: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, spans)
+    return {"took": took, "ranks": every}
+
+
+def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=args.timeout),
+    )
+    costs = Costs(args.f_ms / 1e3, args.b_ms / 1e3, args.w_ms / 1e3)
+    rows = []
+    for pair in PAIRS:
+        v = pair[1]
+        chunk_costs = Costs(costs.f / v, costs.b / v, costs.w / v)
+        for m in args.ms:
+            rows.append(_measure_pair(rank, pair, m, chunk_costs, args))
+            if rank == 0:
+                r = rows[-1]
+                theirs = f"{statistics.median(r['theirs']) * 1e3:.0f}" if r["theirs"] else "-"
+                print(
+                    f"  {pair[0]} v={v} m={m}: ours {statistics.median(r['ours']) * 1e3:.0f} ms, "
+                    f"{pair[2]} {theirs} ms",
+                    flush=True,
+                )
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+    # As tests/dist/harness.py: gloo may abort in a C++ destructor at normal interpreter exit.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def table(rows: list[dict], costs: Costs) -> list[str]:
+    lines = [
+        "| schedule | v | m | ideal ms | measured ms | measured/ideal | measured bubble | "
+        "ideal bubble | formula bubble | torch schedule | torch ms | ours/torch |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        name, v, m = r["schedule"], r["v"], r["m"]
+        chunk = Costs(costs.f / v, costs.b / v, costs.w / v)
+        ideal = makespan(replay(lowered(name, v, m), chunk.of))
+        work = m * v * (chunk.f + chunk.b + chunk.w)
+        measured = statistics.median(r["ours"])
+        torch_name = f"{r['torch']} (v={r['torch_v']})"
+        if r["error"]:
+            theirs, ratio = f"failed: {r['error']}", "-"
+        else:
+            t = statistics.median(r["theirs"])
+            theirs, ratio = f"{t * 1e3:.1f}", f"{measured / t:.3f}"
+        lines.append(
+            f"| {name} | {v} | {m} | {ideal * 1e3:.1f} | {measured * 1e3:.1f} | "
+            f"{measured / ideal:.3f} | {(measured - work) / work:.3f} | "
+            f"{(ideal - work) / work:.3f} | {formula_bubble(name, v, m, chunk):.3f} | "
+            f"{torch_name} | {theirs} | {ratio} |"
+        )
+    return lines
+
+
+COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52"}
+
+
+def draw(timeline: dict, costs: Costs, path: Path) -> None:
+    """Gantt chart: the measured iteration above, the zero-overhead replay of its plan below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    name, v, m = TIMELINE
+    chunk = Costs(costs.f / v, costs.b / v, costs.w / v)
+    ideal = replay(lowered(name, v, m), chunk.of)
+    measured = {
+        r: [(Action.parse(k), s, e) for k, (s, e) in spans.items()]
+        for r, spans in enumerate(timeline["ranks"])
+    }
+    fig, axes = plt.subplots(2, 1, figsize=(16, 6.5), sharex=True)
+    titles = [
+        f"ptdp, measured: {timeline['took'] * 1e3:.0f} ms",
+        f"same plan replayed with zero overhead: {makespan(ideal) * 1e3:.0f} ms",
+    ]
+    for ax, spans, title in zip(axes, (measured, ideal), titles):
+        for rank, acts in spans.items():
+            for a, s, e in acts:
+                if e - s <= 0:
+                    continue  # stage 0's B: nothing to compute
+                chunk_index = a.stage // PP
+                ax.broken_barh(
+                    [(s * 1e3, (e - s) * 1e3)],
+                    (rank - 0.4, 0.8),
+                    facecolors=COLORS[a.kind.value],
+                    edgecolor="black",
+                    linewidth=0.5,
+                    alpha=1.0 if chunk_index == 0 else 0.6,
+                    hatch=None if chunk_index == 0 else "//",
+                )
+                ax.text((s + e) / 2 * 1e3, rank, str(a.mb), ha="center", va="center", fontsize=7)
+        ax.set_yticks(range(PP), [f"rank {r}" for r in range(PP)])
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=10, loc="left")
+    axes[-1].set_xlabel("ms from the first rank's start")
+    handles = [Patch(facecolor=c, label=k) for k, c in COLORS.items() if k in ("F", "BW")]
+    handles += [Patch(facecolor="white", edgecolor="black", hatch="//", label="chunk 1")]
+    axes[0].legend(handles=handles, loc="upper right", fontsize=8, ncols=3)
+    fig.suptitle(
+        f"interleaved 1F1B, p={PP}, v={v}, m={m}, T_F = T_B = T_W = {chunk.f * 1e3:.0f} ms per "
+        "chunk (numbers: microbatch; hatched: chunk 1)",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ms", type=int, nargs="+", default=[4, 8, 16, 32], help="microbatches")
+    parser.add_argument("--f-ms", type=float, default=20.0, help="T_F per microbatch at v=1")
+    parser.add_argument("--b-ms", type=float, default=20.0, help="T_B (divided by v per chunk)")
+    parser.add_argument("--w-ms", type=float, default=20.0, help="T_W (divided by v per chunk)")
+    parser.add_argument("--iters", type=int, default=5, help="measured iterations per schedule")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=120.0, help="gloo timeout, seconds")
+    parser.add_argument("--png", default=str(PNG))
+    parser.add_argument("--quick", action="store_true", help="m in {4, 8}, 2 iterations")
+    args = parser.parse_args()
+    if args.quick:
+        args.ms, args.iters = [4, 8], 2
+    if TIMELINE[2] not in args.ms:
+        args.ms = sorted({*args.ms, TIMELINE[2]})
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    costs = Costs(args.f_ms / 1e3, args.b_ms / 1e3, args.w_ms / 1e3)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        mp.start_processes(
+            worker,
+            args=(PP, os.path.join(tmp, "store"), args, out),
+            nprocs=PP,
+            start_method="spawn",
+        )
+        rows = json.loads(Path(out).read_text())
+    took = time.perf_counter() - start
+    timeline = next(r["timeline"] for r in rows if "timeline" in r)
+    draw(timeline, costs, Path(args.png))
+    print()
+    print(f"command: python {' '.join(sys.argv)}  ({took:.0f} s, {date.today()})")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"gloo, {PP} ranks with 1 thread each"
+    )
+    print(
+        f"costs per microbatch and rank: T_F {args.f_ms:g}, T_B {args.b_ms:g}, T_W {args.w_ms:g} "
+        "ms, split evenly over the v chunks; median of "
+        f"{args.iters} iterations after {args.warmup} warm-up, ours and torch alternating"
+    )
+    print()
+    print("\n".join(table(rows, costs)))
+    print()
+    print(
+        "ideal: the plan replayed with these durations and free communication; bubbles are "
+        "(time - m*v*(T_F+T_B+T_W)) / m*v*(T_F+T_B+T_W); formula: (p-1)/m for gpipe and 1f1b, "
+        "(p-1)/(v*m) for interleaved, (p-1)(T_F+T_B-T_W)/(m(T_F+T_B+T_W)) for zb-h1. "
+        "zb-h1 (ours, v=1) and ScheduleInterleavedZeroBubble (v=2, same work per rank) are "
+        "different schedules."
+    )
+    print(f"timeline of one measured interleaved iteration: {args.png}")
+
+
+if __name__ == "__main__":
+    main()
