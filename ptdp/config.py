@@ -184,7 +184,7 @@ class TrainConfig:
     eval_interval: int = 100
     """Validation loss every this many steps (and at the end); 0 = never."""
     eval_iters: int = 10
-    """Microbatches averaged for one validation loss."""
+    """Microbatches averaged for one validation loss (shared out over data-parallel ranks)."""
     save_interval: int = 0
     """Checkpoint every this many steps (and at the end); 0 = only at the end."""
     keep_checkpoints: int = 2

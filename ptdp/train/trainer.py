@@ -205,9 +205,10 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the first eval_iters microbatches of each rank's validation share."""
-        t, valid = self.cfg.train, self.data.valid
-        per_rank = max(1, min(t.eval_iters, len(valid) // (t.micro_batch_size * self.layout.dp)))
+        """Mean loss over the first eval_iters microbatches of the validation split, shared
+        out over data-parallel ranks (so every layout evaluates the same samples)."""
+        t, valid, dp = self.cfg.train, self.data.valid, self.layout.dp
+        per_rank = max(1, min(-(-t.eval_iters // dp), len(valid) // (t.micro_batch_size * dp)))
         batch = self._batches(valid, self.mesh.coord("dp") * per_rank * t.micro_batch_size)
         self.model.eval()
         if self.pipeline is None:

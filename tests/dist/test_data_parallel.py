@@ -26,7 +26,10 @@ pytestmark = pytest.mark.dist
 
 # A checkpoint mid-run: saving (which gathers shards) must not disturb training.
 SETTINGS = {
-    "train": {"micro_batch_size": 2, "global_batch_size": 8, "steps": 4, "save_interval": 2}
+    "train": {
+        "micro_batch_size": 2, "global_batch_size": 8, "steps": 4, "save_interval": 2,
+        "eval_interval": 2, "eval_iters": 2,
+    }
 }
 
 LAYOUTS = {  # name: (world size, parallel section, model section)
@@ -58,6 +61,7 @@ def _check_training(rank: int, world_size: int, data: str, run_dir: str, name: s
     result = train(cfg, env=LaunchEnv(rank, world_size, rank))
     if rank == 0:
         (Path(run_dir) / "losses.json").write_text(json.dumps(result.losses))
+        (Path(run_dir) / "val_losses.json").write_text(json.dumps(result.val_losses))
 
 
 def assert_same_run(single: Path, parallel: Path, losses: dict[int, float], other: dict) -> None:
@@ -81,6 +85,10 @@ def test_layout_matches_single_process(tiny_data: str, tmp_path: Path, name: str
     losses = {int(k): v for k, v in losses.items()}
     assert sorted(losses) == [1, 2, 3, 4]
     assert_same_run(tmp_path / "single", tmp_path / name, single.losses, losses)
+    val = json.loads((tmp_path / name / "val_losses.json").read_text())
+    assert sorted(int(k) for k in val) == [2, 4]
+    for step, loss in single.val_losses.items():  # evaluation runs through the pipeline too
+        assert val[str(step)] == pytest.approx(loss, rel=1e-5), step
     # The checkpoint is layout-free: one process samples from what tp ranks saved.
     assert sample_from_checkpoint(tmp_path / name, "to be", max_new_tokens=4)[0].startswith("to")
 
