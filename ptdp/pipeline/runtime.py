@@ -44,11 +44,16 @@ class PipelineRuntime:
     _grads_in: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
     _grads_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _sends: list = field(default_factory=list)
+    _sent_outputs: list = field(default_factory=list)
+    freed_bytes: int = 0
+    """Bytes of stage outputs released after their send completed (this step)."""
+    freed_before_end: int = 0
+    """The part of freed_bytes released during the step, before its final wait."""
     losses: list[torch.Tensor] = field(default_factory=list)
 
     def run(self, actions: list[Action]) -> list[torch.Tensor]:
         """Run one step's actions; return the last stage's per-microbatch losses (if any)."""
-        self.losses = []
+        self.losses, self.freed_bytes = [], 0
         handlers = {
             Kind.F: self._forward,
             Kind.BW: self._backward_full,
@@ -64,11 +69,14 @@ class PipelineRuntime:
                 self._post(actions[i:j])
                 i = j
                 continue
+            self._release_sent_outputs()
             handlers[actions[i].kind](actions[i])
             i += 1
+        self.freed_before_end = self.freed_bytes
         for work in self._sends:
             work.wait()
         self._sends.clear()
+        self._release_sent_outputs()
         if self.on_last_backward is not None:
             self.on_last_backward()
         return self.losses
@@ -95,7 +103,31 @@ class PipelineRuntime:
                 keys.append((Kind.B, a.stage, a.mb))
         send_works, recv_works = self.p2p.post(sends, recvs)
         self._sends.extend(send_works)
+        for (_, tensor, tag), work in zip(sends, send_works):
+            if tag == TAG_ACTIVATION:
+                self._sent_outputs.append((work, tensor))
         self._recvs.update(zip(keys, recv_works))
+
+    def _release_sent_outputs(self) -> None:
+        """Free the memory of stage outputs whose send has completed.
+
+        The next stage has its own copy; this stage's backward needs only the output's
+        autograd node (a residual add, which saves no output) and its shape, both of which
+        survive: the storage is resized to zero, the tensor's metadata is kept. This is
+        Megatron's deallocate-output trick without its private autograd call. How early it
+        happens depends on the backend: NCCL reports a send complete as soon as the data
+        has left; gloo only when waited on, which this runtime does at the end of the step
+        (waiting earlier could deadlock), so on CPU the memory is returned then.
+        """
+        pending = []
+        for work, out in self._sent_outputs:
+            if work.is_completed():
+                storage = out.untyped_storage()
+                self.freed_bytes += storage.nbytes()
+                storage.resize_(0)
+            else:
+                pending.append((work, out))
+        self._sent_outputs = pending
 
     def _received(self, kind: Kind, stage: int, mb: int) -> torch.Tensor:
         work, buf = self._recvs.pop((kind, stage, mb))

@@ -112,6 +112,7 @@ class PipelineStep:
         (the mean over microbatches on the last stage, 0 elsewhere)."""
         runtime = self._runtime(batch, self.layout.num_microbatches, self.on_last_backward)
         losses = runtime.run(self.actions)
+        self.last_runtime = runtime  # for inspection: freed memory, timings
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
 
     @torch.no_grad()

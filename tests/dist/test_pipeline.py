@@ -55,6 +55,9 @@ def _one_case(mesh: ParallelMesh, cfg: RunConfig, tokens: torch.Tensor) -> None:
         return rows[:, :-1], rows[:, 1:]
 
     loss = step.train(batch)
+    if mesh.coord("pp") < layout.pp - 1:  # ranks that send activations free them once sent
+        out_bytes = 4 * cfg.model.seq_length * mbs * cfg.model.hidden_size
+        assert step.last_runtime.freed_bytes >= out_bytes * layout.num_microbatches
     if cfg.model.tie_embeddings:
         reduce_tied_grads(torch.nn.ModuleList(chunks.values()), mesh.axis("embedding"))
     all_reduce_sum_(loss, mesh.axis("pp"))
