@@ -222,33 +222,15 @@ def formula_bubble(name: str, v: int, m: int, c: Costs) -> float:
 # ----------------------------------------------------------------------------- ranks
 
 
-class _TaggedRuntime(PipelineRuntime):
-    """Tags the sleeps each compute handler runs with its action (for the timeline only)."""
-
-    @contextmanager
-    def _tag(self, a: Action) -> Iterator[None]:
-        global _current
-        _current = a
-        try:
-            yield
-        finally:
-            _current = None
-
-    def _forward(self, a: Action) -> None:
-        with self._tag(a):
-            super()._forward(a)
-
-    def _backward_full(self, a: Action) -> None:
-        with self._tag(a):
-            super()._backward_full(a)
-
-    def _backward_input(self, a: Action) -> None:
-        with self._tag(a):
-            super()._backward_input(a)
-
-    def _backward_weight(self, a: Action) -> None:
-        with self._tag(a):
-            super()._backward_weight(a)
+@contextmanager
+def _tag(a: Action) -> Iterator[None]:
+    """Tags the sleeps each compute action runs with that action (for the timeline only)."""
+    global _current
+    _current = a
+    try:
+        yield
+    finally:
+        _current = None
 
 
 def _timed(step: Callable[[], object], chunks: dict[int, SleepStage]) -> tuple[float, float]:
@@ -285,23 +267,28 @@ class Ours:
         return loss_of(out) if stage == PP * self.v - 1 else out
 
     def step(self) -> None:
-        runtime = _TaggedRuntime(self.chunks, self.forward_step, self.p2p, PP * self.v, PP)
+        runtime = PipelineRuntime(
+            self.chunks, self.forward_step, self.p2p, PP * self.v, PP, around_action=_tag
+        )
         runtime.run(self.actions)
 
 
 class Theirs:
     """The same stages under a `torch.distributed.pipelining` schedule."""
 
-    def __init__(self, rank: int, name: str, v: int, m: int, costs: Costs) -> None:
+    def __init__(
+        self, rank: int, name: str, v: int, m: int, costs: Costs, group: dist.ProcessGroup
+    ) -> None:
         from torch.distributed import pipelining
 
         self.rank, self.m = rank, m
         self.chunks = make_chunks(rank, v, costs)
-        example = torch.ones(SHAPE)
+        # Shapes are inferred at the first step: passing input_args/output_args alone makes
+        # torch 2.13 skip receiving output gradients ("grad can be implicitly created only for
+        # scalar outputs" on every stage but the last).
+        cpu = torch.device("cpu")
         stages = [
-            pipelining.PipelineStage(
-                chunk, s, PP * v, torch.device("cpu"), input_args=example, output_args=example
-            )
+            pipelining.PipelineStage(chunk, s, PP * v, cpu, group=group)
             for s, chunk in self.chunks.items()
         ]
         cls = getattr(pipelining, name)
@@ -315,10 +302,14 @@ class Theirs:
 
 
 def _agree(error: str | None) -> str | None:
-    """The first rank's error, on every rank, so that all skip a failed torch schedule."""
+    """One error on every rank, so that all skip a failed torch schedule.
+
+    A rank that fails makes its peers time out on their receives: report the cause, not that.
+    """
     every: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, error)
-    return next((e for e in every if e), None)
+    errors = sorted((e for e in every if e), key=lambda e: "timed out" in e.lower())
+    return errors[0] if errors else None
 
 
 def _brief(exc: BaseException) -> str:
@@ -326,10 +317,18 @@ def _brief(exc: BaseException) -> str:
     return " ".join(text.split())[:200]
 
 
-def _build(rank: int, cls: type, name: str, v: int, m: int, costs: Costs) -> tuple:
+def _build_theirs(
+    rank: int, name: str, v: int, m: int, costs: Costs, timeout: float
+) -> tuple[Theirs | None, str | None]:
+    """(Theirs, None) or (None, error) for a schedule that refuses these settings.
+
+    Each torch schedule gets its own process group with a short timeout: if one fails on some
+    ranks, the others give up waiting on their receives and the default group stays usable.
+    """
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     try:
-        return cls(rank, name, v, m, costs), None
-    except Exception as exc:  # a torch schedule may refuse these settings
+        return Theirs(rank, name, v, m, costs, group), None
+    except Exception as exc:
         return None, _brief(exc)
 
 
@@ -341,7 +340,7 @@ def _measure_pair(
     tv = TORCH_V.get(torch_name, v)
     torch_costs = Costs(*(t * v / tv for t in (costs.f, costs.b, costs.w)))  # same work per rank
     ours = Ours(rank, name, v, m, costs)
-    theirs, error = _build(rank, Theirs, torch_name, tv, m, torch_costs)
+    theirs, error = _build_theirs(rank, torch_name, tv, m, torch_costs, args.torch_timeout)
     error = _agree(error)
     global _trace
     ours_t, theirs_t, row = [], [], {}
@@ -490,10 +489,12 @@ def draw(timeline: dict, costs: Costs, path: Path) -> None:
     axes[-1].set_xlabel("ms from the first rank's start")
     handles = [Patch(facecolor=c, label=k) for k, c in COLORS.items() if k in ("F", "BW")]
     handles += [Patch(facecolor="white", edgecolor="black", hatch="//", label="chunk 1")]
-    axes[0].legend(handles=handles, loc="upper right", fontsize=8, ncols=3)
+    axes[0].legend(
+        handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncols=3
+    )
     fig.suptitle(
-        f"interleaved 1F1B, p={PP}, v={v}, m={m}, T_F = T_B = T_W = {chunk.f * 1e3:.0f} ms per "
-        "chunk (numbers: microbatch; hatched: chunk 1)",
+        f"interleaved 1F1B, p={PP}, v={v}, m={m}; per chunk T_F {chunk.f * 1e3:g}, "
+        f"T_B {chunk.b * 1e3:g}, T_W {chunk.w * 1e3:g} ms (numbers: microbatch; hatched: chunk 1)",
         fontsize=11,
     )
     fig.tight_layout()
@@ -505,12 +506,15 @@ def draw(timeline: dict, costs: Costs, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ms", type=int, nargs="+", default=[4, 8, 16, 32], help="microbatches")
-    parser.add_argument("--f-ms", type=float, default=20.0, help="T_F per microbatch at v=1")
-    parser.add_argument("--b-ms", type=float, default=20.0, help="T_B (divided by v per chunk)")
-    parser.add_argument("--w-ms", type=float, default=20.0, help="T_W (divided by v per chunk)")
-    parser.add_argument("--iters", type=int, default=5, help="measured iterations per schedule")
+    parser.add_argument("--f-ms", type=float, default=30.0, help="T_F per microbatch at v=1")
+    parser.add_argument("--b-ms", type=float, default=30.0, help="T_B (divided by v per chunk)")
+    parser.add_argument("--w-ms", type=float, default=30.0, help="T_W (divided by v per chunk)")
+    parser.add_argument("--iters", type=int, default=4, help="measured iterations per schedule")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=120.0, help="gloo timeout, seconds")
+    parser.add_argument("--timeout", type=float, default=300.0, help="gloo timeout, seconds")
+    parser.add_argument(
+        "--torch-timeout", type=float, default=30.0, help="timeout of a torch schedule's group"
+    )
     parser.add_argument("--png", default=str(PNG))
     parser.add_argument("--quick", action="store_true", help="m in {4, 8}, 2 iterations")
     args = parser.parse_args()

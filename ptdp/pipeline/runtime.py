@@ -15,6 +15,7 @@ that extra backward compute (a per-layer split of the weight-gradient GEMMs woul
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,8 @@ class PipelineRuntime:
     pp: int
     on_last_backward: Callable[[], None] | None = None
     """Called once after this rank's last backward (data-parallel reduction, tied grads)."""
+    around_action: Callable[[Action], AbstractContextManager] | None = None
+    """Wraps each compute action (timelines, profilers); None = nothing."""
     _inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _recvs: dict[tuple[Kind, int, int], tuple] = field(default_factory=dict)
@@ -70,7 +73,9 @@ class PipelineRuntime:
                 i = j
                 continue
             self._release_sent_outputs()
-            handlers[actions[i].kind](actions[i])
+            a = actions[i]
+            with self.around_action(a) if self.around_action else nullcontext():
+                handlers[a.kind](a)
             i += 1
         self.freed_before_end = self.freed_bytes
         for work in self._sends:
@@ -119,6 +124,7 @@ class PipelineRuntime:
         has left; gloo only when waited on, which this runtime does at the end of the step
         (waiting earlier could deadlock), so on CPU the memory is returned then.
         """
+        self._sends = [w for w in self._sends if not w.is_completed()]  # drop sent buffers
         pending = []
         for work, out in self._sent_outputs:
             if work.is_completed():
