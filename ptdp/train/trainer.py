@@ -41,7 +41,6 @@ from ptdp.parallel.state import (
     load_full_optimizer_state,
 )
 from ptdp.perf.flops import flops_per_iteration
-from ptdp.pipeline.partition import stages_of_rank
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
 from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
@@ -104,14 +103,15 @@ class Trainer:
         self.is_main = env.rank == 0
         self.run_dir = Path(cfg.train.run_dir)
         self.tp, self.pp = self.mesh.axis("tp"), self.mesh.axis("pp")
-        self.chunks = list(build_chunks(cfg, self.mesh, layout).values())
+        by_stage = build_chunks(cfg, self.mesh, layout)  # this rank's model chunks
+        self.chunks = list(by_stage.values())
         self.model = nn.ModuleList(self.chunks).to(self.device)
         self.pipeline = (
             PipelineStep(
                 cfg,
                 layout,
                 self.mesh,
-                dict(zip(self._stages(), self.chunks)),
+                by_stage,
                 self.device,
                 self._autocast,
                 on_last_backward=self._reduce_gradients,  # after this rank's last backward
@@ -149,9 +149,6 @@ class Trainer:
         total = torch.tensor(float(local))
         all_reduce_sum_(total, self.pp)
         return int(total.item())
-
-    def _stages(self) -> list[int]:
-        return stages_of_rank(self.mesh.coord("pp"), self.layout.pp, self.layout.vpp)
 
     def _batches(self, dataset, first: int):
         """mb -> (tokens, labels), loaded once per microbatch."""
