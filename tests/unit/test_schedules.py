@@ -338,38 +338,12 @@ def test_format_table() -> None:
 def test_cli_prints_the_table_and_the_bubble(capsys) -> None:
     from ptdp.cli import main
 
-    assert (
-        main(
-            [
-                "schedule",
-                "--schedule",
-                "interleaved",
-                "--pp",
-                "4",
-                "--vpp",
-                "2",
-                "--microbatches",
-                "8",
-            ]
-        )
-        == 0
-    )
+    def schedule(m: int) -> int:
+        args = "schedule --schedule interleaved --pp 4 --vpp 2 --microbatches"
+        return main([*args.split(), str(m)])
+
+    assert schedule(8) == 0
     out = capsys.readouterr().out
     assert "bubble 0.1875 (theory 0.1875)" in out and "0SEND_F0" in out
-    assert (
-        main(
-            [
-                "schedule",
-                "--schedule",
-                "interleaved",
-                "--pp",
-                "4",
-                "--vpp",
-                "2",
-                "--microbatches",
-                "6",
-            ]
-        )
-        == 2
-    )
+    assert schedule(6) == 2
     assert "multiple of pp = 4" in capsys.readouterr().err
