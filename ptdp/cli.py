@@ -1,8 +1,9 @@
-"""`ptdp train | preprocess | generate`: the only place that reads argv."""
+"""`ptdp train | preprocess | generate | schedule`: the only place that reads argv."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -199,6 +200,14 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"# data: {len(data.train):,} training samples, tokenizer {data.tokenizer_spec}")
         return 0
     train(cfg, resume=args.resume, env=env)
+    if env.world_size > 1:
+        # All work is done, checkpoints written and the process group destroyed. gloo has
+        # been seen to abort a finished process in a C++ destructor at interpreter exit
+        # ("terminate called without an active exception"), which the launcher would report
+        # as a failure: leave without running the finalisers.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
