@@ -201,12 +201,11 @@ def all_reduce_sum_(tensor: torch.Tensor, g: Group) -> None:
         dist.all_reduce(tensor, group=g.group)
 
 
-def all_reduce_mean_(tensor: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> None:
-    """In place: the mean of `tensor` over `group` (a no-op for a group of one)."""
-    if size == 1:
-        return
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    tensor.div_(size)
+def all_reduce_mean_(tensor: torch.Tensor, g: Group) -> None:
+    """In place, no autograd: the mean of `tensor` over the group."""
+    if g.size > 1:
+        dist.all_reduce(tensor, group=g.group)
+        tensor.div_(g.size)
 
 
 def all_reduce_tensors_(tensors: list[torch.Tensor], g: Group, *, average: bool) -> None:

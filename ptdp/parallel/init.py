@@ -34,10 +34,6 @@ class ShardSpec:
     size: int
     parts: int = 1
 
-    @property
-    def local_size(self) -> int:
-        return self.padded_size // self.size
-
     def full_shape(self, local_shape: torch.Size) -> tuple[int, ...]:
         shape = list(local_shape)
         shape[self.dim] = self.full_size

@@ -105,9 +105,6 @@ class ParallelMesh:
             return 2 if self.shape.pp > 1 and pp in (0, self.shape.pp - 1) else 1
         return getattr(self.shape, axis)
 
-    def group(self, axis: str) -> dist.ProcessGroup | None:
-        return self.groups[axis]
-
     def axis(self, axis: str) -> Group:
         """This rank's group along `axis`, with its size and rank, for the comm ops."""
         return Group(self.groups[axis], self.size(axis), self.coord(axis))

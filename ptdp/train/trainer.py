@@ -189,7 +189,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         all_reduce_sum_(total, self.pp)  # the loss lives on the last stage
-        all_reduce_mean_(total, self.mesh.group("dp"), self.layout.dp)
+        all_reduce_mean_(total, self.mesh.axis("dp"))
         self.step += 1
         return total, grad_norm
 
@@ -217,7 +217,7 @@ class Trainer:
         else:
             total = self.pipeline.evaluate(batch, per_rank)
         all_reduce_sum_(total, self.pp)
-        all_reduce_mean_(total, self.mesh.group("dp"), self.layout.dp)
+        all_reduce_mean_(total, self.mesh.axis("dp"))
         return total.item()
 
     # ------------------------------------------------------------------ checkpoints

@@ -162,8 +162,21 @@ def _count_layer_collectives(tp: Group, sp: bool) -> dict[str, int]:
     return counts
 
 
+def _scatters(tp: Group) -> None:
+    """Keep a slice forward, all-gather the gradient backward (last dim, then sequence)."""
+    torch.manual_seed(3)
+    x, probe = torch.randn(8, 3, 8, requires_grad=True), torch.randn(8, 3, 8)
+    for op, dim in ((comm.scatter_to_tp, -1), (comm.scatter_to_sp, 0)):
+        x.grad = None
+        y = op(x, tp)
+        assert torch.equal(y, split(x.detach(), tp, dim))
+        (y * split(probe, tp, dim)).sum().backward()
+        assert torch.equal(x.grad, probe)
+
+
 def _check_layers(rank: int, world_size: int) -> None:
     tp = Group(None, world_size, rank)
+    _scatters(tp)
     for sp in (False, True):
         _column(tp, sp, parts=1, gather=False)
         _column(tp, sp, parts=2, gather=False)
