@@ -133,6 +133,10 @@ class ParallelConfig:
     """Activation recomputation: none, selective (attention core) or full (whole layer)."""
     scatter_gather: bool = True
     """Pipeline sends of 1/tp of each boundary tensor, all-gathered by the receiver (tp > 1)."""
+    bucket_mb: float = 25.0
+    """Size of a data-parallel gradient bucket in MiB of fp32 gradient."""
+    overlap_grad_reduce: bool = True
+    """Start each bucket's data-parallel reduction during the last backward, not after it."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -165,6 +169,12 @@ class OptimConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 = no clipping."""
+    distributed: bool = False
+    """Shard fp32 master weights and AdamW state over the data-parallel group (ZeRO-1)."""
+    initial_loss_scale: float = 65536.0
+    """fp16 only: the first dynamic loss scale."""
+    loss_scale_window: int = 1000
+    """fp16 only: double the loss scale after this many steps without inf/NaN gradients."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -190,7 +200,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Most recent checkpoints kept on disk; 0 = keep all."""
     precision: Precision = Precision.FP32
-    """fp32, or bf16 autocast with fp32 weights; fp16 arrives with loss scaling."""
+    """fp32; bf16 (16-bit weights and compute, fp32 master weights and gradient
+    accumulation); fp16 (the same with dynamic loss scaling)."""
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
     tensorboard: bool = False

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.config import PositionEmbedding, Precision, RunConfig, Schedule
+from ptdp.config import PositionEmbedding, RunConfig, Schedule
 from ptdp.errors import ConfigError
 from ptdp.pipeline.schedules import check_args
 
@@ -152,7 +152,7 @@ def _tensor_parallel_rules(cfg: RunConfig, errors: list[str]) -> None:
 
 
 def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
-    t, o = cfg.train, cfg.optim
+    t, o, p = cfg.train, cfg.optim, cfg.parallel
     for name in ("micro_batch_size", "global_batch_size", "steps", "log_interval"):
         _positive(errors, f"train.{name}", getattr(t, name))
     for name in ("eval_interval", "eval_iters", "save_interval", "keep_checkpoints"):
@@ -171,11 +171,11 @@ def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
             )
         else:
             microbatches = t.global_batch_size // per_step
-    if t.precision is Precision.FP16:
-        errors.append(
-            "train.precision = fp16 needs dynamic loss scaling, which this version of ptdp does "
-            "not have yet; use --train.precision bf16 (same speed, no scaling needed) or fp32"
-        )
+    if p.bucket_mb <= 0:
+        errors.append(f"parallel.bucket_mb = {p.bucket_mb} must be > 0 (25 is a good default)")
+    if o.initial_loss_scale <= 0:
+        errors.append(f"optim.initial_loss_scale = {o.initial_loss_scale} must be > 0")
+    _positive(errors, "optim.loss_scale_window", o.loss_scale_window)
     if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
         errors.append(f"train.device = {t.device!r}; use auto, cpu or cuda")
     if o.lr <= 0:

@@ -1,18 +1,265 @@
-"""Data-parallel gradient averaging.
+"""Data-parallel gradient reduction over contiguous, bucketed buffers.
 
-This first version flattens all gradients into one buffer and all-reduces it once after
-the last microbatch's backward; bucketing and overlap with the backward pass come later.
+Each model chunk's parameters live in one flat buffer (in the parameters' dtype) and
+their gradients in a second, fp32 one: `param.main_grad` is a view into it. A hook on
+every parameter adds its gradient into `main_grad` and drops `param.grad`, so 16-bit
+gradients accumulate over microbatches in fp32. The buffers are cut into buckets of
+about `bucket_mb` MiB, in reverse registration order (the order backward produces them).
+
+During the last microbatch's backward of a chunk (`start_final`), a bucket whose
+parameters have all received their gradient starts its reduction at once, as an
+asynchronous collective, while backward goes on; earlier microbatches only accumulate.
+The pipeline runtime, not autograd, knows which backward is the last one, which is why
+this is written on collectives rather than by wrapping DDP.
+
+The reduction averages over the data-parallel group: an all-reduce, or with the
+distributed optimizer a reduce-scatter that leaves each rank the mean of its 1/dp shard
+of every bucket (buckets are padded to a multiple of dp). After the optimizer step,
+`gather_params` all-gathers the updated shards of the parameter buffer.
+
+Two reductions over other groups must come first. Under sequence parallelism, the
+gradients of replicated weights (norms, row-parallel biases) are partial sums per
+tensor rank: they are summed over the tensor group (synchronously: the tensor ranks run
+the same backward in lockstep) just before the bucket starts. A tied embedding shared by
+the first and last pipeline stages sits alone in a deferred bucket, summed over the
+embedding group in `finish` (its two holders reach their last backward at different
+times), then reduced like the rest.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
 from torch import nn
 
-from ptdp.parallel.comm import all_reduce_tensors_
-from ptdp.parallel.mesh import ParallelMesh
+from ptdp.parallel.comm import Group, all_reduce_tensors_
+
+# Newer torch renamed the flat collectives; older names keep older builds working.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def average_gradients(model: nn.Module, mesh: ParallelMesh) -> None:
-    """Replace each gradient by its mean over the data-parallel group."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    all_reduce_tensors_(grads, mesh.axis("dp"), average=True)
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+    """Sum `inp` over the group into `out`, this rank's slice of it (a view into `inp`).
+
+    Older gloo builds have no reduce-scatter: an all-reduce of `inp` leaves the same
+    numbers in `out`, at twice the traffic.
+    """
+    try:
+        return _reduce_scatter(out, inp, group=group, async_op=async_op)
+    except RuntimeError:
+        if dist.get_backend(group) != "gloo":
+            raise
+        return dist.all_reduce(inp, group=group, async_op=async_op)
+
+
+@dataclass
+class Bucket:
+    """A contiguous range [start, end) of one chunk's buffers and the parameters in it."""
+
+    start: int
+    end: int
+    params: list[nn.Parameter]
+    deferred: bool = False
+    """Reduced in `finish` only, after a reduction over another group (tied embedding)."""
+    pending: int = 0
+    """Parameters still to receive their final gradient in this step."""
+    work: dist.Work | None = None
+    launched: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class ChunkBuffer:
+    """One chunk's parameter and gradient buffers and their buckets."""
+
+    params: torch.Tensor
+    grads: torch.Tensor
+    buckets: list[Bucket] = field(default_factory=list)
+    final: bool = False
+    """True during the chunk's last backward of the step."""
+
+
+def _split_into_buckets(
+    params: list[tuple[str, nn.Parameter]],
+    bucket_elems: int,
+    separate: Callable[[str, nn.Parameter], bool],
+) -> list[list[nn.Parameter]]:
+    """Consecutive parameters of about bucket_elems elements; `separate` ones alone."""
+    groups: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for name, p in params:
+        if separate(name, p):
+            groups.append([p])
+            continue
+        current.append(p)
+        size += p.numel()
+        if size >= bucket_elems:
+            groups.append(current)
+            current, size = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+class GradBuffers:
+    """The flat buffers of a rank's chunks and the data-parallel reduction of their buckets."""
+
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        *,
+        dp: Group,
+        tp: Group,
+        embedding: Group,
+        bucket_mb: float = 25.0,
+        shard: bool = False,
+        overlap: bool = True,
+    ) -> None:
+        self.dp, self.tp, self.embedding = dp, tp, embedding
+        self.shard = shard and dp.size > 1
+        self.overlap = overlap
+        self.launches = 0
+        """Bucket reductions started so far; `early_launches` of them during a backward."""
+        self.early_launches = 0
+        self.chunks: list[ChunkBuffer] = []
+        self._bucket_of: dict[nn.Parameter, tuple[ChunkBuffer, Bucket]] = {}
+        bucket_elems = max(1, int(bucket_mb * 2**20 / 4))
+        align = dp.size if self.shard else 1
+        for chunk in chunks:
+            named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad][::-1]
+            groups = _split_into_buckets(named, bucket_elems, self._is_tied)
+            self.chunks.append(self._allocate(groups, align, named))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
+
+    def _allocate(self, groups, align: int, named) -> ChunkBuffer:
+        tied = {p for n, p in named if self._is_tied(n, p)}
+        ranges, offset = [], 0
+        for params in groups:
+            size = sum(p.numel() for p in params)
+            padded = -(-size // align) * align
+            ranges.append((offset, offset + padded, params))
+            offset += padded
+        device, dtype = named[0][1].device, named[0][1].dtype
+        buf = ChunkBuffer(
+            params=torch.zeros(offset, dtype=dtype, device=device),
+            grads=torch.zeros(offset, dtype=torch.float32, device=device),
+        )
+        for start, end, params in ranges:
+            bucket = Bucket(start, end, params, deferred=bool(tied & set(params)))
+            buf.buckets.append(bucket)
+            at = start
+            for p in params:
+                n = p.numel()
+                buf.params[at : at + n].copy_(p.data.view(-1))
+                p.data = buf.params[at : at + n].view_as(p)
+                p.main_grad = buf.grads[at : at + n].view_as(p)
+                self._bucket_of[p] = (buf, bucket)
+                at += n
+        return buf
+
+    def _is_tied(self, name: str, p: nn.Parameter) -> bool:
+        """The embedding that the first and last pipeline stages both hold (pp > 1, tied)."""
+        return self.embedding.size > 1 and (name == "embedding.weight" or hasattr(p, "tied_to"))
+
+    # ------------------------------------------------------------------ dtype
+
+    def cast_params(self, dtype: torch.dtype) -> None:
+        """Store the parameters in `dtype` (16-bit training); gradients stay fp32."""
+        for buf in self.chunks:
+            if buf.params.dtype == dtype:
+                continue
+            buf.params = buf.params.to(dtype)
+            for bucket in buf.buckets:
+                at = bucket.start
+                for p in bucket.params:
+                    n = p.numel()
+                    p.data = buf.params[at : at + n].view(p.shape)
+                    at += n
+
+    # ------------------------------------------------------------------ the step
+
+    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        """The part of a bucket this rank owns: all of it, or its 1/dp under sharding."""
+        if not self.shard:
+            return bucket.start, bucket.end
+        part = bucket.size // self.dp.size
+        first = bucket.start + self.dp.rank * part
+        return first, first + part
+
+    def start_final(self, chunk: int) -> None:
+        """The next backward of chunk `chunk` is its last of this step."""
+        buf = self.chunks[chunk]
+        buf.final = True
+        for bucket in buf.buckets:
+            bucket.pending = len(bucket.params)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        buf, bucket = self._bucket_of[p]
+        if buf.final:
+            bucket.pending -= 1
+            if bucket.pending == 0 and self.overlap and not bucket.deferred:
+                self.early_launches += 1
+                self._launch(buf, bucket)
+
+    def _launch(self, buf: ChunkBuffer, bucket: Bucket) -> None:
+        bucket.launched = True
+        self.launches += 1
+        if self.tp.size > 1:
+            sp = [p.main_grad for p in bucket.params if getattr(p, "sequence_parallel", False)]
+            if sp:
+                all_reduce_tensors_(sp, self.tp, average=False)
+        if self.dp.size == 1:
+            return
+        grads = buf.grads[bucket.start : bucket.end]
+        grads.div_(self.dp.size)
+        if self.shard:
+            first, last = self.shard_range(bucket)
+            out = buf.grads[first:last]
+            bucket.work = reduce_scatter_flat(out, grads, group=self.dp.group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(grads, group=self.dp.group, async_op=True)
+
+    def finish(self) -> None:
+        """Complete the step's reduction: deferred and not yet started buckets, then wait."""
+        tied = [
+            p.main_grad for buf in self.chunks for b in buf.buckets if b.deferred for p in b.params
+        ]
+        all_reduce_tensors_(tied, self.embedding, average=False)
+        for buf in self.chunks:
+            for bucket in buf.buckets:
+                if not bucket.launched:
+                    self._launch(buf, bucket)
+        for buf in self.chunks:
+            buf.final = False
+            for bucket in buf.buckets:
+                if bucket.work is not None:
+                    bucket.work.wait()
+                bucket.work, bucket.launched = None, False
+
+    def zero_grad(self) -> None:
+        for buf in self.chunks:
+            buf.grads.zero_()
+
+    def gather_params(self) -> None:
+        """All-gather each rank's updated shard of the parameters (distributed optimizer)."""
+        if not self.shard:
+            return
+        works = []
+        for buf in self.chunks:
+            for bucket in buf.buckets:
+                first, last = self.shard_range(bucket)
+                whole = buf.params[bucket.start : bucket.end]
+                shard = buf.params[first:last]
+                works.append(all_gather_flat(whole, shard, group=self.dp.group, async_op=True))
+        for work in works:
+            work.wait()

@@ -30,9 +30,14 @@ def _saved_name(name: str, p: torch.Tensor) -> str:
     return getattr(p, "tied_to", name)
 
 
-def full_model_state(chunks: list[nn.Module], tp: Group) -> dict[str, torch.Tensor]:
+def full_model_state(
+    chunks: list[nn.Module], tp: Group, weights: dict[nn.Parameter, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Full fp32 tensors by global name: `weights` (the optimizer's fp32 master weights, by
+    parameter) where given, else the parameters themselves."""
+    weights = weights or {}
     return {
-        name: full_tensor(p, shard_spec(p), tp).clone()
+        name: full_tensor(weights.get(p, p), shard_spec(p), tp).float().clone()
         for name, p in named_parameters(chunks)
         if not hasattr(p, "tied_to")
     }
@@ -49,57 +54,54 @@ def _local(value: torch.Tensor, p: torch.Tensor, tp: Group, name: str) -> torch.
     return local
 
 
-@torch.no_grad()
-def load_full_model_state(
+def local_model_state(
     chunks: list[nn.Module], state: dict[str, torch.Tensor], tp: Group
-) -> None:
+) -> dict[nn.Parameter, torch.Tensor]:
+    """This rank's slice of each of its parameters, from a full name-keyed state."""
     params = named_parameters(chunks)
     missing = sorted({_saved_name(n, p) for n, p in params} - state.keys())
     if missing:
         raise CheckpointError(f"checkpoint lacks tensors this model needs: {missing[:5]}")
-    for name, p in params:
-        p.copy_(_local(state[_saved_name(name, p)], p, tp, name))
+    return {p: _local(state[_saved_name(name, p)], p, tp, name) for name, p in params}
+
+
+@torch.no_grad()
+def load_full_model_state(
+    chunks: list[nn.Module], state: dict[str, torch.Tensor], tp: Group
+) -> None:
+    for p, value in local_model_state(chunks, state, tp).items():
+        p.copy_(value)
 
 
 def full_optimizer_state(
-    optimizer: torch.optim.Optimizer, chunks: list[nn.Module], tp: Group
+    moments: dict[nn.Parameter, dict[str, torch.Tensor]],
+    step: int,
+    param_groups: list[dict],
+    chunks: list[nn.Module],
+    tp: Group,
 ) -> dict[str, Any]:
-    """AdamW state keyed by parameter name, each tensor gathered to full shape."""
-    sd = optimizer.state_dict()
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    state = {}
-    for name, p in named_parameters(chunks):
-        entry = sd["state"].get(index[id(p)])
-        if entry is None or hasattr(p, "tied_to"):
-            continue
-        state[name] = {
-            key: full_tensor(value, shard_spec(p), tp).clone()
-            if torch.is_tensor(value) and value.shape == p.shape
-            else value
-            for key, value in entry.items()
-        }
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+    """AdamW moments by global parameter name, each gathered to full shape."""
+    state = {
+        name: {"step": step}
+        | {k: full_tensor(v, shard_spec(p), tp).clone() for k, v in moments[p].items()}
+        for name, p in named_parameters(chunks)
+        if p in moments and not hasattr(p, "tied_to")
+    }
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
     return {"state": state, "param_groups": groups}
 
 
-def load_full_optimizer_state(
-    optimizer: torch.optim.Optimizer, saved: dict[str, Any], chunks: list[nn.Module], tp: Group
-) -> None:
-    """Fill the optimizer from a name-keyed full state (any layout saved it)."""
-    sd = optimizer.state_dict()
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    state = {}
+def local_optimizer_state(
+    saved: dict[str, Any], chunks: list[nn.Module], tp: Group
+) -> tuple[dict[nn.Parameter, dict[str, torch.Tensor]], int]:
+    """This rank's slices of the saved AdamW moments by parameter, and the step count."""
+    moments, step = {}, 0
     for name, p in named_parameters(chunks):
         entry = saved["state"].get(_saved_name(name, p))
         if entry is None:
             continue
-        state[index[id(p)]] = {
-            key: _local(value, p, tp, name).clone()
-            if torch.is_tensor(value) and value.dim() > 0
-            else value
-            for key, value in entry.items()
+        step = int(entry["step"])
+        moments[p] = {
+            k: _local(v, p, tp, name) for k, v in entry.items() if torch.is_tensor(v) and v.dim()
         }
-    for group, saved_group in zip(sd["param_groups"], saved["param_groups"]):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
-    sd["state"] = state
-    optimizer.load_state_dict(sd)
+    return moments, step

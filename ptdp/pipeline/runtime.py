@@ -37,8 +37,13 @@ class PipelineRuntime:
     p2p: P2P
     num_stages: int
     pp: int
-    on_last_backward: Callable[[], None] | None = None
-    """Called once after this rank's last backward (data-parallel reduction, tied grads)."""
+    on_final_backward: Callable[[int], None] | None = None
+    """Called with a stage before that stage's last weight-gradient action of the step, so
+    that its data-parallel reduction can overlap with the rest of backward."""
+    on_step_end: Callable[[], None] | None = None
+    """Called once after this rank's last action (finishing gradient reduction)."""
+    loss_scale: float = 1.0
+    """Backward starts from d(loss * loss_scale)/d loss (fp16 loss scaling)."""
     around_action: Callable[[Action], AbstractContextManager] | None = None
     """Wraps each compute action (timelines, profilers); None = nothing."""
     _inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -63,6 +68,11 @@ class PipelineRuntime:
             Kind.B: self._backward_input,
             Kind.W: self._backward_weight,
         }
+        final = {}  # stage -> index of its last weight-gradient action
+        for index, a in enumerate(actions):
+            if a.kind in (Kind.BW, Kind.W):
+                final[a.stage] = index
+        final_at = {index: stage for stage, index in final.items()}
         i = 0
         while i < len(actions):
             if actions[i].kind.is_comm:
@@ -74,6 +84,8 @@ class PipelineRuntime:
                 continue
             self._release_sent_outputs()
             a = actions[i]
+            if i in final_at and self.on_final_backward is not None:
+                self.on_final_backward(a.stage)
             with self.around_action(a) if self.around_action else nullcontext():
                 handlers[a.kind](a)
             i += 1
@@ -82,8 +94,8 @@ class PipelineRuntime:
             work.wait()
         self._sends.clear()
         self._release_sent_outputs()
-        if self.on_last_backward is not None:
-            self.on_last_backward()
+        if self.on_step_end is not None:
+            self.on_step_end()
         return self.losses
 
     # ------------------------------------------------------------------ communication
@@ -151,14 +163,15 @@ class PipelineRuntime:
             self.losses.append(out.detach())
         self._outputs[(a.stage, a.mb)] = out
 
-    def _grad_of_output(self, a: Action) -> torch.Tensor | None:
-        if a.stage == self.num_stages - 1:
-            return None  # the loss: d loss / d loss = 1
+    def _grad_of_output(self, a: Action, out: torch.Tensor) -> torch.Tensor | None:
+        if a.stage == self.num_stages - 1:  # the loss: d (loss * scale) / d loss = scale
+            return None if self.loss_scale == 1 else torch.full_like(out, self.loss_scale)
         return self._received(Kind.B, a.stage, a.mb)
 
     def _backward_full(self, a: Action) -> None:
         key = (a.stage, a.mb)
-        out, grad = self._outputs.pop(key), self._grad_of_output(a)
+        out = self._outputs.pop(key)
+        grad = self._grad_of_output(a, out)
         torch.autograd.backward(out, grad)
         x = self._inputs.pop(key, None)
         if x is not None:
@@ -166,7 +179,7 @@ class PipelineRuntime:
 
     def _backward_input(self, a: Action) -> None:
         key = (a.stage, a.mb)
-        grad = self._grad_of_output(a)
+        grad = self._grad_of_output(a, self._outputs[key])
         self._grads_in[key] = grad
         x = self._inputs.get(key)
         if x is not None:

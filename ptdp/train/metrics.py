@@ -57,4 +57,9 @@ def format_line(r: dict[str, Any]) -> str:
         f"step {r['step']:>6} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
         f"grad_norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
         f"{r['tflops_per_device']:.3f} TFLOP/s/device | peak mem {r['peak_mem_gb']:.2f} GB"
+        + (
+            f" | loss scale {r['loss_scale']:g} | skipped {r['skipped_steps']}"
+            if "loss_scale" in r
+            else ""
+        )
     )

@@ -1,26 +1,213 @@
-"""AdamW with decoupled weight decay on matrices only, and the learning-rate schedule."""
+"""AdamW on fp32 master weights, optionally sharded over the data-parallel group, and the
+learning-rate schedule.
+
+The optimizer updates the part of each gradient bucket this rank owns (`GradBuffers.
+shard_range`): every bucket without the distributed optimizer, 1/dp of it with. For
+each parameter slice in that part it keeps a "piece": an fp32 master tensor whose
+`.grad` is the matching view of the fp32 gradient buffer. In fp32 training the master
+is a view of the parameter itself (no copy); with 16-bit parameters it is an fp32 copy,
+written back after each step. With the distributed optimizer, masters and AdamW state
+exist only for the rank's shard, so their memory falls by dp, and the updated shards
+are all-gathered into every replica's parameters.
+
+Weight decay applies to matrices and embeddings only (GPT-2 practice). The global
+gradient norm counts every element of the single-process model once: replicated tensor
+slices (norms, row-parallel biases) on tensor rank 0 only, the last stage's copy of a
+tied embedding not at all.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from ptdp.config import OptimConfig
+from ptdp.parallel.comm import Group, all_reduce_sum_
+from ptdp.parallel.data import GradBuffers, all_gather_flat
+from ptdp.parallel.init import shard_spec
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """Decay weight matrices and embeddings; leave biases and norm gains alone (GPT-2 practice)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+@dataclass
+class Piece:
+    """The slice [lo, hi) of a parameter's flattened (tensor-local) elements this rank updates."""
+
+    name: str
+    param: nn.Parameter
+    lo: int
+    hi: int
+    master: torch.Tensor
+    """fp32, 1-D; its .grad is the slice of param.main_grad."""
+
+
+class Optimizer:
+    """AdamW over this rank's pieces; `step()` updates them and refreshes the parameters."""
+
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        buffers: GradBuffers,
+        cfg: OptimConfig,
+        *,
+        param_dtype: torch.dtype,
+        tp: Group,
+        pp: Group,
+    ) -> None:
+        self.buffers, self.tp, self.pp = buffers, tp, pp
+        self.copies = param_dtype != torch.float32
+        names = {p: name for chunk in chunks for name, p in chunk.named_parameters()}
+        self.pieces: list[Piece] = []
+        self.by_bucket: list[tuple[Any, Any, list[Piece]]] = []
+        for buf in buffers.chunks:
+            for bucket in buf.buckets:
+                first, last = buffers.shard_range(bucket)
+                mine, at = [], bucket.start
+                for p in bucket.params:
+                    lo, hi = max(first, at) - at, min(last, at + p.numel()) - at
+                    if lo < hi:
+                        flat = p.data.view(-1)[lo:hi]
+                        piece = Piece(names[p], p, lo, hi, flat.clone() if self.copies else flat)
+                        piece.master.grad = p.main_grad.view(-1)[lo:hi]
+                        mine.append(piece)
+                    at += p.numel()
+                self.pieces += mine
+                self.by_bucket.append((buf, bucket, mine))
+        decay = [x.master for x in self.pieces if x.param.dim() >= 2]
+        no_decay = [x.master for x in self.pieces if x.param.dim() < 2]
+        self.inner = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+        )
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    # ------------------------------------------------------------------ gradients
+
+    def grads(self) -> list[torch.Tensor]:
+        return [x.master.grad for x in self.pieces]
+
+    def grad_norm(self) -> torch.Tensor:
+        """The single-process model's gradient norm, the same on every rank."""
+        counted = [
+            x.master.grad
+            for x in self.pieces
+            if not hasattr(x.param, "tied_to")
+            and (shard_spec(x.param) is not None or self.tp.rank == 0)
+        ]
+        device = self.buffers.chunks[0].grads.device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        if counted:
+            total += torch.stack(torch._foreach_norm(counted)).pow(2).sum()
+        all_reduce_sum_(total, self.tp)
+        all_reduce_sum_(total, self.pp)
+        if self.buffers.shard:
+            all_reduce_sum_(total, self.buffers.dp)
+        return total.sqrt()
+
+    def scale_grads(self, factor: torch.Tensor | float) -> None:
+        grads = self.grads()
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
+    def clip(self, max_norm: float, norm: torch.Tensor | None = None) -> torch.Tensor:
+        """Scale the gradients so that the global norm (`norm` if already known) is at most
+        max_norm; return the norm."""
+        norm = self.grad_norm() if norm is None else norm
+        if max_norm > 0 and math.isfinite(max_norm):
+            self.scale_grads(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
+
+    # ------------------------------------------------------------------ the update
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.inner.step()
+        if self.copies:
+            for x in self.pieces:
+                x.param.data.view(-1)[x.lo : x.hi].copy_(x.master)
+        self.buffers.gather_params()
+
+    def planned_state_bytes(self) -> int:
+        """What state_bytes() will be once AdamW has allocated its moments (first step)."""
+        per_element = 8 + (4 if self.copies else 0)
+        return per_element * sum(x.hi - x.lo for x in self.pieces)
+
+    def state_bytes(self) -> int:
+        """Bytes this rank holds for the optimizer: master copies and AdamW moments."""
+        total = sum(x.master.nbytes for x in self.pieces) if self.copies else 0
+        for state in self.inner.state.values():
+            total += sum(v.nbytes for k, v in state.items() if k in STATE_KEYS)
+        return total
+
+    # ------------------------------------------------------------------ state
+
+    def _gather(self, get) -> dict[str, torch.Tensor]:
+        """Each parameter's whole (tensor-local) tensor of `get(piece)`, over the dp shards."""
+        out = {}
+        for buf, bucket, pieces in self.by_bucket:
+            first, last = self.buffers.shard_range(bucket)
+            device = buf.grads.device
+            local = torch.zeros(last - first, dtype=torch.float32, device=device)
+            at = 0
+            for x in pieces:
+                local[at : at + x.hi - x.lo] = get(x)
+                at += x.hi - x.lo
+            whole = local
+            if self.buffers.shard:
+                whole = torch.empty(bucket.size, dtype=torch.float32, device=device)
+                all_gather_flat(whole, local, group=self.buffers.dp.group)
+            at = 0
+            for p in bucket.params:
+                out[p] = whole[at : at + p.numel()].view(p.shape).clone()
+                at += p.numel()
+        return out
+
+    def master_weights(self) -> dict[nn.Parameter, torch.Tensor]:
+        """fp32 master weights by parameter, tensor-local shape (for checkpoints)."""
+        return self._gather(lambda x: x.master)
+
+    def moments(self) -> tuple[dict[nn.Parameter, dict], int]:
+        """AdamW moments by parameter (tensor-local shape), and the step count."""
+        if not self.inner.state:
+            return {}, 0
+        step = int(next(iter(self.inner.state.values()))["step"])
+        gathered = {
+            k: self._gather(lambda x, k=k: self.inner.state[x.master][k]) for k in STATE_KEYS
+        }
+        return {p: {k: gathered[k][p] for k in STATE_KEYS} for p in gathered[STATE_KEYS[0]]}, step
+
+    @torch.no_grad()
+    def load(
+        self,
+        masters: dict[nn.Parameter, torch.Tensor],
+        moments: dict[nn.Parameter, dict],
+        step: int,
+    ) -> None:
+        """Set master weights (and parameters) and AdamW state from tensor-local tensors."""
+        for x in self.pieces:
+            x.master.copy_(masters[x.param].reshape(-1)[x.lo : x.hi])
+            x.param.data.view(-1)[x.lo : x.hi].copy_(x.master)
+            if x.param in moments:
+                self.inner.state[x.master] = {
+                    "step": torch.tensor(float(step)),
+                    **{
+                        k: moments[x.param][k].reshape(-1)[x.lo : x.hi].clone().to(x.master)
+                        for k in STATE_KEYS
+                    },
+                }
+        self.buffers.gather_params()
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -37,6 +224,6 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer: Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

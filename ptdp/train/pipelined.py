@@ -71,10 +71,13 @@ class PipelineStep:
         chunks: dict[int, GPT],
         device: torch.device,
         autocast: Callable,
-        on_last_backward: Callable[[], None] | None = None,
+        on_final_backward: Callable[[int], None] | None = None,
+        on_step_end: Callable[[], None] | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.cfg, self.layout, self.chunks, self.autocast = cfg, layout, chunks, autocast
-        self.on_last_backward, self.device = on_last_backward, device
+        self.on_final_backward, self.on_step_end = on_final_backward, on_step_end
+        self.device, self.dtype = device, dtype
         pp, vpp, rank = layout.pp, layout.vpp, mesh.coord("pp")
         self.pp_rank, self.last = rank, pp * vpp - 1
         plan = build(cfg.parallel.schedule.value, pp, layout.num_microbatches, vpp)
@@ -85,7 +88,7 @@ class PipelineStep:
         self.p2p = P2P(
             ranks=[mesh.shape.rank_of(tp=coords["tp"], dp=coords["dp"], pp=i) for i in range(pp)],
             shape=(s // t if sp else s, cfg.train.micro_batch_size, m.hidden_size),
-            dtype=torch.float32,  # the residual stream stays fp32, also under bf16 autocast
+            dtype=dtype,  # the parameters' dtype: 16-bit boundaries under mixed precision
             device=device,
             tp=mesh.axis("tp"),
             scatter_gather=cfg.parallel.scatter_gather and t > 1 and not sp,
@@ -93,31 +96,40 @@ class PipelineStep:
         self.p2p.warm_up(rank)
 
     def _runtime(
-        self, batch: Batch, num_microbatches: int, hook: Callable[[], None] | None = None
+        self, batch: Batch, num_microbatches: int, training: bool, loss_scale: float = 1.0
     ) -> PipelineRuntime:
         def forward_step(stage: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
-            tokens, labels = batch(mb)
-            chunk = self.chunks[stage]
+            chunk = self.chunks[stage]  # only the first and last stage read the data
             with self.autocast():
+                if stage == 0:
+                    x = batch(mb)[0]
                 if stage == self.last:
-                    return chunk(tokens if x is None else x, labels) / num_microbatches
-                return chunk(tokens if x is None else x)
+                    return chunk(x, batch(mb)[1]) / num_microbatches
+                return chunk(x).to(self.dtype)
 
         return PipelineRuntime(
-            self.chunks, forward_step, self.p2p, self.last + 1, self.layout.pp, hook
+            self.chunks,
+            forward_step,
+            self.p2p,
+            self.last + 1,
+            self.layout.pp,
+            on_final_backward=self.on_final_backward if training else None,
+            on_step_end=self.on_step_end if training else None,
+            loss_scale=loss_scale,
         )
 
-    def train(self, batch: Batch) -> torch.Tensor:
+    def train(self, batch: Batch, loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of every microbatch; returns this rank's share of the loss
-        (the mean over microbatches on the last stage, 0 elsewhere)."""
-        runtime = self._runtime(batch, self.layout.num_microbatches, self.on_last_backward)
+        (the mean over microbatches on the last stage, 0 elsewhere). Gradients are those
+        of the loss times `loss_scale` (fp16)."""
+        runtime = self._runtime(batch, self.layout.num_microbatches, True, loss_scale)
         losses = runtime.run(self.actions)
         self.last_runtime = runtime  # for inspection: freed memory, timings
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+        return torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
 
     @torch.no_grad()
     def evaluate(self, batch: Batch, num_microbatches: int) -> torch.Tensor:
         plan = forward_only(self.layout.pp, num_microbatches, self.layout.vpp)
         actions = add_comms(plan, self.layout.pp, self.layout.vpp)[self.pp_rank]
-        losses = self._runtime(batch, num_microbatches).run(actions)
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+        losses = self._runtime(batch, num_microbatches, False).run(actions)
+        return torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)

@@ -25,27 +25,29 @@ from ptdp.config import Precision, RunConfig, to_dict, to_toml
 from ptdp.errors import CheckpointError
 from ptdp.layout import Layout, validate
 from ptdp.model.gpt import count_parameters
-from ptdp.parallel.comm import all_reduce_mean_, all_reduce_sum_, barrier, gather_objects
-from ptdp.parallel.data import average_gradients
+from ptdp.parallel.comm import Group, all_reduce_mean_, all_reduce_sum_, barrier, gather_objects
+from ptdp.parallel.data import GradBuffers
 from ptdp.parallel.env import LaunchEnv, destroy_process_group, init_process_group, pick_device
-from ptdp.parallel.grads import (
-    clip_gradients,
-    reduce_sequence_parallel_grads,
-    reduce_tied_grads,
-)
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.parallel.state import (
     full_model_state,
     full_optimizer_state,
-    load_full_model_state,
-    load_full_optimizer_state,
+    local_model_state,
+    local_optimizer_state,
 )
 from ptdp.perf.flops import flops_per_iteration
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
+from ptdp.train.loss_scale import DynamicLossScaler
 from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
-from ptdp.train.optim import build_optimizer, lr_at, set_lr
+from ptdp.train.optim import Optimizer, lr_at, set_lr
 from ptdp.train.pipelined import PipelineStep, build_chunks, pipeline_summary
+
+PARAM_DTYPES = {
+    Precision.FP32: torch.float32,
+    Precision.BF16: torch.bfloat16,
+    Precision.FP16: torch.float16,
+}
 
 
 class _IntervalTimer:
@@ -86,6 +88,10 @@ class TrainResult:
     """Mean training loss of each step (1-based step numbers)."""
     val_losses: dict[int, float] = field(default_factory=dict)
     grad_norms: dict[int, float] = field(default_factory=dict)
+    optimizer_bytes: int = 0
+    """fp32 master weights and AdamW moments held by rank 0 (after the first step)."""
+    skipped_steps: int = 0
+    """fp16: steps skipped for inf/NaN gradients."""
 
 
 class Trainer:
@@ -106,6 +112,27 @@ class Trainer:
         by_stage = build_chunks(cfg, self.mesh, layout)  # this rank's model chunks
         self.chunks = list(by_stage.values())
         self.model = nn.ModuleList(self.chunks).to(self.device)
+        self.grads = GradBuffers(
+            self.chunks,
+            dp=self.mesh.axis("dp"),
+            tp=self.tp,
+            embedding=self.mesh.axis("embedding") if cfg.model.tie_embeddings else Group.single(),
+            bucket_mb=cfg.parallel.bucket_mb,
+            shard=cfg.optim.distributed,
+            overlap=cfg.parallel.overlap_grad_reduce,
+        )
+        dtype = PARAM_DTYPES[cfg.train.precision]
+        # fp32 masters are taken from the fp32 initial weights, then the model is cast.
+        self.optimizer = Optimizer(
+            self.chunks, self.grads, cfg.optim, param_dtype=dtype, tp=self.tp, pp=self.pp
+        )
+        self.grads.cast_params(dtype)
+        self.scaler = (
+            DynamicLossScaler(cfg.optim.initial_loss_scale, cfg.optim.loss_scale_window)
+            if cfg.train.precision is Precision.FP16
+            else None
+        )
+        chunk_of_stage = {stage: i for i, stage in enumerate(by_stage)}
         self.pipeline = (
             PipelineStep(
                 cfg,
@@ -114,12 +141,13 @@ class Trainer:
                 by_stage,
                 self.device,
                 self._autocast,
-                on_last_backward=self._reduce_gradients,  # after this rank's last backward
+                on_final_backward=lambda stage: self.grads.start_final(chunk_of_stage[stage]),
+                on_step_end=self.grads.finish,
+                dtype=dtype,
             )
             if layout.pp > 1
             else None
         )
-        self.optimizer = build_optimizer(self.model, cfg.optim)
         self.step = 0
         # Dropout: the shared stream is per data-parallel rank (they see different samples)
         # and the same on the ranks of a tensor group; split regions fork it (rank_rng).
@@ -137,9 +165,12 @@ class Trainer:
         return batch[:, :-1], batch[:, 1:]
 
     def _autocast(self):
-        if self.cfg.train.precision is Precision.BF16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        """16-bit training: the weights are 16-bit already; autocast keeps the ops that need
+        fp32 (softmax, norms, the loss) in fp32 and reconciles mixed dtypes."""
+        dtype = PARAM_DTYPES[self.cfg.train.precision]
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
 
     def parameter_count(self, *, full: bool) -> int:
         """The whole model's parameters (full), or this rank's (its shards of its stages)."""
@@ -162,43 +193,60 @@ class Trainer:
 
         return batch
 
-    def _accumulate(self, batch, n: int) -> torch.Tensor:
+    def _accumulate(self, batch, n: int, loss_scale: float) -> torch.Tensor:
         """Forward and backward of n microbatches on the whole model (no pipeline)."""
         total = torch.zeros((), device=self.device)
         for j in range(n):
             tokens, labels = batch(j)
             with self._autocast():
                 loss = self.chunks[0](tokens, labels) / n
-            loss.backward()
-            total += loss.detach()
+            if j == n - 1:  # its buckets reduce while the rest of this backward runs
+                self.grads.start_final(0)
+            (loss * loss_scale).backward()
+            total += loss.detach().float()
+        self.grads.finish()
         return total
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (mean loss over the global batch, grad norm)."""
+    def forward_backward(self) -> torch.Tensor:
+        """Gradients of the step's global batch, reduced over data-parallel ranks (this
+        rank's shard of them with the distributed optimizer); returns the mean loss."""
         t, dp_rank = self.cfg.train, self.mesh.coord("dp")
         per_rank = t.global_batch_size // self.layout.dp
         batch = self._batches(self.data.train, self.step * t.global_batch_size + dp_rank * per_rank)
-        set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, t.steps))
+        scale = self.scaler.scale if self.scaler else 1.0
         self.model.train()
+        self.grads.zero_grad()
         if self.pipeline is None:
-            total = self._accumulate(batch, self.layout.num_microbatches)
-            self._reduce_gradients()
-        else:  # the runtime calls _reduce_gradients after this rank's last backward
-            total = self.pipeline.train(batch)
-        grad_norm = clip_gradients(self.model, self.cfg.optim.grad_clip, self.tp, self.pp)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            total = self._accumulate(batch, self.layout.num_microbatches, scale)
+        else:  # the runtime starts and finishes the gradient reduction
+            total = self.pipeline.train(batch, scale)
         all_reduce_sum_(total, self.pp)  # the loss lives on the last stage
         all_reduce_mean_(total, self.mesh.axis("dp"))
+        return total
+
+    def optimizer_step(self) -> tuple[torch.Tensor, bool]:
+        """Unscale, clip and apply the reduced gradients; returns (grad norm, skipped).
+
+        fp16: a step with inf/NaN gradients is skipped and the loss scale halved."""
+        if self.scaler:
+            self.optimizer.scale_grads(1.0 / self.scaler.scale)
+        norm = self.optimizer.grad_norm()
+        skipped = False
+        if self.scaler:
+            skipped = not math.isfinite(norm.item())
+            self.scaler.update(found_inf=skipped)
+        if not skipped:
+            set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, self.cfg.train.steps))
+            self.optimizer.clip(self.cfg.optim.grad_clip, norm)
+            self.optimizer.step()
+        return norm, skipped
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (mean loss over the global batch, grad norm)."""
+        total = self.forward_backward()
+        grad_norm, _ = self.optimizer_step()
         self.step += 1
         return total, grad_norm
-
-    def _reduce_gradients(self) -> None:
-        if self.cfg.parallel.sequence_parallel:
-            reduce_sequence_parallel_grads(self.model, self.tp)
-        if self.cfg.model.tie_embeddings:
-            reduce_tied_grads(self.model, self.mesh.axis("embedding"))
-        average_gradients(self.model, self.mesh)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -226,9 +274,11 @@ class Trainer:
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        masters = self.optimizer.master_weights()  # fp32, also under 16-bit training
         return {
-            "model": self._gather_pipeline(full_model_state(self.chunks, self.tp)),
+            "model": self._gather_pipeline(full_model_state(self.chunks, self.tp, masters)),
             "optimizer": self._gather_optimizer(),
+            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
             "step": self.step,
             "consumed_samples": self.step * self.cfg.train.global_batch_size,
             "rng": rng,
@@ -246,7 +296,9 @@ class Trainer:
         return merged
 
     def _gather_optimizer(self) -> dict:
-        sd = full_optimizer_state(self.optimizer, self.chunks, self.tp)
+        moments, step = self.optimizer.moments()
+        groups = self.optimizer.param_groups
+        sd = full_optimizer_state(moments, step, groups, self.chunks, self.tp)
         sd["state"] = self._gather_pipeline(sd["state"])
         return sd
 
@@ -274,8 +326,11 @@ class Trainer:
 
     def restore(self, step_dir: Path) -> None:
         state = ckpt.load_checkpoint(step_dir)
-        load_full_model_state(self.chunks, state["model"], self.tp)
-        load_full_optimizer_state(self.optimizer, state["optimizer"], self.chunks, self.tp)
+        masters = local_model_state(self.chunks, state["model"], self.tp)
+        moments, step = local_optimizer_state(state["optimizer"], self.chunks, self.tp)
+        self.optimizer.load(masters, moments, step)
+        if self.scaler and state.get("loss_scaler"):
+            self.scaler.load_state_dict(state["loss_scaler"])
         self.step = int(state["step"])
         torch.set_rng_state(state["rng"]["cpu"])
         if "cuda" in state["rng"] and self.device.type == "cuda":
@@ -334,6 +389,7 @@ class Trainer:
             if writer:
                 writer.close()
         result.final_step = self.step
+        result.optimizer_bytes = self.optimizer.state_bytes()
         if timer.total and self.step > result.start_step:
             steps = self.step - result.start_step
             self.say(
@@ -350,7 +406,7 @@ class Trainer:
         result.losses.update(zip(steps, losses))
         result.grad_norms.update(zip(steps, norms))
         n = len(pending)
-        return {
+        record = {
             "step": self.step,
             "loss": sum(losses) / n,
             "lr": lr_at(self.step - 1, self.cfg.optim, self.cfg.train.steps),
@@ -359,6 +415,10 @@ class Trainer:
             "tflops_per_device": n * self.flops_per_step / elapsed / self.env.world_size / 1e12,
             "peak_mem_gb": peak_memory_gb(self.device),
         }
+        if self.scaler:
+            record |= {"loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped}
+            result.skipped_steps = self.scaler.skipped
+        return record
 
 
 def prepare(cfg: RunConfig, env: LaunchEnv) -> tuple[RunConfig, Layout, RunData]:
@@ -417,6 +477,13 @@ def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None)
             f"ptdp | {layout.describe()} | device {trainer.device} | "
             f"{n_params / 1e6:.2f}M parameters{local} | {len(data.train):,} training samples of "
             f"{cfg.model.seq_length} tokens | {cfg.train.precision.value}"
+        )
+        sharded = f", sharded over dp={layout.dp}" if trainer.grads.shard else ""
+        trainer.say(
+            f"optimizer | AdamW | {trainer.optimizer.planned_state_bytes() / 2**20:.1f} MiB of "
+            f"master weights and moments on rank 0{sharded} | "
+            f"{sum(len(b.buckets) for b in trainer.grads.chunks)} gradient buckets on rank 0"
+            + (", reduced during backward" if cfg.parallel.overlap_grad_reduce else "")
         )
         result = trainer.run()
         barrier(None, env.world_size)  # leave together (see destroy_process_group)

@@ -1,0 +1,166 @@
+"""Data parallelism on CPU ranks (gloo): overlapped gradient reduction and optimizer memory.
+
+1. Step time of the demo model at dp=2 with each bucket's all-reduce started during the
+   last microbatch's backward (`parallel.overlap_grad_reduce = true`) against the same
+   run reducing after backward; both trainers live in the same two processes and their
+   rounds alternate, so machine noise hits both alike. Medians and their ratio.
+2. Optimizer memory per rank (fp32 master copies and AdamW moments, measured from the
+   tensors after one step) for dp in {1, 2, 4}, with and without the distributed
+   optimizer, in fp32 and bf16.
+
+Needs the demo data (`bash scripts/demo.sh` once, or `ptdp preprocess` into
+data/shakespeare/shakespeare).
+
+    python benchmarks/data_parallel.py [--steps 4 --rounds 5 --bucket-mb 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ptdp.config import apply_updates, load_toml
+from ptdp.parallel.env import LaunchEnv
+from ptdp.train.trainer import Trainer, prepare
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def demo_config(**updates: dict):
+    cfg = load_toml(ROOT / "configs" / "demo.toml")
+    base = {
+        "data": {"path": str(ROOT / "data" / "shakespeare" / "shakespeare")},
+        "train": {"progress": False, "device": "cpu"},
+    }
+    for section, values in updates.items():
+        base.setdefault(section, {}).update(values)
+    return apply_updates(cfg, base, "benchmark")
+
+
+def build(rank: int, world: int, **updates: dict) -> Trainer:
+    env = LaunchEnv(rank, world, rank)
+    cfg, layout, data = prepare(demo_config(**updates), env)
+    return Trainer(cfg, layout, env, data)
+
+
+def time_steps(trainer: Trainer, steps: int) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    dist.barrier()
+    return (time.perf_counter() - start) / steps
+
+
+def overlap_worker(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
+    batch = {"micro_batch_size": 4, "global_batch_size": 16}
+    trainers = {
+        mode: build(
+            rank,
+            world,
+            parallel={"overlap_grad_reduce": mode == "overlapped", "bucket_mb": args.bucket_mb},
+            train=batch,
+        )
+        for mode in ("overlapped", "after backward")
+    }
+    times: dict[str, list[float]] = {mode: [] for mode in trainers}
+    for trainer in trainers.values():  # warm-up
+        time_steps(trainer, 1)
+    for _ in range(args.rounds):
+        for mode, trainer in trainers.items():
+            times[mode].append(time_steps(trainer, args.steps))
+    early = trainers["overlapped"].grads.early_launches
+    total = trainers["overlapped"].grads.launches
+    if rank == 0:
+        Path(out).write_text(json.dumps({"times": times, "early": early, "launches": total}))
+
+
+def memory_worker(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
+    rows = []
+    for precision in ("fp32", "bf16"):
+        for distributed in (False, True):
+            trainer = build(
+                rank,
+                world,
+                optim={"distributed": distributed},
+                train={
+                    "micro_batch_size": 2,
+                    "global_batch_size": 2 * world,
+                    "precision": precision,
+                },
+            )
+            trainer.train_step()  # AdamW allocates its moments on the first step
+            mine = torch.tensor(float(trainer.optimizer.state_bytes()))
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+            rows.append(
+                (precision, distributed, mine.item(), trainer.optimizer.planned_state_bytes())
+            )
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def _child(rank: int, world: int, store: str, fn, args, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=300),
+    )  # fmt: skip
+    fn(rank, world, args, out)
+    dist.barrier()
+    os._exit(0)  # skip gloo's teardown (see tests/dist/harness.py)
+
+
+def spawn(fn, world: int, args: argparse.Namespace):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.start_processes(
+            _child, args=(world, os.path.join(tmp, "store"), fn, args, out), nprocs=world,
+            start_method="spawn",
+        )  # fmt: skip
+        return json.loads(Path(out).read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=4, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per mode")
+    parser.add_argument("--bucket-mb", type=float, default=4.0, help="gradient bucket size")
+    args = parser.parse_args()
+
+    print("1. dp=2 step time, demo model, micro batch 4, global batch 16 (2 microbatches/rank)")
+    res = spawn(overlap_worker, 2, args)
+    med = {mode: statistics.median(t) for mode, t in res["times"].items()}
+    for mode, value in med.items():
+        print(f"   {mode:>15}: median {value * 1e3:7.1f} ms/step over {args.rounds} rounds")
+    ratio = med["overlapped"] / med["after backward"]
+    print(f"   overlapped / after backward = {ratio:.3f}")
+    print(f"   buckets started during backward: {res['early']} of {res['launches']}")
+
+    print("\n2. optimizer memory per rank (max over ranks), demo model")
+    print(
+        "   | precision | dp | distributed | measured MiB | planned MiB | x dp / not distributed |"
+    )
+    print("   |---|---:|---|---:|---:|---:|")
+    for dp in (1, 2, 4):
+        rows = spawn(memory_worker, dp, args)
+        plain = {p: m for p, d, m, _ in rows if not d}
+        for precision, distributed, measured, planned in rows:
+            share = measured * dp / plain[precision] if distributed else 1.0
+            print(
+                f"   | {precision} | {dp} | {'yes' if distributed else 'no'} | "
+                f"{measured / 2**20:.2f} | {planned / 2**20:.2f} | {share:.3f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

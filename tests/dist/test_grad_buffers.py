@@ -1,0 +1,77 @@
+"""GradBuffers on a plain module over two data-parallel ranks: gradients accumulate in
+fp32 buffers, nothing is reduced before the last microbatch, each bucket starts during
+that microbatch's backward (with overlap on), and the result is the mean over ranks of
+the accumulated gradient (or this rank's shard of it, with sharding)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ptdp.parallel.comm import Group
+from ptdp.parallel.data import GradBuffers
+from tests.dist.harness import run_ranks
+
+pytestmark = pytest.mark.dist
+
+BUCKET_MB = 50 * 4 / 2**20  # about 50 fp32 elements: this model gets two buckets
+
+
+def _check(rank: int, world_size: int, shard: bool, overlap: bool) -> None:
+    torch.manual_seed(0)  # the same weights and data on every rank
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    ref = copy.deepcopy(model)
+    xs = torch.randn(world_size, 3, 5, 8)
+    dp = Group(dist.group.WORLD, world_size, rank)
+    single = Group.single()
+    buffers = GradBuffers(
+        [model], dp=dp, tp=single, embedding=single, bucket_mb=BUCKET_MB, shard=shard,
+        overlap=overlap,
+    )  # fmt: skip
+    buckets = buffers.chunks[0].buckets
+    assert len(buckets) == 2
+    # Reverse registration order: the output layer (ready first in backward) comes first.
+    assert buckets[0].params[0] is model[2].bias
+    m = xs.shape[1]
+    for j in range(m):
+        if j == m - 1:
+            buffers.start_final(0)
+        model(xs[rank, j]).pow(2).mean().div(m).backward()
+        assert all(p.grad is None for p in model.parameters())  # moved into main_grad
+        if j < m - 1:
+            assert buffers.launches == 0, "reduced before the last microbatch"
+    assert buffers.early_launches == (2 if overlap else 0)
+    buffers.finish()
+    assert buffers.launches == 2
+    for r in range(world_size):
+        for j in range(m):
+            ref(xs[r, j]).pow(2).mean().div(m * world_size).backward()
+    expected = torch.zeros_like(buffers.chunks[0].grads)
+    ref_params = dict(zip(model.parameters(), ref.parameters()))
+    for bucket in buckets:
+        at = bucket.start
+        for p in bucket.params:
+            expected[at : at + p.numel()] = ref_params[p].grad.reshape(-1)
+            at += p.numel()
+    for bucket in buckets:
+        first, last = buffers.shard_range(bucket)
+        assert (last - first) * (world_size if shard else 1) == bucket.size
+        torch.testing.assert_close(buffers.chunks[0].grads[first:last], expected[first:last])
+    # Each rank changes its shard of the parameters; the gather gives everyone all of them.
+    before = buffers.chunks[0].params.clone()
+    for bucket in buckets:
+        first, last = buffers.shard_range(bucket)
+        buffers.chunks[0].params[first:last] += 1.0
+    buffers.gather_params()
+    if shard:
+        torch.testing.assert_close(buffers.chunks[0].params, before + 1.0)
+        torch.testing.assert_close(model[0].weight, ref[0].weight + 1.0)
+
+
+@pytest.mark.parametrize(("shard", "overlap"), [(False, True), (True, True), (False, False)])
+def test_bucketed_reduction(shard: bool, overlap: bool) -> None:
+    run_ranks(_check, 2, shard, overlap)
