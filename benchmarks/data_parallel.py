@@ -76,8 +76,8 @@ def overlap_worker(rank: int, world: int, args: argparse.Namespace, out: str) ->
     times: dict[str, list[float]] = {mode: [] for mode in trainers}
     for trainer in trainers.values():  # warm-up
         time_steps(trainer, 1)
-    for _ in range(args.rounds):
-        for mode, trainer in trainers.items():
+    for r in range(args.rounds):  # ABBA order: neither mode always goes first
+        for mode, trainer in list(trainers.items())[:: 1 if r % 2 == 0 else -1]:
             times[mode].append(time_steps(trainer, args.steps))
     early = trainers["overlapped"].grads.early_launches
     total = trainers["overlapped"].grads.launches
@@ -135,7 +135,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per mode")
     parser.add_argument("--bucket-mb", type=float, default=4.0, help="gradient bucket size")
+    parser.add_argument("--part", choices=("1", "2", "all"), default="all")
     args = parser.parse_args()
+    if args.part in ("1", "all"):
+        overlap_part(args)
+    if args.part in ("2", "all"):
+        memory_part(args)
+
+
+def overlap_part(args: argparse.Namespace) -> None:
 
     print("1. dp=2 step time, demo model, micro batch 4, global batch 16 (2 microbatches/rank)")
     res = spawn(overlap_worker, 2, args)
@@ -146,7 +154,9 @@ def main() -> None:
     print(f"   overlapped / after backward = {ratio:.3f}")
     print(f"   buckets started during backward: {res['early']} of {res['launches']}")
 
-    print("\n2. optimizer memory per rank (max over ranks), demo model")
+
+def memory_part(args: argparse.Namespace) -> None:
+    print("2. optimizer memory per rank (max over ranks), demo model")
     print(
         "   | precision | dp | distributed | measured MiB | planned MiB | x dp / not distributed |"
     )

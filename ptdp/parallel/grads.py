@@ -1,6 +1,10 @@
 """Gradient bookkeeping across the tensor-parallel group: sequence-parallel sums and
 one global gradient norm for clipping.
 
+The trainer keeps gradients in data-parallel buffers (`ptdp.parallel.data`) and its
+optimizer computes the norm over them with `counted_in_norm`; the functions on
+`param.grad` here serve plain modules (tests, benchmarks, users' own loops).
+
 The norm must be the single-process norm: a sharded parameter contributes each rank's
 slice, a replicated one (norms, biases of row-parallel layers, tied or positional
 embeddings) only once, however many ranks hold a copy.
@@ -43,19 +47,23 @@ def reduce_tied_grads(model: nn.Module, embedding: Group) -> None:
     all_reduce_tensors_(grads, embedding, average=False)
 
 
+def counted_in_norm(p: torch.Tensor, tp: Group) -> bool:
+    """Whether this rank's copy of `p` counts towards the global norm: a tied copy never
+    (its original does), a tensor-replicated parameter on tensor rank 0 only."""
+    return not hasattr(p, "tied_to") and (shard_spec(p) is not None or tp.rank == 0)
+
+
+def squared_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    if tensors:
+        total += torch.stack(torch._foreach_norm([t.float() for t in tensors])).pow(2).sum()
+    return total
+
+
 def global_grad_norm(model: nn.Module, tp: Group, pp: Group | None = None) -> torch.Tensor:
     """L2 norm of the full model's gradient, identical on every rank of the tp x pp groups."""
-    sharded, replicated = [], []
-    for p in model.parameters():
-        if p.grad is not None and not hasattr(p, "tied_to"):  # a tied copy counts once
-            (sharded if shard_spec(p) is not None else replicated).append(p.grad)
-    device = next(model.parameters()).device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for g in sharded:
-        total += g.float().pow(2).sum()
-    if tp.rank == 0:  # replicated copies are identical: count them on one rank
-        for g in replicated:
-            total += g.float().pow(2).sum()
+    grads = [p.grad for p in model.parameters() if p.grad is not None and counted_in_norm(p, tp)]
+    total = squared_sum(grads, next(model.parameters()).device)
     all_reduce_sum_(total, tp)
     if pp is not None:  # each pipeline rank holds different layers
         all_reduce_sum_(total, pp)

@@ -28,7 +28,7 @@ from torch import nn
 from ptdp.config import OptimConfig
 from ptdp.parallel.comm import Group, all_reduce_sum_
 from ptdp.parallel.data import GradBuffers, all_gather_flat
-from ptdp.parallel.init import shard_spec
+from ptdp.parallel.grads import counted_in_norm, squared_sum
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -100,16 +100,8 @@ class Optimizer:
 
     def grad_norm(self) -> torch.Tensor:
         """The single-process model's gradient norm, the same on every rank."""
-        counted = [
-            x.master.grad
-            for x in self.pieces
-            if not hasattr(x.param, "tied_to")
-            and (shard_spec(x.param) is not None or self.tp.rank == 0)
-        ]
-        device = self.buffers.chunks[0].grads.device
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        if counted:
-            total += torch.stack(torch._foreach_norm(counted)).pow(2).sum()
+        counted = [x.master.grad for x in self.pieces if counted_in_norm(x.param, self.tp)]
+        total = squared_sum(counted, self.buffers.chunks[0].grads.device)
         all_reduce_sum_(total, self.tp)
         all_reduce_sum_(total, self.pp)
         if self.buffers.shard:

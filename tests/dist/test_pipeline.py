@@ -33,8 +33,14 @@ CASES = [  # (schedule, vpp)
 
 
 def _config(tp: int, pp: int, schedule: str, vpp: int, m: int, tied: bool) -> RunConfig:
-    model = {"num_layers": 2 * pp, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
-             "vocab_size": 51, "tie_embeddings": tied}
+    model = {
+        "num_layers": 2 * pp,
+        "hidden_size": 32,
+        "num_heads": 4,
+        "seq_length": 16,
+        "vocab_size": 51,
+        "tie_embeddings": tied,
+    }
     parallel = {"tp": tp, "pp": pp, "vpp": vpp, "schedule": schedule}
     train = {"micro_batch_size": 2, "global_batch_size": 2 * m}
     return apply_updates(RunConfig(), {"model": model, "parallel": parallel, "train": train}, "t")
@@ -50,11 +56,19 @@ def _one_case(mesh: ParallelMesh, cfg: RunConfig, tokens: torch.Tensor) -> None:
     step = PipelineStep(cfg, layout, mesh, chunks, torch.device("cpu"), contextlib.nullcontext)
     mbs = cfg.train.micro_batch_size
 
+    reads = []
+
     def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        reads.append(mb)
         rows = tokens[mb * mbs : (mb + 1) * mbs]
         return rows[:, :-1], rows[:, 1:]
 
     loss = step.train(batch)
+    if 0 < mesh.coord("pp") < layout.pp - 1:  # only the first and last stage read data
+        assert not reads, f"pipeline rank {mesh.coord('pp')} read microbatches {reads}"
+    else:
+        assert set(reads) == set(range(layout.num_microbatches))
+    reads.clear()
     if mesh.coord("pp") < layout.pp - 1:  # ranks that send activations free them once sent
         out_bytes = 4 * cfg.model.seq_length * mbs * cfg.model.hidden_size
         assert step.last_runtime.freed_bytes >= out_bytes * layout.num_microbatches
