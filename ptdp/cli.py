@@ -1,4 +1,4 @@
-"""`ptdp train | preprocess | generate | schedule`: the only place that reads argv."""
+"""`ptdp train|preprocess|generate|schedule|simulate|plan`: the only place that reads argv."""
 
 from __future__ import annotations
 
@@ -170,6 +170,113 @@ def _schedule_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
+SOFTWARE_CHOICES = ("ptdp", "megatron-2021")
+
+
+def _simulate_parser(sub: argparse._SubParsersAction) -> None:
+    from ptdp.perf.hardware import list_systems
+
+    p = sub.add_parser(
+        "simulate",
+        help="predict step time, TFLOP/s, bubble and memory of a config on a cluster",
+        description=(
+            "Replay the config's pipeline schedule (its exact per-rank action lists) with a "
+            "compute and communication model of a cluster: prints the predicted iteration "
+            "time, TFLOP/s per GPU, bubble and memory per GPU, and writes the timeline as a "
+            "PNG and a Chrome trace (open it in https://ui.perfetto.dev). No GPU needed."
+        ),
+        epilog="Config overrides (--section.key value) work as in `ptdp train`.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML config file (see configs/)")
+    p.add_argument(
+        "--model",
+        default="",
+        metavar="NAME",
+        help="start from a paper model preset (gpt3-175b, gpt-1t, ...; see `ptdp plan --help`)",
+    )
+    p.add_argument(
+        "--device",
+        default="a100-80gb",
+        metavar="NAME|FILE",
+        help=f"cluster: {', '.join(list_systems())} or a hardware TOML (default: a100-80gb)",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        metavar="N",
+        help="world size (default: tp * pp * dp, with dp = 1 if it is 0)",
+    )
+    p.add_argument(
+        "--out",
+        default="",
+        metavar="DIR",
+        help="where timeline.png and trace.json go (default: train.run_dir/simulation)",
+    )
+    p.add_argument(
+        "--software",
+        default="ptdp",
+        choices=SOFTWARE_CHOICES,
+        help="kernels and overlap of this runtime, or of Megatron-LM as the paper ran it",
+    )
+    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+
+
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    from ptdp.perf.hardware import list_systems
+    from ptdp.perf.paper import PRESETS
+
+    p = sub.add_parser(
+        "plan",
+        help="search the parallel layouts that fit and rank them by predicted throughput",
+        description=(
+            "Search tensor, pipeline and data-parallel sizes, micro-batch, schedule and "
+            "recomputation for a model on N GPUs, keep the layouts that fit in memory, "
+            "simulate each and rank them; explains the choice with the paper's guidelines "
+            "(tensor parallel inside a node, pipeline across nodes, micro-batch from its "
+            "equation (1))."
+        ),
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME|FILE",
+        help=f"a preset ({', '.join(PRESETS)}) or a TOML config whose [model] is used",
+    )
+    p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
+    p.add_argument(
+        "--device",
+        default="a100-80gb",
+        metavar="NAME|FILE",
+        help=f"cluster: {', '.join(list_systems())} or a hardware TOML (default: a100-80gb)",
+    )
+    p.add_argument(
+        "--global-batch", type=int, required=True, metavar="B", help="sequences per step"
+    )
+    p.add_argument(
+        "--vocab-size", type=int, default=0, metavar="V", help="set model.vocab_size (if 0)"
+    )
+    p.add_argument("--precision", default="", choices=["", "bf16", "fp16", "fp32"])
+    p.add_argument("--tp", type=int, default=0, help="fix the tensor-parallel size")
+    p.add_argument("--pp", type=int, default=0, help="fix the pipeline-parallel size")
+    p.add_argument("--vpp", type=int, default=0, help="fix the model chunks per rank")
+    p.add_argument("--micro-batch", type=int, default=0, metavar="b", help="fix b")
+    p.add_argument("--recompute", default="auto", choices=["auto", "none", "selective", "full"])
+    p.add_argument(
+        "--sequence-parallel",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="auto: on whenever tp > 1",
+    )
+    p.add_argument(
+        "--distributed-optimizer", action="store_true", help="shard optimizer state over dp"
+    )
+    p.add_argument("--software", default="ptdp", choices=SOFTWARE_CHOICES)
+    p.add_argument("--top", type=int, default=5, help="layouts to list (default: 5)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ptdp",
@@ -181,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     _preprocess_parser(sub)
     _generate_parser(sub)
     _schedule_parser(sub)
+    _simulate_parser(sub)
+    _plan_parser(sub)
     return parser
 
 
@@ -271,6 +380,121 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _software(name: str):
+    from ptdp.perf.costs import MEGATRON_2021, PTDP
+
+    return MEGATRON_2021 if name == "megatron-2021" else PTDP
+
+
+def _cmd_simulate(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+    from dataclasses import replace
+
+    from ptdp.config import RunConfig, apply_updates, load_toml, parse_overrides, resolve
+    from ptdp.errors import ConfigError
+    from ptdp.perf.hardware import load_system
+    from ptdp.perf.paper import PRESETS, preset
+    from ptdp.perf.report import format_prediction, prediction_dict, write_timeline
+    from ptdp.perf.simulator import simulate
+
+    if args.model:  # preset < TOML file < command line, as `resolve` does from the defaults
+        if args.model not in PRESETS:
+            raise ConfigError(f"unknown model {args.model!r}; presets: {', '.join(PRESETS)}")
+        cfg = replace(RunConfig(), model=preset(args.model))
+        cfg = load_toml(args.config, cfg) if args.config else cfg
+        cfg = apply_updates(cfg, parse_overrides(overrides), "the command line")
+    else:
+        cfg = resolve(args.config, overrides)
+    if cfg.model.vocab_size <= 0:
+        raise ConfigError(
+            "model.vocab_size = 0 (taken from the data when training); the simulator needs "
+            "it: pass --model.vocab_size N"
+        )
+    system = load_system(args.device)
+    par = cfg.parallel
+    gpus = args.gpus or par.tp * par.pp * max(par.dp, 1)
+    prediction = simulate(cfg, system, gpus, software=_software(args.software))
+    out = Path(args.out or Path(cfg.train.run_dir) / "simulation")
+    title = f"{system.name}: {prediction.layout.describe()} ({par.schedule.value})"
+    png, trace = write_timeline(prediction, out, title)
+    png_text = str(png) if png else "not drawn (pip install matplotlib)"
+    if args.json:
+        print(
+            json.dumps(
+                {**prediction_dict(prediction), "png": png and str(png), "trace": str(trace)}
+            )
+        )
+    else:
+        print(format_prediction(prediction, system))
+        print(f"timeline: {png_text} | trace: {trace} (open in https://ui.perfetto.dev)")
+    return 0
+
+
+def _plan_base(args: argparse.Namespace):
+    from dataclasses import replace
+
+    from ptdp.config import RunConfig, apply_updates, load_toml
+    from ptdp.perf.paper import PRESETS, preset
+
+    if args.model in PRESETS:  # the paper's models in mixed precision
+        base = replace(RunConfig(), model=preset(args.model))
+        base = apply_updates(base, {"train": {"precision": "bf16"}}, "the paper presets")
+    else:
+        base = load_toml(args.model)
+    updates: dict = {"train": {"global_batch_size": args.global_batch}}
+    if args.vocab_size:
+        updates["model"] = {"vocab_size": args.vocab_size}
+    if args.precision:
+        updates["train"]["precision"] = args.precision
+    if args.distributed_optimizer:
+        updates["optim"] = {"distributed": True}
+    return apply_updates(base, updates, "the command line")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from ptdp.config import Recompute
+    from ptdp.errors import ConfigError
+    from ptdp.perf.hardware import load_system
+    from ptdp.perf.planner import plan
+    from ptdp.perf.report import format_plan, plan_dict
+
+    base = _plan_base(args)
+    if base.model.vocab_size <= 0:
+        raise ConfigError(f"{args.model}: model.vocab_size is 0; pass --vocab-size V")
+    system = load_system(args.device)
+    bar = tqdm(total=0, desc="simulating layouts", unit="layout", file=sys.stderr, disable=None)
+
+    def progress(done: int, total: int, what: str) -> None:
+        bar.total = total
+        bar.set_postfix_str(what)
+        bar.update(done - bar.n)
+
+    sp = {"auto": None, "on": True, "off": False}[args.sequence_parallel]
+    result = plan(
+        base,
+        gpus=args.gpus,
+        system=system,
+        software=_software(args.software),
+        tp=args.tp or None,
+        pp=args.pp or None,
+        vpp=args.vpp or None,
+        micro_batch=args.micro_batch or None,
+        recompute=None if args.recompute == "auto" else Recompute(args.recompute),
+        sequence_parallel=sp,
+        progress=progress,
+    )
+    bar.close()
+    if args.json:
+        print(json.dumps(plan_dict(result, args.top)))
+    else:
+        print(format_plan(result, system, args.top))
+    return 0 if result.best else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -278,12 +502,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _cmd_train(args, rest)
+        if args.command == "simulate":
+            return _cmd_simulate(args, rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "preprocess":
             return _cmd_preprocess(args)
         if args.command == "schedule":
             return _cmd_schedule(args)
+        if args.command == "plan":
+            return _cmd_plan(args)
         return _cmd_generate(args)
     except PtdpError as exc:
         print(f"ptdp {args.command}: error: {exc}", file=sys.stderr)

@@ -1,0 +1,13 @@
+"""Performance model: FLOPs, memory, hardware, a simulator that replays the schedules, a planner.
+
+flops.py        the paper's FLOPs (equation 3) and parameters (equation 2), MFU / HFU, dense peaks
+memory.py       bytes per device: model state, Korthikanti activations x in-flight microbatches
+activations.py  Korthikanti et al.'s per-layer activation bytes and what PyTorch really saves
+hardware.py     clusters as data (hardware/*.toml): device, NVLink, network
+costs.py        seconds of F, B, W per layer (GEMM efficiency curve, HBM traffic, collectives)
+replay.py       the schedules' own action lists replayed in simulated time
+simulator.py    one training step of a config on a cluster: time, bubble, TFLOP/s, memory
+planner.py      layouts that fit, ranked by simulated throughput, explained
+timeline.py     TimelineRecorder for the runtime, Chrome traces and PNG charts
+paper.py        the paper's model presets and published figures; validation.py checks them
+"""

@@ -10,6 +10,11 @@ For the paper's own GPT (4h MLP, multi-head attention) with full recomputation,
 and with no recomputation it is the "model FLOPs" form 72 B s l h^2 (1 + s/(6h) + V/(12 l h))
 of Korthikanti et al. 2022. The generic per-GEMM sum below also covers SwiGLU, other MLP
 widths and grouped-query attention.
+
+Utilisation: model FLOPs utilisation (MFU) divides the FLOPs without recomputation by the
+time and the dense peak of the devices; hardware FLOPs utilisation (HFU) counts what the
+devices execute, recomputation included. Peaks are dense tensor-core rates: the 2:4
+sparsity figures of the datasheets are twice these and are never used.
 """
 
 from __future__ import annotations
@@ -50,7 +55,83 @@ def paper_equation_3(batch: int, seq: int, layers: int, hidden: int, vocab: int)
     return 96 * batch * seq * layers * h**2 * (1 + seq / (6 * h) + vocab / (16 * layers * h))
 
 
+def paper_equation_4(tokens: float, params: float, gpus: int, flops_per_gpu: float) -> float:
+    """Equation (4): training time ~ 8 T P / (n X) seconds, recomputation included.
+
+    It assumes 6h >> s, 16lh >> V + s and 12lh >> V (so equation (3) ~ 8 B s P).
+    """
+    return 8 * tokens * params / (gpus * flops_per_gpu)
+
+
 def paper_parameter_count(layers: int, hidden: int, vocab: int, seq: int) -> float:
     """Equation (2) of the paper: P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))."""
     h = hidden
     return 12 * layers * h**2 * (1 + 13 / (12 * h) + (vocab + seq) / (12 * layers * h))
+
+
+def model_flops_per_iteration(cfg: ModelConfig, global_batch_size: int) -> float:
+    """Model FLOPs of one step: no recomputation counted, whatever the run does (for MFU)."""
+    return flops_per_iteration(cfg, global_batch_size, Recompute.NONE)
+
+
+def hardware_flops_per_iteration(
+    cfg: ModelConfig, global_batch_size: int, recompute: Recompute
+) -> float:
+    """FLOPs the devices execute in one step, recomputation included (for HFU).
+
+    With full recomputation this is the paper's equation (3), which is what its TFLOP/s
+    figures count.
+    """
+    return flops_per_iteration(cfg, global_batch_size, recompute)
+
+
+# Dense (not 2:4-sparse) tensor-core peaks per device in TFLOP/s, by precision. fp32 is the
+# plain FP32 rate (PyTorch does not use TF32 for matmuls unless asked). Sources: NVIDIA
+# V100, A100, H100 (SXM5 and PCIe), H200 and HGX B200 datasheets (the B200 table's
+# 8-GPU, with-sparsity figures divided by 8 and by 2); AMD Instinct MI300X datasheet.
+DENSE_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "v100": {"fp16": 125.0, "bf16": 0.0, "tf32": 0.0, "fp32": 15.7},
+    "a100": {"fp16": 312.0, "bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "h100-pcie": {"fp16": 756.0, "bf16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "h100-sxm": {"fp16": 989.0, "bf16": 989.0, "tf32": 494.5, "fp32": 66.9},
+    "h200": {"fp16": 989.0, "bf16": 989.0, "tf32": 494.5, "fp32": 66.9},
+    "b200": {"fp16": 2250.0, "bf16": 2250.0, "tf32": 1125.0, "fp32": 75.0},
+    "mi300x": {"fp16": 1307.4, "bf16": 1307.4, "tf32": 653.7, "fp32": 163.4},
+}
+
+# Substrings of torch.cuda.get_device_name() -> table key, most specific first.
+_DEVICE_NAMES: tuple[tuple[str, str], ...] = (
+    ("H100 PCIe", "h100-pcie"),
+    ("GH200", "h200"),
+    ("H200", "h200"),
+    ("H100", "h100-sxm"),
+    ("A100", "a100"),
+    ("V100", "v100"),
+    ("B200", "b200"),
+    ("MI300X", "mi300x"),
+)
+
+
+def device_kind(device_name: str) -> str | None:
+    """Table key for a device name as torch reports it ("NVIDIA A100-SXM4-80GB" -> "a100")."""
+    return next((kind for part, kind in _DEVICE_NAMES if part in device_name), None)
+
+
+def dense_peak_flops(kind: str, precision: str) -> float:
+    """Dense peak FLOP/s of device `kind` at `precision` (fp32, tf32, bf16, fp16)."""
+    if kind not in DENSE_PEAK_TFLOPS:
+        known = ", ".join(DENSE_PEAK_TFLOPS)
+        raise KeyError(f"no peak FLOP/s for device {kind!r}; known: {known}")
+    peak = DENSE_PEAK_TFLOPS[kind].get(precision, 0.0)
+    if peak <= 0:
+        raise KeyError(f"device {kind!r} has no dense {precision} tensor rate in the table")
+    return peak * 1e12
+
+
+def utilisation(flops: float, seconds: float, devices: int, peak_flops: float) -> float:
+    """Achieved fraction of peak: flops / (seconds * devices * peak_flops).
+
+    With model FLOPs (`model_flops_per_iteration`) this is MFU; with the FLOPs actually
+    executed (`hardware_flops_per_iteration`) it is hardware-FLOPs utilisation (HFU).
+    """
+    return flops / (seconds * devices * peak_flops)

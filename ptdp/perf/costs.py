@@ -1,0 +1,259 @@
+"""Seconds per pass of one microbatch through one model chunk, and per collective.
+
+Compute model. A GEMM of [m, k] x [k, n] takes
+    2 m n k / (peak * gemm_efficiency) + e (m k + k n + m n) / (HBM * memory_efficiency)
+plus one kernel launch: the first term is the tensor cores at their sustained rate, the
+second streaming the operands through HBM. The sum gives a saturating efficiency curve
+that depends on GEMM size through its arithmetic intensity: large square GEMMs run near
+`gemm_efficiency`, thin ones (the attention score GEMMs, whose inner size is the head
+size) far below it. Memory-bound kernels (norms, GeLU, softmax, dropout, residual adds,
+the loss) move `elementwise_traffic` bytes through HBM per byte of activation the layer
+stores for backward (Korthikanti et al.'s count) in the forward pass, and twice that in
+the backward pass.
+
+Backward of a linear layer: the input gradient (dgrad, [m, n] x [n, k]) goes to B and the
+weight gradient (wgrad, [k, m] x [m, n]) to W; everything else of a backward goes to B
+(the zero-bubble split, Qi et al. arXiv 2401.10241). Full recomputation adds a forward to
+B, selective recomputation the attention core's forward (ptdp checkpoints the fused
+kernel too, so it reruns there as well).
+
+Communication model. A ring all-reduce of N bytes over n GPUs moves 2 (n-1)/n N bytes per
+GPU, a reduce-scatter or all-gather (n-1)/n N, at the bus bandwidth of the group's
+slowest link, plus one latency per call. Tensor parallelism runs 2 all-reduces in forward
+and 2 in backward per layer (sequence parallelism: reduce-scatter + all-gather pairs of
+the same volume); they are not overlapped with compute, as in the runtime.
+
+Letters: b = micro-batch, s = sequence, h = hidden, a = heads, d = head size, f = MLP
+width, v = vocabulary, t = tensor-parallel size, e = bytes per element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptdp.config import Activation, ModelConfig, Precision, Recompute
+from ptdp.perf.hardware import Link, System
+from ptdp.perf.memory import element_bytes, head_activation_bytes, layer_activation_bytes, padded
+
+
+@dataclass(frozen=True)
+class Software:
+    """What the training code does that changes its speed (not the hardware)."""
+
+    fused_attention: bool = True
+    """Flash/memory-efficient attention (ptdp's SDPA on GPUs); False = the s x s scores are
+    materialised, soft-maxed and dropped out in HBM (Megatron-LM in 2021)."""
+    elementwise_traffic: float = 1.6
+    """HBM bytes moved by memory-bound kernels in forward per activation byte stored.
+    Calibrated on Korthikanti et al.'s Table 4: one 22B layer (t = 8, b = 4) takes 7.7 ms
+    forward on A100s."""
+    backward_traffic_ratio: float = 1.6
+    """Backward / forward HBM traffic of the memory-bound kernels (they read the saved
+    input and the incoming gradient and write the outgoing one, against a read and a
+    write forward). Calibrated on the same layer's 11.9 ms backward, whose code hid the
+    two backward all-reduces behind the weight-gradient GEMMs."""
+    grad_reduce_bytes: int = 4
+    """Bytes per gradient element in the data-parallel reduction (ptdp: fp32 buffers)."""
+    weight_pass_retraverses: bool = True
+    """ptdp's W re-traverses the stage's autograd graph, so it also pays B's dgrad GEMMs."""
+    causal_fraction: float = 0.5
+    """Share of the s x s score blocks a fused causal kernel computes."""
+    fused_backward_ratio: float = 2.5
+    """Fused attention backward / forward time (5 GEMMs against 2, FlashAttention-2)."""
+    blocking_p2p: bool = False
+    """Pipeline transfers block the rank until done (Megatron-LM in 2021 synchronised after
+    each batch of sends and receives); False = ptdp's runtime, which waits for a receive
+    only when its tensor is needed and for sends at the end of the step."""
+
+
+PTDP = Software()
+"""This runtime: SDPA (fused attention), zero-bubble W re-traversing the graph."""
+MEGATRON_2021 = Software(
+    fused_attention=False, grad_reduce_bytes=2, weight_pass_retraverses=False, blocking_p2p=True
+)
+"""The code of the paper's measurements: unfused attention, fp16 gradients all-reduced
+(its default for fp16 training), blocking pipeline transfers."""
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """[m, k] x [k, n], `batch` times."""
+
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.batch
+
+    def nbytes(self, e: int) -> float:
+        return float(e * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n))
+
+    def dgrad(self) -> Gemm:
+        return Gemm(self.m, self.k, self.n, self.batch)
+
+    def wgrad(self) -> Gemm:
+        return Gemm(self.k, self.n, self.m, self.batch)
+
+
+@dataclass(frozen=True)
+class Passes:
+    """Seconds of forward (F), input gradient (B) and weight gradient (W)."""
+
+    f: float = 0.0
+    b: float = 0.0
+    w: float = 0.0
+
+    def __add__(self, other: Passes) -> Passes:
+        return Passes(self.f + other.f, self.b + other.b, self.w + other.w)
+
+    def times(self, k: float) -> Passes:
+        return Passes(self.f * k, self.b * k, self.w * k)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """One device at one precision: the pieces of the compute model."""
+
+    system: System
+    precision: Precision
+    software: Software
+
+    @property
+    def e(self) -> int:
+        return element_bytes(self.precision)
+
+    @property
+    def peak(self) -> float:
+        return self.system.device.peak_flops(self.precision.value)
+
+    @property
+    def bandwidth(self) -> float:
+        d = self.system.device
+        return d.memory_bandwidth * d.memory_efficiency
+
+    def gemm(self, g: Gemm) -> float:
+        d = self.system.device
+        compute = g.flops / (self.peak * d.gemm_efficiency)
+        return compute + g.nbytes(self.e) / self.bandwidth + d.kernel_overhead
+
+    def stream(self, nbytes: float) -> float:
+        """Memory-bound kernels moving `nbytes` through HBM."""
+        return nbytes / self.bandwidth
+
+    def linears(self, gemms: list[Gemm]) -> Passes:
+        return Passes(
+            sum(self.gemm(g) for g in gemms),
+            sum(self.gemm(g.dgrad()) for g in gemms),
+            sum(self.gemm(g.wgrad()) for g in gemms),
+        )
+
+
+def layer_gemms(model: ModelConfig, micro_batch: int, tp: int) -> list[Gemm]:
+    """The four linear layers of a transformer layer on one tensor rank (forward)."""
+    h, f, t = model.hidden_size, model.ffn_size, tp
+    tokens = micro_batch * model.seq_length
+    qkv = h + 2 * model.query_groups * model.head_dim
+    parts = 2 if model.activation is Activation.SWIGLU else 1
+    return [
+        Gemm(tokens, qkv // t, h),
+        Gemm(tokens, h, h // t),
+        Gemm(tokens, f * parts // t, h),
+        Gemm(tokens, h, f // t),
+    ]
+
+
+def attention_core(model: ModelConfig, micro_batch: int, tp: int, c: Compute) -> Passes:
+    """Scores QK^T and their product with V: all of it input gradients (B)."""
+    s, d = model.seq_length, model.head_dim
+    heads = micro_batch * model.num_heads // tp
+    scores, values = Gemm(s, s, d, heads), Gemm(s, d, s, heads)
+    if c.software.fused_attention:
+        flops = (scores.flops + values.flops) * c.software.causal_fraction
+        dev = c.system.device
+        forward = flops / (c.peak * dev.gemm_efficiency) + dev.kernel_overhead
+        return Passes(forward, forward * c.software.fused_backward_ratio, 0.0)
+    forward = c.gemm(scores) + c.gemm(values)
+    backward = sum(c.gemm(g.dgrad()) + c.gemm(g.wgrad()) for g in (scores, values))
+    return Passes(forward, backward, 0.0)
+
+
+def all_reduce_seconds(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce over n GPUs at the link's achieved bus bandwidth."""
+    if n <= 1:
+        return 0.0
+    return link.latency + 2 * (n - 1) / n * nbytes / link.achieved
+
+
+def gather_seconds(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather (or reduce-scatter) of a full tensor of `nbytes` over n GPUs."""
+    if n <= 1:
+        return 0.0
+    return link.latency + (n - 1) / n * nbytes / link.achieved
+
+
+def group_link(system: System, size: int, stride: int) -> Link:
+    """The bottleneck link of a group of `size` GPUs spaced `stride` apart in rank order.
+
+    Within a node it is the NVLink/NVSwitch link. Across nodes, each node's k members
+    drive k network cards in parallel (NCCL runs one ring per card), so the bus bandwidth
+    is k times one card's, capped by the in-node link.
+    """
+    per_node = system.gpus_per_node
+    if size * stride <= per_node:
+        return system.intra
+    k = max(1, min(size, per_node // stride))
+    bandwidth = min(system.intra.achieved, k * system.inter.achieved)
+    return Link(f"{k} x {system.inter.name}", bandwidth, 1.0, system.inter.latency)
+
+
+def layer_seconds(
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int,
+    sequence_parallel: bool,
+    recompute: Recompute,
+    c: Compute,
+) -> Passes:
+    """One transformer layer, one microbatch, on one GPU (communication included)."""
+    linears = c.linears(layer_gemms(model, micro_batch, tp))
+    core = attention_core(model, micro_batch, tp, c)
+    kw = dict(micro_batch=micro_batch, tp=tp, sequence_parallel=sequence_parallel)
+    fused = c.software.fused_attention
+    stored = layer_activation_bytes(
+        model, recompute=Recompute.NONE, precision=c.precision, fused_attention=fused, **kw
+    )
+    traffic = c.stream(c.software.elementwise_traffic * stored)
+    boundary = micro_batch * model.seq_length * model.hidden_size * c.e
+    comm = 2 * all_reduce_seconds(boundary, tp, group_link(c.system, tp, 1))
+    forward = linears.f + core.f + traffic + comm
+    backward = linears.b + core.b + c.software.backward_traffic_ratio * traffic + comm
+    passes = Passes(forward, backward, linears.w)
+    if recompute is Recompute.FULL:
+        passes += Passes(0.0, forward, 0.0)
+    elif recompute is Recompute.SELECTIVE:  # the attention core's forward again
+        kept = layer_activation_bytes(
+            model, recompute=Recompute.SELECTIVE, precision=c.precision, fused_attention=fused, **kw
+        )  # with fused attention nothing of the core is stored, so only the kernel reruns
+        redo = core.f + c.stream(c.software.elementwise_traffic * (stored - kept))
+        passes += Passes(0.0, redo, 0.0)
+    return passes
+
+
+def head_seconds(model: ModelConfig, *, micro_batch: int, tp: int, c: Compute) -> Passes:
+    """Final norm, output layer and vocabulary-parallel loss, one microbatch."""
+    tokens = micro_batch * model.seq_length
+    logits = c.linears([Gemm(tokens, padded(model.vocab_size, tp) // tp, model.hidden_size)])
+    stored = head_activation_bytes(model, micro_batch=micro_batch, tp=tp, precision=c.precision)
+    traffic = c.stream(c.software.elementwise_traffic * stored)
+    return logits + Passes(traffic, c.software.backward_traffic_ratio * traffic, 0.0)
+
+
+def embedding_seconds(model: ModelConfig, *, micro_batch: int, tp: int, c: Compute) -> Passes:
+    """Token (and position) lookup, its tensor-parallel all-reduce, its gradient scatter."""
+    nbytes = micro_batch * model.seq_length * model.hidden_size * c.e
+    comm = all_reduce_seconds(nbytes, tp, group_link(c.system, tp, 1))
+    return Passes(c.stream(3 * nbytes) + comm, 0.0, c.stream(2 * nbytes))

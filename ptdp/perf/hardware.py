@@ -1,0 +1,172 @@
+"""Clusters as data: a device, the link inside a node and the network between nodes.
+
+A system is one TOML file (the shipped ones are in `ptdp/perf/hardware/`; a user passes
+the path of their own): `[device]` (peak rates by `kind` from
+`ptdp.perf.flops.DENSE_PEAK_TFLOPS` or an explicit `peak_tflops` table, memory, HBM
+bandwidth), `[device.achieved]` (the calibration: achieved GEMM and memory efficiency, a
+kernel launch cost, reserved memory), `[node]` (GPUs per node and their NVLink/NVSwitch
+link) and `[network]` (the inter-node link per GPU, e.g. one InfiniBand HCA each).
+Bandwidths are per GPU and per direction, in GB/s (1e9 bytes); latencies per message.
+
+Built in: `a100-80gb` (the paper's Selene nodes: DGX A100 80GB, 8x 200 Gb/s HDR per
+node), `a100-40gb`, `h100-sxm` and `h200`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 only
+    import tomli as tomllib
+
+from ptdp.errors import ConfigError
+from ptdp.perf.flops import DENSE_PEAK_TFLOPS
+
+BUILTIN_DIR = Path(__file__).with_name("hardware")
+GB = 1e9
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link as one GPU sees it: nominal bandwidth per direction, achieved fraction, latency."""
+
+    name: str
+    bandwidth: float
+    """Bytes/s per GPU per direction, nominal."""
+    efficiency: float
+    """Fraction of `bandwidth` that collectives and transfers achieve."""
+    latency: float
+    """Seconds per message (or per step of a ring collective)."""
+
+    @property
+    def achieved(self) -> float:
+        return self.bandwidth * self.efficiency
+
+    def transfer_seconds(self, nbytes: float) -> float:
+        """One point-to-point message of `nbytes`."""
+        return self.latency + nbytes / self.achieved
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: peak rates, memory and the calibrated achieved fractions."""
+
+    name: str
+    kind: str
+    peak_tflops: tuple[tuple[str, float], ...]
+    """(precision, dense TFLOP/s) pairs."""
+    memory_bytes: float
+    memory_bandwidth: float
+    """HBM bytes/s, nominal."""
+    gemm_efficiency: float
+    """Fraction of the dense peak that a large GEMM sustains."""
+    memory_efficiency: float
+    """Fraction of `memory_bandwidth` that streaming (element-wise) kernels reach."""
+    kernel_overhead: float
+    """Seconds of fixed cost per kernel (launch, tail)."""
+    reserved_bytes: float
+    """Memory the framework cannot use: CUDA context, communication buffers, fragmentation."""
+    match: tuple[str, ...] = ()
+
+    def peak_flops(self, precision: str) -> float:
+        """Dense FLOP/s at `precision` (fp32, tf32, bf16 or fp16)."""
+        table = dict(self.peak_tflops)
+        if table.get(precision, 0.0) <= 0:
+            raise ConfigError(f"device {self.name} has no {precision} peak; known: {table}")
+        return table[precision] * 1e12
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.memory_bytes - self.reserved_bytes
+
+
+@dataclass(frozen=True)
+class System:
+    """A cluster of identical nodes: `gpus_per_node` devices joined by `intra`, nodes by `inter`."""
+
+    name: str
+    description: str
+    device: Device
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+
+    def node_of(self, gpu: int) -> int:
+        return gpu // self.gpus_per_node
+
+
+def list_systems() -> list[str]:
+    """Names of the built-in systems."""
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
+
+
+def load_system(name_or_path: str | Path) -> System:
+    """A built-in system by name (`a100-80gb`) or a TOML file by path."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = BUILTIN_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise ConfigError(
+            f"unknown hardware {str(name_or_path)!r}: not a file and not one of "
+            f"{', '.join(list_systems())}; see ptdp/perf/hardware/*.toml for the format"
+        )
+    try:
+        data = tomllib.loads(path.read_text())
+        return _parse(data, path.stem)
+    except (KeyError, TypeError, ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"hardware file {path}: {exc!r}") from None
+
+
+def system_for_device_name(device_name: str) -> System | None:
+    """The built-in system whose device matches torch's device name, if any."""
+    for name in list_systems():
+        system = load_system(name)
+        if any(part in device_name for part in system.device.match):
+            return system
+    return None
+
+
+def _parse(data: dict[str, Any], default_name: str) -> System:
+    dev, achieved = data["device"], data["device"].get("achieved", {})
+    kind = dev.get("kind", default_name)
+    peaks = dict(DENSE_PEAK_TFLOPS.get(kind, {}))
+    peaks.update({k: float(v) for k, v in dev.get("peak_tflops", {}).items()})
+    if not peaks:
+        raise ValueError(
+            f"device kind {kind!r} is not in the peak table: give [device] peak_tflops"
+        )
+    device = Device(
+        name=str(dev.get("name", kind)),
+        kind=kind,
+        peak_tflops=tuple(sorted(peaks.items())),
+        memory_bytes=float(dev["memory_gib"]) * GIB,
+        memory_bandwidth=float(dev["memory_bandwidth_gb_s"]) * GB,
+        gemm_efficiency=float(achieved.get("gemm_efficiency", 0.75)),
+        memory_efficiency=float(achieved.get("memory_efficiency", 0.85)),
+        kernel_overhead=float(achieved.get("kernel_overhead_us", 5)) * 1e-6,
+        reserved_bytes=float(achieved.get("reserved_gib", 4)) * GIB,
+        match=tuple(dev.get("match", ())),
+    )
+    return System(
+        name=str(data.get("name", default_name)),
+        description=str(data.get("description", "")),
+        device=device,
+        gpus_per_node=int(data["node"]["gpus"]),
+        intra=_link(data["node"]),
+        inter=_link(data["network"]),
+    )
+
+
+def _link(table: dict[str, Any]) -> Link:
+    return Link(
+        name=str(table.get("link", "")),
+        bandwidth=float(table["bandwidth_gb_s"]) * GB,
+        efficiency=float(table.get("efficiency", 1.0)),
+        latency=float(table.get("latency_us", 0.0)) * 1e-6,
+    )

@@ -1,0 +1,242 @@
+"""Memory per device: parameters, gradients, optimizer state and stored activations.
+
+Model-state bytes per parameter follow what the runtime does (`ptdp/parallel/data.py`,
+`ptdp/train/optim.py`): with bf16/fp16, 16-bit weights (2 B), an fp32 gradient buffer
+(4 B), fp32 master weights (4 B) and AdamW's two fp32 moments (8 B); with fp32, 4 B
+weights, 4 B gradients and 8 B of moments. The distributed optimizer (ZeRO-1) divides the
+master weights and moments by the data-parallel size.
+
+Activations per layer are Korthikanti et al.'s (arXiv 2205.05198, `ptdp.perf.activations`)
+for the recompute mode and sequence parallelism; with fused attention (flash or
+memory-efficient SDPA, what ptdp runs on GPUs and on CPU without dropout) no s x s tensor
+is stored, so "none" stores what the paper's "selective" does. A pipeline rank stores them
+for as many (microbatch, chunk) forwards as are in flight at once, which
+`ptdp.pipeline.verify` counts on the schedule's own action lists: p - r for 1F1B on rank
+r, m for GPipe, more for interleaved (Korthikanti: x (1 + (p-1)/(p v)) on rank 0).
+
+Known omissions: temporary buffers of a backward pass other than recomputation, p2p
+receive buffers, and grouped-query attention's smaller K and V (counted as full heads).
+
+Letters: s = sequence, b = micro-batch, h = hidden, f = MLP width, v = vocabulary,
+t = tensor-parallel size, e = bytes per activation element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptdp.config import (
+    Activation,
+    ModelConfig,
+    Normalization,
+    PositionEmbedding,
+    Precision,
+    Recompute,
+    RunConfig,
+)
+from ptdp.layout import validate
+from ptdp.perf.activations import activation_bytes_per_layer
+from ptdp.pipeline.actions import BACKWARD_KINDS, Kind, Plan
+from ptdp.pipeline.schedules import build, in_flight_bound
+from ptdp.pipeline.verify import verify
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per local parameter of the model state."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+
+def bytes_per_parameter(
+    precision: Precision, *, distributed: bool = False, dp: int = 1
+) -> StateBytes:
+    """Weights, gradient buffer and optimizer state per parameter, as the runtime keeps them."""
+    shard = dp if distributed else 1
+    if precision is Precision.FP32:
+        return StateBytes(4.0, 4.0, 8.0 / shard)
+    return StateBytes(2.0, 4.0, 12.0 / shard)  # fp32 master (4) + AdamW moments (8)
+
+
+def element_bytes(precision: Precision) -> int:
+    """Bytes of one activation element."""
+    return 4 if precision is Precision.FP32 else 2
+
+
+def padded(n: int, size: int) -> int:
+    """n rounded up to a multiple of size (as ptdp.parallel.init.padded; kept torch-free)."""
+    return -(-n // size) * size
+
+
+def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one transformer layer on one tensor-parallel rank.
+
+    Column-parallel weights and biases (QKV, fc1) and row-parallel weights (projection,
+    fc2) are split over t; row-parallel biases and the norms are replicated.
+    """
+    h, f, t = model.hidden_size, model.ffn_size, tp
+    qkv = h + 2 * model.query_groups * model.head_dim
+    parts = 2 if model.activation is Activation.SWIGLU else 1
+    weights = (h * qkv + h * h + h * f * parts + f * h) // t
+    biases = (qkv + f * parts) // t + 2 * h if model.bias else 0
+    norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
+    return weights + biases + 2 * norm
+
+
+def parameters_per_stage(model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int = 1) -> list[int]:
+    """Local parameters of each virtual stage on one tensor-parallel rank.
+
+    Stage 0 holds the embedding; the last stage the final norm and the output layer,
+    which with pp * vpp > 1 is a separate copy even when tied to the embedding.
+    """
+    h, v, stages = model.hidden_size, padded(model.vocab_size, tp), pp * vpp
+    counts = [model.num_layers // stages * layer_parameters(model, tp) for _ in range(stages)]
+    counts[0] += v // tp * h
+    if model.position_embedding is PositionEmbedding.LEARNED:
+        counts[0] += model.seq_length * h
+    norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
+    counts[-1] += norm
+    if not (model.tie_embeddings and stages == 1):
+        counts[-1] += v // tp * h
+    return counts
+
+
+def parameters_per_rank(model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int = 1) -> list[int]:
+    """Local parameters on one tensor rank of each pipeline rank (rank r: stages r, r + pp, ...)."""
+    counts = [0] * pp
+    for stage, count in enumerate(parameters_per_stage(model, tp, pp, vpp)):
+        counts[stage % pp] += count
+    return counts
+
+
+def layer_activation_bytes(
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: Recompute = Recompute.NONE,
+    precision: Precision = Precision.BF16,
+    fused_attention: bool = True,
+) -> float:
+    """Bytes one layer stores for backward per microbatch (Korthikanti et al.).
+
+    SwiGLU's inner tensors (gate and up, their product) count as a GeLU MLP of twice the
+    width: 4f elements either way.
+    """
+    if fused_attention and recompute is Recompute.NONE:
+        recompute = Recompute.SELECTIVE  # no s x s tensor is kept: the core recomputes
+    f = model.ffn_size * (2 if model.activation is Activation.SWIGLU else 1)
+    return activation_bytes_per_layer(
+        seq=model.seq_length,
+        micro_batch=micro_batch,
+        hidden=model.hidden_size,
+        heads=model.num_heads,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+        bytes_per_element=element_bytes(precision),
+        dropout=model.dropout > 0,
+        ffn_hidden=f,
+    )
+
+
+def head_activation_bytes(
+    model: ModelConfig, *, micro_batch: int, tp: int = 1, precision: Precision = Precision.BF16
+) -> float:
+    """Last stage, per microbatch: final-norm and output-layer inputs, fp32 logits softmax."""
+    n = model.seq_length * micro_batch
+    return (
+        2 * n * model.hidden_size * element_bytes(precision)
+        + 4 * n * padded(model.vocab_size, tp) // tp
+    )
+
+
+def in_flight(name: str, plan: Plan, pp: int, vpp: int, m: int) -> tuple[int, ...]:
+    """Most (microbatch, chunk) forwards each rank of schedule `name` holds at once.
+
+    Where the schedule declares a bound that `verify` enforces (GPipe m, 1F1B and ZB-H1
+    pp - rank) the peak is that bound capped at m, without the dry run; otherwise
+    (interleaved) it is what `verify` counts on `plan`.
+    """
+    bound = in_flight_bound(name, pp, m, vpp)
+    if bound is not None:
+        return tuple(min(held, m) for held in bound)
+    return verify(plan, pp, vpp, m).peak_in_flight
+
+
+def stage_in_flight(plan: Plan, stage: int) -> int:
+    """Most microbatches of one stage whose forward ran and whose backward has not."""
+    held = peak = 0
+    for a in plan[stage % len(plan)]:
+        if a.stage == stage:
+            held += 1 if a.kind is Kind.F else -1 if a.kind in BACKWARD_KINDS else 0
+            peak = max(peak, held)
+    return peak
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one device of one pipeline rank."""
+
+    rank: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    """Stored for backward: per-layer bytes x layers per chunk x forwards in flight."""
+    working: float
+    """Transient: the layer being recomputed (full) or its attention core (selective)."""
+    in_flight: int
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.working
+
+
+def estimate_memory(
+    cfg: RunConfig,
+    world_size: int,
+    *,
+    fused_attention: bool = True,
+    plan: Plan | None = None,
+) -> list[MemoryEstimate]:
+    """Per pipeline rank (all tensor and data-parallel ranks alike), for the config's layout.
+
+    `plan` is the schedule's compute-only plan if already built (it is built otherwise).
+    """
+    layout = validate(cfg, world_size)
+    model, par, prec = cfg.model, cfg.parallel, cfg.train.precision
+    tp, pp, vpp, m = layout.tp, layout.pp, layout.vpp, layout.num_microbatches
+    b = cfg.train.micro_batch_size
+    plan = plan if plan is not None else build(par.schedule.value, pp, m, vpp)
+    held = in_flight(par.schedule.value, plan, pp, vpp, m)
+    last_held = stage_in_flight(plan, pp * vpp - 1)
+    state = bytes_per_parameter(prec, distributed=cfg.optim.distributed, dp=layout.dp)
+    kw = dict(micro_batch=b, tp=tp, sequence_parallel=par.sequence_parallel, precision=prec)
+    layer = layer_activation_bytes(
+        model, recompute=par.recompute, fused_attention=fused_attention, **kw
+    )
+    full = layer_activation_bytes(
+        model, recompute=Recompute.NONE, fused_attention=fused_attention, **kw
+    )
+    working = {Recompute.NONE: 0.0, Recompute.FULL: full}.get(par.recompute, full - layer)
+    head = head_activation_bytes(model, micro_batch=b, tp=tp, precision=prec)
+    per_chunk = model.num_layers // (pp * vpp)
+    out = []
+    for rank, count in enumerate(parameters_per_rank(model, tp, pp, vpp)):
+        acts = held[rank] * per_chunk * layer + (last_held * head if rank == pp - 1 else 0.0)
+        out.append(
+            MemoryEstimate(
+                rank,
+                count * state.params,
+                count * state.grads,
+                count * state.optimizer,
+                acts,
+                working,
+                held[rank],
+            )
+        )
+    return out

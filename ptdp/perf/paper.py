@@ -1,0 +1,115 @@
+"""Model presets and published figures from the paper, for planning and validation.
+
+Narayanan et al., SC21 (arXiv 2104.04473): Table 1 (weak scaling on DGX A100 80GB nodes,
+interleaved schedule with scatter/gather, full activation recomputation, mixed precision,
+vocabulary 51,200, sequence 2048), the Megatron-LM README's GPT-3 175B example (1024
+GPUs, batch 1536, about 32 s per iteration, about 138 TFLOP/s per GPU), and the models of
+Korthikanti et al. 2022 (arXiv 2205.05198, Table 3). Copied here, with their source, so
+that the package does not depend on any file outside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptdp.config import ModelConfig, RunConfig, apply_updates
+
+VOCAB = 51200
+SEQ = 2048
+
+
+@dataclass(frozen=True)
+class Table1Row:
+    """One row of the paper's Table 1 (weak scaling)."""
+
+    name: str
+    params_billion: float
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops: float
+    """Published achieved TFLOP/s per GPU (equation (3) FLOPs, recomputation included)."""
+
+
+TABLE_1: tuple[Table1Row, ...] = (
+    Table1Row("gpt-1.7b", 1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    Table1Row("gpt-3.6b", 3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    Table1Row("gpt-7.5b", 7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    Table1Row("gpt-18.4b", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    Table1Row("gpt-39.1b", 39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    Table1Row("gpt-76.1b", 76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    Table1Row("gpt-145.6b", 145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    Table1Row("gpt-310.1b", 310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    Table1Row("gpt-529.6b", 529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    Table1Row("gpt-1t", 1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)
+
+README_GPT3 = Table1Row("gpt3-175b", 174.6, 96, 12288, 96, 8, 16, 1024, 1536, 138)
+"""The README's example: about 32 s per iteration (equation (3) / (1024 x 138e12))."""
+
+# name -> (layers, hidden, heads). GPT-3 175B (Brown et al. 2020, as in the paper's
+# section 5.1), MT-NLG 530B = the 529.6B row, Korthikanti et al.'s 22B.
+PRESETS: dict[str, tuple[int, int, int]] = {
+    **{row.name: (row.layers, row.hidden, row.heads) for row in TABLE_1},
+    "gpt3-175b": (96, 12288, 96),
+    "mt-nlg-530b": (105, 20480, 128),
+    "gpt-22b": (48, 6144, 64),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """A paper model as a ModelConfig: GPT-2 style (learned positions, LayerNorm, GeLU, tied
+    embeddings, biases), vocabulary 51,200, sequence 2048, dropout 0.1 as in Megatron-LM."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
+    layers, hidden, heads = PRESETS[name]
+    model = {
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "seq_length": SEQ,
+        "vocab_size": VOCAB,
+        "dropout": 0.1,
+    }
+    return apply_updates(RunConfig(), {"model": model}, f"preset {name}").model
+
+
+def paper_run(row: Table1Row, *, micro_batch: int, vpp: int) -> RunConfig:
+    """The paper's settings for a Table 1 row as a ptdp config, with b and v still to choose.
+
+    Mixed precision (bf16 here: the same peak and element size as the paper's fp16), full
+    recomputation, no sequence parallelism (it came later), scatter/gather on, the
+    data-parallel reduction after the backward pass and no distributed optimizer (both as
+    in Megatron-LM at the time), interleaved schedule when v > 1.
+    """
+    sections = {
+        "model": {
+            "num_layers": row.layers,
+            "hidden_size": row.hidden,
+            "num_heads": row.heads,
+            "seq_length": SEQ,
+            "vocab_size": VOCAB,
+            "dropout": 0.1,
+        },
+        "parallel": {
+            "tp": row.tp,
+            "pp": row.pp,
+            "vpp": vpp,
+            "schedule": "interleaved" if vpp > 1 else "1f1b",
+            "recompute": "full",
+            "sequence_parallel": False,
+            "scatter_gather": True,
+            "overlap_grad_reduce": False,
+        },
+        "optim": {"distributed": False},
+        "train": {
+            "precision": "bf16",
+            "micro_batch_size": micro_batch,
+            "global_batch_size": row.batch,
+        },
+    }
+    return apply_updates(RunConfig(), sections, f"Table 1 row {row.name}")

@@ -1,0 +1,374 @@
+"""Search the parallel layouts of a model on a cluster and rank them by simulated speed.
+
+The search follows the paper's guidelines (Narayanan et al., section 3 and takeaways
+1-3) rather than brute force:
+
+1. tensor parallel size t among the divisors of the GPUs per node (its all-reduces then
+   stay on NVLink; larger t would cross the network), pipeline size p among the divisors
+   of the layer count, data parallel d = n / (t p) dividing the global batch B;
+2. for each (t, p), the least recomputation whose model state and activations fit in
+   memory (1F1B's in-flight bound), then the micro-batch b that minimises the paper's
+   equation (1), (B/(d b) + p - 1) (t_f(b) + t_b(b)), with t_f, t_b one stage's times
+   from the cost model;
+3. for that b, the 1F1B schedule and every feasible interleaving v (layers divisible by
+   p v, microbatches a multiple of p), each simulated by replaying its action lists;
+   layouts that do not fit (the verifier's in-flight count) are dropped, the rest ranked
+   by iteration time;
+4. the recommendation is the fastest layout unless others come within `tolerance` of it
+   (the model's error on the paper's Table 1, 6%): among those, the paper's takeaways
+   decide, the smallest model-parallel size t p first (#2), then the largest t (#1).
+
+Every candidate goes through `ptdp.layout.validate`, so what the planner returns is a
+config the runtime accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from ptdp.config import Recompute, RunConfig, Schedule
+from ptdp.errors import ConfigError
+from ptdp.layout import validate
+from ptdp.perf.costs import PTDP, Compute, Software
+from ptdp.perf.hardware import GIB, System
+from ptdp.perf.memory import estimate_memory
+from ptdp.perf.simulator import Prediction, simulate, stage_costs
+from ptdp.pipeline.schedules import build
+
+Progress = Callable[[int, int, str], None]
+"""progress(done, total, what): called before each simulation."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One simulated layout."""
+
+    config: RunConfig
+    prediction: Prediction
+
+    def describe(self) -> str:
+        p, lay = self.config.parallel, self.prediction.layout
+        sp = " sp" if p.sequence_parallel else ""
+        b = self.config.train.micro_batch_size
+        return (
+            f"t={lay.tp}{sp} p={lay.pp} d={lay.dp} v={lay.vpp} b={b} "
+            f"m={lay.num_microbatches} {p.schedule.value} recompute={p.recompute.value}"
+        )
+
+
+@dataclass(frozen=True)
+class Rejected:
+    layout: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    options: tuple[Option, ...]
+    """Layouts that fit, fastest first."""
+    recommended: int
+    """Index of the recommended layout in `options` (see the module docstring, step 4)."""
+    rejected: tuple[Rejected, ...]
+    micro_batch_costs: tuple[tuple[int, float], ...]
+    """For the best (t, p): equation (1)'s estimate in seconds for each b that fits."""
+    explanation: tuple[str, ...]
+
+    @property
+    def best(self) -> Option | None:
+        """The recommended layout."""
+        return self.options[self.recommended] if self.options else None
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layout_config(
+    base: RunConfig,
+    *,
+    tp: int,
+    pp: int,
+    vpp: int,
+    micro_batch: int,
+    recompute: Recompute,
+    sequence_parallel: bool,
+    schedule: Schedule | None = None,
+) -> RunConfig:
+    """`base` with a layout filled in (dp derived from the world size)."""
+    if schedule is None:
+        schedule = Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B
+    parallel = replace(
+        base.parallel,
+        tp=tp,
+        pp=pp,
+        dp=0,
+        vpp=vpp,
+        schedule=schedule,
+        recompute=recompute,
+        sequence_parallel=sequence_parallel,
+    )
+    return replace(base, parallel=parallel, train=replace(base.train, micro_batch_size=micro_batch))
+
+
+def equation_1(cfg: RunConfig, gpus: int, c: Compute) -> float:
+    """The paper's equation (1): (b'/b + p - 1) (t_f(b) + t_b(b)), b' = B / d, in seconds.
+
+    t_f and t_b are the slowest stage's forward and backward (B + W) of one microbatch;
+    communication between stages and the data-parallel reduction are left out, as in
+    the paper.
+    """
+    layout = validate(cfg, gpus)
+    slowest = max(p.f + p.b + p.w for p in stage_costs(cfg, layout, c))
+    return (layout.num_microbatches + layout.pp - 1) * slowest
+
+
+def plan(
+    base: RunConfig,
+    *,
+    gpus: int,
+    system: System,
+    software: Software = PTDP,
+    tp: int | None = None,
+    pp: int | None = None,
+    vpp: int | None = None,
+    micro_batch: int | None = None,
+    recompute: Recompute | None = None,
+    sequence_parallel: bool | None = None,
+    schedules: tuple[str, ...] = ("1f1b", "interleaved"),
+    max_micro_batch: int = 16,
+    tolerance: float = 0.06,
+    progress: Progress | None = None,
+) -> PlanResult:
+    """Rank the layouts of `base.model` for `gpus` devices and `base.train.global_batch_size`.
+
+    Fixed arguments (tp, pp, vpp, micro_batch, recompute, sequence_parallel) restrict the
+    search; precision, optimizer and the other parallel options come from `base`.
+    """
+    c = Compute(system, base.train.precision, software)
+    usable = system.device.usable_bytes
+    rejected: list[Rejected] = []
+    candidates: list[RunConfig] = []
+    eq1: dict[tuple[int, int], list[tuple[int, float]]] = {}
+    model, batch = base.model, base.train.global_batch_size
+    node = system.gpus_per_node
+    tps = [tp] if tp else [t for t in divisors(node) if gpus % t == 0]
+    for t in tps:
+        pps = [pp] if pp else [p for p in divisors(model.num_layers) if gpus % (t * p) == 0]
+        for p in pps:
+            where = f"t={t} p={p}"
+            if gpus % (t * p):
+                rejected.append(Rejected(where, f"t*p = {t * p} does not divide {gpus} GPUs"))
+                continue
+            d = gpus // (t * p)
+            if batch % d:
+                rejected.append(Rejected(where, f"batch {batch} not divisible by d = {d}"))
+                continue
+            sp = (t > 1) if sequence_parallel is None else sequence_parallel
+            fitting, why = _fitting_micro_batches(
+                base, gpus, t, p, sp, recompute, micro_batch, max_micro_batch, c, usable
+            )
+            if not fitting:
+                rejected.append(Rejected(where, why))
+                continue
+            costs = [(cfg.train.micro_batch_size, equation_1(cfg, gpus, c)) for cfg in fitting]
+            eq1[(t, p)] = costs
+            chosen = fitting[min(range(len(costs)), key=lambda i: costs[i][1])]
+            candidates += _schedules(chosen, gpus, vpp, schedules, rejected)
+    options = _simulate_all(candidates, gpus, system, software, usable, rejected, progress)
+    options.sort(key=lambda o: o.prediction.iteration_seconds)
+    if not options:
+        return PlanResult((), 0, tuple(rejected), (), ("no layout fits",))
+    chosen = recommend(options, tolerance)
+    lay = options[chosen].prediction.layout
+    table = tuple(eq1.get((lay.tp, lay.pp), ()))
+    lines = explain(options, chosen, table, system, tolerance)
+    return PlanResult(tuple(options), chosen, tuple(rejected), table, tuple(lines))
+
+
+def recommend(options: list[Option], tolerance: float) -> int:
+    """Index of the layout to recommend among `options` (sorted fastest first).
+
+    Layouts within `tolerance` of the fastest are equal as far as the model can tell;
+    among them the paper's takeaways decide: the smallest t * p (#2), then the largest
+    t (#1), then the fastest.
+    """
+    fastest = options[0].prediction.iteration_seconds
+    close = [
+        i
+        for i, o in enumerate(options)
+        if o.prediction.iteration_seconds <= fastest * (1 + tolerance)
+    ]
+
+    def key(i: int) -> tuple[int, int, float]:
+        lay = options[i].prediction.layout
+        return (lay.tp * lay.pp, -lay.tp, options[i].prediction.iteration_seconds)
+
+    return min(close, key=key)
+
+
+def _fitting_micro_batches(
+    base: RunConfig,
+    gpus: int,
+    t: int,
+    p: int,
+    sp: bool,
+    recompute: Recompute | None,
+    micro_batch: int | None,
+    max_micro_batch: int,
+    c: Compute,
+    usable: float,
+) -> tuple[list[RunConfig], str]:
+    """1F1B configs of each micro-batch that fits, at the least recomputation that fits any."""
+    d = gpus // (t * p)
+    per_rank = base.train.global_batch_size // d
+    sizes = (
+        [micro_batch] if micro_batch else [b for b in divisors(per_rank) if b <= max_micro_batch]
+    )
+    modes = [recompute] if recompute else list(Recompute)
+    why = "no micro-batch size divides the batch"
+    for mode in modes:
+        fitting = []
+        for b in sizes:
+            cfg = layout_config(
+                base, tp=t, pp=p, vpp=1, micro_batch=b, recompute=mode, sequence_parallel=sp
+            )
+            try:
+                memory = estimate_memory(cfg, gpus, fused_attention=c.software.fused_attention)
+            except ConfigError as exc:
+                why = str(exc).replace("invalid configuration:\n  - ", "").split("\n")[0]
+                continue
+            need = max(m.total for m in memory)
+            if need <= usable:
+                fitting.append(cfg)
+            elif b == sizes[0]:
+                why = (
+                    f"needs {need / GIB:.1f} GiB per GPU with recompute={mode.value} at b={b}, "
+                    f"{usable / GIB:.1f} GiB usable"
+                )
+        if fitting:
+            return fitting, ""
+    return [], why
+
+
+def _schedules(
+    cfg: RunConfig,
+    gpus: int,
+    vpp: int | None,
+    schedules: tuple[str, ...],
+    rejected: list[Rejected],
+) -> list[RunConfig]:
+    """`cfg` under 1F1B, each feasible interleaving, and zero-bubble if asked for."""
+    p, layers = cfg.parallel.pp, cfg.model.num_layers
+    out = []
+    chunks = [vpp] if vpp else [v for v in divisors(layers // p)]
+    for v in chunks:
+        names = [s for s in schedules if (s == "interleaved") == (v > 1)]
+        for name in names:
+            if p == 1 and name != "1f1b":
+                continue
+            candidate = replace(cfg, parallel=replace(cfg.parallel, vpp=v, schedule=Schedule(name)))
+            try:
+                validate(candidate, gpus)
+            except ConfigError as exc:
+                reason = str(exc).replace("invalid configuration:\n  - ", "").split("\n")[0]
+                rejected.append(Rejected(f"t={cfg.parallel.tp} p={p} v={v} {name}", reason))
+                continue
+            out.append(candidate)
+    return out
+
+
+def _simulate_all(
+    candidates: list[RunConfig],
+    gpus: int,
+    system: System,
+    software: Software,
+    usable: float,
+    rejected: list[Rejected],
+    progress: Progress | None,
+) -> list[Option]:
+    options = []
+    for i, cfg in enumerate(candidates):
+        layout = validate(cfg, gpus)
+        what = f"t={layout.tp} p={layout.pp} v={layout.vpp} b={cfg.train.micro_batch_size}"
+        if progress is not None:
+            progress(i, len(candidates), what)
+        plan_ = build(cfg.parallel.schedule.value, layout.pp, layout.num_microbatches, layout.vpp)
+        prediction = simulate(cfg, system, gpus, software=software, plan=plan_)
+        if prediction.peak_memory > usable:
+            need = prediction.peak_memory / GIB
+            rejected.append(Rejected(what, f"needs {need:.1f} GiB, {usable / GIB:.1f} usable"))
+            continue
+        options.append(Option(cfg, prediction))
+    if progress is not None:
+        progress(len(candidates), len(candidates), "done")
+    return options
+
+
+def explain(
+    options: list[Option],
+    chosen: int,
+    eq1: tuple[tuple[int, float], ...],
+    system: System,
+    tolerance: float,
+) -> list[str]:
+    """Why this layout: each choice against the paper's guidelines and the runners-up."""
+    best = options[chosen]
+    lay, cfg, pred = best.prediction.layout, best.config, best.prediction
+    node, usable = system.gpus_per_node, system.device.usable_bytes / GIB
+    lines = []
+    by_t: dict[int, Option] = {}
+    for o in options:
+        by_t.setdefault(o.prediction.layout.tp, o)
+    others = ", ".join(
+        f"t={t}: {o.prediction.tflops_per_device:.0f}"
+        for t, o in sorted(by_t.items())
+        if t != lay.tp
+    )
+    inside = "equal to the GPUs per node" if lay.tp == node else f"inside one {node}-GPU node"
+    what = (
+        f"tensor parallel t={lay.tp}, {inside}: its all-reduces (2 forward, 2 backward per "
+        f"layer) stay on {system.intra.name}"
+        if lay.tp > 1
+        else "no tensor parallelism (t=1): no all-reduces inside the layers"
+    )
+    lines.append(what + (f"; best TFLOP/s per GPU with other t: {others}" if others else ""))
+    span = lay.tp * lay.dp
+    crosses = lay.pp > 1 and span >= node
+    smallest = min(o.prediction.layout.tp * o.prediction.layout.pp for o in options)
+    lines.append(
+        f"pipeline p={lay.pp}"
+        + (
+            f" across nodes (neighbouring stages {span} GPUs apart, over {system.inter.name})"
+            if crosses
+            else ""
+        )
+        + f": model-parallel size t*p = {lay.tp * lay.pp} (smallest that fits: {smallest}); "
+        f"peak memory {pred.peak_memory / GIB:.1f} GiB of {usable:.1f} GiB usable"
+    )
+    if eq1:
+        table = ", ".join(f"b={b}: {s:.3g} s" for b, s in eq1)
+        lines.append(
+            f"micro-batch b={cfg.train.micro_batch_size} minimises equation (1) "
+            f"(B/(d b) + p - 1)(t_f + t_b) among those that fit: {table}"
+        )
+    formula = (lay.pp - 1) / (lay.vpp * lay.num_microbatches)
+    lines.append(
+        f"schedule {cfg.parallel.schedule.value} v={lay.vpp}: m={lay.num_microbatches} "
+        f"microbatches, simulated bubble {pred.bubble_fraction:.3f} (formula (p-1)/(v m) = "
+        f"{formula:.3f}); recompute={cfg.parallel.recompute.value} (the least that fits)"
+    )
+    lines.append(
+        f"data parallel d={lay.dp}: {pred.dp_seconds:.3g} s of gradient reduction per step; "
+        f"predicted {pred.iteration_seconds:.3g} s per step, {pred.tflops_per_device:.1f} "
+        f"TFLOP/s per GPU (MFU {100 * pred.mfu:.1f}%)"
+    )
+    if chosen:
+        fastest = options[0]
+        gain = pred.iteration_seconds / fastest.prediction.iteration_seconds - 1
+        lines.append(
+            f"{fastest.describe()} is predicted {100 * gain:.1f}% faster, within the model's "
+            f"{100 * tolerance:.0f}% error on the paper's Table 1: the paper's takeaways "
+            "(smallest t*p that fits, then tensor parallelism up to the node) decide"
+        )
+    return lines

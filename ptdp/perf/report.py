@@ -1,0 +1,149 @@
+"""Text and JSON forms of predictions and plans, for `ptdp simulate` and `ptdp plan`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ptdp.config import to_dict
+from ptdp.perf.hardware import GIB, System
+from ptdp.perf.planner import Option, PlanResult
+from ptdp.perf.simulator import Prediction
+from ptdp.perf.timeline import plot_timelines, write_chrome_trace
+
+
+def prediction_dict(p: Prediction) -> dict:
+    """The numbers of a prediction (no events), JSON-ready."""
+    lay = p.layout
+    return {
+        "layout": {
+            "world_size": lay.world_size,
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "vpp": lay.vpp,
+            "num_microbatches": lay.num_microbatches,
+            "sequence_parallel": lay.sequence_parallel,
+        },
+        "iteration_seconds": p.iteration_seconds,
+        "pipeline_seconds": p.pipeline_seconds,
+        "bubble_fraction": p.bubble_fraction,
+        "tflops_per_device": p.tflops_per_device,
+        "model_tflops_per_device": p.model_tflops_per_device,
+        "mfu": p.mfu,
+        "hfu": p.hfu,
+        "tokens_per_second": p.tokens_per_second,
+        "layer_ms": {"F": p.layer.f * 1e3, "B": p.layer.b * 1e3, "W": p.layer.w * 1e3},
+        "p2p_ms": p.p2p_seconds * 1e3,
+        "dp_reduce_seconds": p.dp_seconds,
+        "optimizer_seconds": p.optimizer_seconds,
+        "busy_seconds": list(p.busy),
+        "idle_seconds": list(p.idle),
+        "memory_gib": [
+            {
+                "pp_rank": m.rank,
+                "params": m.params / GIB,
+                "grads": m.grads / GIB,
+                "optimizer": m.optimizer / GIB,
+                "activations": m.activations / GIB,
+                "working": m.working / GIB,
+                "total": m.total / GIB,
+                "in_flight": m.in_flight,
+            }
+            for m in p.memory
+        ],
+    }
+
+
+def format_prediction(p: Prediction, system: System) -> str:
+    """A human summary: time, throughput, bubble, per-pass costs and memory per rank."""
+    lay, usable = p.layout, system.device.usable_bytes / GIB
+    lines = [
+        f"system: {system.name} ({system.description})",
+        f"layout: {lay.describe()}",
+        f"predicted iteration: {p.iteration_seconds:.4g} s | {p.tokens_per_second:,.0f} tokens/s"
+        f" | {p.tflops_per_device:.1f} TFLOP/s per GPU executed ({p.model_tflops_per_device:.1f}"
+        f" model) | MFU {100 * p.mfu:.1f}% HFU {100 * p.hfu:.1f}%",
+        f"pipeline: {p.pipeline_seconds:.4g} s, bubble {p.bubble_fraction:.3f} of the ideal time"
+        f" | one layer F {1e3 * p.layer.f:.3g} ms B {1e3 * p.layer.b:.3g} ms"
+        f" W {1e3 * p.layer.w:.3g} ms | p2p {1e3 * p.p2p_seconds:.3g} ms"
+        f" | dp reduce {p.dp_seconds:.3g} s | optimizer {p.optimizer_seconds:.3g} s",
+        f"memory per GPU (GiB; {usable:.1f} usable on {system.device.name}):",
+        "  pp rank | params | grads | optimizer | activations (in flight) | working | total",
+    ]
+    shown = list(p.memory)
+    if len(shown) > 8:  # long pipelines: the first ranks (most in flight) and the last
+        shown = shown[:3] + [None] + shown[-2:]
+    for m in shown:
+        if m is None:
+            lines.append("      ... |")
+            continue
+        lines.append(
+            f"  {m.rank:7d} | {m.params / GIB:6.2f} | {m.grads / GIB:5.2f} | "
+            f"{m.optimizer / GIB:9.2f} | {m.activations / GIB:11.2f} ({m.in_flight:3d}) | "
+            f"{m.working / GIB:7.2f} | {m.total / GIB:5.2f}"
+            + ("  DOES NOT FIT" if m.total / GIB > usable else "")
+        )
+    return "\n".join(lines)
+
+
+def write_timeline(p: Prediction, out: Path, title: str) -> tuple[Path | None, Path]:
+    """timeline.png (None without matplotlib) and trace.json (open in Perfetto) under `out`."""
+    events = {"simulated": p.events}
+    trace = write_chrome_trace(out / "trace.json", events)
+    try:
+        png = plot_timelines(out / "timeline.png", events, title=title)
+    except ImportError:  # matplotlib is optional: pip install "ptdp[bench]"
+        png = None
+    return png, trace
+
+
+def option_dict(o: Option) -> dict:
+    return {"summary": o.describe(), "config": to_dict(o.config), **prediction_dict(o.prediction)}
+
+
+def plan_dict(result: PlanResult, top: int) -> dict:
+    return {
+        "best": option_dict(result.best) if result.best else None,
+        "recommended": result.recommended,
+        "options": [option_dict(o) for o in result.options[:top]],
+        "explanation": list(result.explanation),
+        "micro_batch_equation_1_seconds": dict(result.micro_batch_costs),
+        "rejected": [{"layout": r.layout, "reason": r.reason} for r in result.rejected],
+    }
+
+
+def overrides(o: Option) -> str:
+    """The command-line overrides that select this layout in `ptdp train`."""
+    p, t = o.config.parallel, o.config.train
+    return (
+        f"--parallel.tp {p.tp} --parallel.pp {p.pp} --parallel.vpp {p.vpp} "
+        f"--parallel.schedule {p.schedule.value} --parallel.recompute {p.recompute.value} "
+        f"--parallel.sequence_parallel {str(p.sequence_parallel).lower()} "
+        f"--train.micro_batch_size {t.micro_batch_size} --train.global_batch_size "
+        f"{t.global_batch_size}"
+    )
+
+
+def format_plan(result: PlanResult, system: System, top: int) -> str:
+    if result.best is None:
+        reasons = "\n".join(f"  {r.layout}: {r.reason}" for r in result.rejected[:20])
+        return f"no layout fits on {system.name}:\n{reasons}"
+    count = len(result.options)
+    lines = [
+        f"{count} layouts fit on {system.name}; the fastest {min(top, count)}:",
+        "  # | layout | s/step | TFLOP/s/GPU | MFU | bubble | GiB/GPU   (* recommended)",
+    ]
+    shown = list(enumerate(result.options))[:top]
+    if result.recommended >= top:
+        shown.append((result.recommended, result.best))
+    for i, o in shown:
+        p = o.prediction
+        mark = "*" if i == result.recommended else " "
+        lines.append(
+            f" {mark}{i + 1} | {o.describe()} | {p.iteration_seconds:.4g} | "
+            f"{p.tflops_per_device:.1f} | {100 * p.mfu:.1f}% | {p.bubble_fraction:.3f} | "
+            f"{p.peak_memory / GIB:.1f}"
+        )
+    lines += ["", "why:"] + [f"  - {line}" for line in result.explanation]
+    lines += ["", f"train with: {overrides(result.best)}"]
+    return "\n".join(lines)

@@ -1,0 +1,259 @@
+"""Predicts a training step by replaying the schedule's own action lists with a cost model.
+
+`simulate` builds the costs for a config on a `System` (`ptdp.perf.costs`), replays one
+pipeline (all data-parallel replicas and tensor ranks run the same timeline), adds the
+data-parallel gradient reduction (overlapped with each chunk's last backward, or after
+the step) and the optimizer step, and reports iteration time, the paper's bubble
+(bubble time / ideal time), TFLOP/s per device, memory and the per-rank timeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptdp.config import Precision, Recompute, RunConfig
+from ptdp.layout import Layout, validate
+from ptdp.perf.costs import (
+    PTDP,
+    Compute,
+    Passes,
+    Software,
+    all_reduce_seconds,
+    embedding_seconds,
+    gather_seconds,
+    group_link,
+    head_seconds,
+    layer_seconds,
+)
+from ptdp.perf.flops import flops_per_iteration, utilisation
+from ptdp.perf.hardware import System
+from ptdp.perf.memory import (
+    MemoryEstimate,
+    estimate_memory,
+    padded,
+    parameters_per_rank,
+    parameters_per_stage,
+)
+from ptdp.perf.replay import PipelineCosts, PipelineRun, replay
+from ptdp.perf.timeline import Event
+from ptdp.pipeline.actions import Plan
+from ptdp.pipeline.schedules import add_comms, build
+
+__all__ = ["PipelineCosts", "PipelineRun", "Prediction", "replay", "simulate"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted step of one config on one system."""
+
+    layout: Layout
+    iteration_seconds: float
+    pipeline_seconds: float
+    """From the first forward to the last backward (no reduction, no optimizer)."""
+    bubble_fraction: float
+    tflops_per_device: float
+    """FLOPs executed (recomputation included; the paper's equation (3) under full
+    recomputation) per second per device, in TFLOP/s."""
+    model_tflops_per_device: float
+    """Model FLOPs (no recomputation) per second per device."""
+    mfu: float
+    hfu: float
+    tokens_per_second: float
+    memory: tuple[MemoryEstimate, ...]
+    busy: tuple[float, ...]
+    """Per pipeline rank: seconds computing."""
+    layer: Passes
+    """One layer, one microbatch: F, B, W seconds (tensor-parallel communication included)."""
+    p2p_seconds: float
+    """One boundary transfer (forward direction, first stage's)."""
+    dp_seconds: float
+    """Data-parallel gradient reduction per rank (all of it, exposed or not)."""
+    optimizer_seconds: float
+    events: tuple[Event, ...]
+
+    @property
+    def idle(self) -> tuple[float, ...]:
+        return tuple(self.iteration_seconds - b for b in self.busy)
+
+    @property
+    def peak_memory(self) -> float:
+        return max(m.total for m in self.memory)
+
+
+def stage_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
+    """F, B, W seconds of one microbatch through each global stage."""
+    model, par, b, tp = cfg.model, cfg.parallel, cfg.train.micro_batch_size, layout.tp
+    layer = layer_seconds(
+        model,
+        micro_batch=b,
+        tp=tp,
+        sequence_parallel=par.sequence_parallel,
+        recompute=par.recompute,
+        c=c,
+    )
+    stages = layout.pp * layout.vpp
+    passes = [layer.times(model.num_layers // stages) for _ in range(stages)]
+    passes[0] += embedding_seconds(model, micro_batch=b, tp=tp, c=c)
+    passes[-1] += head_seconds(model, micro_batch=b, tp=tp, c=c)
+    return passes
+
+
+def transfer_seconds(cfg: RunConfig, layout: Layout, system: System, sender: int) -> float:
+    """Pipeline rank `sender` to its neighbour: network across nodes, NVLink within one.
+
+    With scatter/gather each of the t tensor ranks sends 1/t of the boundary tensor over
+    its own card and the receivers all-gather it over NVLink (the paper's section 4.1).
+    """
+    t, span = layout.tp, layout.tp * layout.dp  # GPUs between neighbouring stages
+    b, m = cfg.train.micro_batch_size, cfg.model
+    nbytes = b * m.seq_length * m.hidden_size * (4 if cfg.train.precision is Precision.FP32 else 2)
+    a, z = (sender % layout.pp) * span, ((sender + 1) % layout.pp) * span
+    link = system.intra if system.node_of(a) == system.node_of(z) else system.inter
+    if cfg.parallel.sequence_parallel:
+        return link.transfer_seconds(nbytes / t)
+    if cfg.parallel.scatter_gather and t > 1:
+        return link.transfer_seconds(nbytes / t) + gather_seconds(nbytes, t, system.intra)
+    return link.transfer_seconds(nbytes)
+
+
+def pipeline_costs(cfg: RunConfig, layout: Layout, c: Compute) -> PipelineCosts:
+    passes = stage_costs(cfg, layout, c)
+    if c.software.weight_pass_retraverses and cfg.parallel.schedule.value == "zb-h1":
+        passes = [Passes(p.f, p.b, p.w + p.b) for p in passes]
+    stages = len(passes)
+    hop = [transfer_seconds(cfg, layout, c.system, s) for s in range(stages)]
+    return PipelineCosts(
+        tuple(p.f for p in passes),
+        tuple(p.b for p in passes),
+        tuple(p.w for p in passes),
+        tuple(hop),
+        tuple([0.0] + hop[: stages - 1]),  # gradient s -> s-1 crosses the same link as s-1 -> s
+    )
+
+
+def _final_gradients(run: PipelineRun, pp: int) -> list[list[tuple[float, float, int]]]:
+    """Per rank: (start, end, stage) of each stage's last gradient-producing action."""
+    final: dict[int, Event] = {}
+    for e in run.events:
+        if (
+            e.lane == "compute"
+            and e.kind in ("BW", "W")
+            and (e.stage not in final or e.end > final[e.stage].end)
+        ):
+            final[e.stage] = e
+    out: list[list[tuple[float, float, int]]] = [[] for _ in range(pp)]
+    for stage, e in final.items():
+        out[e.rank].append((e.start, e.end, stage))
+    return [sorted(x) for x in out]
+
+
+def _reduce_gradients(
+    cfg: RunConfig, layout: Layout, c: Compute, run: PipelineRun
+) -> tuple[list[float], list[float], list[Event]]:
+    """Data-parallel gradient reduction per rank: (end time, seconds, events).
+
+    With overlap each stage's buckets start reducing as its last backward starts and the
+    last bucket leaves when that backward ends; without, all of it follows the step.
+    Tied embeddings are first summed between the first and last stage (a deferred bucket).
+    """
+    model, par, d, t = cfg.model, cfg.parallel, layout.dp, layout.tp
+    link = group_link(c.system, d, t)
+    params = parameters_per_stage(model, t, layout.pp, layout.vpp)
+    bucket = par.bucket_mb * 2**20
+    tied_copies = model.tie_embeddings and layout.pp * layout.vpp > 1
+    ends, totals, events = [], [], []
+    for rank, finals in enumerate(_final_gradients(run, layout.pp)):
+        free, total = (0.0 if par.overlap_grad_reduce else run.rank_end[rank]), 0.0
+        for start, end, stage in finals:
+            nbytes = float(c.software.grad_reduce_bytes * params[stage])
+            if cfg.optim.distributed:
+                seconds = gather_seconds(nbytes, d, link)  # reduce-scatter
+            else:
+                seconds = all_reduce_seconds(nbytes, d, link)
+            if tied_copies and stage in (0, layout.pp * layout.vpp - 1):
+                tied = 4.0 * padded(model.vocab_size, t) // t * model.hidden_size
+                seconds += all_reduce_seconds(tied, 2, c.system.inter)
+            if seconds == 0.0:
+                continue
+            begin = max(free, start) if par.overlap_grad_reduce else free
+            finish = begin + seconds
+            if par.overlap_grad_reduce:
+                finish = max(finish, end + seconds * min(1.0, bucket / max(nbytes, 1.0)))
+            events.append(Event(rank, stage, 0, "DP", finish - seconds, finish, "dp"))
+            free, total = finish, total + seconds
+        ends.append(max(free, run.rank_end[rank]))
+        totals.append(total)
+    return ends, totals, events
+
+
+def optimizer_seconds(cfg: RunConfig, layout: Layout, c: Compute) -> float:
+    """AdamW step on the busiest rank: streaming its state once through HBM.
+
+    Per local parameter 8 B (gradient-norm read, gradient zeroing) plus, per parameter of
+    this rank's optimizer shard, 28 B (fp32: read weight, gradient, 2 moments; write
+    weight, 2 moments) or 30 B (16-bit: fp32 master in place of the weight, plus writing
+    the 16-bit copy); the distributed optimizer then all-gathers the updated weights.
+    """
+    per_rank = max(parameters_per_rank(cfg.model, layout.tp, layout.pp, layout.vpp))
+    fp32 = cfg.train.precision is Precision.FP32
+    shard = layout.dp if cfg.optim.distributed else 1
+    seconds = c.stream(per_rank * (8 + (28 if fp32 else 30) / shard))
+    if cfg.optim.distributed:
+        link = group_link(c.system, layout.dp, layout.tp)
+        seconds += gather_seconds(per_rank * (4 if fp32 else 2), layout.dp, link)
+    return seconds
+
+
+def simulate(
+    cfg: RunConfig,
+    system: System,
+    world_size: int,
+    *,
+    software: Software = PTDP,
+    plan: Plan | None = None,
+) -> Prediction:
+    """Predict one training step of `cfg` on `world_size` devices of `system`.
+
+    `plan` is the schedule's compute-only plan, if already built.
+    """
+    layout = validate(cfg, world_size)
+    c = Compute(system, cfg.train.precision, software)
+    name, pp, vpp, m = cfg.parallel.schedule.value, layout.pp, layout.vpp, layout.num_microbatches
+    plan = plan if plan is not None else build(name, pp, m, vpp)
+    costs = pipeline_costs(cfg, layout, c)
+    run = replay(add_comms(plan, pp, vpp), pp, vpp, costs, blocking=software.blocking_p2p)
+    ends, dp_totals, dp_events = _reduce_gradients(cfg, layout, c, run)
+    step = optimizer_seconds(cfg, layout, c)
+    iteration = max(ends) + step
+    opt_events = [Event(r, 0, 0, "OPT", max(ends), iteration, "dp") for r in range(pp)]
+    batch = cfg.train.global_batch_size
+    executed = flops_per_iteration(cfg.model, batch, cfg.parallel.recompute)
+    model_flops = flops_per_iteration(cfg.model, batch, Recompute.NONE)
+    peak = system.device.peak_flops(cfg.train.precision.value)
+    memory = estimate_memory(cfg, world_size, fused_attention=software.fused_attention, plan=plan)
+    layer = layer_seconds(
+        cfg.model,
+        micro_batch=cfg.train.micro_batch_size,
+        tp=layout.tp,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        recompute=cfg.parallel.recompute,
+        c=c,
+    )
+    return Prediction(
+        layout=layout,
+        iteration_seconds=iteration,
+        pipeline_seconds=run.makespan,
+        bubble_fraction=run.bubble_fraction,
+        tflops_per_device=executed / iteration / world_size / 1e12,
+        model_tflops_per_device=model_flops / iteration / world_size / 1e12,
+        mfu=utilisation(model_flops, iteration, world_size, peak),
+        hfu=utilisation(executed, iteration, world_size, peak),
+        tokens_per_second=batch * cfg.model.seq_length / iteration,
+        memory=tuple(memory),
+        busy=run.busy,
+        layer=layer,
+        p2p_seconds=transfer_seconds(cfg, layout, system, 0) if pp > 1 else 0.0,
+        dp_seconds=max(dp_totals),
+        optimizer_seconds=step,
+        events=run.events + tuple(dp_events) + tuple(opt_events),
+    )

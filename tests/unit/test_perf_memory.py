@@ -1,0 +1,150 @@
+"""Memory per device: model state conventions, Korthikanti's activations, in-flight counts,
+and the whole estimate against what single-process CPU runs really hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from ptdp.config import Precision, Recompute, RunConfig, apply_updates
+from ptdp.model.gpt import GPT
+from ptdp.parallel.comm import Group
+from ptdp.perf.memory import (
+    bytes_per_parameter,
+    estimate_memory,
+    in_flight,
+    layer_activation_bytes,
+    parameters_per_rank,
+)
+from ptdp.perf.paper import preset
+from ptdp.perf.validation import measure_cpu_memory
+from ptdp.pipeline.partition import layer_ranges
+from ptdp.pipeline.schedules import build
+from ptdp.pipeline.verify import verify
+
+LLAMA = {
+    "position_embedding": "rope",
+    "normalization": "rmsnorm",
+    "activation": "swiglu",
+    "num_query_groups": 2,
+    "tie_embeddings": False,
+    "bias": False,
+}
+
+
+def config(**sections: dict) -> RunConfig:
+    return apply_updates(RunConfig(), sections, "test")
+
+
+def test_model_state_bytes_per_parameter() -> None:
+    mixed = bytes_per_parameter(Precision.BF16)
+    assert (mixed.params, mixed.grads, mixed.optimizer) == (2, 4, 12)  # 18 B in all
+    sharded = bytes_per_parameter(Precision.BF16, distributed=True, dp=8)
+    assert sharded.params + sharded.grads + sharded.optimizer == 6 + 12 / 8
+    full = bytes_per_parameter(Precision.FP32, distributed=True, dp=4)
+    assert (full.params, full.grads, full.optimizer) == (4, 4, 2)
+
+
+@pytest.mark.parametrize("options", [{}, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize(("tp", "pp", "vpp"), [(1, 1, 1), (1, 2, 2), (2, 1, 1), (4, 2, 1)])
+def test_parameters_per_rank_match_the_model_chunks(options, tp, pp, vpp) -> None:
+    model = config(
+        model={"num_layers": 4, "hidden_size": 32, "num_heads": 4, "vocab_size": 50, **options}
+    ).model
+    ranges, held = layer_ranges(4, pp, vpp), [0] * pp
+    for stage, layers in enumerate(ranges):
+        chunk = GPT(
+            model,
+            layers=layers,
+            has_embedding=stage == 0,
+            has_head=stage == len(ranges) - 1,
+            tp=Group(None, tp, 0) if tp > 1 else None,  # shapes only: no collective runs
+        )
+        held[stage % pp] += sum(p.numel() for p in chunk.parameters())
+    assert parameters_per_rank(model, tp, pp, vpp) == held
+
+
+def test_activations_reduce_to_korthikanti_table() -> None:
+    # 16-bit with dropout masks, f = 4h, no fused attention: the paper's table exactly.
+    m = preset("gpt3-175b")
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    kw = dict(micro_batch=b, tp=t, precision=Precision.BF16, fused_attention=False)
+    sbh = s * b * h
+    assert layer_activation_bytes(m, **kw) == pytest.approx(
+        sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    )
+    assert layer_activation_bytes(m, sequence_parallel=True, **kw) == pytest.approx(
+        sbh * (34 / t + 5 * a * s / (h * t))
+    )
+    sel = layer_activation_bytes(m, recompute=Recompute.SELECTIVE, **kw)
+    assert sel == pytest.approx(sbh * (10 + 24 / t))
+    assert layer_activation_bytes(m, recompute=Recompute.FULL, **kw) == 2 * sbh
+    # Fused attention keeps no s x s tensor: what selective recomputation keeps.
+    fused = {**kw, "fused_attention": True}
+    assert layer_activation_bytes(m, **fused) == sel
+    # Korthikanti et al.: selective recomputation saves 70% for GPT-3 (5as/h = 80 against 34).
+    sp = {**kw, "sequence_parallel": True}
+    saved = 1 - layer_activation_bytes(m, recompute=Recompute.SELECTIVE, **sp) / (
+        layer_activation_bytes(m, **sp)
+    )
+    assert saved == pytest.approx(0.70, abs=0.005)
+
+
+def test_interleaved_first_stage_holds_korthikanti_factor() -> None:
+    # First stage under interleaving: 1F1B's activations x (1 + (p-1)/(p v)).
+    for pp, vpp, m in [(4, 2, 8), (8, 2, 16), (4, 4, 8)]:
+        one = in_flight("1f1b", build("1f1b", pp, m), pp, 1, m)[0] * 1  # layers/rank = vpp
+        inter = in_flight("interleaved", build("interleaved", pp, m, vpp), pp, vpp, m)[0] / vpp
+        assert inter / one == pytest.approx(1 + (pp - 1) / (pp * vpp))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved"])
+def test_in_flight_is_what_the_verifier_counts(name: str) -> None:
+    for pp in (1, 2, 3, 4, 8):
+        vpp = 2 if name == "interleaved" else 1
+        for m in {pp, 2 * pp, 4 * pp} | ({1, pp + 1} if vpp == 1 else set()):
+            plan = build(name, pp, m, vpp)
+            assert in_flight(name, plan, pp, vpp, m) == verify(plan, pp, vpp, m).peak_in_flight
+
+
+def test_estimate_scales_with_layout() -> None:
+    base = config(
+        model=preset("gpt3-175b").__dict__,
+        parallel={"tp": 8, "pp": 16, "recompute": "full"},
+        train={"precision": "bf16", "micro_batch_size": 1, "global_batch_size": 1536},
+    )
+    ranks = estimate_memory(base, 1024)
+    assert len(ranks) == 16
+    first = ranks[0]
+    assert first.in_flight == 16  # 1F1B on rank 0: p microbatches
+    params = parameters_per_rank(base.model, 8, 16)[0]
+    assert (first.params, first.grads, first.optimizer) == (2 * params, 4 * params, 12 * params)
+    # Full recompute: the inputs of 6 layers x 16 microbatches, 2 s b h bytes each.
+    assert first.activations == 16 * 6 * 2 * 2048 * 12288
+    dist = estimate_memory(apply_updates(base, {"optim": {"distributed": True}}, "t"), 1024)[0]
+    assert dist.optimizer == pytest.approx(first.optimizer / 8)  # d = 8
+
+
+@pytest.mark.parametrize("options", [{}, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize(("schedule", "m"), [("1f1b", 2), ("gpipe", 3)])
+def test_estimate_within_15_percent_of_a_cpu_run(options, recompute, schedule, m) -> None:
+    cfg = config(
+        model={
+            "num_layers": 2,
+            "hidden_size": 64,
+            "num_heads": 4,
+            "seq_length": 32,
+            "vocab_size": 64,
+            **options,
+        },
+        parallel={"recompute": recompute, "schedule": schedule},
+        train={"micro_batch_size": 4, "global_batch_size": 4 * m, "precision": "fp32"},
+    )
+    state, activations = measure_cpu_memory(cfg, schedule, m)
+    est = estimate_memory(cfg, 1)[0]  # CPU SDPA without dropout is a fused kernel
+    assert est.in_flight == (m if schedule == "gpipe" else 1)
+    assert est.params + est.grads + est.optimizer == state  # fp32: 4 + 4 + 8 B exactly
+    assert est.activations == pytest.approx(activations, rel=0.15)
+    total = est.params + est.grads + est.optimizer + est.activations
+    assert total == pytest.approx(state + activations, rel=0.15)
+    assert activations > 0.05 * state  # the activations are a real part of the total

@@ -1,0 +1,182 @@
+"""The simulator: replay of the schedules' own action lists, the cost model, a full step."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from ptdp.config import Precision, Recompute, RunConfig, apply_updates
+from ptdp.layout import validate
+from ptdp.perf.costs import (
+    MEGATRON_2021,
+    PTDP,
+    Compute,
+    Gemm,
+    all_reduce_seconds,
+    group_link,
+    layer_seconds,
+)
+from ptdp.perf.flops import flops_per_iteration
+from ptdp.perf.hardware import load_system
+from ptdp.perf.paper import preset
+from ptdp.perf.replay import PipelineCosts, replay
+from ptdp.perf.simulator import pipeline_costs, simulate
+from ptdp.pipeline.schedules import add_comms, build
+from ptdp.pipeline.verify import verify
+
+A100 = load_system("a100-80gb")
+GRID = [
+    (name, pp, vpp, m)
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1")
+    for pp in range(1, 9)
+    for vpp in ((2, 3) if name == "interleaved" else (1,))
+    for m in (pp, 2 * pp, 4 * pp)
+]
+
+
+@pytest.mark.parametrize(("name", "pp", "vpp", "m"), GRID)
+def test_unit_costs_reproduce_the_bubble_formulas(name, pp, vpp, m) -> None:
+    plan = build(name, pp, m, vpp)
+    report = verify(plan, pp, vpp, m)
+    formula = {
+        "gpipe": (pp - 1) / m,
+        "1f1b": (pp - 1) / m,
+        "interleaved": (pp - 1) / (vpp * m),
+        "zb-h1": report.bubble_fraction,  # (p-1)(F+B-W) / (m (F+B+W)) for m >= p
+    }[name]
+    if name == "zb-h1":
+        assert report.bubble_fraction == pytest.approx((pp - 1) / (3 * m))
+    for lowered in (plan, add_comms(plan, pp, vpp)):  # compute-only and with sends/receives
+        run = replay(lowered, pp, vpp, PipelineCosts.unit(pp * vpp))
+        assert run.bubble_fraction == pytest.approx(formula, abs=1e-12)
+        assert run.makespan == report.makespan
+        assert run.busy == report.busy
+
+
+def test_replay_with_transfers_by_hand() -> None:
+    # 1F1B, p = 2, m = 2; F = 1, BW = 2, every transfer 0.5. ptdp posts a receive right
+    # before the compute that needs it, so a transfer starts only then (rendezvous):
+    # rank 1 posts RECV_F1 after its BW0 at 4.5, F1 arrives at 5.0; the last gradient
+    # leaves rank 1 at 8 and reaches rank 0 at 8.5, whose BW1 ends at 10.5.
+    plan = add_comms(build("1f1b", 2, 2), 2, 1)
+    costs = PipelineCosts((1.0, 1.0), (2.0, 2.0), (0.0, 0.0), (0.5, 0.5), (0.5, 0.5))
+    run = replay(plan, 2, 1, costs)
+    assert run.makespan == 10.5
+    assert run.busy == (6.0, 6.0)
+    starts = {(e.rank, e.kind, e.mb): e.start for e in run.events}
+    assert starts[(1, "F", 1)] == 5.0 and starts[(0, "BW", 0)] == 5.0
+    assert starts[(0, "SEND_F", 1)] == 4.5  # posted at 2, matched at 4.5
+    # Blocking (Megatron-LM 2021): the sender carries the transfer, so F1 starts at 1.5.
+    blocking = replay(plan, 2, 1, costs, blocking=True)
+    starts = {(e.rank, e.kind, e.mb): e.start for e in blocking.events}
+    assert starts[(0, "F", 1)] == 1.5 and blocking.makespan == 10.5
+
+
+def test_gemm_model_by_hand() -> None:
+    c = Compute(A100, Precision.BF16, PTDP)
+    g = Gemm(4096, 4096, 4096)
+    dev = A100.device
+    expected = (
+        g.flops / (312e12 * dev.gemm_efficiency)
+        + 2 * 3 * 4096**2 / (dev.memory_bandwidth * dev.memory_efficiency)
+        + dev.kernel_overhead
+    )
+    assert c.gemm(g) == pytest.approx(expected)
+    # Efficiency depends on size: a thin GEMM (inner size = head size) runs far slower.
+    big, thin = Gemm(8192, 8192, 8192), Gemm(2048, 2048, 96, batch=64)
+    assert big.flops / c.gemm(big) > 2 * thin.flops / c.gemm(thin)
+    assert g.dgrad().flops == g.wgrad().flops == g.flops
+
+
+def test_layer_costs_follow_recomputation_and_tensor_parallelism() -> None:
+    c = Compute(A100, Precision.BF16, MEGATRON_2021)
+    m = preset("gpt-22b")
+    kw = dict(micro_batch=4, tp=8, sequence_parallel=False)
+    none = layer_seconds(m, recompute=Recompute.NONE, c=c, **kw)
+    full = layer_seconds(m, recompute=Recompute.FULL, c=c, **kw)
+    sel = layer_seconds(m, recompute=Recompute.SELECTIVE, c=c, **kw)
+    assert full.b == pytest.approx(none.b + none.f) and full.w == none.w
+    assert none.b < sel.b < full.b
+    one = layer_seconds(
+        m, recompute=Recompute.NONE, c=c, micro_batch=4, tp=1, sequence_parallel=False
+    )
+    assert 4 * none.f < one.f < 8 * none.f  # 8x the work on one GPU, no all-reduces
+    sp = layer_seconds(
+        m, recompute=Recompute.NONE, c=c, micro_batch=4, tp=8, sequence_parallel=True
+    )
+    assert sp.f < none.f  # norms and dropout on 1/t of the sequence
+
+
+def test_calibration_on_korthikanti_table_4() -> None:
+    # One 22B layer (h 6144, 64 heads, t = 8, b = 4) on A100s: 7.7 ms forward, 11.9 ms
+    # backward, with the two backward all-reduces hidden behind weight gradients there.
+    c = Compute(A100, Precision.BF16, MEGATRON_2021)
+    layer = layer_seconds(
+        preset("gpt-22b"),
+        micro_batch=4,
+        tp=8,
+        sequence_parallel=False,
+        recompute=Recompute.NONE,
+        c=c,
+    )
+    hidden = 2 * all_reduce_seconds(4 * 2048 * 6144 * 2, 8, group_link(A100, 8, 1))
+    assert layer.f * 1e3 == pytest.approx(7.7, rel=0.05)
+    assert (layer.b + layer.w - hidden) * 1e3 == pytest.approx(11.9, rel=0.05)
+
+
+def small_run(**parallel) -> RunConfig:
+    return apply_updates(
+        RunConfig(),
+        {
+            "model": {
+                "num_layers": 8,
+                "hidden_size": 4096,
+                "num_heads": 32,
+                "seq_length": 2048,
+                "vocab_size": 32000,
+            },
+            "parallel": {"tp": 2, "pp": 4, **parallel},
+            "train": {"precision": "bf16", "micro_batch_size": 2, "global_batch_size": 64},
+        },
+        "test",
+    )
+
+
+def test_a_full_step() -> None:
+    cfg = small_run(vpp=2, schedule="interleaved")
+    p = simulate(cfg, A100, 16)
+    lay = validate(cfg, 16)
+    assert (lay.dp, lay.num_microbatches) == (2, 16)
+    executed = flops_per_iteration(cfg.model, 64, Recompute.NONE)
+    assert p.tflops_per_device == pytest.approx(executed / p.iteration_seconds / 16 / 1e12)
+    assert p.iteration_seconds >= p.pipeline_seconds
+    assert p.iteration_seconds == pytest.approx(max(p.busy) + min(p.idle))
+    assert 0 < p.bubble_fraction < 1 and 0 < p.mfu <= p.hfu < 1
+    kinds = {e.kind for e in p.events}
+    assert {"F", "BW", "SEND_F", "SEND_B", "DP", "OPT"} <= kinds
+    # The same pipeline without interleaving has the larger bubble.
+    plain = simulate(small_run(), A100, 16)
+    assert plain.bubble_fraction > p.bubble_fraction
+
+
+def test_overlapped_gradient_reduction_is_faster() -> None:
+    overlapped = simulate(small_run(), A100, 16)
+    after = simulate(small_run(overlap_grad_reduce=False), A100, 16)
+    assert after.dp_seconds == pytest.approx(overlapped.dp_seconds)
+    assert after.iteration_seconds > overlapped.iteration_seconds
+
+
+def test_zero_bubble_weight_pass_costs() -> None:
+    cfg = small_run(schedule="zb-h1")
+    c = Compute(A100, Precision.BF16, PTDP)
+    lay = validate(cfg, 16)
+    ours = pipeline_costs(cfg, lay, c)
+    split = pipeline_costs(
+        cfg, lay, replace(c, software=replace(PTDP, weight_pass_retraverses=False))
+    )
+    # ptdp's W re-traverses the graph: it pays B again.
+    assert ours.backward_weight[1] == pytest.approx(
+        split.backward_weight[1] + split.backward_input[1]
+    )
+    assert ours.forward == split.forward
