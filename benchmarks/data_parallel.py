@@ -11,7 +11,7 @@
 Needs the demo data (`bash scripts/demo.sh` once, or `ptdp preprocess` into
 data/shakespeare/shakespeare).
 
-    python benchmarks/data_parallel.py [--steps 4 --rounds 5 --bucket-mb 4]
+    python benchmarks/data_parallel.py [--steps 4 --rounds 8 --bucket-mb 1 --part 1|2|all]
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def spawn(fn, world: int, args: argparse.Namespace):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per mode")
-    parser.add_argument("--bucket-mb", type=float, default=4.0, help="gradient bucket size")
+    parser.add_argument("--rounds", type=int, default=8, help="alternating rounds per mode")
+    parser.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size")
     parser.add_argument("--part", choices=("1", "2", "all"), default="all")
     args = parser.parse_args()
     if args.part in ("1", "all"):

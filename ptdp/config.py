@@ -208,6 +208,9 @@ class TrainConfig:
     """Also write the metrics as TensorBoard events under run_dir/tensorboard."""
     progress: bool = True
     """Show a progress bar (on an interactive terminal)."""
+    profile_timeline: bool = False
+    """Write the last step's per-rank timeline (timeline.json for Perfetto, timeline.png)
+    beside its prediction."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -164,7 +164,7 @@ def plot_timelines(
     path.parent.mkdir(parents=True, exist_ok=True)
     ranks = max((len({e.rank for e in ev}) for ev in sources.values()), default=1)
     fig, axes = plt.subplots(
-        len(sources), 1, figsize=(14, 0.5 + 0.45 * ranks * len(sources) + 0.6), squeeze=False
+        len(sources), 1, figsize=(14, 0.6 + (0.45 * ranks + 1.0) * len(sources)), squeeze=False
     )
     for ax, (name, events) in zip(axes[:, 0], sources.items()):
         events = normalised(events)

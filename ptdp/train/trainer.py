@@ -36,12 +36,15 @@ from ptdp.parallel.state import (
     local_optimizer_state,
 )
 from ptdp.perf.flops import flops_per_iteration
+from ptdp.perf.timeline import TimelineRecorder, from_dicts, to_dicts
+from ptdp.pipeline.actions import Action, Kind
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
 from ptdp.train.loss_scale import DynamicLossScaler
 from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
 from ptdp.train.optim import Optimizer, lr_at, set_lr
 from ptdp.train.pipelined import PipelineStep, build_chunks, pipeline_summary
+from ptdp.train.profile import write_timeline
 
 PARAM_DTYPES = {
     Precision.FP32: torch.float32,
@@ -132,6 +135,14 @@ class Trainer:
             if cfg.train.precision is Precision.FP16
             else None
         )
+        self.recorder = (
+            TimelineRecorder(
+                self.mesh.coord("pp"),
+                sync=torch.cuda.synchronize if self.device.type == "cuda" else None,
+            )
+            if cfg.train.profile_timeline
+            else None
+        )
         chunk_of_stage = {stage: i for i, stage in enumerate(by_stage)}
         self.pipeline = (
             PipelineStep(
@@ -144,6 +155,7 @@ class Trainer:
                 on_final_backward=lambda stage: self.grads.start_final(chunk_of_stage[stage]),
                 on_step_end=self.grads.finish,
                 dtype=dtype,
+                around_action=self.recorder.around_action if self.recorder else None,
             )
             if layout.pp > 1
             else None
@@ -196,13 +208,15 @@ class Trainer:
     def _accumulate(self, batch, n: int, loss_scale: float) -> torch.Tensor:
         """Forward and backward of n microbatches on the whole model (no pipeline)."""
         total = torch.zeros((), device=self.device)
+        timed = self.recorder.around_action if self.recorder else lambda _: contextlib.nullcontext()
         for j in range(n):
             tokens, labels = batch(j)
-            with self._autocast():
+            with timed(Action(Kind.F, 0, j)), self._autocast():
                 loss = self.chunks[0](tokens, labels) / n
             if j == n - 1:  # its buckets reduce while the rest of this backward runs
                 self.grads.start_final(0)
-            (loss * loss_scale).backward()
+            with timed(Action(Kind.BW, 0, j)):
+                (loss * loss_scale).backward()
             total += loss.detach().float()
         self.grads.finish()
         return total
@@ -216,6 +230,8 @@ class Trainer:
         scale = self.scaler.scale if self.scaler else 1.0
         self.model.train()
         self.grads.zero_grad()
+        if self.recorder:
+            self.recorder.clear()  # keep the last step only
         if self.pipeline is None:
             total = self._accumulate(batch, self.layout.num_microbatches, scale)
         else:  # the runtime starts and finishes the gradient reduction
@@ -389,6 +405,8 @@ class Trainer:
             if writer:
                 writer.close()
         result.final_step = self.step
+        if self.recorder and self.step > result.start_step:
+            self._write_timeline()
         result.optimizer_bytes = self.optimizer.state_bytes()
         if timer.total and self.step > result.start_step:
             steps = self.step - result.start_step
@@ -397,6 +415,16 @@ class Trainer:
                 f"({steps * self.tokens_per_step / timer.total:,.0f} tokens/s)"
             )
         return result
+
+    def _write_timeline(self) -> None:
+        """Gather the first replica's pipeline ranks' events; rank 0 writes them."""
+        if self.mesh.coord("tp") or self.mesh.coord("dp"):
+            return
+        parts = gather_objects(to_dicts(self.recorder.events), self.pp)
+        if self.is_main:
+            events = [e for part in parts for e in from_dicts(part)]
+            trace, png = write_timeline(self.run_dir, self.cfg, self.layout, events, self.device)
+            self.say(f"timeline of the last step: {trace} (open in ui.perfetto.dev), {png}")
 
     def _log(self, pending, elapsed: float, result: TrainResult) -> dict:
         """Turn a log interval's losses into one record (one host sync per interval)."""
