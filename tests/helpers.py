@@ -7,6 +7,16 @@ from pathlib import Path
 
 from ptdp.config import RunConfig, apply_updates
 
+LLAMA = {
+    "position_embedding": "rope",
+    "normalization": "rmsnorm",
+    "activation": "swiglu",
+    "num_query_groups": 2,
+    "tie_embeddings": False,
+    "bias": False,
+}
+"""Model options that make the GPT a Llama-style model (with grouped-query attention)."""
+
 WORDS = (
     "to be or not that is the question whether tis nobler in mind suffer slings and "
     "arrows of outrageous fortune take arms against a sea troubles by opposing end them"

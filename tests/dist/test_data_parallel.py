@@ -20,7 +20,7 @@ from ptdp.parallel.env import LaunchEnv
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.trainer import train
 from tests.dist.harness import run_ranks
-from tests.helpers import tiny_config
+from tests.helpers import LLAMA, tiny_config
 
 pytestmark = pytest.mark.dist
 
@@ -44,8 +44,6 @@ LAYOUTS = {  # name: (world size, parallel section, model section)
     "tp2-pp2-sp": (4, {"tp": 2, "pp": 2, "sequence_parallel": True}, {"num_layers": 4}),
     "tp2-pp2-dp2-zb-h1": (8, {"tp": 2, "pp": 2, "schedule": "zb-h1"}, {"num_layers": 4}),
 }
-LLAMA = {"position_embedding": "rope", "normalization": "rmsnorm", "activation": "swiglu",
-         "num_query_groups": 2, "tie_embeddings": False, "bias": False}
 
 
 def _layout_config(data: str, run_dir: Path, name: str, parallel: dict | None = None):

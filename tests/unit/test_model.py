@@ -11,15 +11,7 @@ from ptdp.config import ModelConfig, Recompute, RunConfig, apply_updates
 from ptdp.model.generate import filter_logits, generate
 from ptdp.model.gpt import GPT, Rotary, count_parameters
 from ptdp.perf.flops import paper_parameter_count
-
-LLAMA = {
-    "position_embedding": "rope",
-    "normalization": "rmsnorm",
-    "activation": "swiglu",
-    "num_query_groups": 2,
-    "tie_embeddings": False,
-    "bias": False,
-}
+from tests.helpers import LLAMA
 
 
 def model_cfg(**kw) -> ModelConfig:

@@ -20,15 +20,7 @@ from ptdp.perf.validation import measure_cpu_memory
 from ptdp.pipeline.partition import layer_ranges
 from ptdp.pipeline.schedules import build
 from ptdp.pipeline.verify import verify
-
-LLAMA = {
-    "position_embedding": "rope",
-    "normalization": "rmsnorm",
-    "activation": "swiglu",
-    "num_query_groups": 2,
-    "tie_embeddings": False,
-    "bias": False,
-}
+from tests.helpers import LLAMA
 
 
 def config(**sections: dict) -> RunConfig:
