@@ -98,7 +98,10 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
         help="sample text from a checkpoint",
-        description="Sample text from a trained checkpoint.",
+        description="Sample text from a trained checkpoint, with a KV cache. Launched "
+        "with torchrun --nproc-per-node N, the N processes split each layer "
+        "tensor-parallel (any N dividing the heads, key/value groups and MLP width) and "
+        "rank 0 prints.",
     )
     p.add_argument(
         "--checkpoint",
@@ -133,6 +136,25 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
         "--seed", type=int, default=0, help="sampling seed: same seed, same text (default: 0)"
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument(
+        "--no-kv-cache",
+        action="store_true",
+        help="recompute the whole context for every new token (slower; for comparison)",
+    )
+
+
+def _inspect_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="show what a checkpoint holds",
+        description="Print a checkpoint's step, model config and layout, tensors (names, "
+        "shapes, dtypes, sizes), optimizer state and tokenizer.",
+    )
+    p.add_argument(
+        "checkpoint",
+        metavar="CKPT",
+        help="a run directory (uses its latest checkpoint) or a step directory",
+    )
 
 
 def _schedule_parser(sub: argparse._SubParsersAction) -> None:
@@ -277,6 +299,32 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
+def _convert_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert a checkpoint to or from a Hugging Face transformers model",
+        description=(
+            "--to hf CKPT OUT: write a checkpoint (run or step directory) as a transformers "
+            "GPT-2 or Llama model directory (config.json, model.safetensors, tokenizer.json). "
+            "--from hf DIR OUT: make OUT a run directory whose step-0 checkpoint holds the "
+            "model, with no optimizer state; train from it in any layout with "
+            "`ptdp train --config OUT/config.toml --resume --data.path PREFIX`."
+        ),
+    )
+    way = p.add_mutually_exclusive_group(required=True)
+    way.add_argument("--to", choices=["hf"], help="export a ptdp checkpoint")
+    way.add_argument("--from", dest="source", choices=["hf"], help="import into a ptdp run")
+    p.add_argument("src", metavar="SRC", help="checkpoint (--to) or model directory (--from)")
+    p.add_argument("out", metavar="OUT", help="model directory (--to) or run directory (--from)")
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--from: training context length (default: the model's maximum positions)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ptdp",
@@ -287,9 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _preprocess_parser(sub)
     _generate_parser(sub)
+    _inspect_parser(sub)
     _schedule_parser(sub)
     _simulate_parser(sub)
     _plan_parser(sub)
+    _convert_parser(sub)
     return parser
 
 
@@ -339,8 +389,15 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from ptdp.model.sample import sample_from_checkpoint
+    from ptdp.parallel.comm import Group
+    from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
 
-    for text in sample_from_checkpoint(
+    env, tp, device = LaunchEnv.from_environ(), None, args.device
+    if env.world_size > 1:  # under torchrun: one tensor-parallel group of all processes
+        device = pick_device(args.device, env.local_rank)
+        init_process_group(env, device)
+        tp = Group(None, env.world_size, env.rank)
+    texts = sample_from_checkpoint(
         Path(args.checkpoint),
         args.prompt,
         max_new_tokens=args.max_new_tokens,
@@ -349,10 +406,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         num_samples=args.num_samples,
         seed=args.seed,
-        device=args.device,
-    ):
+        device=str(device),
+        use_cache=not args.no_kv_cache,
+        tp=tp,
+    )
+    for text in texts if env.rank == 0 else []:
         print(text)
         print("-" * 72)
+    if env.world_size > 1:  # as after `ptdp train`: skip gloo's finalisers at exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from ptdp.train.inspect import describe_checkpoint
+
+    print(describe_checkpoint(args.checkpoint))
     return 0
 
 
@@ -495,6 +566,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if result.best else 1
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from ptdp.convert import export_hf, import_hf
+
+    if args.to:
+        result = export_hf(args.src, args.out)
+        print(f"wrote {result.family} model to {result.path} (transformers format)")
+    else:
+        result = import_hf(args.src, args.out, seq_length=args.seq_length)
+        print(
+            f"wrote {result.family} checkpoint {result.path}; train from it with\n"
+            f"  ptdp train --config {args.out}/config.toml --resume --data.path PREFIX"
+        )
+    for note in result.notes:
+        print(f"note: {note}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -512,6 +600,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_schedule(args)
         if args.command == "plan":
             return _cmd_plan(args)
+        if args.command == "inspect":
+            return _cmd_inspect(args)
+        if args.command == "convert":
+            return _cmd_convert(args)
         return _cmd_generate(args)
     except PtdpError as exc:
         print(f"ptdp {args.command}: error: {exc}", file=sys.stderr)

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import Activation, ModelConfig, Normalization, PositionEmbedding, Recompute
 from ptdp.model.init import apply_init
+from ptdp.model.kv_cache import KVCache, LayerCache
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
 from ptdp.parallel.init import rank_rng, shard_spec
@@ -108,19 +109,38 @@ class Attention(nn.Module):
         with rank_rng(self.tp, q.device):  # heads are split: a different mask per rank
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary | None) -> torch.Tensor:
+    @staticmethod
+    def _cached_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [b, n, s, d] for the last s of the k/v positions [b, n, offset + s, d]."""
+        s, total = q.shape[2], k.shape[2]
+        if s == 1:  # one new token sees every cached position
+            return F.scaled_dot_product_attention(q, k, v)
+        # is_causal aligns the mask top-left; new positions need it bottom-right.
+        mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def forward(
+        self, x: torch.Tensor, rotary: Rotary | None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        """x [s, b, h] -> [s, b, h]. With `cache` (inference), x holds the positions after
+        the cached ones, whose keys and values are appended to the cache."""
         qkv = self.qkv(x)  # [s, b, local groups * (q_per_group + 2) * d], full sequence
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.num_heads, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, g, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        offset = 0 if cache is None else cache.offset
         if rotary is not None:
-            q, k = rotary(q), rotary(k)
+            q, k = rotary(q, offset), rotary(k, offset)
+        if cache is not None:
+            k, v = cache.update(k, v)  # [b, g, offset + s, d]
         if self.q_per_group > 1:  # each group's k/v serve q_per_group consecutive query heads
             k = k.repeat_interleave(self.q_per_group, dim=1)
             v = v.repeat_interleave(self.q_per_group, dim=1)
-        if self.recompute_core and self.training:
+        if offset:
+            out = self._cached_core(q, k, v)
+        elif self.recompute_core and self.training:
             # Selective recomputation (Korthikanti et al. 2022): keep only q, k, v.
             out = checkpoint(self._core, q, k, v, use_reentrant=False)
         else:
@@ -182,15 +202,19 @@ class TransformerLayer(nn.Module):
                 return self.dropout(x)
         return self.dropout(x)  # replicated: the shared stream keeps ranks identical
 
-    def _forward(self, x: torch.Tensor, rotary: Rotary | None) -> torch.Tensor:
-        x = x + self._residual_dropout(self.attn(self.norm1(x), rotary))
+    def _forward(
+        self, x: torch.Tensor, rotary: Rotary | None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        x = x + self._residual_dropout(self.attn(self.norm1(x), rotary, cache))
         return x + self._residual_dropout(self.mlp(self.norm2(x)))
 
-    def forward(self, x: torch.Tensor, rotary: Rotary | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rotary: Rotary | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
         if self.recompute_full and self.training:
             # Full recomputation: store only the layer input, redo the layer in backward.
             return checkpoint(self._forward, x, rotary, use_reentrant=False)
-        return self._forward(x, rotary)
+        return self._forward(x, rotary, cache)
 
 
 class GPT(nn.Module):
@@ -261,12 +285,13 @@ class GPT(nn.Module):
         """[v/t, h]: the output layer's weight, the embedding's when they are tied."""
         return self.embedding.weight if not hasattr(self, "output") else self.output.weight
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> hidden [s, b, h] ([s/t, b, h] under sequence parallelism)."""
+    def embed(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """tokens [b, s] at positions offset.. -> hidden [s, b, h] ([s/t, b, h] under
+        sequence parallelism)."""
         x = self.embedding(tokens)
         if hasattr(self, "position"):
             s = x.shape[0]
-            first = self.ctx.tp.rank * s if self.ctx.sequence_parallel else 0
+            first = self.ctx.tp.rank * s if self.ctx.sequence_parallel else offset
             x = x + self.position(torch.arange(first, first + s, device=tokens.device))[:, None]
         if self.training and self.embed_dropout.p and self.ctx.sequence_parallel:
             with rank_rng(self.ctx.tp, x.device):
@@ -282,15 +307,33 @@ class GPT(nn.Module):
             x = comm.copy_to_tp(x, self.ctx.tp)
         return F.linear(x, self.output_weight())
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
         """Tokens [b, s] (or hidden [s, b, h] for a later chunk) -> hidden, logits or loss.
 
         With the head: full logits [b, s, v] when `labels` is None, else the mean token loss.
+        With `cache` (inference, no sequence parallelism): x holds positions cache.length..,
+        which attend to the cached ones too, and the cache grows by s.
         """
-        if self.has_embedding:
-            x = self.embed(x)
-        for layer in self.layers.values():
-            x = layer(x, self.rotary)
+        if cache is None:
+            if self.has_embedding:
+                x = self.embed(x)
+            for layer in self.layers.values():
+                x = layer(x, self.rotary)
+        else:
+            if self.ctx.sequence_parallel:
+                raise ValueError("a KV cache needs a model built without sequence parallelism")
+            cache.check_room(x.shape[1] if self.has_embedding else x.shape[0])
+            if self.has_embedding:
+                x = self.embed(x, cache.length)
+            for name, layer in self.layers.items():
+                x = layer(x, self.rotary, cache.layer(name))
+            cache.advance(x.shape[0])
         if not self.has_head:
             return x
         logits = self.head(x)

@@ -1,24 +1,46 @@
-"""Load a checkpoint with its tokenizer and sample text from it (`ptdp generate`)."""
+"""Load a checkpoint with its tokenizer and sample text from it (`ptdp generate`).
+
+Checkpoints hold full-shape tensors, so any of them loads into a model split over a
+tensor-parallel group of any size that divides its heads, key/value groups and MLP width
+(`tp=`; every rank then returns the same texts).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
+from ptdp.config import ParallelConfig
 from ptdp.data.tokenizers import load_tokenizer
-from ptdp.errors import CheckpointError
+from ptdp.errors import CheckpointError, ConfigError
+from ptdp.layout import validate
 from ptdp.model.generate import generate
 from ptdp.model.gpt import GPT
+from ptdp.parallel.comm import Group
+from ptdp.parallel.state import load_full_model_state
 from ptdp.train import checkpoint as ckpt
 
 
-def load_model(step_dir: Path, device: str = "cpu") -> GPT:
+def load_model(step_dir: Path, device: str = "cpu", tp: Group | None = None) -> GPT:
+    """The checkpoint's model, whole or (with `tp`) this rank's tensor-parallel part."""
     cfg = ckpt.load_config(step_dir)
     state = ckpt.load_checkpoint(step_dir)
-    model = GPT(cfg.model, seed=cfg.train.seed)
-    model.load_state_dict(state["model"])
-    return model.to(device)
+    if tp is None or tp.size == 1:
+        model = GPT(cfg.model, seed=cfg.train.seed)
+        model.load_state_dict(state["model"])
+        return model.to(device)
+    try:  # only the tensor-parallel rules can fail: the run trained with this model
+        validate(dataclasses.replace(cfg, parallel=ParallelConfig(tp=tp.size, dp=1)), tp.size)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"cannot split {step_dir}'s model over {tp.size} tensor-parallel processes "
+            f"(parallel.tp below means the process count): {exc}"
+        ) from None
+    model = GPT(cfg.model, seed=cfg.train.seed, tp=tp).to(device)
+    load_full_model_state([model], state["model"], tp)
+    return model
 
 
 def sample_from_checkpoint(
@@ -32,6 +54,8 @@ def sample_from_checkpoint(
     num_samples: int = 1,
     seed: int = 0,
     device: str = "cpu",
+    use_cache: bool = True,
+    tp: Group | None = None,
 ) -> list[str]:
     step_dir = ckpt.find_checkpoint(path)
     entry = ckpt.load_checkpoint(step_dir).get("tokenizer", "")
@@ -41,7 +65,7 @@ def sample_from_checkpoint(
             "train with --data.tokenizer PATH/tokenizer.json to make it self-contained"
         )
     tokenizer = load_tokenizer("bytes" if entry == "bytes" else str(step_dir / entry))
-    model = load_model(step_dir, device)
+    model = load_model(step_dir, device, tp)
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eod_id]
     tokens = torch.tensor([ids] * num_samples, device=device)
     out = generate(
@@ -53,5 +77,6 @@ def sample_from_checkpoint(
         top_p=top_p,
         generator=torch.Generator().manual_seed(seed),
         stop_token=None,
+        use_cache=use_cache,
     )
     return [tokenizer.decode(row.tolist()) for row in out]

@@ -1,0 +1,301 @@
+"""Hugging Face `transformers` export and import of ptdp checkpoints (`ptdp convert`).
+
+Two families map one to one: GPT-2 (`GPT2LMHeadModel`: learned positions, LayerNorm,
+tanh GeLU, biases, multi-head attention) and Llama (`LlamaForCausalLM`: rotary, RMSNorm,
+SwiGLU, grouped-query attention, optional biases). A ptdp option outside both is refused
+with the option's name, never silently dropped.
+
+What the mapping has to know (shapes: h hidden, n query heads, g key/value groups,
+r = n / g, d head size, f MLP width, v vocabulary):
+- ptdp's fused QKV weight [g * (r + 2) * d, h] holds its rows group by group, [q heads of
+  group 0, k0, v0, q heads of group 1, ...] (model/gpt.py); query head i reads group
+  i // r, which is also how `transformers` repeats k/v heads, so only rows move.
+- GPT-2's `Conv1D` stores weights as [in, out], the transpose of `nn.Linear`.
+- ptdp's SwiGLU fc1 rows are [gate; up]; ptdp's GeLU is the tanh approximation, which
+  `transformers` calls "gelu_pytorch_tanh" (the same `F.gelu(approximate="tanh")`).
+- Checkpoints hold full, unpadded fp32 tensors under global names, whatever the layout
+  they were trained in (parallel/state.py), so tensor-parallel vocabulary padding and
+  pipeline stages never appear here.
+
+Configs map in convert/hf_config.py. Only `safetensors` is needed to convert; `transformers`
+is needed to load the result.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ptdp.config import ModelConfig, PositionEmbedding, RunConfig, to_dict, to_toml
+from ptdp.convert.hf_config import family, hf_config, model_config_from_hf
+from ptdp.errors import CheckpointError, ConfigError
+from ptdp.train import checkpoint as ckpt
+
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+"""Buffers some `transformers` checkpoints carry that hold no weights."""
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """Where a conversion wrote, and what a user should know about it."""
+
+    path: Path
+    family: str
+    notes: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------------- weights
+
+
+def split_qkv(w: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
+    """ptdp's grouped QKV rows -> q [n*d, ...], k [g*d, ...], v [g*d, ...] (weight or bias)."""
+    g, d = cfg.query_groups, cfg.head_dim
+    r = cfg.num_heads // g
+    blocks = w.unflatten(0, (g, r + 2, d))
+    return blocks[:, :r].flatten(0, 2), blocks[:, r].flatten(0, 1), blocks[:, r + 1].flatten(0, 1)
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Inverse of `split_qkv`."""
+    g, d = cfg.query_groups, cfg.head_dim
+    r = cfg.num_heads // g
+    parts = [q.unflatten(0, (g, r, d)), k.unflatten(0, (g, 1, d)), v.unflatten(0, (g, 1, d))]
+    return torch.cat(parts, dim=1).flatten(0, 2)
+
+
+def _layer_suffixes(cfg: ModelConfig) -> tuple[str, ...]:
+    return (".weight", ".bias") if cfg.bias else (".weight",)
+
+
+def _conv1d(x: torch.Tensor, suffix: str) -> torch.Tensor:
+    """GPT-2's Conv1D holds weights as [in, out], nn.Linear as [out, in]; biases agree."""
+    return x.t() if suffix == ".weight" else x
+
+
+def to_hf_state(cfg: ModelConfig, model: Tensors) -> Tensors:
+    """ptdp's full model state -> `transformers` tensor names and layouts."""
+    gpt2 = family(cfg) == "gpt2"
+    out: Tensors = {}
+    pre = "transformer." if gpt2 else "model."
+    out[pre + ("wte.weight" if gpt2 else "embed_tokens.weight")] = model["embedding.weight"]
+    if gpt2:
+        out["transformer.wpe.weight"] = model["position.weight"]
+    for i in range(cfg.num_layers):
+        src = f"layers.{i}."
+        dst = f"transformer.h.{i}." if gpt2 else f"model.layers.{i}."
+        for sfx in _layer_suffixes(cfg):
+            q, k, v = split_qkv(model[src + "attn.qkv" + sfx], cfg)
+            fc1, proj, fc2 = (model[src + m + sfx] for m in ("mlp.fc1", "attn.proj", "mlp.fc2"))
+            if gpt2:  # Conv1D holds [in, out]
+                out[dst + "attn.c_attn" + sfx] = _conv1d(torch.cat([q, k, v]), sfx)
+                out[dst + "attn.c_proj" + sfx] = _conv1d(proj, sfx)
+                out[dst + "mlp.c_fc" + sfx] = _conv1d(fc1, sfx)
+                out[dst + "mlp.c_proj" + sfx] = _conv1d(fc2, sfx)
+            else:
+                gate, up = fc1.chunk(2)
+                names = ("q_proj", "k_proj", "v_proj", "o_proj")
+                for name, x in zip(names, (q, k, v, proj)):
+                    out[dst + "self_attn." + name + sfx] = x
+                for name, x in zip(("gate_proj", "up_proj", "down_proj"), (gate, up, fc2)):
+                    out[dst + "mlp." + name + sfx] = x
+        norms = ("ln_1", "ln_2") if gpt2 else ("input_layernorm", "post_attention_layernorm")
+        for ours, theirs in zip(("norm1", "norm2"), norms):
+            for sfx in (".weight", ".bias") if gpt2 else (".weight",):
+                out[dst + theirs + sfx] = model[src + ours + sfx]
+    for sfx in (".weight", ".bias") if gpt2 else (".weight",):
+        out[pre + ("ln_f" if gpt2 else "norm") + sfx] = model["final_norm" + sfx]
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = model["output.weight"]
+    return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
+
+
+class _Taker:
+    """Reads tensors by name, remembering which were used, to report any left over."""
+
+    def __init__(self, tensors: Tensors, strip: str) -> None:
+        self.tensors = {k.removeprefix(strip): v for k, v in tensors.items()}
+        self.used: set[str] = set()
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"the Hugging Face weights lack {name!r}")
+        self.used.add(name)
+        return self.tensors[name].float()
+
+    def check_all_used(self, tied: bool) -> None:
+        left = [
+            k
+            for k in self.tensors.keys() - self.used
+            if not k.endswith(IGNORED_SUFFIXES) and not (tied and k == "lm_head.weight")
+        ]
+        if left:
+            raise ConfigError(
+                f"the Hugging Face weights hold tensors ptdp has no place for: {left}"
+            )
+
+
+def from_hf_state(cfg: ModelConfig, tensors: Tensors) -> Tensors:
+    """`transformers` weights -> ptdp's full model state (inverse of `to_hf_state`)."""
+    gpt2 = cfg.position_embedding is PositionEmbedding.LEARNED
+    take = _Taker(tensors, "transformer." if gpt2 else "")
+    model: Tensors = {}
+    if gpt2:
+        model["embedding.weight"] = take("wte.weight")
+        model["position.weight"] = take("wpe.weight")[: cfg.seq_length]
+    else:
+        model["embedding.weight"] = take("model.embed_tokens.weight")
+    for i in range(cfg.num_layers):
+        src = f"h.{i}." if gpt2 else f"model.layers.{i}."
+        dst = f"layers.{i}."
+        for sfx in _layer_suffixes(cfg):
+            if gpt2:
+                q, k, v = _conv1d(take(src + "attn.c_attn" + sfx), sfx).chunk(3)
+                proj, fc1, fc2 = (
+                    _conv1d(take(src + m + sfx), sfx)
+                    for m in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+                )
+            else:
+                q, k, v, proj = (
+                    take(src + "self_attn." + m + sfx)
+                    for m in ("q_proj", "k_proj", "v_proj", "o_proj")
+                )
+                gate, up, fc2 = (
+                    take(src + "mlp." + m + sfx) for m in ("gate_proj", "up_proj", "down_proj")
+                )
+                fc1 = torch.cat([gate, up])
+            model[dst + "attn.qkv" + sfx] = fuse_qkv(q, k, v, cfg)
+            model[dst + "attn.proj" + sfx] = proj
+            model[dst + "mlp.fc1" + sfx] = fc1
+            model[dst + "mlp.fc2" + sfx] = fc2
+        norms = ("ln_1", "ln_2") if gpt2 else ("input_layernorm", "post_attention_layernorm")
+        for ours, theirs in zip(("norm1", "norm2"), norms):
+            for sfx in (".weight", ".bias") if gpt2 else (".weight",):
+                model[dst + ours + sfx] = take(src + theirs + sfx)
+    for sfx in (".weight", ".bias") if gpt2 else (".weight",):
+        model["final_norm" + sfx] = take(("ln_f" if gpt2 else "model.norm") + sfx)
+    if not cfg.tie_embeddings:
+        model["output.weight"] = take("lm_head.weight")
+    take.check_all_used(cfg.tie_embeddings)
+    return {k: v.contiguous().clone() for k, v in model.items()}
+
+
+# ---------------------------------------------------------------------- files
+
+
+def _safetensors():  # noqa: ANN202 - a module
+    try:
+        import safetensors.torch
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ConfigError(
+            "converting to or from Hugging Face needs safetensors: pip install 'ptdp[hf]'"
+        ) from exc
+    return safetensors.torch
+
+
+def read_hf_weights(directory: Path) -> Tensors:
+    """A `transformers` model directory's weights: safetensors (one file or an index)
+    or pytorch_model.bin."""
+    single, index = directory / WEIGHTS_FILE, directory / f"{WEIGHTS_FILE}.index.json"
+    if single.is_file():
+        return _safetensors().load_file(single)
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for f in files for k, v in _safetensors().load_file(directory / f).items()}
+    if (directory / "pytorch_model.bin").is_file():
+        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise CheckpointError(
+        f"{directory} holds no {WEIGHTS_FILE}, {index.name} or pytorch_model.bin: "
+        "is it a Hugging Face model directory (save_pretrained output)?"
+    )
+
+
+def _export_tokenizer(step_dir: Path, entry: str, out: Path, cfg: ModelConfig) -> list[str]:
+    """Copy the checkpoint's tokenizer.json (with a tokenizer_config.json) into `out`."""
+    if entry == "bytes":
+        return [
+            "no tokenizer written: the checkpoint uses ptdp's byte tokenizer (ids 0-255 are "
+            "bytes, 256 ends a document), which has no tokenizer.json"
+        ]
+    if not entry:
+        return ["no tokenizer written: the checkpoint records none"]
+    from tokenizers import Tokenizer
+
+    from ptdp.data.tokenizers import load_tokenizer
+
+    shutil.copyfile(step_dir / entry, out / TOKENIZER_FILE)
+    eod = Tokenizer.from_file(str(step_dir / entry)).id_to_token(
+        load_tokenizer(step_dir / entry).eod_id
+    )
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": eod,
+        "eos_token": eod,
+        "model_max_length": cfg.seq_length,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    return []
+
+
+def export_hf(checkpoint: str | Path, out: str | Path) -> ConvertResult:
+    """Write a ptdp checkpoint (run, checkpoints or step directory) as a `transformers`
+    model directory: config.json, model.safetensors (fp32), tokenizer.json when it has one."""
+    step_dir = ckpt.find_checkpoint(checkpoint)
+    cfg = ckpt.load_config(step_dir).model
+    kind = family(cfg)  # refuse before reading the weights
+    state = ckpt.load_checkpoint(step_dir)
+    tensors = to_hf_state(cfg, state["model"])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    entry = state.get("tokenizer", "")
+    notes = _export_tokenizer(step_dir, entry, out, cfg)
+    eod_id = None
+    if entry:
+        from ptdp.data.tokenizers import load_tokenizer
+
+        eod_id = load_tokenizer("bytes" if entry == "bytes" else step_dir / entry).eod_id
+    _safetensors().save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
+    config = hf_config(cfg, eod_id)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return ConvertResult(out, kind, tuple(notes))
+
+
+def import_hf(directory: str | Path, run_dir: str | Path, *, seq_length: int = 0) -> ConvertResult:
+    """Make `run_dir` a ptdp run whose only checkpoint (step 0) is a `transformers` model.
+
+    The checkpoint has the model's weights, no optimizer state and step 0, with the
+    resolved config in run_dir/config.toml, so training starts from it in any layout with
+    `ptdp train --config RUN_DIR/config.toml --resume --data.path PREFIX ...`.
+    """
+    directory, run_dir = Path(directory), Path(run_dir)
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"{directory} has no config.json: not a Hugging Face model")
+    if (ckpt.checkpoint_root(run_dir) / ckpt.LATEST).exists():
+        raise CheckpointError(f"{run_dir} already holds checkpoints; choose another directory")
+    cfg = model_config_from_hf(json.loads((directory / "config.json").read_text()), seq_length)
+    model = from_hf_state(cfg, read_hf_weights(directory))
+    base = RunConfig()
+    run_cfg = replace(base, model=cfg, train=replace(base.train, run_dir=str(run_dir)))
+    tokenizer = directory / TOKENIZER_FILE
+    tokenizer = tokenizer if tokenizer.is_file() else None
+    state = {
+        "model": model,
+        "optimizer": {"state": {}, "param_groups": []},  # AdamW starts fresh
+        "loss_scaler": None,
+        "step": 0,
+        "consumed_samples": 0,
+        "rng": {"cpu": torch.Generator().manual_seed(run_cfg.train.seed).get_state()},
+        "config": to_dict(run_cfg),
+        "tokenizer": TOKENIZER_FILE if tokenizer else "",
+    }
+    step_dir = ckpt.save_checkpoint(run_dir, 0, state, run_cfg, tokenizer)
+    (run_dir / "config.toml").write_text(to_toml(run_cfg))
+    notes = [] if tokenizer else [f"{directory} has no {TOKENIZER_FILE}; none recorded"]
+    return ConvertResult(step_dir, family(cfg), tuple(notes))

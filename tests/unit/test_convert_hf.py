@@ -1,0 +1,213 @@
+"""`ptdp convert`: GPT-2 and Llama checkpoints to and from `transformers`, checked by logits."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from ptdp.cli import main
+from ptdp.config import ModelConfig, RunConfig, apply_updates, load_toml
+from ptdp.convert.hf import export_hf, fuse_qkv, import_hf, split_qkv
+from ptdp.errors import ConfigError
+from ptdp.model.gpt import GPT
+from ptdp.model.sample import load_model
+from ptdp.train import checkpoint as ckpt
+from ptdp.train.trainer import train
+from tests.helpers import LLAMA
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install .[hf])")
+pytest.importorskip("safetensors", reason="needs safetensors (pip install .[hf])")
+
+SHAPE = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 16, "vocab_size": 64}
+FAMILIES = {
+    "gpt2": {},
+    "gpt2-untied": {"tie_embeddings": False},
+    "llama": LLAMA,  # grouped-query: 4 heads in 2 groups, untied
+    "llama-tied-bias": LLAMA | {"tie_embeddings": True, "bias": True, "num_query_groups": 1},
+}
+TOL = 1e-4
+
+
+def _model_config(**options: object) -> ModelConfig:
+    """Options coerced as a TOML file's would be (strings to enums)."""
+    return apply_updates(RunConfig(), {"model": SHAPE | options}, "a test").model
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights far from init (norm gains and biases included), so a layout slip shows."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+def _tokens(vocab: int, seq: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (3, seq), generator=torch.Generator().manual_seed(7))
+
+
+def _compare(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    assert ours.shape == theirs.shape
+    assert ours.std() > 0.3  # not a vacuous comparison of near-zero logits
+    assert (ours - theirs).abs().max().item() < TOL
+
+
+def _write_checkpoint(run_dir: Path, cfg: ModelConfig, model: GPT, tokenizer: str) -> Path:
+    run_cfg = replace(RunConfig(), model=cfg)
+    state = {"model": model.state_dict(), "step": 1, "tokenizer": tokenizer}
+    return ckpt.save_checkpoint(run_dir, 1, state, run_cfg, None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_matches_transformers(family: str, tmp_path: Path) -> None:
+    cfg = _model_config(**FAMILIES[family])
+    model = GPT(cfg, seed=3)
+    _randomize(model, 3)
+    _write_checkpoint(tmp_path / "run", cfg, model, "bytes")
+    assert main(["convert", "--to", "hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()  # the byte tokenizer has none
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    kind = "gpt2" if family.startswith("gpt2") else "llama"
+    assert hf.config.model_type == kind
+    tokens = _tokens(cfg.vocab_size, cfg.seq_length)
+    with torch.no_grad():
+        _compare(model.eval()(tokens), hf(tokens).logits)
+
+
+def _hf_model(family: str, vocab_size: int = 64) -> torch.nn.Module:
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, n_positions=24, vocab_size=vocab_size, n_inner=48
+        )
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            vocab_size=vocab_size,
+            rope_theta=500.0,
+            rms_norm_eps=1e-5,
+        )
+        model = transformers.LlamaForCausalLM(config)
+    _randomize(model, 5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_import_matches_transformers(family: str, tmp_path: Path) -> None:
+    hf = _hf_model(family)
+    hf.save_pretrained(tmp_path / "hf")
+    result = import_hf(tmp_path / "hf", tmp_path / "run", seq_length=16)
+    assert result.path == ckpt.find_checkpoint(tmp_path / "run")
+    model = load_model(result.path).eval()
+    assert model.cfg.seq_length == 16
+    tokens = _tokens(64, 16)
+    with torch.no_grad():
+        _compare(model(tokens), hf(tokens).logits)
+    state = ckpt.load_checkpoint(result.path)
+    assert state["step"] == 0 and state["optimizer"]["state"] == {}
+    # The run's config.toml is the checkpoint's, so `ptdp train --config` resumes it.
+    assert load_toml(tmp_path / "run" / "config.toml") == ckpt.load_config(result.path)
+
+
+def test_training_starts_from_an_import(tiny_data: str, tmp_path: Path, capsys) -> None:
+    _hf_model("llama", vocab_size=257).save_pretrained(tmp_path / "hf")  # the bytes vocabulary
+    run = tmp_path / "run"
+    assert main(["convert", "--from", "hf", str(tmp_path / "hf"), str(run)]) == 0
+    # Any layout resolves from the imported config (checked here for tp=2, pp=2).
+    args = ["train", "--config", str(run / "config.toml"), "--data.path", tiny_data]
+    layout = ["--parallel.tp", "2", "--parallel.pp", "2", "--dry-run", "--world-size", "4"]
+    assert main(args + layout) == 0
+    assert "tp=2" in capsys.readouterr().out.replace(" ", "")
+    updates = {
+        "data": {"path": tiny_data},
+        "optim": {"lr": 1e-3, "warmup_steps": 1},
+        "train": {"steps": 2, "micro_batch_size": 4, "global_batch_size": 8, "device": "cpu"},
+    }
+    result = train(apply_updates(load_toml(run / "config.toml"), updates, "a test"), resume=True)
+    assert (result.start_step, result.final_step) == (0, 2)
+    before = ckpt.load_checkpoint(run / "checkpoints" / "step_00000000")["model"]
+    after = ckpt.load_checkpoint(ckpt.find_checkpoint(run))["model"]
+    assert after.keys() == before.keys()
+    for name in before:  # two small AdamW steps from the imported weights, not a fresh init
+        assert 0 < (after[name] - before[name]).abs().max() < 0.01, name
+
+
+def test_round_trip_keeps_weights(tmp_path: Path) -> None:
+    cfg = _model_config(**LLAMA)
+    model = GPT(cfg, seed=4)
+    _write_checkpoint(tmp_path / "a", cfg, model, "bytes")
+    export_hf(tmp_path / "a", tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "b")
+    back = ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path / "b"))["model"]
+    assert back.keys() == model.state_dict().keys()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(back[name], value, rtol=0, atol=0)
+    assert ckpt.load_config(ckpt.find_checkpoint(tmp_path / "b")).model == cfg
+
+
+def test_qkv_split_is_group_by_group() -> None:
+    cfg = _model_config(num_query_groups=2)  # 2 query heads per group, d = 8
+    rows = torch.arange(2 * (2 + 2) * 8)
+    q, k, v = split_qkv(rows, cfg)
+    assert q[:16].tolist() == list(range(16))  # group 0's two query heads
+    assert k[:8].tolist() == list(range(16, 24)) and v[:8].tolist() == list(range(24, 32))
+    assert q[16:].tolist() == list(range(32, 48))
+    assert torch.equal(fuse_qkv(q, k, v, cfg), rows)
+
+
+def test_tokenizer_is_exported(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<|endoftext|>", "to", "be", "or", "not", "[UNK]"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    cfg = _model_config()
+    step_dir = _write_checkpoint(tmp_path / "run", cfg, GPT(cfg, seed=1), "tokenizer.json")
+    tok.save(str(step_dir / "tokenizer.json"))
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tok("to be or not")["input_ids"] == [1, 2, 3, 4]
+    assert hf_tok.eos_token == "<|endoftext|>"
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["eos_token_id"] == 0
+    # And back: the imported run records the tokenizer for `ptdp generate`.
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    back = ckpt.find_checkpoint(tmp_path / "back")
+    assert ckpt.load_checkpoint(back)["tokenizer"] == "tokenizer.json"
+    assert (back / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "options,named",
+    [
+        ({"bias": False}, "model.bias"),
+        ({"normalization": "rmsnorm"}, "model.normalization"),
+        ({"num_query_groups": 2}, "model.num_query_groups"),
+        ({**LLAMA, "activation": "gelu"}, "model.activation"),
+    ],
+)
+def test_export_refuses_options_without_equivalent(
+    options: dict, named: str, tmp_path: Path
+) -> None:
+    cfg = _model_config(**options)
+    _write_checkpoint(tmp_path / "run", cfg, GPT(cfg, seed=1), "bytes")
+    with pytest.raises(ConfigError, match=named):
+        export_hf(tmp_path / "run", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_import_refuses_exact_gelu(tmp_path: Path) -> None:
+    hf = _hf_model("gpt2")
+    hf.config.activation_function = "gelu"
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConfigError, match="activation_function"):
+        import_hf(tmp_path / "hf", tmp_path / "run")
+    assert main(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
