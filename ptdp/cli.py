@@ -1,4 +1,5 @@
-"""`ptdp train|preprocess|generate|schedule|simulate|plan`: the only place that reads argv."""
+"""`ptdp train|preprocess|generate|schedule|simulate|plan|convert|inspect`: the only place
+that reads argv."""
 
 from __future__ import annotations
 
