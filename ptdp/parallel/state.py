@@ -1,12 +1,12 @@
 """Layout-free state: a rank's sharded model and optimizer state gathered to the full
 single-process tensors under their global names, and full tensors sliced back to shards.
 
-Checkpoints hold this full state, so a run saved in one layout (tensor-parallel size,
-pipeline split) loads in any other, and `ptdp generate` needs no process group. A
-pipeline rank contributes the parameters of its chunks (their names are global); the
-last stage's copy of a tied embedding is not saved (it equals `embedding.weight`) and is
-restored from it. Gathering costs a collective per tensor and a gather to rank 0; the
-sharded, parallel writer of a later version replaces this for large models.
+Training checkpoints are written shard by shard (ptdp/parallel/sharded_state.py); these
+full-state helpers serve the single-process view (`ptdp generate`, convert, inspect) and
+the earlier single-file checkpoint format (`state.pt`), which still restores. A pipeline
+rank contributes the parameters of its chunks (their names are global); the last stage's
+copy of a tied embedding is not saved (it equals `embedding.weight`) and is restored
+from it.
 """
 
 from __future__ import annotations

@@ -1,30 +1,129 @@
-"""Single-writer checkpoints with an atomic `latest` pointer.
+"""Sharded checkpoints, written in parallel, with an atomic `latest` pointer.
 
-Layout: RUN_DIR/checkpoints/step_00000100/{state.pt, config.toml, tokenizer.json?} and
-RUN_DIR/checkpoints/latest (a text file naming the newest complete step directory).
-A checkpoint is written under `step_X.tmp`, renamed when complete, and only then does
-`latest` move (written to a temporary file and `os.replace`d), so a crash at any point
-leaves the previous checkpoint as the latest.
+Layout: RUN_DIR/checkpoints/step_00000100/{.metadata, __<r>_<i>.distcp..., checksums.json,
+config.toml, tokenizer.json?} and RUN_DIR/checkpoints/latest (a text file naming the
+newest complete step directory). The tensors are a `torch.distributed.checkpoint` (DCP)
+checkpoint: every rank writes its own shards (DCP writes each distinct chunk once), so
+nothing is gathered to rank 0. Keys are layout-free (see ptdp/parallel/sharded_state.py):
+`model/<name>`, `optimizer/state/<name>/<moment>`, `optimizer/step`,
+`optimizer/param_groups`, `rng/rank<r>/<device>` and the scalars of the run.
+
+A checkpoint is written under `step_X.tmp` by all ranks, checksummed, renamed by rank 0
+when every rank is done, and only then does `latest` move (written to a temporary file
+and `os.replace`d), so a crash or a failed save leaves the previous checkpoint as the
+latest. `load_checkpoint` rebuilds the full single-process state dict in one process
+(no process group); checkpoints of the earlier single-file format (`state.pt`) still load.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ptdp.config import RunConfig, load_toml, to_toml
 from ptdp.errors import CheckpointError
 
-STATE_FILE = "state.pt"
+STATE_FILE = "state.pt"  # the earlier single-writer format
+METADATA = ".metadata"
+CHECKSUMS = "checksums.json"
 LATEST = "latest"
+MODEL, MOMENTS, RNG = "model/", "optimizer/state/", "rng/"
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def write_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    state: dict[str, Any],
+    cfg: RunConfig,
+    tokenizer_file: Path | None,
+    keep: int = 0,
+    *,
+    distributed: bool = False,
+) -> Path:
+    """Write this rank's flat DCP `state` (all ranks call this together when
+    `distributed`) as the checkpoint of `step`; rank 0 then makes it the latest."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    root = checkpoint_root(run_dir)
+    final = root / f"step_{step:08d}"
+    tmp = root / f"step_{step:08d}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    if distributed:
+        dist.barrier()
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(tmp, thread_count=1),
+            planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            no_dist=not distributed,
+        )
+    files = sorted(p.name for p in tmp.glob("*.distcp"))  # dcp.save ends collectively
+    sums = {name: _checksum(tmp / name) for name in files[rank::world]}
+    if distributed:
+        parts: list = [None] * world
+        dist.all_gather_object(parts, sums)
+        sums = {k: v for part in parts for k, v in part.items()}
+    if rank == 0:
+        (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
+        (tmp / "config.toml").write_text(to_toml(cfg))
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = root / f"{LATEST}.tmp"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, root / LATEST)
+        if keep:
+            _prune(root, keep)
+    if distributed:
+        dist.barrier()
+    return final
+
+
+def flatten_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A full single-process state dict (load_checkpoint's form) as flat DCP entries."""
+    flat: dict[str, Any] = {}
+    for key, value in state.items():
+        if key == "model":
+            flat.update({MODEL + k: v.detach() for k, v in value.items()})
+        elif key == "optimizer":
+            steps = [int(e["step"]) for e in value.get("state", {}).values() if "step" in e]
+            flat["optimizer/step"] = steps[0] if steps else 0
+            flat["optimizer/param_groups"] = value.get("param_groups", [])
+            for name, entry in value.get("state", {}).items():
+                for k, v in entry.items():
+                    if torch.is_tensor(v) and v.dim():
+                        flat[f"{MOMENTS}{name}/{k}"] = v
+        elif key == "rng":
+            flat.update({f"{RNG}rank0/{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
 
 
 def save_checkpoint(
@@ -35,25 +134,8 @@ def save_checkpoint(
     tokenizer_file: Path | None,
     keep: int = 0,
 ) -> Path:
-    """Write `state` as the checkpoint of `step` and make it the latest."""
-    root = checkpoint_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
-    tmp = root / f"step_{step:08d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save(state, tmp / STATE_FILE)
-    (tmp / "config.toml").write_text(to_toml(cfg))
-    if tokenizer_file is not None:
-        shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    pointer = root / f"{LATEST}.tmp"
-    pointer.write_text(final.name + "\n")
-    os.replace(pointer, root / LATEST)
-    if keep:
-        _prune(root, keep)
-    return final
+    """Write a full single-process `state` as the checkpoint of `step` (one process)."""
+    return write_checkpoint(run_dir, step, flatten_state(state), cfg, tokenizer_file, keep)
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -62,33 +144,147 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _checksum(path: Path) -> dict[str, int]:
+    crc = 0
+    with path.open("rb") as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    return {"bytes": path.stat().st_size, "crc32": crc}
+
+
+# ---------------------------------------------------------------------- reading
+
+
+def _complete(step_dir: Path) -> bool:
+    return (step_dir / METADATA).is_file() or (step_dir / STATE_FILE).is_file()
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """Resolve a run dir, a checkpoints dir or a step dir to a complete step directory."""
     path = Path(path)
     for root in (path, path / "checkpoints"):
         if (root / LATEST).is_file():
             step_dir = root / (root / LATEST).read_text().strip()
-            if not (step_dir / STATE_FILE).is_file():
+            if not _complete(step_dir):
                 raise CheckpointError(
-                    f"{root / LATEST} points to {step_dir}, which has no {STATE_FILE}; "
+                    f"{root / LATEST} points to {step_dir}, which has no {METADATA}; "
                     "the checkpoint directory was modified by hand"
                 )
             return step_dir
-    if (path / STATE_FILE).is_file():
+    if _complete(path):
         return path
     raise CheckpointError(
         f"no checkpoint found at {path}: expected a run directory, its checkpoints/ "
-        f"directory, or a step directory containing {STATE_FILE}"
+        f"directory, or a step directory containing {METADATA}"
     )
 
 
-def load_checkpoint(step_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint's state; a damaged file is named in the error."""
-    file = step_dir / STATE_FILE
+def read_metadata(step_dir: Path):
+    """The DCP metadata: every entry's key, and shape and dtype for tensors."""
     try:
-        return torch.load(file, map_location=map_location, weights_only=True)
-    except Exception as exc:  # torch raises several types for damaged zip archives
-        raise CheckpointError(f"cannot read checkpoint file {file}: {exc}") from exc
+        return dcp.FileSystemReader(step_dir).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"cannot read checkpoint file {step_dir / METADATA}: {exc}") from exc
+
+
+def verify_files(step_dir: Path, metadata, rank: int = 0, world: int = 1) -> list[str]:
+    """Problems with this rank's share of the data files: a file shorter than the
+    metadata says, or one whose checksum differs from the one recorded at save."""
+    sums_file = step_dir / CHECKSUMS
+    sums = json.loads(sums_file.read_text()) if sums_file.is_file() else {}
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(info.relative_path)
+        ends[name] = max(ends.get(name, 0), info.offset + info.length)
+    problems = []
+    for name in sorted(set(ends) | set(sums))[rank::world]:
+        file = step_dir / name
+        if not file.is_file():
+            problems.append(f"checkpoint file {file} is missing")
+            continue
+        size = file.stat().st_size
+        if size < ends.get(name, 0) or (name in sums and size != sums[name]["bytes"]):
+            problems.append(f"checkpoint file {file} is truncated ({size} bytes)")
+        elif name in sums and _checksum(file)["crc32"] != sums[name]["crc32"]:
+            problems.append(f"checkpoint file {file} is corrupted (checksum mismatch)")
+    return problems
+
+
+def load_entries(
+    step_dir: Path, state: dict[str, Any], *, distributed: bool = False
+) -> dict[str, Any]:
+    """dcp.load into `state` (tensors filled in place, other entries replaced)."""
+    try:
+        with warnings.catch_warnings():  # "... load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(
+                state,
+                storage_reader=dcp.FileSystemReader(step_dir),
+                planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                no_dist=not distributed,
+            )
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"cannot read checkpoint {step_dir}: {exc}") from exc
+    return state
+
+
+def load_checkpoint(step_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """The checkpoint's full single-process state, in one process; a damaged file is
+    named in the error."""
+    if (step_dir / STATE_FILE).is_file():
+        file = step_dir / STATE_FILE
+        try:
+            return torch.load(file, map_location=map_location, weights_only=True)
+        except Exception as exc:  # torch raises several types for damaged zip archives
+            raise CheckpointError(f"cannot read checkpoint file {file}: {exc}") from exc
+    metadata = read_metadata(step_dir)
+    problems = verify_files(step_dir, metadata)
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    flat: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            flat[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            flat[key] = None
+    load_entries(step_dir, flat)
+    return _unflatten(flat, map_location)
+
+
+def _full(key: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Undo a `@parts<k>dim<d>` view: (k, rows / k, ...) at dim d back to the rows."""
+    base, _, suffix = key.partition("@parts")
+    if not suffix:
+        return key, value
+    dim = int(suffix.split("dim")[1])
+    return base, value.flatten(dim, dim + 1)
+
+
+def _unflatten(flat: dict[str, Any], map_location) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": {}, "optimizer": {"state": {}, "param_groups": []}}
+    opt_step = flat.get("optimizer/step", 0)
+    rng: dict[str, torch.Tensor] = {}
+    for key, value in flat.items():
+        if torch.is_tensor(value):
+            value = value.to(map_location)
+        if key.startswith(MODEL):
+            name, value = _full(key[len(MODEL) :], value)
+            state["model"][name] = value
+        elif key.startswith(MOMENTS):
+            rest, value = _full(key[len(MOMENTS) :], value)
+            name, moment = rest.rsplit("/", 1)
+            entry = state["optimizer"]["state"].setdefault(name, {"step": opt_step})
+            entry[moment] = value
+        elif key == "optimizer/param_groups":
+            state["optimizer"]["param_groups"] = value
+        elif key.startswith(f"{RNG}rank0/"):
+            rng[key.rsplit("/", 1)[1]] = value
+        elif not key.startswith(RNG) and key not in ("optimizer/step", "layout"):
+            state[key] = value
+    state["rng"] = rng
+    return state
 
 
 def load_config(step_dir: Path) -> RunConfig:

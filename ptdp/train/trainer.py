@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,12 +30,8 @@ from ptdp.parallel.comm import Group, all_reduce_mean_, all_reduce_sum_, barrier
 from ptdp.parallel.data import GradBuffers
 from ptdp.parallel.env import LaunchEnv, destroy_process_group, init_process_group, pick_device
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
-from ptdp.parallel.state import (
-    full_model_state,
-    full_optimizer_state,
-    local_model_state,
-    local_optimizer_state,
-)
+from ptdp.parallel.sharded_state import load_plan, sharded_state, stage_mesh, unpack
+from ptdp.parallel.state import local_model_state, local_optimizer_state
 from ptdp.perf.flops import flops_per_iteration
 from ptdp.perf.timeline import TimelineRecorder, from_dicts, to_dicts
 from ptdp.pipeline.actions import Action, Kind
@@ -286,62 +283,100 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state(self) -> dict:
-        rng = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+    def state(self) -> dict[str, Any]:
+        """This rank's checkpoint entries (ptdp/train/checkpoint.py): its shards of the
+        fp32 master weights and AdamW moments as DCP tensors, its random state, and the
+        run's scalars (the same on every rank; DCP writes them once)."""
         masters = self.optimizer.master_weights()  # fp32, also under 16-bit training
-        return {
-            "model": self._gather_pipeline(full_model_state(self.chunks, self.tp, masters)),
-            "optimizer": self._gather_optimizer(),
+        moments, opt_step = self.optimizer.moments()
+        state = sharded_state(self.chunks, masters, moments, self._stage_mesh(), self.tp.rank)
+        rng = f"{ckpt.RNG}rank{self.env.rank}/"
+        state[rng + "cpu"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            state[rng + "cuda"] = torch.cuda.get_rng_state(self.device)
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+        ]
+        return state | {
+            "optimizer/step": opt_step,
+            "optimizer/param_groups": groups,
             "loss_scaler": self.scaler.state_dict() if self.scaler else None,
             "step": self.step,
             "consumed_samples": self.step * self.cfg.train.global_batch_size,
-            "rng": rng,
             "config": to_dict(self.cfg),
             "tokenizer": self._tokenizer_entry(),
+            "layout": self.layout.describe(),
         }
 
-    def _gather_pipeline(self, part: dict) -> dict:
-        """Merge the pipeline ranks' name-keyed parts on rank 0 (names are global)."""
-        if self.layout.pp == 1 or self.mesh.coord("tp") or self.mesh.coord("dp"):
-            return part
-        merged: dict = {}
-        for other in gather_objects(part, self.pp):
-            merged.update(other)
-        return merged
-
-    def _gather_optimizer(self) -> dict:
-        moments, step = self.optimizer.moments()
-        groups = self.optimizer.param_groups
-        sd = full_optimizer_state(moments, step, groups, self.chunks, self.tp)
-        sd["state"] = self._gather_pipeline(sd["state"])
-        return sd
+    def _stage_mesh(self):
+        """The DCP device mesh of this rank's pipeline stage (built once, collectively)."""
+        if not hasattr(self, "_dcp_mesh"):
+            self._dcp_mesh = stage_mesh(self.mesh, self.device)
+        return self._dcp_mesh
 
     def _tokenizer_entry(self) -> str:
         """How generation finds the tokenizer: "bytes", the copied tokenizer.json, or ""."""
         spec = self.data.tokenizer_spec
         return spec if spec in ("bytes", "") else "tokenizer.json"
 
-    def save(self) -> Path | None:
-        path = None
-        state = self.state()  # every rank joins the gathers of its tensor group
-        if self.is_main:  # data-parallel replicas are identical: one writer
-            spec = self.data.tokenizer_spec
-            tok = Path(spec) if spec and spec != "bytes" else None
-            path = ckpt.save_checkpoint(
-                self.run_dir,
-                self.step,
-                state,
-                self.cfg,
-                tok,
-                keep=self.cfg.train.keep_checkpoints,
-            )
-        barrier(None, self.env.world_size)
-        return path
+    def save(self) -> Path:
+        """Every rank writes its own shards (no gather); rank 0 publishes the result."""
+        spec = self.data.tokenizer_spec
+        tok = Path(spec) if spec and spec != "bytes" else None
+        return ckpt.write_checkpoint(
+            self.run_dir,
+            self.step,
+            self.state(),
+            self.cfg,
+            tok,
+            keep=self.cfg.train.keep_checkpoints,
+            distributed=self.env.world_size > 1,
+        )
 
     def restore(self, step_dir: Path) -> None:
-        state = ckpt.load_checkpoint(step_dir)
+        """Load a checkpoint saved in any layout: DCP reads, for this rank's shards in the
+        current layout, the overlapping pieces of whatever the saving ranks wrote."""
+        if (step_dir / ckpt.STATE_FILE).is_file():  # the earlier single-file format
+            self._restore_full(ckpt.load_checkpoint(step_dir))
+            return
+        distributed = self.env.world_size > 1
+        metadata = ckpt.read_metadata(step_dir)
+        problems = ckpt.verify_files(step_dir, metadata, self.env.rank, self.env.world_size)
+        if distributed:  # each rank checked a share of the files; all must agree
+            parts: list = [None] * self.env.world_size
+            torch.distributed.all_gather_object(parts, problems)
+            problems = [p for part in parts for p in part]
+        if problems:
+            raise CheckpointError("; ".join(problems))
+        keys = metadata.state_dict_metadata
+        entries, plan = load_plan(self.chunks, keys, self._stage_mesh(), self.tp.rank)
+        scalars = ("step", "loss_scaler", "layout", "optimizer/step")
+        entries |= {k: None for k in scalars if k in keys}
+        rng = f"{ckpt.RNG}rank{self.env.rank}/"
+        for key in (k for k in keys if k.startswith(rng)):
+            md = keys[key]
+            entries[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        ckpt.load_entries(step_dir, entries, distributed=distributed)
+        masters, moments = unpack(plan, self.tp.rank)
+        self.optimizer.load(masters, moments, int(entries.get("optimizer/step") or 0))
+        if self.scaler and entries.get("loss_scaler"):
+            self.scaler.load_state_dict(entries["loss_scaler"])
+        self.step = int(entries["step"])
+        if entries.get("layout") == self.layout.describe() and rng + "cpu" in entries:
+            torch.set_rng_state(entries[rng + "cpu"])
+            if rng + "cuda" in entries and self.device.type == "cuda":
+                torch.cuda.set_rng_state(entries[rng + "cuda"], self.device)
+        else:
+            self._reseed(f"it was saved in layout {entries.get('layout') or 'unknown'}")
+
+    def _reseed(self, why: str) -> None:
+        """A deterministic new random stream per data-parallel rank (as at the start)."""
+        seed = self.cfg.train.seed + 7919 * (1 + self.mesh.coord("dp")) + 104729 * self.step
+        torch.manual_seed(seed)
+        self.say(f"checkpoint random state not restored ({why}); reseeded the random streams")
+
+    def _restore_full(self, state: dict) -> None:
+        """Restore from a full single-process state dict (the earlier checkpoint format)."""
         masters = local_model_state(self.chunks, state["model"], self.tp)
         moments, step = local_optimizer_state(state["optimizer"], self.chunks, self.tp)
         self.optimizer.load(masters, moments, step)

@@ -87,9 +87,17 @@ def test_resume_with_another_model_is_refused(tiny_data: str, tmp_path: Path) ->
 def test_corrupt_checkpoint_is_named(tiny_data: str, tmp_path: Path) -> None:
     train(tiny_config(tiny_data, tmp_path / "run", train={"steps": 1}))
     step_dir = ckpt.find_checkpoint(tmp_path / "run")
-    state = step_dir / "state.pt"
-    state.write_bytes(state.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match=str(state)):
+    (shard,) = step_dir.glob("*.distcp")
+    data = shard.read_bytes()
+    shard.write_bytes(data[:100])
+    with pytest.raises(CheckpointError, match=f"{shard} is truncated"):
+        ckpt.load_checkpoint(step_dir)
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same length, one bit flipped
+    with pytest.raises(CheckpointError, match=f"{shard} is corrupted"):
+        ckpt.load_checkpoint(step_dir)
+    metadata = step_dir / ckpt.METADATA
+    metadata.write_bytes(metadata.read_bytes()[:50])
+    with pytest.raises(CheckpointError, match=str(metadata)):
         ckpt.load_checkpoint(step_dir)
 
 

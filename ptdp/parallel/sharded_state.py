@@ -1,0 +1,230 @@
+"""A rank's model and optimizer state as `torch.distributed.checkpoint` (DCP) entries.
+
+Every rank describes the tensors it holds as DTensors over the ("dp", "tp") sub-mesh of
+its pipeline stage: a tensor-parallel shard is `Shard(dim)` of the unpadded global
+tensor (padding a dimension to a multiple of tp makes the unpadded shards exactly
+torch.chunk's, empty last shards included), everything else is replicated. DCP writes
+each distinct chunk once (spreading the data-parallel replicas' writes over ranks), and
+on load it reads, for the current layout, whatever overlapping chunks a checkpoint
+holds, so a checkpoint saved in one layout restores in any other.
+
+Keys are layout-free: `model/<global name>`, `optimizer/state/<name>/<moment>`. A
+SwiGLU fc1 weight ([gate; up] blocks, each split over tp on its own) saved by tp > 1
+ranks is stored viewed as (parts, rows / parts, ...) under the key suffix `@parts<k>dim<d>`,
+where each rank's rows are one contiguous chunk of dim 1. The last pipeline stage's
+copy of a tied embedding is not saved; it loads from `embedding.weight`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ptdp.errors import CheckpointError
+from ptdp.parallel.init import ShardSpec, shard_spec
+from ptdp.parallel.mesh import ParallelMesh
+from ptdp.parallel.state import named_parameters
+
+MODEL = "model/"
+MOMENTS = "optimizer/state/"
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def stage_mesh(mesh: ParallelMesh, device: torch.device) -> DeviceMesh | None:
+    """The ("dp", "tp") device mesh of this rank's pipeline stage; None in one process.
+
+    Collective: every rank must call it. The torch mesh has ptdp's rank layout
+    (rank = tp + t*(dp + d*pp) is arange(world).reshape(pp, dp, tp)).
+    """
+    s = mesh.shape
+    if s.world_size == 1 or not dist.is_initialized():
+        return None
+    full = init_device_mesh(device.type, (s.pp, s.dp, s.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return full["dp", "tp"]
+
+
+def parts_key(key: str, spec: ShardSpec) -> str:
+    return f"{key}@parts{spec.parts}dim{spec.dim}"
+
+
+def _parts_dim(key: str) -> int | None:
+    """The dim a `@parts<k>dim<d>` key was viewed at, or None."""
+    _, _, suffix = key.partition("@parts")
+    return int(suffix.split("dim")[1]) if suffix else None
+
+
+def _sharded(spec: ShardSpec | None, sub: DeviceMesh | None) -> bool:
+    return sub is not None and spec is not None and spec.size > 1
+
+
+def _chunk_rows(spec: ShardSpec, rank: int) -> int:
+    """Rows of the unpadded tensor on `rank` (torch.chunk semantics)."""
+    chunk = spec.padded_size // spec.size
+    return max(0, min(chunk, spec.full_size - rank * chunk))
+
+
+def _global(local: torch.Tensor, spec: ShardSpec, parts: bool) -> tuple[list[int], int]:
+    """Global shape and sharded dim of the DCP tensor for a tensor-local `local`."""
+    shape = list(spec.full_shape(local.shape))
+    if parts:
+        shape[spec.dim : spec.dim + 1] = [spec.parts, spec.full_size // spec.parts]
+        return shape, spec.dim + 1
+    return shape, spec.dim
+
+
+def _dtensor(local: torch.Tensor, spec: ShardSpec, sub: DeviceMesh, tp_rank: int) -> DTensor:
+    """A tensor-local (padded) shard as a DTensor of the unpadded global tensor; a view
+    of `local`, so loading into it fills `local`."""
+    parts = spec.parts > 1
+    shape, dim = _global(local, spec, parts)
+    if parts:
+        view = local.unflatten(spec.dim, (spec.parts, -1))
+    else:
+        view = local.narrow(spec.dim, 0, _chunk_rows(spec, tp_rank))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        view,
+        sub,
+        [Replicate(), Shard(dim)],
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=stride,
+    )
+
+
+def _entry(key: str, local: torch.Tensor, p: torch.Tensor, sub, tp_rank: int) -> tuple:
+    spec = shard_spec(p)
+    if _sharded(spec, sub):
+        if spec.parts > 1:
+            key = parts_key(key, spec)
+        return key, _dtensor(local.float(), spec, sub, tp_rank)
+    if spec is not None and spec.padded_size != spec.full_size:
+        local = local.narrow(spec.dim, 0, spec.full_size)
+    return key, local.float()
+
+
+def sharded_state(
+    chunks: list[nn.Module],
+    masters: dict[nn.Parameter, torch.Tensor],
+    moments: dict[nn.Parameter, dict[str, torch.Tensor]],
+    sub: DeviceMesh | None,
+    tp_rank: int,
+) -> dict[str, torch.Tensor]:
+    """This rank's tensors under their DCP keys (fp32 masters and AdamW moments)."""
+    out = {}
+    for name, p in named_parameters(chunks):
+        if hasattr(p, "tied_to"):
+            continue
+        key, value = _entry(MODEL + name, masters[p], p, sub, tp_rank)
+        out[key] = value
+        for k, v in moments.get(p, {}).items():
+            key, value = _entry(f"{MOMENTS}{name}/{k}", v, p, sub, tp_rank)
+            out[key] = value
+    return out
+
+
+@dataclass
+class _Target:
+    """Where one loaded DCP tensor goes: `buffer` (a DTensor's local or a full tensor)
+    becomes the tensor-local value of `p` through `finish`."""
+
+    key: str
+    value: torch.Tensor
+    p: torch.Tensor
+    local: torch.Tensor | None  # the padded tensor-local tensor a DTensor fills
+
+    def result(self, tp_rank: int) -> torch.Tensor:
+        if self.local is not None:
+            return self.local
+        spec = shard_spec(self.p)
+        full, dim = self.value, _parts_dim(self.key)
+        if dim is not None:
+            full = full.flatten(dim, dim + 1)
+        if spec is not None and spec.size > 1:
+            return spec.shard(full, tp_rank)
+        if spec is not None and spec.padded_size != spec.full_size:
+            return spec.shard(full, 0)
+        return full
+
+
+def _stored(metadata, key: str) -> str | None:
+    if key in metadata:
+        return key
+    found = [k for k in metadata if k.startswith(key + "@parts")]
+    return found[0] if found else None
+
+
+def _target(key: str, stored: str, shape, p: torch.Tensor, sub, tp_rank: int, name: str):
+    spec = shard_spec(p)
+    full_shape = tuple(spec.full_shape(p.shape)) if spec is not None else tuple(p.shape)
+    flat_shape, dim = list(shape), _parts_dim(stored)
+    if dim is not None:
+        flat_shape[dim : dim + 2] = [flat_shape[dim] * flat_shape[dim + 1]]
+    if tuple(flat_shape) != full_shape:
+        raise CheckpointError(
+            f"checkpoint tensor {stored} has shape {tuple(shape)}, which does not fit this "
+            f"model's {full_shape} ({name}); is it the same model?"
+        )
+    parts_stored = dim is not None
+    if _sharded(spec, sub) and parts_stored == (spec.parts > 1):
+        local = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        return _Target(stored, _dtensor(local, spec, sub, tp_rank), p, local)
+    value = torch.empty(tuple(shape), dtype=torch.float32, device=p.device)
+    return _Target(stored, value, p, None)
+
+
+def load_plan(
+    chunks: list[nn.Module],
+    metadata: dict,
+    sub: DeviceMesh | None,
+    tp_rank: int,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """The DCP state dict to load this rank's tensors into (current layout), and how to
+    turn it back into (masters, moments) by parameter: call `unpack` after dcp.load."""
+    targets: dict[str, _Target] = {}
+    wanted: list[tuple[nn.Parameter, str, str]] = []  # (param, moment or "", stored key)
+    missing = []
+    for name, p in named_parameters(chunks):
+        saved = getattr(p, "tied_to", name)
+        keys = [("", MODEL + saved)] + [(k, f"{MOMENTS}{saved}/{k}") for k in STATE_KEYS]
+        for moment, key in keys:
+            stored = _stored(metadata, key)
+            if stored is None:
+                if not moment:
+                    missing.append(saved)
+                continue
+            if stored not in targets:
+                md = metadata[stored]
+                if not isinstance(md, TensorStorageMetadata):
+                    raise CheckpointError(f"checkpoint entry {stored} is not a tensor")
+                targets[stored] = _target(key, stored, md.size, p, sub, tp_rank, name)
+            wanted.append((p, moment, stored))
+    if missing:
+        raise CheckpointError(f"checkpoint lacks tensors this model needs: {missing[:5]}")
+    state = {k: t.value for k, t in targets.items()}
+    return state, {"targets": targets, "wanted": wanted}
+
+
+def unpack(plan: dict, tp_rank: int) -> tuple[dict, dict]:
+    """(masters, moments) by parameter, tensor-local, from a loaded `load_plan`."""
+    results = {k: t.result(tp_rank) for k, t in plan["targets"].items()}
+    masters, moments = {}, {}
+    for p, moment, stored in plan["wanted"]:
+        value = results[stored]
+        if value.shape != p.shape:
+            raise CheckpointError(
+                f"checkpoint tensor {stored} gives a shard of shape {tuple(value.shape)}, "
+                f"which does not fit this model's {tuple(p.shape)} (per rank)"
+            )
+        if moment:
+            moments.setdefault(p, {})[moment] = value
+        else:
+            masters[p] = value
+    moments = {p: m for p, m in moments.items() if len(m) == len(STATE_KEYS)}
+    return masters, moments

@@ -1,0 +1,151 @@
+"""Sharded checkpoints (torch.distributed.checkpoint): every rank writes its own shards,
+a resume in the same layout is bit for bit, and a checkpoint restores in other layouts
+(and in one process) to the loss the saving layout would have reached."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ptdp.errors import CheckpointError
+from ptdp.parallel.env import LaunchEnv
+from ptdp.train import checkpoint as ckpt
+from ptdp.train.trainer import train
+from tests.dist.harness import run_ranks
+from tests.helpers import LLAMA, tiny_config
+
+pytestmark = pytest.mark.dist
+
+SAVED = "step_00000003"
+
+
+def _config(data: str, run_dir: Path, steps: int, parallel: dict, model: dict, **extra):
+    optim = {"decay_steps": 6, "eps": 1e-6, "distributed": True} | extra.pop("optim", {})
+    return tiny_config(
+        data,
+        run_dir,
+        train={"steps": steps, "micro_batch_size": 2, **extra.pop("train", {})},
+        optim=optim,
+        parallel=parallel,
+        model={"num_layers": 4, **model},
+    )
+
+
+def _copy_saved(source: Path, target: Path) -> None:
+    """A run dir holding only `source`'s step-3 checkpoint, to resume from."""
+    root = target / "checkpoints"
+    root.mkdir(parents=True)
+    shutil.copytree(source / "checkpoints" / SAVED, root / SAVED)
+    (root / "latest").write_text(SAVED + "\n")
+
+
+def _write(root: str, name: str, rank: int, losses: dict) -> None:
+    if rank == 0:
+        (Path(root) / f"{name}.json").write_text(json.dumps(losses))
+
+
+def _read(root: Path, name: str) -> dict[int, float]:
+    return {int(k): v for k, v in json.loads((root / f"{name}.json").read_text()).items()}
+
+
+def _save_and_resume(rank: int, world: int, data: str, root: str, par: dict, model: dict):
+    """Dropout on: an uninterrupted run, and one stopped at step 3 and resumed."""
+    env, root_ = LaunchEnv(rank, world, rank), Path(root)
+    drop = {**model, "dropout": 0.1}
+    full = train(_config(data, root_ / "full", 6, par, drop), env=env)
+    train(_config(data, root_ / "split", 3, par, drop), env=env)
+    resumed = train(_config(data, root_ / "split", 6, par, drop), env=env, resume=True)
+    _write(root, "full", rank, full.losses)
+    _write(root, "resumed", rank, resumed.losses)
+    # Dropout off: the reference run and its step-3 checkpoint for the resharding tests.
+    ref = train(_config(data, root_ / "ref", 4, par, model, train={"save_interval": 3}), env=env)
+    _write(root, "ref", rank, ref.losses)
+
+
+def _resume_in(rank: int, world: int, data: str, root: str, name: str, par: dict, model: dict):
+    env, run_dir = LaunchEnv(rank, world, rank), Path(root) / name
+    result = train(_config(data, run_dir, 4, par, model), env=env, resume=True)
+    _write(root, name, rank, result.losses)
+
+
+def _check_resharding(tmp: Path, data: str, source: Path, targets: dict, model: dict) -> None:
+    """Step 4 after restoring `source`'s step-3 checkpoint in each target layout equals
+    the saving layout's step 4."""
+    expected = _read(tmp, "ref")[4]
+    for name, (world, par) in targets.items():
+        _copy_saved(source, tmp / name)
+        if world == 1:
+            result = train(_config(data, tmp / name, 4, par, model), resume=True)
+            losses = result.losses
+        else:
+            run_ranks(_resume_in, world, data, str(tmp), name, par, model)
+            losses = _read(tmp, name)
+        assert sorted(losses) == [4], name
+        assert losses[4] == pytest.approx(expected, rel=1e-5), name
+
+
+TP2_PP2_DP2 = {"tp": 2, "pp": 2}
+
+
+def test_sharded_save_resume_and_reshard(tiny_data: str, tmp_path: Path) -> None:
+    run_ranks(_save_and_resume, 8, tiny_data, str(tmp_path), TP2_PP2_DP2, {}, timeout_s=400)
+    full, resumed = _read(tmp_path, "full"), _read(tmp_path, "resumed")
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):  # same layout, per-rank random streams restored: bit for bit
+        assert resumed[step] == full[step], step
+    # Every rank that holds distinct data wrote its own file; nothing went through rank 0.
+    step_dir = tmp_path / "split" / "checkpoints" / SAVED
+    files = sorted(step_dir.glob("*.distcp"))
+    assert len(files) > 1
+    assert len({f.name.split("_")[2] for f in files}) == len(files)  # one per writer
+    # The layout-free view in one process holds every parameter once, at full shape.
+    state = ckpt.load_checkpoint(step_dir)
+    assert state["step"] == 3 and "output.weight" not in state["model"]  # tied copy
+    assert set(state["optimizer"]["state"]) == set(state["model"])
+    targets = {
+        "tp1-pp4-dp2": (8, {"pp": 4}),
+        "tp4-dp2": (8, {"tp": 4}),
+        "one": (1, {}),
+    }
+    _check_resharding(tmp_path, tiny_data, tmp_path / "ref", targets, {})
+    # The other way: a one-process checkpoint restored under tp=2, pp=2.
+    _check_resharding(tmp_path, tiny_data, tmp_path / "one", {"from-one": (4, TP2_PP2_DP2)}, {})
+
+
+def _llama_save(rank: int, world: int, data: str, root: str) -> None:
+    env = LaunchEnv(rank, world, rank)
+    cfg = _config(data, Path(root) / "ref", 4, {"tp": 2}, LLAMA, train={"save_interval": 3})
+    _write(root, "ref", rank, train(cfg, env=env).losses)
+
+
+def test_swiglu_and_untied_output_reshard(tiny_data: str, tmp_path: Path) -> None:
+    """SwiGLU's [gate; up] weight (each block split on its own) and an untied output
+    layer, saved at tp=2 dp=2, restore in one process and at tp=4 pp=2 (not at tp=4:
+    two query groups)."""
+    run_ranks(_llama_save, 4, tiny_data, str(tmp_path))
+    step_dir = tmp_path / "ref" / "checkpoints" / SAVED
+    keys = ckpt.read_metadata(step_dir).state_dict_metadata
+    assert any(k.endswith("fc1.weight@parts2dim0") for k in keys)  # stored (2, f, h)
+    full = ckpt.load_checkpoint(step_dir)["model"]
+    assert "output.weight" in full and all("@" not in k for k in full)
+    targets = {"one": (1, {}), "pp2-dp2": (4, {"pp": 2})}
+    _check_resharding(tmp_path, tiny_data, tmp_path / "ref", targets, LLAMA)
+
+
+def test_damaged_shard_is_named(tiny_data: str, tmp_path: Path) -> None:
+    run_ranks(_llama_save, 4, tiny_data, str(tmp_path))
+    step_dir = tmp_path / "ref" / "checkpoints" / SAVED
+    shard = sorted(step_dir.glob("*.distcp"))[-1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f"{shard} is truncated"):
+        ckpt.load_checkpoint(step_dir)
+    _copy_saved(tmp_path / "ref", tmp_path / "resume")
+    with pytest.raises(CheckpointError, match="is truncated"):
+        train(_config(tiny_data, tmp_path / "resume", 4, {}, LLAMA), resume=True)
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match=f"{shard} is corrupted"):
+        ckpt.load_checkpoint(step_dir)
