@@ -199,6 +199,8 @@ class TrainConfig:
     """Checkpoint every this many steps (and at the end); 0 = only at the end."""
     keep_checkpoints: int = 2
     """Most recent checkpoints kept on disk; 0 = keep all."""
+    async_save: bool = False
+    """Write checkpoints in a background thread while training continues."""
     precision: Precision = Precision.FP32
     """fp32; bf16 (16-bit weights and compute, fp32 master weights and gradient
     accumulation); fp16 (the same with dynamic loss scaling)."""

@@ -11,7 +11,9 @@ nothing is gathered to rank 0. Keys are layout-free (see ptdp/parallel/sharded_s
 A checkpoint is written under `step_X.tmp` by all ranks, checksummed, renamed by rank 0
 when every rank is done, and only then does `latest` move (written to a temporary file
 and `os.replace`d), so a crash or a failed save leaves the previous checkpoint as the
-latest. `load_checkpoint` rebuilds the full single-process state dict in one process
+latest. An asynchronous save (`start_checkpoint(asynchronous=True)`) copies the state
+to CPU memory, writes it in a background thread and publishes it in `finish()`.
+`load_checkpoint` rebuilds the full single-process state dict in one process
 (no process group); checkpoints of the earlier single-file format (`state.pt`) still load.
 """
 
@@ -22,6 +24,8 @@ import os
 import shutil
 import warnings
 import zlib
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,9 @@ CHECKSUMS = "checksums.json"
 LATEST = "latest"
 MODEL, MOMENTS, RNG = "model/", "optimizer/state/", "rng/"
 
+# DCP warns when it saves or loads without a process group (also from a background thread).
+warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single")
+
 
 def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
@@ -50,6 +57,107 @@ def _distributed() -> bool:
 
 
 # ---------------------------------------------------------------------- writing
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint whose shards are being (or have been) written under `tmp`; `finish`
+    (all ranks together) waits for this rank's write, then checksums and publishes it."""
+
+    root: Path
+    final: Path
+    tmp: Path
+    cfg: RunConfig
+    tokenizer_file: Path | None
+    keep: int
+    distributed: bool
+    future: Future | None = None  # the background write of an asynchronous save
+
+    def finish(self) -> Path:
+        if self.future is not None:
+            self.future.result()  # this rank's shards are on disk (or its error raises)
+            self.future = None
+        return _publish(self)
+
+
+def start_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    state: dict[str, Any],
+    cfg: RunConfig,
+    tokenizer_file: Path | None,
+    keep: int = 0,
+    *,
+    distributed: bool = False,
+    asynchronous: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+) -> PendingCheckpoint:
+    """Start writing this rank's flat DCP `state` (all ranks call this together when
+    `distributed`) as the checkpoint of `step`, under `step_X.tmp`.
+
+    Synchronous: the shards are written when this returns. `asynchronous`: DCP copies the
+    tensors to new CPU memory (a snapshot; training may change its own tensors at once)
+    and writes them in a background thread, coordinating over `process_group` (a group of
+    its own, so its collectives never interleave with training's). Either way nothing is
+    published until `finish()`.
+    """
+    rank = dist.get_rank() if distributed else 0
+    root = checkpoint_root(run_dir)
+    pending = PendingCheckpoint(
+        root,
+        root / f"step_{step:08d}",
+        root / f"step_{step:08d}.tmp",
+        cfg,
+        tokenizer_file,
+        keep,
+        distributed,
+    )
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(pending.tmp, ignore_errors=True)
+        pending.tmp.mkdir()
+    if distributed:
+        dist.barrier()
+    kwargs = {
+        "storage_writer": dcp.FileSystemWriter(pending.tmp, thread_count=1),
+        "planner": DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        "no_dist": not distributed,
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        if asynchronous:
+            pending.future = dcp.async_save(state, process_group=process_group, **kwargs)
+        else:
+            dcp.save(state, **kwargs)
+    return pending
+
+
+def _publish(p: PendingCheckpoint) -> Path:
+    """Checksum the written shards, then (rank 0) rename `tmp` and move `latest`."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if p.distributed else (0, 1)
+    if p.distributed:
+        dist.barrier()  # every rank's shards (and DCP's .metadata) are written
+    files = sorted(f.name for f in p.tmp.glob("*.distcp"))
+    sums = {name: _checksum(p.tmp / name) for name in files[rank::world]}
+    if p.distributed:
+        parts: list = [None] * world
+        dist.all_gather_object(parts, sums)
+        sums = {k: v for part in parts for k, v in part.items()}
+    if rank == 0:
+        (p.tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
+        (p.tmp / "config.toml").write_text(to_toml(p.cfg))
+        if p.tokenizer_file is not None:
+            shutil.copyfile(p.tokenizer_file, p.tmp / "tokenizer.json")
+        shutil.rmtree(p.final, ignore_errors=True)
+        os.replace(p.tmp, p.final)
+        pointer = p.root / f"{LATEST}.tmp"
+        pointer.write_text(p.final.name + "\n")
+        os.replace(pointer, p.root / LATEST)
+        if p.keep:
+            _prune(p.root, p.keep)
+    if p.distributed:
+        dist.barrier()
+    return p.final
 
 
 def write_checkpoint(
@@ -64,45 +172,10 @@ def write_checkpoint(
 ) -> Path:
     """Write this rank's flat DCP `state` (all ranks call this together when
     `distributed`) as the checkpoint of `step`; rank 0 then makes it the latest."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    root = checkpoint_root(run_dir)
-    final = root / f"step_{step:08d}"
-    tmp = root / f"step_{step:08d}.tmp"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    if distributed:
-        dist.barrier()
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(
-            state,
-            storage_writer=dcp.FileSystemWriter(tmp, thread_count=1),
-            planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-            no_dist=not distributed,
-        )
-    files = sorted(p.name for p in tmp.glob("*.distcp"))  # dcp.save ends collectively
-    sums = {name: _checksum(tmp / name) for name in files[rank::world]}
-    if distributed:
-        parts: list = [None] * world
-        dist.all_gather_object(parts, sums)
-        sums = {k: v for part in parts for k, v in part.items()}
-    if rank == 0:
-        (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
-        (tmp / "config.toml").write_text(to_toml(cfg))
-        if tokenizer_file is not None:
-            shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = root / f"{LATEST}.tmp"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, root / LATEST)
-        if keep:
-            _prune(root, keep)
-    if distributed:
-        dist.barrier()
-    return final
+    pending = start_checkpoint(
+        run_dir, step, state, cfg, tokenizer_file, keep, distributed=distributed
+    )
+    return pending.finish()
 
 
 def flatten_state(state: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
@@ -320,10 +321,16 @@ class Trainer:
         return spec if spec in ("bytes", "") else "tokenizer.json"
 
     def save(self) -> Path:
-        """Every rank writes its own shards (no gather); rank 0 publishes the result."""
+        """Every rank writes its own shards (no gather); rank 0 publishes the result.
+
+        With `train.async_save`, the state is copied to CPU memory and written in the
+        background; it is published by the next `save` or `finish_save` (all ranks call
+        both at the same steps), so `latest` names it only then."""
+        self.finish_save()  # the previous asynchronous save first
         spec = self.data.tokenizer_spec
         tok = Path(spec) if spec and spec != "bytes" else None
-        return ckpt.write_checkpoint(
+        asynchronous = self.cfg.train.async_save
+        pending = ckpt.start_checkpoint(
             self.run_dir,
             self.step,
             self.state(),
@@ -331,7 +338,32 @@ class Trainer:
             tok,
             keep=self.cfg.train.keep_checkpoints,
             distributed=self.env.world_size > 1,
+            asynchronous=asynchronous,
+            process_group=self._save_group() if asynchronous else None,
         )
+        if not asynchronous:
+            return pending.finish()
+        self._pending_save = pending
+        return pending.final
+
+    def finish_save(self) -> Path | None:
+        """Wait for the asynchronous save in flight, if any, and publish it (collective)."""
+        pending = getattr(self, "_pending_save", None)
+        if pending is None:
+            return None
+        self._pending_save = None
+        step_dir = pending.finish()
+        self.say(f"saved checkpoint {step_dir}")
+        return step_dir
+
+    def _save_group(self):
+        """A gloo group of all ranks for the background writes' collectives, so they
+        never interleave with training's (built once, collectively); None in one process."""
+        if self.env.world_size == 1:
+            return None
+        if not hasattr(self, "_async_group"):
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
 
     def restore(self, step_dir: Path) -> None:
         """Load a checkpoint saved in any layout: DCP reads, for this rank's shards in the
@@ -433,8 +465,13 @@ class Trainer:
                     timer.resume()
                 if (t.save_interval and self.step % t.save_interval == 0) or last:
                     timer.pause()
-                    self.say(f"saved checkpoint {self.save()}")
+                    step_dir = self.save()
+                    if t.async_save:
+                        self.say(f"saving checkpoint {step_dir} in the background")
+                    else:
+                        self.say(f"saved checkpoint {step_dir}")
                     timer.resume()
+            self.finish_save()  # the last asynchronous save is published before the run ends
         finally:
             bar.close()
             if writer:
