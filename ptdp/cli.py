@@ -359,7 +359,9 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"# layout: {layout.describe()}")
         print(f"# data: {len(data.train):,} training samples, tokenizer {data.tokenizer_spec}")
         return 0
-    train(cfg, resume=args.resume, env=env)
+    result = train(cfg, resume=args.resume, env=env)
+    # Stopped by SIGINT/SIGTERM after saving: the shell's code for that signal (130, 143).
+    code = 128 + result.interrupted if result.interrupted else 0
     if env.world_size > 1:
         # All work is done, checkpoints written and the process group destroyed. gloo has
         # been seen to abort a finished process in a C++ destructor at interpreter exit
@@ -367,8 +369,8 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         # as a failure: leave without running the finalisers.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(code)
+    return code
 
 
 def _cmd_preprocess(args: argparse.Namespace) -> int:

@@ -57,6 +57,12 @@ class Recompute(str, enum.Enum):
     FULL = "full"
 
 
+class OnNan(str, enum.Enum):
+    SKIP = "skip"
+    STOP = "stop"
+    ROLLBACK = "rollback"
+
+
 class Precision(str, enum.Enum):
     FP32 = "fp32"
     BF16 = "bf16"
@@ -213,6 +219,10 @@ class TrainConfig:
     profile_timeline: bool = False
     """Write the last step's per-rank timeline (timeline.json for Perfetto, timeline.png)
     beside its prediction."""
+    on_nan: OnNan = OnNan.STOP
+    """A step with a non-finite loss or gradient norm (not an fp16 overflow): stop (with an
+    error naming the last good checkpoint), skip (leave the step out), or rollback (reload
+    the last checkpoint and skip the batches since it, the bad one included)."""
 
 
 @dataclass(kw_only=True, frozen=True)

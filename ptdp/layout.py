@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.config import PositionEmbedding, RunConfig, Schedule
+from ptdp.config import OnNan, PositionEmbedding, RunConfig, Schedule
 from ptdp.errors import ConfigError
 from ptdp.pipeline.schedules import check_args
 
@@ -159,6 +159,11 @@ def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
         _positive(errors, f"train.{name}", getattr(t, name), zero_ok=True)
     if t.eval_interval and not t.eval_iters:
         errors.append("train.eval_iters = 0 with train.eval_interval > 0; set eval_iters >= 1")
+    if t.on_nan is OnNan.ROLLBACK and not t.save_interval:
+        errors.append(
+            "train.on_nan = rollback with train.save_interval = 0 leaves no checkpoint to roll "
+            "back to; set --train.save_interval (e.g. 100) or --train.on_nan stop"
+        )
     microbatches = 0
     if dp and t.micro_batch_size > 0 and t.global_batch_size > 0:
         per_step = t.micro_batch_size * dp

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from ptdp.config import Precision, RunConfig, to_dict, to_toml
+from ptdp.config import OnNan, Precision, RunConfig, to_dict, to_toml
 from ptdp.errors import CheckpointError
 from ptdp.layout import Layout, validate
 from ptdp.model.gpt import count_parameters
@@ -38,6 +39,7 @@ from ptdp.perf.timeline import TimelineRecorder, from_dicts, to_dicts
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
+from ptdp.train.faults import FaultMonitor, NumericalFault, TrainingError
 from ptdp.train.loss_scale import DynamicLossScaler
 from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
 from ptdp.train.optim import Optimizer, lr_at, set_lr
@@ -93,6 +95,12 @@ class TrainResult:
     """fp32 master weights and AdamW moments held by rank 0 (after the first step)."""
     skipped_steps: int = 0
     """fp16: steps skipped for inf/NaN gradients."""
+    nonfinite_skipped: int = 0
+    """Steps left out for a non-finite loss or gradient norm (train.on_nan = skip)."""
+    rollbacks: list[tuple[int, int]] = field(default_factory=list)
+    """(checkpoint step restored, bad step) of each rollback (train.on_nan = rollback)."""
+    interrupted: int = 0
+    """The signal (SIGINT, SIGTERM) the run stopped for after saving; 0 if none."""
 
 
 class Trainer:
@@ -159,6 +167,8 @@ class Trainer:
             else None
         )
         self.step = 0
+        world = Group(None, env.world_size, env.rank) if env.world_size > 1 else Group.single()
+        self.faults = FaultMonitor(cfg.train.on_nan, world, self.device, self.say)
         # Dropout: the shared stream is per data-parallel rank (they see different samples)
         # and the same on the ranks of a tensor group; split regions fork it (rank_rng).
         torch.manual_seed(cfg.train.seed + 7919 * (1 + self.mesh.coord("dp")))
@@ -238,14 +248,16 @@ class Trainer:
         all_reduce_mean_(total, self.mesh.axis("dp"))
         return total
 
-    def optimizer_step(self) -> tuple[torch.Tensor, bool]:
+    def optimizer_step(self, loss: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
         """Unscale, clip and apply the reduced gradients; returns (grad norm, skipped).
 
-        fp16: a step with inf/NaN gradients is skipped and the loss scale halved."""
+        fp16: a step with inf/NaN gradients is skipped and the loss scale halved. Otherwise a
+        non-finite loss or norm is a fault, handled by train.on_nan (ptdp/train/faults.py):
+        skip returns skipped, stop and rollback raise NumericalFault (on every rank)."""
         if self.scaler:
             self.optimizer.scale_grads(1.0 / self.scaler.scale)
         norm = self.optimizer.grad_norm()
-        skipped = False
+        skipped = self.faults.check(self.step + 1, loss, norm, fp16=self.scaler is not None)
         if self.scaler:
             skipped = not math.isfinite(norm.item())
             self.scaler.update(found_inf=skipped)
@@ -258,7 +270,7 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (mean loss over the global batch, grad norm)."""
         total = self.forward_backward()
-        grad_norm, _ = self.optimizer_step()
+        grad_norm, _ = self.optimizer_step(total)
         self.step += 1
         return total, grad_norm
 
@@ -440,43 +452,60 @@ class Trainer:
         pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         timer = _IntervalTimer(self.device)
         try:
-            while self.step < t.steps:
-                loss, grad_norm = self.train_step()
-                pending.append((self.step, loss, grad_norm))
-                bar.update(1)
-                last = self.step == t.steps
-                if self.step % t.log_interval == 0 or last:
-                    record = self._log(pending, timer.take_interval(), result)
-                    bar.set_postfix(loss=f"{record['loss']:.3f}")
-                    if writer:
-                        writer.write(record)
-                    self.say(format_line(record))
-                    pending = []
-                if t.eval_interval and (self.step % t.eval_interval == 0 or last):
-                    timer.pause()
-                    val = self.evaluate()
-                    result.val_losses[self.step] = val
-                    if writer:
-                        writer.write({"step": self.step, "val_loss": val})
-                    self.say(
-                        f"step {self.step:>6} | validation loss {val:.4f} "
-                        f"| perplexity {math.exp(min(val, 50)):.1f}"
-                    )
-                    timer.resume()
-                if (t.save_interval and self.step % t.save_interval == 0) or last:
-                    timer.pause()
-                    step_dir = self.save()
-                    if t.async_save:
-                        self.say(f"saving checkpoint {step_dir} in the background")
-                    else:
-                        self.say(f"saved checkpoint {step_dir}")
-                    timer.resume()
+            with self.faults.stop:  # SIGINT/SIGTERM: save at the end of the step and stop
+                while self.step < t.steps:
+                    try:
+                        loss, grad_norm = self.train_step()
+                    except NumericalFault as fault:  # on every rank, at the same step
+                        self._on_fault(fault, result)
+                        pending = []
+                        continue
+                    pending.append((self.step, loss, grad_norm))
+                    bar.update(1)
+                    stopping = bool(self.faults.signum)  # agreed by all ranks
+                    last = self.step == t.steps
+                    if self.step % t.log_interval == 0 or last or stopping:
+                        record = self._log(pending, timer.take_interval(), result)
+                        bar.set_postfix(loss=f"{record['loss']:.3f}")
+                        if writer:
+                            writer.write(record)
+                        self.say(format_line(record))
+                        pending = []
+                    if t.eval_interval and (self.step % t.eval_interval == 0 or last):
+                        timer.pause()
+                        val = self.evaluate()
+                        result.val_losses[self.step] = val
+                        if writer:
+                            writer.write({"step": self.step, "val_loss": val})
+                        self.say(
+                            f"step {self.step:>6} | validation loss {val:.4f} "
+                            f"| perplexity {math.exp(min(val, 50)):.1f}"
+                        )
+                        timer.resume()
+                    if (t.save_interval and self.step % t.save_interval == 0) or last or stopping:
+                        timer.pause()
+                        step_dir = self.save()
+                        if t.async_save and not stopping:
+                            self.say(f"saving checkpoint {step_dir} in the background")
+                        elif not t.async_save:
+                            self.say(f"saved checkpoint {step_dir}")
+                        timer.resume()
+                    if stopping:
+                        self.finish_save()
+                        result.interrupted = self.faults.signum
+                        name = signal.Signals(self.faults.signum).name
+                        self.say(
+                            f"interrupted by {name} at step {self.step}; saved checkpoint "
+                            f"{step_dir}; resume with --resume"
+                        )
+                        break
             self.finish_save()  # the last asynchronous save is published before the run ends
         finally:
             bar.close()
             if writer:
                 writer.close()
         result.final_step = self.step
+        result.nonfinite_skipped = self.faults.skipped
         if self.recorder and self.step > result.start_step:
             self._write_timeline()
         result.optimizer_bytes = self.optimizer.state_bytes()
@@ -487,6 +516,42 @@ class Trainer:
                 f"({steps * self.tokens_per_step / timer.total:,.0f} tokens/s)"
             )
         return result
+
+    def _on_fault(self, fault: NumericalFault, result: TrainResult) -> None:
+        """A step with a non-finite loss or gradient norm under on_nan = stop or rollback.
+
+        stop: save nothing new and raise TrainingError naming the last good checkpoint.
+        rollback: restore the last checkpoint (step k) and continue with the step after the
+        bad one (b): the step counter decides the batch, so the batches of steps k+1..b are
+        skipped. Replaying them would only reproduce the fault: the run is deterministic."""
+        self.finish_save()  # an earlier step's save is good: publish it
+        has_checkpoint = (ckpt.checkpoint_root(self.run_dir) / ckpt.LATEST).is_file()
+        good = ckpt.find_checkpoint(self.run_dir) if has_checkpoint else None
+        policy = self.cfg.train.on_nan
+        if policy is OnNan.STOP or good is None:
+            where = (
+                f"the last good checkpoint is {good} (continue from it with --resume)"
+                if good
+                else "no checkpoint was saved before it"
+            )
+            raise TrainingError(
+                f"{fault}; stopped without saving (train.on_nan = {policy.value}); {where}. Lower "
+                "optim.lr or raise optim.warmup_steps, or set --train.on_nan skip or rollback"
+            )
+        self.restore(good)
+        restored, self.step = self.step, fault.step
+        result.rollbacks.append((restored, fault.step))
+        for values in (result.losses, result.grad_norms):
+            for step in [s for s in values if s > restored]:
+                del values[step]
+        self.say(
+            f"{fault}: rolled back to {good} (step {restored}) and skipped the batches of "
+            f"steps {restored + 1}..{fault.step} (train.on_nan = rollback)"
+        )
+        if self.step >= self.cfg.train.steps:  # the bad step was the last: save the result
+            step_dir = self.save()
+            if self.finish_save() is None:  # an asynchronous save says so when published
+                self.say(f"saved checkpoint {step_dir}")
 
     def _write_timeline(self) -> None:
         """Gather the first replica's pipeline ranks' events; rank 0 writes them."""

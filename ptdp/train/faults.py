@@ -1,0 +1,117 @@
+"""Interruptions and numerical faults: what the training loop does when a scheduler sends
+SIGINT/SIGTERM, when a step's loss or gradient norm is not finite, and when the loss spikes.
+
+Once per step, after the gradient norm, every rank all-reduces (MAX) one small tensor
+[non-finite, signal] over all ranks: the ranks agree on skipping, stopping or rolling back a
+step and on stopping for a signal at the same step, even when only one rank saw the NaN or
+received the signal. It is one 2-element collective and one host sync per step.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import statistics
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from ptdp.config import OnNan
+from ptdp.errors import PtdpError
+from ptdp.parallel.comm import Group, all_reduce_max_value
+
+SPIKE_WINDOW = 20
+"""Steps whose median loss a new loss is compared with."""
+SPIKE_FACTOR = 3.0
+"""A loss above this multiple of that median is logged as a spike."""
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class TrainingError(PtdpError):
+    """Training stopped on a fault (a non-finite loss or gradient norm)."""
+
+
+class NumericalFault(Exception):
+    """Raised inside a step whose loss or gradient norm is not finite (on every rank);
+    the run loop stops or rolls back. `step` is the 1-based number of the bad step."""
+
+    def __init__(self, step: int, loss: float, norm: float) -> None:
+        super().__init__(f"non-finite loss ({loss}) or gradient norm ({norm}) at step {step}")
+        self.step, self.loss, self.norm = step, loss, norm
+
+
+class StopRequest:
+    """While entered (in the main thread), SIGINT and SIGTERM only record the signal; the
+    loop acts on it at the end of a step. A second SIGINT interrupts at once. The previous
+    handlers are restored on exit. Elsewhere than the main thread it installs nothing."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+
+class FaultMonitor:
+    """The per-step check: non-finite values (policy `on_nan`), signals, loss spikes."""
+
+    def __init__(
+        self, on_nan: OnNan, world: Group, device: torch.device, say: Callable[[str], None]
+    ) -> None:
+        self.on_nan, self.world, self.device, self.say = on_nan, world, device, say
+        self.stop = StopRequest()
+        self.signum = 0
+        """The signal all ranks agreed to stop for (0: none)."""
+        self.skipped = 0
+        """Steps not applied for a non-finite loss or gradient norm (on_nan = skip)."""
+        self.recent: deque[float] = deque(maxlen=SPIKE_WINDOW)
+
+    def check(self, step: int, loss: torch.Tensor | None, norm: torch.Tensor, fp16: bool) -> bool:
+        """Collective. True: skip this step (on_nan = skip). Raises NumericalFault for stop
+        and rollback. Under fp16 a non-finite norm is an overflow, the loss scaler's case."""
+        bad = torch.zeros((), device=norm.device)
+        if loss is not None and not fp16:
+            bad = (~torch.isfinite(loss.float()) | ~torch.isfinite(norm.float())).float()
+        flags = torch.stack([bad, torch.tensor(float(self.stop.signum), device=norm.device)])
+        bad_any, signum = all_reduce_max_value(flags, self.world).tolist()
+        self.signum = self.signum or int(signum)
+        loss_value = loss.item() if loss is not None else float("nan")
+        if not bad_any:
+            self._watch_spike(step, loss_value)
+            return False
+        if self.on_nan is OnNan.SKIP:
+            self.skipped += 1
+            self.say(
+                f"step {step}: non-finite loss ({loss_value}) or gradient norm "
+                f"({norm.item()}); step skipped (train.on_nan = skip, {self.skipped} so far)"
+            )
+            return True
+        raise NumericalFault(step, loss_value, norm.item())
+
+    def _watch_spike(self, step: int, loss: float) -> None:
+        if not math.isfinite(loss):
+            return
+        if len(self.recent) == SPIKE_WINDOW:
+            median = statistics.median(self.recent)
+            if loss > SPIKE_FACTOR * median:
+                self.say(
+                    f"warning: loss spike at step {step}: {loss:.4f} > {SPIKE_FACTOR:g} x the "
+                    f"median {median:.4f} of the last {SPIKE_WINDOW} steps"
+                )
+        self.recent.append(loss)

@@ -1,0 +1,75 @@
+"""Two ranks agree: a SIGTERM seen by one rank, or a NaN gradient on one rank, leads both
+to the same decision at the same step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from ptdp.parallel.env import LaunchEnv
+from ptdp.train import checkpoint as ckpt
+from ptdp.train.trainer import Trainer, train
+from tests.dist.harness import run_ranks
+from tests.helpers import tiny_config
+
+pytestmark = pytest.mark.dist
+
+
+def _config(data: str, run_dir: Path, **train_):
+    return tiny_config(
+        data, run_dir, train={"micro_batch_size": 2, **train_}, optim={"decay_steps": 6}
+    )
+
+
+def _sigterm_on_rank1(rank: int, world: int, data: str, root: str) -> None:
+    original = Trainer.forward_backward
+
+    def forward_backward(self):
+        if rank == 1 and self.step + 1 == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self)
+
+    Trainer.forward_backward = forward_backward
+    result = train(_config(data, Path(root) / "run"), env=LaunchEnv(rank, world, rank))
+    Path(root, f"rank{rank}.json").write_text(
+        json.dumps({"final": result.final_step, "signal": result.interrupted})
+    )
+
+
+def test_sigterm_on_one_rank_stops_both(tiny_data: str, tmp_path: Path) -> None:
+    run_ranks(_sigterm_on_rank1, 2, tiny_data, str(tmp_path))
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen == {"final": 2, "signal": signal.SIGTERM}, rank
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002"]
+
+
+def _nan_grad_on_rank1(rank: int, world: int, data: str, root: str) -> None:
+    original = Trainer.forward_backward
+
+    def forward_backward(self):
+        loss = original(self)
+        if rank == 1 and self.step + 1 == 3:  # after the reduction: rank 1's copy only
+            next(iter(self.model.parameters())).main_grad.view(-1)[0] = float("nan")
+        return loss
+
+    Trainer.forward_backward = forward_backward
+    cfg = _config(data, Path(root) / "run", on_nan="skip")
+    result = train(cfg, env=LaunchEnv(rank, world, rank))
+    Path(root, f"rank{rank}.json").write_text(
+        json.dumps({"final": result.final_step, "skipped": result.nonfinite_skipped})
+    )
+
+
+def test_nan_on_one_rank_is_skipped_by_both(tiny_data: str, tmp_path: Path) -> None:
+    run_ranks(_nan_grad_on_rank1, 2, tiny_data, str(tmp_path))
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen == {"final": 6, "skipped": 1}, rank
+    step_dir = ckpt.find_checkpoint(tmp_path / "run")
+    assert step_dir.name == "step_00000006"
