@@ -167,6 +167,8 @@ class Trainer:
             else None
         )
         self.step = 0
+        self._pending_save: ckpt.PendingCheckpoint | None = None  # async save in flight
+        self._async_group: dist.ProcessGroup | None = None  # its collectives' own group
         world = Group(None, env.world_size, env.rank) if env.world_size > 1 else Group.single()
         self.faults = FaultMonitor(cfg.train.on_nan, world, self.device, self.say)
         # Dropout: the shared stream is per data-parallel rank (they see different samples)
@@ -360,7 +362,7 @@ class Trainer:
 
     def finish_save(self) -> Path | None:
         """Wait for the asynchronous save in flight, if any, and publish it (collective)."""
-        pending = getattr(self, "_pending_save", None)
+        pending = self._pending_save
         if pending is None:
             return None
         self._pending_save = None
@@ -373,7 +375,7 @@ class Trainer:
         never interleave with training's (built once, collectively); None in one process."""
         if self.env.world_size == 1:
             return None
-        if not hasattr(self, "_async_group"):
+        if self._async_group is None:
             self._async_group = dist.new_group(backend="gloo")
         return self._async_group
 
