@@ -251,6 +251,15 @@ def gather_objects(obj: object, g: Group) -> list[object]:
     return out or []
 
 
+def all_gather_objects(obj: object, group: dist.ProcessGroup | None, size: int) -> list[object]:
+    """Every member's `obj`, on every member, in rank order ([obj] when size is 1)."""
+    if size == 1:
+        return [obj]
+    out: list[object] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def barrier(group: dist.ProcessGroup | None, size: int) -> None:
     if size > 1:
         dist.barrier(group=group)

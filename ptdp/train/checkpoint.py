@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ptdp.config import RunConfig, load_toml, to_toml
 from ptdp.errors import CheckpointError
+from ptdp.parallel.comm import all_gather_objects
 
 STATE_FILE = "state.pt"  # the earlier single-writer format
 METADATA = ".metadata"
@@ -139,10 +140,7 @@ def _publish(p: PendingCheckpoint) -> Path:
         dist.barrier()  # every rank's shards (and DCP's .metadata) are written
     files = sorted(f.name for f in p.tmp.glob("*.distcp"))
     sums = {name: _checksum(p.tmp / name) for name in files[rank::world]}
-    if p.distributed:
-        parts: list = [None] * world
-        dist.all_gather_object(parts, sums)
-        sums = {k: v for part in parts for k, v in part.items()}
+    sums = {k: v for part in all_gather_objects(sums, None, world) for k, v in part.items()}
     if rank == 0:
         (p.tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
         (p.tmp / "config.toml").write_text(to_toml(p.cfg))
@@ -158,24 +156,6 @@ def _publish(p: PendingCheckpoint) -> Path:
     if p.distributed:
         dist.barrier()
     return p.final
-
-
-def write_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    state: dict[str, Any],
-    cfg: RunConfig,
-    tokenizer_file: Path | None,
-    keep: int = 0,
-    *,
-    distributed: bool = False,
-) -> Path:
-    """Write this rank's flat DCP `state` (all ranks call this together when
-    `distributed`) as the checkpoint of `step`; rank 0 then makes it the latest."""
-    pending = start_checkpoint(
-        run_dir, step, state, cfg, tokenizer_file, keep, distributed=distributed
-    )
-    return pending.finish()
 
 
 def flatten_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -208,7 +188,7 @@ def save_checkpoint(
     keep: int = 0,
 ) -> Path:
     """Write a full single-process `state` as the checkpoint of `step` (one process)."""
-    return write_checkpoint(run_dir, step, flatten_state(state), cfg, tokenizer_file, keep)
+    return start_checkpoint(run_dir, step, flatten_state(state), cfg, tokenizer_file, keep).finish()
 
 
 def _prune(root: Path, keep: int) -> None:

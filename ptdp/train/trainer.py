@@ -28,7 +28,14 @@ from ptdp.config import OnNan, Precision, RunConfig, to_dict, to_toml
 from ptdp.errors import CheckpointError
 from ptdp.layout import Layout, validate
 from ptdp.model.gpt import count_parameters
-from ptdp.parallel.comm import Group, all_reduce_mean_, all_reduce_sum_, barrier, gather_objects
+from ptdp.parallel.comm import (
+    Group,
+    all_gather_objects,
+    all_reduce_mean_,
+    all_reduce_sum_,
+    barrier,
+    gather_objects,
+)
 from ptdp.parallel.data import GradBuffers
 from ptdp.parallel.env import LaunchEnv, destroy_process_group, init_process_group, pick_device
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
@@ -388,10 +395,9 @@ class Trainer:
         distributed = self.env.world_size > 1
         metadata = ckpt.read_metadata(step_dir)
         problems = ckpt.verify_files(step_dir, metadata, self.env.rank, self.env.world_size)
-        if distributed:  # each rank checked a share of the files; all must agree
-            parts: list = [None] * self.env.world_size
-            torch.distributed.all_gather_object(parts, problems)
-            problems = [p for part in parts for p in part]
+        # Each rank checked a share of the files; all must agree.
+        parts = all_gather_objects(problems, None, self.env.world_size)
+        problems = [p for part in parts for p in part]
         if problems:
             raise CheckpointError("; ".join(problems))
         keys = metadata.state_dict_metadata
