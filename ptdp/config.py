@@ -265,18 +265,22 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
         raise ConfigError(f"{where} = {value!r} is not a boolean; use true or false")
     if typ is int:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ConfigError(f"{where} = {value!r} is not an integer")
+            raise ConfigError(f"{where} = {value!r} is not an integer; use a whole number")
         try:
             return int(value)
         except ValueError:
-            raise ConfigError(f"{where} = {value!r} is not an integer") from None
+            raise ConfigError(
+                f"{where} = {value!r} is not an integer; use a whole number"
+            ) from None
     if typ is float:
         if isinstance(value, bool):
-            raise ConfigError(f"{where} = {value!r} is not a number")
+            raise ConfigError(f"{where} = {value!r} is not a number; use e.g. 0.5 or 3e-4")
         try:
             return float(value)
         except ValueError:
-            raise ConfigError(f"{where} = {value!r} is not a number") from None
+            raise ConfigError(
+                f"{where} = {value!r} is not a number; use e.g. 0.5 or 3e-4"
+            ) from None
     if typ is str:
         if not isinstance(value, (str, int, float)):
             raise ConfigError(f"{where} = {value!r} is not a string")

@@ -84,11 +84,20 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
     if len(errors) > before:
         return 0
     model_ranks = p.tp * p.pp
+    need = model_ranks * max(p.dp, 1)
+    if world_size == 1 and need > 1:  # a plain `ptdp train`, not under torchrun
+        errors.append(
+            f"this layout needs {need} processes (tp*pp*dp = {p.tp}*{p.pp}*{max(p.dp, 1)}) "
+            f"but runs as one (world size 1, not under torchrun); launch it with "
+            f"{_torchrun(need)}"
+        )
+        world_size = need  # check the rest as if launched so
     if p.dp == 0:
         if world_size % model_ranks:
             errors.append(
                 f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp} = "
-                f"{model_ranks}; launch a multiple of {model_ranks} processes"
+                f"{model_ranks}; launch a multiple of {model_ranks} processes, e.g. "
+                f"{_torchrun(model_ranks)}"
             )
             return 0
         dp = world_size // model_ranks
@@ -97,8 +106,9 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
         if p.tp * p.pp * dp != world_size:
             errors.append(
                 f"tp*pp*dp = {p.tp}*{p.pp}*{dp} = {model_ranks * dp} does not match the world "
-                f"size {world_size}; launch {model_ranks * dp} processes or set "
-                "--parallel.dp 0 to derive dp from the world size"
+                f"size {world_size}; launch {model_ranks * dp} processes "
+                f"({_torchrun(model_ranks * dp)}) or set --parallel.dp 0 to derive dp "
+                "from the world size"
             )
     _tensor_parallel_rules(cfg, errors)
     if p.vpp > 1 and p.schedule is not Schedule.INTERLEAVED:
@@ -118,6 +128,11 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
             f"{p.pp}*{p.vpp}; choose a layer count that is a multiple of {p.pp * p.vpp}"
         )
     return dp
+
+
+def _torchrun(processes: int) -> str:
+    """The launch line for `processes` ranks on one node (torchrun --nnodes for several)."""
+    return f"`torchrun --nproc-per-node {processes} -m ptdp train ...`"
 
 
 def _tensor_parallel_rules(cfg: RunConfig, errors: list[str]) -> None:

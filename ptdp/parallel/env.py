@@ -9,6 +9,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ptdp.errors import ConfigError
+
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun sets besides WORLD_SIZE, and the env:// rendezvous reads."""
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -18,13 +23,45 @@ class LaunchEnv:
 
     @classmethod
     def from_environ(cls) -> LaunchEnv:
-        """Rank and world size from torchrun's variables; one process when they are absent."""
+        """Rank and world size from torchrun's variables; one process when they are absent.
+
+        A partial set (WORLD_SIZE > 1 without the rest, as when a variable leaks from
+        another shell) is refused here rather than left to hang in the rendezvous."""
         env = os.environ
-        return cls(
-            rank=int(env.get("RANK", 0)),
-            world_size=int(env.get("WORLD_SIZE", 1)),
-            local_rank=int(env.get("LOCAL_RANK", 0)),
+        launch = cls(
+            rank=_env_int("RANK", 0),
+            world_size=_env_int("WORLD_SIZE", 1),
+            local_rank=_env_int("LOCAL_RANK", 0),
         )
+        n = launch.world_size
+        if n > 1 and not dist.is_initialized():  # a harness may have made the group itself
+            missing = [name for name in TORCHRUN_VARS if not env.get(name)]
+            if missing:
+                raise ConfigError(
+                    f"WORLD_SIZE={n} is set but {', '.join(missing)} "
+                    f"{'is' if len(missing) == 1 else 'are'} not: the process was not started "
+                    f"by torchrun; launch `torchrun --nproc-per-node {n} -m ptdp ...`, which "
+                    "sets them all, or unset WORLD_SIZE to run as one process"
+                )
+        if n < 1 or not 0 <= launch.rank < n:
+            raise ConfigError(
+                f"RANK={launch.rank} with WORLD_SIZE={n} is not a valid launch (need "
+                "0 <= RANK < WORLD_SIZE); start the processes with torchrun"
+            )
+        return launch
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(
+            f"environment variable {name}={value!r} is not an integer; unset it or launch "
+            "with torchrun, which sets it"
+        ) from None
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:

@@ -19,12 +19,15 @@ to CPU memory, writes it in a background thread and publishes it in `finish()`.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import warnings
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ptdp.config import RunConfig, load_toml, to_toml
@@ -75,10 +79,11 @@ class PendingCheckpoint:
     future: Future | None = None  # the background write of an asynchronous save
 
     def finish(self) -> Path:
-        if self.future is not None:
-            self.future.result()  # this rank's shards are on disk (or its error raises)
-            self.future = None
-        return _publish(self)
+        with _write_errors(self):
+            if self.future is not None:
+                future, self.future = self.future, None
+                future.result()  # this rank's shards are on disk (or its error raises)
+            return _publish(self)
 
 
 def start_checkpoint(
@@ -124,13 +129,69 @@ def start_checkpoint(
         "planner": DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
         "no_dist": not distributed,
     }
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+    # "assuming the intent is to save in a single process"
+    with warnings.catch_warnings(), _write_errors(pending):
         warnings.simplefilter("ignore", UserWarning)
         if asynchronous:
             pending.future = dcp.async_save(state, process_group=process_group, **kwargs)
         else:
             dcp.save(state, **kwargs)
     return pending
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed write: DCP wraps each rank's error (as a pair with its
+    traceback) in a CheckpointException, itself maybe the cause of another error."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        if isinstance(e, CheckpointException):
+            todo.extend(pair[0] for pair in e.failures.values())
+        todo.extend((e.__cause__, e.__context__))
+    return None
+
+
+@contextmanager
+def _write_errors(p: PendingCheckpoint) -> Iterator[None]:
+    """Turn a failed write into a CheckpointError that names the directory and says that
+    `latest` still names the previous checkpoint; drop the half-written `step_X.tmp`.
+
+    With several ranks, only a single process removes it (others may still be writing);
+    a leftover `.tmp` is never taken for a checkpoint and the next save of that step
+    replaces it."""
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:
+        error = _os_error(exc)
+        if error is None:
+            raise
+        if not p.distributed:
+            shutil.rmtree(p.tmp, ignore_errors=True)
+        latest = p.root / LATEST
+        previous = (
+            f"{latest} still names {latest.read_text().strip()}"
+            if latest.is_file()
+            else "no earlier checkpoint was published"
+        )
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            problem = f"the disk is full (no space left on device) writing checkpoint {p.tmp}"
+            fix = (
+                f"free space on the disk holding {p.root}, or keep fewer checkpoints "
+                "(--train.keep_checkpoints 2)"
+            )
+        else:
+            problem = f"writing checkpoint {p.tmp} failed: {error}"
+            fix = f"check that {p.root} is writable"
+        raise CheckpointError(
+            f"{problem}; the checkpoint of this step was not saved and {previous}; {fix}, "
+            "then --resume"
+        ) from error
 
 
 def _publish(p: PendingCheckpoint) -> Path:
@@ -212,24 +273,50 @@ def _complete(step_dir: Path) -> bool:
     return (step_dir / METADATA).is_file() or (step_dir / STATE_FILE).is_file()
 
 
+def _earlier(step_dir: Path) -> str:
+    """What to do about a damaged checkpoint."""
+    others = sorted(
+        p.name
+        for p in step_dir.parent.glob("step_*")
+        if p != step_dir and not p.name.endswith(".tmp") and _complete(p)
+    )
+    example = f" (e.g. {others[-1]})" if others else ""
+    return (
+        f"resume from an earlier checkpoint by writing its directory name{example} into "
+        f"{step_dir.parent / LATEST}, or start afresh with another --train.run_dir"
+    )
+
+
 def find_checkpoint(path: str | Path) -> Path:
-    """Resolve a run dir, a checkpoints dir or a step dir to a complete step directory."""
+    """Resolve a run dir, a checkpoints dir or a step dir to a complete step directory:
+    its metadata reads and every data file it lists is there at full length (checksums,
+    which read every byte, are checked when loading)."""
     path = Path(path)
     for root in (path, path / "checkpoints"):
         if (root / LATEST).is_file():
             step_dir = root / (root / LATEST).read_text().strip()
             if not _complete(step_dir):
+                what = "does not exist" if not step_dir.is_dir() else f"has no {METADATA}"
                 raise CheckpointError(
-                    f"{root / LATEST} points to {step_dir}, which has no {METADATA}; "
-                    "the checkpoint directory was modified by hand"
+                    f"{root / LATEST} points to {step_dir}, which {what} (the checkpoint "
+                    f"directory was modified by hand); {_earlier(step_dir)}"
                 )
-            return step_dir
+            return _check_present(step_dir)
     if _complete(path):
-        return path
+        return _check_present(path)
     raise CheckpointError(
         f"no checkpoint found at {path}: expected a run directory, its checkpoints/ "
         f"directory, or a step directory containing {METADATA}"
     )
+
+
+def _check_present(step_dir: Path) -> Path:
+    if (step_dir / STATE_FILE).is_file():
+        return step_dir
+    problems = verify_files(step_dir, read_metadata(step_dir), checksums=False)
+    if problems:
+        raise CheckpointError(f"{'; '.join(problems)}; {_earlier(step_dir)}")
+    return step_dir
 
 
 def read_metadata(step_dir: Path):
@@ -237,14 +324,23 @@ def read_metadata(step_dir: Path):
     try:
         return dcp.FileSystemReader(step_dir).read_metadata()
     except Exception as exc:
-        raise CheckpointError(f"cannot read checkpoint file {step_dir / METADATA}: {exc}") from exc
+        raise CheckpointError(
+            f"cannot read checkpoint file {step_dir / METADATA} ({type(exc).__name__}: {exc}); "
+            f"the checkpoint is damaged: {_earlier(step_dir)}"
+        ) from exc
 
 
-def verify_files(step_dir: Path, metadata, rank: int = 0, world: int = 1) -> list[str]:
-    """Problems with this rank's share of the data files: a file shorter than the
-    metadata says, or one whose checksum differs from the one recorded at save."""
+def verify_files(
+    step_dir: Path, metadata, rank: int = 0, world: int = 1, *, checksums: bool = True
+) -> list[str]:
+    """Problems with this rank's share of the data files: a missing file, one shorter
+    than the metadata says, or (`checksums`) one whose checksum differs from the one
+    recorded at save."""
     sums_file = step_dir / CHECKSUMS
-    sums = json.loads(sums_file.read_text()) if sums_file.is_file() else {}
+    try:
+        sums = json.loads(sums_file.read_text()) if sums_file.is_file() else {}
+    except ValueError as exc:
+        return [f"checkpoint file {sums_file} is not valid JSON ({exc})"]
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         name = str(info.relative_path)
@@ -256,10 +352,16 @@ def verify_files(step_dir: Path, metadata, rank: int = 0, world: int = 1) -> lis
             problems.append(f"checkpoint file {file} is missing")
             continue
         size = file.stat().st_size
-        if size < ends.get(name, 0) or (name in sums and size != sums[name]["bytes"]):
-            problems.append(f"checkpoint file {file} is truncated ({size} bytes)")
-        elif name in sums and _checksum(file)["crc32"] != sums[name]["crc32"]:
-            problems.append(f"checkpoint file {file} is corrupted (checksum mismatch)")
+        want = sums[name]["bytes"] if name in sums else ends.get(name, 0)
+        if size < want:
+            problems.append(f"checkpoint file {file} is truncated ({size} of {want} bytes)")
+        elif name in sums and size != want:
+            problems.append(f"checkpoint file {file} has {size} bytes, {want} were written")
+        elif checksums and name in sums and _checksum(file)["crc32"] != sums[name]["crc32"]:
+            problems.append(
+                f"checkpoint file {file} is corrupted (checksum mismatch with {CHECKSUMS}); "
+                f"copy it back from a backup or use an earlier checkpoint"
+            )
     return problems
 
 
@@ -295,7 +397,7 @@ def load_checkpoint(step_dir: Path, map_location: str | torch.device = "cpu") ->
     metadata = read_metadata(step_dir)
     problems = verify_files(step_dir, metadata)
     if problems:
-        raise CheckpointError("; ".join(problems))
+        raise CheckpointError(f"{'; '.join(problems)}; {_earlier(step_dir)}")
     flat: dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -342,4 +444,9 @@ def _unflatten(flat: dict[str, Any], map_location) -> dict[str, Any]:
 
 def load_config(step_dir: Path) -> RunConfig:
     """The resolved config the checkpoint was trained with."""
-    return load_toml(step_dir / "config.toml")
+    file = step_dir / "config.toml"
+    if not file.is_file():
+        raise CheckpointError(
+            f"{file} is missing, so the checkpoint's model is unknown; {_earlier(step_dir)}"
+        )
+    return load_toml(file)

@@ -9,10 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from ptdp.config import RunConfig
 from ptdp.data.dataset import GPTDataset
+from ptdp.data.indexed import IndexedDataset, bin_path, idx_path
 from ptdp.data.preprocess import read_metadata
-from ptdp.errors import ConfigError
+from ptdp.errors import ConfigError, DataError
+
+SCAN_TOKENS = 1 << 24
+"""Tokens checked against model.vocab_size when the data records no vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -40,10 +46,13 @@ def resolve_vocab(cfg: RunConfig) -> RunConfig:
     require_data_path(cfg)
     meta = read_metadata(cfg.data.path)
     data_vocab = meta["vocab_size"] if meta else 0
-    if cfg.data.tokenizer and not data_vocab:
+    if cfg.data.tokenizer:
         from ptdp.data.tokenizers import load_tokenizer
 
-        data_vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
+        tok_vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
+        if meta:
+            _check_same_tokenizer(cfg, meta, tok_vocab)
+        data_vocab = data_vocab or tok_vocab
     vocab = cfg.model.vocab_size or data_vocab
     if not vocab:
         raise ConfigError(
@@ -55,7 +64,48 @@ def resolve_vocab(cfg: RunConfig) -> RunConfig:
             f"model.vocab_size = {vocab} is smaller than the data's vocabulary of {data_vocab} "
             f"tokens ({cfg.data.path}); set --model.vocab_size {data_vocab} or 0 (automatic)"
         )
+    if not meta:
+        _check_token_ids(cfg.data.path, vocab)
     return replace(cfg, model=replace(cfg.model, vocab_size=vocab))
+
+
+def _check_same_tokenizer(cfg: RunConfig, meta: dict, tok_vocab: int) -> None:
+    """data.tokenizer must be the tokenizer the data was made with (its sidecar says which)."""
+    recorded = meta["tokenizer"]
+    recorded_path = Path(cfg.data.path).parent / recorded
+    chosen = Path(cfg.data.tokenizer)
+    if chosen.is_dir():
+        chosen = chosen / "tokenizer.json"
+    if (recorded == "bytes") != (cfg.data.tokenizer == "bytes"):
+        same = False
+    elif recorded == "bytes":
+        same = True
+    elif recorded_path.is_file():
+        same = recorded_path.read_bytes() == chosen.read_bytes()
+    else:
+        same = tok_vocab == meta["vocab_size"]
+    if not same:
+        made_with = "bytes" if recorded == "bytes" else str(recorded_path)
+        raise ConfigError(
+            f"data.tokenizer = '{cfg.data.tokenizer}' (vocabulary {tok_vocab}) is not the "
+            f"tokenizer the data at '{cfg.data.path}' was made with ({made_with}, vocabulary "
+            f"{meta['vocab_size']}); leave --data.tokenizer empty to use the data's, or "
+            "re-run `ptdp preprocess` with the tokenizer you want"
+        )
+
+
+def _check_token_ids(prefix: str, vocab: int) -> None:
+    """Data made elsewhere records no vocabulary: look at its first tokens for ids the
+    model's embedding has no row for (a whole scan would read the corpus on every rank)."""
+    indexed = IndexedDataset(prefix)
+    head = np.asarray(indexed.tokens[:SCAN_TOKENS])
+    if head.size and int(head.max()) >= vocab:
+        raise ConfigError(
+            f"the data at '{prefix}' holds token id {int(head.max())}, but model.vocab_size = "
+            f"{vocab} (ids 0..{vocab - 1}): the data was made with a larger tokenizer; set "
+            f"--model.vocab_size {int(head.max()) + 1} or more, or --data.tokenizer to the "
+            "tokenizer it was made with"
+        )
 
 
 def require_data_path(cfg: RunConfig) -> None:
@@ -66,8 +116,24 @@ def require_data_path(cfg: RunConfig) -> None:
         )
 
 
+def require_data_files(prefix: str) -> None:
+    """Name both files a data prefix stands for when neither exists (the usual typo)."""
+    files = (bin_path(prefix), idx_path(prefix))
+    if any(f.is_file() for f in files):
+        return  # one missing, or damaged: IndexedDataset names the file and the problem
+    hint = ""
+    stem, ext = str(prefix).rsplit(".", 1) if "." in Path(prefix).name else (prefix, "")
+    if ext in ("bin", "idx", "json") and bin_path(stem).is_file():
+        hint = f" (data.path is a prefix without extension: --data.path {stem})"
+    raise DataError(
+        f"data.path = '{prefix}': neither {files[0]} nor {files[1]} exists{hint}; pass "
+        "--data.path PREFIX of a dataset made by `ptdp preprocess --output-prefix PREFIX`"
+    )
+
+
 def open_data(cfg: RunConfig) -> RunData:
     require_data_path(cfg)
+    require_data_files(cfg.data.path)
     d, s, seed = cfg.data, cfg.model.seq_length, cfg.train.seed
     train = GPTDataset(d.path, s, "train", valid_fraction=d.valid_fraction, seed=seed)
     valid = None

@@ -1,0 +1,543 @@
+"""Bad inputs: each is refused with ptdp's own error type and a message that names the
+problem and the fix, before any process group exists; a full disk during a save keeps
+the previous checkpoint as `latest`."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ptdp.train.checkpoint as ckpt
+from ptdp.cli import main
+from ptdp.config import resolve
+from ptdp.data.tokenizers import train_bpe
+from ptdp.errors import CheckpointError, ConfigError, DataError, PtdpError
+from ptdp.parallel.env import LaunchEnv
+from ptdp.train.trainer import train
+from tests.helpers import make_corpus, tiny_config
+
+TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class Ctx:
+    """What a case needs: a scratch directory, the shared tiny dataset, a saved run."""
+
+    tmp: Path
+    data: str
+    saved: Path
+    monkeypatch: pytest.MonkeyPatch
+
+    @property
+    def run(self) -> Path:
+        return self.tmp / "run"
+
+    def train(self, world: int = 1, resume: bool = False, **sections: dict) -> None:
+        cfg = tiny_config(self.data, self.run, **sections)
+        train(cfg, resume=resume, env=LaunchEnv(rank=0, world_size=world, local_rank=0))
+
+    def copy_data(self, keep_sidecar: bool = True) -> str:
+        """A private copy of the tiny dataset to damage; returns its prefix."""
+        prefix = self.tmp / "data" / "tiny"
+        prefix.parent.mkdir(parents=True)
+        for ext in ("bin", "idx", "json") if keep_sidecar else ("bin", "idx"):
+            shutil.copyfile(f"{self.data}.{ext}", f"{prefix}.{ext}")
+        self.data = str(prefix)
+        return self.data
+
+    def copy_run(self) -> Path:
+        """A private copy of the saved one-step run; returns its step directory."""
+        shutil.copytree(self.saved, self.run)
+        return ckpt.find_checkpoint(self.run)
+
+
+# ------------------------------------------------------------------ how to produce each
+
+
+def _toml_unknown_key(c: Ctx) -> None:
+    (c.tmp / "c.toml").write_text("[train]\nstep = 3\n")
+    resolve(str(c.tmp / "c.toml"), [])
+
+
+def _truncate(path: Path, keep: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def _truncated_idx(c: Ctx) -> None:
+    c.copy_data()
+    _truncate(Path(f"{c.data}.idx"), -8)
+    c.train()
+
+
+def _truncated_bin(c: Ctx) -> None:
+    c.copy_data()
+    _truncate(Path(f"{c.data}.bin"), 1000)
+    c.train()
+
+
+def _bad_magic(c: Ctx) -> None:
+    c.copy_data()
+    idx = Path(f"{c.data}.idx")
+    idx.write_bytes(b"NOTANIDX!" + idx.read_bytes()[9:])
+    c.train()
+
+
+def _missing(ext: str) -> Callable[[Ctx], None]:
+    def produce(c: Ctx) -> None:
+        c.copy_data()
+        Path(f"{c.data}.{ext}").unlink()
+        c.train()
+
+    return produce
+
+
+def _data_path_with_extension(c: Ctx) -> None:
+    c.data = c.data + ".bin"
+    c.train()
+
+
+def _ids_beyond_vocab(c: Ctx) -> None:
+    c.copy_data(keep_sidecar=False)  # made elsewhere: no record of its vocabulary
+    c.train(model={"vocab_size": 100})
+
+
+def _tokenizer_mismatch(c: Ctx) -> None:
+    make_corpus(c.tmp / "text", docs=2)
+    tok = train_bpe(sorted((c.tmp / "text").glob("*.txt")), 300, c.tmp / "tokenizer.json")
+    assert tok.vocab_size == 300
+    c.train(data={"tokenizer": str(c.tmp / "tokenizer.json")})
+
+
+def _corrupt_sidecar(c: Ctx) -> None:
+    c.copy_data()
+    Path(f"{c.data}.json").write_text("{not json")
+    c.train()
+
+
+def _latest_to_missing_dir(c: Ctx) -> None:
+    shutil.rmtree(c.copy_run())
+    c.train(resume=True, train={"steps": 2})
+
+
+def _corrupt_metadata(c: Ctx) -> None:
+    _truncate(c.copy_run() / ckpt.METADATA, 50)
+    c.train(resume=True, train={"steps": 2})
+
+
+def _shard(c: Ctx) -> Path:
+    return next(c.copy_run().glob("*.distcp"))
+
+
+def _missing_shard(c: Ctx) -> None:
+    _shard(c).unlink()
+    c.train(resume=True, train={"steps": 2})
+
+
+def _truncated_shard(c: Ctx) -> None:
+    _truncate(_shard(c), 100)
+    c.train(resume=True, train={"steps": 2})
+
+
+def _checksum_mismatch(c: Ctx) -> None:
+    shard = _shard(c)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # same length, one bit flipped
+    shard.write_bytes(bytes(data))
+    c.train(resume=True, train={"steps": 2})
+
+
+def _checkpoint_config_missing(c: Ctx) -> None:
+    (c.copy_run() / "config.toml").unlink()
+    c.train(resume=True, train={"steps": 2})
+
+
+def _model_mismatch(c: Ctx) -> None:
+    c.copy_run()
+    c.train(resume=True, train={"steps": 2}, model={"hidden_size": 64})
+
+
+def _run_dir_taken(c: Ctx) -> None:
+    c.copy_run()
+    c.train()
+
+
+def _environ(c: Ctx, **values: str) -> None:
+    for name in TORCHRUN_VARS:
+        c.monkeypatch.delenv(name, raising=False)
+    for name, value in values.items():
+        c.monkeypatch.setenv(name, value)
+
+
+def _no_torchrun(c: Ctx) -> None:
+    """`ptdp train` with a 4-process layout, started as a plain process."""
+    _environ(c)
+    train(tiny_config(c.data, c.run, parallel={"tp": 4}))
+
+
+def _world_size_alone(c: Ctx) -> None:
+    _environ(c, WORLD_SIZE="4")
+    train(tiny_config(c.data, c.run, parallel={"tp": 4}))
+
+
+def _world_size_not_int(c: Ctx) -> None:
+    _environ(c, WORLD_SIZE="four")
+    train(tiny_config(c.data, c.run))
+
+
+def _rank_out_of_range(c: Ctx) -> None:
+    _environ(c, WORLD_SIZE="4", RANK="4", LOCAL_RANK="0", MASTER_ADDR="x", MASTER_PORT="1")
+    train(tiny_config(c.data, c.run, parallel={"tp": 4}))
+
+
+# Each row: id, how to produce it, the exact error type, fragments of the message
+# (the problem, then the fix: a key, a file, a command).
+CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]] = [
+    # ---- configs
+    (
+        "unknown-key",
+        lambda c: resolve(None, ["--model.num_layer", "2"]),
+        ConfigError,
+        ("unknown key 'model.num_layer'", "did you mean 'num_layers'"),
+    ),
+    (
+        "unknown-key-in-toml",
+        _toml_unknown_key,
+        ConfigError,
+        ("unknown key 'train.step'", "c.toml", "did you mean 'steps'"),
+    ),
+    (
+        "missing-config-file",
+        lambda c: resolve(str(c.tmp / "nope.toml"), []),
+        ConfigError,
+        ("nope.toml does not exist", "see configs/"),
+    ),
+    (
+        "wrong-type",
+        lambda c: resolve(None, ["--model.num_layers", "two"]),
+        ConfigError,
+        ("model.num_layers = 'two' is not an integer", "use a whole number"),
+    ),
+    (
+        "bad-enum",
+        lambda c: resolve(None, ["--parallel.schedule", "interleave"]),
+        ConfigError,
+        ("parallel.schedule = 'interleave' is not valid", "did you mean 'interleaved'"),
+    ),
+    (
+        "bad-enum-listed",
+        lambda c: resolve(None, ["--train.on_nan", "rewind"]),
+        ConfigError,
+        ("train.on_nan = 'rewind' is not valid", "skip, stop, rollback"),
+    ),
+    (
+        "tp-not-dividing-heads",
+        lambda c: c.train(world=3, parallel={"tp": 3}),
+        ConfigError,
+        ("model.num_heads = 4 is not divisible by parallel.tp = 3", "choose tp dividing"),
+    ),
+    (
+        "layers-not-divisible-by-pp-vpp",
+        lambda c: c.train(world=4, parallel={"pp": 2, "vpp": 2, "schedule": "interleaved"}),
+        ConfigError,
+        ("model.num_layers = 2 is not divisible by pp*vpp = 2*2", "a multiple of 4"),
+    ),
+    (
+        "global-batch-not-divisible",
+        lambda c: c.train(train={"global_batch_size": 10}),
+        ConfigError,
+        ("train.global_batch_size = 10 is not divisible by micro_batch_size*dp", "e.g. 8"),
+    ),
+    (
+        "world-size-not-tp-pp-dp",
+        lambda c: c.train(world=3, parallel={"dp": 2}),
+        ConfigError,
+        ("tp*pp*dp = 1*1*2 = 2 does not match the world size 3", "torchrun --nproc-per-node 2"),
+    ),
+    (
+        "world-size-not-multiple-of-tp-pp",
+        lambda c: c.train(world=3, parallel={"tp": 2}),
+        ConfigError,
+        ("world size 3 is not divisible by tp*pp = 2*1 = 2", "launch a multiple of 2"),
+    ),
+    (
+        "rollback-without-save-interval",
+        lambda c: c.train(train={"on_nan": "rollback"}),
+        ConfigError,
+        ("train.on_nan = rollback with train.save_interval = 0", "--train.save_interval"),
+    ),
+    (
+        "vpp-without-interleaved",
+        lambda c: c.train(world=2, parallel={"pp": 2, "vpp": 2}),
+        ConfigError,
+        ("parallel.vpp = 2 needs the interleaved schedule", "--parallel.schedule interleaved"),
+    ),
+    # ---- data and tokenizer files
+    (
+        "empty-data-path",
+        lambda c: train(tiny_config("", c.run)),
+        ConfigError,
+        ("data.path is empty", "ptdp preprocess", "--data.path"),
+    ),
+    (
+        "missing-data-path",
+        lambda c: train(tiny_config(str(c.tmp / "nothing"), c.run)),
+        DataError,
+        ("nothing.bin nor", "nothing.idx exists", "--data.path PREFIX"),
+    ),
+    (
+        "data-path-with-extension",
+        _data_path_with_extension,
+        DataError,
+        ("prefix without extension", "--data.path"),
+    ),
+    (
+        "missing-idx",
+        _missing("idx"),
+        DataError,
+        ("tiny.idx: dataset file not found", "ptdp preprocess"),
+    ),
+    (
+        "missing-bin",
+        _missing("bin"),
+        DataError,
+        ("tiny.bin: dataset file not found", "ptdp preprocess"),
+    ),
+    (
+        "truncated-idx",
+        _truncated_idx,
+        DataError,
+        ("tiny.idx: truncated", "header implies", "re-create it with `ptdp preprocess`"),
+    ),
+    (
+        "truncated-bin",
+        _truncated_bin,
+        DataError,
+        ("tiny.bin: 1000 bytes", "truncated or mismatched .bin", "ptdp preprocess"),
+    ),
+    (
+        "corrupt-magic",
+        _bad_magic,
+        DataError,
+        ("tiny.idx: not a Megatron indexed dataset index (bad magic bytes)", "ptdp preprocess"),
+    ),
+    (
+        "corrupt-sidecar",
+        _corrupt_sidecar,
+        DataError,
+        ("tiny.json: unreadable dataset sidecar", "re-run `ptdp preprocess`"),
+    ),
+    (
+        "vocab-smaller-than-data",
+        lambda c: c.train(model={"vocab_size": 100}),
+        ConfigError,
+        ("model.vocab_size = 100 is smaller than the data's vocabulary of 257", "set"),
+    ),
+    (
+        "token-ids-beyond-vocab",
+        _ids_beyond_vocab,
+        ConfigError,
+        ("holds token id 256, but model.vocab_size = 100", "--model.vocab_size 257"),
+    ),
+    (
+        "tokenizer-mismatch",
+        _tokenizer_mismatch,
+        ConfigError,
+        ("(vocabulary 300) is not the tokenizer", "made with (bytes", "--data.tokenizer"),
+    ),
+    (
+        "unknown-tokenizer",
+        lambda c: c.train(data={"tokenizer": str(c.tmp / "missing.json")}),
+        DataError,
+        ("missing.json: unknown tokenizer", "the path of a tokenizer.json"),
+    ),
+    # ---- checkpoints
+    (
+        "run-dir-taken",
+        _run_dir_taken,
+        CheckpointError,
+        ("already holds checkpoints", "pass --resume", "--train.run_dir"),
+    ),
+    (
+        "latest-names-missing-checkpoint",
+        _latest_to_missing_dir,
+        CheckpointError,
+        ("points to", "which does not exist", "into", "latest", "--train.run_dir"),
+    ),
+    (
+        "corrupt-checkpoint-metadata",
+        _corrupt_metadata,
+        CheckpointError,
+        ("cannot read checkpoint file", ".metadata", "resume from an earlier checkpoint"),
+    ),
+    (
+        "missing-checkpoint-shard",
+        _missing_shard,
+        CheckpointError,
+        (".distcp is missing", "resume from an earlier checkpoint"),
+    ),
+    (
+        "truncated-checkpoint-shard",
+        _truncated_shard,
+        CheckpointError,
+        (".distcp is truncated (100 of", "resume from an earlier checkpoint"),
+    ),
+    (
+        "checkpoint-checksum-mismatch",
+        _checksum_mismatch,
+        CheckpointError,
+        ("is corrupted (checksum mismatch with checksums.json)", "use an earlier checkpoint"),
+    ),
+    (
+        "checkpoint-config-missing",
+        _checkpoint_config_missing,
+        CheckpointError,
+        ("config.toml is missing", "resume from an earlier checkpoint"),
+    ),
+    (
+        "checkpoint-model-mismatch",
+        _model_mismatch,
+        CheckpointError,
+        ("different model (hidden_size: 32 -> 64)", "same model settings", "--train.run_dir"),
+    ),
+    # ---- launches
+    (
+        "layout-needs-torchrun",
+        _no_torchrun,
+        ConfigError,
+        (
+            "this layout needs 4 processes (tp*pp*dp = 4*1*1)",
+            "not under torchrun",
+            "torchrun --nproc-per-node 4 -m ptdp train",
+        ),
+    ),
+    (
+        "world-size-without-torchrun-vars",
+        _world_size_alone,
+        ConfigError,
+        (
+            "WORLD_SIZE=4 is set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not",
+            "torchrun --nproc-per-node 4",
+            "unset WORLD_SIZE",
+        ),
+    ),
+    (
+        "world-size-not-an-integer",
+        _world_size_not_int,
+        ConfigError,
+        ("WORLD_SIZE='four' is not an integer", "torchrun"),
+    ),
+    (
+        "rank-out-of-range",
+        _rank_out_of_range,
+        ConfigError,
+        ("RANK=4 with WORLD_SIZE=4", "0 <= RANK < WORLD_SIZE", "torchrun"),
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def saved_run(tiny_data: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished one-step run with its checkpoint, copied by the cases that damage it."""
+    run = tmp_path_factory.mktemp("saved") / "run"
+    train(tiny_config(tiny_data, run, train={"steps": 1}))
+    return run
+
+
+@pytest.mark.parametrize(
+    ("produce", "error", "fragments"),
+    [pytest.param(*row[1:], id=row[0]) for row in CASES],
+)
+def test_bad_input(
+    produce: Callable[[Ctx], None],
+    error: type[PtdpError],
+    fragments: tuple[str, ...],
+    tiny_data: str,
+    saved_run: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(PtdpError) as info:
+        produce(Ctx(tmp_path, tiny_data, saved_run, monkeypatch))
+    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{fragment!r} not in: {info.value}"
+    assert not dist.is_initialized()  # refused before any process group
+
+
+def test_table_is_large_enough() -> None:
+    assert len(CASES) >= 24 and len({row[0] for row in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({}, "torchrun --nproc-per-node 4 -m ptdp train"),
+        ({"WORLD_SIZE": "4"}, "WORLD_SIZE=4 is set but RANK"),
+    ],
+    ids=["plain-process", "world-size-only"],
+)
+def test_cli_refuses_before_process_group(
+    env: dict[str, str],
+    message: str,
+    tiny_data: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = ["train", "--data.path", tiny_data, "--parallel.tp", "4"]
+    args += ["--train.run_dir", str(tmp_path / "run"), "--train.device", "cpu"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ptdp train: error: ") and message in err
+    assert "Traceback" not in err
+    assert not dist.is_initialized()
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_full_disk_keeps_previous_checkpoint(
+    tiny_data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC partway through the second checkpoint: a clear error, the first checkpoint
+    stays `latest` and loads, and no half-written step directory is left behind."""
+    run = tmp_path / "run"
+    root = ckpt.checkpoint_root(run)
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        # The first checkpoint is published once `latest` exists; then the disk fills up
+        # after half of the second one's first tensor has gone out.
+        if (root / ckpt.LATEST).exists() and hasattr(f, "write"):
+            f.write(b"\0" * 64)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    cfg = tiny_config(tiny_data, run, train={"steps": 4, "save_interval": 2})
+    with pytest.raises(CheckpointError) as info:
+        train(cfg)
+    text = str(info.value)
+    assert "disk is full" in text and str(root / "step_00000004.tmp") in text
+    assert f"free space on the disk holding {root}" in text
+    assert "latest still names step_00000002" in text
+    assert (root / ckpt.LATEST).read_text().strip() == "step_00000002"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]
+    assert not dist.is_initialized()
+    monkeypatch.setattr(torch, "save", real_save)
+    step_dir = ckpt.find_checkpoint(run)
+    assert step_dir == root / "step_00000002"
+    assert ckpt.load_checkpoint(step_dir)["step"] == 2
+    # The run continues from it once there is space again.
+    result = train(cfg, resume=True)
+    assert (result.start_step, result.final_step) == (2, 4)
+    assert (root / ckpt.LATEST).read_text().strip() == "step_00000004"
