@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from ptdp import __version__
 from ptdp.errors import PtdpError
@@ -359,7 +361,12 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"# layout: {layout.describe()}")
         print(f"# data: {len(data.train):,} training samples, tokenizer {data.tokenizer_spec}")
         return 0
-    result = train(cfg, resume=args.resume, env=env)
+    try:
+        result = train(cfg, resume=args.resume, env=env)
+    except BaseException as exc:
+        if env.world_size == 1:
+            raise
+        _leave_failed_rank(env.rank, exc)
     # Stopped by SIGINT/SIGTERM after saving: the shell's code for that signal (130, 143).
     code = 128 + result.interrupted if result.interrupted else 0
     if env.world_size > 1:
@@ -371,6 +378,18 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _leave_failed_rank(rank: int, exc: BaseException) -> NoReturn:
+    """A rank of a multi-process run failed (or stopped because another did): report it
+    and exit now. Interpreter finalisers could block on a dead peer's connection."""
+    if isinstance(exc, PtdpError):
+        print(f"ptdp train: error: rank {rank}: {exc}", file=sys.stderr)
+    elif not isinstance(exc, KeyboardInterrupt):
+        traceback.print_exception(exc)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130 if isinstance(exc, KeyboardInterrupt) else 2 if isinstance(exc, PtdpError) else 1)
 
 
 def _cmd_preprocess(args: argparse.Namespace) -> int:

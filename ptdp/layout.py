@@ -172,6 +172,12 @@ def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
         _positive(errors, f"train.{name}", getattr(t, name))
     for name in ("eval_interval", "eval_iters", "save_interval", "keep_checkpoints"):
         _positive(errors, f"train.{name}", getattr(t, name), zero_ok=True)
+    _positive(errors, "train.collective_timeout_s", t.collective_timeout_s)
+    if t.straggler_factor and t.straggler_factor <= 1:
+        errors.append(
+            f"train.straggler_factor = {t.straggler_factor} must be 0 (off) or > 1 (a multiple "
+            "of the median step time, e.g. 3)"
+        )
     if t.eval_interval and not t.eval_iters:
         errors.append("train.eval_iters = 0 with train.eval_interval > 0; set eval_iters >= 1")
     if t.on_nan is OnNan.ROLLBACK and not t.save_interval:

@@ -46,6 +46,8 @@ class PipelineRuntime:
     """Backward starts from d(loss * loss_scale)/d loss (fp16 loss scaling)."""
     around_action: Callable[[Action], AbstractContextManager] | None = None
     """Wraps each compute action (timelines, profilers); None = nothing."""
+    around_wait: Callable[[str], AbstractContextManager] | None = None
+    """Wraps each wait for a received tensor, given what is awaited (the watchdog)."""
     _inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _recvs: dict[tuple[Kind, int, int], tuple] = field(default_factory=dict)
@@ -149,7 +151,13 @@ class PipelineRuntime:
 
     def _received(self, kind: Kind, stage: int, mb: int) -> torch.Tensor:
         work, buf = self._recvs.pop((kind, stage, mb))
-        return self.p2p.finish_recv(work, buf)
+        if self.around_wait is None:
+            return self.p2p.finish_recv(work, buf)
+        what, peer = ("activation", stage - 1) if kind is Kind.F else ("gradient", stage + 1)
+        with self.around_wait(
+            f"the {what} of microbatch {mb} from pipeline rank {self._peer(peer)}"
+        ):
+            return self.p2p.finish_recv(work, buf)
 
     # ------------------------------------------------------------------ compute
 

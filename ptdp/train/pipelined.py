@@ -75,10 +75,12 @@ class PipelineStep:
         on_step_end: Callable[[], None] | None = None,
         dtype: torch.dtype = torch.float32,
         around_action: Callable | None = None,
+        around_wait: Callable | None = None,
     ) -> None:
         self.cfg, self.layout, self.chunks, self.autocast = cfg, layout, chunks, autocast
         self.on_final_backward, self.on_step_end = on_final_backward, on_step_end
         self.device, self.dtype, self.around_action = device, dtype, around_action
+        self.around_wait = around_wait
         pp, vpp, rank = layout.pp, layout.vpp, mesh.coord("pp")
         self.pp_rank, self.last = rank, pp * vpp - 1
         plan = build(cfg.parallel.schedule.value, pp, layout.num_microbatches, vpp)
@@ -118,6 +120,7 @@ class PipelineStep:
             on_step_end=self.on_step_end if training else None,
             loss_scale=loss_scale,
             around_action=self.around_action if training else None,
+            around_wait=self.around_wait,
         )
 
     def train(self, batch: Batch, loss_scale: float = 1.0) -> torch.Tensor:

@@ -52,6 +52,7 @@ from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
 from ptdp.train.optim import Optimizer, lr_at, set_lr
 from ptdp.train.pipelined import PipelineStep, build_chunks, pipeline_summary
 from ptdp.train.profile import write_timeline
+from ptdp.train.watchdog import Watchdog
 
 PARAM_DTYPES = {
     Precision.FP32: torch.float32,
@@ -116,13 +117,19 @@ class Trainer:
     def __init__(self, cfg: RunConfig, layout: Layout, env: LaunchEnv, data: RunData) -> None:
         self.cfg, self.layout, self.env, self.data = cfg, layout, env, data
         self.device = pick_device(cfg.train.device, env.local_rank)
-        self.owns_process_group = init_process_group(env, self.device)
+        t = cfg.train
+        self.owns_process_group = init_process_group(env, self.device, t.collective_timeout_s)
         self.mesh = (
             ParallelMesh.build(MeshShape(layout.tp, layout.dp, layout.pp), env.rank)
             if env.world_size > 1
             else ParallelMesh.single()
         )
         self.is_main = env.rank == 0
+        self.watchdog = (  # started at the end of __init__
+            Watchdog.for_process_group(t.collective_timeout_s, t.straggler_factor, self.say)
+            if env.world_size > 1
+            else None
+        )
         self.run_dir = Path(cfg.train.run_dir)
         self.tp, self.pp = self.mesh.axis("tp"), self.mesh.axis("pp")
         by_stage = build_chunks(cfg, self.mesh, layout)  # this rank's model chunks
@@ -168,7 +175,8 @@ class Trainer:
                 on_final_backward=lambda stage: self.grads.start_final(chunk_of_stage[stage]),
                 on_step_end=self.grads.finish,
                 dtype=dtype,
-                around_action=self.recorder.around_action if self.recorder else None,
+                around_action=self._around if self.recorder or self.watchdog else None,
+                around_wait=self.watchdog.waiting_for if self.watchdog else None,
             )
             if layout.pp > 1
             else None
@@ -185,8 +193,20 @@ class Trainer:
             cfg.model, cfg.train.global_batch_size, cfg.parallel.recompute
         )
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+        if self.watchdog:
+            self.watchdog.start()
 
     # ------------------------------------------------------------------ batches
+
+    def _around(self, action: Action | str) -> contextlib.ExitStack:
+        """Around each action: the timeline records it, the watchdog shows it."""
+        stack = contextlib.ExitStack()
+        if self.recorder and isinstance(action, Action):
+            stack.enter_context(self.recorder.around_action(action))
+        if self.watchdog:
+            text = f"action {action}" if isinstance(action, Action) else action
+            stack.enter_context(self.watchdog.doing(text))
+        return stack
 
     def _microbatch(self, dataset, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
         batch = dataset.batch(first_sample, self.cfg.train.micro_batch_size)
@@ -225,7 +245,7 @@ class Trainer:
     def _accumulate(self, batch, n: int, loss_scale: float) -> torch.Tensor:
         """Forward and backward of n microbatches on the whole model (no pipeline)."""
         total = torch.zeros((), device=self.device)
-        timed = self.recorder.around_action if self.recorder else lambda _: contextlib.nullcontext()
+        timed = self._around
         for j in range(n):
             tokens, labels = batch(j)
             with timed(Action(Kind.F, 0, j)), self._autocast():
@@ -278,8 +298,10 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (mean loss over the global batch, grad norm)."""
-        total = self.forward_backward()
-        grad_norm, _ = self.optimizer_step(total)
+        with self._around("forward-backward"):
+            total = self.forward_backward()
+        with self._around("optimizer step"):
+            grad_norm, _ = self.optimizer_step(total)
         self.step += 1
         return total, grad_norm
 
@@ -462,12 +484,16 @@ class Trainer:
         try:
             with self.faults.stop:  # SIGINT/SIGTERM: save at the end of the step and stop
                 while self.step < t.steps:
+                    if self.watchdog:
+                        self.watchdog.begin_step(self.step + 1)
                     try:
                         loss, grad_norm = self.train_step()
                     except NumericalFault as fault:  # on every rank, at the same step
                         self._on_fault(fault, result)
                         pending = []
                         continue
+                    if self.watchdog:
+                        self.watchdog.end_step()
                     pending.append((self.step, loss, grad_norm))
                     bar.update(1)
                     stopping = bool(self.faults.signum)  # agreed by all ranks
@@ -481,7 +507,8 @@ class Trainer:
                         pending = []
                     if t.eval_interval and (self.step % t.eval_interval == 0 or last):
                         timer.pause()
-                        val = self.evaluate()
+                        with self._around("evaluation"):
+                            val = self.evaluate()
                         result.val_losses[self.step] = val
                         if writer:
                             writer.write({"step": self.step, "val_loss": val})
@@ -492,7 +519,8 @@ class Trainer:
                         timer.resume()
                     if (t.save_interval and self.step % t.save_interval == 0) or last or stopping:
                         timer.pause()
-                        step_dir = self.save()
+                        with self._around("checkpoint save"):
+                            step_dir = self.save()
                         if t.async_save and not stopping:
                             self.say(f"saving checkpoint {step_dir} in the background")
                         elif not t.async_save:
@@ -659,8 +687,19 @@ def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None)
             + (", reduced during backward" if cfg.parallel.overlap_grad_reduce else "")
         )
         result = trainer.run()
+        if trainer.watchdog:
+            trainer.watchdog.close()
         barrier(None, env.world_size)  # leave together (see destroy_process_group)
-        return result
-    finally:
-        if trainer is None or trainer.owns_process_group:
+        if trainer.owns_process_group:
             destroy_process_group()
+        return result
+    except BaseException as exc:
+        # Name the rank that failed first. The process group is left alone: destroying it
+        # can block on a dead peer (NCCL), and the command line exits the process.
+        if trainer is None or trainer.watchdog is None:
+            raise
+        error = trainer.watchdog.failed(exc)
+        trainer.watchdog.close()
+        if error is exc:
+            raise
+        raise error from exc

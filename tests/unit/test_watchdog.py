@@ -1,0 +1,130 @@
+"""The watchdog's logic with two ranks in one process sharing a HashStore (no launch):
+who is named when a rank goes silent or raises, who waits, who is forced out."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from ptdp.train.watchdog import (
+    PeerFailure,
+    Watchdog,
+    WatchdogTimes,
+    is_communication_error,
+    straggler_report,
+)
+
+GLOO_ERROR = RuntimeError(
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[127.0.0.1]:1234"
+)
+
+
+def _pair(timeout_s: float = 2.0) -> tuple[Watchdog, Watchdog, list[tuple[int, int]]]:
+    store, exits = dist.HashStore(), []
+    dogs = [
+        Watchdog(store, r, 2, timeout_s, exit_process=lambda code, r=r: exits.append((r, code)))
+        for r in range(2)
+    ]
+    return dogs[0], dogs[1], exits
+
+
+def test_times_follow_the_collective_timeout() -> None:
+    assert WatchdogTimes.from_timeout(300) == WatchdogTimes(5.0, 75.0, 30.0)
+    assert WatchdogTimes.from_timeout(12) == WatchdogTimes(0.2, 3.0, 1.2)
+    assert WatchdogTimes.from_timeout(1) == WatchdogTimes(0.1, 0.25, 1.0)
+
+
+def test_communication_errors_are_told_apart() -> None:
+    assert is_communication_error(GLOO_ERROR)
+    assert is_communication_error(dist.DistBackendError("NCCL watchdog timeout"))
+    assert not is_communication_error(RuntimeError("CUDA out of memory"))
+    assert not is_communication_error(ValueError("Connection closed"))
+
+
+def test_a_silent_rank_is_named_and_blocked_ranks_are_forced_out() -> None:
+    """Rank 1 stops beating (as SIGKILL or SIGSTOP would); rank 0 (a watcher) names it
+    after stale_s, reports it when its own collective fails, and a rank still blocked
+    after grace_s is made to exit."""
+    zero, one, exits = _pair(timeout_s=2.0)  # interval 0.1, stale 0.5, grace 1.0
+    zero.start()
+    one.start()
+    one.begin_step(3)
+    with one.doing("action 1F2"):
+        time.sleep(0.3)
+        one._stop.set()  # frozen: no more heartbeats, and no "done"
+        one._thread.join()
+    try:
+        error = zero.failed(GLOO_ERROR)
+        assert isinstance(error, PeerFailure)
+        text = str(error)
+        assert "rank 1 (pid" in text and "failed first" in text and "no heartbeat" in text
+        assert "step 3 in action 1F2" in text and "Connection closed by peer" in text
+        deadline = time.monotonic() + 5
+        while not exits and time.monotonic() < deadline:  # the thread's forced exit
+            time.sleep(0.05)
+        assert exits == [(0, 1)]
+    finally:
+        zero.close()
+
+
+def test_the_rank_that_raised_is_named_by_the_others() -> None:
+    zero, one, exits = _pair()
+    zero.start()
+    one.start()
+    try:
+        with one.doing("optimizer step"):
+            try:
+                raise ValueError("a bug in the optimizer")
+            except ValueError as exc:
+                assert one.failed(exc) is exc  # its own error propagates unchanged
+        error = zero.failed(GLOO_ERROR)
+        assert isinstance(error, PeerFailure)
+        assert "rank 1 (pid" in str(error) and "in optimizer step: ValueError: a bug" in str(error)
+    finally:
+        one.close()
+        zero.close()
+    assert exits == []  # both reported before grace_s
+
+
+def test_a_finished_rank_is_not_a_failure() -> None:
+    zero, one, exits = _pair(timeout_s=1.0)  # stale after 0.25 s
+    zero.start()
+    one.start()
+    one.close()  # done: no heartbeats from now on
+    time.sleep(0.8)
+    assert zero._first_failure() is None
+    zero.close()
+    assert exits == []
+
+
+def test_straggler_report_names_the_rank_that_is_computing() -> None:
+    beats = [
+        {"step": 6, "action": "action 0BW0", "waiting": "the gradient of mb 0", "for_s": 3.9},
+        {"step": 6, "action": "action 1BW0", "waiting": "the gradient of mb 0", "for_s": 3.8},
+        {"step": 6, "action": "action 2BW0", "waiting": "", "for_s": 3.8},
+        {"step": 6, "action": "action 3BW1", "waiting": "the activation of mb 2", "for_s": 3.0},
+    ]
+    text = straggler_report(6, 4.0, 0.2, beats)
+    assert text.splitlines()[0] == (
+        "watchdog: step 6 has run 4.0 s, 20.0 x the median 0.20 s; behind: rank 2"
+    )
+    assert "  rank 2: step 6, action 2BW0 for 3.8 s" in text
+    beats[2]["step"] = 5
+    assert "behind: rank 2" in straggler_report(6, 4.0, 0.2, beats)
+    for b in beats:  # all in the same collective: no rank stands out
+        b.update(step=6, waiting="")
+    assert "behind: ranks 0, 1, 2, 3" in straggler_report(6, 4.0, 0.2, beats)
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0])
+def test_straggler_factor_must_exceed_one(factor: float, tmp_path) -> None:
+    from ptdp.config import RunConfig, apply_updates
+    from ptdp.errors import ConfigError
+    from ptdp.layout import validate
+
+    cfg = apply_updates(RunConfig(), {"train": {"straggler_factor": factor}}, "a test")
+    with pytest.raises(ConfigError, match="straggler_factor"):
+        validate(cfg, 1)
