@@ -223,6 +223,9 @@ class TrainConfig:
     """A step with a non-finite loss or gradient norm (not an fp16 overflow): stop (with an
     error naming the last good checkpoint), skip (leave the step out), or rollback (reload
     the last checkpoint and skip the batches since it, the bad one included)."""
+    compile: bool = False
+    """Compile each transformer layer with torch.compile (fused bias+GeLU and
+    bias+dropout+residual kernels); the first steps are slower while it compiles."""
 
 
 @dataclass(kw_only=True, frozen=True)
