@@ -286,7 +286,7 @@ def run_scenario(s: Scenario, data: str, tmp: Path) -> dict:
         "seconds from fault to every rank exited": round(last_exit - fault_at, 2),
         "named": next(
             (
-                line.split("error: ", 1)[1][:160]
+                line.split("error: ", 1)[-1][:160]
                 for line in log.splitlines()
                 if "failed first" in line
                 or "interrupted by" in line

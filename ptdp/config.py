@@ -229,6 +229,9 @@ class TrainConfig:
     straggler_factor: float = 0.0
     """Log where every rank is when a step runs longer than this multiple of the median
     step time (e.g. 3); 0 = off. Multi-process runs only."""
+    compile: bool = False
+    """Compile each transformer layer with torch.compile (fused bias+GeLU and
+    bias+dropout+residual kernels); the first steps are slower while it compiles."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -14,6 +14,9 @@ Weight decay applies to matrices and embeddings only (GPT-2 practice). The globa
 gradient norm counts every element of the single-process model once: replicated tensor
 slices (norms, row-parallel biases) on tensor rank 0 only, the last stage's copy of a
 tied embedding not at all.
+
+The AdamW kernel is torch's fused one on CUDA and its foreach (multi-tensor) one on CPU
+(`adamw_kernel`); both compute the same update as the per-tensor loop.
 """
 
 from __future__ import annotations
@@ -87,7 +90,9 @@ class Optimizer:
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
             eps=cfg.eps,
+            **adamw_kernel(decay + no_decay),
         )
+        self.fused = bool(self.inner.defaults.get("fused"))
 
     @property
     def param_groups(self) -> list[dict]:
@@ -193,13 +198,25 @@ class Optimizer:
             x.param.data.view(-1)[x.lo : x.hi].copy_(x.master)
             if x.param in moments:
                 self.inner.state[x.master] = {
-                    "step": torch.tensor(float(step)),
+                    # The fused kernel keeps the step count on the parameters' device.
+                    "step": torch.tensor(
+                        float(step), device=x.master.device if self.fused else "cpu"
+                    ),
                     **{
                         k: moments[x.param][k].reshape(-1)[x.lo : x.hi].clone().to(x.master)
                         for k in STATE_KEYS
                     },
                 }
         self.buffers.gather_params()
+
+
+def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+    """Which AdamW implementation to ask for: fused (one kernel for all tensors) when every
+    tensor is a floating-point CUDA tensor, else foreach (a few multi-tensor ops), which on
+    CPU gives bit-for-bit the results of the per-tensor loop that is torch's CPU default."""
+    if params and all(p.is_cuda and p.is_floating_point() for p in params):
+        return {"fused": True}
+    return {"foreach": True}
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

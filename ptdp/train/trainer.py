@@ -27,6 +27,7 @@ from tqdm import tqdm
 from ptdp.config import OnNan, Precision, RunConfig, to_dict, to_toml
 from ptdp.errors import CheckpointError
 from ptdp.layout import Layout, validate
+from ptdp.model.compile import apply_compile
 from ptdp.model.gpt import count_parameters
 from ptdp.parallel.comm import (
     Group,
@@ -133,6 +134,8 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         self.tp, self.pp = self.mesh.axis("tp"), self.mesh.axis("pp")
         by_stage = build_chunks(cfg, self.mesh, layout)  # this rank's model chunks
+        if cfg.train.compile:  # regional: each transformer layer (ptdp/model/compile.py)
+            apply_compile(by_stage.values())
         self.chunks = list(by_stage.values())
         self.model = nn.ModuleList(self.chunks).to(self.device)
         self.grads = GradBuffers(

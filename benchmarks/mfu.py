@@ -1,0 +1,442 @@
+"""MFU on one GPU: ptdp's own training step on GPT sizes, against plain PyTorch loops.
+
+The ptdp side is the product: `Trainer` (model chunks, gradient buffers, fp32-master
+AdamW, clipping, the fault check) built from a RunConfig, with `train.compile` and bf16;
+only the data is synthetic (random tokens written in the indexed format). Each model
+trains `--warmup` steps (compilation, allocator warm-up; not timed), then `--steps` timed
+steps. Reported per run: parameters, tokens/s, model TFLOP/s (ptdp/perf/flops.py model
+FLOPs: forward + backward, recomputation not counted), MFU against the device's dense
+bf16 peak, and peak allocated memory.
+
+With --compare, the same model, batch and sequence length also train through peers in
+the same process: Hugging Face `GPT2LMHeadModel` (SDPA attention) and a small GPT written
+here in plain PyTorch, both in the usual hand-written style: fp32 weights, bf16 autocast,
+torch AdamW (fused on CUDA), gradient clipping. The ratio ptdp / peer of tokens/s is
+printed for each.
+
+    python benchmarks/mfu.py --models 125m,350m,760m,1.3b --compare   # on an H100 / H200
+    python benchmarks/mfu.py --fill          # largest GPT that fits with full recomputation
+    python benchmarks/mfu.py --device cpu --models tiny --steps 3 --no-compile --compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import math
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ptdp.config import ModelConfig, RunConfig, apply_updates
+from ptdp.data.indexed import IndexedWriter
+from ptdp.parallel.env import LaunchEnv
+from ptdp.perf.flops import dense_peak_flops, device_kind, model_flops_per_iteration
+from ptdp.train.optim import adamw_kernel
+from ptdp.train.trainer import Trainer, prepare
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    micro_batch: int
+    """Default micro-batch size (halved on out-of-memory)."""
+
+
+MODELS = {
+    "tiny": Shape(2, 64, 4, 64, 4),  # CPU smoke test
+    "small": Shape(4, 256, 4, 256, 8),  # CPU: compiled against eager
+    "125m": Shape(12, 768, 12, 1024, 16),
+    "350m": Shape(24, 1024, 16, 1024, 16),
+    "760m": Shape(24, 1536, 16, 1024, 8),
+    "1.3b": Shape(24, 2048, 16, 2048, 8),
+}
+# --fill tries these in order with full recomputation and keeps the largest that trains.
+FILL = {
+    "2.7b": Shape(32, 2560, 32, 2048, 4),
+    "4b": Shape(32, 3072, 24, 2048, 4),
+    "6.7b": Shape(32, 4096, 32, 2048, 2),
+    "9b": Shape(44, 4096, 32, 2048, 2),
+    "13b": Shape(40, 5120, 40, 2048, 1),
+}
+GPT2_VOCAB = 50257
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(step: Callable[[], None], warmup: int, steps: int, device: torch.device) -> float:
+    """Seconds for `steps` calls of step() after `warmup` untimed ones."""
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    torch._dynamo.reset()  # each model recompiles from scratch: no recompile limit hit
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+# ----------------------------------------------------------------------------- ptdp
+
+
+def synthetic_tokens(directory: Path, vocab: int, tokens: int) -> str:
+    """Random tokens in the indexed format (throughput does not depend on the text)."""
+    prefix = directory / f"synthetic-{vocab}"
+    if not Path(f"{prefix}.idx").exists():
+        rng = np.random.default_rng(0)
+        with IndexedWriter(prefix, np.uint16 if vocab < 2**16 else np.int32) as writer:
+            for _ in range(8):
+                writer.add_document(rng.integers(0, vocab, tokens // 8))
+    return str(prefix)
+
+
+def ptdp_config(args, shape: Shape, micro_batch: int, data: str, recompute: str) -> RunConfig:
+    model = {
+        "num_layers": shape.layers,
+        "hidden_size": shape.hidden,
+        "num_heads": shape.heads,
+        "seq_length": shape.seq,
+        "vocab_size": args.vocab_size,
+        "dropout": 0.0,
+    }
+    train = {
+        "micro_batch_size": micro_batch,
+        "global_batch_size": micro_batch * args.grad_accum,
+        "steps": 10**6,
+        "eval_interval": 0,
+        "progress": False,
+        "device": args.device,
+        "precision": args.precision,
+        "compile": args.compile,
+        "run_dir": str(Path(data).parent / "run"),
+    }
+    updates = {
+        "model": model,
+        "parallel": {"recompute": recompute},
+        "data": {"path": data, "valid_fraction": 0.01},
+        "optim": {"warmup_steps": 1},
+        "train": train,
+    }
+    return apply_updates(RunConfig(), updates, "benchmarks/mfu.py")
+
+
+def run_ptdp(args, shape: Shape, micro_batch: int, data: str, recompute: str) -> dict:
+    cfg = ptdp_config(args, shape, micro_batch, data, recompute)
+    env = LaunchEnv(0, 1, 0)
+    cfg, layout, run_data = prepare(cfg, env)
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = Trainer(cfg, layout, env, run_data)
+    try:
+        seconds = timed_steps(trainer.train_step, args.warmup, args.steps, trainer.device)
+        params = trainer.parameter_count(full=True)
+        peak = _peak_gib(trainer.device)
+    finally:
+        del trainer
+    return {"params": params, "seconds": seconds, "peak_gib": peak}
+
+
+# ----------------------------------------------------------------------------- peers
+
+
+class _Block(nn.Module):
+    """Pre-norm GPT-2 block in plain PyTorch (the hand-written peer)."""
+
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.out = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.up, self.down = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h]
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, -1).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(y.transpose(1, 2).reshape(b, s, h))
+        return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
+
+
+class PlainGPT(nn.Module):
+    """GPT-2 (learned positions, tied output layer), returns logits [b, s, v]."""
+
+    def __init__(self, vocab: int, shape: Shape) -> None:
+        super().__init__()
+        h = shape.hidden
+        self.tokens, self.positions = nn.Embedding(vocab, h), nn.Embedding(shape.seq, h)
+        self.blocks = nn.ModuleList(_Block(h, shape.heads) for _ in range(shape.layers))
+        self.ln = nn.LayerNorm(h)
+        for p in self.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.ln(x), self.tokens.weight)
+
+
+def build_hf_gpt2(vocab: int, shape: Shape) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_positions=shape.seq,
+        n_embd=shape.hidden,
+        n_layer=shape.layers,
+        n_head=shape.heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+    )
+    config._attn_implementation = "sdpa"
+    model = GPT2LMHeadModel(config)
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.inner(input_ids=idx).logits
+
+    return Logits()
+
+
+PEERS: dict[str, Callable[[int, Shape], nn.Module]] = {
+    "hf-gpt2": build_hf_gpt2,
+    "plain-gpt": PlainGPT,
+}
+
+
+def run_peer(args, name: str, shape: Shape, micro_batch: int) -> dict:
+    """A hand-written loop: fp32 weights, bf16 autocast, AdamW, clipping, accumulation."""
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = PEERS[name](args.vocab_size, shape).to(device)
+    params = [p for p in model.parameters()]
+    decay = [p for p in params if p.dim() >= 2]
+    other = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=3e-4,
+        betas=(0.9, 0.95),
+        **adamw_kernel(params),
+    )
+    forward = torch.compile(model) if args.peer_compile else model
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
+    )
+    gen = torch.Generator(device=device).manual_seed(0)
+    batch = torch.randint(
+        0, args.vocab_size, (micro_batch, shape.seq + 1), device=device, generator=gen
+    )
+
+    def step() -> None:
+        for _ in range(args.grad_accum):
+            with autocast():
+                logits = forward(batch[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+            (loss / args.grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    seconds = timed_steps(step, args.warmup, args.steps, device)
+    count = sum(p.numel() for p in {id(p): p for p in params}.values())
+    return {"params": count, "seconds": seconds, "peak_gib": _peak_gib(device)}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def measure(args, name: str, impl: str, shape: Shape, data: str, recompute: str) -> dict:
+    """One row; on CUDA out-of-memory the micro-batch is halved and the run retried."""
+    device = torch.device(args.device)
+    micro_batch = args.micro_batch_size or shape.micro_batch
+    while True:
+        _free(device)
+        try:
+            if impl == "ptdp":
+                got = run_ptdp(args, shape, micro_batch, data, recompute)
+            else:
+                got = run_peer(args, impl, shape, micro_batch)
+            break
+        except torch.OutOfMemoryError:
+            if micro_batch == 1:
+                raise
+            micro_batch //= 2
+            print(f"  {name} {impl}: out of memory, retrying with micro-batch {micro_batch}")
+    _free(device)
+    model = ModelConfig(
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        num_heads=shape.heads,
+        seq_length=shape.seq,
+        vocab_size=args.vocab_size,
+    )
+    batch = micro_batch * args.grad_accum
+    flops_per_step = model_flops_per_iteration(model, batch)
+    seconds = got["seconds"]
+    tflops = flops_per_step * args.steps / seconds / 1e12
+    return {
+        "model": name,
+        "impl": impl,
+        "layers": shape.layers,
+        "hidden": shape.hidden,
+        "heads": shape.heads,
+        "seq": shape.seq,
+        "micro_batch": micro_batch,
+        "global_batch": batch,
+        "recompute": recompute,
+        "params": got["params"],
+        "steps": args.steps,
+        "seconds": seconds,
+        "flops_per_step": flops_per_step,
+        "tokens_per_s": batch * shape.seq * args.steps / seconds,
+        "tflops": tflops,
+        "peak_tflops": args.peak_tflops,
+        "mfu": tflops / args.peak_tflops if args.peak_tflops else None,
+        "peak_gib": got["peak_gib"],
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (
+        f"{'model':>6} | {'impl':>9} | {'params':>8} | {'l/h/n/s':>17} | {'mbs':>3} | "
+        f"{'tokens/s':>10} | {'TFLOP/s':>7} | {'MFU':>6} | {'peak GiB':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        shape = f"{r['layers']}/{r['hidden']}/{r['heads']}/{r['seq']}"
+        mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "   n/a"
+        lines.append(
+            f"{r['model']:>6} | {r['impl']:>9} | {r['params'] / 1e6:7.1f}M | {shape:>17} | "
+            f"{r['micro_batch']:>3} | {r['tokens_per_s']:>10,.0f} | {r['tflops']:>7.3g} | "
+            f"{mfu} | {r['peak_gib']:>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    ours = {r["model"]: r for r in rows if r["impl"] == "ptdp"}
+    return [
+        f"{r['model']}: ptdp / {r['impl']} tokens/s = "
+        f"{ours[r['model']]['tokens_per_s'] / r['tokens_per_s']:.3f}"
+        for r in rows
+        if r["impl"] != "ptdp" and r["model"] in ours
+    ]
+
+
+def resolve_peak(args) -> float | None:
+    """Dense bf16 (or fp16/fp32) TFLOP/s of the device: --peak-tflops, else by its name."""
+    if args.peak_tflops:
+        return args.peak_tflops
+    if args.device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(args.device))
+        kind = device_kind(name)
+        if kind is None:
+            raise SystemExit(f"unknown GPU {name!r}: pass --peak-tflops (dense bf16 TFLOP/s)")
+        return dense_peak_flops(kind, args.precision) / 1e12
+    return None  # CPU: no table entry; MFU is left out unless --peak-tflops is given
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="125m,350m,760m,1.3b", help=f"of {', '.join(MODELS)}")
+    p.add_argument("--fill", action="store_true", help="also find the largest GPT that fits")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation)")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="0 = per-model default")
+    p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--compare", action="store_true", help="also train the plain peers")
+    p.add_argument("--peers", default="hf-gpt2,plain-gpt", help=f"of {', '.join(PEERS)}")
+    p.add_argument("--peer-compile", action="store_true", help="torch.compile the peers too")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="override the device peak")
+    p.add_argument("--json", help="write the rows and the machine to this file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    args.peak_tflops = resolve_peak(args)
+    names = [m for m in args.models.split(",") if m]
+    peers = [p for p in args.peers.split(",") if p] if args.compare else []
+    for given, known in ((names, MODELS), (peers, PEERS)):
+        if unknown := [x for x in given if x not in known]:
+            raise SystemExit(f"unknown {unknown}; known: {', '.join(known)}")
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        longest = max([MODELS[m].seq for m in names] + ([2048] if args.fill else []))
+        data = synthetic_tokens(Path(tmp), args.vocab_size, 64 * (longest + 1))
+        for name in names:
+            for impl in ["ptdp", *peers]:
+                rows.append(measure(args, name, impl, MODELS[name], data, "none"))
+                print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+        if args.fill:
+            for name, shape in FILL.items():
+                try:
+                    rows.append(measure(args, name, "ptdp", shape, data, "full"))
+                except torch.OutOfMemoryError:
+                    print(f"fill: {name} does not fit; the largest that does is above it")
+                    _free(torch.device(args.device))
+                    break
+                print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+    device = args.device
+    if device.startswith("cuda"):
+        device = torch.cuda.get_device_name(torch.device(device))
+    machine = f"{device} | {platform.machine()} | torch {torch.__version__} | {args.precision}"
+    print(f"\n{machine} | compile {'on' if args.compile else 'off'} | steps {args.steps} "
+          f"(+{args.warmup} warm-up) | peak {args.peak_tflops or 'n/a'} TFLOP/s")  # fmt: skip
+    print(format_table(rows))
+    for line in ratios(rows):
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+    assert all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""benchmarks/mfu.py's CPU smoke path: ptdp and the peers train, the table is sane."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ptdp.config import ModelConfig
+from ptdp.perf.flops import model_flops_per_iteration
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mfu.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("mfu_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_smoke_run_reports_sane_numbers(tmp_path: Path, capsys) -> None:
+    mfu = _load()
+    out = tmp_path / "mfu.json"
+    argv = "--device cpu --models tiny --steps 2 --warmup 1 --no-compile --compare"
+    argv += f" --vocab-size 512 --peak-tflops 0.5 --json {out}"
+    rows = mfu.main(argv.split())
+    printed = capsys.readouterr().out
+    assert [r["impl"] for r in rows] == ["ptdp", "hf-gpt2", "plain-gpt"]
+    assert "tiny: ptdp / hf-gpt2 tokens/s = " in printed and "ptdp" in printed
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+    shape = mfu.MODELS["tiny"]
+    model = ModelConfig(
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        num_heads=shape.heads,
+        seq_length=shape.seq,
+        vocab_size=512,
+    )
+    for r in rows:
+        assert r["params"] == rows[0]["params"]  # the same GPT in all three
+        assert r["tokens_per_s"] > 0 and r["seconds"] > 0
+        tokens = r["global_batch"] * shape.seq * r["steps"]
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["seconds"])
+        flops = model_flops_per_iteration(model, r["global_batch"])
+        assert r["flops_per_step"] == flops
+        assert r["tflops"] == pytest.approx(flops * r["steps"] / r["seconds"] / 1e12)
+        assert r["mfu"] == pytest.approx(r["tflops"] / 0.5)
+        assert 0 < r["mfu"] < 1
+
+
+def test_unknown_model_is_named() -> None:
+    with pytest.raises(SystemExit, match="unknown"):
+        _load().main(["--device", "cpu", "--models", "7t"])
