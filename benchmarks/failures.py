@@ -235,26 +235,30 @@ SCENARIOS = [
     Scenario("one rank raises an exception", "raise:1:8", 2, 2, resume=True),
     Scenario("one rank frozen (SIGSTOP)", "stop:2:8", 2, 2, frozen=(2,), resume=True),
     Scenario("SIGTERM to every rank (preemption notice)", "term:0:8", 2, 2, resume=True),
-    Scenario("NaN gradient on one rank, on_nan = skip", "nan:1:8", 2, 2, (), (("on_nan", "skip"),)),
+    Scenario(
+        "NaN gradient on one rank, on_nan = skip", "nan:1:8", 2, 2, train=(("on_nan", "skip"),)
+    ),
     Scenario(
         "NaN gradient on one rank, on_nan = rollback",
         "nan:1:8",
         2,
         2,
-        (),
-        (("on_nan", "rollback"),),
+        train=(("on_nan", "rollback"),),
     ),
     Scenario(
         "NaN gradient on one rank, on_nan = stop",
         "nan:1:8",
         2,
         2,
-        (),
-        (("on_nan", "stop"),),
+        train=(("on_nan", "stop"),),
         resume=True,
     ),
     Scenario(
-        "straggler: one rank 4 s late in a step", "slow:2:8:4", 1, 4, (), (("straggler_factor", 3),)
+        "straggler: one rank 4 s late in a step",
+        "slow:2:8:4",
+        1,
+        4,
+        train=(("straggler_factor", 3),),
     ),
 ]
 STEPS, SAVE_INTERVAL = 12, 5
@@ -268,42 +272,57 @@ def _steps_logged(text: str) -> list[int]:
     ]
 
 
+def _first_line(text: str, *marks: str) -> str:
+    for line in text.splitlines():
+        if any(m in line for m in marks):
+            return line.split("error: ", 1)[-1]
+    return ""
+
+
 def run_scenario(s: Scenario, data: str, tmp: Path) -> dict:
     extra = dict(s.train) | {"save_interval": SAVE_INTERVAL}
     args = train_args(data, s.tp, s.pp, STEPS, **extra)
+    fault_step = int(s.fault.split(":")[2])
     run = launch(tmp, args, s.fault, torchrun=s.torchrun)
     try:
         exited = run.wait(limit_s=180, ignore=s.frozen)
         fault_at = run.fault_at()
         codes = [p.poll() for p in run.procs]
-        last_exit = max(exited.values())
-        log = "\n".join(run.output(i) for i in range(len(run.procs)))
+        rank0 = run.output(0)
     finally:
         run.kill_all()
+    stopped = any(c != 0 for c in codes)
     row = {
         "fault": s.name,
         "exit codes": codes,
-        "seconds from fault to every rank exited": round(last_exit - fault_at, 2),
-        "named": next(
-            (
-                line.split("error: ", 1)[-1][:160]
-                for line in log.splitlines()
-                if "failed first" in line
-                or "interrupted by" in line
-                or "watchdog:" in line
-                or "non-finite" in line
-            ),
-            "",
+        "seconds from fault to every rank exited": (
+            round(max(exited.values()) - fault_at, 2) if stopped else None
+        ),
+        "message": _first_line(
+            rank0, "failed first", "interrupted by", "watchdog:", "non-finite", "rolled back"
         ),
     }
+    if "watchdog: step" in rank0:
+        row["seconds until reported"] = float(rank0.split(" has run ", 1)[1].split(" s,")[0])
+    if "rolled back" in rank0:
+        restored = int(rank0.split("(step ", 1)[1].split(")")[0])
+        row["work lost"] = (
+            f"{fault_step - restored} steps: weights back to step {restored}, the batches "
+            f"of steps {restored + 1}..{fault_step} skipped"
+        )
+    elif "step skipped" in rank0:
+        row["work lost"] = f"the batch of step {fault_step}"
+    elif not stopped:
+        row["work lost"] = "none"
     if s.resume:
-        done = max(_steps_logged(run.output(0)), default=0)
+        done = max(_steps_logged(rank0), default=0)
         again = launch(tmp, [*args, "--resume"], "none")
         again.wait(limit_s=180)
         resumed = _steps_logged(again.output(0))
         again.kill_all()
-        row["steps lost (trained again on resume)"] = (
-            max(0, done - min(resumed) + 1) if resumed else None
+        redone = max(0, done - min(resumed) + 1) if resumed else None
+        row["work lost"] = f"{redone} completed steps (trained again after --resume)" + (
+            "" if redone == 0 else " and the step in progress"
         )
         row["resume exit code"] = again.procs[0].poll()
     return row
@@ -313,14 +332,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/failures.json")
     parser.add_argument("--only", default="", help="run the scenarios whose name has this")
+    parser.add_argument("--keep", type=Path, help="keep every run's logs in this directory")
     opts = parser.parse_args()
     from ptdp.data.preprocess import preprocess
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
+        tmp = opts.keep or Path(tmp_name)
         text = tmp / "text"
-        text.mkdir()
+        text.mkdir(parents=True, exist_ok=True)
         words = "to be or not that is the question whether tis nobler in the mind".split()
         for i in range(12):
             (text / f"d{i}.txt").write_text(
@@ -331,7 +351,7 @@ def main() -> None:
             if opts.only not in s.name:
                 continue
             print(f"[{i + 1}/{len(SCENARIOS)}] {s.name} ...", flush=True)
-            (tmp / str(i)).mkdir()
+            (tmp / str(i)).mkdir(exist_ok=True)
             rows.append(run_scenario(s, str(tmp / "tiny"), tmp / str(i)))
             print(json.dumps(rows[-1], indent=1), flush=True)
     opts.out.write_text(json.dumps(rows, indent=1))

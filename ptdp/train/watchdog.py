@@ -117,6 +117,7 @@ class Watchdog:
         self._seen: dict[int, tuple[str, float]] = {}  # rank -> (heartbeat, when it changed)
         self._failure_deadline: float | None = None
         self._first: dict | None = None
+        self._released = False
         self._stop = threading.Event()
         self._scan_lock = threading.RLock()
         self._thread = threading.Thread(target=self._loop, name="ptdp-watchdog", daemon=True)
@@ -199,8 +200,10 @@ class Watchdog:
             return exc
         deadline = time.monotonic() + self.times.stale_s + 4 * self.times.interval_s
         while True:
-            self._scan()  # the watcher ranks may be gone already (torchrun stops them)
             first = self._first_failure()
+            if first is None:  # the watcher ranks may be gone already (torchrun stops them)
+                self._scan()
+                first = self._first_failure()
             if first is not None and first["rank"] != self.rank:
                 self._stopping()
                 return PeerFailure(
@@ -217,12 +220,13 @@ class Watchdog:
     def _stopping(self) -> None:
         """Rank 0 waits (at most stale_s) until every live rank has read the failure:
         launched without torchrun, it hosts the store they read it from."""
+        self._release()
         if self.rank != 0:
             return
         first = self._first_failure() or {}
         expected = self.world_size - (first.get("how") == "no heartbeat")
         deadline = time.monotonic() + self.times.stale_s
-        while self.store.add("seen", 0) < expected and time.monotonic() < deadline:
+        while self.store.add("released", 0) < expected and time.monotonic() < deadline:
             time.sleep(self.times.interval_s)
 
     # ------------------------------------------------------------------ the thread
@@ -263,8 +267,15 @@ class Watchdog:
         with self._scan_lock:
             if self._first is None and self.store.check(["first"]):
                 self._first = json.loads(self.store.get("first"))
-                self.store.add("seen", 1)
+                self._release()
             return self._first
+
+    def _release(self) -> None:
+        """Count this rank, once, among those that need the store no more (they know the
+        first failure, or have reported their own): rank 0 waits for them in _stopping."""
+        if not self._released:
+            self._released = True
+            self.store.add("released", 1)
 
     def _claim(self, record: dict, rank: int | None = None) -> None:
         """Write a failure; the first one written is the one every rank reports."""
@@ -316,7 +327,7 @@ class Watchdog:
                             f"no heartbeat for {now - changed:.1f} s: the process was killed "
                             "(SIGKILL, out of host memory), froze, or its machine went away"
                         ),
-                        "where": f"at step {last['step']} in {last['action']}",
+                        "where": f"last heard from at step {last['step']} in {last['action']}",
                     },
                     rank=r,
                 )
@@ -340,6 +351,10 @@ class Watchdog:
 
     def _store_lost(self, exc: Exception) -> None:
         if self._stop.is_set():
+            return
+        if self._first is not None:  # rank 0 left after the failure was known: expected
+            _stderr(f"rank {self.rank}: {describe_failure(self._first)}; exiting")
+            self.exit_process(1)
             return
         _stderr(
             f"rank {self.rank}: the launcher's key-value store is unreachable "

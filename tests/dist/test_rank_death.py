@@ -28,9 +28,12 @@ def _assert_named(text: str, rank: int, error: str) -> None:
 
 
 def test_sigkill_of_one_rank_under_torchrun(tiny_data: str, tmp_path: Path) -> None:
-    """tp=2, pp=2: rank 2 is killed mid-step; torchrun exits non-zero within the timeout
-    and the surviving ranks name rank 2 and why (no heartbeat)."""
-    run = launch(tmp_path, train_args(tiny_data, 2, 2, 60), "kill:2:4", torchrun=True)
+    """tp=2, pp=2: rank 2 is killed in the middle of step 4; torchrun exits non-zero within
+    the timeout and the surviving ranks name rank 2 and why (no heartbeat). `--resume`
+    continues from the last complete checkpoint (step 2), losing only step 3, and its
+    losses equal one process trained without interruption."""
+    args = train_args(tiny_data, 2, 2, 6, save_interval=2)
+    run = launch(tmp_path, args, "kill:2:4", torchrun=True)
     try:
         exited = run.wait(limit_s=120)
         assert exited, run.output(0)[-3000:]
@@ -39,6 +42,14 @@ def test_sigkill_of_one_rank_under_torchrun(tiny_data: str, tmp_path: Path) -> N
         _assert_named(run.output(0), 2, "no heartbeat")
     finally:
         run.kill_all()
+    again = launch(tmp_path, [*args, "--resume"], "none")
+    try:
+        assert len(again.wait(limit_s=120)) == 4
+        assert [p.returncode for p in again.procs] == [0] * 4, again.output(0)[-3000:]
+        assert "step_00000002 at step 2" in again.output(0)
+    finally:
+        again.kill_all()
+    _assert_matches_one_process(args, run.run_dir, tmp_path / "one")
 
 
 def test_exception_on_one_rank_stops_the_others(tiny_data: str, tmp_path: Path) -> None:
@@ -148,10 +159,15 @@ def test_sigterm_to_every_rank_saves_and_resume_matches(tiny_data: str, tmp_path
         assert "resumed from" in again.output(0)
     finally:
         again.kill_all()
+    _assert_matches_one_process(args, run.run_dir, tmp_path / "one")
+
+
+def _assert_matches_one_process(args: list[str], run_dir: Path, one_dir: Path) -> None:
+    """The last logged loss of each step (a resumed run logs some steps again) equals the
+    loss of one process trained on the same config without interruption."""
     cfg = resolve(None, [*args, "--parallel.tp", "1", "--parallel.pp", "1"])
-    cfg = replace(cfg, train=replace(cfg.train, run_dir=str(tmp_path / "one")))
-    reference = train(cfg).losses
-    losses = _losses(run.run_dir)
-    assert sorted(losses) == list(range(1, 7))
+    reference = train(replace(cfg, train=replace(cfg.train, run_dir=str(one_dir)))).losses
+    losses = _losses(run_dir)
+    assert sorted(losses) == sorted(reference) == list(range(1, cfg.train.steps + 1))
     for step, loss in losses.items():
         assert loss == pytest.approx(reference[step], rel=1e-5), step
