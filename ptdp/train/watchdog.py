@@ -118,6 +118,7 @@ class Watchdog:
         self._failure_deadline: float | None = None
         self._first: dict | None = None
         self._released = False
+        self._reporting = False
         self._stop = threading.Event()
         self._scan_lock = threading.RLock()
         self._thread = threading.Thread(target=self._loop, name="ptdp-watchdog", daemon=True)
@@ -183,6 +184,7 @@ class Watchdog:
         if isinstance(exc, PeerFailure):
             return exc
         where = f"at step {self.step} in {self._where()}"
+        self._reporting = True  # not blocked: its waits here are bounded
         try:  # the launcher's SIGTERM to the other ranks waits until the report is out
             with StopRequest():
                 return self._failed(exc, where)
@@ -192,6 +194,8 @@ class Watchdog:
                 f"the rank hosting it has probably failed. This rank ({self.rank}) stopped "
                 f"{where}: {_summary(exc, 160)}"
             )
+        finally:
+            self._reporting = False
 
     def _failed(self, exc: BaseException, where: str) -> BaseException:
         if not is_communication_error(exc):
@@ -293,7 +297,7 @@ class Watchdog:
         now = time.monotonic()
         if self._failure_deadline is None:
             self._failure_deadline = now + self.times.grace_s
-        elif now > self._failure_deadline:
+        elif now > self._failure_deadline and not self._reporting:
             _stderr(
                 f"rank {self.rank}: {describe_failure(first)}. This rank was still blocked "
                 f"{self.times.grace_s:.0f} s later at step {self.step} in {self._where()}; "
