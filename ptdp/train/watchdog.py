@@ -113,6 +113,7 @@ class Watchdog:
         self._step_started: float | None = None
         self._step_times: deque[float] = deque(maxlen=STEP_WINDOW)
         self._straggler_reported = -1
+        self._straggler_marks: tuple[int, list[int], float] | None = None
         self._beat = 0
         self._seen: dict[int, tuple[str, float]] = {}  # rank -> (heartbeat, when it changed)
         self._failure_deadline: float | None = None
@@ -338,20 +339,28 @@ class Watchdog:
             return
 
     def _check_straggler(self) -> None:
-        started = self._step_started
+        """Once a step has run straggler_factor x the median, note every rank's heartbeat
+        counter; report on the first tick at which every live rank has written a newer one
+        (so no rank is described as it was before the slow step), or after stale_s."""
+        started, step = self._step_started, self.step
         if started is None or len(self._step_times) < MIN_STEPS:
+            return
+        if self._straggler_reported == step:
             return
         median = statistics.median(self._step_times)
         elapsed = time.monotonic() - started
-        # Heartbeats are interval_s old at most: wait for every rank's from this step.
-        threshold = max(self.straggler_factor * median, 3 * self.times.interval_s)
-        if elapsed < threshold or self._straggler_reported == self.step:
+        if elapsed < self.straggler_factor * median:
             return
-        self._straggler_reported = self.step
-        beats = [
-            json.loads(b) for b in self.store.multi_get([f"hb/{r}" for r in range(self.world_size)])
-        ]
-        self.say(straggler_report(self.step, elapsed, median, beats))
+        keys = [f"hb/{r}" for r in range(self.world_size)]
+        beats = [json.loads(b) for b in self.store.multi_get(keys)]
+        if self._straggler_marks is None or self._straggler_marks[0] != step:
+            self._straggler_marks = (step, [b.get("beat", 0) for b in beats], elapsed)
+            return
+        _, marks, crossed = self._straggler_marks
+        fresh = all(b.get("done") or b["beat"] > m for b, m in zip(beats, marks))
+        if fresh or elapsed - crossed > self.times.stale_s:
+            self._straggler_reported = step
+            self.say(straggler_report(step, elapsed, median, beats))
 
     def _store_lost(self, exc: Exception) -> None:
         if self._stop.is_set():
