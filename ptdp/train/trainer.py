@@ -654,6 +654,25 @@ def _checkpoint_to_resume(cfg: RunConfig, resume: bool) -> Path | None:
     return step_dir
 
 
+def _same_checkpoint_everywhere(step_dir: Path | None, env: LaunchEnv) -> None:
+    """Each rank chose the checkpoint to resume from on its own, before the process group
+    existed; they differ when train.run_dir is not on a filesystem all nodes share."""
+    seen = all_gather_objects(str(step_dir or ""), None, env.world_size)
+    if len(set(seen)) == 1:
+        return
+    ranks: dict[str, list[int]] = {}
+    for rank, name in enumerate(seen):
+        ranks.setdefault(name or "no checkpoint", []).append(rank)
+    views = "; ".join(
+        f"rank {r[0]} sees {name}" if len(r) == 1 else f"ranks {', '.join(map(str, r))} see {name}"
+        for name, r in ranks.items()
+    )
+    raise CheckpointError(
+        f"the ranks do not see the same checkpoint to resume from ({views}); put "
+        "train.run_dir on a filesystem every node shares"
+    )
+
+
 def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None) -> TrainResult:
     """Train as one process, or as one rank of a torchrun launch."""
     env = env or LaunchEnv.from_environ()
@@ -663,6 +682,7 @@ def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None)
     trainer = None
     try:
         trainer = Trainer(cfg, layout, env, data)  # creates the process group if none
+        _same_checkpoint_everywhere(step_dir, env)
         if step_dir is not None:
             trainer.restore(step_dir)
             trainer.say(f"resumed from {step_dir} at step {trainer.step}")

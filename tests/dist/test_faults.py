@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ptdp.errors import CheckpointError
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.trainer import Trainer, train
@@ -73,3 +74,25 @@ def test_nan_on_one_rank_is_skipped_by_both(tiny_data: str, tmp_path: Path) -> N
         assert seen == {"final": 6, "skipped": 1}, rank
     step_dir = ckpt.find_checkpoint(tmp_path / "run")
     assert step_dir.name == "step_00000006"
+
+
+def _resume_from_different_dirs(rank: int, world: int, data: str, root: str) -> None:
+    cfg = _config(data, Path(root) / f"run{rank}")  # as if each node had its own disk
+    try:
+        train(cfg, resume=True, env=LaunchEnv(rank, world, rank))
+    except CheckpointError as exc:
+        Path(root, f"rank{rank}.txt").write_text(str(exc))
+
+
+def test_ranks_that_see_different_checkpoints_refuse_to_resume(
+    tiny_data: str, tmp_path: Path
+) -> None:
+    """Rank 0's run_dir holds a checkpoint, rank 1's does not (no shared filesystem):
+    both stop with an error saying which ranks see what, before anything is loaded."""
+    train(_config(tiny_data, tmp_path / "run0", steps=2))
+    run_ranks(_resume_from_different_dirs, 2, tiny_data, str(tmp_path))
+    for rank in (0, 1):
+        text = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "do not see the same checkpoint" in text, text
+        assert "rank 0 sees" in text and "step_00000002" in text
+        assert "rank 1 sees no checkpoint" in text and "shares" in text
