@@ -77,14 +77,22 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return device
 
 
-def init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float = 300) -> bool:
+def init_process_group(
+    env: LaunchEnv, device: torch.device, timeout_s: float = 300
+) -> dist.Store | None:
     """Start the default group (NCCL on GPUs, gloo on CPUs) unless one process or a group
-    already exists (a test harness, a notebook). Returns whether this call created it."""
+    already exists (a test harness, a notebook). Returns the launcher's key-value store
+    when this call created the group (the watchdog's channel), else None."""
     if env.world_size == 1 or dist.is_initialized():
-        return False
+        return None
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    return True
+    timeout = timedelta(seconds=timeout_s)
+    # The env:// rendezvous init_process_group would do, kept: the store outlives it.
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group(
+        backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+    )
+    return store
 
 
 def destroy_process_group() -> None:

@@ -119,16 +119,24 @@ class Trainer:
         self.cfg, self.layout, self.env, self.data = cfg, layout, env, data
         self.device = pick_device(cfg.train.device, env.local_rank)
         t = cfg.train
-        self.owns_process_group = init_process_group(env, self.device, t.collective_timeout_s)
+        store = init_process_group(env, self.device, t.collective_timeout_s)
+        self.owns_process_group = store is not None
         self.mesh = (
             ParallelMesh.build(MeshShape(layout.tp, layout.dp, layout.pp), env.rank)
             if env.world_size > 1
             else ParallelMesh.single()
         )
         self.is_main = env.rank == 0
-        self.watchdog = (  # started at the end of __init__
-            Watchdog.for_process_group(t.collective_timeout_s, t.straggler_factor, self.say)
-            if env.world_size > 1
+        self.watchdog = (  # started at the end of __init__; None under a test harness
+            Watchdog(
+                store,
+                env.rank,
+                env.world_size,
+                t.collective_timeout_s,
+                straggler_factor=t.straggler_factor,
+                say=self.say,
+            )
+            if store is not None
             else None
         )
         self.run_dir = Path(cfg.train.run_dir)

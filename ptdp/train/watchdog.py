@@ -124,20 +124,6 @@ class Watchdog:
         self._scan_lock = threading.RLock()
         self._thread = threading.Thread(target=self._loop, name="ptdp-watchdog", daemon=True)
 
-    @classmethod
-    def for_process_group(
-        cls, timeout_s: float, straggler_factor: float, say: Callable[[str], None]
-    ) -> Watchdog:
-        store = dist.distributed_c10d._get_default_store()
-        return cls(
-            store,
-            dist.get_rank(),
-            dist.get_world_size(),
-            timeout_s,
-            straggler_factor=straggler_factor,
-            say=say,
-        )
-
     # ------------------------------------------------------------------ main thread
 
     def start(self) -> Watchdog:
