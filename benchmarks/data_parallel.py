@@ -31,7 +31,8 @@ import torch.multiprocessing as mp
 
 from ptdp.config import apply_updates, load_toml
 from ptdp.parallel.env import LaunchEnv
-from ptdp.train.trainer import Trainer, prepare
+from ptdp.train.run import prepare
+from ptdp.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 

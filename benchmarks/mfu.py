@@ -44,7 +44,8 @@ from ptdp.data.indexed import IndexedWriter
 from ptdp.parallel.env import LaunchEnv
 from ptdp.perf.flops import dense_peak_flops, device_kind, model_flops_per_iteration
 from ptdp.train.optim import adamw_kernel
-from ptdp.train.trainer import Trainer, prepare
+from ptdp.train.run import prepare
+from ptdp.train.trainer import Trainer
 
 
 @dataclass(frozen=True)

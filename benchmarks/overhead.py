@@ -30,7 +30,7 @@ from ptdp.model.gpt import GPT
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.data_setup import resolve_vocab
 from ptdp.train.optim import lr_at
-from ptdp.train.trainer import train
+from ptdp.train.run import train
 
 ROOT = Path(__file__).resolve().parent.parent
 

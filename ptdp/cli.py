@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from ptdp.config import resolve, to_toml
     from ptdp.parallel.env import LaunchEnv
-    from ptdp.train.trainer import prepare, train
+    from ptdp.train.run import prepare, train
 
     cfg = resolve(args.config, overrides)
     env = LaunchEnv.from_environ()

@@ -1,5 +1,7 @@
-"""The training loop: microbatches, gradient accumulation, data-parallel averaging,
-clipping, AdamW, evaluation, logging and checkpoints.
+"""One rank's trainer: its model chunks, gradient buffers and optimizer; a step's
+microbatches, gradient accumulation, data-parallel averaging, clipping and AdamW;
+evaluation; and the checkpoint state. The loop around it is ptdp/train/loop.py, the
+entry point ptdp/train/run.py.
 
 Batch bookkeeping: optimizer step k consumes global samples [k*G, (k+1)*G). Data-parallel
 rank r takes the contiguous slice [r*G/d, (r+1)*G/d) of them, in microbatches of
@@ -12,10 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,35 +23,27 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from ptdp.config import OnNan, Precision, RunConfig, to_dict, to_toml
+from ptdp.config import Precision, RunConfig, to_dict
 from ptdp.errors import CheckpointError
-from ptdp.layout import Layout, validate
+from ptdp.layout import Layout
 from ptdp.model.compile import apply_compile
 from ptdp.model.gpt import count_parameters
-from ptdp.parallel.comm import (
-    Group,
-    all_gather_objects,
-    all_reduce_mean_,
-    all_reduce_sum_,
-    barrier,
-    gather_objects,
-)
+from ptdp.parallel.comm import Group, all_gather_objects, all_reduce_mean_, all_reduce_sum_
 from ptdp.parallel.data import GradBuffers
-from ptdp.parallel.env import LaunchEnv, destroy_process_group, init_process_group, pick_device
+from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.parallel.sharded_state import load_plan, sharded_state, stage_mesh, unpack
 from ptdp.parallel.state import local_model_state, local_optimizer_state
 from ptdp.perf.flops import flops_per_iteration
-from ptdp.perf.timeline import TimelineRecorder, from_dicts, to_dicts
+from ptdp.perf.timeline import TimelineRecorder
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.train import checkpoint as ckpt
-from ptdp.train.data_setup import RunData, open_data, resolve_vocab
-from ptdp.train.faults import FaultMonitor, NumericalFault, TrainingError
+from ptdp.train.data_setup import RunData
+from ptdp.train.faults import FaultMonitor
+from ptdp.train.loop import TrainResult, run_loop
 from ptdp.train.loss_scale import DynamicLossScaler
-from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
 from ptdp.train.optim import Optimizer, lr_at, set_lr
-from ptdp.train.pipelined import PipelineStep, build_chunks, pipeline_summary
-from ptdp.train.profile import write_timeline
+from ptdp.train.pipelined import PipelineStep, build_chunks
 from ptdp.train.watchdog import Watchdog
 
 PARAM_DTYPES = {
@@ -60,56 +51,6 @@ PARAM_DTYPES = {
     Precision.BF16: torch.bfloat16,
     Precision.FP16: torch.float16,
 }
-
-
-class _IntervalTimer:
-    """Training time per log interval, leaving out evaluation and checkpoint saves."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.interval, self.total = device, 0.0, 0.0
-        self.clock: float | None = time.perf_counter()
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":  # kernels are asynchronous: wait for them
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def pause(self) -> None:
-        self.interval += self._now() - self.clock
-        self.clock = None
-
-    def resume(self) -> None:
-        self.clock = time.perf_counter()
-
-    def take_interval(self) -> float:
-        self.pause()
-        self.resume()
-        elapsed, self.interval = self.interval, 0.0
-        self.total += elapsed
-        return elapsed
-
-
-@dataclass
-class TrainResult:
-    """What a run did, for callers and tests (rank 0's view)."""
-
-    run_dir: Path
-    start_step: int
-    final_step: int
-    losses: dict[int, float] = field(default_factory=dict)
-    """Mean training loss of each step (1-based step numbers)."""
-    val_losses: dict[int, float] = field(default_factory=dict)
-    grad_norms: dict[int, float] = field(default_factory=dict)
-    optimizer_bytes: int = 0
-    """fp32 master weights and AdamW moments held by rank 0 (after the first step)."""
-    skipped_steps: int = 0
-    """fp16: steps skipped for inf/NaN gradients."""
-    nonfinite_skipped: int = 0
-    """Steps left out for a non-finite loss or gradient norm (train.on_nan = skip)."""
-    rollbacks: list[tuple[int, int]] = field(default_factory=list)
-    """(checkpoint step restored, bad step) of each rollback (train.on_nan = rollback)."""
-    interrupted: int = 0
-    """The signal (SIGINT, SIGTERM) the run stopped for after saving; 0 if none."""
 
 
 class Trainer:
@@ -479,258 +420,5 @@ class Trainer:
             tqdm.write(message, file=sys.stdout)
 
     def run(self) -> TrainResult:
-        t = self.cfg.train
-        result = TrainResult(self.run_dir, self.step, self.step)
-        writer = MetricsWriter(self.run_dir, t.tensorboard) if self.is_main else None
-        bar = tqdm(
-            total=t.steps,
-            initial=self.step,
-            unit="step",
-            dynamic_ncols=True,
-            file=sys.stderr,
-            disable=not (self.is_main and t.progress and sys.stderr.isatty()),
-        )
-        pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        timer = _IntervalTimer(self.device)
-        try:
-            with self.faults.stop:  # SIGINT/SIGTERM: save at the end of the step and stop
-                while self.step < t.steps:
-                    if self.watchdog:
-                        self.watchdog.begin_step(self.step + 1)
-                    try:
-                        loss, grad_norm = self.train_step()
-                    except NumericalFault as fault:  # on every rank, at the same step
-                        self._on_fault(fault, result)
-                        pending = []
-                        continue
-                    if self.watchdog:
-                        self.watchdog.end_step()
-                    pending.append((self.step, loss, grad_norm))
-                    bar.update(1)
-                    stopping = bool(self.faults.signum)  # agreed by all ranks
-                    last = self.step == t.steps
-                    if self.step % t.log_interval == 0 or last or stopping:
-                        record = self._log(pending, timer.take_interval(), result)
-                        bar.set_postfix(loss=f"{record['loss']:.3f}")
-                        if writer:
-                            writer.write(record)
-                        self.say(format_line(record))
-                        pending = []
-                    if t.eval_interval and (self.step % t.eval_interval == 0 or last):
-                        timer.pause()
-                        with self._around("evaluation"):
-                            val = self.evaluate()
-                        result.val_losses[self.step] = val
-                        if writer:
-                            writer.write({"step": self.step, "val_loss": val})
-                        self.say(
-                            f"step {self.step:>6} | validation loss {val:.4f} "
-                            f"| perplexity {math.exp(min(val, 50)):.1f}"
-                        )
-                        timer.resume()
-                    if (t.save_interval and self.step % t.save_interval == 0) or last or stopping:
-                        timer.pause()
-                        with self._around("checkpoint save"):
-                            step_dir = self.save()
-                        if t.async_save and not stopping:
-                            self.say(f"saving checkpoint {step_dir} in the background")
-                        elif not t.async_save:
-                            self.say(f"saved checkpoint {step_dir}")
-                        timer.resume()
-                    if stopping:
-                        self.finish_save()
-                        result.interrupted = self.faults.signum
-                        name = signal.Signals(self.faults.signum).name
-                        self.say(
-                            f"interrupted by {name} at step {self.step}; saved checkpoint "
-                            f"{step_dir}; resume with --resume"
-                        )
-                        break
-            self.finish_save()  # the last asynchronous save is published before the run ends
-        finally:
-            bar.close()
-            if writer:
-                writer.close()
-        result.final_step = self.step
-        result.nonfinite_skipped = self.faults.skipped
-        if self.recorder and self.step > result.start_step:
-            self._write_timeline()
-        result.optimizer_bytes = self.optimizer.state_bytes()
-        if timer.total and self.step > result.start_step:
-            steps = self.step - result.start_step
-            self.say(
-                f"trained {steps} steps in {timer.total:.1f} s "
-                f"({steps * self.tokens_per_step / timer.total:,.0f} tokens/s)"
-            )
-        return result
-
-    def _on_fault(self, fault: NumericalFault, result: TrainResult) -> None:
-        """A step with a non-finite loss or gradient norm under on_nan = stop or rollback.
-
-        stop: save nothing new and raise TrainingError naming the last good checkpoint.
-        rollback: restore the last checkpoint (step k) and continue with the step after the
-        bad one (b): the step counter decides the batch, so the batches of steps k+1..b are
-        skipped. Replaying them would only reproduce the fault: the run is deterministic."""
-        self.finish_save()  # an earlier step's save is good: publish it
-        has_checkpoint = (ckpt.checkpoint_root(self.run_dir) / ckpt.LATEST).is_file()
-        good = ckpt.find_checkpoint(self.run_dir) if has_checkpoint else None
-        policy = self.cfg.train.on_nan
-        if policy is OnNan.STOP or good is None:
-            where = (
-                f"the last good checkpoint is {good} (continue from it with --resume)"
-                if good
-                else "no checkpoint was saved before it"
-            )
-            raise TrainingError(
-                f"{fault}; stopped without saving (train.on_nan = {policy.value}); {where}. Lower "
-                "optim.lr or raise optim.warmup_steps, or set --train.on_nan skip or rollback"
-            )
-        self.restore(good)
-        restored, self.step = self.step, fault.step
-        result.rollbacks.append((restored, fault.step))
-        for values in (result.losses, result.grad_norms):
-            for step in [s for s in values if s > restored]:
-                del values[step]
-        self.say(
-            f"{fault}: rolled back to {good} (step {restored}) and skipped the batches of "
-            f"steps {restored + 1}..{fault.step} (train.on_nan = rollback)"
-        )
-        if self.step >= self.cfg.train.steps:  # the bad step was the last: save the result
-            step_dir = self.save()
-            if self.finish_save() is None:  # an asynchronous save says so when published
-                self.say(f"saved checkpoint {step_dir}")
-
-    def _write_timeline(self) -> None:
-        """Gather the first replica's pipeline ranks' events; rank 0 writes them."""
-        if self.mesh.coord("tp") or self.mesh.coord("dp"):
-            return
-        parts = gather_objects(to_dicts(self.recorder.events), self.pp)
-        if self.is_main:
-            events = [e for part in parts for e in from_dicts(part)]
-            trace, png = write_timeline(self.run_dir, self.cfg, self.layout, events, self.device)
-            self.say(f"timeline of the last step: {trace} (open in ui.perfetto.dev), {png}")
-
-    def _log(self, pending, elapsed: float, result: TrainResult) -> dict:
-        """Turn a log interval's losses into one record (one host sync per interval)."""
-        steps = [s for s, _, _ in pending]
-        losses = torch.stack([loss for _, loss, _ in pending]).tolist()
-        norms = torch.stack([n.float() for _, _, n in pending]).tolist()
-        result.losses.update(zip(steps, losses))
-        result.grad_norms.update(zip(steps, norms))
-        n = len(pending)
-        record = {
-            "step": self.step,
-            "loss": sum(losses) / n,
-            "lr": lr_at(self.step - 1, self.cfg.optim, self.cfg.train.steps),
-            "grad_norm": norms[-1],
-            "tokens_per_s": n * self.tokens_per_step / elapsed,
-            "tflops_per_device": n * self.flops_per_step / elapsed / self.env.world_size / 1e12,
-            "peak_mem_gb": peak_memory_gb(self.device),
-        }
-        if self.scaler:
-            record |= {"loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped}
-            result.skipped_steps = self.scaler.skipped
-        return record
-
-
-def prepare(cfg: RunConfig, env: LaunchEnv) -> tuple[RunConfig, Layout, RunData]:
-    """Every check that can fail, before any process group exists."""
-    layout = validate(cfg, env.world_size)
-    data = open_data(cfg)  # names a missing or damaged file before anything else
-    return resolve_vocab(cfg), layout, data
-
-
-def _checkpoint_to_resume(cfg: RunConfig, resume: bool) -> Path | None:
-    """The checkpoint a run continues from; refuses to overwrite or mix runs."""
-    run_dir = Path(cfg.train.run_dir)
-    has_checkpoint = (ckpt.checkpoint_root(run_dir) / ckpt.LATEST).exists()
-    if has_checkpoint and not resume:
-        raise CheckpointError(
-            f"{run_dir} already holds checkpoints; pass --resume to continue that run "
-            "or choose another --train.run_dir"
-        )
-    if not has_checkpoint:
-        return None
-    step_dir = ckpt.find_checkpoint(run_dir)
-    saved, current = to_dict(ckpt.load_config(step_dir))["model"], to_dict(cfg)["model"]
-    diff = [f"{k}: {saved[k]} -> {v}" for k, v in current.items() if saved[k] != v]
-    if diff:
-        raise CheckpointError(
-            f"checkpoint {step_dir} was trained with a different model ({'; '.join(diff)}); "
-            "resume with the same model settings or use another --train.run_dir"
-        )
-    return step_dir
-
-
-def _same_checkpoint_everywhere(step_dir: Path | None, env: LaunchEnv) -> None:
-    """Each rank chose the checkpoint to resume from on its own, before the process group
-    existed; they differ when train.run_dir is not on a filesystem all nodes share."""
-    seen = all_gather_objects(str(step_dir or ""), None, env.world_size)
-    if len(set(seen)) == 1:
-        return
-    ranks: dict[str, list[int]] = {}
-    for rank, name in enumerate(seen):
-        ranks.setdefault(name or "no checkpoint", []).append(rank)
-    views = "; ".join(
-        f"rank {r[0]} sees {name}" if len(r) == 1 else f"ranks {', '.join(map(str, r))} see {name}"
-        for name, r in ranks.items()
-    )
-    raise CheckpointError(
-        f"the ranks do not see the same checkpoint to resume from ({views}); put "
-        "train.run_dir on a filesystem every node shares"
-    )
-
-
-def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None) -> TrainResult:
-    """Train as one process, or as one rank of a torchrun launch."""
-    env = env or LaunchEnv.from_environ()
-    cfg, layout, data = prepare(cfg, env)
-    step_dir = _checkpoint_to_resume(cfg, resume)
-    run_dir = Path(cfg.train.run_dir)
-    trainer = None
-    try:
-        trainer = Trainer(cfg, layout, env, data)  # creates the process group if none
-        _same_checkpoint_everywhere(step_dir, env)
-        if step_dir is not None:
-            trainer.restore(step_dir)
-            trainer.say(f"resumed from {step_dir} at step {trainer.step}")
-        elif resume:
-            trainer.say(f"no checkpoint in {run_dir}; starting from step 0")
-        if trainer.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if step_dir is None:
-                (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-            (run_dir / "config.toml").write_text(to_toml(cfg))
-        n_params, n_local = (trainer.parameter_count(full=f) for f in (True, False))
-        local = f" ({n_local / 1e6:.2f}M on this rank)" if n_local != n_params else ""
-        if layout.pp > 1:
-            trainer.say(pipeline_summary(cfg, layout))
-        trainer.say(
-            f"ptdp | {layout.describe()} | device {trainer.device} | "
-            f"{n_params / 1e6:.2f}M parameters{local} | {len(data.train):,} training samples of "
-            f"{cfg.model.seq_length} tokens | {cfg.train.precision.value}"
-        )
-        sharded = f", sharded over dp={layout.dp}" if trainer.grads.shard else ""
-        trainer.say(
-            f"optimizer | AdamW | {trainer.optimizer.planned_state_bytes() / 2**20:.1f} MiB of "
-            f"master weights and moments on rank 0{sharded} | "
-            f"{sum(len(b.buckets) for b in trainer.grads.chunks)} gradient buckets on rank 0"
-            + (", reduced during backward" if cfg.parallel.overlap_grad_reduce else "")
-        )
-        result = trainer.run()
-        if trainer.watchdog:
-            trainer.watchdog.close()
-        barrier(None, env.world_size)  # leave together (see destroy_process_group)
-        if trainer.owns_process_group:
-            destroy_process_group()
-        return result
-    except BaseException as exc:
-        # Name the rank that failed first. The process group is left alone: destroying it
-        # can block on a dead peer (NCCL), and the command line exits the process.
-        if trainer is None or trainer.watchdog is None:
-            raise
-        error = trainer.watchdog.failed(exc)
-        trainer.watchdog.close()
-        if error is exc:
-            raise
-        raise error from exc
+        """Train to train.steps (ptdp/train/loop.py)."""
+        return run_loop(self)

@@ -16,7 +16,7 @@ import pytest
 
 from ptdp.config import RunConfig
 from ptdp.parallel.env import LaunchEnv
-from ptdp.train.trainer import train
+from ptdp.train.run import train
 from tests.dist.harness import run_ranks
 from tests.dist.test_data_parallel import assert_same_run
 from tests.helpers import tiny_config

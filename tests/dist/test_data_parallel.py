@@ -18,7 +18,7 @@ from ptdp.config import RunConfig
 from ptdp.model.sample import sample_from_checkpoint
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train import checkpoint as ckpt
-from ptdp.train.trainer import train
+from ptdp.train.run import train
 from tests.dist.harness import run_ranks
 from tests.helpers import LLAMA, tiny_config
 

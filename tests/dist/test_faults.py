@@ -13,7 +13,8 @@ import pytest
 from ptdp.errors import CheckpointError
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train import checkpoint as ckpt
-from ptdp.train.trainer import Trainer, train
+from ptdp.train.run import train
+from ptdp.train.trainer import Trainer
 from tests.dist.harness import run_ranks
 from tests.helpers import tiny_config
 

@@ -14,7 +14,7 @@ from ptdp.model.gpt import GPT
 from ptdp.model.kv_cache import KVCache
 from ptdp.model.sample import sample_from_checkpoint
 from ptdp.parallel.comm import Group
-from ptdp.train.trainer import train
+from ptdp.train.run import train
 from tests.dist.harness import run_ranks
 from tests.helpers import LLAMA, tiny_config
 

@@ -1,6 +1,6 @@
 """The PTD-P equivalence grid: every layout trains like one process.
 
-Each layout below runs 3 fp32 optimizer steps of `ptdp.train.trainer.train` and must
+Each layout below runs 3 fp32 optimizer steps of `ptdp.train.run.train` and must
 match the single-process run of the same model: the logged losses, the global gradient
 norms (clipping is active, so a wrong norm also changes the weights) and the final
 parameters, all within 1e-5 relative. Layouts with the same world size share one spawn,
@@ -18,7 +18,7 @@ import pytest
 
 from ptdp.config import RunConfig
 from ptdp.parallel.env import LaunchEnv
-from ptdp.train.trainer import train
+from ptdp.train.run import train
 from tests.dist.harness import run_ranks
 from tests.dist.test_data_parallel import assert_same_run
 from tests.helpers import LLAMA, tiny_config

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.config import to_toml
-from ptdp.train.trainer import train
+from ptdp.train.run import train
 from tests.dist.test_data_parallel import assert_same_run
 from tests.helpers import tiny_config
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.parallel.env import LaunchEnv
-from ptdp.train.trainer import train
+from ptdp.train.run import train
 from tests.dist.harness import run_ranks
 from tests.helpers import tiny_config
 

@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks.failures import TIMEOUT_S, launch, train_args
 from ptdp.config import resolve
-from ptdp.train.trainer import train
+from ptdp.train.run import train
 
 pytestmark = pytest.mark.dist
 

@@ -20,7 +20,7 @@ from ptdp.config import resolve
 from ptdp.data.tokenizers import train_bpe
 from ptdp.errors import CheckpointError, ConfigError, DataError, PtdpError
 from ptdp.parallel.env import LaunchEnv
-from ptdp.train.trainer import train
+from ptdp.train.run import train
 from tests.helpers import make_corpus, tiny_config
 
 TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

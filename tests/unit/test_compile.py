@@ -18,7 +18,7 @@ from ptdp.config import ModelConfig, Recompute
 from ptdp.model.compile import apply_compile
 from ptdp.model.gpt import GPT
 from ptdp.train.optim import adamw_kernel
-from ptdp.train.trainer import train
+from ptdp.train.run import train
 from tests.helpers import LLAMA, tiny_config
 
 HAS_CXX = shutil.which("g++") is not None or shutil.which("c++") is not None
@@ -112,7 +112,8 @@ def test_compiled_training_matches_eager(tiny_data: str, tmp_path: Path) -> None
 @needs_cuda
 def test_fused_adamw_on_cuda(tiny_data: str, tmp_path: Path) -> None:
     from ptdp.parallel.env import LaunchEnv
-    from ptdp.train.trainer import Trainer, prepare
+    from ptdp.train.run import prepare
+    from ptdp.train.trainer import Trainer
 
     assert adamw_kernel([torch.zeros(3, device="cuda")]) == {"fused": True}
     cfg = tiny_config(tiny_data, tmp_path / "run", train={"device": "cuda", "steps": 2})

@@ -16,7 +16,7 @@ from ptdp.errors import ConfigError
 from ptdp.model.gpt import GPT
 from ptdp.model.sample import load_model
 from ptdp.train import checkpoint as ckpt
-from ptdp.train.trainer import train
+from ptdp.train.run import train
 from tests.helpers import LLAMA
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install .[hf])")

@@ -13,7 +13,8 @@ from ptdp.config import to_toml
 from ptdp.errors import ConfigError
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.faults import SPIKE_WINDOW, FaultMonitor, TrainingError
-from ptdp.train.trainer import Trainer, train
+from ptdp.train.run import train
+from ptdp.train.trainer import Trainer
 from tests.helpers import tiny_config
 
 COMMON = {"optim": {"decay_steps": 6}, "model": {"dropout": 0.1}}

@@ -10,7 +10,7 @@ import torch
 from ptdp.cli import main
 from ptdp.model.gpt import GPT
 from ptdp.train import checkpoint as ckpt
-from ptdp.train.trainer import train
+from ptdp.train.run import train
 from tests.helpers import tiny_config
 
 

@@ -10,7 +10,8 @@ import torch
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.loss_scale import DynamicLossScaler
-from ptdp.train.trainer import Trainer, prepare, train
+from ptdp.train.run import prepare, train
+from ptdp.train.trainer import Trainer
 from tests.helpers import tiny_config
 
 

@@ -13,7 +13,7 @@ from ptdp.config import load_toml, to_toml
 from ptdp.errors import CheckpointError, ConfigError
 from ptdp.model.sample import sample_from_checkpoint
 from ptdp.train import checkpoint as ckpt
-from ptdp.train.trainer import train
+from ptdp.train.run import train
 from tests.helpers import make_corpus, tiny_config
 
 

@@ -1,0 +1,238 @@
+"""The training loop around a Trainer: steps, logging, evaluation, checkpoint saves,
+the agreed stop on a signal, the on_nan policy (stop, rollback), and the final summary.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from ptdp.config import OnNan
+from ptdp.parallel.comm import gather_objects
+from ptdp.perf.timeline import from_dicts, to_dicts
+from ptdp.train import checkpoint as ckpt
+from ptdp.train.faults import NumericalFault, TrainingError
+from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
+from ptdp.train.optim import lr_at
+from ptdp.train.profile import write_timeline
+
+if TYPE_CHECKING:
+    from ptdp.train.trainer import Trainer
+
+
+class _IntervalTimer:
+    """Training time per log interval, leaving out evaluation and checkpoint saves."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.interval, self.total = device, 0.0, 0.0
+        self.clock: float | None = time.perf_counter()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":  # kernels are asynchronous: wait for them
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def pause(self) -> None:
+        self.interval += self._now() - self.clock
+        self.clock = None
+
+    def resume(self) -> None:
+        self.clock = time.perf_counter()
+
+    def take_interval(self) -> float:
+        self.pause()
+        self.resume()
+        elapsed, self.interval = self.interval, 0.0
+        self.total += elapsed
+        return elapsed
+
+
+@dataclass
+class TrainResult:
+    """What a run did, for callers and tests (rank 0's view)."""
+
+    run_dir: Path
+    start_step: int
+    final_step: int
+    losses: dict[int, float] = field(default_factory=dict)
+    """Mean training loss of each step (1-based step numbers)."""
+    val_losses: dict[int, float] = field(default_factory=dict)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    optimizer_bytes: int = 0
+    """fp32 master weights and AdamW moments held by rank 0 (after the first step)."""
+    skipped_steps: int = 0
+    """fp16: steps skipped for inf/NaN gradients."""
+    nonfinite_skipped: int = 0
+    """Steps left out for a non-finite loss or gradient norm (train.on_nan = skip)."""
+    rollbacks: list[tuple[int, int]] = field(default_factory=list)
+    """(checkpoint step restored, bad step) of each rollback (train.on_nan = rollback)."""
+    interrupted: int = 0
+    """The signal (SIGINT, SIGTERM) the run stopped for after saving; 0 if none."""
+
+
+def run_loop(trainer: Trainer) -> TrainResult:
+    t = trainer.cfg.train
+    result = TrainResult(trainer.run_dir, trainer.step, trainer.step)
+    writer = MetricsWriter(trainer.run_dir, t.tensorboard) if trainer.is_main else None
+    bar = tqdm(
+        total=t.steps,
+        initial=trainer.step,
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stderr,
+        disable=not (trainer.is_main and t.progress and sys.stderr.isatty()),
+    )
+    pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    timer = _IntervalTimer(trainer.device)
+    try:
+        with trainer.faults.stop:  # SIGINT/SIGTERM: save at the end of the step and stop
+            while trainer.step < t.steps:
+                if trainer.watchdog:
+                    trainer.watchdog.begin_step(trainer.step + 1)
+                try:
+                    loss, grad_norm = trainer.train_step()
+                except NumericalFault as fault:  # on every rank, at the same step
+                    _on_fault(trainer, fault, result)
+                    pending = []
+                    continue
+                if trainer.watchdog:
+                    trainer.watchdog.end_step()
+                pending.append((trainer.step, loss, grad_norm))
+                bar.update(1)
+                stopping = bool(trainer.faults.signum)  # agreed by all ranks
+                last = trainer.step == t.steps
+                if trainer.step % t.log_interval == 0 or last or stopping:
+                    record = _log(trainer, pending, timer.take_interval(), result)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}")
+                    if writer:
+                        writer.write(record)
+                    trainer.say(format_line(record))
+                    pending = []
+                if t.eval_interval and (trainer.step % t.eval_interval == 0 or last):
+                    timer.pause()
+                    with trainer._around("evaluation"):
+                        val = trainer.evaluate()
+                    result.val_losses[trainer.step] = val
+                    if writer:
+                        writer.write({"step": trainer.step, "val_loss": val})
+                    trainer.say(
+                        f"step {trainer.step:>6} | validation loss {val:.4f} "
+                        f"| perplexity {math.exp(min(val, 50)):.1f}"
+                    )
+                    timer.resume()
+                if (t.save_interval and trainer.step % t.save_interval == 0) or last or stopping:
+                    timer.pause()
+                    with trainer._around("checkpoint save"):
+                        step_dir = trainer.save()
+                    if t.async_save and not stopping:
+                        trainer.say(f"saving checkpoint {step_dir} in the background")
+                    elif not t.async_save:
+                        trainer.say(f"saved checkpoint {step_dir}")
+                    timer.resume()
+                if stopping:
+                    trainer.finish_save()
+                    result.interrupted = trainer.faults.signum
+                    name = signal.Signals(trainer.faults.signum).name
+                    trainer.say(
+                        f"interrupted by {name} at step {trainer.step}; saved checkpoint "
+                        f"{step_dir}; resume with --resume"
+                    )
+                    break
+        trainer.finish_save()  # the last asynchronous save is published before the run ends
+    finally:
+        bar.close()
+        if writer:
+            writer.close()
+    result.final_step = trainer.step
+    result.nonfinite_skipped = trainer.faults.skipped
+    if trainer.recorder and trainer.step > result.start_step:
+        _write_timeline(trainer)
+    result.optimizer_bytes = trainer.optimizer.state_bytes()
+    if timer.total and trainer.step > result.start_step:
+        steps = trainer.step - result.start_step
+        trainer.say(
+            f"trained {steps} steps in {timer.total:.1f} s "
+            f"({steps * trainer.tokens_per_step / timer.total:,.0f} tokens/s)"
+        )
+    return result
+
+
+def _on_fault(trainer: Trainer, fault: NumericalFault, result: TrainResult) -> None:
+    """A step with a non-finite loss or gradient norm under on_nan = stop or rollback.
+
+    stop: save nothing new and raise TrainingError naming the last good checkpoint.
+    rollback: restore the last checkpoint (step k) and continue with the step after the
+    bad one (b): the step counter decides the batch, so the batches of steps k+1..b are
+    skipped. Replaying them would only reproduce the fault: the run is deterministic."""
+    trainer.finish_save()  # an earlier step's save is good: publish it
+    has_checkpoint = (ckpt.checkpoint_root(trainer.run_dir) / ckpt.LATEST).is_file()
+    good = ckpt.find_checkpoint(trainer.run_dir) if has_checkpoint else None
+    policy = trainer.cfg.train.on_nan
+    if policy is OnNan.STOP or good is None:
+        where = (
+            f"the last good checkpoint is {good} (continue from it with --resume)"
+            if good
+            else "no checkpoint was saved before it"
+        )
+        raise TrainingError(
+            f"{fault}; stopped without saving (train.on_nan = {policy.value}); {where}. Lower "
+            "optim.lr or raise optim.warmup_steps, or set --train.on_nan skip or rollback"
+        )
+    trainer.restore(good)
+    restored, trainer.step = trainer.step, fault.step
+    result.rollbacks.append((restored, fault.step))
+    for values in (result.losses, result.grad_norms):
+        for step in [s for s in values if s > restored]:
+            del values[step]
+    trainer.say(
+        f"{fault}: rolled back to {good} (step {restored}) and skipped the batches of "
+        f"steps {restored + 1}..{fault.step} (train.on_nan = rollback)"
+    )
+    if trainer.step >= trainer.cfg.train.steps:  # the bad step was the last: save the result
+        step_dir = trainer.save()
+        if trainer.finish_save() is None:  # an asynchronous save says so when published
+            trainer.say(f"saved checkpoint {step_dir}")
+
+
+def _write_timeline(trainer: Trainer) -> None:
+    """Gather the first replica's pipeline ranks' events; rank 0 writes them."""
+    if trainer.mesh.coord("tp") or trainer.mesh.coord("dp"):
+        return
+    parts = gather_objects(to_dicts(trainer.recorder.events), trainer.pp)
+    if trainer.is_main:
+        events = [e for part in parts for e in from_dicts(part)]
+        trace, png = write_timeline(
+            trainer.run_dir, trainer.cfg, trainer.layout, events, trainer.device
+        )
+        trainer.say(f"timeline of the last step: {trace} (open in ui.perfetto.dev), {png}")
+
+
+def _log(trainer: Trainer, pending, elapsed: float, result: TrainResult) -> dict:
+    """Turn a log interval's losses into one record (one host sync per interval)."""
+    steps = [s for s, _, _ in pending]
+    losses = torch.stack([loss for _, loss, _ in pending]).tolist()
+    norms = torch.stack([n.float() for _, _, n in pending]).tolist()
+    result.losses.update(zip(steps, losses))
+    result.grad_norms.update(zip(steps, norms))
+    n = len(pending)
+    record = {
+        "step": trainer.step,
+        "loss": sum(losses) / n,
+        "lr": lr_at(trainer.step - 1, trainer.cfg.optim, trainer.cfg.train.steps),
+        "grad_norm": norms[-1],
+        "tokens_per_s": n * trainer.tokens_per_step / elapsed,
+        "tflops_per_device": n * trainer.flops_per_step / elapsed / trainer.env.world_size / 1e12,
+        "peak_mem_gb": peak_memory_gb(trainer.device),
+    }
+    if trainer.scaler:
+        record |= {"loss_scale": trainer.scaler.scale, "skipped_steps": trainer.scaler.skipped}
+        result.skipped_steps = trainer.scaler.skipped
+    return record

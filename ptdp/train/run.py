@@ -1,0 +1,124 @@
+"""`train()`: the entry point of `ptdp train`, one process or one rank of a launch.
+
+Every check that can fail runs before any process group exists (`prepare`), then the
+trainer is built, resumed, run, and the ranks leave together; on a failure the watchdog
+names the rank that failed first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ptdp.config import RunConfig, to_dict, to_toml
+from ptdp.errors import CheckpointError
+from ptdp.layout import Layout, validate
+from ptdp.parallel.comm import all_gather_objects, barrier
+from ptdp.parallel.env import LaunchEnv, destroy_process_group
+from ptdp.train import checkpoint as ckpt
+from ptdp.train.data_setup import RunData, open_data, resolve_vocab
+from ptdp.train.loop import TrainResult
+from ptdp.train.pipelined import pipeline_summary
+from ptdp.train.trainer import Trainer
+
+
+def prepare(cfg: RunConfig, env: LaunchEnv) -> tuple[RunConfig, Layout, RunData]:
+    """Every check that can fail, before any process group exists."""
+    layout = validate(cfg, env.world_size)
+    data = open_data(cfg)  # names a missing or damaged file before anything else
+    return resolve_vocab(cfg), layout, data
+
+
+def _checkpoint_to_resume(cfg: RunConfig, resume: bool) -> Path | None:
+    """The checkpoint a run continues from; refuses to overwrite or mix runs."""
+    run_dir = Path(cfg.train.run_dir)
+    has_checkpoint = (ckpt.checkpoint_root(run_dir) / ckpt.LATEST).exists()
+    if has_checkpoint and not resume:
+        raise CheckpointError(
+            f"{run_dir} already holds checkpoints; pass --resume to continue that run "
+            "or choose another --train.run_dir"
+        )
+    if not has_checkpoint:
+        return None
+    step_dir = ckpt.find_checkpoint(run_dir)
+    saved, current = to_dict(ckpt.load_config(step_dir))["model"], to_dict(cfg)["model"]
+    diff = [f"{k}: {saved[k]} -> {v}" for k, v in current.items() if saved[k] != v]
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {step_dir} was trained with a different model ({'; '.join(diff)}); "
+            "resume with the same model settings or use another --train.run_dir"
+        )
+    return step_dir
+
+
+def _same_checkpoint_everywhere(step_dir: Path | None, env: LaunchEnv) -> None:
+    """Each rank chose the checkpoint to resume from on its own, before the process group
+    existed; they differ when train.run_dir is not on a filesystem all nodes share."""
+    seen = all_gather_objects(str(step_dir or ""), None, env.world_size)
+    if len(set(seen)) == 1:
+        return
+    ranks: dict[str, list[int]] = {}
+    for rank, name in enumerate(seen):
+        ranks.setdefault(name or "no checkpoint", []).append(rank)
+    views = "; ".join(
+        f"rank {r[0]} sees {name}" if len(r) == 1 else f"ranks {', '.join(map(str, r))} see {name}"
+        for name, r in ranks.items()
+    )
+    raise CheckpointError(
+        f"the ranks do not see the same checkpoint to resume from ({views}); put "
+        "train.run_dir on a filesystem every node shares"
+    )
+
+
+def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None) -> TrainResult:
+    """Train as one process, or as one rank of a torchrun launch."""
+    env = env or LaunchEnv.from_environ()
+    cfg, layout, data = prepare(cfg, env)
+    step_dir = _checkpoint_to_resume(cfg, resume)
+    run_dir = Path(cfg.train.run_dir)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, layout, env, data)  # creates the process group if none
+        _same_checkpoint_everywhere(step_dir, env)
+        if step_dir is not None:
+            trainer.restore(step_dir)
+            trainer.say(f"resumed from {step_dir} at step {trainer.step}")
+        elif resume:
+            trainer.say(f"no checkpoint in {run_dir}; starting from step 0")
+        if trainer.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if step_dir is None:
+                (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            (run_dir / "config.toml").write_text(to_toml(cfg))
+        n_params, n_local = (trainer.parameter_count(full=f) for f in (True, False))
+        local = f" ({n_local / 1e6:.2f}M on this rank)" if n_local != n_params else ""
+        if layout.pp > 1:
+            trainer.say(pipeline_summary(cfg, layout))
+        trainer.say(
+            f"ptdp | {layout.describe()} | device {trainer.device} | "
+            f"{n_params / 1e6:.2f}M parameters{local} | {len(data.train):,} training samples of "
+            f"{cfg.model.seq_length} tokens | {cfg.train.precision.value}"
+        )
+        sharded = f", sharded over dp={layout.dp}" if trainer.grads.shard else ""
+        trainer.say(
+            f"optimizer | AdamW | {trainer.optimizer.planned_state_bytes() / 2**20:.1f} MiB of "
+            f"master weights and moments on rank 0{sharded} | "
+            f"{sum(len(b.buckets) for b in trainer.grads.chunks)} gradient buckets on rank 0"
+            + (", reduced during backward" if cfg.parallel.overlap_grad_reduce else "")
+        )
+        result = trainer.run()
+        if trainer.watchdog:
+            trainer.watchdog.close()
+        barrier(None, env.world_size)  # leave together (see destroy_process_group)
+        if trainer.owns_process_group:
+            destroy_process_group()
+        return result
+    except BaseException as exc:
+        # Name the rank that failed first. The process group is left alone: destroying it
+        # can block on a dead peer (NCCL), and the command line exits the process.
+        if trainer is None or trainer.watchdog is None:
+            raise
+        error = trainer.watchdog.failed(exc)
+        trainer.watchdog.close()
+        if error is exc:
+            raise
+        raise error from exc
