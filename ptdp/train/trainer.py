@@ -156,8 +156,7 @@ class Trainer:
         if self.recorder and isinstance(action, Action):
             stack.enter_context(self.recorder.around_action(action))
         if self.watchdog:
-            text = f"action {action}" if isinstance(action, Action) else action
-            stack.enter_context(self.watchdog.doing(text))
+            stack.enter_context(self.watchdog.doing(action))
         return stack
 
     def _microbatch(self, dataset, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -413,7 +412,7 @@ class Trainer:
         if "cuda" in state["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ logging, the loop
 
     def say(self, message: str) -> None:
         if self.is_main:

@@ -108,7 +108,8 @@ class Watchdog:
         self.exit_process = exit_process
         self.watcher = rank in (0, world_size - 1)
         self.step = 0
-        self.action, self.waiting = "starting", ""
+        self.action: object = "starting"
+        self.waiting = ""
         self.action_since = time.monotonic()
         self._step_started: float | None = None
         self._step_times: deque[float] = deque(maxlen=STEP_WINDOW)
@@ -153,9 +154,10 @@ class Watchdog:
 
     @contextmanager
     def doing(self, action: object) -> Iterator[None]:
-        """Marks what this rank is doing (a pipeline action, a phase of the step)."""
+        """Marks what this rank is doing: a phase of the step (a string) or a pipeline
+        action (shown as "action 1F2")."""
         previous = self.action
-        self.action, self.action_since = str(action), time.monotonic()
+        self.action, self.action_since = action, time.monotonic()  # text made when read
         yield  # an exception leaves the failing action in place, for the report
         self.action = previous
 
@@ -244,14 +246,18 @@ class Watchdog:
         beat = {
             "beat": self._beat,
             "step": self.step,
-            "action": self.action,
+            "action": self._action_text(),
             "waiting": self.waiting,
             "for_s": round(time.monotonic() - self.action_since, 1),
         }
         self.store.set(f"hb/{self.rank}", json.dumps(beat))
 
     def _where(self) -> str:
-        return self.action + (f" (waiting for {self.waiting})" if self.waiting else "")
+        return self._action_text() + (f" (waiting for {self.waiting})" if self.waiting else "")
+
+    def _action_text(self) -> str:
+        action = self.action
+        return action if isinstance(action, str) else f"action {action}"
 
     def _first_failure(self) -> dict | None:
         """The first failure recorded, kept once read (the store may go away after)."""
