@@ -69,6 +69,11 @@ class Precision(str, enum.Enum):
     FP16 = "fp16"
 
 
+LAYOUT_ONLY_MODEL_KEYS = frozenset({"make_vocab_size_divisible_by"})
+"""Model settings that change how tensors are laid out in memory, not the model: a run
+may resume with other values."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
     num_layers: int = 4
@@ -83,6 +88,11 @@ class ModelConfig:
     """MLP inner width; 0 = 4h for gelu, 8h/3 rounded up to a multiple of 64 for swiglu."""
     vocab_size: int = 0
     """Vocabulary size; 0 = take it from the data's tokenizer."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the embedding and output rows to a multiple of this times tp, so the output
+    layer's matrix product has aligned shapes (GPT-2's 50,257 -> 50,304). The padded rows
+    are masked out of the loss and never stored: results and checkpoints do not depend
+    on it. 1 = no padding beyond a multiple of tp."""
     seq_length: int = 256
     """Tokens per training sample (context length)."""
     position_embedding: PositionEmbedding = PositionEmbedding.LEARNED
@@ -111,6 +121,12 @@ class ModelConfig:
     @property
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_heads
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Rows of the embedding and output layer across tp ranks (see
+        make_vocab_size_divisible_by)."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
 
     @property
     def ffn_size(self) -> int:

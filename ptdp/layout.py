@@ -44,7 +44,8 @@ def _positive(errors: list[str], name: str, value: int | float, zero_ok: bool = 
 
 def _model_rules(cfg: RunConfig, errors: list[str]) -> None:
     m, before = cfg.model, len(errors)
-    for name in ("num_layers", "hidden_size", "num_heads", "seq_length"):
+    positive = ("num_layers", "hidden_size", "num_heads", "seq_length")
+    for name in (*positive, "make_vocab_size_divisible_by"):
         _positive(errors, f"model.{name}", getattr(m, name))
     for name in ("num_query_groups", "ffn_hidden_size", "vocab_size"):
         _positive(errors, f"model.{name}", getattr(m, name), zero_ok=True)

@@ -2,9 +2,12 @@
 
 Only the layers are compiled, not the whole model: every layer of a model runs the same
 code on the same shapes, so Dynamo traces one layer and reuses its graph for the others
-(the parameters are graph inputs), and compile time does not grow with depth. The
-embedding, the output layer, the vocabulary-parallel loss and the pipeline runtime stay
-eager, so schedules, point-to-point transfers and gradient hooks are untouched.
+(the parameters are graph inputs), and compile time does not grow with depth. The loss
+(`GPT.loss`: final norm, output layer, vocabulary padding mask, float32 upcast and
+cross-entropy) is a second region: uncompiled, each of those steps writes a [s, b, v]
+tensor, which on a GPU can take as long as the output layer's matrix product for
+GPT-2-sized models. The embedding and the pipeline runtime stay eager, so schedules,
+point-to-point transfers and gradient hooks are untouched.
 
 What Inductor fuses inside a layer: the bias add of each linear layer with the GeLU (or
 the SwiGLU product), the residual-branch bias + dropout + residual add, layer norm with
@@ -30,15 +33,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 
 def apply_compile(chunks: Iterable[nn.Module]) -> int:
-    """Compile each transformer layer of `chunks` in place (lazily: on its first call);
-    returns the number of layers. Parameter names and the state dict are unchanged."""
+    """Compile each transformer layer of `chunks`, and the loss of the chunk that has the
+    output layer, in place (lazily: on the first call); returns the number of layers.
+    Parameter names and the state dict are unchanged."""
     count = 0
     for chunk in chunks:
         for layer in chunk.layers.values():
             layer.compile()
             count += 1
+        if chunk.has_head:
+            chunk.loss = torch.compile(chunk.loss)
     return count

@@ -252,7 +252,11 @@ class GPT(nn.Module):
         layers = range(cfg.num_layers) if layers is None else layers
         if has_embedding:
             self.embedding = VocabParallelEmbedding(
-                cfg.vocab_size, cfg.hidden_size, tp=ctx.tp, sequence_parallel=ctx.sequence_parallel
+                cfg.vocab_size,
+                cfg.hidden_size,
+                tp=ctx.tp,
+                sequence_parallel=ctx.sequence_parallel,
+                divisible_by=cfg.make_vocab_size_divisible_by,
             )
             if cfg.position_embedding is PositionEmbedding.LEARNED:
                 self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
@@ -273,7 +277,7 @@ class GPT(nn.Module):
                     cfg.vocab_size,
                     tp=ctx.tp,
                     bias=False,
-                    pad_to_multiple=True,
+                    pad_to_multiple=cfg.make_vocab_size_divisible_by,
                 )
                 if cfg.tie_embeddings:
                     # The last pipeline stage's copy of the embedding shared with stage 0:
@@ -336,12 +340,23 @@ class GPT(nn.Module):
             cache.advance(x.shape[0])
         if not self.has_head:
             return x
-        logits = self.head(x)
+        if labels is not None:
+            return self.loss(x, labels)
         tp = self.ctx.tp
-        if labels is None:
-            logits = comm.gather_from_tp(logits, tp)[..., : self.cfg.vocab_size]
-            return logits.transpose(0, 1)
-        return vocab_parallel_cross_entropy(logits, labels.t(), tp, self.cfg.vocab_size)
+        logits = comm.gather_from_tp(self.head(x), tp)  # [s, b, t * padded/t]
+        share = -(-self.cfg.vocab_size // tp.size)  # each rank's ids, then its padding
+        logits = logits.unflatten(-1, (tp.size, -1))[..., :share].flatten(-2)
+        return logits[..., : self.cfg.vocab_size].transpose(0, 1)
+
+    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Hidden [s, b, h] -> mean token loss: final norm, output layer, cross-entropy.
+
+        One function so that train.compile compiles it as a region: Inductor then fuses the
+        padding mask, the float32 upcast and the softmax instead of writing each [s, b, v]
+        intermediate to memory (model/compile.py).
+        """
+        logits = self.head(x)
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp, self.cfg.vocab_size)
 
 
 def count_parameters(model: nn.Module, *, full: bool = True, skip_tied_copies: bool = False) -> int:

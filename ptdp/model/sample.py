@@ -27,9 +27,9 @@ def load_model(step_dir: Path, device: str = "cpu", tp: Group | None = None) -> 
     """The checkpoint's model, whole or (with `tp`) this rank's tensor-parallel part."""
     cfg = ckpt.load_config(step_dir)
     state = ckpt.load_checkpoint(step_dir)
-    if tp is None or tp.size == 1:
+    if tp is None or tp.size == 1:  # full tensors; the model pads its vocabulary rows
         model = GPT(cfg.model, seed=cfg.train.seed)
-        model.load_state_dict(state["model"])
+        load_full_model_state([model], state["model"], Group.single())
         return model.to(device)
     try:  # only the tensor-parallel rules can fail: the run trained with this model
         validate(dataclasses.replace(cfg, parallel=ParallelConfig(tp=tp.size, dp=1)), tp.size)

@@ -24,8 +24,11 @@ class ShardSpec:
 
     `parts` > 1: the dim is that many equal blocks, each split on its own (SwiGLU's
     [gate; up] rows), so each rank holds matching rows of every block.
-    `full_size`: the true length of `dim`; the split length may be padded past it
-    with zero rows (a vocabulary not divisible by t). Padded rows never reach the loss.
+    `full_size`: the true length of `dim`. `padded_size` > full_size (the vocabulary,
+    see model.make_vocab_size_divisible_by): rank r holds its torch.chunk slice of the
+    full tensor (`rows(r)` rows from `start(r)`, as DTensor's Shard splits it, so
+    checkpoints reshard) followed by zero rows up to padded_size / size. Padded rows
+    never reach the loss.
     """
 
     dim: int
@@ -34,6 +37,22 @@ class ShardSpec:
     size: int
     parts: int = 1
 
+    def __post_init__(self) -> None:
+        if self.padded_size != self.full_size and self.parts != 1:
+            raise ValueError("a padded split must be a single block")
+
+    @property
+    def local_size(self) -> int:
+        return self.padded_size // self.size
+
+    def start(self, rank: int) -> int:
+        """Index along `dim` of the first row `rank` holds."""
+        return min(rank * -(-self.full_size // self.size), self.full_size)
+
+    def rows(self, rank: int) -> int:
+        """Rows of the full tensor `rank` holds (the rest of its slice is padding)."""
+        return min(-(-self.full_size // self.size), self.full_size - self.start(rank))
+
     def full_shape(self, local_shape: torch.Size) -> tuple[int, ...]:
         shape = list(local_shape)
         shape[self.dim] = self.full_size
@@ -41,19 +60,21 @@ class ShardSpec:
 
     def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """This rank's slice of the full tensor."""
-        pad = self.padded_size - self.full_size
-        if pad:
-            widths = [0, 0] * (full.dim() - 1 - self.dim) + [0, pad]
-            full = nn.functional.pad(full, widths)
+        if self.padded_size != self.full_size:
+            piece = full.narrow(self.dim, self.start(rank), self.rows(rank))
+            pad = self.local_size - piece.shape[self.dim]
+            return nn.functional.pad(piece, [0, 0] * (full.dim() - 1 - self.dim) + [0, pad])
         blocks = full.unflatten(self.dim, (self.parts, -1))
         chunk = blocks.shape[self.dim + 1] // self.size
         return blocks.narrow(self.dim + 1, rank * chunk, chunk).flatten(self.dim, self.dim + 1)
 
     def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's slice, in rank order."""
+        if self.padded_size != self.full_size:
+            pieces = [s.narrow(self.dim, 0, self.rows(r)) for r, s in enumerate(shards)]
+            return torch.cat(pieces, dim=self.dim)
         blocks = [s.unflatten(self.dim, (self.parts, -1)) for s in shards]
-        full = torch.cat(blocks, dim=self.dim + 1).flatten(self.dim, self.dim + 1)
-        return full.narrow(self.dim, 0, self.full_size)
+        return torch.cat(blocks, dim=self.dim + 1).flatten(self.dim, self.dim + 1)
 
 
 def padded(n: int, size: int) -> int:
@@ -63,8 +84,10 @@ def padded(n: int, size: int) -> int:
 
 def full_tensor(param: torch.Tensor, spec: ShardSpec | None, tp: Group) -> torch.Tensor:
     """Gather a (possibly sharded) tensor back to its full single-process shape."""
-    if spec is None or tp.size == 1:
+    if spec is None:
         return param.detach()
+    if tp.size == 1:
+        return spec.unshard([param.detach()])  # drops padded rows, if any
     gathered = gather_full(param, tp, spec.dim)
     return spec.unshard(list(gathered.chunk(tp.size, dim=spec.dim)))
 

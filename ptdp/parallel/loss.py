@@ -17,11 +17,10 @@ from ptdp.parallel.comm import Group
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, tp: Group, start: int):
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, tp: Group, start: int, end: int):
         logits = logits.float()
         shifted = logits - comm.all_reduce_max_value(logits.max(dim=-1).values, tp).unsqueeze(-1)
-        width = logits.shape[-1]
-        outside = (target < start) | (target >= start + width)
+        outside = (target < start) | (target >= end)
         local = (target - start).masked_fill(outside, 0)
         picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         picked = comm.all_reduce_value(picked, tp)
@@ -36,22 +35,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad_logits = softmax.clone()
         onehot = (~outside).to(softmax.dtype).unsqueeze(-1)
         grad_logits.scatter_add_(-1, local.unsqueeze(-1), -onehot)
-        return grad_logits * grad.unsqueeze(-1), None, None, None
+        return grad_logits * grad.unsqueeze(-1), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, tp: Group, vocab_size: int
 ) -> torch.Tensor:
-    """Mean token loss. logits: [s, b, v_padded/t] on each rank; target: [s, b] global ids.
+    """Mean token loss. logits: [s, b, padded/t] on each rank (rank i: vocabulary ids from
+    i * ceil(v/t), then padding); target: [s, b] global ids.
 
-    Columns past `vocab_size` (padding of a vocabulary not divisible by t) are masked to
-    -inf, so they take no probability and get no gradient.
+    Padded columns (model.make_vocab_size_divisible_by) are masked to -inf, so they take
+    no probability and get no gradient: the loss equals the unpadded model's.
     """
+    width = logits.shape[-1]
+    share = -(-vocab_size // tp.size)
+    start = min(tp.rank * share, vocab_size)
+    rows = min(share, vocab_size - start)
+    if rows < width:
+        columns = torch.arange(width, device=logits.device)
+        logits = logits.masked_fill(columns >= rows, float("-inf"))
     if tp.size == 1:
         return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
-    width = logits.shape[-1]
-    start = tp.rank * width
-    if start + width > vocab_size:
-        columns = torch.arange(start, start + width, device=logits.device)
-        logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
-    return _VocabParallelCrossEntropy.apply(logits, target, tp, start).mean()
+    return _VocabParallelCrossEntropy.apply(logits, target, tp, start, start + rows).mean()

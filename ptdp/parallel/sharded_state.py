@@ -63,12 +63,6 @@ def _sharded(spec: ShardSpec | None, sub: DeviceMesh | None) -> bool:
     return sub is not None and spec is not None and spec.size > 1
 
 
-def _chunk_rows(spec: ShardSpec, rank: int) -> int:
-    """Rows of the unpadded tensor on `rank` (torch.chunk semantics)."""
-    chunk = spec.padded_size // spec.size
-    return max(0, min(chunk, spec.full_size - rank * chunk))
-
-
 def _global(local: torch.Tensor, spec: ShardSpec, parts: bool) -> tuple[list[int], int]:
     """Global shape and sharded dim of the DCP tensor for a tensor-local `local`."""
     shape = list(spec.full_shape(local.shape))
@@ -86,7 +80,7 @@ def _dtensor(local: torch.Tensor, spec: ShardSpec, sub: DeviceMesh, tp_rank: int
     if parts:
         view = local.unflatten(spec.dim, (spec.parts, -1))
     else:
-        view = local.narrow(spec.dim, 0, _chunk_rows(spec, tp_rank))
+        view = local.narrow(spec.dim, 0, spec.rows(tp_rank))
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
         view,

@@ -45,7 +45,7 @@ def full_model_state(
 
 def _local(value: torch.Tensor, p: torch.Tensor, tp: Group, name: str) -> torch.Tensor:
     spec = shard_spec(p)
-    local = value if spec is None or tp.size == 1 else spec.shard(value, tp.rank)
+    local = value if spec is None else spec.shard(value, tp.rank)  # pads, at any tp
     if local.shape != p.shape:
         raise CheckpointError(
             f"checkpoint tensor {name} has shape {tuple(value.shape)}, which does not fit "

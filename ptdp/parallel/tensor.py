@@ -25,8 +25,8 @@ from ptdp.parallel.init import ShardSpec, padded
 
 def _sharded(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape))
-    if spec is not None and spec.size > 1:
-        param.tp_shard = spec
+    if spec is not None and (spec.size > 1 or spec.padded_size != spec.full_size):
+        param.tp_shard = spec  # split over ranks, or padded: either way not the full tensor
     return param
 
 
@@ -49,11 +49,11 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         sequence_parallel: bool = False,
         parts: int = 1,
-        pad_to_multiple: bool = False,
+        pad_to_multiple: int = 0,
     ) -> None:
         super().__init__()
         self.tp, self.gather_output, self.sequence_parallel = tp, gather_output, sequence_parallel
-        full = padded(out_features, tp.size) if pad_to_multiple else out_features
+        full = padded(out_features, pad_to_multiple * tp.size) if pad_to_multiple else out_features
         if full % (tp.size * parts):
             raise ValueError(f"{out_features} output features do not split over {tp.size} ranks")
         spec = ShardSpec(dim=0, full_size=out_features, padded_size=full, size=tp.size, parts=parts)
@@ -110,11 +110,12 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table split by vocabulary rows; rank i holds rows [i*v/t, (i+1)*v/t).
+    """Embedding table split by vocabulary rows.
 
-    A vocabulary not divisible by t is padded with zero rows at the end (never produced by
-    the tokenizer, masked out of the loss). Tokens [b, s] -> [s, b, h] replicated (all-
-    reduce of the per-rank partial lookups) or [s/t, b, h] (reduce-scatter) under SP.
+    Rank i holds vocabulary ids [i*k, (i+1)*k), k = ceil(v/t), followed by zero rows up to
+    padded(v, divisible_by * t) / t rows (never produced by the tokenizer, masked out of
+    the loss). Tokens [b, s] -> [s, b, h] replicated (all-reduce of the per-rank partial
+    lookups) or [s/t, b, h] (reduce-scatter) under SP.
     """
 
     def __init__(
@@ -124,15 +125,16 @@ class VocabParallelEmbedding(nn.Module):
         *,
         tp: Group,
         sequence_parallel: bool = False,
+        divisible_by: int = 1,
     ) -> None:
         super().__init__()
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.num_embeddings = num_embeddings
-        full = padded(num_embeddings, tp.size)
-        self.vocab_start = tp.rank * (full // tp.size)
-        self.vocab_end = self.vocab_start + full // tp.size
+        full = padded(num_embeddings, divisible_by * tp.size)
         spec = ShardSpec(dim=0, full_size=num_embeddings, padded_size=full, size=tp.size)
-        self.weight = _sharded((full // tp.size, embedding_dim), spec)
+        self.vocab_start = spec.start(tp.rank)
+        self.vocab_end = self.vocab_start + spec.rows(tp.rank)
+        self.weight = _sharded((spec.local_size, embedding_dim), spec)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = tokens.t()  # [s, b]: sequence-first from here on

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ptdp.config import Activation, ModelConfig, Precision, Recompute
 from ptdp.perf.hardware import Link, System
-from ptdp.perf.memory import element_bytes, head_activation_bytes, layer_activation_bytes, padded
+from ptdp.perf.memory import element_bytes, head_activation_bytes, layer_activation_bytes
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,7 @@ def layer_seconds(
 def head_seconds(model: ModelConfig, *, micro_batch: int, tp: int, c: Compute) -> Passes:
     """Final norm, output layer and vocabulary-parallel loss, one microbatch."""
     tokens = micro_batch * model.seq_length
-    logits = c.linears([Gemm(tokens, padded(model.vocab_size, tp) // tp, model.hidden_size)])
+    logits = c.linears([Gemm(tokens, model.padded_vocab_size(tp) // tp, model.hidden_size)])
     stored = head_activation_bytes(model, micro_batch=micro_batch, tp=tp, precision=c.precision)
     traffic = c.stream(c.software.elementwise_traffic * stored)
     return logits + Passes(traffic, c.software.backward_traffic_ratio * traffic, 0.0)

@@ -65,11 +65,6 @@ def element_bytes(precision: Precision) -> int:
     return 4 if precision is Precision.FP32 else 2
 
 
-def padded(n: int, size: int) -> int:
-    """n rounded up to a multiple of size (as ptdp.parallel.init.padded; kept torch-free)."""
-    return -(-n // size) * size
-
-
 def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
     """Parameters of one transformer layer on one tensor-parallel rank.
 
@@ -91,7 +86,7 @@ def parameters_per_stage(model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int 
     Stage 0 holds the embedding; the last stage the final norm and the output layer,
     which with pp * vpp > 1 is a separate copy even when tied to the embedding.
     """
-    h, v, stages = model.hidden_size, padded(model.vocab_size, tp), pp * vpp
+    h, v, stages = model.hidden_size, model.padded_vocab_size(tp), pp * vpp
     counts = [model.num_layers // stages * layer_parameters(model, tp) for _ in range(stages)]
     counts[0] += v // tp * h
     if model.position_embedding is PositionEmbedding.LEARNED:
@@ -150,7 +145,7 @@ def head_activation_bytes(
     n = model.seq_length * micro_batch
     return (
         2 * n * model.hidden_size * element_bytes(precision)
-        + 4 * n * padded(model.vocab_size, tp) // tp
+        + 4 * n * model.padded_vocab_size(tp) // tp
     )
 
 

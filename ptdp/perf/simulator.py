@@ -30,7 +30,6 @@ from ptdp.perf.hardware import System
 from ptdp.perf.memory import (
     MemoryEstimate,
     estimate_memory,
-    padded,
     parameters_per_rank,
     parameters_per_stage,
 )
@@ -171,7 +170,7 @@ def _reduce_gradients(
             else:
                 seconds = all_reduce_seconds(nbytes, d, link)
             if tied_copies and stage in (0, layout.pp * layout.vpp - 1):
-                tied = 4.0 * padded(model.vocab_size, t) // t * model.hidden_size
+                tied = 4.0 * model.padded_vocab_size(t) // t * model.hidden_size
                 seconds += all_reduce_seconds(tied, 2, c.system.inter)
             if seconds == 0.0:
                 continue

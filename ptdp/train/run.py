@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ptdp.config import RunConfig, to_dict, to_toml
+from ptdp.config import LAYOUT_ONLY_MODEL_KEYS, RunConfig, to_dict, to_toml
 from ptdp.errors import CheckpointError
 from ptdp.layout import Layout, validate
 from ptdp.parallel.comm import all_gather_objects, barrier
@@ -41,7 +41,11 @@ def _checkpoint_to_resume(cfg: RunConfig, resume: bool) -> Path | None:
         return None
     step_dir = ckpt.find_checkpoint(run_dir)
     saved, current = to_dict(ckpt.load_config(step_dir))["model"], to_dict(cfg)["model"]
-    diff = [f"{k}: {saved[k]} -> {v}" for k, v in current.items() if saved[k] != v]
+    diff = [
+        f"{k}: {saved.get(k)} -> {v}"
+        for k, v in current.items()
+        if k not in LAYOUT_ONLY_MODEL_KEYS and saved.get(k, v) != v
+    ]
     if diff:
         raise CheckpointError(
             f"checkpoint {step_dir} was trained with a different model ({'; '.join(diff)}); "
@@ -90,7 +94,8 @@ def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None)
                 (run_dir / "metrics.jsonl").unlink(missing_ok=True)
             (run_dir / "config.toml").write_text(to_toml(cfg))
         n_params, n_local = (trainer.parameter_count(full=f) for f in (True, False))
-        local = f" ({n_local / 1e6:.2f}M on this rank)" if n_local != n_params else ""
+        split = layout.tp * layout.pp > 1  # n_local also counts padded vocabulary rows
+        local = f" ({n_local / 1e6:.2f}M on this rank)" if split else ""
         if layout.pp > 1:
             trainer.say(pipeline_summary(cfg, layout))
         trainer.say(

@@ -1,8 +1,8 @@
 """Compiled layers under tensor and pipeline parallelism match the eager single process.
 
 One spawn of 2 ranks trains two layouts with train.compile = true, one after the other:
-tp = 2 with sequence parallelism (the layer's all-gather / reduce-scatter pairs are traced
-inside its compiled graph) and pp = 2 (the pipeline runtime drives compiled chunks). Both
+tp = 2 with sequence parallelism (the layer's all-gather / reduce-scatter pairs, and the
+vocabulary-parallel loss's all-reduces, are traced inside the compiled graphs) and pp = 2 (the pipeline runtime drives compiled chunks). Both
 must give the eager single-process losses and final weights within 1e-5 relative.
 """
 
@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from torch._dynamo.utils import counters
 
 from ptdp.config import RunConfig
 from ptdp.parallel.env import LaunchEnv
@@ -48,12 +49,18 @@ def _config(data: str, run_dir: Path, parallel: dict, compile: bool) -> RunConfi
 
 def _check_compiled(rank: int, world_size: int, data: str, root: str) -> None:
     for name, parallel in LAYOUTS.items():
+        counters.clear()
         run_dir = Path(root) / name
         result = train(
             _config(data, run_dir, parallel, True), env=LaunchEnv(rank, world_size, rank)
         )
         if rank == 0:
+            graphs = {
+                "graphs": counters["stats"]["unique_graphs"],
+                "breaks": counters["graph_break"],
+            }
             (run_dir / "losses.json").write_text(json.dumps(result.losses))
+            (run_dir / "graphs.json").write_text(json.dumps(graphs))
 
 
 def test_compiled_layouts_match_eager_single_process(tiny_data: str, tmp_path: Path) -> None:
@@ -64,3 +71,7 @@ def test_compiled_layouts_match_eager_single_process(tiny_data: str, tmp_path: P
         assert sorted(losses) == ["1", "2", "3"], name
         reference = {str(k): v for k, v in single.losses.items()}
         assert_same_run(tmp_path / "single", tmp_path / name, reference, losses)
+    # tp = 2 + SP: the layer and the vocabulary-parallel loss (with their collectives) are
+    # each one graph (a second pair for evaluation mode), with no breaks.
+    graphs = json.loads((tmp_path / "tp2-sp" / "graphs.json").read_text())
+    assert graphs["breaks"] == {} and 2 <= graphs["graphs"] <= 4, graphs

@@ -102,17 +102,21 @@ def _row(tp: Group, sp: bool) -> None:
     assert_rel(bias_grad, probe.sum((0, 1)), "row db")
 
 
-def _embedding_and_loss(tp: Group, sp: bool) -> None:
+def _embedding_and_loss(tp: Group, sp: bool, divisible_by: int = 1) -> None:
+    """10 rows: padded to 12 at tp = 4; with divisible_by = 4 to 16, 8 and 4 at tp = 4, 2
+    and 1: rank i holds ids [3i, 3i + 3) (tp = 4) then zero rows."""
     torch.manual_seed(2)
-    vocab, h, b, s = 10, 6, 3, 8  # 10 rows: padded to 12 at tp = 4
+    vocab, h, b, s = 10, 6, 3, 8
     weight = torch.randn(vocab, h, requires_grad=True)
     tokens = torch.randint(0, vocab, (b, s))
     probe = torch.randn(s, b, h)
     ref = F.embedding(tokens, weight).transpose(0, 1)
     (ref * probe).sum().backward()
 
-    layer = VocabParallelEmbedding(vocab, h, tp=tp, sequence_parallel=sp)
-    spec = ShardSpec(dim=0, full_size=vocab, padded_size=padded(vocab, tp.size), size=tp.size)
+    layer = VocabParallelEmbedding(vocab, h, tp=tp, sequence_parallel=sp, divisible_by=divisible_by)
+    full = padded(vocab, divisible_by * tp.size)
+    spec = ShardSpec(dim=0, full_size=vocab, padded_size=full, size=tp.size)
+    assert layer.weight.shape == (full // tp.size, h)
     with torch.no_grad():
         layer.weight.copy_(spec.shard(weight.detach(), tp.rank))
     out = layer(tokens)
@@ -182,6 +186,7 @@ def _check_layers(rank: int, world_size: int) -> None:
         _column(tp, sp, parts=2, gather=False)
         _row(tp, sp)
         _embedding_and_loss(tp, sp)
+        _embedding_and_loss(tp, sp, divisible_by=4)
     _column(tp, False, parts=1, gather=True)
     counts = _count_layer_collectives(tp, sp=False)
     assert counts == {"forward_all_reduce": 2, "backward_all_reduce": 2}, counts
@@ -203,21 +208,27 @@ def test_layers_at_tp1_are_plain() -> None:
         _column(tp, sp, parts=2, gather=False)
         _row(tp, sp)
         _embedding_and_loss(tp, sp)
+        _embedding_and_loss(tp, sp, divisible_by=4)
 
 
 # ----------------------------------------------------------------------------- whole model
 
-FAMILIES = {
+FAMILIES = {  # gpt2 pads the vocabulary to a multiple of 128 * t (the default), llama of t
     "gpt2": {},
-    "llama": {"position_embedding": "rope", "normalization": "rmsnorm", "activation": "swiglu",
+    "llama": {"make_vocab_size_divisible_by": 1, "position_embedding": "rope", "normalization": "rmsnorm", "activation": "swiglu",
               "num_query_groups": 4, "tie_embeddings": False, "bias": False},
 }
 
 
 def _model_cfg(options: dict):
     base = {"num_layers": 2, "hidden_size": 32, "num_heads": 8, "seq_length": 16,
-            "vocab_size": 51}  # 51: padded at tp = 2 and 4
+            "vocab_size": 51}  # 51: padded at tp = 2 and 4 whatever the multiple
     return apply_updates(RunConfig(), {"model": {**base, **options}}, "t").model
+
+
+def _unpadded(t: torch.Tensor, ref_param: torch.Tensor) -> torch.Tensor:
+    """A single-process tensor without its padded vocabulary rows, as full_tensor gives."""
+    return full_tensor(t, shard_spec(ref_param), Group.single())
 
 
 def _compare_params(model: GPT, ref: GPT, tp: Group, degenerate: set[str], what: str) -> None:
@@ -230,7 +241,8 @@ def _compare_params(model: GPT, ref: GPT, tp: Group, degenerate: set[str], what:
     ref_params = dict(ref.named_parameters())
     diff = total = 0.0
     for name, p in model.named_parameters():
-        full, expect = full_tensor(p, shard_spec(p), tp), ref_params[name]
+        r = ref_params[name]
+        full, expect = full_tensor(p, shard_spec(p), tp), _unpadded(r, r)
         diff, total = diff + (full - expect).norm() ** 2, total + expect.norm() ** 2
         if name in degenerate:
             assert (full - expect).abs().max() < 1e-3, f"{what}: {name}"
@@ -281,7 +293,8 @@ def _check_model(rank: int, world_size: int) -> None:
             ref = GPT(cfg, seed=5)
             model = GPT(cfg, seed=5, tp=tp, sequence_parallel=sp)
             for name, p in model.named_parameters():  # identical start, any layout
-                assert_rel(full_tensor(p, shard_spec(p), tp), dict(ref.named_parameters())[name],
+                r = dict(ref.named_parameters())[name]
+                assert_rel(full_tensor(p, shard_spec(p), tp), _unpadded(r, r),
                            f"{family} sp={sp} init {name}", tol=1e-7)
             # Adam divides by sqrt(v) + eps: with eps = 1e-8 a gradient at rounding level
             # becomes a full-size step whose sign is noise; 1e-6 keeps rounding as rounding.
@@ -301,7 +314,7 @@ def _check_model(rank: int, world_size: int) -> None:
                 norm = clip_gradients(model, 0.5, tp)
                 assert_rel(norm, norm_ref, f"{family} sp={sp} grad norm")
                 if step == 0:
-                    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+                    ref_grads = {n: _unpadded(p.grad, p) for n, p in ref.named_parameters()}
                     degenerate = {n for n, g in ref_grads.items() if g.abs().max() < 1e-7}
                     for name, p in model.named_parameters():
                         assert_rel(full_tensor(p.grad, shard_spec(p), tp), ref_grads[name],

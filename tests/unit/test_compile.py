@@ -1,4 +1,4 @@
-"""The fast path (issue 8): compiled layers, the AdamW kernel choice, mask-free attention.
+"""The fast path (issue 8): compiled layers and loss, the AdamW kernel, mask-free attention.
 
 CPU tests compare `train.compile = true` with eager training of the same tiny model
 (float32, dropout 0): same losses and gradient norms to float32 rounding. The CUDA tests
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from ptdp.config import ModelConfig, Recompute
 from ptdp.model.compile import apply_compile
@@ -81,6 +82,25 @@ def test_compile_keeps_parameter_names() -> None:
     eager, compiled = GPT(CFG, seed=3), GPT(CFG, seed=3)
     assert apply_compile([compiled]) == CFG.num_layers  # lazy: compiles on the first call
     assert eager.state_dict().keys() == compiled.state_dict().keys()
+    assert "loss" in vars(compiled)  # the loss region, replaced on the instance
+
+
+@needs_cxx
+def test_layers_and_loss_are_two_graphs_without_breaks() -> None:
+    """Every layer shares one graph; the loss (norm, output layer, padding mask, upcast,
+    cross-entropy over a vocabulary padded from 70 to 128) is the other."""
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=70)
+    eager, compiled = GPT(cfg, seed=1), GPT(cfg, seed=1)
+    apply_compile([compiled])
+    counters.clear()
+    tokens = torch.randint(0, 70, (2, 17), generator=torch.Generator().manual_seed(0))
+    losses = [m(tokens[:, :-1], tokens[:, 1:]) for m in (eager, compiled)]
+    for loss in losses:
+        loss.backward()
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @needs_cxx

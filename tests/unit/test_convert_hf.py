@@ -15,6 +15,8 @@ from ptdp.convert.hf import export_hf, fuse_qkv, import_hf, split_qkv
 from ptdp.errors import ConfigError
 from ptdp.model.gpt import GPT
 from ptdp.model.sample import load_model
+from ptdp.parallel.comm import Group
+from ptdp.parallel.state import full_model_state
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.run import train
 from tests.helpers import LLAMA
@@ -55,9 +57,14 @@ def _compare(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     assert (ours - theirs).abs().max().item() < TOL
 
 
+def full_state(model: GPT) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors: full shapes, without the padded vocabulary rows."""
+    return full_model_state([model], Group.single())
+
+
 def _write_checkpoint(run_dir: Path, cfg: ModelConfig, model: GPT, tokenizer: str) -> Path:
     run_cfg = replace(RunConfig(), model=cfg)
-    state = {"model": model.state_dict(), "step": 1, "tokenizer": tokenizer}
+    state = {"model": full_state(model), "step": 1, "tokenizer": tokenizer}
     return ckpt.save_checkpoint(run_dir, 1, state, run_cfg, None)
 
 
@@ -147,8 +154,8 @@ def test_round_trip_keeps_weights(tmp_path: Path) -> None:
     export_hf(tmp_path / "a", tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "b")
     back = ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path / "b"))["model"]
-    assert back.keys() == model.state_dict().keys()
-    for name, value in model.state_dict().items():
+    assert back.keys() == full_state(model).keys()
+    for name, value in full_state(model).items():
         torch.testing.assert_close(back[name], value, rtol=0, atol=0)
     assert ckpt.load_config(ckpt.find_checkpoint(tmp_path / "b")).model == cfg
 

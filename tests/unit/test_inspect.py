@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ptdp.cli import main
-from ptdp.model.gpt import GPT
+from ptdp.model.gpt import GPT, count_parameters
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.run import train
 from tests.helpers import tiny_config
@@ -30,7 +30,7 @@ def test_inspect_run_and_step_dirs(tiny_data: str, tmp_path: Path, capsys) -> No
     w = state["layers.0.attn.qkv.weight"]
     assert re.search(rf"\n  layers\.0\.attn\.qkv\.weight +{w.shape[0]}x{w.shape[1]} +float32 ", out)
     params = sum(t.numel() for t in state.values())
-    assert params == sum(p.numel() for p in GPT(ckpt.load_config(step_dir).model).parameters())
+    assert params == count_parameters(GPT(ckpt.load_config(step_dir).model))
     assert f"{len(state)} tensors, {params:,} parameters" in out
     assert "with state exp_avg, exp_avg_sq; step 2;" in out
     assert "group 0: lr=" in out and "weight_decay=0.1" in out

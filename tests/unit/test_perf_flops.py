@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ptdp.config import Recompute, RunConfig, apply_updates
@@ -100,4 +102,8 @@ def test_parameter_formula_matches_a_real_model() -> None:
         {"model": {"num_layers": 3, "hidden_size": 48, "num_heads": 4, "vocab_size": 70}},
         "t",
     ).model
-    assert sum(parameters_per_rank(cfg)) == count_parameters(GPT(cfg))
+    # Per rank: the vocabulary padded to a multiple of 128 (70 -> 128 rows) is allocated.
+    assert sum(parameters_per_rank(cfg)) == count_parameters(GPT(cfg), full=False)
+    assert count_parameters(GPT(cfg), full=False) - count_parameters(GPT(cfg)) == 58 * 48
+    unpadded = replace(cfg, make_vocab_size_divisible_by=1)
+    assert sum(parameters_per_rank(unpadded)) == count_parameters(GPT(cfg))
