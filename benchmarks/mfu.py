@@ -11,8 +11,10 @@ bf16 peak, and peak allocated memory.
 With --compare, the same model, batch and sequence length also train through peers in
 the same process: Hugging Face `GPT2LMHeadModel` (SDPA attention) and a small GPT written
 here in plain PyTorch, both in the usual hand-written style: fp32 weights, bf16 autocast,
-torch AdamW (fused on CUDA), gradient clipping. The ratio ptdp / peer of tokens/s is
-printed for each.
+torch AdamW (fused on CUDA), gradient clipping, the vocabulary as given (50,257; ptdp pads
+its rows to 50,304, `--pad-peers` gives the peers the same shapes, as nanoGPT does). The
+ratio ptdp / peer of tokens/s is printed for each. Model FLOPs count the unpadded
+vocabulary for every row.
 
     python benchmarks/mfu.py --models 125m,350m,760m,1.3b --compare   # on an H100 / H200
     python benchmarks/mfu.py --fill          # largest GPT that fits with full recomputation
@@ -250,7 +252,8 @@ def run_peer(args, name: str, shape: Shape, micro_batch: int) -> dict:
     """A hand-written loop: fp32 weights, bf16 autocast, AdamW, clipping, accumulation."""
     device = torch.device(args.device)
     torch.manual_seed(0)
-    model = PEERS[name](args.vocab_size, shape).to(device)
+    rows = -(-args.vocab_size // 128) * 128 if args.pad_peers else args.vocab_size
+    model = PEERS[name](rows, shape).to(device)  # tokens stay below args.vocab_size
     params = [p for p in model.parameters()]
     decay = [p for p in params if p.dim() >= 2]
     other = [p for p in params if p.dim() < 2]
@@ -391,6 +394,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compare", action="store_true", help="also train the plain peers")
     p.add_argument("--peers", default="hf-gpt2,plain-gpt", help=f"of {', '.join(PEERS)}")
     p.add_argument("--peer-compile", action="store_true", help="torch.compile the peers too")
+    p.add_argument(
+        "--pad-peers",
+        action="store_true",
+        help="give the peers a vocabulary padded to a multiple of 128, as nanoGPT's 50304 "
+        "(ptdp pads by default: model.make_vocab_size_divisible_by)",
+    )
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -246,8 +246,9 @@ class TrainConfig:
     """Log where every rank is when a step runs longer than this multiple of the median
     step time (e.g. 3); 0 = off. Multi-process runs only."""
     compile: bool = False
-    """Compile each transformer layer with torch.compile (fused bias+GeLU and
-    bias+dropout+residual kernels); the first steps are slower while it compiles."""
+    """Compile each transformer layer and the loss with torch.compile (fused bias+GeLU,
+    bias+dropout+residual and softmax kernels); the first steps are slower while it
+    compiles."""
 
 
 @dataclass(kw_only=True, frozen=True)

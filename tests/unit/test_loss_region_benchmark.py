@@ -1,0 +1,39 @@
+"""benchmarks/loss_region.py, tiny: the compiled bf16 loss keeps half the bytes for backward
+(16-bit logits instead of float32 log-probabilities) and every variant gives the same loss."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "loss_region.py"
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="torch.compile (Inductor) on CPU needs a C++ compiler (g++)",
+)
+def test_compiled_bf16_loss_saves_half_and_agrees(capsys) -> None:
+    spec = importlib.util.spec_from_file_location("loss_region_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    rows = module.main(
+        "--device cpu --tokens 256 --hidden 32 --vocab-size 1000 --precisions bf16 "
+        "--rounds 1".split()
+    )
+    assert [(r["vocab_rows"], r["compiled"]) for r in rows] == [
+        (1000, False), (1000, True), (1024, False), (1024, True),
+    ]  # fmt: skip
+    eager, compiled = rows[0], rows[1]
+    logprobs = 256 * 1000 * 4  # what eager keeps: float32 [tokens, v] log-probabilities
+    assert eager["saved_mib"] * 2**20 >= logprobs
+    assert compiled["saved_mib"] < 0.6 * eager["saved_mib"]
+    for r in rows:
+        assert r["loss"] == pytest.approx(eager["loss"], rel=1e-3)  # bf16 rounding
+        assert r["ms"] > 0
+    assert "| bf16 | 1,024 | yes |" in capsys.readouterr().out
