@@ -30,7 +30,7 @@ from ptdp.model.init import apply_init
 from ptdp.model.kv_cache import KVCache, LayerCache
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
-from ptdp.parallel.init import rank_rng, shard_spec
+from ptdp.parallel.init import ShardSpec, rank_rng, shard_spec
 from ptdp.parallel.loss import vocab_parallel_cross_entropy
 from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -344,9 +344,9 @@ class GPT(nn.Module):
             return self.loss(x, labels)
         tp = self.ctx.tp
         logits = comm.gather_from_tp(self.head(x), tp)  # [s, b, t * padded/t]
-        share = -(-self.cfg.vocab_size // tp.size)  # each rank's ids, then its padding
-        logits = logits.unflatten(-1, (tp.size, -1))[..., :share].flatten(-2)
-        return logits[..., : self.cfg.vocab_size].transpose(0, 1)
+        split = ShardSpec(0, self.cfg.vocab_size, logits.shape[-1], tp.size)
+        logits = logits.unflatten(-1, (tp.size, -1))[..., : split.rows(0)].flatten(-2)
+        return logits[..., : self.cfg.vocab_size].transpose(0, 1)  # each rank's ids, in order
 
     def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Hidden [s, b, h] -> mean token loss: final norm, output layer, cross-entropy.

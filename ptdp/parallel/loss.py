@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
+from ptdp.parallel.init import ShardSpec
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -48,9 +49,8 @@ def vocab_parallel_cross_entropy(
     no probability and get no gradient: the loss equals the unpadded model's.
     """
     width = logits.shape[-1]
-    share = -(-vocab_size // tp.size)
-    start = min(tp.rank * share, vocab_size)
-    rows = min(share, vocab_size - start)
+    split = ShardSpec(dim=0, full_size=vocab_size, padded_size=width * tp.size, size=tp.size)
+    start, rows = split.start(tp.rank), split.rows(tp.rank)
     if rows < width:
         columns = torch.arange(width, device=logits.device)
         logits = logits.masked_fill(columns >= rows, float("-inf"))
