@@ -45,6 +45,8 @@ from ptdp.config import ModelConfig, RunConfig, apply_updates
 from ptdp.data.indexed import IndexedWriter
 from ptdp.parallel.env import LaunchEnv
 from ptdp.perf.flops import dense_peak_flops, device_kind, model_flops_per_iteration
+from ptdp.perf.hardware import System, load_system, system_for_device_name
+from ptdp.perf.simulator import simulate
 from ptdp.train.optim import adamw_kernel
 from ptdp.train.run import prepare
 from ptdp.train.trainer import Trainer
@@ -168,6 +170,22 @@ def run_ptdp(args, shape: Shape, micro_batch: int, data: str, recompute: str) ->
     finally:
         del trainer
     return {"params": params, "seconds": seconds, "peak_gib": peak}
+
+
+def predict(args, shape: Shape, micro_batch: int, recompute: str) -> dict:
+    """ptdp's performance model (ptdp/perf, as `ptdp simulate`) for the same run on one
+    device of `args.predict`: what the measurement should come close to."""
+    cfg = ptdp_config(args, shape, micro_batch, "unused", recompute)
+    p = simulate(cfg, args.system, 1)
+    gib = p.memory[0].total / 2**30
+    return {
+        "system": args.system.name,
+        "tokens_per_s": p.tokens_per_second,
+        "mfu": p.mfu,
+        "seconds_per_step": p.iteration_seconds,
+        "memory_gib": gib,
+        "fits": p.memory[0].total <= args.system.device.usable_bytes,
+    }
 
 
 # ----------------------------------------------------------------------------- peers
@@ -339,6 +357,9 @@ def measure(args, name: str, impl: str, shape: Shape, data: str, recompute: str)
         "peak_tflops": args.peak_tflops,
         "mfu": tflops / args.peak_tflops if args.peak_tflops else None,
         "peak_gib": got["peak_gib"],
+        "predicted": (
+            predict(args, shape, micro_batch, recompute) if impl == "ptdp" and args.system else None
+        ),
     }
 
 
@@ -367,6 +388,19 @@ def ratios(rows: list[dict]) -> list[str]:
         for r in rows
         if r["impl"] != "ptdp" and r["model"] in ours
     ]
+
+
+def against_prediction(rows: list[dict]) -> list[str]:
+    """Measured against the performance model, for each ptdp row that has a prediction."""
+    lines = []
+    for r in rows:
+        if p := r.get("predicted"):
+            lines.append(
+                f"{r['model']}: measured / predicted on {p['system']} tokens/s = "
+                f"{r['tokens_per_s'] / p['tokens_per_s']:.3f} (predicted "
+                f"{p['tokens_per_s']:,.0f} tokens/s, MFU {100 * p['mfu']:.1f}%)"
+            )
+    return lines
 
 
 def resolve_peak(args) -> float | None:
@@ -404,12 +438,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="override the device peak")
+    p.add_argument(
+        "--predict",
+        metavar="SYSTEM",
+        help="performance-model system for the predicted column (a100-80gb, h100-sxm, h200 "
+        "or a hardware TOML); default: the GPU's own, none on CPU",
+    )
+    p.add_argument(
+        "--predict-only", action="store_true", help="print the predictions, train nothing"
+    )
     p.add_argument("--json", help="write the rows and the machine to this file")
     return p.parse_args(argv)
 
 
+def resolve_system(args) -> System | None:
+    """The performance-model system to predict for: --predict, else the GPU's own."""
+    if args.predict:
+        return load_system(args.predict)
+    if args.device.startswith("cuda"):
+        return system_for_device_name(torch.cuda.get_device_name(torch.device(args.device)))
+    return None
+
+
+def prediction_table(args, names: list[str]) -> list[dict]:
+    """--predict-only: the model's figures for each model's default micro-batch."""
+    rows = []
+    print(f"predicted by ptdp/perf on one {args.system.device.name} ({args.precision}):")
+    for name in names:
+        shape = MODELS.get(name) or FILL[name]
+        recompute = "full" if name in FILL else "none"
+        micro_batch = args.micro_batch_size or shape.micro_batch
+        got = predict(args, shape, micro_batch, recompute)
+        rows.append({"model": name, "micro_batch": micro_batch, "recompute": recompute} | got)
+        fits = "fits" if got["fits"] else "does not fit"
+        print(
+            f"{name:>6} | mbs {micro_batch:>2} | recompute {recompute:>4} | "
+            f"{got['tokens_per_s']:>10,.0f} tokens/s | MFU {100 * got['mfu']:5.1f}% | "
+            f"{got['memory_gib']:6.1f} GiB ({fits})"
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    args.system = resolve_system(args)
+    if args.predict_only:
+        if args.system is None:
+            raise SystemExit("--predict-only needs --predict SYSTEM on a machine without a GPU")
+        names = [m for m in args.models.split(",") if m] + (list(FILL) if args.fill else [])
+        rows = prediction_table(args, names)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"predicted": rows}, indent=2))
+        return rows
     args.peak_tflops = resolve_peak(args)
     names = [m for m in args.models.split(",") if m]
     peers = [p for p in args.peers.split(",") if p] if args.compare else []
@@ -441,6 +521,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"(+{args.warmup} warm-up) | peak {args.peak_tflops or 'n/a'} TFLOP/s")  # fmt: skip
     print(format_table(rows))
     for line in ratios(rows):
+        print(line)
+    for line in against_prediction(rows):
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))

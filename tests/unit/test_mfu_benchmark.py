@@ -56,3 +56,20 @@ def test_cpu_smoke_run_reports_sane_numbers(tmp_path: Path, capsys) -> None:
 def test_unknown_model_is_named() -> None:
     with pytest.raises(SystemExit, match="unknown"):
         _load().main(["--device", "cpu", "--models", "7t"])
+
+
+def test_predictions_from_the_performance_model(capsys) -> None:
+    """--predict-only trains nothing; the figures are ptdp simulate's for one device."""
+    mfu = _load()
+    rows = mfu.main("--predict h100-sxm --predict-only --models 125m,1.3b --fill".split())
+    by_name = {r["model"]: r for r in rows}
+    assert list(by_name) == ["125m", "1.3b", *mfu.FILL]
+    big = by_name["1.3b"]
+    assert big["fits"] and 0.3 < big["mfu"] < 0.7 and big["recompute"] == "none"
+    tokens = 8 * 2048  # micro-batch 8, sequence 2048, one microbatch per step
+    assert big["tokens_per_s"] == pytest.approx(tokens / big["seconds_per_step"])
+    assert by_name["2.7b"]["fits"] and not by_name["13b"]["fits"]  # 16 bytes/param of state
+    assert by_name["125m"]["mfu"] < big["mfu"]  # small matrices use the GPU less well
+    assert "does not fit" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--predict SYSTEM"):
+        mfu.main("--device cpu --predict-only".split())
