@@ -23,23 +23,25 @@ Medians over --repeats. Needs the demo data (`bash scripts/demo.sh` once).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ptdp.config import apply_updates, load_toml
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.run import prepare
 from ptdp.train.trainer import Trainer
+
+try:
+    from benchmarks._spawn import spawn
+except ModuleNotFoundError:  # run as `python benchmarks/x.py` without the repo root on sys.path
+    from _spawn import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = {  # name: (world, parallel)
@@ -80,7 +82,7 @@ def timed(fn) -> float:
     return elapsed.item()
 
 
-def worker(rank: int, world: int, args, parallel: dict, root: str, out: str) -> None:
+def worker(rank: int, world: int, args, parallel: dict, root: str) -> dict:
     res: dict = {"save": [], "load": [], "single_save": [], "single_load": []}
     res |= {"pause_sync": [], "pause_async": []}
     trainer = build(rank, world, os.path.join(root, "sync"), parallel, False)
@@ -113,36 +115,20 @@ def worker(rank: int, world: int, args, parallel: dict, root: str, out: str) -> 
             res[key].append(timed(t.save))
             t.train_step()
             t.finish_save()
-    if rank == 0:
-        Path(out).write_text(json.dumps(res))
+    return res
 
 
-def _child(rank: int, world: int, store: str, args, parallel: dict, root: str, out: str):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=300),
-    )  # fmt: skip
-    worker(rank, world, args, parallel, root, out)
-    dist.barrier()
-    os._exit(0)  # skip gloo's teardown (see tests/dist/harness.py)
-
-
-def spawn(world: int, args, parallel: dict) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        mp.start_processes(
-            _child, args=(world, os.path.join(tmp, "store"), args, parallel, tmp, out),
-            nprocs=world, start_method="spawn",
-        )  # fmt: skip
-        return json.loads(Path(out).read_text())
+def run_layout(world: int, args, parallel: dict) -> dict:
+    """Rank 0's measurements of one layout, its run directories in a fresh temporary one."""
+    with tempfile.TemporaryDirectory() as root:
+        return spawn(worker, world, args, parallel, root)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement")
     args = parser.parse_args()
-    results = {name: spawn(world, args, par) for name, (world, par) in LAYOUTS.items()}
+    results = {name: run_layout(world, args, par) for name, (world, par) in LAYOUTS.items()}
 
     def ms(values: list[float]) -> str:
         return f"{statistics.median(values) * 1e3:.0f}"

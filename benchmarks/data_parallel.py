@@ -17,22 +17,22 @@ data/shakespeare/shakespeare).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ptdp.config import apply_updates, load_toml
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.run import prepare
 from ptdp.train.trainer import Trainer
+
+try:
+    from benchmarks._spawn import spawn
+except ModuleNotFoundError:  # run as `python benchmarks/x.py` without the repo root on sys.path
+    from _spawn import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,7 +63,7 @@ def time_steps(trainer: Trainer, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def overlap_worker(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
+def overlap_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     batch = {"micro_batch_size": 4, "global_batch_size": 16}
     trainers = {
         mode: build(
@@ -82,11 +82,10 @@ def overlap_worker(rank: int, world: int, args: argparse.Namespace, out: str) ->
             times[mode].append(time_steps(trainer, args.steps))
     early = trainers["overlapped"].grads.early_launches
     total = trainers["overlapped"].grads.launches
-    if rank == 0:
-        Path(out).write_text(json.dumps({"times": times, "early": early, "launches": total}))
+    return {"times": times, "early": early, "launches": total}
 
 
-def memory_worker(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
+def memory_worker(rank: int, world: int, args: argparse.Namespace) -> list[tuple]:
     rows = []
     for precision in ("fp32", "bf16"):
         for distributed in (False, True):
@@ -106,29 +105,7 @@ def memory_worker(rank: int, world: int, args: argparse.Namespace, out: str) -> 
             rows.append(
                 (precision, distributed, mine.item(), trainer.optimizer.planned_state_bytes())
             )
-    if rank == 0:
-        Path(out).write_text(json.dumps(rows))
-
-
-def _child(rank: int, world: int, store: str, fn, args, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=300),
-    )  # fmt: skip
-    fn(rank, world, args, out)
-    dist.barrier()
-    os._exit(0)  # skip gloo's teardown (see tests/dist/harness.py)
-
-
-def spawn(fn, world: int, args: argparse.Namespace):
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        mp.start_processes(
-            _child, args=(world, os.path.join(tmp, "store"), fn, args, out), nprocs=world,
-            start_method="spawn",
-        )  # fmt: skip
-        return json.loads(Path(out).read_text())
+    return rows
 
 
 def main() -> None:

@@ -15,12 +15,10 @@ One measured iteration of interleaved 1F1B (v = 2, m = 8) is drawn as a timeline
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,7 +28,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from ptdp.parallel.comm import Group
@@ -39,6 +36,11 @@ from ptdp.pipeline.p2p import P2P
 from ptdp.pipeline.runtime import PipelineRuntime
 from ptdp.pipeline.schedules import add_comms, build, stages_of_rank
 from ptdp.pipeline.verify import UNIT_COST, verify
+
+try:
+    from benchmarks._spawn import spawn
+except ModuleNotFoundError:  # run as `python benchmarks/x.py` without the repo root on sys.path
+    from _spawn import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG = ROOT / "benchmarks" / "results" / "interleaved_timeline.png"
@@ -381,15 +383,8 @@ def _timeline(trace: list, t0: float, took: float) -> dict:
     return {"took": took, "ranks": every}
 
 
-def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=args.timeout),
-    )
+def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    """Every pair's rows; rank 0 prints each as it finishes."""
     costs = Costs(args.f_ms / 1e3, args.b_ms / 1e3, args.w_ms / 1e3)
     rows = []
     for pair in PAIRS:
@@ -405,13 +400,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
                     f"{pair[2]} {theirs} ms",
                     flush=True,
                 )
-    if rank == 0:
-        Path(out).write_text(json.dumps(rows))
-    dist.barrier()
-    dist.destroy_process_group()
-    # As tests/dist/harness.py: gloo may abort in a C++ destructor at normal interpreter exit.
-    sys.stdout.flush()
-    os._exit(0)
+    return rows
 
 
 # ----------------------------------------------------------------------------- report
@@ -522,18 +511,9 @@ def main() -> None:
         args.ms, args.iters = [4, 8], 2
     if TIMELINE[2] not in args.ms:
         args.ms = sorted({*args.ms, TIMELINE[2]})
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     costs = Costs(args.f_ms / 1e3, args.b_ms / 1e3, args.w_ms / 1e3)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        mp.start_processes(
-            worker,
-            args=(PP, os.path.join(tmp, "store"), args, out),
-            nprocs=PP,
-            start_method="spawn",
-        )
-        rows = json.loads(Path(out).read_text())
+    rows = spawn(worker, PP, args, timeout_s=args.timeout)
     took = time.perf_counter() - start
     timeline = next(r["timeline"] for r in rows if "timeline" in r)
     draw(timeline, costs, Path(args.png))

@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from ptdp.config import apply_updates, load_toml
@@ -33,6 +30,11 @@ from ptdp.model.init import apply_init
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
 from ptdp.parallel.grads import reduce_sequence_parallel_grads
+
+try:
+    from benchmarks._spawn import spawn
+except ModuleNotFoundError:  # run as `python benchmarks/x.py` without the repo root on sys.path
+    from _spawn import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("_all_reduce", "_all_gather", "_reduce_scatter")
@@ -164,53 +166,42 @@ def time_layers(layers: nn.ModuleList, x: torch.Tensor, steps: int) -> float:
     return statistics.median(times)
 
 
-def worker(rank: int, world: int, store: str, steps: int, rounds: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=300),
+def worker(rank: int, world: int, steps: int, rounds: int) -> str:
+    """The report's lines (rank 0's are printed)."""
+    tp = Group(None, world, rank)
+    cfg = demo_model()
+    m, t = cfg.model, cfg.train
+    lines = [
+        f"demo model, tp={world}, one step = {t.global_batch_size // t.micro_batch_size} "
+        f"microbatches of b={t.micro_batch_size}, s={m.seq_length}, h={m.hidden_size}, "
+        f"L={m.num_layers} (fp32)",
+        "| sequence parallel | all-reduces of b*s*h | all-gathers of b*s*h | "
+        "reduce-scatters of b*s*h | MiB sent per rank, counted (ring) | layer formula "
+        "8bsh(t-1)/t x L x m, MiB | + embedding and output layer, MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for sp in (False, True):
+        seen = count_step(tp, sp, t.micro_batch_size, t.global_batch_size)
+        lines.append(describe_counts(seen, sp, cfg, world))
+    x = torch.randn(m.seq_length, t.micro_batch_size, m.hidden_size)
+    dist.broadcast(x, 0)
+    ours, theirs = [], []
+    ours_layers = ptdp_layers(m, tp)
+    their_layers = dtensor_layers(m, world)
+    for _ in range(rounds):
+        ours.append(time_layers(ours_layers, x, steps))
+        theirs.append(time_layers(their_layers, x, steps))
+    mo, mt = statistics.median(ours), statistics.median(theirs)
+    lines.append(
+        f"{m.num_layers} layers h={m.hidden_size} s={m.seq_length} b={t.micro_batch_size}, "
+        f"tp={world}, forward+backward: ptdp {mo * 1e3:.1f} ms | DTensor {mt * 1e3:.1f} ms | "
+        f"ptdp/DTensor time = {mo / mt:.3f} (rounds: ptdp "
+        + ", ".join(f"{v * 1e3:.1f}" for v in ours)
+        + "; DTensor "
+        + ", ".join(f"{v * 1e3:.1f}" for v in theirs)
+        + ")"
     )
-    try:
-        tp = Group(None, world, rank)
-        cfg = demo_model()
-        m, t = cfg.model, cfg.train
-        lines = [
-            f"demo model, tp={world}, one step = {t.global_batch_size // t.micro_batch_size} "
-            f"microbatches of b={t.micro_batch_size}, s={m.seq_length}, h={m.hidden_size}, "
-            f"L={m.num_layers} (fp32)",
-            "| sequence parallel | all-reduces of b*s*h | all-gathers of b*s*h | "
-            "reduce-scatters of b*s*h | MiB sent per rank, counted (ring) | layer formula "
-            "8bsh(t-1)/t x L x m, MiB | + embedding and output layer, MiB |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for sp in (False, True):
-            seen = count_step(tp, sp, t.micro_batch_size, t.global_batch_size)
-            lines.append(describe_counts(seen, sp, cfg, world))
-        x = torch.randn(m.seq_length, t.micro_batch_size, m.hidden_size)
-        dist.broadcast(x, 0)
-        ours, theirs = [], []
-        ours_layers = ptdp_layers(m, tp)
-        their_layers = dtensor_layers(m, world)
-        for _ in range(rounds):
-            ours.append(time_layers(ours_layers, x, steps))
-            theirs.append(time_layers(their_layers, x, steps))
-        mo, mt = statistics.median(ours), statistics.median(theirs)
-        lines.append(
-            f"{m.num_layers} layers h={m.hidden_size} s={m.seq_length} b={t.micro_batch_size}, "
-            f"tp={world}, forward+backward: ptdp {mo * 1e3:.1f} ms | DTensor {mt * 1e3:.1f} ms | "
-            f"ptdp/DTensor time = {mo / mt:.3f} (rounds: ptdp "
-            + ", ".join(f"{v * 1e3:.1f}" for v in ours)
-            + "; DTensor "
-            + ", ".join(f"{v * 1e3:.1f}" for v in theirs)
-            + ")"
-        )
-        if rank == 0:
-            Path(out).write_text("\n".join(lines) + "\n")
-    finally:
-        dist.destroy_process_group()
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -218,16 +209,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.txt")
-        mp.start_processes(
-            worker,
-            args=(2, os.path.join(tmp, "store"), args.steps, args.rounds, out),
-            nprocs=2,
-            start_method="spawn",
-        )
-        print(Path(out).read_text())
+    print(spawn(worker, 2, args.steps, args.rounds))
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, gloo, 1 thread per rank")
 
 
