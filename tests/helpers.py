@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
+import sys
 from pathlib import Path
+from types import ModuleType
 
 from ptdp.config import RunConfig, apply_updates
 
@@ -55,3 +58,13 @@ def tiny_config(data_path: str, run_dir: Path, **sections: dict) -> RunConfig:
     for section, values in sections.items():
         base.setdefault(section, {}).update(values)
     return apply_updates(RunConfig(), base, "a test")
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module (the scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "generation.py"
+from tests.helpers import load_benchmark
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("generation_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("generation")
 
 
 def test_tiny_run_matches_greedy_tokens_and_reports_speeds(tmp_path: Path, capsys) -> None:

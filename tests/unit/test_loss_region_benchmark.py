@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "loss_region.py"
+from tests.helpers import load_benchmark
 
 
 @pytest.mark.skipif(
@@ -18,11 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "loss_region.py"
     reason="torch.compile (Inductor) on CPU needs a C++ compiler (g++)",
 )
 def test_compiled_bf16_loss_saves_half_and_agrees(capsys) -> None:
-    spec = importlib.util.spec_from_file_location("loss_region_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    rows = module.main(
+    rows = load_benchmark("loss_region").main(
         "--device cpu --tokens 256 --hidden 32 --vocab-size 1000 --precisions bf16 "
         "--rounds 1".split()
     )

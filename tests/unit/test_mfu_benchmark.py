@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from ptdp.config import ModelConfig
 from ptdp.perf.flops import model_flops_per_iteration
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mfu.py"
+from tests.helpers import load_benchmark
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("mfu_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("mfu")
 
 
 def test_cpu_smoke_run_reports_sane_numbers(tmp_path: Path, capsys) -> None:
