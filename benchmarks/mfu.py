@@ -496,27 +496,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for given, known in ((names, MODELS), (peers, PEERS)):
         if unknown := [x for x in given if x not in known]:
             raise SystemExit(f"unknown {unknown}; known: {', '.join(known)}")
+    device = args.device
+    if device.startswith("cuda"):
+        device = torch.cuda.get_device_name(torch.device(device))
+    machine = f"{device} | {platform.machine()} | torch {torch.__version__} | {args.precision}"
     rows: list[dict] = []
+
+    def record(row: dict) -> None:
+        """Print the row and rewrite the JSON at once: a run cut short keeps what it has."""
+        rows.append(row)
+        print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+
     with tempfile.TemporaryDirectory() as tmp:
         longest = max([MODELS[m].seq for m in names] + ([2048] if args.fill else []))
         data = synthetic_tokens(Path(tmp), args.vocab_size, 64 * (longest + 1))
         for name in names:
             for impl in ["ptdp", *peers]:
-                rows.append(measure(args, name, impl, MODELS[name], data, "none"))
-                print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+                record(measure(args, name, impl, MODELS[name], data, "none"))
         if args.fill:
             for name, shape in FILL.items():
                 try:
-                    rows.append(measure(args, name, "ptdp", shape, data, "full"))
+                    record(measure(args, name, "ptdp", shape, data, "full"))
                 except torch.OutOfMemoryError:
                     print(f"fill: {name} does not fit; the largest that does is above it")
                     _free(torch.device(args.device))
                     break
-                print(format_table(rows[-1:]).splitlines()[-1], flush=True)
-    device = args.device
-    if device.startswith("cuda"):
-        device = torch.cuda.get_device_name(torch.device(device))
-    machine = f"{device} | {platform.machine()} | torch {torch.__version__} | {args.precision}"
     print(f"\n{machine} | compile {'on' if args.compile else 'off'} | steps {args.steps} "
           f"(+{args.warmup} warm-up) | peak {args.peak_tflops or 'n/a'} TFLOP/s")  # fmt: skip
     print(format_table(rows))
@@ -524,8 +530,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(line)
     for line in against_prediction(rows):
         print(line)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
     assert all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in rows)
     return rows
 
