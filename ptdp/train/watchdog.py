@@ -76,6 +76,14 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def store_host() -> str:
+    """Who hosts the launcher's key-value store, for the message when it is gone."""
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"the torchrun agent at {where} (the first node)"
+    return f"rank 0 at {where}"
+
+
 def _summary(exc: BaseException, limit: int = 300) -> str:
     text = " ".join(str(exc).split()) or "(no message)"
     text = text if len(text) <= limit else text[: limit - 3] + "..."
@@ -180,8 +188,8 @@ class Watchdog:
         except Exception as store_error:
             return PeerFailure(
                 f"the launcher's key-value store is unreachable ({_summary(store_error, 120)}); "
-                f"the rank hosting it has probably failed. This rank ({self.rank}) stopped "
-                f"{where}: {_summary(exc, 160)}"
+                f"{store_host()}, which hosts it, has probably failed. This rank "
+                f"({self.rank}) stopped {where}: {_summary(exc, 160)}"
             )
         finally:
             self._reporting = False
@@ -363,7 +371,7 @@ class Watchdog:
             return
         _stderr(
             f"rank {self.rank}: the launcher's key-value store is unreachable "
-            f"({_summary(exc, 160)}); the rank hosting it has failed. Exiting"
+            f"({_summary(exc, 160)}); {store_host()}, which hosts it, has failed. Exiting"
         )
         self.exit_process(1)
 

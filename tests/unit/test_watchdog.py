@@ -128,3 +128,37 @@ def test_straggler_factor_must_exceed_one(factor: float, tmp_path) -> None:
     cfg = apply_updates(RunConfig(), {"train": {"straggler_factor": factor}}, "a test")
     with pytest.raises(ConfigError, match="straggler_factor"):
         validate(cfg, 1)
+
+
+class _GoneStore:
+    """A store whose host has died: every call fails as a TCPStore's would."""
+
+    def __getattr__(self, name: str):
+        def fail(*args, **kwargs):
+            raise dist.DistStoreError("Connection reset by peer")
+
+        return fail
+
+
+@pytest.mark.parametrize(
+    ("torchrun", "host"),
+    [
+        (False, "rank 0 at 10.0.0.7:29500"),
+        (True, "the torchrun agent at 10.0.0.7:29500 (the first node)"),
+    ],
+)
+def test_a_lost_store_names_its_host(monkeypatch, torchrun: bool, host: str) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    if torchrun:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    _, one, exits = _pair()
+    one.store = _GoneStore()
+    error = one.failed(GLOO_ERROR)
+    assert isinstance(error, PeerFailure)
+    text = str(error)
+    assert "key-value store is unreachable" in text and f"{host}, which hosts it" in text
+    assert "This rank (1) stopped" in text and "Connection closed by peer" in text
+    assert exits == []
