@@ -147,6 +147,9 @@ def run_loop(trainer: Trainer) -> TrainResult:
                     )
                     break
         trainer.finish_save()  # the last asynchronous save is published before the run ends
+    except Exception:
+        trainer.publish_save_after_failure()
+        raise
     finally:
         bar.close()
         if writer:

@@ -350,6 +350,18 @@ class Trainer:
         self.say(f"saved checkpoint {step_dir}")
         return step_dir
 
+    def publish_save_after_failure(self) -> None:
+        """A run that failed still publishes the asynchronous save of an earlier, good
+        step, in one process: there is no peer to wait for. With several ranks publishing
+        needs all of them, and some may be gone; that save stays unpublished (`.tmp`)."""
+        if self._pending_save is None or self.env.world_size > 1:
+            return
+        try:
+            self.finish_save()
+        except Exception as exc:  # the run's own error matters more: say, do not raise
+            self.say(f"the background save could not be published: {exc}")
+            self._pending_save = None
+
     def _save_group(self):
         """A gloo group of all ranks for the background writes' collectives, so they
         never interleave with training's (built once, collectively); None in one process."""

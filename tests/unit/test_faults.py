@@ -135,3 +135,28 @@ def test_loss_spike_is_logged() -> None:
     assert not said  # 2.5 x the median
     monitor.check(SPIKE_WINDOW + 2, torch.tensor(7.0), norm, fp16=False)
     assert len(said) == 1 and f"loss spike at step {SPIKE_WINDOW + 2}" in said[0]
+
+
+def test_a_failed_run_publishes_the_background_save_of_a_good_step(
+    tiny_data: str, tmp_path: Path, monkeypatch
+) -> None:
+    """Step 2's asynchronous save is still unpublished when step 3 raises; one process
+    publishes it on the way out, so --resume loses no more than the failed step."""
+    original = Trainer.forward_backward
+
+    def forward_backward(self):
+        if self.step + 1 == 3:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return original(self)
+
+    cfg = tiny_config(tiny_data, tmp_path / "run", train={"save_interval": 2, "async_save": True})
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "forward_backward", forward_backward)
+        with pytest.raises(RuntimeError, match="injected"):
+            train(cfg)
+    assert ckpt.find_checkpoint(tmp_path / "run").name == "step_00000002"
+    resumed = train(cfg, resume=True)
+    full = train(tiny_config(tiny_data, tmp_path / "full", train={"save_interval": 2}))
+    assert resumed.start_step == 2
+    for step in range(3, 7):
+        assert resumed.losses[step] == full.losses[step]  # bitwise
