@@ -270,7 +270,8 @@ def run_peer(args, name: str, shape: Shape, micro_batch: int) -> dict:
     """A hand-written loop: fp32 weights, bf16 autocast, AdamW, clipping, accumulation."""
     device = torch.device(args.device)
     torch.manual_seed(0)
-    rows = -(-args.vocab_size // 128) * 128 if args.pad_peers else args.vocab_size
+    vocab = ModelConfig(vocab_size=args.vocab_size)
+    rows = vocab.padded_vocab_size() if args.pad_peers else args.vocab_size
     model = PEERS[name](rows, shape).to(device)  # tokens stay below args.vocab_size
     params = [p for p in model.parameters()]
     decay = [p for p in params if p.dim() >= 2]

@@ -360,7 +360,6 @@ class Trainer:
             self.finish_save()
         except Exception as exc:  # the run's own error matters more: say, do not raise
             self.say(f"the background save could not be published: {exc}")
-            self._pending_save = None
 
     def _save_group(self):
         """A gloo group of all ranks for the background writes' collectives, so they

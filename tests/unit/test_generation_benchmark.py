@@ -11,12 +11,8 @@ import torch
 from tests.helpers import load_benchmark
 
 
-def _load():
-    return load_benchmark("generation")
-
-
 def test_tiny_run_matches_greedy_tokens_and_reports_speeds(tmp_path: Path, capsys) -> None:
-    bench = _load()
+    bench = load_benchmark("generation")
     out = tmp_path / "generation.json"
     argv = "--device cpu --layers 2 --hidden 32 --heads 2 --vocab-size 64 --prompt-len 4"
     argv += f" --new-tokens 4 12 --rounds 2 --json {out}"
@@ -34,7 +30,7 @@ def test_tiny_run_matches_greedy_tokens_and_reports_speeds(tmp_path: Path, capsy
 
 
 def test_check_same_names_the_first_differing_token() -> None:
-    bench = _load()
+    bench = load_benchmark("generation")
     cached = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     plain = cached.clone()
     bench.check_same(cached, plain, prompt_len=2)

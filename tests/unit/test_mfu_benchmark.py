@@ -12,12 +12,8 @@ from ptdp.perf.flops import model_flops_per_iteration
 from tests.helpers import load_benchmark
 
 
-def _load():
-    return load_benchmark("mfu")
-
-
 def test_cpu_smoke_run_reports_sane_numbers(tmp_path: Path, capsys) -> None:
-    mfu = _load()
+    mfu = load_benchmark("mfu")
     out = tmp_path / "mfu.json"
     argv = "--device cpu --models tiny --steps 2 --warmup 1 --no-compile --compare"
     argv += f" --vocab-size 512 --peak-tflops 0.5 --json {out}"
@@ -48,12 +44,12 @@ def test_cpu_smoke_run_reports_sane_numbers(tmp_path: Path, capsys) -> None:
 
 def test_unknown_model_is_named() -> None:
     with pytest.raises(SystemExit, match="unknown"):
-        _load().main(["--device", "cpu", "--models", "7t"])
+        load_benchmark("mfu").main(["--device", "cpu", "--models", "7t"])
 
 
 def test_predictions_from_the_performance_model(capsys) -> None:
     """--predict-only trains nothing; the figures are ptdp simulate's for one device."""
-    mfu = _load()
+    mfu = load_benchmark("mfu")
     rows = mfu.main("--predict h100-sxm --predict-only --models 125m,1.3b --fill".split())
     by_name = {r["model"]: r for r in rows}
     assert list(by_name) == ["125m", "1.3b", *mfu.FILL]
