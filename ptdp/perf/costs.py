@@ -243,11 +243,16 @@ def layer_seconds(
     return passes
 
 
-def head_seconds(model: ModelConfig, *, micro_batch: int, tp: int, c: Compute) -> Passes:
-    """Final norm, output layer and vocabulary-parallel loss, one microbatch."""
+def head_seconds(
+    model: ModelConfig, *, micro_batch: int, tp: int, c: Compute, compiled: bool = False
+) -> Passes:
+    """Final norm, output layer and vocabulary-parallel loss, one microbatch; compiled, the
+    mask, upcast and softmax are fused, so the memory-bound passes move fewer bytes."""
     tokens = micro_batch * model.seq_length
     logits = c.linears([Gemm(tokens, model.padded_vocab_size(tp) // tp, model.hidden_size)])
-    stored = head_activation_bytes(model, micro_batch=micro_batch, tp=tp, precision=c.precision)
+    stored = head_activation_bytes(
+        model, micro_batch=micro_batch, tp=tp, precision=c.precision, compiled=compiled
+    )
     traffic = c.stream(c.software.elementwise_traffic * stored)
     return logits + Passes(traffic, c.software.backward_traffic_ratio * traffic, 0.0)
 

@@ -139,13 +139,21 @@ def layer_activation_bytes(
 
 
 def head_activation_bytes(
-    model: ModelConfig, *, micro_batch: int, tp: int = 1, precision: Precision = Precision.BF16
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int = 1,
+    precision: Precision = Precision.BF16,
+    compiled: bool = False,
 ) -> float:
-    """Last stage, per microbatch: final-norm and output-layer inputs, fp32 logits softmax."""
+    """Last stage, per microbatch: final-norm and output-layer inputs, and per logit what
+    the loss's backward keeps: eager autograd the fp32 log-probabilities (4 B), the compiled
+    loss (`train.compile`) the logits in the model's precision, recomputing the softmax."""
     n = model.seq_length * micro_batch
+    per_logit = element_bytes(precision) if compiled else 4
     return (
         2 * n * model.hidden_size * element_bytes(precision)
-        + 4 * n * model.padded_vocab_size(tp) // tp
+        + per_logit * n * model.padded_vocab_size(tp) // tp
     )
 
 
@@ -218,7 +226,9 @@ def estimate_memory(
         model, recompute=Recompute.NONE, fused_attention=fused_attention, **kw
     )
     working = {Recompute.NONE: 0.0, Recompute.FULL: full}.get(par.recompute, full - layer)
-    head = head_activation_bytes(model, micro_batch=b, tp=tp, precision=prec)
+    head = head_activation_bytes(
+        model, micro_batch=b, tp=tp, precision=prec, compiled=cfg.train.compile
+    )
     per_chunk = model.num_layers // (pp * vpp)
     out = []
     for rank, count in enumerate(parameters_per_rank(model, tp, pp, vpp)):

@@ -93,7 +93,7 @@ def stage_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
     stages = layout.pp * layout.vpp
     passes = [layer.times(model.num_layers // stages) for _ in range(stages)]
     passes[0] += embedding_seconds(model, micro_batch=b, tp=tp, c=c)
-    passes[-1] += head_seconds(model, micro_batch=b, tp=tp, c=c)
+    passes[-1] += head_seconds(model, micro_batch=b, tp=tp, c=c, compiled=cfg.train.compile)
     return passes
 
 

@@ -131,9 +131,11 @@ class Optimizer:
     @torch.no_grad()
     def step(self) -> None:
         self.inner.step()
-        if self.copies:
-            for x in self.pieces:
-                x.param.data.view(-1)[x.lo : x.hi].copy_(x.master)
+        if self.copies and self.pieces:  # one multi-tensor kernel, not a copy per parameter
+            torch._foreach_copy_(
+                [x.param.data.view(-1)[x.lo : x.hi] for x in self.pieces],
+                [x.master for x in self.pieces],
+            )
         self.buffers.gather_params()
 
     def planned_state_bytes(self) -> int:

@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ptdp.config import RunConfig
 from ptdp.model.sample import sample_from_checkpoint
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train import checkpoint as ckpt
-from ptdp.train.run import train
+from ptdp.train.run import prepare, train
+from ptdp.train.trainer import Trainer
 from tests.dist.harness import run_ranks
 from tests.helpers import LLAMA, tiny_config
 
@@ -27,8 +29,12 @@ pytestmark = pytest.mark.dist
 # A checkpoint mid-run: saving (which gathers shards) must not disturb training.
 SETTINGS = {
     "train": {
-        "micro_batch_size": 2, "global_batch_size": 8, "steps": 4, "save_interval": 2,
-        "eval_interval": 2, "eval_iters": 2,
+        "micro_batch_size": 2,
+        "global_batch_size": 8,
+        "steps": 4,
+        "save_interval": 2,
+        "eval_interval": 2,
+        "eval_iters": 2,
     }
 }
 
@@ -96,14 +102,54 @@ def test_torchrun_launch(tiny_data: str, tmp_path: Path) -> None:
     single = train(tiny_config(tiny_data, tmp_path / "single", optim={"eps": 1e-6}, **SETTINGS))
     run_dir = tmp_path / "torchrun"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "-m", "ptdp", "train",
-        "--data.path", tiny_data, "--model.num_layers", "2", "--model.hidden_size", "32",
-        "--model.num_heads", "4", "--model.seq_length", "32", "--data.valid_fraction", "0.1",
-        "--optim.lr", "3e-3", "--optim.min_lr", "3e-4", "--optim.warmup_steps", "2", "--optim.eps", "1e-6",
-        "--train.micro_batch_size", "2", "--train.global_batch_size", "8", "--train.steps", "4",
-        "--train.log_interval", "1", "--train.eval_interval", "0", "--train.device", "cpu",
-        "--train.run_dir", str(run_dir), "--parallel.tp", "2",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "localhost:0",
+        "-m",
+        "ptdp",
+        "train",
+        "--data.path",
+        tiny_data,
+        "--model.num_layers",
+        "2",
+        "--model.hidden_size",
+        "32",
+        "--model.num_heads",
+        "4",
+        "--model.seq_length",
+        "32",
+        "--data.valid_fraction",
+        "0.1",
+        "--optim.lr",
+        "3e-3",
+        "--optim.min_lr",
+        "3e-4",
+        "--optim.warmup_steps",
+        "2",
+        "--optim.eps",
+        "1e-6",
+        "--train.micro_batch_size",
+        "2",
+        "--train.global_batch_size",
+        "8",
+        "--train.steps",
+        "4",
+        "--train.log_interval",
+        "1",
+        "--train.eval_interval",
+        "0",
+        "--train.device",
+        "cpu",
+        "--train.run_dir",
+        str(run_dir),
+        "--parallel.tp",
+        "2",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
@@ -140,8 +186,9 @@ def test_resume_under_tp_and_reshard_to_one_process(tiny_data: str, tmp_path: Pa
     one.mkdir(parents=True)
     shutil.copytree(tmp_path / "split" / "checkpoints" / "step_00000003", one / "step_00000003")
     (one / "latest").write_text("step_00000003\n")
-    cfg = tiny_config(tiny_data, tmp_path / "one", train={"steps": 6},
-                      optim={"decay_steps": 6, "eps": 1e-6})
+    cfg = tiny_config(
+        tiny_data, tmp_path / "one", train={"steps": 6}, optim={"decay_steps": 6, "eps": 1e-6}
+    )
     single = train(cfg, resume=True)
     for step in (4, 5, 6):
         assert single.losses[step] == pytest.approx(full[step], rel=1e-5), step
@@ -171,3 +218,55 @@ def test_scatter_gather_on_and_off_are_identical(tiny_data: str, tmp_path: Path)
     for step, loss in single.losses.items():
         assert losses["True"][str(step)] == pytest.approx(loss, rel=1e-5)
     assert_same_run(tmp_path / "single", tmp_path / "sgTrue", single.losses, single.losses)
+
+
+def _bf16_config(data: str, run_dir: Path, distributed: bool = False):
+    # No clipping: the norm's summation order differs between layouts, the update does not.
+    optim = {"eps": 1e-6, "grad_clip": 0.0, "distributed": distributed}
+    train_ = {"precision": "bf16", "steps": 4}
+    return tiny_config(data, run_dir, optim=optim, train=train_, parallel={"bucket_mb": 0.01})
+
+
+def _check_bf16_sharded(rank: int, world_size: int, data: str, root: str) -> None:
+    env = LaunchEnv(rank, world_size, rank)
+    cfg, layout, run_data = prepare(_bf16_config(data, Path(root) / "steps", True), env)
+    trainer = Trainer(cfg, layout, env, run_data)
+    pieces = trainer.optimizer.pieces
+    assert 0 < sum(x.hi - x.lo for x in pieces) < trainer.parameter_count(full=False)
+    assert any(x.lo > 0 or x.hi < x.param.numel() for x in pieces)  # some split parameters
+    for _ in range(2):
+        trainer.optimizer_step(trainer.forward_backward())
+    masters = trainer.optimizer.master_weights()  # all-gathered over dp
+    for p, master in masters.items():  # every rank's weights: its own and gathered slices
+        assert torch.equal(p.detach(), master.to(torch.bfloat16))
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters.values())
+    if trainer.watchdog:
+        trainer.watchdog.close()
+    if trainer.owns_process_group:
+        dist.destroy_process_group()
+    out = {}
+    for distributed in (False, True):
+        result = train(_bf16_config(data, Path(root) / f"d{distributed}", distributed), env=env)
+        out[str(distributed)] = [result.losses, result.optimizer_bytes]
+    if rank == 0:
+        (Path(root) / "losses.json").write_text(json.dumps(out))
+
+
+def test_bf16_distributed_optimizer(tiny_data: str, tmp_path: Path) -> None:
+    """bf16 weights, fp32 masters sharded over dp = 2 in small buckets: each rank writes its
+    slices of the masters back into the bf16 weights and all-gathers them, so after every
+    step each weight is its master rounded to bf16. Sharded and replicated runs sum the same
+    two fp32 gradients and apply the same elementwise AdamW: they agree bit for bit, and
+    with one process (which accumulates its microbatches' bf16 gradients) to bf16 rounding."""
+    run_ranks(_check_bf16_sharded, 2, tiny_data, str(tmp_path))
+    got = json.loads((tmp_path / "losses.json").read_text())
+    (replicated, full_bytes), (sharded, shard_bytes) = got["False"], got["True"]
+    assert sorted(sharded) == ["1", "2", "3", "4"] and sharded == replicated
+    assert shard_bytes == pytest.approx(full_bytes / 2, rel=0.05)  # masters and moments halved
+    a = ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path / "dFalse"))["model"]
+    b = ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path / "dTrue"))["model"]
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    single = train(_bf16_config(tiny_data, tmp_path / "single"))
+    for step, loss in single.losses.items():
+        assert sharded[str(step)] == pytest.approx(loss, rel=1e-4), step

@@ -1,5 +1,6 @@
 """benchmarks/loss_region.py, tiny: the compiled bf16 loss keeps half the bytes for backward
-(16-bit logits instead of float32 log-probabilities) and every variant gives the same loss."""
+(16-bit logits instead of float32 log-probabilities), every variant gives the same loss, and
+the performance model's head term counts what each variant keeps."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import shutil
 
 import pytest
 
+from ptdp.config import ModelConfig, Precision
+from ptdp.perf.memory import head_activation_bytes
 from tests.helpers import load_benchmark
 
 
@@ -30,3 +33,13 @@ def test_compiled_bf16_loss_saves_half_and_agrees(capsys) -> None:
         assert r["loss"] == pytest.approx(eager["loss"], rel=1e-3)  # bf16 rounding
         assert r["ms"] > 0
     assert "| bf16 | 1,024 | yes |" in capsys.readouterr().out
+    for r in rows:  # the performance model's head term, against what autograd kept
+        model = ModelConfig(
+            hidden_size=32, num_heads=1, seq_length=256, vocab_size=1000,
+            make_vocab_size_divisible_by=128 if r["vocab_rows"] > 1000 else 1,
+        )  # fmt: skip
+        assert model.padded_vocab_size(1) == r["vocab_rows"]
+        predicted = head_activation_bytes(
+            model, micro_batch=1, precision=Precision.BF16, compiled=r["compiled"]
+        )
+        assert r["saved_mib"] * 2**20 == pytest.approx(predicted, rel=0.02)
