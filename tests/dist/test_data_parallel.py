@@ -29,14 +29,10 @@ pytestmark = pytest.mark.dist
 # A checkpoint mid-run: saving (which gathers shards) must not disturb training.
 SETTINGS = {
     "train": {
-        "micro_batch_size": 2,
-        "global_batch_size": 8,
-        "steps": 4,
-        "save_interval": 2,
-        "eval_interval": 2,
-        "eval_iters": 2,
+        "micro_batch_size": 2, "global_batch_size": 8, "steps": 4, "save_interval": 2,
+        "eval_interval": 2, "eval_iters": 2,
     }
-}
+}  # fmt: skip
 
 LAYOUTS = {  # name: (world size, parallel section, model section)
     "dp2": (2, {}, {}),
@@ -102,55 +98,16 @@ def test_torchrun_launch(tiny_data: str, tmp_path: Path) -> None:
     single = train(tiny_config(tiny_data, tmp_path / "single", optim={"eps": 1e-6}, **SETTINGS))
     run_dir = tmp_path / "torchrun"
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "localhost:0",
-        "-m",
-        "ptdp",
-        "train",
-        "--data.path",
-        tiny_data,
-        "--model.num_layers",
-        "2",
-        "--model.hidden_size",
-        "32",
-        "--model.num_heads",
-        "4",
-        "--model.seq_length",
-        "32",
-        "--data.valid_fraction",
-        "0.1",
-        "--optim.lr",
-        "3e-3",
-        "--optim.min_lr",
-        "3e-4",
-        "--optim.warmup_steps",
-        "2",
-        "--optim.eps",
-        "1e-6",
-        "--train.micro_batch_size",
-        "2",
-        "--train.global_batch_size",
-        "8",
-        "--train.steps",
-        "4",
-        "--train.log_interval",
-        "1",
-        "--train.eval_interval",
-        "0",
-        "--train.device",
-        "cpu",
-        "--train.run_dir",
-        str(run_dir),
-        "--parallel.tp",
-        "2",
-    ]
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "-m", "ptdp", "train",
+        "--data.path", tiny_data, "--model.num_layers", "2", "--model.hidden_size", "32",
+        "--model.num_heads", "4", "--model.seq_length", "32", "--data.valid_fraction", "0.1",
+        "--optim.lr", "3e-3", "--optim.min_lr", "3e-4", "--optim.warmup_steps", "2",
+        "--optim.eps", "1e-6",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "8", "--train.steps", "4",
+        "--train.log_interval", "1", "--train.eval_interval", "0", "--train.device", "cpu",
+        "--train.run_dir", str(run_dir), "--parallel.tp", "2",
+    ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
