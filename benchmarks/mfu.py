@@ -12,7 +12,8 @@ With --compare, the same model, batch and sequence length also train through pee
 the same process: Hugging Face `GPT2LMHeadModel` (SDPA attention) and a small GPT written
 here in plain PyTorch, both in the usual hand-written style: fp32 weights, bf16 autocast,
 torch AdamW (fused on CUDA), gradient clipping, the vocabulary as given (50,257; ptdp pads
-its rows to 50,304, `--pad-peers` gives the peers the same shapes, as nanoGPT does). The
+its rows to 50,304, `--pad-peers` gives the peers the same shapes, as nanoGPT does), and
+whole-model torch.compile when ptdp compiles (`--no-peer-compile`: eager peers). The
 ratio ptdp / peer of tokens/s is printed for each. Model FLOPs count the unpadded
 vocabulary for every row.
 
@@ -382,13 +383,23 @@ def format_table(rows: list[dict]) -> str:
 
 
 def ratios(rows: list[dict]) -> list[str]:
+    """ptdp / peer tokens/s per model, flagged where an out-of-memory retry left the two
+    at different micro-batches (then the ratio compares unequal batches)."""
     ours = {r["model"]: r for r in rows if r["impl"] == "ptdp"}
-    return [
-        f"{r['model']}: ptdp / {r['impl']} tokens/s = "
-        f"{ours[r['model']]['tokens_per_s'] / r['tokens_per_s']:.3f}"
-        for r in rows
-        if r["impl"] != "ptdp" and r["model"] in ours
-    ]
+    lines = []
+    for r in rows:
+        if r["impl"] == "ptdp" or r["model"] not in ours:
+            continue
+        mine = ours[r["model"]]
+        line = f"{r['model']}: ptdp / {r['impl']} tokens/s = "
+        line += f"{mine['tokens_per_s'] / r['tokens_per_s']:.3f}"
+        if mine["micro_batch"] != r["micro_batch"]:
+            line += (
+                f" (micro-batch {mine['micro_batch']} against {r['micro_batch']}: "
+                "not the same batch; pass --micro-batch-size to compare like with like)"
+            )
+        lines.append(line)
+    return lines
 
 
 def against_prediction(rows: list[dict]) -> list[str]:
@@ -428,7 +439,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--compare", action="store_true", help="also train the plain peers")
     p.add_argument("--peers", default="hf-gpt2,plain-gpt", help=f"of {', '.join(PEERS)}")
-    p.add_argument("--peer-compile", action="store_true", help="torch.compile the peers too")
+    p.add_argument(
+        "--peer-compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the peers (whole model, as nanoGPT does); default: as --compile, "
+        "so both sides get the compiler",
+    )
     p.add_argument(
         "--pad-peers",
         action="store_true",
@@ -492,6 +509,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             Path(args.json).write_text(json.dumps({"predicted": rows}, indent=2))
         return rows
     args.peak_tflops = resolve_peak(args)
+    if args.peer_compile is None:
+        args.peer_compile = args.compile
     names = [m for m in args.models.split(",") if m]
     peers = [p for p in args.peers.split(",") if p] if args.compare else []
     for given, known in ((names, MODELS), (peers, PEERS)):
@@ -524,7 +543,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     print(f"fill: {name} does not fit; the largest that does is above it")
                     _free(torch.device(args.device))
                     break
-    print(f"\n{machine} | compile {'on' if args.compile else 'off'} | steps {args.steps} "
+    compiled = f"compile {'on' if args.compile else 'off'}"
+    if peers:
+        compiled += f" (peers {'on' if args.peer_compile else 'off'})"
+    print(f"\n{machine} | {compiled} | steps {args.steps} "
           f"(+{args.warmup} warm-up) | peak {args.peak_tflops or 'n/a'} TFLOP/s")  # fmt: skip
     print(format_table(rows))
     for line in ratios(rows):

@@ -3,7 +3,7 @@
 Only the layers are compiled, not the whole model: every layer of a model runs the same
 code on the same shapes, so Dynamo traces one layer and reuses its graph for the others
 (the parameters are graph inputs), and compile time does not grow with depth. The loss
-(`GPT.loss`: final norm, output layer, vocabulary padding mask, float32 upcast and
+(`GPT.loss`: final norm, output layer, vocabulary padding slice or mask, float32 upcast and
 cross-entropy) is a second region: uncompiled, each of those steps writes a [s, b, v]
 tensor, which on a GPU can take as long as the output layer's matrix product for
 GPT-2-sized models. The embedding and the pipeline runtime stay eager, so schedules,

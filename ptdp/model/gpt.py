@@ -352,8 +352,8 @@ class GPT(nn.Module):
         """Hidden [s, b, h] -> mean token loss: final norm, output layer, cross-entropy.
 
         One function so that train.compile compiles it as a region: Inductor then fuses the
-        padding mask, the float32 upcast and the softmax instead of writing each [s, b, v]
-        intermediate to memory (model/compile.py).
+        padding slice or mask, the float32 upcast and the softmax instead of writing each
+        [s, b, v] intermediate to memory (model/compile.py).
         """
         logits = self.head(x)
         return vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp, self.cfg.vocab_size)

@@ -45,15 +45,16 @@ def vocab_parallel_cross_entropy(
     """Mean token loss. logits: [s, b, padded/t] on each rank (rank i: vocabulary ids from
     i * ceil(v/t), then padding); target: [s, b] global ids.
 
-    Padded columns (model.make_vocab_size_divisible_by) are masked to -inf, so they take
-    no probability and get no gradient: the loss equals the unpadded model's.
+    Padded columns (model.make_vocab_size_divisible_by) take no probability and get no
+    gradient, so the loss equals the unpadded model's: at tp = 1 they are sliced off (a
+    view, no copy of the logits), at tp > 1 masked to -inf (ranks hold different widths).
     """
     width = logits.shape[-1]
     split = ShardSpec(dim=0, full_size=vocab_size, padded_size=width * tp.size, size=tp.size)
     start, rows = split.start(tp.rank), split.rows(tp.rank)
+    if tp.size == 1:
+        return F.cross_entropy(logits[..., :rows].float().flatten(0, 1), target.flatten())
     if rows < width:
         columns = torch.arange(width, device=logits.device)
         logits = logits.masked_fill(columns >= rows, float("-inf"))
-    if tp.size == 1:
-        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
     return _VocabParallelCrossEntropy.apply(logits, target, tp, start, start + rows).mean()

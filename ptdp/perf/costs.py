@@ -246,8 +246,9 @@ def layer_seconds(
 def head_seconds(
     model: ModelConfig, *, micro_batch: int, tp: int, c: Compute, compiled: bool = False
 ) -> Passes:
-    """Final norm, output layer and vocabulary-parallel loss, one microbatch; compiled, the
-    mask, upcast and softmax are fused, so the memory-bound passes move fewer bytes."""
+    """Final norm, output layer and vocabulary-parallel loss, one microbatch; compiled,
+    the padding slice or mask, upcast and softmax are fused, so the memory-bound passes
+    move fewer bytes."""
     tokens = micro_batch * model.seq_length
     logits = c.linears([Gemm(tokens, model.padded_vocab_size(tp) // tp, model.hidden_size)])
     stored = head_activation_bytes(

@@ -4,7 +4,10 @@ SIGINT/SIGTERM, when a step's loss or gradient norm is not finite, and when the 
 Once per step, after the gradient norm, every rank all-reduces (MAX) one small tensor
 [non-finite, signal] over all ranks: the ranks agree on skipping, stopping or rolling back a
 step and on stopping for a signal at the same step, even when only one rank saw the NaN or
-received the signal. It is one 2-element collective and one host sync per step.
+received the signal. It is one 2-element collective and one host sync per step. With the
+fused AdamW kernel (CUDA) the trainer queues the update before that sync, passing the
+agreed flag as the kernel's `found_inf`, which makes a bad step a no-op on the device: the
+device keeps working while the host waits, instead of idling while it launches the update.
 """
 
 from __future__ import annotations
@@ -82,14 +85,21 @@ class FaultMonitor:
         """Steps not applied for a non-finite loss or gradient norm (on_nan = skip)."""
         self.recent: deque[float] = deque(maxlen=SPIKE_WINDOW)
 
-    def check(self, step: int, loss: torch.Tensor | None, norm: torch.Tensor, fp16: bool) -> bool:
-        """Collective. True: skip this step (on_nan = skip). Raises NumericalFault for stop
-        and rollback. Under fp16 a non-finite norm is an overflow, the loss scaler's case."""
+    def flags(self, loss: torch.Tensor | None, norm: torch.Tensor, fp16: bool) -> torch.Tensor:
+        """Collective, no host sync: [non-finite, signal], the MAX over all ranks, on the
+        device. Under fp16 a non-finite norm is an overflow, the loss scaler's case."""
         bad = torch.zeros((), device=norm.device)
         if loss is not None and not fp16:
             bad = (~torch.isfinite(loss.float()) | ~torch.isfinite(norm.float())).float()
-        flags = torch.stack([bad, torch.tensor(float(self.stop.signum), device=norm.device)])
-        bad_any, signum = all_reduce_max_value(flags, self.world).tolist()
+        signum = torch.full((), float(self.stop.signum), device=norm.device)  # no host copy
+        return all_reduce_max_value(torch.stack([bad, signum]), self.world)
+
+    def decide(
+        self, step: int, loss: torch.Tensor | None, norm: torch.Tensor, flags: torch.Tensor
+    ) -> bool:
+        """The host sync of `flags`. True: skip this step (on_nan = skip). Raises
+        NumericalFault for stop and rollback."""
+        bad_any, signum = flags.tolist()
         self.signum = self.signum or int(signum)
         loss_value = loss.item() if loss is not None else float("nan")
         if not bad_any:
@@ -103,6 +113,10 @@ class FaultMonitor:
             )
             return True
         raise NumericalFault(step, loss_value, norm.item())
+
+    def check(self, step: int, loss: torch.Tensor | None, norm: torch.Tensor, fp16: bool) -> bool:
+        """Collective: `decide` on this step's `flags`."""
+        return self.decide(step, loss, norm, self.flags(loss, norm, fp16))
 
     def _watch_spike(self, step: int, loss: float) -> None:
         if not math.isfinite(loss):

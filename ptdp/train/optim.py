@@ -129,8 +129,17 @@ class Optimizer:
     # ------------------------------------------------------------------ the update
 
     @torch.no_grad()
-    def step(self) -> None:
-        self.inner.step()
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """`found_inf` (fused kernel only): a float32 0-d device tensor; 1.0 leaves the
+        weights, moments and step count as they were, without a host sync."""
+        if found_inf is not None:
+            if not self.fused:
+                raise ValueError("found_inf needs the fused AdamW kernel")
+            self.inner.found_inf = found_inf  # read by torch's fused AdamW, as GradScaler does
+        try:
+            self.inner.step()
+        finally:
+            self.inner.found_inf = None
         if self.copies and self.pieces:  # one multi-tensor kernel, not a copy per parameter
             torch._foreach_copy_(
                 [x.param.data.view(-1)[x.lo : x.hi] for x in self.pieces],

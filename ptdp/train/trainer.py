@@ -177,7 +177,8 @@ class Trainer:
         local = sum(count_parameters(c, full=full, skip_tied_copies=full) for c in self.chunks)
         if not full:
             return local
-        total = torch.tensor(float(local))
+        # On the device (NCCL reduces no CPU tensor), int64 (float32 is exact only to 2^24).
+        total = torch.tensor(local, dtype=torch.int64, device=self.device)
         all_reduce_sum_(total, self.pp)
         return int(total.item())
 
@@ -237,15 +238,23 @@ class Trainer:
         if self.scaler:
             self.optimizer.scale_grads(1.0 / self.scaler.scale)
         norm = self.optimizer.grad_norm()
-        skipped = self.faults.check(self.step + 1, loss, norm, fp16=self.scaler is not None)
+        flags = self.faults.flags(loss, norm, fp16=self.scaler is not None)
+        if self.optimizer.fused and not self.scaler:
+            # Queue the update first; the kernel drops it on the device if flags[0] is 1.
+            self._update(norm, found_inf=flags[0])
+            return norm, self.faults.decide(self.step + 1, loss, norm, flags)
+        skipped = self.faults.decide(self.step + 1, loss, norm, flags)
         if self.scaler:
             skipped = not math.isfinite(norm.item())
             self.scaler.update(found_inf=skipped)
         if not skipped:
-            set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, self.cfg.train.steps))
-            self.optimizer.clip(self.cfg.optim.grad_clip, norm)
-            self.optimizer.step()
+            self._update(norm)
         return norm, skipped
+
+    def _update(self, norm: torch.Tensor, found_inf: torch.Tensor | None = None) -> None:
+        set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, self.cfg.train.steps))
+        self.optimizer.clip(self.cfg.optim.grad_clip, norm)
+        self.optimizer.step(found_inf)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (mean loss over the global batch, grad norm)."""

@@ -12,12 +12,20 @@ import torch
 from ptdp.config import to_toml
 from ptdp.errors import ConfigError
 from ptdp.train import checkpoint as ckpt
+from ptdp.train import optim
 from ptdp.train.faults import SPIKE_WINDOW, FaultMonitor, TrainingError
 from ptdp.train.run import train
 from ptdp.train.trainer import Trainer
 from tests.helpers import tiny_config
 
 COMMON = {"optim": {"decay_steps": 6}, "model": {"dropout": 0.1}}
+KERNELS = ["foreach", "fused"]
+"""foreach: the CPU default, which checks the flags before the update. fused: CUDA's
+default (it runs on CPU too), which queues the update with the flags as found_inf."""
+
+
+def _use_kernel(monkeypatch, kernel: str) -> None:
+    monkeypatch.setattr(optim, "adamw_kernel", lambda params: {kernel: True})
 
 
 def _signal_during(monkeypatch, step: int, signum: int = signal.SIGTERM) -> None:
@@ -47,7 +55,11 @@ def _nan_at(monkeypatch, step: int, where: str = "loss") -> None:
     monkeypatch.setattr(Trainer, "forward_backward", forward_backward)
 
 
-def test_sigterm_saves_and_resume_is_exact(tiny_data: str, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sigterm_saves_and_resume_is_exact(
+    tiny_data: str, tmp_path: Path, monkeypatch, kernel: str
+) -> None:
+    _use_kernel(monkeypatch, kernel)
     full = train(tiny_config(tiny_data, tmp_path / "full", **COMMON))
     before = signal.getsignal(signal.SIGTERM)
     with monkeypatch.context() as m:
@@ -72,30 +84,58 @@ def test_sigint_after_a_save_step_exits_130(tiny_data: str, tmp_path: Path, monk
     assert ckpt.find_checkpoint(tmp_path / "run").name == "step_00000002"
 
 
+def _record_calls(monkeypatch, cls: type, name: str, calls: list[str]) -> None:
+    method = getattr(cls, name)
+
+    def wrapped(*args, **kwargs):
+        calls.append(name)
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(cls, name, wrapped)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_nan_skip_leaves_the_weights_and_continues(
-    tiny_data: str, tmp_path: Path, monkeypatch
+    tiny_data: str, tmp_path: Path, monkeypatch, kernel: str
 ) -> None:
+    _use_kernel(monkeypatch, kernel)
     _nan_at(monkeypatch, 3, where="grad")
-    seen = {}
+    seen, calls = {}, []
     original = Trainer.optimizer_step
+    for cls, name in ((optim.Optimizer, "step"), (FaultMonitor, "decide")):
+        _record_calls(monkeypatch, cls, name, calls)
 
     def optimizer_step(self, loss=None):
+        assert self.optimizer.fused == (kernel == "fused")
         before = [p.detach().clone() for p in self.model.parameters()]
+        state = [{k: v.clone() for k, v in x.items()} for x in self.optimizer.inner.state.values()]
+        calls.clear()
         norm, skipped = original(self, loss)
+        after = list(self.optimizer.inner.state.values())
         seen[self.step + 1] = (
             skipped,
             all(torch.equal(p, b) for p, b in zip(self.model.parameters(), before)),
+            bool(state) and all(torch.equal(x[k], y[k]) for x, y in zip(state, after) for k in x),
+            list(calls),
         )
         return norm, skipped
 
     monkeypatch.setattr(Trainer, "optimizer_step", optimizer_step)
     result = train(tiny_config(tiny_data, tmp_path / "run", train={"on_nan": "skip"}))
     assert result.final_step == 6 and result.nonfinite_skipped == 1
-    assert seen[3] == (True, True)  # skipped, weights unchanged
-    assert all(not seen[s][0] and not seen[s][1] for s in (1, 2, 4, 5, 6))
+    assert seen[3][:3] == (True, True, True)  # skipped: weights, moments, step count unchanged
+    assert all(not any(seen[s][:3]) for s in (1, 2, 4, 5, 6))
+    if kernel == "fused":  # the update is queued before the host reads the flags
+        assert all(seen[s][3] == ["step", "decide"] for s in range(1, 7))
+    else:
+        assert seen[3][3] == ["decide"] and seen[4][3] == ["decide", "step"]
 
 
-def test_nan_stop_raises_and_saves_nothing(tiny_data: str, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_nan_stop_raises_and_saves_nothing(
+    tiny_data: str, tmp_path: Path, monkeypatch, kernel: str
+) -> None:
+    _use_kernel(monkeypatch, kernel)
     _nan_at(monkeypatch, 3)
     cfg = tiny_config(tiny_data, tmp_path / "run", train={"save_interval": 2})
     with pytest.raises(TrainingError, match=r"at step 3.*last good checkpoint is .*step_00000002"):
@@ -104,9 +144,11 @@ def test_nan_stop_raises_and_saves_nothing(tiny_data: str, tmp_path: Path, monke
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002"]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_nan_rollback_restores_and_skips_the_batches(
-    tiny_data: str, tmp_path: Path, monkeypatch, capsys
+    tiny_data: str, tmp_path: Path, monkeypatch, capsys, kernel: str
 ) -> None:
+    _use_kernel(monkeypatch, kernel)
     _nan_at(monkeypatch, 4)
     cfg = tiny_config(tiny_data, tmp_path / "run", train={"save_interval": 2, "on_nan": "rollback"})
     result = train(cfg)

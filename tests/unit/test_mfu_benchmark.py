@@ -21,6 +21,7 @@ def test_cpu_smoke_run_reports_sane_numbers(tmp_path: Path, capsys) -> None:
     printed = capsys.readouterr().out
     assert [r["impl"] for r in rows] == ["ptdp", "hf-gpt2", "plain-gpt"]
     assert "tiny: ptdp / hf-gpt2 tokens/s = " in printed and "ptdp" in printed
+    assert "compile off (peers off)" in printed  # the peers follow --compile
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
     shape = mfu.MODELS["tiny"]
     model = ModelConfig(
@@ -57,8 +58,18 @@ def test_predictions_from_the_performance_model(capsys) -> None:
     assert big["fits"] and 0.3 < big["mfu"] < 0.7 and big["recompute"] == "none"
     tokens = 8 * 2048  # micro-batch 8, sequence 2048, one microbatch per step
     assert big["tokens_per_s"] == pytest.approx(tokens / big["seconds_per_step"])
-    assert by_name["2.7b"]["fits"] and not by_name["13b"]["fits"]  # 16 bytes/param of state
+    assert by_name["2.7b"]["fits"] and not by_name["13b"]["fits"]  # 18 bytes/param of state
     assert by_name["125m"]["mfu"] < big["mfu"]  # small matrices use the GPU less well
     assert "does not fit" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--predict SYSTEM"):
         mfu.main("--device cpu --predict-only".split())
+
+
+def test_ratio_flags_unequal_micro_batches() -> None:
+    """An out-of-memory retry halves one side's micro-batch: the ratio says so."""
+    row = {"model": "1.3b", "impl": "ptdp", "tokens_per_s": 300.0, "micro_batch": 8}
+    peer = row | {"impl": "hf-gpt2", "tokens_per_s": 200.0, "micro_batch": 4}
+    same = row | {"impl": "plain-gpt", "tokens_per_s": 250.0}
+    lines = load_benchmark("mfu").ratios([row, peer, same])
+    assert lines[0].startswith("1.3b: ptdp / hf-gpt2 tokens/s = 1.500 (micro-batch 8 against 4")
+    assert lines[1] == "1.3b: ptdp / plain-gpt tokens/s = 1.200"
