@@ -146,15 +146,19 @@ def head_activation_bytes(
     precision: Precision = Precision.BF16,
     compiled: bool = False,
 ) -> float:
-    """Last stage, per microbatch: final-norm and output-layer inputs, and per logit what
-    the loss's backward keeps: eager autograd the fp32 log-probabilities (4 B), the compiled
-    loss (`train.compile`) the logits in the model's precision, recomputing the softmax."""
+    """Last stage, per microbatch: final-norm and output-layer inputs, and what the loss's
+    backward keeps per logit (`ptdp/parallel/loss.py`). At tp = 1 eager autograd keeps the
+    fp32 log-probabilities of the unpadded vocabulary (the padding is sliced off), the
+    compiled loss (`train.compile`) the padded logits in the model's precision, recomputing
+    the softmax; at tp > 1 the vocabulary-parallel loss keeps its fp32 softmax slice."""
     n = model.seq_length * micro_batch
-    per_logit = element_bytes(precision) if compiled else 4
-    return (
-        2 * n * model.hidden_size * element_bytes(precision)
-        + per_logit * n * model.padded_vocab_size(tp) // tp
-    )
+    if tp > 1:
+        logits = 4 * model.padded_vocab_size(tp) // tp
+    elif compiled:
+        logits = element_bytes(precision) * model.padded_vocab_size(tp)
+    else:
+        logits = 4 * model.vocab_size
+    return 2 * n * model.hidden_size * element_bytes(precision) + n * logits
 
 
 def in_flight(name: str, plan: Plan, pp: int, vpp: int, m: int) -> tuple[int, ...]:

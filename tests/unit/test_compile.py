@@ -7,6 +7,7 @@ CPU tests compare `train.compile = true` with eager training of the same tiny mo
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -166,3 +167,27 @@ def test_flash_attention_serves_the_training_path() -> None:
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), device="cuda")
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # raises if flash cannot take the call
         model(tokens[:, :-1], tokens[:, 1:]).backward()
+
+
+@needs_cuda
+def test_compiled_bf16_training_step_runs_on_flash_attention(
+    tiny_data: str, tmp_path: Path
+) -> None:
+    """What mfu.py times: a compiled bf16 Trainer step (fused AdamW, its update queued with
+    found_inf) with SDPA restricted to flash, which raises if the traced call cannot use it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ptdp.parallel.env import LaunchEnv
+    from ptdp.train.run import prepare
+    from ptdp.train.trainer import Trainer
+
+    train_ = {"device": "cuda", "precision": "bf16", "compile": True, "steps": 2}
+    env = LaunchEnv(0, 1, 0)
+    cfg, layout, data = prepare(tiny_config(tiny_data, tmp_path / "run", train=train_), env)
+    trainer = Trainer(cfg, layout, env, data)
+    assert trainer.optimizer.fused
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        losses = [trainer.train_step()[0].item() for _ in range(2)]
+    assert all(math.isfinite(x) for x in losses)
+    assert not any(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))

@@ -42,4 +42,4 @@ def test_compiled_bf16_loss_saves_half_and_agrees(capsys) -> None:
         predicted = head_activation_bytes(
             model, micro_batch=1, precision=Precision.BF16, compiled=r["compiled"]
         )
-        assert r["saved_mib"] * 2**20 == pytest.approx(predicted, rel=0.02)
+        assert r["saved_mib"] * 2**20 == pytest.approx(predicted, rel=0.015)
