@@ -114,10 +114,6 @@ class FaultMonitor:
             return True
         raise NumericalFault(step, loss_value, norm.item())
 
-    def check(self, step: int, loss: torch.Tensor | None, norm: torch.Tensor, fp16: bool) -> bool:
-        """Collective: `decide` on this step's `flags`."""
-        return self.decide(step, loss, norm, self.flags(loss, norm, fp16))
-
     def _watch_spike(self, step: int, loss: float) -> None:
         if not math.isfinite(loss):
             return

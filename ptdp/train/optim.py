@@ -130,11 +130,10 @@ class Optimizer:
 
     @torch.no_grad()
     def step(self, found_inf: torch.Tensor | None = None) -> None:
-        """`found_inf` (fused kernel only): a float32 0-d device tensor; 1.0 leaves the
-        weights, moments and step count as they were, without a host sync."""
+        """`found_inf` (fused kernel only; torch's foreach one refuses it): a float32 0-d
+        device tensor; 1.0 leaves the weights, moments and step count as they were,
+        without a host sync."""
         if found_inf is not None:
-            if not self.fused:
-                raise ValueError("found_inf needs the fused AdamW kernel")
             self.inner.found_inf = found_inf  # read by torch's fused AdamW, as GradScaler does
         try:
             self.inner.step()

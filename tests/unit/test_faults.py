@@ -170,12 +170,17 @@ def test_loss_spike_is_logged() -> None:
 
     monitor = FaultMonitor(OnNan.STOP, Group.single(), torch.device("cpu"), said.append)
     norm = torch.tensor(1.0)
+
+    def check(step: int, loss: float) -> bool:
+        loss_t = torch.tensor(loss)
+        return monitor.decide(step, loss_t, norm, monitor.flags(loss_t, norm, fp16=False))
+
     for step in range(1, SPIKE_WINDOW + 1):
-        assert not monitor.check(step, torch.tensor(2.0), norm, fp16=False)
+        assert not check(step, 2.0)
     assert not said
-    monitor.check(SPIKE_WINDOW + 1, torch.tensor(5.0), norm, fp16=False)
+    check(SPIKE_WINDOW + 1, 5.0)
     assert not said  # 2.5 x the median
-    monitor.check(SPIKE_WINDOW + 2, torch.tensor(7.0), norm, fp16=False)
+    check(SPIKE_WINDOW + 2, 7.0)
     assert len(said) == 1 and f"loss spike at step {SPIKE_WINDOW + 2}" in said[0]
 
 
