@@ -8,9 +8,11 @@ message names the values involved and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from ptdp.config import OnNan, PositionEmbedding, RunConfig, Schedule
 from ptdp.errors import ConfigError
+from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import check_args
 
 
@@ -27,6 +29,14 @@ class Layout:
     """Microbatches per optimizer step on each data-parallel rank."""
 
     sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    """The pipeline schedule's name (`parallel.schedule`)."""
+
+    @cached_property
+    def pipeline(self) -> PipelinePlan:
+        """The schedule built and lowered once for (pp, vpp, microbatches); every reader of the
+        schedule (runtime, verifier, simulator, memory model, log) takes it from here."""
+        return build_plan(self.schedule, self.pp, self.num_microbatches, self.vpp)
 
     def describe(self) -> str:
         sp = " sp=on" if self.sequence_parallel else ""
@@ -256,4 +266,6 @@ def validate(cfg: RunConfig, world_size: int = 1) -> Layout:
     if errors:
         bullet = "\n  - "
         raise ConfigError(f"invalid configuration:{bullet}{bullet.join(errors)}")
-    return Layout(world_size, p.tp, p.pp, dp, p.vpp, microbatches, p.sequence_parallel)
+    return Layout(
+        world_size, p.tp, p.pp, dp, p.vpp, microbatches, p.sequence_parallel, p.schedule.value
+    )

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from ptdp.pipeline.actions import BACKWARD_KINDS, Action, Kind, Plan
-from ptdp.pipeline.schedules import add_comms, build, in_flight_bound, stage_to_rank
+from ptdp.pipeline.schedules import stage_to_rank
 
 Cell = tuple[int, int]
 """(rank, step): position of an action in a plan."""
@@ -96,12 +96,6 @@ def verify(
     makespan, busy = _dry_run(plan, where, needs)
     peaks = _check_in_flight(plan, max_in_flight)
     return ScheduleReport(peaks, makespan, busy, m * vpp * CHUNK_COST)
-
-
-def verify_schedule(name: str, pp: int, m: int, vpp: int = 1) -> ScheduleReport:
-    """Build schedule `name`, lower it with comms and verify it against its in-flight bound."""
-    plan = add_comms(build(name, pp, m, vpp), pp, vpp)
-    return verify(plan, pp, vpp, m, max_in_flight=in_flight_bound(name, pp, m, vpp))
 
 
 def format_table(plan: Plan, marks: Collection[Cell] = (), context: int | None = None) -> str:

@@ -15,6 +15,7 @@ import pytest
 
 from ptdp.config import Schedule
 from ptdp.pipeline.actions import Action, Kind, Plan
+from ptdp.pipeline.plan import build_plan
 from ptdp.pipeline.schedules import (
     SCHEDULES,
     add_comms,
@@ -29,7 +30,7 @@ from ptdp.pipeline.schedules import (
     stages_of_rank,
     zb_h1,
 )
-from ptdp.pipeline.verify import MARK, ScheduleError, format_table, verify, verify_schedule
+from ptdp.pipeline.verify import MARK, ScheduleError, format_table, verify
 
 
 def _grid() -> list[tuple[str, int, int, int]]:
@@ -70,7 +71,7 @@ def test_grid_covers_every_schedule() -> None:
 @pytest.mark.parametrize("name,pp,m,vpp", GRID)
 def test_schedule_verifies_with_paper_bubble(name: str, pp: int, m: int, vpp: int) -> None:
     plan = build(name, pp, m, vpp)
-    report = verify_schedule(name, pp, m, vpp)
+    report = build_plan(name, pp, m, vpp).report
     assert report.bubble_fraction == pytest.approx(BUBBLE[name](pp, m, vpp))
     assert report.busy == (m * vpp * 3,) * pp
     # Comms take no time, so the compute-only dry run takes as long.
@@ -84,7 +85,7 @@ def test_schedule_verifies_with_paper_bubble(name: str, pp: int, m: int, vpp: in
 
 @pytest.mark.parametrize("name,pp,m,vpp", GRID)
 def test_peak_in_flight(name: str, pp: int, m: int, vpp: int) -> None:
-    peaks = verify_schedule(name, pp, m, vpp).peak_in_flight
+    peaks = build_plan(name, pp, m, vpp).report.peak_in_flight
     if name == "gpipe":
         assert peaks == (m,) * pp
     elif name in ("1f1b", "zb-h1"):
@@ -129,7 +130,9 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(pp: int, m: int) -> None:
 @pytest.mark.parametrize("pp,m", [(2, 1), (4, 1), (4, 3), (8, 5)])
 def test_fewer_microbatches_than_ranks(pp: int, m: int) -> None:
     for name in ("gpipe", "1f1b", "zb-h1"):
-        verify_schedule(name, pp, m)
+        report = build_plan(name, pp, m).report
+        assert report.busy == (m * 3,) * pp
+        assert max(report.peak_in_flight) <= m
 
 
 def test_one_f_one_b_phases() -> None:

@@ -1,0 +1,73 @@
+"""A pipeline schedule built and lowered once, for every reader of it.
+
+The runtime executes `PipelinePlan.lowered[rank]`, the verifier checks it, the simulator and the
+memory model replay it, and the run's log summarises it: all from this one object, built from the
+validated layout (`Layout.pipeline`) instead of each caller repeating `build` then `add_comms`.
+Pure: no torch import.
+
+Letters as in `ptdp.pipeline.schedules`: pp pipeline ranks, vpp chunks per rank, m microbatches
+per pipeline per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from ptdp.pipeline.actions import Action, Plan
+from ptdp.pipeline.schedules import add_comms, build, forward_only, in_flight_bound
+from ptdp.pipeline.verify import ScheduleReport, verify
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """One schedule for (pp, vpp, m): its compute-only plan and its lowering with transfers."""
+
+    schedule: str
+    """A `ptdp.pipeline.schedules.SCHEDULES` name (the config's `parallel.schedule` value)."""
+    pp: int
+    vpp: int
+    num_microbatches: int
+    compute: Plan = field(repr=False, compare=False)
+    """Compute actions only (F, B, W, BW) per rank."""
+    lowered: Plan = field(repr=False, compare=False)
+    """`compute` with the sends and receives between stages: what the runtime executes."""
+
+    def actions(self, rank: int) -> list[Action]:
+        """Pipeline rank `rank`'s action list, transfers included."""
+        return self.lowered[rank]
+
+    @property
+    def in_flight_bound(self) -> list[int] | None:
+        """Most activations each rank may stash; None where the schedule has no closed form."""
+        return in_flight_bound(self.schedule, self.pp, self.num_microbatches, self.vpp)
+
+    @cached_property
+    def report(self) -> ScheduleReport:
+        """The verifier's unit-cost dry run (raises `ScheduleError` if the plan cannot run)."""
+        m, bound = self.num_microbatches, self.in_flight_bound
+        return verify(self.lowered, self.pp, self.vpp, m, max_in_flight=bound)
+
+    def summary(self) -> str:
+        """One log line: the schedule and its bubble under unit costs."""
+        report = self.report
+        return (
+            f"pipeline | schedule {self.schedule} | {self.pp} stages x {self.vpp} chunks | "
+            f"{self.num_microbatches} microbatches per pipeline per step | predicted bubble "
+            f"{report.bubble_fraction:.3f} of the ideal time (unit costs) | peak stored "
+            f"activations (microbatch x chunk) per rank {list(report.peak_in_flight)}"
+        )
+
+
+def build_plan(schedule: str, pp: int, num_microbatches: int, vpp: int = 1) -> PipelinePlan:
+    """Build schedule `schedule` and lower it; raises ValueError naming the fix on bad sizes."""
+    compute = build(schedule, pp, num_microbatches, vpp)
+    return PipelinePlan(schedule, pp, vpp, num_microbatches, compute, add_comms(compute, pp, vpp))
+
+
+def build_forward_only(pp: int, num_microbatches: int, vpp: int = 1) -> PipelinePlan:
+    """Forwards only, lowered (evaluation); not for `verify`, which needs backwards."""
+    compute = forward_only(pp, num_microbatches, vpp)
+    return PipelinePlan(
+        "forward-only", pp, vpp, num_microbatches, compute, add_comms(compute, pp, vpp)
+    )
