@@ -33,9 +33,10 @@ from torch import nn
 from ptdp.parallel.comm import Group
 from ptdp.pipeline.actions import Action, Kind, Plan
 from ptdp.pipeline.p2p import P2P
+from ptdp.pipeline.plan import build_plan
 from ptdp.pipeline.runtime import PipelineRuntime
-from ptdp.pipeline.schedules import add_comms, build, stages_of_rank
-from ptdp.pipeline.verify import UNIT_COST, verify
+from ptdp.pipeline.schedules import stages_of_rank
+from ptdp.pipeline.verify import UNIT_COST
 
 try:
     from benchmarks._spawn import spawn
@@ -206,9 +207,10 @@ def makespan(spans: dict[int, list[tuple]]) -> float:
 
 def lowered(name: str, v: int, m: int) -> Plan:
     """Schedule `name` with its comms; checked against verify's unit-time dry run first."""
-    plan = add_comms(build(name, PP, m, v), PP, v)
+    built = build_plan(name, PP, m, v)
+    plan = built.lowered
     unit = makespan(replay(plan, lambda kind, stage: UNIT_COST[kind]))
-    report = verify(plan, PP, v, m)
+    report = built.report
     if unit != report.makespan:
         raise AssertionError(f"{name} m={m}: replay {unit} != verify {report.makespan}")
     return plan

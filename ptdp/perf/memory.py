@@ -34,11 +34,10 @@ from ptdp.config import (
     Recompute,
     RunConfig,
 )
-from ptdp.layout import validate
+from ptdp.layout import Layout, validate
 from ptdp.perf.activations import activation_bytes_per_layer
 from ptdp.pipeline.actions import BACKWARD_KINDS, Kind, Plan
-from ptdp.pipeline.schedules import build, in_flight_bound
-from ptdp.pipeline.verify import verify
+from ptdp.pipeline.plan import PipelinePlan
 
 
 @dataclass(frozen=True)
@@ -161,17 +160,17 @@ def head_activation_bytes(
     return 2 * n * model.hidden_size * element_bytes(precision) + n * logits
 
 
-def in_flight(name: str, plan: Plan, pp: int, vpp: int, m: int) -> tuple[int, ...]:
-    """Most (microbatch, chunk) forwards each rank of schedule `name` holds at once.
+def in_flight(plan: PipelinePlan) -> tuple[int, ...]:
+    """Most (microbatch, chunk) forwards each rank of `plan` holds at once.
 
     Where the schedule declares a bound that `verify` enforces (GPipe m, 1F1B and ZB-H1
     pp - rank) the peak is that bound capped at m, without the dry run; otherwise
-    (interleaved) it is what `verify` counts on `plan`.
+    (interleaved) it is what `verify` counts on the plan.
     """
-    bound = in_flight_bound(name, pp, m, vpp)
+    bound = plan.in_flight_bound
     if bound is not None:
-        return tuple(min(held, m) for held in bound)
-    return verify(plan, pp, vpp, m).peak_in_flight
+        return tuple(min(held, plan.num_microbatches) for held in bound)
+    return plan.report.peak_in_flight
 
 
 def stage_in_flight(plan: Plan, stage: int) -> int:
@@ -208,19 +207,18 @@ def estimate_memory(
     world_size: int,
     *,
     fused_attention: bool = True,
-    plan: Plan | None = None,
+    layout: Layout | None = None,
 ) -> list[MemoryEstimate]:
     """Per pipeline rank (all tensor and data-parallel ranks alike), for the config's layout.
 
-    `plan` is the schedule's compute-only plan if already built (it is built otherwise).
+    `layout` is `validate(cfg, world_size)` if the caller has it (with its built plan).
     """
-    layout = validate(cfg, world_size)
+    layout = layout or validate(cfg, world_size)
     model, par, prec = cfg.model, cfg.parallel, cfg.train.precision
-    tp, pp, vpp, m = layout.tp, layout.pp, layout.vpp, layout.num_microbatches
+    tp, pp, vpp = layout.tp, layout.pp, layout.vpp
     b = cfg.train.micro_batch_size
-    plan = plan if plan is not None else build(par.schedule.value, pp, m, vpp)
-    held = in_flight(par.schedule.value, plan, pp, vpp, m)
-    last_held = stage_in_flight(plan, pp * vpp - 1)
+    held = in_flight(layout.pipeline)
+    last_held = stage_in_flight(layout.pipeline.compute, pp * vpp - 1)
     state = bytes_per_parameter(prec, distributed=cfg.optim.distributed, dp=layout.dp)
     kw = dict(micro_batch=b, tp=tp, sequence_parallel=par.sequence_parallel, precision=prec)
     layer = layer_activation_bytes(

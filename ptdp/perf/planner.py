@@ -34,7 +34,6 @@ from ptdp.perf.costs import PTDP, Compute, Software
 from ptdp.perf.hardware import GIB, System
 from ptdp.perf.memory import estimate_memory
 from ptdp.perf.simulator import Prediction, simulate, stage_costs
-from ptdp.pipeline.schedules import build
 
 Progress = Callable[[int, int, str], None]
 """progress(done, total, what): called before each simulation."""
@@ -293,8 +292,7 @@ def _simulate_all(
         what = f"t={layout.tp} p={layout.pp} v={layout.vpp} b={cfg.train.micro_batch_size}"
         if progress is not None:
             progress(i, len(candidates), what)
-        plan_ = build(cfg.parallel.schedule.value, layout.pp, layout.num_microbatches, layout.vpp)
-        prediction = simulate(cfg, system, gpus, software=software, plan=plan_)
+        prediction = simulate(cfg, system, gpus, software=software, layout=layout)
         if prediction.peak_memory > usable:
             need = prediction.peak_memory / GIB
             rejected.append(Rejected(what, f"needs {need:.1f} GiB, {usable / GIB:.1f} usable"))

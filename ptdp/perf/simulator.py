@@ -35,8 +35,6 @@ from ptdp.perf.memory import (
 )
 from ptdp.perf.replay import PipelineCosts, PipelineRun, replay
 from ptdp.perf.timeline import Event
-from ptdp.pipeline.actions import Plan
-from ptdp.pipeline.schedules import add_comms, build
 
 __all__ = ["PipelineCosts", "PipelineRun", "Prediction", "replay", "simulate"]
 
@@ -209,18 +207,17 @@ def simulate(
     world_size: int,
     *,
     software: Software = PTDP,
-    plan: Plan | None = None,
+    layout: Layout | None = None,
 ) -> Prediction:
     """Predict one training step of `cfg` on `world_size` devices of `system`.
 
-    `plan` is the schedule's compute-only plan, if already built.
+    `layout` is `validate(cfg, world_size)` if the caller has it (with its built plan).
     """
-    layout = validate(cfg, world_size)
+    layout = layout or validate(cfg, world_size)
     c = Compute(system, cfg.train.precision, software)
-    name, pp, vpp, m = cfg.parallel.schedule.value, layout.pp, layout.vpp, layout.num_microbatches
-    plan = plan if plan is not None else build(name, pp, m, vpp)
+    pp, vpp = layout.pp, layout.vpp
     costs = pipeline_costs(cfg, layout, c)
-    run = replay(add_comms(plan, pp, vpp), pp, vpp, costs, blocking=software.blocking_p2p)
+    run = replay(layout.pipeline.lowered, pp, vpp, costs, blocking=software.blocking_p2p)
     ends, dp_totals, dp_events = _reduce_gradients(cfg, layout, c, run)
     step = optimizer_seconds(cfg, layout, c)
     iteration = max(ends) + step
@@ -229,7 +226,9 @@ def simulate(
     executed = flops_per_iteration(cfg.model, batch, cfg.parallel.recompute)
     model_flops = flops_per_iteration(cfg.model, batch, Recompute.NONE)
     peak = system.device.peak_flops(cfg.train.precision.value)
-    memory = estimate_memory(cfg, world_size, fused_attention=software.fused_attention, plan=plan)
+    memory = estimate_memory(
+        cfg, world_size, fused_attention=software.fused_attention, layout=layout
+    )
     layer = layer_seconds(
         cfg.model,
         micro_batch=cfg.train.micro_batch_size,

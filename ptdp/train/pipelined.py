@@ -2,44 +2,47 @@
 
 With pp = 1 there is one chunk (the whole model) and the trainer runs plain gradient
 accumulation; with pp > 1 the rank holds `vpp` chunks (stages r, r + pp, ...) and each
-step executes this rank's action list from `ptdp.pipeline.schedules` with the runtime.
+step executes this rank's action list of the layout's `PipelinePlan` with the runtime.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 
-from ptdp.config import RunConfig
+from ptdp.config import ModelConfig, Recompute
 from ptdp.layout import Layout
 from ptdp.model.gpt import GPT
 from ptdp.parallel.mesh import ParallelMesh
 from ptdp.pipeline.actions import Action
 from ptdp.pipeline.p2p import P2P
 from ptdp.pipeline.partition import layer_ranges, stages_of_rank
+from ptdp.pipeline.plan import PipelinePlan, build_forward_only
 from ptdp.pipeline.runtime import PipelineRuntime
-from ptdp.pipeline.schedules import add_comms, build, forward_only
-from ptdp.pipeline.verify import verify
 
 Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 """mb -> (tokens, labels) of that microbatch."""
 
 
-def build_chunks(cfg: RunConfig, mesh: ParallelMesh, layout: Layout) -> dict[int, GPT]:
+def build_chunks(
+    model: ModelConfig, layout: Layout, mesh: ParallelMesh, *, seed: int, recompute: Recompute
+) -> dict[int, GPT]:
     """This rank's model chunks by global stage, each initialised as its slice of the
     single-process model."""
     pp, vpp = layout.pp, layout.vpp
-    ranges = layer_ranges(cfg.model.num_layers, pp, vpp)
+    ranges = layer_ranges(model.num_layers, pp, vpp)
     last = pp * vpp - 1
     tp = mesh.axis("tp") if layout.tp > 1 else None
     return {
         stage: GPT(
-            cfg.model,
-            seed=cfg.train.seed,
-            recompute=cfg.parallel.recompute,
+            model,
+            seed=seed,
+            recompute=recompute,
             tp=tp,
-            sequence_parallel=cfg.parallel.sequence_parallel,
+            sequence_parallel=layout.sequence_parallel,
             layers=ranges[stage],
             has_embedding=stage == 0,
             has_head=stage == last,
@@ -48,59 +51,76 @@ def build_chunks(cfg: RunConfig, mesh: ParallelMesh, layout: Layout) -> dict[int
     }
 
 
-def pipeline_summary(cfg: RunConfig, layout: Layout) -> str:
-    """The schedule and its bubble under unit costs (verify's dry run), for the run's log."""
-    name, pp, vpp, m = cfg.parallel.schedule.value, layout.pp, layout.vpp, layout.num_microbatches
-    report = verify(add_comms(build(name, pp, m, vpp), pp, vpp), pp, vpp, m)
-    return (
-        f"pipeline | schedule {name} | {pp} stages x {vpp} chunks | {m} microbatches per "
-        f"pipeline per step | predicted bubble {report.bubble_fraction:.3f} of the ideal time "
-        f"(unit costs) | peak stored activations (microbatch x chunk) per rank "
-        f"{list(report.peak_in_flight)}"
+def build_p2p(
+    mesh: ParallelMesh,
+    layout: Layout,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    scatter_gather: bool,
+) -> P2P:
+    """Transfers of boundary tensors `shape` ([s or s/t, b, h]) to this rank's pipeline peers
+    (same tp and dp coordinates), set up once (NCCL communicators exist before step 1)."""
+    coords = mesh.shape.coords(mesh.rank)
+    ranks = [mesh.shape.rank_of(tp=coords["tp"], dp=coords["dp"], pp=i) for i in range(layout.pp)]
+    sp = layout.sequence_parallel and layout.tp > 1
+    p2p = P2P(
+        ranks=ranks,
+        shape=shape,
+        dtype=dtype,  # the parameters' dtype: 16-bit boundaries under mixed precision
+        device=device,
+        tp=mesh.axis("tp"),
+        scatter_gather=scatter_gather and layout.tp > 1 and not sp,
     )
+    p2p.warm_up(mesh.coord("pp"))
+    return p2p
+
+
+def boundary_shape(
+    model: ModelConfig, layout: Layout, micro_batch_size: int
+) -> tuple[int, int, int]:
+    """[s, b, h] of what crosses between stages; [s/t, b, h] under sequence parallelism."""
+    s, t = model.seq_length, layout.tp
+    sp = layout.sequence_parallel and t > 1
+    return (s // t if sp else s, micro_batch_size, model.hidden_size)
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """What the trainer injects into a training step (none is needed to run one)."""
+
+    on_final_backward: Callable[[int], None] | None = None
+    """Called with a stage before its last weight-gradient action: start its DP reduction."""
+    on_step_end: Callable[[], None] | None = None
+    """Called after this rank's last action: finish the gradient reduction."""
+    around_action: Callable[[Action], AbstractContextManager] | None = None
+    """Wraps each compute action of a training step (timeline, watchdog)."""
+    around_wait: Callable[[str], AbstractContextManager] | None = None
+    """Wraps each wait for a received tensor (watchdog)."""
 
 
 class PipelineStep:
-    """Runs one training or evaluation step of this rank's schedule."""
+    """Runs one training or evaluation step of this rank's share of a `PipelinePlan`."""
 
     def __init__(
         self,
-        cfg: RunConfig,
-        layout: Layout,
-        mesh: ParallelMesh,
+        plan: PipelinePlan,
         chunks: dict[int, GPT],
-        device: torch.device,
-        autocast: Callable,
-        on_final_backward: Callable[[int], None] | None = None,
-        on_step_end: Callable[[], None] | None = None,
-        dtype: torch.dtype = torch.float32,
-        around_action: Callable | None = None,
-        around_wait: Callable | None = None,
+        p2p: P2P,
+        autocast: Callable[[], AbstractContextManager],
+        hooks: StepHooks = StepHooks(),
     ) -> None:
-        self.cfg, self.layout, self.chunks, self.autocast = cfg, layout, chunks, autocast
-        self.on_final_backward, self.on_step_end = on_final_backward, on_step_end
-        self.device, self.dtype, self.around_action = device, dtype, around_action
-        self.around_wait = around_wait
-        pp, vpp, rank = layout.pp, layout.vpp, mesh.coord("pp")
-        self.pp_rank, self.last = rank, pp * vpp - 1
-        plan = build(cfg.parallel.schedule.value, pp, layout.num_microbatches, vpp)
-        self.actions: list[Action] = add_comms(plan, pp, vpp)[rank]
-        m, s, t = cfg.model, cfg.model.seq_length, layout.tp
-        sp = cfg.parallel.sequence_parallel and t > 1
-        coords = mesh.shape.coords(mesh.rank)
-        self.p2p = P2P(
-            ranks=[mesh.shape.rank_of(tp=coords["tp"], dp=coords["dp"], pp=i) for i in range(pp)],
-            shape=(s // t if sp else s, cfg.train.micro_batch_size, m.hidden_size),
-            dtype=dtype,  # the parameters' dtype: 16-bit boundaries under mixed precision
-            device=device,
-            tp=mesh.axis("tp"),
-            scatter_gather=cfg.parallel.scatter_gather and t > 1 and not sp,
-        )
-        self.p2p.warm_up(rank)
+        self.plan, self.chunks, self.p2p = plan, chunks, p2p
+        self.autocast, self.hooks = autocast, hooks
+        self.pp_rank = next(iter(chunks)) % plan.pp
+        self.last = plan.pp * plan.vpp - 1
 
     def _runtime(
         self, batch: Batch, num_microbatches: int, training: bool, loss_scale: float = 1.0
     ) -> PipelineRuntime:
+        dtype = self.p2p.dtype
+
         def forward_step(stage: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
             chunk = self.chunks[stage]  # only the first and last stage read the data
             with self.autocast():
@@ -108,33 +128,38 @@ class PipelineStep:
                     x = batch(mb)[0]
                 if stage == self.last:
                     return chunk(x, batch(mb)[1]) / num_microbatches
-                return chunk(x).to(self.dtype)
+                return chunk(x).to(dtype)
 
+        hooks = self.hooks if training else StepHooks(around_wait=self.hooks.around_wait)
         return PipelineRuntime(
             self.chunks,
             forward_step,
             self.p2p,
             self.last + 1,
-            self.layout.pp,
-            on_final_backward=self.on_final_backward if training else None,
-            on_step_end=self.on_step_end if training else None,
+            self.plan.pp,
+            on_final_backward=hooks.on_final_backward,
+            on_step_end=hooks.on_step_end,
             loss_scale=loss_scale,
-            around_action=self.around_action if training else None,
-            around_wait=self.around_wait,
+            around_action=hooks.around_action,
+            around_wait=hooks.around_wait,
         )
 
     def train(self, batch: Batch, loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of every microbatch; returns this rank's share of the loss
         (the mean over microbatches on the last stage, 0 elsewhere). Gradients are those
         of the loss times `loss_scale` (fp16)."""
-        runtime = self._runtime(batch, self.layout.num_microbatches, True, loss_scale)
-        losses = runtime.run(self.actions)
+        runtime = self._runtime(batch, self.plan.num_microbatches, True, loss_scale)
+        losses = runtime.run(self.plan.actions(self.pp_rank))
         self.last_runtime = runtime  # for inspection: freed memory, timings
-        return torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
+        return self._sum(losses)
 
     @torch.no_grad()
     def evaluate(self, batch: Batch, num_microbatches: int) -> torch.Tensor:
-        plan = forward_only(self.layout.pp, num_microbatches, self.layout.vpp)
-        actions = add_comms(plan, self.layout.pp, self.layout.vpp)[self.pp_rank]
-        losses = self._runtime(batch, num_microbatches, False).run(actions)
-        return torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
+        plan = build_forward_only(self.plan.pp, num_microbatches, self.plan.vpp)
+        losses = self._runtime(batch, num_microbatches, False).run(plan.actions(self.pp_rank))
+        return self._sum(losses)
+
+    def _sum(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        if not losses:
+            return torch.zeros((), device=self.p2p.device)
+        return torch.stack(losses).sum().float()

@@ -22,7 +22,6 @@ from ptdp.perf.hardware import system_for_device_name
 from ptdp.perf.replay import PipelineCosts, replay
 from ptdp.perf.simulator import simulate
 from ptdp.perf.timeline import Event, plot_timelines, write_chrome_trace
-from ptdp.pipeline.schedules import add_comms, build
 
 
 def _median(events: Sequence[Event], kind: str, stage: int) -> float | None:
@@ -30,9 +29,7 @@ def _median(events: Sequence[Event], kind: str, stage: int) -> float | None:
     return statistics.median(times) if times else None
 
 
-def replay_at_measured_costs(
-    cfg: RunConfig, layout: Layout, events: Sequence[Event]
-) -> list[Event]:
+def replay_at_measured_costs(layout: Layout, events: Sequence[Event]) -> list[Event]:
     """The schedule in simulated time with each stage's median measured F, B and W."""
     stages = layout.pp * layout.vpp
     forward, back_input, back_weight = [], [], []
@@ -47,9 +44,8 @@ def replay_at_measured_costs(
         back_weight.append(w)
     zeros = (0.0,) * stages
     costs = PipelineCosts(tuple(forward), tuple(back_input), tuple(back_weight), zeros, zeros)
-    pp, vpp, m = layout.pp, layout.vpp, layout.num_microbatches
-    plan = add_comms(build(cfg.parallel.schedule.value, pp, m, vpp), pp, vpp)
-    return list(replay(plan, pp, vpp, costs).events)
+    plan = layout.pipeline
+    return list(replay(plan.lowered, plan.pp, plan.vpp, costs).events)
 
 
 def predicted(
@@ -61,7 +57,7 @@ def predicted(
             return f"simulated ({system.name})", list(
                 simulate(cfg, system, layout.world_size).events
             )
-    return "schedule at measured action times", replay_at_measured_costs(cfg, layout, events)
+    return "schedule at measured action times", replay_at_measured_costs(layout, events)
 
 
 def write_timeline(
@@ -69,6 +65,6 @@ def write_timeline(
 ) -> tuple[Path, Path]:
     name, other = predicted(cfg, layout, events, device)
     sources = {"measured": events, name: other}
-    title = f"{layout.describe()} | schedule {cfg.parallel.schedule.value} | last training step"
+    title = f"{layout.describe()} | schedule {layout.schedule} | last training step"
     trace = write_chrome_trace(run_dir / "timeline.json", sources)
     return trace, plot_timelines(run_dir / "timeline.png", sources, title=title)

@@ -17,7 +17,6 @@ from ptdp.parallel.env import LaunchEnv, destroy_process_group
 from ptdp.train import checkpoint as ckpt
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
 from ptdp.train.loop import TrainResult
-from ptdp.train.pipelined import pipeline_summary
 from ptdp.train.trainer import Trainer
 
 
@@ -97,7 +96,7 @@ def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None)
         split = layout.tp * layout.pp > 1  # n_local also counts padded vocabulary rows
         local = f" ({n_local / 1e6:.2f}M on this rank)" if split else ""
         if layout.pp > 1:
-            trainer.say(pipeline_summary(cfg, layout))
+            trainer.say(layout.pipeline.summary())
         trainer.say(
             f"ptdp | {layout.describe()} | device {trainer.device} | "
             f"{n_params / 1e6:.2f}M parameters{local} | {len(data.train):,} training samples of "

@@ -43,7 +43,13 @@ from ptdp.train.faults import FaultMonitor
 from ptdp.train.loop import TrainResult, run_loop
 from ptdp.train.loss_scale import DynamicLossScaler
 from ptdp.train.optim import Optimizer, lr_at, set_lr
-from ptdp.train.pipelined import PipelineStep, build_chunks
+from ptdp.train.pipelined import (
+    PipelineStep,
+    StepHooks,
+    boundary_shape,
+    build_chunks,
+    build_p2p,
+)
 from ptdp.train.watchdog import Watchdog
 
 PARAM_DTYPES = {
@@ -82,7 +88,9 @@ class Trainer:
         )
         self.run_dir = Path(cfg.train.run_dir)
         self.tp, self.pp = self.mesh.axis("tp"), self.mesh.axis("pp")
-        by_stage = build_chunks(cfg, self.mesh, layout)  # this rank's model chunks
+        by_stage = build_chunks(  # this rank's model chunks
+            cfg.model, layout, self.mesh, seed=t.seed, recompute=cfg.parallel.recompute
+        )
         if cfg.train.compile:  # regional: each transformer layer (ptdp/model/compile.py)
             apply_compile(by_stage.values())
         self.chunks = list(by_stage.values())
@@ -118,17 +126,23 @@ class Trainer:
         chunk_of_stage = {stage: i for i, stage in enumerate(by_stage)}
         self.pipeline = (
             PipelineStep(
-                cfg,
-                layout,
-                self.mesh,
+                layout.pipeline,
                 by_stage,
-                self.device,
+                build_p2p(
+                    self.mesh,
+                    layout,
+                    boundary_shape(cfg.model, layout, t.micro_batch_size),
+                    dtype,
+                    self.device,
+                    scatter_gather=cfg.parallel.scatter_gather,
+                ),
                 self._autocast,
-                on_final_backward=lambda stage: self.grads.start_final(chunk_of_stage[stage]),
-                on_step_end=self.grads.finish,
-                dtype=dtype,
-                around_action=self._around if self.recorder or self.watchdog else None,
-                around_wait=self.watchdog.waiting_for if self.watchdog else None,
+                StepHooks(
+                    on_final_backward=lambda stage: self.grads.start_final(chunk_of_stage[stage]),
+                    on_step_end=self.grads.finish,
+                    around_action=self._around if self.recorder or self.watchdog else None,
+                    around_wait=self.watchdog.waiting_for if self.watchdog else None,
+                ),
             )
             if layout.pp > 1
             else None

@@ -19,7 +19,7 @@ from ptdp.parallel.comm import Group, all_reduce_sum_, gather_objects
 from ptdp.parallel.grads import reduce_tied_grads
 from ptdp.parallel.init import full_tensor, shard_spec
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
-from ptdp.train.pipelined import PipelineStep, build_chunks
+from ptdp.train.pipelined import PipelineStep, boundary_shape, build_chunks, build_p2p
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -52,9 +52,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _one_case(mesh: ParallelMesh, cfg: RunConfig, tokens: torch.Tensor) -> None:
     layout = validate(cfg, mesh.shape.world_size)
-    chunks = build_chunks(cfg, mesh, layout)
-    step = PipelineStep(cfg, layout, mesh, chunks, torch.device("cpu"), contextlib.nullcontext)
     mbs = cfg.train.micro_batch_size
+    chunks = build_chunks(
+        cfg.model, layout, mesh, seed=cfg.train.seed, recompute=cfg.parallel.recompute
+    )
+    shape = boundary_shape(cfg.model, layout, mbs)
+    p2p = build_p2p(mesh, layout, shape, torch.float32, torch.device("cpu"), scatter_gather=True)
+    step = PipelineStep(layout.pipeline, chunks, p2p, contextlib.nullcontext)
 
     reads = []
 

@@ -18,7 +18,7 @@ from ptdp.perf.memory import (
 from ptdp.perf.paper import preset
 from ptdp.perf.validation import measure_cpu_memory
 from ptdp.pipeline.partition import layer_ranges
-from ptdp.pipeline.schedules import build
+from ptdp.pipeline.plan import build_plan
 from ptdp.pipeline.verify import verify
 from tests.helpers import LLAMA
 
@@ -84,8 +84,8 @@ def test_activations_reduce_to_korthikanti_table() -> None:
 def test_interleaved_first_stage_holds_korthikanti_factor() -> None:
     # First stage under interleaving: 1F1B's activations x (1 + (p-1)/(p v)).
     for pp, vpp, m in [(4, 2, 8), (8, 2, 16), (4, 4, 8)]:
-        one = in_flight("1f1b", build("1f1b", pp, m), pp, 1, m)[0] * 1  # layers/rank = vpp
-        inter = in_flight("interleaved", build("interleaved", pp, m, vpp), pp, vpp, m)[0] / vpp
+        one = in_flight(build_plan("1f1b", pp, m))[0] * 1  # layers/rank = vpp
+        inter = in_flight(build_plan("interleaved", pp, m, vpp))[0] / vpp
         assert inter / one == pytest.approx(1 + (pp - 1) / (pp * vpp))
 
 
@@ -94,8 +94,9 @@ def test_in_flight_is_what_the_verifier_counts(name: str) -> None:
     for pp in (1, 2, 3, 4, 8):
         vpp = 2 if name == "interleaved" else 1
         for m in {pp, 2 * pp, 4 * pp} | ({1, pp + 1} if vpp == 1 else set()):
-            plan = build(name, pp, m, vpp)
-            assert in_flight(name, plan, pp, vpp, m) == verify(plan, pp, vpp, m).peak_in_flight
+            plan = build_plan(name, pp, m, vpp)
+            peaks = verify(plan.compute, pp, vpp, m).peak_in_flight
+            assert in_flight(plan) == peaks
 
 
 def test_estimate_scales_with_layout() -> None:
