@@ -263,3 +263,52 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup | None, size: int) 
 def barrier(group: dist.ProcessGroup | None, size: int) -> None:
     if size > 1:
         dist.barrier(group=group)
+
+
+# ------------------------------------------------------- flat buffers (data parallelism)
+
+# Newer torch renamed the flat collectives; older names keep older builds working.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter_flat_async(out: torch.Tensor, inp: torch.Tensor, g: Group) -> dist.Work:
+    """Start summing flat `inp` over the group into `out`, this rank's slice (a view of `inp`).
+
+    Older gloo builds have no reduce-scatter: an all-reduce of `inp` leaves the same numbers
+    in `out`, at twice the traffic.
+    """
+    try:
+        return _reduce_scatter_flat(out, inp, group=g.group, async_op=True)
+    except RuntimeError:
+        if dist.get_backend(g.group) != "gloo":
+            raise
+        return dist.all_reduce(inp, group=g.group, async_op=True)
+
+
+def all_reduce_async(x: torch.Tensor, g: Group) -> dist.Work:
+    """Start summing `x` over the group in place; wait on the returned work."""
+    return dist.all_reduce(x, group=g.group, async_op=True)
+
+
+def all_gather_flat(whole: torch.Tensor, shard: torch.Tensor, g: Group) -> None:
+    """Concatenate every rank's flat `shard` into `whole` (equal shards, rank order)."""
+    _all_gather_flat(whole, shard, group=g.group)
+
+
+def all_gather_flat_async(whole: torch.Tensor, shard: torch.Tensor, g: Group) -> dist.Work:
+    """`all_gather_flat`, started; wait on the returned work."""
+    return _all_gather_flat(whole, shard, group=g.group, async_op=True)
+
+
+# ---------------------------------------------------------------- point to point (pipeline)
+
+
+def send_recv_async(
+    sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]
+) -> list[dist.Work]:
+    """Post (tensor, global peer rank, tag) sends and receives as one batch; returns their
+    works, sends first, in the order given (NCCL needs a pair's ops posted together)."""
+    ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for t, peer, tag in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for t, peer, tag in recvs]
+    return dist.batch_isend_irecv(ops) if ops else []

@@ -35,25 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ptdp.parallel.comm import Group, all_reduce_tensors_
-
-# Newer torch renamed the flat collectives; older names keep older builds working.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
-    """Sum `inp` over the group into `out`, this rank's slice of it (a view into `inp`).
-
-    Older gloo builds have no reduce-scatter: an all-reduce of `inp` leaves the same
-    numbers in `out`, at twice the traffic.
-    """
-    try:
-        return _reduce_scatter(out, inp, group=group, async_op=async_op)
-    except RuntimeError:
-        if dist.get_backend(group) != "gloo":
-            raise
-        return dist.all_reduce(inp, group=group, async_op=async_op)
+from ptdp.parallel.comm import (
+    Group,
+    all_gather_flat_async,
+    all_reduce_async,
+    all_reduce_tensors_,
+    reduce_scatter_flat_async,
+)
 
 
 @dataclass
@@ -225,9 +213,9 @@ class GradBuffers:
         if self.shard:
             first, last = self.shard_range(bucket)
             out = buf.grads[first:last]
-            bucket.work = reduce_scatter_flat(out, grads, group=self.dp.group, async_op=True)
+            bucket.work = reduce_scatter_flat_async(out, grads, self.dp)
         else:
-            bucket.work = dist.all_reduce(grads, group=self.dp.group, async_op=True)
+            bucket.work = all_reduce_async(grads, self.dp)
 
     def finish(self) -> None:
         """Complete the step's reduction: deferred and not yet started buckets, then wait."""
@@ -260,6 +248,6 @@ class GradBuffers:
                 first, last = self.shard_range(bucket)
                 whole = buf.params[bucket.start : bucket.end]
                 shard = buf.params[first:last]
-                works.append(all_gather_flat(whole, shard, group=self.dp.group, async_op=True))
+                works.append(all_gather_flat_async(whole, shard, self.dp))
         for work in works:
             work.wait()

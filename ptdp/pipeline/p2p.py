@@ -17,9 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from ptdp.parallel.comm import Group, gather_full
+from ptdp.parallel.comm import Group, gather_full, send_recv_async
 
 TAG_ACTIVATION, TAG_GRADIENT = 0, 1
 
@@ -51,18 +50,17 @@ class P2P:
 
         Returns (send works, [(recv work, wire buffer)]) in the order given.
         """
-        ops, buffers = [], []
+        wires, buffers = [], []
         for peer, tensor, tag in sends:
             wire = tensor.detach()
             if self.scatter_gather:
                 wire = wire.reshape(self.tp.size, -1)[self.tp.rank]
-            ops.append(dist.P2POp(dist.isend, wire.contiguous(), self.ranks[peer], tag=tag))
+            wires.append((wire.contiguous(), self.ranks[peer], tag))
         for peer, tag in recvs:
             buf = torch.empty(self._wire_shape(), dtype=self.dtype, device=self.device)
-            buffers.append(buf)
-            ops.append(dist.P2POp(dist.irecv, buf, self.ranks[peer], tag=tag))
-        works = dist.batch_isend_irecv(ops) if ops else []
-        return works[: len(sends)], list(zip(works[len(sends) :], buffers))
+            buffers.append((buf, self.ranks[peer], tag))
+        works = send_recv_async(wires, buffers)
+        return works[: len(sends)], [(w, b[0]) for w, b in zip(works[len(sends) :], buffers)]
 
     def warm_up(self, pp_rank: int) -> None:
         """One tiny exchange with both neighbours, so that communicators (NCCL creates them
@@ -72,11 +70,8 @@ class P2P:
             return
         out = torch.zeros(1, dtype=self.dtype, device=self.device)
         into = torch.empty(1, dtype=self.dtype, device=self.device)
-        ops = [
-            dist.P2POp(dist.isend, out, self.ranks[(pp_rank + 1) % pp]),
-            dist.P2POp(dist.irecv, into, self.ranks[(pp_rank - 1) % pp]),
-        ]
-        for work in dist.batch_isend_irecv(ops):
+        after, before = self.ranks[(pp_rank + 1) % pp], self.ranks[(pp_rank - 1) % pp]
+        for work in send_recv_async([(out, after, 0)], [(into, before, 0)]):
             work.wait()
 
     def finish_recv(self, work, buf: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from ptdp.config import OptimConfig
-from ptdp.parallel.comm import Group, all_reduce_sum_
-from ptdp.parallel.data import GradBuffers, all_gather_flat
+from ptdp.parallel.comm import Group, all_gather_flat, all_reduce_sum_
+from ptdp.parallel.data import GradBuffers
 from ptdp.parallel.grads import counted_in_norm, squared_sum
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -174,7 +174,7 @@ class Optimizer:
             whole = local
             if self.buffers.shard:
                 whole = torch.empty(bucket.size, dtype=torch.float32, device=device)
-                all_gather_flat(whole, local, group=self.buffers.dp.group)
+                all_gather_flat(whole, local, self.buffers.dp)
             at = 0
             for p in bucket.params:
                 out[p] = whole[at : at + p.numel()].view(p.shape).clone()
