@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ptdp import checkpoint as ckpt
 from ptdp.config import apply_updates, load_toml
 from ptdp.parallel.env import LaunchEnv
-from ptdp.train import checkpoint as ckpt
 from ptdp.train.run import prepare
 from ptdp.train.trainer import Trainer
 

@@ -410,9 +410,9 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from ptdp.model.sample import sample_from_checkpoint
     from ptdp.parallel.comm import Group
     from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
+    from ptdp.sample import sample_from_checkpoint
 
     env, tp, device = LaunchEnv.from_environ(), None, args.device
     if env.world_size > 1:  # under torchrun: one tensor-parallel group of all processes
@@ -443,7 +443,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from ptdp.train.inspect import describe_checkpoint
+    from ptdp.checkpoint import describe_checkpoint
 
     print(describe_checkpoint(args.checkpoint))
     return 0

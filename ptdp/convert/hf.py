@@ -14,7 +14,7 @@ r = n / g, d head size, f MLP width, v vocabulary):
 - ptdp's SwiGLU fc1 rows are [gate; up]; ptdp's GeLU is the tanh approximation, which
   `transformers` calls "gelu_pytorch_tanh" (the same `F.gelu(approximate="tanh")`).
 - Checkpoints hold full, unpadded fp32 tensors under global names, whatever the layout
-  they were trained in (parallel/state.py), so tensor-parallel vocabulary padding and
+  they were trained in (checkpoint/full.py), so tensor-parallel vocabulary padding and
   pipeline stages never appear here.
 
 Configs map in convert/hf_config.py. Only `safetensors` is needed to convert; `transformers`
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
+from ptdp import checkpoint as ckpt
 from ptdp.config import ModelConfig, PositionEmbedding, RunConfig, to_dict, to_toml
 from ptdp.convert.hf_config import family, hf_config, model_config_from_hf
 from ptdp.errors import CheckpointError, ConfigError
-from ptdp.train import checkpoint as ckpt
 
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"

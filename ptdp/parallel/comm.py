@@ -265,6 +265,24 @@ def barrier(group: dist.ProcessGroup | None, size: int) -> None:
         dist.barrier(group=group)
 
 
+def has_process_group() -> bool:
+    """Whether the default process group is up (a single process may have none)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_group() -> Group:
+    """The default group of all processes; one rank when there is no process group."""
+    if not has_process_group():
+        return Group.single()
+    return Group(None, dist.get_world_size(), dist.get_rank())
+
+
+def new_world_group(backend: str) -> dist.ProcessGroup:
+    """A new group of all processes on `backend`, e.g. gloo for CPU-side work that must not
+    interleave with the default group's collectives. Collective: every rank calls it."""
+    return dist.new_group(backend=backend)
+
+
 # ------------------------------------------------------- flat buffers (data parallelism)
 
 # Newer torch renamed the flat collectives; older names keep older builds working.

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from ptdp import checkpoint as ckpt
 from ptdp.config import OnNan
 from ptdp.parallel.comm import gather_objects
 from ptdp.perf.timeline import from_dicts, to_dicts
-from ptdp.train import checkpoint as ckpt
 from ptdp.train.faults import NumericalFault, TrainingError
 from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
 from ptdp.train.optim import lr_at

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ptdp import checkpoint as ckpt
 from ptdp.config import LAYOUT_ONLY_MODEL_KEYS, RunConfig, to_dict, to_toml
 from ptdp.errors import CheckpointError
 from ptdp.layout import Layout, validate
 from ptdp.parallel.comm import all_gather_objects, barrier
 from ptdp.parallel.env import LaunchEnv, destroy_process_group
-from ptdp.train import checkpoint as ckpt
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
 from ptdp.train.loop import TrainResult
 from ptdp.train.trainer import Trainer

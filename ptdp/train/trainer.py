@@ -1,7 +1,7 @@
 """One rank's trainer: its model chunks, gradient buffers and optimizer; a step's
 microbatches, gradient accumulation, data-parallel averaging, clipping and AdamW;
-evaluation; and the checkpoint state. The loop around it is ptdp/train/loop.py, the
-entry point ptdp/train/run.py.
+evaluation; its checkpoints go through ptdp/checkpoint/manager.py. The loop around it is
+ptdp/train/loop.py, the entry point ptdp/train/run.py.
 
 Batch bookkeeping: optimizer step k consumes global samples [k*G, (k+1)*G). Data-parallel
 rank r takes the contiguous slice [r*G/d, (r+1)*G/d) of them, in microbatches of
@@ -19,25 +19,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from ptdp.config import Precision, RunConfig, to_dict
-from ptdp.errors import CheckpointError
+from ptdp.checkpoint import CheckpointManager
+from ptdp.config import Precision, RunConfig
 from ptdp.layout import Layout
 from ptdp.model.compile import apply_compile
 from ptdp.model.gpt import count_parameters
-from ptdp.parallel.comm import Group, all_gather_objects, all_reduce_mean_, all_reduce_sum_
+from ptdp.parallel.comm import Group, all_reduce_mean_, all_reduce_sum_
 from ptdp.parallel.data import GradBuffers
 from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
-from ptdp.parallel.sharded_state import load_plan, sharded_state, stage_mesh, unpack
-from ptdp.parallel.state import local_model_state, local_optimizer_state
 from ptdp.perf.flops import flops_per_iteration
 from ptdp.perf.timeline import TimelineRecorder
 from ptdp.pipeline.actions import Action, Kind
-from ptdp.train import checkpoint as ckpt
 from ptdp.train.data_setup import RunData
 from ptdp.train.faults import FaultMonitor
 from ptdp.train.loop import TrainResult, run_loop
@@ -148,9 +144,19 @@ class Trainer:
             else None
         )
         self.step = 0
-        self._pending_save: ckpt.PendingCheckpoint | None = None  # async save in flight
-        self._async_group: dist.ProcessGroup | None = None  # its collectives' own group
         world = Group(None, env.world_size, env.rank) if env.world_size > 1 else Group.single()
+        self.checkpoints = CheckpointManager(
+            self.chunks,
+            self.optimizer,
+            self.scaler,
+            self.mesh,
+            world,
+            self.device,
+            cfg,
+            layout.describe(),
+            data.tokenizer_spec,
+            self.say,
+        )
         self.faults = FaultMonitor(cfg.train.on_nan, world, self.device, self.say)
         # Dropout: the shared stream is per data-parallel rank (they see different samples)
         # and the same on the ranks of a tensor group; split regions fork it (rank_rng).
@@ -300,151 +306,27 @@ class Trainer:
         return total.item()
 
     # ------------------------------------------------------------------ checkpoints
+    # The bodies live in ptdp/checkpoint/manager.py; these keep the loop's interface.
 
     def state(self) -> dict[str, Any]:
-        """This rank's checkpoint entries (ptdp/train/checkpoint.py): its shards of the
-        fp32 master weights and AdamW moments as DCP tensors, its random state, and the
-        run's scalars (the same on every rank; DCP writes them once)."""
-        masters = self.optimizer.master_weights()  # fp32, also under 16-bit training
-        moments, opt_step = self.optimizer.moments()
-        state = sharded_state(self.chunks, masters, moments, self._stage_mesh(), self.tp.rank)
-        rng = f"{ckpt.RNG}rank{self.env.rank}/"
-        state[rng + "cpu"] = torch.get_rng_state()
-        if self.device.type == "cuda":
-            state[rng + "cuda"] = torch.cuda.get_rng_state(self.device)
-        groups = [
-            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
-        ]
-        return state | {
-            "optimizer/step": opt_step,
-            "optimizer/param_groups": groups,
-            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
-            "step": self.step,
-            "consumed_samples": self.step * self.cfg.train.global_batch_size,
-            "config": to_dict(self.cfg),
-            "tokenizer": self._tokenizer_entry(),
-            "layout": self.layout.describe(),
-        }
-
-    def _stage_mesh(self):
-        """The DCP device mesh of this rank's pipeline stage (built once, collectively)."""
-        if not hasattr(self, "_dcp_mesh"):
-            self._dcp_mesh = stage_mesh(self.mesh, self.device)
-        return self._dcp_mesh
-
-    def _tokenizer_entry(self) -> str:
-        """How generation finds the tokenizer: "bytes", the copied tokenizer.json, or ""."""
-        spec = self.data.tokenizer_spec
-        return spec if spec in ("bytes", "") else "tokenizer.json"
+        """This rank's checkpoint entries at the current step (CheckpointManager.state)."""
+        return self.checkpoints.state(self.step)
 
     def save(self) -> Path:
-        """Every rank writes its own shards (no gather); rank 0 publishes the result.
-
-        With `train.async_save`, the state is copied to CPU memory and written in the
-        background; it is published by the next `save` or `finish_save` (all ranks call
-        both at the same steps), so `latest` names it only then."""
-        self.finish_save()  # the previous asynchronous save first
-        spec = self.data.tokenizer_spec
-        tok = Path(spec) if spec and spec != "bytes" else None
-        asynchronous = self.cfg.train.async_save
-        pending = ckpt.start_checkpoint(
-            self.run_dir,
-            self.step,
-            self.state(),
-            self.cfg,
-            tok,
-            keep=self.cfg.train.keep_checkpoints,
-            distributed=self.env.world_size > 1,
-            asynchronous=asynchronous,
-            process_group=self._save_group() if asynchronous else None,
-        )
-        if not asynchronous:
-            return pending.finish()
-        self._pending_save = pending
-        return pending.final
+        """Save the current step (CheckpointManager.save; collective)."""
+        return self.checkpoints.save(self.step)
 
     def finish_save(self) -> Path | None:
-        """Wait for the asynchronous save in flight, if any, and publish it (collective)."""
-        pending = self._pending_save
-        if pending is None:
-            return None
-        self._pending_save = None
-        step_dir = pending.finish()
-        self.say(f"saved checkpoint {step_dir}")
-        return step_dir
+        """Publish the asynchronous save in flight, if any (collective)."""
+        return self.checkpoints.finish_save()
 
     def publish_save_after_failure(self) -> None:
-        """A run that failed still publishes the asynchronous save of an earlier, good
-        step, in one process: there is no peer to wait for. With several ranks publishing
-        needs all of them, and some may be gone; that save stays unpublished (`.tmp`)."""
-        if self._pending_save is None or self.env.world_size > 1:
-            return
-        try:
-            self.finish_save()
-        except Exception as exc:  # the run's own error matters more: say, do not raise
-            self.say(f"the background save could not be published: {exc}")
-
-    def _save_group(self):
-        """A gloo group of all ranks for the background writes' collectives, so they
-        never interleave with training's (built once, collectively); None in one process."""
-        if self.env.world_size == 1:
-            return None
-        if self._async_group is None:
-            self._async_group = dist.new_group(backend="gloo")
-        return self._async_group
+        """After a failure, publish an earlier asynchronous save where one process can."""
+        self.checkpoints.publish_save_after_failure()
 
     def restore(self, step_dir: Path) -> None:
-        """Load a checkpoint saved in any layout: DCP reads, for this rank's shards in the
-        current layout, the overlapping pieces of whatever the saving ranks wrote."""
-        if (step_dir / ckpt.STATE_FILE).is_file():  # the earlier single-file format
-            self._restore_full(ckpt.load_checkpoint(step_dir))
-            return
-        distributed = self.env.world_size > 1
-        metadata = ckpt.read_metadata(step_dir)
-        problems = ckpt.verify_files(step_dir, metadata, self.env.rank, self.env.world_size)
-        # Each rank checked a share of the files; all must agree.
-        parts = all_gather_objects(problems, None, self.env.world_size)
-        problems = [p for part in parts for p in part]
-        if problems:
-            raise CheckpointError("; ".join(problems))
-        keys = metadata.state_dict_metadata
-        entries, plan = load_plan(self.chunks, keys, self._stage_mesh(), self.tp.rank)
-        scalars = ("step", "loss_scaler", "layout", "optimizer/step")
-        entries |= {k: None for k in scalars if k in keys}
-        rng = f"{ckpt.RNG}rank{self.env.rank}/"
-        for key in (k for k in keys if k.startswith(rng)):
-            md = keys[key]
-            entries[key] = torch.empty(md.size, dtype=md.properties.dtype)
-        ckpt.load_entries(step_dir, entries, distributed=distributed)
-        masters, moments = unpack(plan, self.tp.rank)
-        self.optimizer.load(masters, moments, int(entries.get("optimizer/step") or 0))
-        if self.scaler and entries.get("loss_scaler"):
-            self.scaler.load_state_dict(entries["loss_scaler"])
-        self.step = int(entries["step"])
-        if entries.get("layout") == self.layout.describe() and rng + "cpu" in entries:
-            torch.set_rng_state(entries[rng + "cpu"])
-            if rng + "cuda" in entries and self.device.type == "cuda":
-                torch.cuda.set_rng_state(entries[rng + "cuda"], self.device)
-        else:
-            self._reseed(f"it was saved in layout {entries.get('layout') or 'unknown'}")
-
-    def _reseed(self, why: str) -> None:
-        """A deterministic new random stream per data-parallel rank (as at the start)."""
-        seed = self.cfg.train.seed + 7919 * (1 + self.mesh.coord("dp")) + 104729 * self.step
-        torch.manual_seed(seed)
-        self.say(f"checkpoint random state not restored ({why}); reseeded the random streams")
-
-    def _restore_full(self, state: dict) -> None:
-        """Restore from a full single-process state dict (the earlier checkpoint format)."""
-        masters = local_model_state(self.chunks, state["model"], self.tp)
-        moments, step = local_optimizer_state(state["optimizer"], self.chunks, self.tp)
-        self.optimizer.load(masters, moments, step)
-        if self.scaler and state.get("loss_scaler"):
-            self.scaler.load_state_dict(state["loss_scaler"])
-        self.step = int(state["step"])
-        torch.set_rng_state(state["rng"]["cpu"])
-        if "cuda" in state["rng"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        """Load a checkpoint saved in any layout and continue from its step."""
+        self.step = self.checkpoints.restore(step_dir)
 
     # ------------------------------------------------------------------ logging, the loop
 

@@ -12,7 +12,7 @@ import pytest
 
 from ptdp.errors import CheckpointError
 from ptdp.parallel.env import LaunchEnv
-from ptdp.train import checkpoint as ckpt
+from ptdp import checkpoint as ckpt
 from ptdp.train.run import train
 from tests.dist.harness import run_ranks
 from tests.helpers import LLAMA, tiny_config

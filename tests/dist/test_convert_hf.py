@@ -12,9 +12,9 @@ import torch
 
 from ptdp.config import apply_updates, load_toml
 from ptdp.convert.hf import export_hf, import_hf
-from ptdp.model.sample import load_model
+from ptdp.sample import load_model
 from ptdp.parallel.env import LaunchEnv
-from ptdp.train import checkpoint as ckpt
+from ptdp import checkpoint as ckpt
 from ptdp.train.run import train
 from tests.dist.harness import run_ranks
 from tests.helpers import LLAMA, tiny_config

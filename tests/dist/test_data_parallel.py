@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ptdp.config import RunConfig
-from ptdp.model.sample import sample_from_checkpoint
+from ptdp.sample import sample_from_checkpoint
 from ptdp.parallel.env import LaunchEnv
-from ptdp.train import checkpoint as ckpt
+from ptdp import checkpoint as ckpt
 from ptdp.train.run import prepare, train
 from ptdp.train.trainer import Trainer
 from tests.dist.harness import run_ranks

@@ -12,7 +12,7 @@ import pytest
 
 from ptdp.errors import CheckpointError
 from ptdp.parallel.env import LaunchEnv
-from ptdp.train import checkpoint as ckpt
+from ptdp import checkpoint as ckpt
 from ptdp.train.run import train
 from ptdp.train.trainer import Trainer
 from tests.dist.harness import run_ranks

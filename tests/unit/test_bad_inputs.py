@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import ptdp.train.checkpoint as ckpt
+import ptdp.checkpoint as ckpt
 from ptdp.cli import main
 from ptdp.config import resolve
 from ptdp.data.tokenizers import train_bpe

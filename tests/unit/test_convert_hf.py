@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from ptdp import checkpoint as ckpt
+from ptdp.checkpoint import full_model_state
 from ptdp.cli import main
 from ptdp.config import ModelConfig, RunConfig, apply_updates, load_toml
 from ptdp.convert.hf import export_hf, fuse_qkv, import_hf, split_qkv
 from ptdp.errors import ConfigError
 from ptdp.model.gpt import GPT
-from ptdp.model.sample import load_model
 from ptdp.parallel.comm import Group
-from ptdp.parallel.state import full_model_state
-from ptdp.train import checkpoint as ckpt
+from ptdp.sample import load_model
 from ptdp.train.run import train
 from tests.helpers import LLAMA
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ptdp import checkpoint as ckpt
 from ptdp.config import to_toml
 from ptdp.errors import ConfigError
-from ptdp.train import checkpoint as ckpt
 from ptdp.train import optim
 from ptdp.train.faults import SPIKE_WINDOW, FaultMonitor, TrainingError
 from ptdp.train.run import train

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
+from ptdp import checkpoint as ckpt
 from ptdp.cli import main
 from ptdp.model.gpt import GPT, count_parameters
-from ptdp.train import checkpoint as ckpt
 from ptdp.train.run import train
 from tests.helpers import tiny_config
 

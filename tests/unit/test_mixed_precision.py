@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
+from ptdp import checkpoint as ckpt
 from ptdp.parallel.env import LaunchEnv
-from ptdp.train import checkpoint as ckpt
 from ptdp.train.loss_scale import DynamicLossScaler
 from ptdp.train.run import prepare, train
 from ptdp.train.trainer import Trainer

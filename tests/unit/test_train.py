@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ptdp import checkpoint as ckpt
 from ptdp.cli import main
 from ptdp.config import load_toml, to_toml
 from ptdp.errors import CheckpointError, ConfigError
-from ptdp.model.sample import sample_from_checkpoint
-from ptdp.train import checkpoint as ckpt
+from ptdp.sample import sample_from_checkpoint
 from ptdp.train.run import train
 from tests.helpers import make_corpus, tiny_config
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from ptdp import checkpoint as ckpt
+from ptdp.checkpoint import full_model_state
 from ptdp.config import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.model.gpt import GPT, count_parameters
 from ptdp.parallel.comm import Group
-from ptdp.parallel.state import full_model_state
-from ptdp.train import checkpoint as ckpt
 from ptdp.train.run import train
 from tests.helpers import tiny_config
 

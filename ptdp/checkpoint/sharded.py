@@ -1,4 +1,5 @@
-"""A rank's model and optimizer state as `torch.distributed.checkpoint` (DCP) entries.
+"""A rank's model and optimizer state as `torch.distributed.checkpoint` (DCP) entries,
+and the plan that loads a checkpoint of any layout back into them (resharding).
 
 Every rank describes the tensors it holds as DTensors over the ("dp", "tp") sub-mesh of
 its pipeline stage: a tensor-parallel shard is `Shard(dim)` of the unpadded global
@@ -8,11 +9,8 @@ each distinct chunk once (spreading the data-parallel replicas' writes over rank
 on load it reads, for the current layout, whatever overlapping chunks a checkpoint
 holds, so a checkpoint saved in one layout restores in any other.
 
-Keys are layout-free: `model/<global name>`, `optimizer/state/<name>/<moment>`. A
-SwiGLU fc1 weight ([gate; up] blocks, each split over tp on its own) saved by tp > 1
-ranks is stored viewed as (parts, rows / parts, ...) under the key suffix `@parts<k>dim<d>`,
-where each rank's rows are one contiguous chunk of dim 1. The last pipeline stage's
-copy of a tied embedding is not saved; it loads from `embedding.weight`.
+Keys are layout-free (ptdp/checkpoint/keys.py). The last pipeline stage's copy of a tied
+embedding is not saved; it loads from `embedding.weight`.
 """
 
 from __future__ import annotations
@@ -20,20 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ptdp.checkpoint.keys import MODEL, MOMENTS, STATE_KEYS, named_parameters, parts_dim, parts_key
 from ptdp.errors import CheckpointError
+from ptdp.parallel.comm import has_process_group
 from ptdp.parallel.init import ShardSpec, shard_spec
 from ptdp.parallel.mesh import ParallelMesh
-from ptdp.parallel.state import named_parameters
-
-MODEL = "model/"
-MOMENTS = "optimizer/state/"
-STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def stage_mesh(mesh: ParallelMesh, device: torch.device) -> DeviceMesh | None:
@@ -43,20 +37,10 @@ def stage_mesh(mesh: ParallelMesh, device: torch.device) -> DeviceMesh | None:
     (rank = tp + t*(dp + d*pp) is arange(world).reshape(pp, dp, tp)).
     """
     s = mesh.shape
-    if s.world_size == 1 or not dist.is_initialized():
+    if s.world_size == 1 or not has_process_group():
         return None
     full = init_device_mesh(device.type, (s.pp, s.dp, s.tp), mesh_dim_names=("pp", "dp", "tp"))
     return full["dp", "tp"]
-
-
-def parts_key(key: str, spec: ShardSpec) -> str:
-    return f"{key}@parts{spec.parts}dim{spec.dim}"
-
-
-def _parts_dim(key: str) -> int | None:
-    """The dim a `@parts<k>dim<d>` key was viewed at, or None."""
-    _, _, suffix = key.partition("@parts")
-    return int(suffix.split("dim")[1]) if suffix else None
 
 
 def _sharded(spec: ShardSpec | None, sub: DeviceMesh | None) -> bool:
@@ -137,7 +121,7 @@ class _Target:
         if self.local is not None:
             return self.local
         spec = shard_spec(self.p)
-        full, dim = self.value, _parts_dim(self.key)
+        full, dim = self.value, parts_dim(self.key)
         if dim is not None:
             full = full.flatten(dim, dim + 1)
         if spec is not None and spec.size > 1:
@@ -157,7 +141,7 @@ def _stored(metadata, key: str) -> str | None:
 def _target(key: str, stored: str, shape, p: torch.Tensor, sub, tp_rank: int, name: str):
     spec = shard_spec(p)
     full_shape = tuple(spec.full_shape(p.shape)) if spec is not None else tuple(p.shape)
-    flat_shape, dim = list(shape), _parts_dim(stored)
+    flat_shape, dim = list(shape), parts_dim(stored)
     if dim is not None:
         flat_shape[dim : dim + 2] = [flat_shape[dim] * flat_shape[dim + 1]]
     if tuple(flat_shape) != full_shape:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ptdp.checkpoint import find_checkpoint, load_checkpoint, load_config, load_full_model_state
 from ptdp.config import ParallelConfig
 from ptdp.data.tokenizers import load_tokenizer
 from ptdp.errors import CheckpointError, ConfigError
@@ -19,14 +20,12 @@ from ptdp.layout import validate
 from ptdp.model.generate import generate
 from ptdp.model.gpt import GPT
 from ptdp.parallel.comm import Group
-from ptdp.parallel.state import load_full_model_state
-from ptdp.train import checkpoint as ckpt
 
 
 def load_model(step_dir: Path, device: str = "cpu", tp: Group | None = None) -> GPT:
     """The checkpoint's model, whole or (with `tp`) this rank's tensor-parallel part."""
-    cfg = ckpt.load_config(step_dir)
-    state = ckpt.load_checkpoint(step_dir)
+    cfg = load_config(step_dir)
+    state = load_checkpoint(step_dir)
     if tp is None or tp.size == 1:  # full tensors; the model pads its vocabulary rows
         model = GPT(cfg.model, seed=cfg.train.seed)
         load_full_model_state([model], state["model"], Group.single())
@@ -57,8 +56,8 @@ def sample_from_checkpoint(
     use_cache: bool = True,
     tp: Group | None = None,
 ) -> list[str]:
-    step_dir = ckpt.find_checkpoint(path)
-    entry = ckpt.load_checkpoint(step_dir).get("tokenizer", "")
+    step_dir = find_checkpoint(path)
+    entry = load_checkpoint(step_dir).get("tokenizer", "")
     if not entry:
         raise CheckpointError(
             f"{step_dir} records no tokenizer (its data was preprocessed elsewhere); "

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from ptdp.checkpoint.full import load_checkpoint
+from ptdp.checkpoint.store import find_checkpoint, load_config
 from ptdp.config import RunConfig, to_dict
-from ptdp.train import checkpoint as ckpt
 
 
 def _size(nbytes: int) -> str:
@@ -98,9 +99,9 @@ def describe_checkpoint(path: str | Path) -> str:
 
     Raises CheckpointError when there is none there or its files cannot be read.
     """
-    step_dir = ckpt.find_checkpoint(path)
-    state = ckpt.load_checkpoint(step_dir)
-    cfg = ckpt.load_config(step_dir)
+    step_dir = find_checkpoint(path)
+    state = load_checkpoint(step_dir)
+    cfg = load_config(step_dir)
     model = state.get("model", {})
     lines = [
         f"checkpoint: {step_dir}",

@@ -1,0 +1,48 @@
+"""Checkpoints: sharded, written in parallel, published atomically, loadable in any layout.
+
+Modules: store.py (step directories, `latest`, checksums, reading entries), writer.py
+(parallel and background writes, atomic publish), keys.py (the layout-free key scheme),
+sharded.py (a rank's DCP/DTensor entries and resharding on load), full.py (the full
+single-process state used by generate, convert and inspect), manager.py (a training run's
+save and restore), inspect.py (`ptdp inspect`). Only ptdp/parallel/comm.py issues
+collectives; this package uses DCP, DTensor and DeviceMesh directly.
+"""
+
+from __future__ import annotations
+
+from ptdp.checkpoint.full import (
+    full_model_state,
+    load_checkpoint,
+    load_full_model_state,
+    save_checkpoint,
+)
+from ptdp.checkpoint.inspect import describe_checkpoint
+from ptdp.checkpoint.manager import CheckpointManager
+from ptdp.checkpoint.store import (
+    LATEST,
+    METADATA,
+    STATE_FILE,
+    checkpoint_root,
+    find_checkpoint,
+    load_config,
+    read_metadata,
+)
+from ptdp.checkpoint.writer import PendingCheckpoint, start_checkpoint
+
+__all__ = [
+    "LATEST",
+    "METADATA",
+    "STATE_FILE",
+    "CheckpointManager",
+    "PendingCheckpoint",
+    "checkpoint_root",
+    "describe_checkpoint",
+    "find_checkpoint",
+    "full_model_state",
+    "load_checkpoint",
+    "load_config",
+    "load_full_model_state",
+    "read_metadata",
+    "save_checkpoint",
+    "start_checkpoint",
+]

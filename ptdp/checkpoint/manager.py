@@ -1,0 +1,238 @@
+"""A training run's checkpoints: one rank's save (synchronous or in the background) and its
+restore in any layout, from the parts of the trainer they need.
+
+Saving writes this rank's shards of the fp32 master weights and AdamW moments as DCP
+entries (ptdp/checkpoint/sharded.py), its random state and the run's scalars; rank 0
+publishes the step directory when every rank is done (ptdp/checkpoint/writer.py).
+Restoring reads, for this rank's shards in the current layout, the overlapping pieces of
+whatever the saving ranks wrote, so the layout may change between runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from ptdp.checkpoint.full import load_checkpoint, local_model_state, local_optimizer_state
+from ptdp.checkpoint.keys import RNG
+from ptdp.checkpoint.sharded import load_plan, sharded_state, stage_mesh, unpack
+from ptdp.checkpoint.store import STATE_FILE, load_entries, read_metadata, verify_files
+from ptdp.checkpoint.writer import PendingCheckpoint, start_checkpoint
+from ptdp.config import RunConfig, to_dict
+from ptdp.errors import CheckpointError
+from ptdp.parallel.comm import Group, all_gather_objects, new_world_group
+from ptdp.parallel.mesh import ParallelMesh
+
+Moments = dict[nn.Parameter, dict[str, torch.Tensor]]
+
+
+class TrainOptimizer(Protocol):
+    """What a checkpoint needs of the optimizer (ptdp/train/optim.py's Optimizer)."""
+
+    @property
+    def param_groups(self) -> list[dict]: ...
+
+    def master_weights(self) -> dict[nn.Parameter, torch.Tensor]: ...
+
+    def moments(self) -> tuple[Moments, int]: ...
+
+    def load(
+        self, masters: dict[nn.Parameter, torch.Tensor], moments: Moments, step: int
+    ) -> None: ...
+
+
+class LossScaler(Protocol):
+    """What a checkpoint needs of the fp16 loss scaler (ptdp/train/loss_scale.py)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass
+class CheckpointManager:
+    """Saves and restores one rank's training state; all ranks call its methods together.
+
+    `cfg` is recorded in every checkpoint (config.toml and the `config` entry), and its
+    train section says where (run_dir), how (async_save, keep_checkpoints) and the seed
+    of the random streams a restore in another layout starts afresh.
+    """
+
+    chunks: list[nn.Module]
+    optimizer: TrainOptimizer
+    scaler: LossScaler | None
+    mesh: ParallelMesh
+    world: Group  # all ranks: their rank and count
+    device: torch.device
+    cfg: RunConfig
+    layout: str  # Layout.describe(): the random state restores only in the same layout
+    tokenizer_spec: str  # data.tokenizer_spec: "bytes", "" or a tokenizer.json path
+    say: Callable[[str], None]
+    _pending: PendingCheckpoint | None = field(default=None, init=False)  # async save in flight
+    _async_group: ProcessGroup | None = field(default=None, init=False)  # its collectives' group
+    _dcp_mesh: DeviceMesh | None = field(default=None, init=False)
+    _dcp_mesh_built: bool = field(default=False, init=False)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.train.run_dir)
+
+    def state(self, step: int) -> dict[str, Any]:
+        """This rank's checkpoint entries at `step`: its shards of the fp32 master weights
+        and AdamW moments as DCP tensors, its random state, and the run's scalars (the same
+        on every rank; DCP writes them once)."""
+        masters = self.optimizer.master_weights()  # fp32, also under 16-bit training
+        moments, opt_step = self.optimizer.moments()
+        state = sharded_state(self.chunks, masters, moments, self._stage_mesh(), self.tp_rank)
+        rng = f"{RNG}rank{self.world.rank}/"
+        state[rng + "cpu"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            state[rng + "cuda"] = torch.cuda.get_rng_state(self.device)
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+        ]
+        return state | {
+            "optimizer/step": opt_step,
+            "optimizer/param_groups": groups,
+            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+            "step": step,
+            "consumed_samples": step * self.cfg.train.global_batch_size,
+            "config": to_dict(self.cfg),
+            "tokenizer": self._tokenizer_entry(),
+            "layout": self.layout,
+        }
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh.axis("tp").rank
+
+    def _stage_mesh(self) -> DeviceMesh | None:
+        """The DCP device mesh of this rank's pipeline stage (built once, collectively)."""
+        if not self._dcp_mesh_built:
+            self._dcp_mesh = stage_mesh(self.mesh, self.device)
+            self._dcp_mesh_built = True
+        return self._dcp_mesh
+
+    def _tokenizer_entry(self) -> str:
+        """How generation finds the tokenizer: "bytes", the copied tokenizer.json, or ""."""
+        spec = self.tokenizer_spec
+        return spec if spec in ("bytes", "") else "tokenizer.json"
+
+    def save(self, step: int) -> Path:
+        """Every rank writes its own shards (no gather); rank 0 publishes the result.
+
+        With `train.async_save`, the state is copied to CPU memory and written in the
+        background; it is published by the next `save` or `finish_save` (all ranks call
+        both at the same steps), so `latest` names it only then."""
+        self.finish_save()  # the previous asynchronous save first
+        spec = self.tokenizer_spec
+        tok = Path(spec) if spec and spec != "bytes" else None
+        asynchronous = self.cfg.train.async_save
+        pending = start_checkpoint(
+            self.run_dir,
+            step,
+            self.state(step),
+            self.cfg,
+            tok,
+            keep=self.cfg.train.keep_checkpoints,
+            distributed=self.world.size > 1,
+            asynchronous=asynchronous,
+            process_group=self._save_group() if asynchronous else None,
+        )
+        if not asynchronous:
+            return pending.finish()
+        self._pending = pending
+        return pending.final
+
+    def finish_save(self) -> Path | None:
+        """Wait for the asynchronous save in flight, if any, and publish it (collective)."""
+        pending = self._pending
+        if pending is None:
+            return None
+        self._pending = None
+        step_dir = pending.finish()
+        self.say(f"saved checkpoint {step_dir}")
+        return step_dir
+
+    def publish_save_after_failure(self) -> None:
+        """A run that failed still publishes the asynchronous save of an earlier, good
+        step, in one process: there is no peer to wait for. With several ranks publishing
+        needs all of them, and some may be gone; that save stays unpublished (`.tmp`)."""
+        if self._pending is None or self.world.size > 1:
+            return
+        try:
+            self.finish_save()
+        except Exception as exc:  # the run's own error matters more: say, do not raise
+            self.say(f"the background save could not be published: {exc}")
+
+    def _save_group(self) -> ProcessGroup | None:
+        """A gloo group of all ranks for the background writes' collectives, so they
+        never interleave with training's (built once, collectively); None in one process."""
+        if self.world.size == 1:
+            return None
+        if self._async_group is None:
+            self._async_group = new_world_group("gloo")
+        return self._async_group
+
+    def restore(self, step_dir: Path) -> int:
+        """Load a checkpoint saved in any layout: DCP reads, for this rank's shards in the
+        current layout, the overlapping pieces of whatever the saving ranks wrote. Returns
+        the checkpoint's step."""
+        if (step_dir / STATE_FILE).is_file():  # the earlier single-file format
+            return self._restore_full(load_checkpoint(step_dir))
+        distributed = self.world.size > 1
+        metadata = read_metadata(step_dir)
+        problems = verify_files(step_dir, metadata, self.world.rank, self.world.size)
+        # Each rank checked a share of the files; all must agree.
+        parts = all_gather_objects(problems, self.world.group, self.world.size)
+        problems = [p for part in parts for p in part]
+        if problems:
+            raise CheckpointError("; ".join(problems))
+        keys = metadata.state_dict_metadata
+        entries, plan = load_plan(self.chunks, keys, self._stage_mesh(), self.tp_rank)
+        scalars = ("step", "loss_scaler", "layout", "optimizer/step")
+        entries |= {k: None for k in scalars if k in keys}
+        rng = f"{RNG}rank{self.world.rank}/"
+        for key in (k for k in keys if k.startswith(rng)):
+            md = keys[key]
+            entries[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        load_entries(step_dir, entries, distributed=distributed)
+        masters, moments = unpack(plan, self.tp_rank)
+        self.optimizer.load(masters, moments, int(entries.get("optimizer/step") or 0))
+        if self.scaler and entries.get("loss_scaler"):
+            self.scaler.load_state_dict(entries["loss_scaler"])
+        step = int(entries["step"])
+        if entries.get("layout") == self.layout and rng + "cpu" in entries:
+            torch.set_rng_state(entries[rng + "cpu"])
+            if rng + "cuda" in entries and self.device.type == "cuda":
+                torch.cuda.set_rng_state(entries[rng + "cuda"], self.device)
+        else:
+            self._reseed(step, f"it was saved in layout {entries.get('layout') or 'unknown'}")
+        return step
+
+    def _reseed(self, step: int, why: str) -> None:
+        """A deterministic new random stream per data-parallel rank (as at the start)."""
+        seed = self.cfg.train.seed + 7919 * (1 + self.mesh.coord("dp")) + 104729 * step
+        torch.manual_seed(seed)
+        self.say(f"checkpoint random state not restored ({why}); reseeded the random streams")
+
+    def _restore_full(self, state: dict) -> int:
+        """Restore from a full single-process state dict (the earlier checkpoint format);
+        returns its step."""
+        tp = self.mesh.axis("tp")
+        masters = local_model_state(self.chunks, state["model"], tp)
+        moments, step = local_optimizer_state(state["optimizer"], self.chunks, tp)
+        self.optimizer.load(masters, moments, step)
+        if self.scaler and state.get("loss_scaler"):
+            self.scaler.load_state_dict(state["loss_scaler"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if "cuda" in state["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        return int(state["step"])

@@ -1,0 +1,194 @@
+"""Writing a checkpoint: every rank its own shards, in parallel, then an atomic publish.
+
+A checkpoint is written under `step_X.tmp` by all ranks (DCP writes each distinct chunk
+once, so nothing is gathered to rank 0), checksummed, renamed by rank 0 when every rank
+is done, and only then does `latest` move (written to a temporary file and
+`os.replace`d), so a crash or a failed save leaves the previous checkpoint as the
+latest. An asynchronous save (`start_checkpoint(asynchronous=True)`) copies the state
+to CPU memory, writes it in a background thread and publishes it in `finish()`.
+The directory format is ptdp/checkpoint/store.py's.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ptdp.checkpoint.store import CHECKSUMS, LATEST, checkpoint_root, checksum, step_dir_name
+from ptdp.config import RunConfig, to_toml
+from ptdp.errors import CheckpointError
+from ptdp.parallel.comm import Group, all_gather_objects, barrier, world_group
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint whose shards are being (or have been) written under `tmp`; `finish`
+    (all ranks together) waits for this rank's write, then checksums and publishes it."""
+
+    root: Path
+    final: Path
+    tmp: Path
+    cfg: RunConfig
+    tokenizer_file: Path | None
+    keep: int
+    distributed: bool
+    future: Future | None = None  # the background write of an asynchronous save
+
+    def finish(self) -> Path:
+        with _write_errors(self):
+            if self.future is not None:
+                future, self.future = self.future, None
+                future.result()  # this rank's shards are on disk (or its error raises)
+            return _publish(self)
+
+
+def start_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    state: dict[str, Any],
+    cfg: RunConfig,
+    tokenizer_file: Path | None,
+    keep: int = 0,
+    *,
+    distributed: bool = False,
+    asynchronous: bool = False,
+    process_group: ProcessGroup | None = None,
+) -> PendingCheckpoint:
+    """Start writing this rank's flat DCP `state` (all ranks call this together when
+    `distributed`) as the checkpoint of `step`, under `step_X.tmp`.
+
+    Synchronous: the shards are written when this returns. `asynchronous`: DCP copies the
+    tensors to new CPU memory (a snapshot; training may change its own tensors at once)
+    and writes them in a background thread, coordinating over `process_group` (a group of
+    its own, so its collectives never interleave with training's). Either way nothing is
+    published until `finish()`.
+    """
+    world = world_group() if distributed else Group.single()
+    root = checkpoint_root(run_dir)
+    pending = PendingCheckpoint(
+        root,
+        root / step_dir_name(step),
+        root / f"{step_dir_name(step)}.tmp",
+        cfg,
+        tokenizer_file,
+        keep,
+        distributed,
+    )
+    if world.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(pending.tmp, ignore_errors=True)
+        pending.tmp.mkdir()
+    barrier(world.group, world.size)
+    kwargs = {
+        "storage_writer": dcp.FileSystemWriter(pending.tmp, thread_count=1),
+        "planner": DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        "no_dist": not distributed,
+    }
+    # "assuming the intent is to save in a single process"
+    with warnings.catch_warnings(), _write_errors(pending):
+        warnings.simplefilter("ignore", UserWarning)
+        if asynchronous:
+            pending.future = dcp.async_save(state, process_group=process_group, **kwargs)
+        else:
+            dcp.save(state, **kwargs)
+    return pending
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed write: DCP wraps each rank's error (as a pair with its
+    traceback) in a CheckpointException, itself maybe the cause of another error."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        if isinstance(e, CheckpointException):
+            todo.extend(pair[0] for pair in e.failures.values())
+        todo.extend((e.__cause__, e.__context__))
+    return None
+
+
+@contextmanager
+def _write_errors(p: PendingCheckpoint) -> Iterator[None]:
+    """Turn a failed write into a CheckpointError that names the directory and says that
+    `latest` still names the previous checkpoint; drop the half-written `step_X.tmp`.
+
+    With several ranks, only a single process removes it (others may still be writing);
+    a leftover `.tmp` is never taken for a checkpoint and the next save of that step
+    replaces it."""
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:
+        error = _os_error(exc)
+        if error is None:
+            raise
+        if not p.distributed:
+            shutil.rmtree(p.tmp, ignore_errors=True)
+        latest = p.root / LATEST
+        previous = (
+            f"{latest} still names {latest.read_text().strip()}"
+            if latest.is_file()
+            else "no earlier checkpoint was published"
+        )
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            problem = f"the disk is full (no space left on device) writing checkpoint {p.tmp}"
+            fix = (
+                f"free space on the disk holding {p.root}, or keep fewer checkpoints "
+                "(--train.keep_checkpoints 2)"
+            )
+        else:
+            problem = f"writing checkpoint {p.tmp} failed: {error}"
+            fix = f"check that {p.root} is writable"
+        raise CheckpointError(
+            f"{problem}; the checkpoint of this step was not saved and {previous}; {fix}, "
+            "then --resume"
+        ) from error
+
+
+def _publish(p: PendingCheckpoint) -> Path:
+    """Checksum the written shards, then (rank 0) rename `tmp` and move `latest`."""
+    world = world_group() if p.distributed else Group.single()
+    barrier(world.group, world.size)  # every rank's shards (and DCP's .metadata) are written
+    files = sorted(f.name for f in p.tmp.glob("*.distcp"))
+    sums = {name: checksum(p.tmp / name) for name in files[world.rank :: world.size]}
+    parts = all_gather_objects(sums, world.group, world.size)
+    sums = {k: v for part in parts for k, v in part.items()}
+    if world.rank == 0:
+        (p.tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
+        (p.tmp / "config.toml").write_text(to_toml(p.cfg))
+        if p.tokenizer_file is not None:
+            shutil.copyfile(p.tokenizer_file, p.tmp / "tokenizer.json")
+        shutil.rmtree(p.final, ignore_errors=True)
+        os.replace(p.tmp, p.final)
+        pointer = p.root / f"{LATEST}.tmp"
+        pointer.write_text(p.final.name + "\n")
+        os.replace(pointer, p.root / LATEST)
+        if p.keep:
+            _prune(p.root, p.keep)
+    barrier(world.group, world.size)
+    return p.final
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Remove all but the newest `keep` complete step directories."""
+    complete = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp"))
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
