@@ -36,7 +36,7 @@ from ptdp import checkpoint as ckpt
 from ptdp.config import apply_updates, load_toml
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.run import prepare
-from ptdp.train.trainer import Trainer
+from ptdp.train.step.trainer import Trainer
 
 try:
     from benchmarks._spawn import spawn

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ptdp.config import apply_updates, load_toml
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.run import prepare
-from ptdp.train.trainer import Trainer
+from ptdp.train.step.trainer import Trainer
 
 try:
     from benchmarks._spawn import spawn

@@ -55,9 +55,9 @@ def _inside(inner, fault):
 
 def _inject(kind: str, rank: int, step: int, seconds: float) -> None:
     from ptdp.pipeline.actions import Action, Kind
-    from ptdp.train.trainer import Trainer
+    from ptdp.train.step.trainer import Trainer
 
-    original = Trainer._around
+    original = Trainer.around
     fired = False
 
     def fire(self) -> None:
@@ -101,7 +101,7 @@ def _inject(kind: str, rank: int, step: int, seconds: float) -> None:
     if kind == "nan":
         Trainer.forward_backward = forward_backward
     else:
-        Trainer._around = around
+        Trainer.around = around
 
 
 def driver(run_dir: str, args: list[str]) -> int:

@@ -48,9 +48,9 @@ from ptdp.parallel.env import LaunchEnv
 from ptdp.perf.flops import dense_peak_flops, device_kind, model_flops_per_iteration
 from ptdp.perf.hardware import System, load_system, system_for_device_name
 from ptdp.perf.simulator import simulate
-from ptdp.train.optim import adamw_kernel
 from ptdp.train.run import prepare
-from ptdp.train.trainer import Trainer
+from ptdp.train.step.optim import adamw_kernel
+from ptdp.train.step.trainer import Trainer
 
 
 @dataclass(frozen=True)

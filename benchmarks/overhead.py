@@ -29,8 +29,8 @@ from ptdp.data.indexed import IndexedWriter
 from ptdp.model.gpt import GPT
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.data_setup import resolve_vocab
-from ptdp.train.optim import lr_at
 from ptdp.train.run import train
+from ptdp.train.step.optim import lr_at
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -241,7 +241,7 @@ class TrainConfig:
     the last checkpoint and skip the batches since it, the bad one included)."""
     collective_timeout_s: float = 300.0
     """Seconds a collective or pipeline receive may wait; a rank that dies or hangs is
-    named and every other rank stops within this time (ptdp/train/watchdog.py)."""
+    named and every other rank stops within this time (ptdp/train/faults/watchdog.py)."""
     straggler_factor: float = 0.0
     """Log where every rank is when a step runs longer than this multiple of the median
     step time (e.g. 3); 0 = off. Multi-process runs only."""

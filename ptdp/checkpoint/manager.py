@@ -34,7 +34,7 @@ Moments = dict[nn.Parameter, dict[str, torch.Tensor]]
 
 
 class TrainOptimizer(Protocol):
-    """What a checkpoint needs of the optimizer (ptdp/train/optim.py's Optimizer)."""
+    """What a checkpoint needs of the optimizer (ptdp/train/step/optim.py's Optimizer)."""
 
     @property
     def param_groups(self) -> list[dict]: ...
@@ -49,7 +49,7 @@ class TrainOptimizer(Protocol):
 
 
 class LossScaler(Protocol):
-    """What a checkpoint needs of the fp16 loss scaler (ptdp/train/loss_scale.py)."""
+    """What a checkpoint needs of the fp16 loss scaler (ptdp/train/step/loss_scale.py)."""
 
     def state_dict(self) -> dict: ...
 

@@ -1,7 +1,7 @@
 """Memory per device: parameters, gradients, optimizer state and stored activations.
 
 Model-state bytes per parameter follow what the runtime does (`ptdp/parallel/data.py`,
-`ptdp/train/optim.py`): with bf16/fp16, 16-bit weights (2 B), an fp32 gradient buffer
+`ptdp/train/step/optim.py`): with bf16/fp16, 16-bit weights (2 B), an fp32 gradient buffer
 (4 B), fp32 master weights (4 B) and AdamW's two fp32 moments (8 B); with fp32, 4 B
 weights, 4 B gradients and 8 B of moments. The distributed optimizer (ZeRO-1) divides the
 master weights and moments by the data-parallel size.

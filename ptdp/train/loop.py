@@ -19,13 +19,13 @@ from ptdp import checkpoint as ckpt
 from ptdp.config import OnNan
 from ptdp.parallel.comm import gather_objects
 from ptdp.perf.timeline import from_dicts, to_dicts
-from ptdp.train.faults import NumericalFault, TrainingError
+from ptdp.train.faults.numerical import NumericalFault, TrainingError
 from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
-from ptdp.train.optim import lr_at
 from ptdp.train.profile import write_timeline
+from ptdp.train.step.optim import lr_at
 
 if TYPE_CHECKING:
-    from ptdp.train.trainer import Trainer
+    from ptdp.train.step.trainer import Trainer
 
 
 class _IntervalTimer:
@@ -118,7 +118,7 @@ def run_loop(trainer: Trainer) -> TrainResult:
                     pending = []
                 if t.eval_interval and (trainer.step % t.eval_interval == 0 or last):
                     timer.pause()
-                    with trainer._around("evaluation"):
+                    with trainer.around("evaluation"):
                         val = trainer.evaluate()
                     result.val_losses[trainer.step] = val
                     if writer:
@@ -130,7 +130,7 @@ def run_loop(trainer: Trainer) -> TrainResult:
                     timer.resume()
                 if (t.save_interval and trainer.step % t.save_interval == 0) or last or stopping:
                     timer.pause()
-                    with trainer._around("checkpoint save"):
+                    with trainer.around("checkpoint save"):
                         step_dir = trainer.save()
                     if t.async_save and not stopping:
                         trainer.say(f"saving checkpoint {step_dir} in the background")

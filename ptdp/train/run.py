@@ -16,8 +16,8 @@ from ptdp.layout import Layout, validate
 from ptdp.parallel.comm import all_gather_objects, barrier
 from ptdp.parallel.env import LaunchEnv, destroy_process_group
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
-from ptdp.train.loop import TrainResult
-from ptdp.train.trainer import Trainer
+from ptdp.train.loop import TrainResult, run_loop
+from ptdp.train.step.trainer import Trainer
 
 
 def prepare(cfg: RunConfig, env: LaunchEnv) -> tuple[RunConfig, Layout, RunData]:
@@ -109,7 +109,7 @@ def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None)
             f"{sum(len(b.buckets) for b in trainer.grads.chunks)} gradient buckets on rank 0"
             + (", reduced during backward" if cfg.parallel.overlap_grad_reduce else "")
         )
-        result = trainer.run()
+        result = run_loop(trainer)
         if trainer.watchdog:
             trainer.watchdog.close()
         barrier(None, env.world_size)  # leave together (see destroy_process_group)

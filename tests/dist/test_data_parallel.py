@@ -20,7 +20,7 @@ from ptdp.sample import sample_from_checkpoint
 from ptdp.parallel.env import LaunchEnv
 from ptdp import checkpoint as ckpt
 from ptdp.train.run import prepare, train
-from ptdp.train.trainer import Trainer
+from ptdp.train.step.trainer import Trainer
 from tests.dist.harness import run_ranks
 from tests.helpers import LLAMA, tiny_config
 

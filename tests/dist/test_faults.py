@@ -14,7 +14,7 @@ from ptdp.errors import CheckpointError
 from ptdp.parallel.env import LaunchEnv
 from ptdp import checkpoint as ckpt
 from ptdp.train.run import train
-from ptdp.train.trainer import Trainer
+from ptdp.train.step.trainer import Trainer
 from tests.dist.harness import run_ranks
 from tests.helpers import tiny_config
 

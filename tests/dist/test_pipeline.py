@@ -19,7 +19,7 @@ from ptdp.parallel.comm import Group, all_reduce_sum_, gather_objects
 from ptdp.parallel.grads import reduce_tied_grads
 from ptdp.parallel.init import full_tensor, shard_spec
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
-from ptdp.train.pipelined import PipelineStep, boundary_shape, build_chunks, build_p2p
+from ptdp.train.step.pipelined import PipelineStep, boundary_shape, build_chunks, build_p2p
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist

@@ -19,8 +19,8 @@ from torch._dynamo.utils import counters
 from ptdp.config import ModelConfig, Recompute
 from ptdp.model.compile import apply_compile
 from ptdp.model.gpt import GPT
-from ptdp.train.optim import adamw_kernel
 from ptdp.train.run import train
+from ptdp.train.step.optim import adamw_kernel
 from tests.helpers import LLAMA, tiny_config
 
 HAS_CXX = shutil.which("g++") is not None or shutil.which("c++") is not None
@@ -134,7 +134,7 @@ def test_compiled_training_matches_eager(tiny_data: str, tmp_path: Path) -> None
 def test_fused_adamw_on_cuda(tiny_data: str, tmp_path: Path) -> None:
     from ptdp.parallel.env import LaunchEnv
     from ptdp.train.run import prepare
-    from ptdp.train.trainer import Trainer
+    from ptdp.train.step.trainer import Trainer
 
     assert adamw_kernel([torch.zeros(3, device="cuda")]) == {"fused": True}
     cfg = tiny_config(tiny_data, tmp_path / "run", train={"device": "cuda", "steps": 2})
@@ -179,7 +179,7 @@ def test_compiled_bf16_training_step_runs_on_flash_attention(
 
     from ptdp.parallel.env import LaunchEnv
     from ptdp.train.run import prepare
-    from ptdp.train.trainer import Trainer
+    from ptdp.train.step.trainer import Trainer
 
     train_ = {"device": "cuda", "precision": "bf16", "compile": True, "steps": 2}
     env = LaunchEnv(0, 1, 0)

@@ -12,10 +12,10 @@ import torch
 from ptdp import checkpoint as ckpt
 from ptdp.config import to_toml
 from ptdp.errors import ConfigError
-from ptdp.train import optim
-from ptdp.train.faults import SPIKE_WINDOW, FaultMonitor, TrainingError
+from ptdp.train.faults.numerical import SPIKE_WINDOW, FaultMonitor, TrainingError
 from ptdp.train.run import train
-from ptdp.train.trainer import Trainer
+from ptdp.train.step import optim
+from ptdp.train.step.trainer import Trainer
 from tests.helpers import tiny_config
 
 COMMON = {"optim": {"decay_steps": 6}, "model": {"dropout": 0.1}}

@@ -9,9 +9,9 @@ import torch
 
 from ptdp import checkpoint as ckpt
 from ptdp.parallel.env import LaunchEnv
-from ptdp.train.loss_scale import DynamicLossScaler
 from ptdp.train.run import prepare, train
-from ptdp.train.trainer import Trainer
+from ptdp.train.step.loss_scale import DynamicLossScaler
+from ptdp.train.step.trainer import Trainer
 from tests.helpers import tiny_config
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ptdp.train.watchdog import (
+from ptdp.train.faults.watchdog import (
     PeerFailure,
     Watchdog,
     WatchdogTimes,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ptdp.errors import PtdpError
-from ptdp.train.faults import StopRequest
+from ptdp.train.faults.numerical import StopRequest
 
 STEP_WINDOW = 20
 """Completed steps whose median a running step is compared with."""

@@ -35,18 +35,17 @@ from ptdp.perf.flops import flops_per_iteration
 from ptdp.perf.timeline import TimelineRecorder
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.train.data_setup import RunData
-from ptdp.train.faults import FaultMonitor
-from ptdp.train.loop import TrainResult, run_loop
-from ptdp.train.loss_scale import DynamicLossScaler
-from ptdp.train.optim import Optimizer, lr_at, set_lr
-from ptdp.train.pipelined import (
+from ptdp.train.faults.numerical import FaultMonitor
+from ptdp.train.faults.watchdog import Watchdog
+from ptdp.train.step.loss_scale import DynamicLossScaler
+from ptdp.train.step.optim import Optimizer, lr_at, set_lr
+from ptdp.train.step.pipelined import (
     PipelineStep,
     StepHooks,
     boundary_shape,
     build_chunks,
     build_p2p,
 )
-from ptdp.train.watchdog import Watchdog
 
 PARAM_DTYPES = {
     Precision.FP32: torch.float32,
@@ -136,7 +135,7 @@ class Trainer:
                 StepHooks(
                     on_final_backward=lambda stage: self.grads.start_final(chunk_of_stage[stage]),
                     on_step_end=self.grads.finish,
-                    around_action=self._around if self.recorder or self.watchdog else None,
+                    around_action=self.around if self.recorder or self.watchdog else None,
                     around_wait=self.watchdog.waiting_for if self.watchdog else None,
                 ),
             )
@@ -170,7 +169,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ batches
 
-    def _around(self, action: Action | str) -> contextlib.ExitStack:
+    def around(self, action: Action | str) -> contextlib.ExitStack:
         """Around each action: the timeline records it, the watchdog shows it."""
         stack = contextlib.ExitStack()
         if self.recorder and isinstance(action, Action):
@@ -217,7 +216,7 @@ class Trainer:
     def _accumulate(self, batch, n: int, loss_scale: float) -> torch.Tensor:
         """Forward and backward of n microbatches on the whole model (no pipeline)."""
         total = torch.zeros((), device=self.device)
-        timed = self._around
+        timed = self.around
         for j in range(n):
             tokens, labels = batch(j)
             with timed(Action(Kind.F, 0, j)), self._autocast():
@@ -253,8 +252,9 @@ class Trainer:
         """Unscale, clip and apply the reduced gradients; returns (grad norm, skipped).
 
         fp16: a step with inf/NaN gradients is skipped and the loss scale halved. Otherwise a
-        non-finite loss or norm is a fault, handled by train.on_nan (ptdp/train/faults.py):
-        skip returns skipped, stop and rollback raise NumericalFault (on every rank)."""
+        non-finite loss or norm is a fault, handled by train.on_nan
+        (ptdp/train/faults/numerical.py): skip returns skipped, stop and rollback raise
+        NumericalFault (on every rank)."""
         if self.scaler:
             self.optimizer.scale_grads(1.0 / self.scaler.scale)
         norm = self.optimizer.grad_norm()
@@ -278,9 +278,9 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (mean loss over the global batch, grad norm)."""
-        with self._around("forward-backward"):
+        with self.around("forward-backward"):
             total = self.forward_backward()
-        with self._around("optimizer step"):
+        with self.around("optimizer step"):
             grad_norm, _ = self.optimizer_step(total)
         self.step += 1
         return total, grad_norm
@@ -328,12 +328,8 @@ class Trainer:
         """Load a checkpoint saved in any layout and continue from its step."""
         self.step = self.checkpoints.restore(step_dir)
 
-    # ------------------------------------------------------------------ logging, the loop
+    # ------------------------------------------------------------------ logging
 
     def say(self, message: str) -> None:
         if self.is_main:
             tqdm.write(message, file=sys.stdout)
-
-    def run(self) -> TrainResult:
-        """Train to train.steps (ptdp/train/loop.py)."""
-        return run_loop(self)
