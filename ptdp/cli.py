@@ -1,5 +1,11 @@
 """`ptdp train|preprocess|generate|schedule|simulate|plan|convert|inspect`: the only place
-that reads argv."""
+that reads argv.
+
+Parsing and printing only. Each subparser names the function that runs it
+(`set_defaults(run=...)`); commands import what they use when they run, so `ptdp --help`
+stays fast. Commands that take a config (train, simulate, plan) read it the same way:
+`--config FILE` (TOML) and `--section.key value` overrides, resolved by `ptdp.config.resolve`.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +14,15 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from ptdp import __version__
 from ptdp.errors import PtdpError
+
+if TYPE_CHECKING:
+    from ptdp.config import RunConfig
+
+Subparsers = argparse._SubParsersAction
 
 TRAIN_EPILOG = """\
 Configuration: defaults < --config FILE (TOML) < --section.key value overrides.
@@ -24,8 +35,42 @@ Under torchrun, every process runs this same command and becomes one rank:
   torchrun --nproc-per-node 2 -m ptdp train --config configs/demo.toml
 """
 
+PERF_EPILOG = (
+    "Configuration: --model (a preset or a TOML file) < --config FILE < --section.key value "
+    "overrides, with the keys of `ptdp train --help`."
+)
 
-def _train_parser(sub: argparse._SubParsersAction) -> None:
+PLAN_EPILOG = (
+    " A searched key ({searched}) given on the command line fixes it: --parallel.tp 8 "
+    "searches only t = 8 (0 = search); keys not given, and a TOML file's layout, are "
+    "searched over. The old spellings stand for config keys: --tp 8 is --parallel.tp 8."
+)
+
+OLD_PLAN_FLAGS = {
+    "--global-batch": "train.global_batch_size",
+    "--vocab-size": "model.vocab_size",
+    "--precision": "train.precision",
+    "--tp": "parallel.tp",
+    "--pp": "parallel.pp",
+    "--vpp": "parallel.vpp",
+    "--micro-batch": "train.micro_batch_size",
+    "--recompute": "parallel.recompute",
+    "--sequence-parallel": "parallel.sequence_parallel",
+}
+"""`ptdp plan`'s first options, kept as other spellings of config keys (README, BENCHMARKS)."""
+
+CHECKPOINT_HELP = "a run directory (uses its latest checkpoint) or a step directory"
+
+
+def _opt(
+    p: argparse._ActionsContainer, flags: str, default: float | str, help: str, **kw: object
+) -> None:
+    """An option (`flags`: its spellings) of its default's type, the default shown in the help."""
+    kw.setdefault("type", type(default))
+    p.add_argument(*flags.split(), default=default, help=f"{help} (default: {default})", **kw)
+
+
+def _train_parser(sub: Subparsers) -> None:
     from ptdp.config import help_text
 
     p = sub.add_parser(
@@ -36,27 +81,17 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # so that --section.key overrides never match an option prefix
     )
+    p.set_defaults(run=_cmd_train, overrides_ok=True)
     p.add_argument("--config", metavar="FILE", help="TOML config file (see configs/)")
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the latest checkpoint in train.run_dir (start fresh if none)",
-    )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="validate the config and data, print the resolved config and layout, and exit",
-    )
-    p.add_argument(
-        "--world-size",
-        type=int,
-        default=0,
-        metavar="N",
-        help="with --dry-run: check the layout for N processes (default: this launch's)",
-    )
+    resume = "continue from the latest checkpoint in train.run_dir (start fresh if none)"
+    p.add_argument("--resume", action="store_true", help=resume)
+    dry = "validate the config and data, print the resolved config and layout, and exit"
+    p.add_argument("--dry-run", action="store_true", help=dry)
+    world = "with --dry-run: check the layout for N processes (default: this launch's)"
+    p.add_argument("--world-size", type=int, default=0, metavar="N", help=world)
 
 
-def _preprocess_parser(sub: argparse._SubParsersAction) -> None:
+def _preprocess_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "preprocess",
         help="tokenize text/JSON-lines into an indexed binary dataset",
@@ -66,38 +101,18 @@ def _preprocess_parser(sub: argparse._SubParsersAction) -> None:
             "plus PREFIX.json recording the tokenizer."
         ),
     )
-    p.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        metavar="FILE_OR_DIR",
-        help="files or directories (searched for *.txt, *.jsonl, *.json)",
-    )
-    p.add_argument(
-        "--output-prefix",
-        required=True,
-        metavar="PREFIX",
-        help="output path without extension, e.g. data/shakespeare/shakespeare",
-    )
-    p.add_argument(
-        "--tokenizer",
-        default="bpe",
-        metavar="bytes|bpe|PATH",
-        help="raw bytes, a byte-level BPE trained on the input, or a tokenizer.json (default: bpe)",
-    )
-    p.add_argument(
-        "--vocab-size",
-        type=int,
-        default=4096,
-        metavar="N",
-        help="vocabulary of the trained BPE (default: 4096)",
-    )
-    p.add_argument(
-        "--workers", type=int, default=1, metavar="N", help="tokenizer processes (default: 1)"
-    )
+    p.set_defaults(run=_cmd_preprocess)
+    inputs = "files or directories (searched for *.txt, *.jsonl, *.json)"
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR", help=inputs)
+    prefix = "output path without extension, e.g. data/shakespeare/shakespeare"
+    p.add_argument("--output-prefix", required=True, metavar="PREFIX", help=prefix)
+    tokenizer = "raw bytes, a byte-level BPE trained on the input, or a tokenizer.json"
+    _opt(p, "--tokenizer", "bpe", tokenizer, metavar="bytes|bpe|PATH")
+    _opt(p, "--vocab-size", 4096, "vocabulary of the trained BPE", metavar="N")
+    _opt(p, "--workers", 1, "tokenizer processes", metavar="N")
 
 
-def _generate_parser(sub: argparse._SubParsersAction) -> None:
+def _generate_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "generate",
         help="sample text from a checkpoint",
@@ -106,102 +121,77 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
         "tensor-parallel (any N dividing the heads, key/value groups and MLP width) and "
         "rank 0 prints.",
     )
-    p.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="PATH",
-        help="a run directory (uses its latest checkpoint) or a step directory",
-    )
+    p.set_defaults(run=_cmd_generate)
+    p.add_argument("--checkpoint", required=True, metavar="PATH", help=CHECKPOINT_HELP)
     p.add_argument("--prompt", default="", help="text to continue (default: empty)")
-    p.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=200,
-        metavar="N",
-        help="tokens to generate (default: 200)",
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.8,
-        help="softmax temperature; 0 = greedy (default: 0.8)",
-    )
-    p.add_argument("--top-k", type=int, default=50, help="sample from the k likeliest (0 = all)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1 = off)")
-    p.add_argument(
-        "--num-samples",
-        type=int,
-        default=1,
-        metavar="N",
-        help="independent samples of the same prompt (default: 1)",
-    )
-    p.add_argument(
-        "--seed", type=int, default=0, help="sampling seed: same seed, same text (default: 0)"
-    )
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument(
-        "--no-kv-cache",
-        action="store_true",
-        help="recompute the whole context for every new token (slower; for comparison)",
-    )
+    _opt(p, "--max-new-tokens", 200, "tokens to generate", metavar="N")
+    _opt(p, "--temperature", 0.8, "softmax temperature; 0 = greedy")
+    _opt(p, "--top-k", 50, "sample from the k likeliest (0 = all)")
+    _opt(p, "--top-p", 0.95, "nucleus sampling mass (1 = off)")
+    _opt(p, "--num-samples", 1, "independent samples of the same prompt", metavar="N")
+    _opt(p, "--seed", 0, "sampling seed: same seed, same text")
+    _opt(p, "--device", "cpu", "cpu or cuda")
+    no_cache = "recompute the whole context for every new token (slower; for comparison)"
+    p.add_argument("--no-kv-cache", action="store_true", help=no_cache)
 
 
-def _inspect_parser(sub: argparse._SubParsersAction) -> None:
+def _inspect_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "inspect",
         help="show what a checkpoint holds",
         description="Print a checkpoint's step, model config and layout, tensors (names, "
         "shapes, dtypes, sizes), optimizer state and tokenizer.",
     )
-    p.add_argument(
-        "checkpoint",
-        metavar="CKPT",
-        help="a run directory (uses its latest checkpoint) or a step directory",
-    )
+    p.set_defaults(run=_cmd_inspect)
+    p.add_argument("checkpoint", metavar="CKPT", help=CHECKPOINT_HELP)
 
 
-def _schedule_parser(sub: argparse._SubParsersAction) -> None:
+def _schedule_parser(sub: Subparsers) -> None:
+    from ptdp.pipeline.schedules import SCHEDULES
+
     p = sub.add_parser(
         "schedule",
         help="print a pipeline schedule's per-rank actions and check it",
-        description=(
-            "Build a pipeline schedule, add its sends and receives, verify it (dependencies, "
-            "matching sends/receives, no deadlock, in-flight activations) and print the "
+        description=(  # wrapped here: the raw formatter keeps the epilog's table
+            "Build a pipeline schedule, add its sends and receives, verify it (dependencies,\n"
+            "matching sends/receives, no deadlock, in-flight activations) and print the\n"
             "step x rank table with its unit-cost bubble. No cluster needed."
         ),
+        epilog="schedules (bubble under unit costs):\n"
+        + "\n".join(f"  {n:<12} {s.formula:<12} {s.doc}" for n, s in SCHEDULES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--schedule",
-        default="1f1b",
-        choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
-        help="schedule name, as in parallel.schedule (default: 1f1b)",
-    )
-    p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default: 4)")
-    p.add_argument(
-        "--vpp",
-        type=int,
-        default=1,
-        help="model chunks per rank; >= 2 for interleaved (default: 1)",
-    )
-    p.add_argument(
-        "--microbatches",
-        type=int,
-        default=8,
-        metavar="M",
-        help="microbatches per pipeline per step (default: 8)",
-    )
-    p.add_argument(
-        "--no-comms", action="store_true", help="show compute actions only (no SEND/RECV rows)"
-    )
+    p.set_defaults(run=_cmd_schedule)
+    names = list(SCHEDULES)
+    _opt(p, "--schedule --parallel.schedule", "1f1b", "schedule name", choices=names)
+    _opt(p, "--pp --parallel.pp", 4, "pipeline ranks")
+    _opt(p, "--vpp --parallel.vpp", 1, "model chunks per rank; >= 2 for interleaved")
+    _opt(p, "--microbatches", 8, "microbatches per pipeline per step", metavar="M")
+    no_comms = "show compute actions only (no SEND/RECV rows)"
+    p.add_argument("--no-comms", action="store_true", help=no_comms)
 
 
-SOFTWARE_CHOICES = ("ptdp", "megatron-2021")
-
-
-def _simulate_parser(sub: argparse._SubParsersAction) -> None:
+def _perf_parser(sub: Subparsers, name: str, **kw: str) -> argparse.ArgumentParser:
+    """`simulate` and `plan`: a model and its config, a cluster, a runtime."""
+    from ptdp.perf.costs import SOFTWARE
     from ptdp.perf.hardware import list_systems
+    from ptdp.perf.paper import PRESETS
 
-    p = sub.add_parser(
+    p = sub.add_parser(name, allow_abbrev=False, **kw)
+    presets = f"a paper model ({', '.join(PRESETS)}; in bf16) or a TOML config to start from"
+    p.add_argument("--model", default="", metavar="NAME|FILE", help=presets)
+    p.add_argument("--config", metavar="FILE", help="TOML config file, applied over --model")
+    systems = f"cluster: {', '.join(list_systems())} or a hardware TOML"
+    _opt(p, "--device", "a100-80gb", systems, metavar="NAME|FILE")
+    software = "kernels and overlap of this runtime, or of Megatron-LM as the paper ran it"
+    _opt(p, "--software", "ptdp", software, choices=list(SOFTWARE))
+    p.add_argument("--json", action="store_true", help=f"print the {name} result as JSON")
+    return p
+
+
+def _simulate_parser(sub: Subparsers) -> None:
+    p = _perf_parser(
+        sub,
         "simulate",
         help="predict step time, TFLOP/s, bubble and memory of a config on a cluster",
         description=(
@@ -210,49 +200,20 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
             "time, TFLOP/s per GPU, bubble and memory per GPU, and writes the timeline as a "
             "PNG and a Chrome trace (open it in https://ui.perfetto.dev). No GPU needed."
         ),
-        epilog="Config overrides (--section.key value) work as in `ptdp train`.",
-        allow_abbrev=False,
+        epilog=PERF_EPILOG,
     )
-    p.add_argument("--config", metavar="FILE", help="TOML config file (see configs/)")
-    p.add_argument(
-        "--model",
-        default="",
-        metavar="NAME",
-        help="start from a paper model preset (gpt3-175b, gpt-1t, ...; see `ptdp plan --help`)",
-    )
-    p.add_argument(
-        "--device",
-        default="a100-80gb",
-        metavar="NAME|FILE",
-        help=f"cluster: {', '.join(list_systems())} or a hardware TOML (default: a100-80gb)",
-    )
-    p.add_argument(
-        "--gpus",
-        type=int,
-        default=0,
-        metavar="N",
-        help="world size (default: tp * pp * dp, with dp = 1 if it is 0)",
-    )
-    p.add_argument(
-        "--out",
-        default="",
-        metavar="DIR",
-        help="where timeline.png and trace.json go (default: train.run_dir/simulation)",
-    )
-    p.add_argument(
-        "--software",
-        default="ptdp",
-        choices=SOFTWARE_CHOICES,
-        help="kernels and overlap of this runtime, or of Megatron-LM as the paper ran it",
-    )
-    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    p.set_defaults(run=_cmd_simulate, overrides_ok=True)
+    gpus = "world size (default: tp * pp * dp, with dp = 1 if it is 0)"
+    p.add_argument("--gpus", type=int, default=0, metavar="N", help=gpus)
+    out = "where timeline.png and trace.json go (default: train.run_dir/simulation)"
+    p.add_argument("--out", default="", metavar="DIR", help=out)
 
 
-def _plan_parser(sub: argparse._SubParsersAction) -> None:
-    from ptdp.perf.hardware import list_systems
-    from ptdp.perf.paper import PRESETS
+def _plan_parser(sub: Subparsers) -> None:
+    from ptdp.perf.planner import SEARCHED
 
-    p = sub.add_parser(
+    p = _perf_parser(
+        sub,
         "plan",
         help="search the parallel layouts that fit and rank them by predicted throughput",
         description=(
@@ -262,47 +223,19 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
             "(tensor parallel inside a node, pipeline across nodes, micro-batch from its "
             "equation (1))."
         ),
+        epilog=PERF_EPILOG + PLAN_EPILOG.format(searched=", ".join(SEARCHED)),
     )
-    p.add_argument(
-        "--model",
-        required=True,
-        metavar="NAME|FILE",
-        help=f"a preset ({', '.join(PRESETS)}) or a TOML config whose [model] is used",
-    )
+    p.set_defaults(run=_cmd_plan, overrides_ok=True)
     p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
-    p.add_argument(
-        "--device",
-        default="a100-80gb",
-        metavar="NAME|FILE",
-        help=f"cluster: {', '.join(list_systems())} or a hardware TOML (default: a100-80gb)",
-    )
-    p.add_argument(
-        "--global-batch", type=int, required=True, metavar="B", help="sequences per step"
-    )
-    p.add_argument(
-        "--vocab-size", type=int, default=0, metavar="V", help="set model.vocab_size (if 0)"
-    )
-    p.add_argument("--precision", default="", choices=["", "bf16", "fp16", "fp32"])
-    p.add_argument("--tp", type=int, default=0, help="fix the tensor-parallel size")
-    p.add_argument("--pp", type=int, default=0, help="fix the pipeline-parallel size")
-    p.add_argument("--vpp", type=int, default=0, help="fix the model chunks per rank")
-    p.add_argument("--micro-batch", type=int, default=0, metavar="b", help="fix b")
-    p.add_argument("--recompute", default="auto", choices=["auto", "none", "selective", "full"])
-    p.add_argument(
-        "--sequence-parallel",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="auto: on whenever tp > 1",
-    )
-    p.add_argument(
-        "--distributed-optimizer", action="store_true", help="shard optimizer state over dp"
-    )
-    p.add_argument("--software", default="ptdp", choices=SOFTWARE_CHOICES)
-    p.add_argument("--top", type=int, default=5, help="layouts to list (default: 5)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _opt(p, "--top", 5, "layouts to list")
+    old = p.add_argument_group("old spellings, each of a config key (0 or auto: searched)")
+    for flag, key in OLD_PLAN_FLAGS.items():
+        old.add_argument(flag, dest=key, metavar="V", help=f"--{key} V")
+    on, key = {"action": "store_const", "const": "true"}, "optim.distributed"
+    old.add_argument("--distributed-optimizer", dest=key, help=f"--{key} true", **on)
 
 
-def _convert_parser(sub: argparse._SubParsersAction) -> None:
+def _convert_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "convert",
         help="convert a checkpoint to or from a Hugging Face transformers model",
@@ -314,18 +247,14 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:
             "`ptdp train --config OUT/config.toml --resume --data.path PREFIX`."
         ),
     )
+    p.set_defaults(run=_cmd_convert)
     way = p.add_mutually_exclusive_group(required=True)
     way.add_argument("--to", choices=["hf"], help="export a ptdp checkpoint")
     way.add_argument("--from", dest="source", choices=["hf"], help="import into a ptdp run")
     p.add_argument("src", metavar="SRC", help="checkpoint (--to) or model directory (--from)")
     p.add_argument("out", metavar="OUT", help="model directory (--to) or run directory (--from)")
-    p.add_argument(
-        "--seq-length",
-        type=int,
-        default=0,
-        metavar="N",
-        help="--from: training context length (default: the model's maximum positions)",
-    )
+    seq = "--from: training context length (default: the model's maximum positions)"
+    p.add_argument("--seq-length", type=int, default=0, metavar="N", help=seq)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -334,24 +263,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train GPT language models with tensor, pipeline and data parallelism.",
     )
     parser.add_argument("--version", action="version", version=f"ptdp {__version__}")
+    parser.set_defaults(overrides_ok=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _train_parser(sub)
-    _preprocess_parser(sub)
-    _generate_parser(sub)
-    _inspect_parser(sub)
-    _schedule_parser(sub)
-    _simulate_parser(sub)
-    _plan_parser(sub)
-    _convert_parser(sub)
+    commands = (_train_parser, _preprocess_parser, _generate_parser, _inspect_parser)
+    for add in (*commands, _schedule_parser, _simulate_parser, _plan_parser, _convert_parser):
+        add(sub)
     return parser
 
 
-def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+def _cmd_train(args: argparse.Namespace) -> int:
     from ptdp.config import resolve, to_toml
     from ptdp.parallel.env import LaunchEnv
     from ptdp.train.run import prepare, train
 
-    cfg = resolve(args.config, overrides)
+    cfg = resolve(args.config, args.overrides)
     env = LaunchEnv.from_environ()
     if args.dry_run:
         if args.world_size:
@@ -374,9 +299,7 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         # been seen to abort a finished process in a C++ destructor at interpreter exit
         # ("terminate called without an active exception"), which the launcher would report
         # as a failure: leave without running the finalisers.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_now(code)
     return code
 
 
@@ -387,9 +310,14 @@ def _leave_failed_rank(rank: int, exc: BaseException) -> NoReturn:
         print(f"ptdp train: error: rank {rank}: {exc}", file=sys.stderr)
     elif not isinstance(exc, KeyboardInterrupt):
         traceback.print_exception(exc)
+    _exit_now(130 if isinstance(exc, KeyboardInterrupt) else 2 if isinstance(exc, PtdpError) else 1)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Flush and exit without running the interpreter's finalisers (see `_cmd_train`)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(130 if isinstance(exc, KeyboardInterrupt) else 2 if isinstance(exc, PtdpError) else 1)
+    os._exit(code)
 
 
 def _cmd_preprocess(args: argparse.Namespace) -> int:
@@ -436,9 +364,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(text)
         print("-" * 72)
     if env.world_size > 1:  # as after `ptdp train`: skip gloo's finalisers at exit
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit_now(0)
     return 0
 
 
@@ -450,98 +376,64 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
-    from ptdp.pipeline.schedules import add_comms, build, in_flight_bound
-    from ptdp.pipeline.verify import ScheduleError, format_table, verify
+    from ptdp.pipeline.plan import build_plan
+    from ptdp.pipeline.schedules import theory_bubble
+    from ptdp.pipeline.verify import ScheduleError, format_table
 
     pp, m, vpp = args.pp, args.microbatches, args.vpp
     try:
-        plan = build(args.schedule, pp, m, vpp)
-        lowered = add_comms(plan, pp, vpp)
-        bound = in_flight_bound(args.schedule, pp, m, vpp)
-        report = verify(lowered, pp, vpp, m, max_in_flight=bound)
+        plan = build_plan(args.schedule, pp, m, vpp)
+        report = plan.report
     except (ValueError, ScheduleError) as exc:
         print(f"ptdp schedule: error: {exc}", file=sys.stderr)
         return 2
-    print(format_table(plan if args.no_comms else lowered))
-    theory = (pp - 1) / (vpp * m) if args.schedule != "zb-h1" else (pp - 1) / (3 * m)
+    print(format_table(plan.compute if args.no_comms else plan.lowered))
     print(
         f"\n{args.schedule}: pp={pp} vpp={vpp} microbatches={m} | unit-cost makespan "
         f"{report.makespan} (ideal {report.ideal}) | bubble {report.bubble_fraction:.4f} "
-        f"(theory {theory:.4f}) | peak in-flight activations per rank "
-        f"{list(report.peak_in_flight)}"
+        f"(theory {theory_bubble(args.schedule, pp, m, vpp):.4f}) | peak in-flight "
+        f"activations per rank {list(report.peak_in_flight)}"
     )
     return 0
 
 
-def _software(name: str):
-    from ptdp.perf.costs import MEGATRON_2021, PTDP
+def _perf_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
+    """--model < --config < overrides, through the config's own resolution."""
+    from ptdp.config import resolve
+    from ptdp.perf.paper import model_config
 
-    return MEGATRON_2021 if name == "megatron-2021" else PTDP
+    return resolve(args.config, overrides, base=model_config(args.model) if args.model else None)
 
 
-def _cmd_simulate(args: argparse.Namespace, overrides: list[str]) -> int:
+def _cmd_simulate(args: argparse.Namespace) -> int:
     import json
-    from dataclasses import replace
 
-    from ptdp.config import RunConfig, apply_updates, load_toml, parse_overrides, resolve
-    from ptdp.errors import ConfigError
+    from ptdp.perf.costs import SOFTWARE
     from ptdp.perf.hardware import load_system
-    from ptdp.perf.paper import PRESETS, preset
     from ptdp.perf.report import format_prediction, prediction_dict, write_timeline
-    from ptdp.perf.simulator import simulate
+    from ptdp.perf.simulator import default_world_size, simulate
 
-    if args.model:  # preset < TOML file < command line, as `resolve` does from the defaults
-        if args.model not in PRESETS:
-            raise ConfigError(f"unknown model {args.model!r}; presets: {', '.join(PRESETS)}")
-        cfg = replace(RunConfig(), model=preset(args.model))
-        cfg = load_toml(args.config, cfg) if args.config else cfg
-        cfg = apply_updates(cfg, parse_overrides(overrides), "the command line")
-    else:
-        cfg = resolve(args.config, overrides)
-    if cfg.model.vocab_size <= 0:
-        raise ConfigError(
-            "model.vocab_size = 0 (taken from the data when training); the simulator needs "
-            "it: pass --model.vocab_size N"
-        )
+    cfg = _perf_config(args, args.overrides)
     system = load_system(args.device)
-    par = cfg.parallel
-    gpus = args.gpus or par.tp * par.pp * max(par.dp, 1)
-    prediction = simulate(cfg, system, gpus, software=_software(args.software))
+    gpus = args.gpus or default_world_size(cfg)
+    prediction = simulate(cfg, system, gpus, software=SOFTWARE[args.software])
     out = Path(args.out or Path(cfg.train.run_dir) / "simulation")
-    title = f"{system.name}: {prediction.layout.describe()} ({par.schedule.value})"
+    title = f"{system.name}: {prediction.layout.describe()} ({cfg.parallel.schedule.value})"
     png, trace = write_timeline(prediction, out, title)
-    png_text = str(png) if png else "not drawn (pip install matplotlib)"
     if args.json:
-        print(
-            json.dumps(
-                {**prediction_dict(prediction), "png": png and str(png), "trace": str(trace)}
-            )
-        )
+        files = {"png": png and str(png), "trace": str(trace)}
+        print(json.dumps({**prediction_dict(prediction), **files}))
     else:
+        png_text = str(png) if png else "not drawn (pip install matplotlib)"
         print(format_prediction(prediction, system))
         print(f"timeline: {png_text} | trace: {trace} (open in https://ui.perfetto.dev)")
     return 0
 
 
-def _plan_base(args: argparse.Namespace):
-    from dataclasses import replace
-
-    from ptdp.config import RunConfig, apply_updates, load_toml
-    from ptdp.perf.paper import PRESETS, preset
-
-    if args.model in PRESETS:  # the paper's models in mixed precision
-        base = replace(RunConfig(), model=preset(args.model))
-        base = apply_updates(base, {"train": {"precision": "bf16"}}, "the paper presets")
-    else:
-        base = load_toml(args.model)
-    updates: dict = {"train": {"global_batch_size": args.global_batch}}
-    if args.vocab_size:
-        updates["model"] = {"vocab_size": args.vocab_size}
-    if args.precision:
-        updates["train"]["precision"] = args.precision
-    if args.distributed_optimizer:
-        updates["optim"] = {"distributed": True}
-    return apply_updates(base, updates, "the command line")
+def _old_spellings(args: argparse.Namespace) -> list[str]:
+    """`--tp 8` and the other old flags of `plan` as the overrides they stand for."""
+    given = {k: v for k, v in vars(args).items() if "." in k and v not in (None, "0", "auto")}
+    return [text for key, value in given.items() for text in (f"--{key}", str(value))]
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -549,15 +441,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from ptdp.config import Recompute
+    from ptdp.config import parse_overrides
     from ptdp.errors import ConfigError
+    from ptdp.perf.costs import SOFTWARE
     from ptdp.perf.hardware import load_system
-    from ptdp.perf.planner import plan
+    from ptdp.perf.planner import pinned, plan
     from ptdp.perf.report import format_plan, plan_dict
 
-    base = _plan_base(args)
-    if base.model.vocab_size <= 0:
-        raise ConfigError(f"{args.model}: model.vocab_size is 0; pass --vocab-size V")
+    overrides = _old_spellings(args) + args.overrides  # the explicit keys win
+    given = parse_overrides(overrides)
+    if "global_batch_size" not in given.get("train", {}):
+        raise ConfigError("the planner needs --train.global_batch_size B (or --global-batch B)")
+    base = _perf_config(args, overrides)
     system = load_system(args.device)
     bar = tqdm(total=0, desc="simulating layouts", unit="layout", file=sys.stderr, disable=None)
 
@@ -566,25 +461,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         bar.set_postfix_str(what)
         bar.update(done - bar.n)
 
-    sp = {"auto": None, "on": True, "off": False}[args.sequence_parallel]
-    result = plan(
-        base,
-        gpus=args.gpus,
-        system=system,
-        software=_software(args.software),
-        tp=args.tp or None,
-        pp=args.pp or None,
-        vpp=args.vpp or None,
-        micro_batch=args.micro_batch or None,
-        recompute=None if args.recompute == "auto" else Recompute(args.recompute),
-        sequence_parallel=sp,
-        progress=progress,
-    )
+    software = SOFTWARE[args.software]
+    pins = pinned(base, given)
+    result = plan(base, gpus=args.gpus, system=system, software=software, progress=progress, **pins)
     bar.close()
-    if args.json:
-        print(json.dumps(plan_dict(result, args.top)))
-    else:
-        print(format_plan(result, system, args.top))
+    top = args.top
+    print(json.dumps(plan_dict(result, top)) if args.json else format_plan(result, system, top))
     return 0 if result.best else 1
 
 
@@ -609,24 +491,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    if rest and not args.overrides_ok:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.overrides = rest
     try:
-        if args.command == "train":
-            return _cmd_train(args, rest)
-        if args.command == "simulate":
-            return _cmd_simulate(args, rest)
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        if args.command == "preprocess":
-            return _cmd_preprocess(args)
-        if args.command == "schedule":
-            return _cmd_schedule(args)
-        if args.command == "plan":
-            return _cmd_plan(args)
-        if args.command == "inspect":
-            return _cmd_inspect(args)
-        if args.command == "convert":
-            return _cmd_convert(args)
-        return _cmd_generate(args)
+        return args.run(args)
     except PtdpError as exc:
         print(f"ptdp {args.command}: error: {exc}", file=sys.stderr)
         return 2

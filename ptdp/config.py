@@ -374,9 +374,11 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
     return updates
 
 
-def resolve(config_path: str | None, overrides: list[str]) -> RunConfig:
-    """Defaults < TOML file < command line."""
-    cfg = RunConfig()
+def resolve(
+    config_path: str | None, overrides: list[str], base: RunConfig | None = None
+) -> RunConfig:
+    """Defaults (or `base`, e.g. a model preset) < TOML file < command line."""
+    cfg = base or RunConfig()
     if config_path:
         cfg = load_toml(config_path, cfg)
     return apply_updates(cfg, parse_overrides(overrides), "the command line")

@@ -74,6 +74,9 @@ MEGATRON_2021 = Software(
 """The code of the paper's measurements: unfused attention, fp16 gradients all-reduced
 (its default for fp16 training), blocking pipeline transfers."""
 
+SOFTWARE: dict[str, Software] = {"ptdp": PTDP, "megatron-2021": MEGATRON_2021}
+"""The runtimes by name, as `--software` of `ptdp simulate` and `ptdp plan` takes them."""
+
 
 @dataclass(frozen=True)
 class Gemm:

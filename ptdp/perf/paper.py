@@ -10,9 +10,11 @@ that the package does not depend on any file outside it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
-from ptdp.config import ModelConfig, RunConfig, apply_updates
+from ptdp.config import ModelConfig, RunConfig, apply_updates, load_toml
+from ptdp.errors import ConfigError
 
 VOCAB = 51200
 SEQ = 2048
@@ -76,6 +78,26 @@ def preset(name: str) -> ModelConfig:
         "dropout": 0.1,
     }
     return apply_updates(RunConfig(), {"model": model}, f"preset {name}").model
+
+
+def preset_config(name: str) -> RunConfig:
+    """A paper model (`preset`) in the paper's mixed precision (bf16), as a whole config."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
+    cfg = replace(RunConfig(), model=preset(name))
+    return apply_updates(cfg, {"train": {"precision": "bf16"}}, f"preset {name}")
+
+
+def model_config(model: str) -> RunConfig:
+    """`--model NAME|FILE` of `ptdp simulate` and `ptdp plan`: a preset (`preset_config`) or a
+    TOML config file; the base that `ptdp.config.resolve` applies `--config` and overrides to."""
+    if model in PRESETS:
+        return preset_config(model)
+    if Path(model).suffix == ".toml" or Path(model).exists():
+        return load_toml(model)
+    raise ConfigError(
+        f"unknown model {model!r}; use a preset ({', '.join(PRESETS)}) or a TOML config file"
+    )
 
 
 def paper_run(row: Table1Row, *, micro_batch: int, vpp: int) -> RunConfig:

@@ -33,7 +33,7 @@ from ptdp.layout import validate
 from ptdp.perf.costs import PTDP, Compute, Software
 from ptdp.perf.hardware import GIB, System
 from ptdp.perf.memory import estimate_memory
-from ptdp.perf.simulator import Prediction, simulate, stage_costs
+from ptdp.perf.simulator import Prediction, require_vocab, simulate, stage_costs
 
 Progress = Callable[[int, int, str], None]
 """progress(done, total, what): called before each simulation."""
@@ -122,6 +122,43 @@ def equation_1(cfg: RunConfig, gpus: int, c: Compute) -> float:
     return (layout.num_microbatches + layout.pp - 1) * slowest
 
 
+SEARCHED: dict[str, str] = {
+    "parallel.tp": "tp",
+    "parallel.pp": "pp",
+    "parallel.vpp": "vpp",
+    "parallel.schedule": "schedules",
+    "parallel.recompute": "recompute",
+    "parallel.sequence_parallel": "sequence_parallel",
+    "train.micro_batch_size": "micro_batch",
+}
+"""Config keys the planner searches, and the `plan` argument that fixes each."""
+
+
+def pinned(cfg: RunConfig, given: dict[str, dict[str, str]]) -> dict[str, object]:
+    """`plan` keyword arguments fixing the searched keys that `given` names (the command line's
+    `--section.key` overrides, parsed), at their values in `cfg`; 0 leaves a size to the search.
+
+    Keys of `cfg` not given (defaults, or a TOML file's layout) are searched over.
+    """
+    if "dp" in given.get("parallel", {}) and cfg.parallel.dp:
+        raise ConfigError(
+            f"parallel.dp = {cfg.parallel.dp}: the planner derives d = gpus / (t p); "
+            "fix --parallel.tp and --parallel.pp instead"
+        )
+    values: dict[str, object] = {}
+    for key, arg in SEARCHED.items():
+        section, name = key.split(".")
+        if name not in given.get(section, {}):
+            continue
+        value = getattr(getattr(cfg, section), name)
+        if isinstance(value, Schedule):
+            value = (value.value,)
+        elif type(value) is int and value == 0:
+            value = None
+        values[arg] = value
+    return values
+
+
 def plan(
     base: RunConfig,
     *,
@@ -144,6 +181,7 @@ def plan(
     Fixed arguments (tp, pp, vpp, micro_batch, recompute, sequence_parallel) restrict the
     search; precision, optimizer and the other parallel options come from `base`.
     """
+    require_vocab(base)
     c = Compute(system, base.train.precision, software)
     usable = system.device.usable_bytes
     rejected: list[Rejected] = []

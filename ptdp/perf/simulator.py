@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config import Precision, Recompute, RunConfig
+from ptdp.errors import ConfigError
 from ptdp.layout import Layout, validate
 from ptdp.perf.costs import (
     PTDP,
@@ -201,6 +202,21 @@ def optimizer_seconds(cfg: RunConfig, layout: Layout, c: Compute) -> float:
     return seconds
 
 
+def require_vocab(cfg: RunConfig) -> None:
+    """The performance model needs the vocabulary size, which training may take from the data."""
+    if cfg.model.vocab_size <= 0:
+        raise ConfigError(
+            "model.vocab_size = 0 (taken from the data when training); the performance model "
+            "needs it: pass --model.vocab_size N"
+        )
+
+
+def default_world_size(cfg: RunConfig) -> int:
+    """tp * pp * dp, with dp = 1 where the config leaves it to the world size (dp = 0)."""
+    p = cfg.parallel
+    return p.tp * p.pp * max(p.dp, 1)
+
+
 def simulate(
     cfg: RunConfig,
     system: System,
@@ -213,6 +229,7 @@ def simulate(
 
     `layout` is `validate(cfg, world_size)` if the caller has it (with its built plan).
     """
+    require_vocab(cfg)
     layout = layout or validate(cfg, world_size)
     c = Compute(system, cfg.train.precision, software)
     pp, vpp = layout.pp, layout.vpp

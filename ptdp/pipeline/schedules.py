@@ -1,8 +1,9 @@
 """Pipeline schedules as pure functions of ints: each builder returns a compute-only `Plan`.
 
-A new schedule is one builder here plus its `SCHEDULES` entry; the runtime never grows a branch
-for it (DESIGN invariant 1). `add_comms` lowers a compute-only plan to one with explicit
-send/recv actions, which is what the runtime executes and `verify` checks.
+A new schedule is one builder here plus its `ScheduleSpec` in `SCHEDULES` (chunks per rank,
+bubble formula, in-flight bound); the runtime never grows a branch for it (DESIGN invariant 1).
+`add_comms` lowers a compute-only plan to one with explicit send/recv actions, which is what
+the runtime executes and `verify` checks.
 
 Letters: pp = pipeline ranks, vpp = model chunks per rank, m = microbatches per pipeline per
 step, r = pipeline rank (0 first). Rank r holds the global virtual stages r, r + pp, r + 2 pp, ...
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ptdp.pipeline.actions import Action, Kind, Plan
 
@@ -150,16 +152,68 @@ def _one_chunk(builder: Callable[[int, int], Plan]) -> Builder:
     return build_one_chunk
 
 
-SCHEDULES: dict[str, Builder] = {
-    "gpipe": _one_chunk(gpipe),
-    "1f1b": _one_chunk(one_f_one_b),
-    "interleaved": interleaved,
-    "zb-h1": _one_chunk(zb_h1),
-}
-"""Builders by the config's schedule names (`ptdp.config.Schedule` values)."""
+def _all_microbatches(pp: int, m: int) -> list[int]:
+    return [m] * pp
 
-INTERLEAVED = frozenset({"interleaved"})
-"""Schedules that take vpp >= 2 model chunks per rank; every other one takes vpp = 1."""
+
+def _pp_minus_rank(pp: int, m: int) -> list[int]:
+    return [pp - r for r in range(pp)]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """Everything the rest of ptdp needs to know about one schedule, next to its builder."""
+
+    build: Builder
+    """(pp, m, vpp) -> compute-only plan."""
+    bubble: Callable[[int, int, int], float]
+    """(pp, m, vpp) -> the paper's bubble fraction, bubble time / ideal time, at unit costs
+    T_F = T_B = T_W (for ZB-H1 when m >= pp)."""
+    formula: str
+    """`bubble` as written in the papers, in p (pp), v (vpp) and m."""
+    in_flight_bound: Callable[[int, int], list[int]] | None
+    """(pp, m) -> most activations each rank may stash; None where `verify` only reports it."""
+    interleaved: bool = False
+    """Takes vpp >= 2 model chunks per rank and m a multiple of pp; otherwise vpp = 1."""
+    splits_backward: bool = False
+    """Runs B (input gradient) and W (weight gradient) apart instead of one fused BW."""
+    doc: str = ""
+    """One line for `ptdp schedule --help`."""
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec(
+        build=_one_chunk(gpipe),
+        bubble=lambda pp, m, vpp: (pp - 1) / m,
+        formula="(p-1)/m",
+        in_flight_bound=_all_microbatches,
+        doc="all forwards, then all backwards; every microbatch in flight",
+    ),
+    "1f1b": ScheduleSpec(
+        build=_one_chunk(one_f_one_b),
+        bubble=lambda pp, m, vpp: (pp - 1) / m,
+        formula="(p-1)/m",
+        in_flight_bound=_pp_minus_rank,
+        doc="PipeDream-Flush: GPipe's bubble, at most pp - rank microbatches in flight",
+    ),
+    "interleaved": ScheduleSpec(
+        build=interleaved,
+        bubble=lambda pp, m, vpp: (pp - 1) / (vpp * m),
+        formula="(p-1)/(v m)",
+        in_flight_bound=None,  # no simple closed form (Korthikanti et al. give the first stage's)
+        interleaved=True,
+        doc="1F1B over vpp model chunks per rank: the bubble shrinks vpp times",
+    ),
+    "zb-h1": ScheduleSpec(
+        build=_one_chunk(zb_h1),
+        bubble=lambda pp, m, vpp: (pp - 1) / (3 * m),
+        formula="(p-1)/(3m)",
+        in_flight_bound=_pp_minus_rank,
+        splits_backward=True,
+        doc="1F1B with the backward split into B and W, W deferred into the bubble",
+    ),
+}
+"""Schedules by the config's names (`ptdp.config.Schedule` values)."""
 
 
 def _check_interleaved(pp: int, m: int, vpp: int) -> None:
@@ -185,7 +239,7 @@ def check_args(name: str, pp: int, m: int, vpp: int = 1) -> None:
         raise ValueError(f"pp = {pp} pipeline ranks must be >= 1")
     if m < 1:
         raise ValueError(f"m = {m} microbatches must be >= 1")
-    if name in INTERLEAVED:
+    if SCHEDULES[name].interleaved:
         _check_interleaved(pp, m, vpp)
     elif vpp != 1:
         raise ValueError(
@@ -197,22 +251,7 @@ def check_args(name: str, pp: int, m: int, vpp: int = 1) -> None:
 def build(name: str, pp: int, m: int, vpp: int = 1) -> Plan:
     """Compute-only plan of schedule `name` (a `SCHEDULES` key) after checking the arguments."""
     check_args(name, pp, m, vpp)
-    return SCHEDULES[name](pp, m, vpp)
-
-
-def _all_microbatches(pp: int, m: int) -> list[int]:
-    return [m] * pp
-
-
-def _pp_minus_rank(pp: int, m: int) -> list[int]:
-    return [pp - r for r in range(pp)]
-
-
-_IN_FLIGHT_BOUNDS: dict[str, Callable[[int, int], list[int]]] = {
-    "gpipe": _all_microbatches,
-    "1f1b": _pp_minus_rank,
-    "zb-h1": _pp_minus_rank,
-}
+    return SCHEDULES[name].build(pp, m, vpp)
 
 
 def in_flight_bound(name: str, pp: int, m: int, vpp: int = 1) -> list[int] | None:
@@ -223,8 +262,14 @@ def in_flight_bound(name: str, pp: int, m: int, vpp: int = 1) -> list[int] | Non
     `verify` only reports it.
     """
     check_args(name, pp, m, vpp)
-    bound = _IN_FLIGHT_BOUNDS.get(name)
+    bound = SCHEDULES[name].in_flight_bound
     return None if bound is None else bound(pp, m)
+
+
+def theory_bubble(name: str, pp: int, m: int, vpp: int = 1) -> float:
+    """The paper's bubble fraction of schedule `name` under unit costs (`ScheduleSpec.bubble`)."""
+    check_args(name, pp, m, vpp)
+    return SCHEDULES[name].bubble(pp, m, vpp)
 
 
 def add_comms(plan: Plan, pp: int, vpp: int) -> Plan:

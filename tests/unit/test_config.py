@@ -34,6 +34,25 @@ def test_defaults_then_toml_then_command_line(tmp_path: Path) -> None:
     assert cfg.parallel.schedule is Schedule.GPIPE
 
 
+def test_preset_then_toml_then_command_line(tmp_path: Path) -> None:
+    # `ptdp simulate/plan --model NAME|FILE`: the preset (or file) is the base `resolve` starts
+    # from instead of the defaults; the TOML file and the overrides apply on top.
+    from ptdp.perf.paper import model_config, preset, preset_config
+
+    base = preset_config("gpt3-175b")
+    assert base.model == preset("gpt3-175b") and base.train.precision.value == "bf16"
+    toml = tmp_path / "c.toml"
+    toml.write_text('[model]\nnum_layers = 8\n[train]\nprecision = "fp16"\n')
+    cfg = resolve(str(toml), ["--model.num_layers", "12"], base=base)
+    assert (cfg.model.num_layers, cfg.model.hidden_size) == (12, 12288)  # override, preset
+    assert cfg.train.precision.value == "fp16"  # the TOML beats the preset
+    assert model_config(str(toml)).model.hidden_size == RunConfig().model.hidden_size
+    with pytest.raises(ConfigError, match="unknown model 'gpt-2t'; use a preset .*gpt3-175b"):
+        model_config("gpt-2t")
+    with pytest.raises(ConfigError, match="nope.toml does not exist"):
+        model_config(str(tmp_path / "nope.toml"))
+
+
 def test_override_forms_and_coercion() -> None:
     updates = parse_overrides(
         ["--parallel.tp", "2", "--parallel.sequence_parallel=true", "--model.activation", "swiglu"]

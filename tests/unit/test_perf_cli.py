@@ -76,7 +76,56 @@ def test_plan_of_a_preset(capsys) -> None:
     assert best["layout"]["dp"] == 32
 
 
-@pytest.mark.parametrize("bad", [["--model", "gpt-2t"], ["--model", "gpt-1.7b", "--tp", "3"]])
-def test_plan_errors(bad: list[str], capsys) -> None:
-    code = main(["plan", *bad, "--gpus", "32", "--global-batch", "512"])
-    assert code != 0
+def test_plan_takes_config_keys_like_train(tmp_path: Path, capsys) -> None:
+    # One vocabulary: --config and --section.key overrides as in `ptdp train`, the old
+    # spellings (--tp, --micro-batch, --global-batch) standing for the same keys.
+    model = tmp_path / "tiny.toml"
+    model.write_text(TINY)
+
+    def run(*args: str) -> dict:
+        assert main(["plan", "--gpus", "8", "--json", *args]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    keys = "--parallel.tp 2 --train.micro_batch_size=2 --train.global_batch_size 32"
+    new = run("--config", str(model), *keys.split(), "--parallel.sequence_parallel", "false")
+    flags = "--tp 2 --micro-batch 2 --global-batch 32 --sequence-parallel off"
+    old = run("--model", str(model), *flags.split())
+    assert new == old and new["options"]
+    for option in new["options"]:  # pinned: t = 2, b = 2, no sequence parallelism
+        par, train = option["config"]["parallel"], option["config"]["train"]
+        assert (par["tp"], par["sequence_parallel"], train["micro_batch_size"]) == (2, False, 2)
+    assert {o["config"]["parallel"]["pp"] for o in new["options"]} == {1, 2, 4}  # searched
+    searched = run("--config", str(model), "--train.global_batch_size", "32", "--top", "50")
+    assert {o["config"]["parallel"]["tp"] for o in searched["options"]} == {1, 2, 4}
+
+
+def test_simulate_starts_from_a_preset(tmp_path: Path, capsys) -> None:
+    # Preset < --config < overrides, as `ptdp.config.resolve` orders them.
+    toml = tmp_path / "layout.toml"
+    toml.write_text("[parallel]\ntp = 8\npp = 4\n[train]\nglobal_batch_size = 64\n")
+    args = ["simulate", "--model", "gpt-7.5b", "--config", str(toml), "--parallel.pp", "2"]
+    assert main([*args, "--out", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["layout"]["tp"], out["layout"]["pp"], out["layout"]["world_size"]) == (8, 2, 16)
+    assert out["layout"]["num_microbatches"] == 8  # 64 / (b = 8 x d = 1)
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (["--model", "gpt-2t"], "unknown model 'gpt-2t'; use a preset"),
+        (["--model", "gpt-1.7b", "--parallel.dp", "2"], "fix --parallel.tp and --parallel.pp"),
+        (["--model", "gpt-1.7b", "--parallel.tpp", "2"], "did you mean 'tp'"),
+        (["--config", str(ROOT / "configs" / "demo.toml")], "pass --model.vocab_size N"),
+    ],
+)
+def test_plan_errors(bad: list[str], message: str, capsys) -> None:
+    assert main(["plan", *bad, "--gpus", "32", "--global-batch", "512"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_exit_codes(capsys) -> None:
+    assert main(["plan", "--model", "gpt-1.7b", "--gpus", "32"]) == 2  # no global batch
+    assert "needs --train.global_batch_size B (or --global-batch B)" in capsys.readouterr().err
+    fixed = "plan --model gpt-1.7b --gpus 32 --global-batch 512 --tp 3"
+    assert main(fixed.split()) == 1  # nothing fits: t = 3 does not divide 32 GPUs

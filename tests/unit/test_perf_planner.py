@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.config import Recompute, RunConfig, apply_updates
+from ptdp.config import Recompute, RunConfig, apply_updates, parse_overrides, resolve
+from ptdp.errors import ConfigError
 from ptdp.layout import validate
 from ptdp.perf.costs import MEGATRON_2021, Compute
 from ptdp.perf.flops import paper_equation_3
 from ptdp.perf.hardware import load_system
 from ptdp.perf.paper import README_GPT3, TABLE_1, paper_run
-from ptdp.perf.planner import equation_1, layout_config, plan
+from ptdp.perf.planner import equation_1, layout_config, pinned, plan
 from ptdp.perf.validation import check_row, readme_gpt3
 
 A100 = load_system("a100-80gb")
@@ -142,3 +143,22 @@ def test_readme_planner_choice_reported() -> None:
     script = readme_gpt3(A100)
     planned = check_row(README_GPT3, A100).option.prediction
     assert planned.iteration_seconds <= script.iteration_seconds
+
+
+def test_only_the_keys_given_are_pinned() -> None:
+    # `ptdp plan --parallel.tp 2 ...`: the searched keys on the command line fix the search,
+    # at their resolved (typed) values; 0 leaves a size to the search; the rest stay searched.
+    args = "--parallel.tp 2 --parallel.vpp 0 --train.micro_batch_size 4 --parallel.schedule "
+    args += "zb-h1 --parallel.recompute full --parallel.sequence_parallel off --optim.lr 1e-4"
+    cfg = resolve(None, args.split(), base=paper_run(TABLE_1[0], micro_batch=1, vpp=1))
+    assert pinned(cfg, parse_overrides(args.split())) == {
+        "tp": 2,
+        "vpp": None,
+        "micro_batch": 4,
+        "schedules": ("zb-h1",),
+        "recompute": Recompute.FULL,
+        "sequence_parallel": False,
+    }
+    assert pinned(cfg, {}) == {}  # a TOML's or preset's layout is searched over
+    with pytest.raises(ConfigError, match="derives d = gpus / .* fix --parallel.tp"):
+        pinned(resolve(None, ["--parallel.dp", "4"]), {"parallel": {"dp": "4"}})

@@ -28,6 +28,7 @@ from ptdp.pipeline.schedules import (
     one_f_one_b,
     stage_to_rank,
     stages_of_rank,
+    theory_bubble,
     zb_h1,
 )
 from ptdp.pipeline.verify import MARK, ScheduleError, format_table, verify
@@ -49,17 +50,18 @@ def _grid() -> list[tuple[str, int, int, int]]:
 
 GRID = _grid()
 
-# The paper's bubble fraction, bubble time / ideal time, at T_F = T_B = T_W (BW = 2).
-BUBBLE = {
-    "gpipe": lambda pp, m, vpp: (pp - 1) / m,
-    "1f1b": lambda pp, m, vpp: (pp - 1) / m,
-    "interleaved": lambda pp, m, vpp: (pp - 1) / (vpp * m),
-    "zb-h1": lambda pp, m, vpp: (pp - 1) / (3 * m),
+# The papers' bubble fractions, bubble time / ideal time, at T_F = T_B = T_W (BW = 2), written
+# out again here so that a wrong formula in the registry fails against them.
+PAPER_BUBBLE = {
+    "gpipe": lambda pp, m, vpp: (pp - 1) / m,  # Huang et al.
+    "1f1b": lambda pp, m, vpp: (pp - 1) / m,  # Narayanan et al., section 2.2.1
+    "interleaved": lambda pp, m, vpp: (pp - 1) / (vpp * m),  # section 2.2.2
+    "zb-h1": lambda pp, m, vpp: (pp - 1) / (3 * m),  # Qi et al.: (pp - 1)(T_F + T_B - T_W)
 }
 
 
 def test_grid_covers_every_schedule() -> None:
-    assert set(SCHEDULES) == {s.value for s in Schedule}
+    assert set(SCHEDULES) == {s.value for s in Schedule} == set(PAPER_BUBBLE)
     assert Counter(name for name, *_ in GRID) == {
         "gpipe": 24,
         "1f1b": 24,
@@ -72,13 +74,16 @@ def test_grid_covers_every_schedule() -> None:
 def test_schedule_verifies_with_paper_bubble(name: str, pp: int, m: int, vpp: int) -> None:
     plan = build(name, pp, m, vpp)
     report = build_plan(name, pp, m, vpp).report
-    assert report.bubble_fraction == pytest.approx(BUBBLE[name](pp, m, vpp))
+    theory = theory_bubble(name, pp, m, vpp)  # the registry's formula
+    assert report.bubble_fraction == pytest.approx(theory)
+    assert theory == pytest.approx(PAPER_BUBBLE[name](pp, m, vpp))
     assert report.busy == (m * vpp * 3,) * pp
     # Comms take no time, so the compute-only dry run takes as long.
     assert verify(plan, pp, vpp, m).makespan == report.makespan
+    split = SCHEDULES[name].splits_backward
     for rank, actions in plan.items():
         kinds = Counter(a.kind for a in actions)
-        backward = {Kind.B: m * vpp, Kind.W: m * vpp} if name == "zb-h1" else {Kind.BW: m * vpp}
+        backward = {Kind.B: m * vpp, Kind.W: m * vpp} if split else {Kind.BW: m * vpp}
         assert kinds == {Kind.F: m * vpp, **backward}
         assert {a.stage for a in actions} == set(stages_of_rank(rank, pp, vpp))
 
@@ -197,6 +202,18 @@ def test_planning_does_not_import_torch() -> None:
     # Plans are functions of ints (STYLE principle 3), so `ptdp schedule` runs without torch.
     code = "import sys, ptdp.pipeline.verify; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_registry_records() -> None:
+    # One record per schedule: the chunk rule, the in-flight bound and the backward split
+    # that check_args, in_flight_bound and the tests above read from it.
+    assert [n for n, s in SCHEDULES.items() if s.interleaved] == ["interleaved"]
+    assert [n for n, s in SCHEDULES.items() if s.splits_backward] == ["zb-h1"]
+    assert [n for n, s in SCHEDULES.items() if s.in_flight_bound is None] == ["interleaved"]
+    assert SCHEDULES["zb-h1"].formula == "(p-1)/(3m)" and all(s.doc for s in SCHEDULES.values())
+    assert theory_bubble("interleaved", 4, 8, 2) == 3 / 16
+    with pytest.raises(ValueError, match="multiple of pp = 4"):
+        theory_bubble("interleaved", 4, 6, 2)
 
 
 def test_config_enum_selects_a_schedule() -> None:
