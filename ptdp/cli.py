@@ -10,11 +10,9 @@ stays fast. Commands that take a config (train, simulate, plan) read it the same
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from ptdp import __version__
 from ptdp.errors import PtdpError
@@ -272,52 +270,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ptdp.config import resolve, to_toml
-    from ptdp.parallel.env import LaunchEnv
-    from ptdp.train.run import prepare, train
+    from ptdp.config import resolve
+    from ptdp.parallel.env import LaunchEnv, exit_now, leave_failed_rank
+    from ptdp.train.run import dry_run, train
 
     cfg = resolve(args.config, args.overrides)
     env = LaunchEnv.from_environ()
     if args.dry_run:
         if args.world_size:
             env = LaunchEnv(rank=0, world_size=args.world_size, local_rank=0)
-        cfg, layout, data = prepare(cfg, env)
-        print(to_toml(cfg))
-        print(f"# layout: {layout.describe()}")
-        print(f"# data: {len(data.train):,} training samples, tokenizer {data.tokenizer_spec}")
+        print(dry_run(cfg, env))
         return 0
     try:
         result = train(cfg, resume=args.resume, env=env)
     except BaseException as exc:
         if env.world_size == 1:
             raise
-        _leave_failed_rank(env.rank, exc)
+        leave_failed_rank("train", env.rank, exc)
     # Stopped by SIGINT/SIGTERM after saving: the shell's code for that signal (130, 143).
     code = 128 + result.interrupted if result.interrupted else 0
-    if env.world_size > 1:
-        # All work is done, checkpoints written and the process group destroyed. gloo has
-        # been seen to abort a finished process in a C++ destructor at interpreter exit
-        # ("terminate called without an active exception"), which the launcher would report
-        # as a failure: leave without running the finalisers.
-        _exit_now(code)
+    if env.world_size > 1:  # all done: leave without gloo's finalisers
+        exit_now(code)
     return code
-
-
-def _leave_failed_rank(rank: int, exc: BaseException) -> NoReturn:
-    """A rank of a multi-process run failed (or stopped because another did): report it
-    and exit now. Interpreter finalisers could block on a dead peer's connection."""
-    if isinstance(exc, PtdpError):
-        print(f"ptdp train: error: rank {rank}: {exc}", file=sys.stderr)
-    elif not isinstance(exc, KeyboardInterrupt):
-        traceback.print_exception(exc)
-    _exit_now(130 if isinstance(exc, KeyboardInterrupt) else 2 if isinstance(exc, PtdpError) else 1)
-
-
-def _exit_now(code: int) -> NoReturn:
-    """Flush and exit without running the interpreter's finalisers (see `_cmd_train`)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _cmd_preprocess(args: argparse.Namespace) -> int:
@@ -338,15 +312,10 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from ptdp.parallel.comm import Group
-    from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
-    from ptdp.sample import sample_from_checkpoint
+    from ptdp.parallel.env import exit_now
+    from ptdp.sample import launched_tensor_group, sample_from_checkpoint
 
-    env, tp, device = LaunchEnv.from_environ(), None, args.device
-    if env.world_size > 1:  # under torchrun: one tensor-parallel group of all processes
-        device = pick_device(args.device, env.local_rank)
-        init_process_group(env, device)
-        tp = Group(None, env.world_size, env.rank)
+    tp, device = launched_tensor_group(args.device)
     texts = sample_from_checkpoint(
         Path(args.checkpoint),
         args.prompt,
@@ -360,11 +329,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         use_cache=not args.no_kv_cache,
         tp=tp,
     )
-    for text in texts if env.rank == 0 else []:
+    for text in texts if tp is None or tp.rank == 0 else []:
         print(text)
         print("-" * 72)
-    if env.world_size > 1:  # as after `ptdp train`: skip gloo's finalisers at exit
-        _exit_now(0)
+    if tp is not None:  # as after `ptdp train`: skip gloo's finalisers at exit
+        exit_now(0)
     return 0
 
 

@@ -20,6 +20,7 @@ from ptdp.layout import validate
 from ptdp.model.generate import generate
 from ptdp.model.gpt import GPT
 from ptdp.parallel.comm import Group
+from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
 
 
 def load_model(step_dir: Path, device: str = "cpu", tp: Group | None = None) -> GPT:
@@ -40,6 +41,17 @@ def load_model(step_dir: Path, device: str = "cpu", tp: Group | None = None) -> 
     model = GPT(cfg.model, seed=cfg.train.seed, tp=tp).to(device)
     load_full_model_state([model], state["model"], tp)
     return model
+
+
+def launched_tensor_group(device: str) -> tuple[Group | None, str]:
+    """Under torchrun, one tensor-parallel group of all processes and this rank's device;
+    (None, device) for one process."""
+    env = LaunchEnv.from_environ()
+    if env.world_size == 1:
+        return None, device
+    picked = pick_device(device, env.local_rank)
+    init_process_group(env, picked)
+    return Group(None, env.world_size, env.rank), str(picked)
 
 
 def sample_from_checkpoint(

@@ -1,15 +1,19 @@
-"""Joining a torchrun launch: read the environment torchrun sets, start the process group."""
+"""Joining a torchrun launch: read the environment torchrun sets, start the process group,
+leave it (on success or failure) without hanging on a peer."""
 
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-from ptdp.errors import ConfigError
+from ptdp.errors import ConfigError, PtdpError
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What torchrun sets besides WORLD_SIZE, and the env:// rendezvous reads."""
@@ -98,3 +102,23 @@ def init_process_group(
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush and exit without the interpreter's finalisers. After a multi-process run, gloo
+    has been seen to abort a finished process in a C++ destructor at exit ("terminate called
+    without an active exception"), which the launcher would report as a failure; and after
+    a failure, finalisers could block on a dead peer's connection."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def leave_failed_rank(command: str, rank: int, exc: BaseException) -> NoReturn:
+    """A rank of a multi-process run failed (or stopped because another did): report it and
+    exit now, with 130 for an interrupt, 2 for a ptdp error (bad input), 1 otherwise."""
+    if isinstance(exc, PtdpError):
+        print(f"ptdp {command}: error: rank {rank}: {exc}", file=sys.stderr)
+    elif not isinstance(exc, KeyboardInterrupt):
+        traceback.print_exception(exc)
+    exit_now(130 if isinstance(exc, KeyboardInterrupt) else 2 if isinstance(exc, PtdpError) else 1)

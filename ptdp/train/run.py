@@ -27,6 +27,15 @@ def prepare(cfg: RunConfig, env: LaunchEnv) -> tuple[RunConfig, Layout, RunData]
     return resolve_vocab(cfg), layout, data
 
 
+def dry_run(cfg: RunConfig, env: LaunchEnv) -> str:
+    """`ptdp train --dry-run`: the resolved config, the layout and the data, checked."""
+    cfg, layout, data = prepare(cfg, env)
+    return (
+        f"{to_toml(cfg)}\n# layout: {layout.describe()}\n"
+        f"# data: {len(data.train):,} training samples, tokenizer {data.tokenizer_spec}"
+    )
+
+
 def _checkpoint_to_resume(cfg: RunConfig, resume: bool) -> Path | None:
     """The checkpoint a run continues from; refuses to overwrite or mix runs."""
     run_dir = Path(cfg.train.run_dir)
