@@ -32,6 +32,7 @@ from ptdp.parallel.comm import Group, all_gather_objects, all_reduce_mean_, all_
 from ptdp.parallel.data import GradBuffers
 from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
+from ptdp.parallel.roles import rank_roles
 from ptdp.parallel.sharded_state import load_plan, sharded_state, stage_mesh, unpack
 from ptdp.parallel.state import local_model_state, local_optimizer_state
 from ptdp.perf.flops import flops_per_iteration
@@ -89,6 +90,7 @@ class Trainer:
         self.model = nn.ModuleList(self.chunks).to(self.device)
         self.grads = GradBuffers(
             self.chunks,
+            roles=rank_roles(self.chunks),
             dp=self.mesh.axis("dp"),
             tp=self.tp,
             embedding=self.mesh.axis("embedding") if cfg.model.tie_embeddings else Group.single(),
