@@ -69,7 +69,7 @@ def count_step(tp: Group, sp: bool, micro: int, batch: int) -> list[tuple[str, i
             tokens = torch.randint(0, cfg.model.vocab_size, (micro, s + 1))
             (model(tokens[:, :-1], tokens[:, 1:]) / (batch // micro)).backward()
         if sp:
-            reduce_sequence_parallel_grads(model, tp)
+            reduce_sequence_parallel_grads(model, model.roles, tp)
     finally:
         for kind, fn in originals.items():
             setattr(comm, kind, fn)

@@ -34,10 +34,7 @@ from ptdp.config import RunConfig
 from ptdp.errors import CheckpointError
 from ptdp.parallel.comm import Group
 from ptdp.parallel.init import full_tensor, shard_spec
-
-
-def _saved_name(name: str, p: torch.Tensor) -> str:
-    return getattr(p, "tied_to", name)
+from ptdp.parallel.roles import rank_roles
 
 
 def full_model_state(
@@ -45,11 +42,11 @@ def full_model_state(
 ) -> dict[str, torch.Tensor]:
     """Full fp32 tensors by global name: `weights` (the optimizer's fp32 master weights, by
     parameter) where given, else the parameters themselves."""
-    weights = weights or {}
+    weights, roles = weights or {}, rank_roles(chunks)
     return {
         name: full_tensor(weights.get(p, p), shard_spec(p), tp).float().clone()
         for name, p in named_parameters(chunks)
-        if not hasattr(p, "tied_to")
+        if not roles.is_tied_copy(name)
     }
 
 
@@ -68,11 +65,11 @@ def local_model_state(
     chunks: list[nn.Module], state: dict[str, torch.Tensor], tp: Group
 ) -> dict[nn.Parameter, torch.Tensor]:
     """This rank's slice of each of its parameters, from a full name-keyed state."""
-    params = named_parameters(chunks)
-    missing = sorted({_saved_name(n, p) for n, p in params} - state.keys())
+    params, roles = named_parameters(chunks), rank_roles(chunks)
+    missing = sorted({roles.original(n) for n, p in params} - state.keys())
     if missing:
         raise CheckpointError(f"checkpoint lacks tensors this model needs: {missing[:5]}")
-    return {p: _local(state[_saved_name(name, p)], p, tp, name) for name, p in params}
+    return {p: _local(state[roles.original(name)], p, tp, name) for name, p in params}
 
 
 @torch.no_grad()
@@ -83,31 +80,13 @@ def load_full_model_state(
         p.copy_(value)
 
 
-def full_optimizer_state(
-    moments: dict[nn.Parameter, dict[str, torch.Tensor]],
-    step: int,
-    param_groups: list[dict],
-    chunks: list[nn.Module],
-    tp: Group,
-) -> dict[str, Any]:
-    """AdamW moments by global parameter name, each gathered to full shape."""
-    state = {
-        name: {"step": step}
-        | {k: full_tensor(v, shard_spec(p), tp).clone() for k, v in moments[p].items()}
-        for name, p in named_parameters(chunks)
-        if p in moments and not hasattr(p, "tied_to")
-    }
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
-    return {"state": state, "param_groups": groups}
-
-
 def local_optimizer_state(
     saved: dict[str, Any], chunks: list[nn.Module], tp: Group
 ) -> tuple[dict[nn.Parameter, dict[str, torch.Tensor]], int]:
     """This rank's slices of the saved AdamW moments by parameter, and the step count."""
-    moments, step = {}, 0
+    moments, step, roles = {}, 0, rank_roles(chunks)
     for name, p in named_parameters(chunks):
-        entry = saved["state"].get(_saved_name(name, p))
+        entry = saved["state"].get(roles.original(name))
         if entry is None:
             continue
         step = int(entry["step"])

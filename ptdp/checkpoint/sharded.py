@@ -28,6 +28,7 @@ from ptdp.errors import CheckpointError
 from ptdp.parallel.comm import has_process_group
 from ptdp.parallel.init import ShardSpec, shard_spec
 from ptdp.parallel.mesh import ParallelMesh
+from ptdp.parallel.roles import rank_roles
 
 
 def stage_mesh(mesh: ParallelMesh, device: torch.device) -> DeviceMesh | None:
@@ -95,9 +96,9 @@ def sharded_state(
     tp_rank: int,
 ) -> dict[str, torch.Tensor]:
     """This rank's tensors under their DCP keys (fp32 masters and AdamW moments)."""
-    out = {}
+    out, roles = {}, rank_roles(chunks)
     for name, p in named_parameters(chunks):
-        if hasattr(p, "tied_to"):
+        if roles.is_tied_copy(name):
             continue
         key, value = _entry(MODEL + name, masters[p], p, sub, tp_rank)
         out[key] = value
@@ -167,9 +168,9 @@ def load_plan(
     turn it back into (masters, moments) by parameter: call `unpack` after dcp.load."""
     targets: dict[str, _Target] = {}
     wanted: list[tuple[nn.Parameter, str, str]] = []  # (param, moment or "", stored key)
-    missing = []
+    missing, roles = [], rank_roles(chunks)
     for name, p in named_parameters(chunks):
-        saved = getattr(p, "tied_to", name)
+        saved = roles.original(name)
         keys = [("", MODEL + saved)] + [(k, f"{MOMENTS}{saved}/{k}") for k in STATE_KEYS]
         for moment, key in keys:
             stored = _stored(metadata, key)

@@ -32,6 +32,7 @@ from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
 from ptdp.parallel.init import ShardSpec, rank_rng, shard_spec
 from ptdp.parallel.loss import vocab_parallel_cross_entropy
+from ptdp.parallel.roles import ParamRoles
 from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
@@ -43,15 +44,10 @@ class TPContext:
     sequence_parallel: bool = False
 
 
-def build_norm(cfg: ModelConfig, ctx: TPContext) -> nn.Module:
+def build_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.normalization is Normalization.RMSNORM:
-        norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    else:
-        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
-    if ctx.sequence_parallel:  # each rank normalises a sequence slice: sum the gradients
-        for param in norm.parameters():
-            param.sequence_parallel = True
-    return norm
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 class Rotary(nn.Module):
@@ -186,9 +182,9 @@ class TransformerLayer(nn.Module):
         self, cfg: ModelConfig, ctx: TPContext, recompute: Recompute = Recompute.NONE
     ) -> None:
         super().__init__()
-        self.norm1 = build_norm(cfg, ctx)
+        self.norm1 = build_norm(cfg)
         self.attn = Attention(cfg, ctx, recompute_core=recompute is Recompute.SELECTIVE)
-        self.norm2 = build_norm(cfg, ctx)
+        self.norm2 = build_norm(cfg)
         self.mlp = MLP(cfg, ctx)
         self.dropout = nn.Dropout(cfg.dropout)
         self.recompute_full = recompute is Recompute.FULL
@@ -260,7 +256,6 @@ class GPT(nn.Module):
             )
             if cfg.position_embedding is PositionEmbedding.LEARNED:
                 self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
-                self.position.weight.sequence_parallel = ctx.sequence_parallel
             self.embed_dropout = nn.Dropout(cfg.dropout)
         self.rotary = (
             Rotary(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
@@ -270,7 +265,7 @@ class GPT(nn.Module):
         # Keyed by global index, so parameter names (and thus init) match across layouts.
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, recompute) for i in layers})
         if has_head:
-            self.final_norm = build_norm(cfg, ctx)
+            self.final_norm = build_norm(cfg)
             if not (cfg.tie_embeddings and has_embedding):
                 self.output = ColumnParallelLinear(
                     cfg.hidden_size,
@@ -279,11 +274,36 @@ class GPT(nn.Module):
                     bias=False,
                     pad_to_multiple=cfg.make_vocab_size_divisible_by,
                 )
-                if cfg.tie_embeddings:
-                    # The last pipeline stage's copy of the embedding shared with stage 0:
-                    # same initial value, gradients summed over the embedding group.
-                    self.output.weight.tied_to = "embedding.weight"
-        apply_init(self, seed=seed, base_std=cfg.init_std, num_layers=cfg.num_layers, tp=ctx.tp)
+        self.roles = self._param_roles()
+        """Which parameters are tied copies or sequence-parallel (`ptdp.parallel.roles`)."""
+        apply_init(
+            self,
+            seed=seed,
+            base_std=cfg.init_std,
+            num_layers=cfg.num_layers,
+            tp=ctx.tp,
+            roles=self.roles,
+        )
+
+    def _param_roles(self) -> ParamRoles:
+        """The tied copy of the embedding, and the sequence-parallel weights."""
+        tied: dict[str, str] = {}
+        if self.cfg.tie_embeddings and hasattr(self, "output"):
+            # The last pipeline stage's copy of the embedding shared with stage 0: same
+            # initial value, gradients summed over the embedding group.
+            tied["output.weight"] = "embedding.weight"
+        records = [ParamRoles(tied=tied)]
+        if self.ctx.sequence_parallel:
+            # Replicated weights that each rank applies to its own sequence slice: norms,
+            # learned positions, and the biases the row-parallel layers name.
+            names = {"position.weight"} if hasattr(self, "position") else set()
+            for prefix, module in self.named_modules():
+                if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                    names.update(f"{prefix}.{leaf}" for leaf, _ in module.named_parameters())
+                elif isinstance(module, RowParallelLinear):
+                    records.append(module.param_roles().prefixed(prefix))
+            records.append(ParamRoles(sequence_parallel=frozenset(names)))
+        return ParamRoles.merge(records)
 
     def output_weight(self) -> torch.Tensor:
         """[v/t, h]: the output layer's weight, the embedding's when they are tied."""
@@ -359,11 +379,11 @@ class GPT(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp, self.cfg.vocab_size)
 
 
-def count_parameters(model: nn.Module, *, full: bool = True, skip_tied_copies: bool = False) -> int:
+def count_parameters(model: GPT, *, full: bool = True, skip_tied_copies: bool = False) -> int:
     """Parameters of the whole (unsharded) model, or only this rank's shards."""
     total = 0
-    for p in model.parameters():
-        if skip_tied_copies and hasattr(p, "tied_to"):
+    for name, p in model.named_parameters():
+        if skip_tied_copies and model.roles.is_tied_copy(name):
             continue
         spec = shard_spec(p) if full else None
         total += math.prod(spec.full_shape(p.shape)) if spec else p.numel()

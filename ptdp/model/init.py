@@ -17,6 +17,7 @@ from torch import nn
 
 from ptdp.parallel.comm import Group
 from ptdp.parallel.init import shard_spec
+from ptdp.parallel.roles import NO_ROLES, ParamRoles
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -38,12 +39,18 @@ def init_std(name: str, base_std: float, num_layers: int) -> float:
 
 @torch.no_grad()
 def apply_init(
-    model: nn.Module, *, seed: int, base_std: float, num_layers: int, tp: Group | None = None
+    model: nn.Module,
+    *,
+    seed: int,
+    base_std: float,
+    num_layers: int,
+    tp: Group | None = None,
+    roles: ParamRoles = NO_ROLES,
 ) -> None:
     """Initialise every parameter of `model` in place from its global name.
 
     A tensor-parallel shard takes its slice of the full master value, so every layout
-    starts from the same model.
+    starts from the same model; a tied copy (named in `roles`) starts as its original.
     """
     norms = (nn.LayerNorm, nn.RMSNorm)
     for mod_name, module in model.named_modules():
@@ -54,7 +61,7 @@ def apply_init(
             elif leaf == "bias":
                 param.zero_()
             else:
-                name = getattr(param, "tied_to", name)  # a tied copy starts as its original
+                name = roles.original(name)  # a tied copy starts as its original
                 spec = shard_spec(param)
                 shape = spec.full_shape(param.shape) if spec else tuple(param.shape)
                 full = init_tensor(name, shape, init_std(name, base_std, num_layers), seed)

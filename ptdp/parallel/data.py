@@ -23,7 +23,8 @@ tensor rank: they are summed over the tensor group (synchronously: the tensor ra
 the same backward in lockstep) just before the bucket starts. A tied embedding shared by
 the first and last pipeline stages sits alone in a deferred bucket, summed over the
 embedding group in `finish` (its two holders reach their last backward at different
-times), then reduced like the rest.
+times), then reduced like the rest. Which parameters play these roles, the model chunks'
+`ParamRoles` record says (`ptdp.parallel.roles`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from ptdp.parallel.comm import (
     all_reduce_tensors_,
     reduce_scatter_flat_async,
 )
+from ptdp.parallel.roles import ParamRoles
 
 
 @dataclass
@@ -53,6 +55,9 @@ class Bucket:
     params: list[nn.Parameter]
     deferred: bool = False
     """Reduced in `finish` only, after a reduction over another group (tied embedding)."""
+    sequence_parallel: list[nn.Parameter] = field(default_factory=list)
+    """The parameters (in `params` order) whose gradients are summed over the tensor group
+    first: partial sums under sequence parallelism."""
     pending: int = 0
     """Parameters still to receive their final gradient in this step."""
     work: dist.Work | None = None
@@ -77,14 +82,14 @@ class ChunkBuffer:
 def _split_into_buckets(
     params: list[tuple[str, nn.Parameter]],
     bucket_elems: int,
-    separate: Callable[[str, nn.Parameter], bool],
+    separate: Callable[[str], bool],
 ) -> list[list[nn.Parameter]]:
-    """Consecutive parameters of about bucket_elems elements; `separate` ones alone."""
+    """Consecutive parameters of about bucket_elems elements; `separate` ones (by name) alone."""
     groups: list[list[nn.Parameter]] = []
     current: list[nn.Parameter] = []
     size = 0
     for name, p in params:
-        if separate(name, p):
+        if separate(name):
             groups.append([p])
             continue
         current.append(p)
@@ -98,12 +103,17 @@ def _split_into_buckets(
 
 
 class GradBuffers:
-    """The flat buffers of a rank's chunks and the data-parallel reduction of their buckets."""
+    """The flat buffers of a rank's chunks and the data-parallel reduction of their buckets.
+
+    `roles`: the chunks' merged record (`ptdp.parallel.roles.rank_roles`; `NO_ROLES` for
+    plain modules), naming the tied copy and the sequence-parallel parameters.
+    """
 
     def __init__(
         self,
         chunks: list[nn.Module],
         *,
+        roles: ParamRoles,
         dp: Group,
         tp: Group,
         embedding: Group,
@@ -111,7 +121,7 @@ class GradBuffers:
         shard: bool = False,
         overlap: bool = True,
     ) -> None:
-        self.dp, self.tp, self.embedding = dp, tp, embedding
+        self.dp, self.tp, self.embedding, self.roles = dp, tp, embedding, roles
         self.shard = shard and dp.size > 1
         self.overlap = overlap
         self.launches = 0
@@ -128,7 +138,8 @@ class GradBuffers:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
 
     def _allocate(self, groups, align: int, named) -> ChunkBuffer:
-        tied = {p for n, p in named if self._is_tied(n, p)}
+        tied = {p for n, p in named if self._is_tied(n)}
+        sequence_parallel = {p for n, p in named if self.roles.is_sequence_parallel(n)}
         ranges, offset = [], 0
         for params in groups:
             size = sum(p.numel() for p in params)
@@ -141,7 +152,13 @@ class GradBuffers:
             grads=torch.zeros(offset, dtype=torch.float32, device=device),
         )
         for start, end, params in ranges:
-            bucket = Bucket(start, end, params, deferred=bool(tied & set(params)))
+            bucket = Bucket(
+                start,
+                end,
+                params,
+                deferred=bool(tied & set(params)),
+                sequence_parallel=[p for p in params if p in sequence_parallel],
+            )
             buf.buckets.append(bucket)
             at = start
             for p in params:
@@ -153,9 +170,11 @@ class GradBuffers:
                 at += n
         return buf
 
-    def _is_tied(self, name: str, p: nn.Parameter) -> bool:
+    def _is_tied(self, name: str) -> bool:
         """The embedding that the first and last pipeline stages both hold (pp > 1, tied)."""
-        return self.embedding.size > 1 and (name == "embedding.weight" or hasattr(p, "tied_to"))
+        return self.embedding.size > 1 and (
+            name == "embedding.weight" or self.roles.is_tied_copy(name)
+        )
 
     # ------------------------------------------------------------------ dtype
 
@@ -203,7 +222,7 @@ class GradBuffers:
         bucket.launched = True
         self.launches += 1
         if self.tp.size > 1:
-            sp = [p.main_grad for p in bucket.params if getattr(p, "sequence_parallel", False)]
+            sp = [p.main_grad for p in bucket.sequence_parallel]
             if sp:
                 all_reduce_tensors_(sp, self.tp, average=False)
         if self.dp.size == 1:

@@ -7,9 +7,9 @@ Activations are sequence-first [s, b, h]; under sequence parallelism (Korthikant
 Each layer allocates only its shard, records how it is split (`param.tp_shard`), and is
 a composition of `comm.py` operators and a plain `F.linear`/`F.embedding`. With t = 1 the
 operators are identities, so the same classes make the single-process model.
-Parameters whose gradient must be summed over the tensor group after backward (replicated
-weights that see only a sequence slice under sequence parallelism) carry
-`param.sequence_parallel = True`.
+A layer with parameters whose gradient must be summed over the tensor group after
+backward (replicated weights that see only a sequence slice under sequence parallelism)
+names them in its `param_roles()` (`ptdp.parallel.roles`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch import nn
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
 from ptdp.parallel.init import ShardSpec, padded
+from ptdp.parallel.roles import NO_ROLES, ParamRoles
 
 
 def _sharded(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
@@ -97,8 +98,13 @@ class RowParallelLinear(nn.Module):
         spec = ShardSpec(dim=1, full_size=in_features, padded_size=in_features, size=tp.size)
         self.weight = _sharded((out_features, in_features // tp.size), spec)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        if self.bias is not None and sequence_parallel:
-            self.bias.sequence_parallel = True
+
+    def param_roles(self) -> ParamRoles:
+        """Under sequence parallelism each rank adds the bias to its own sequence slice, so
+        its gradient is a partial sum over the tensor group."""
+        if self.bias is not None and self.sequence_parallel:
+            return ParamRoles(sequence_parallel=frozenset({"bias"}))
+        return NO_ROLES
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)

@@ -14,6 +14,7 @@ from torch import nn
 
 from ptdp.parallel.comm import Group
 from ptdp.parallel.data import GradBuffers
+from ptdp.parallel.roles import NO_ROLES
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -29,7 +30,7 @@ def _check(rank: int, world_size: int, shard: bool, overlap: bool) -> None:
     dp = Group(dist.group.WORLD, world_size, rank)
     single = Group.single()
     buffers = GradBuffers(
-        [model], dp=dp, tp=single, embedding=single, bucket_mb=BUCKET_MB, shard=shard,
+        [model], roles=NO_ROLES, dp=dp, tp=single, embedding=single, bucket_mb=BUCKET_MB, shard=shard,
         overlap=overlap,
     )  # fmt: skip
     buckets = buffers.chunks[0].buckets

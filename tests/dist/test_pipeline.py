@@ -19,6 +19,7 @@ from ptdp.parallel.comm import Group, all_reduce_sum_, gather_objects
 from ptdp.parallel.grads import reduce_tied_grads
 from ptdp.parallel.init import full_tensor, shard_spec
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
+from ptdp.parallel.roles import rank_roles
 from ptdp.train.step.pipelined import PipelineStep, boundary_shape, build_chunks, build_p2p
 from tests.dist.harness import run_ranks
 
@@ -77,14 +78,14 @@ def _one_case(mesh: ParallelMesh, cfg: RunConfig, tokens: torch.Tensor) -> None:
         out_bytes = 4 * cfg.model.seq_length * mbs * cfg.model.hidden_size
         assert step.last_runtime.freed_bytes >= out_bytes * layout.num_microbatches
     if cfg.model.tie_embeddings:
-        reduce_tied_grads(torch.nn.ModuleList(chunks.values()), mesh.axis("embedding"))
+        reduce_tied_grads(chunks.values(), rank_roles(chunks.values()), mesh.axis("embedding"))
     all_reduce_sum_(loss, mesh.axis("pp"))
     tp = mesh.axis("tp")
     grads = {
         name: full_tensor(p.grad, shard_spec(p), tp)
         for chunk in chunks.values()
         for name, p in chunk.named_parameters()
-        if not hasattr(p, "tied_to")
+        if not chunk.roles.is_tied_copy(name)
     }
     parts = gather_objects(grads, mesh.axis("pp")) if tp.rank == 0 else []
     if mesh.rank != 0:

@@ -309,9 +309,9 @@ def _check_model(rank: int, world_size: int) -> None:
                 loss_ref.backward()
                 loss.backward()
                 if sp:
-                    reduce_sequence_parallel_grads(model, tp)
-                norm_ref = clip_gradients(ref, 0.5, Group.single())
-                norm = clip_gradients(model, 0.5, tp)
+                    reduce_sequence_parallel_grads(model, model.roles, tp)
+                norm_ref = clip_gradients(ref, ref.roles, 0.5, Group.single())
+                norm = clip_gradients(model, model.roles, 0.5, tp)
                 assert_rel(norm, norm_ref, f"{family} sp={sp} grad norm")
                 if step == 0:
                     ref_grads = {n: _unpadded(p.grad, p) for n, p in ref.named_parameters()}

@@ -105,7 +105,10 @@ class Optimizer:
 
     def grad_norm(self) -> torch.Tensor:
         """The single-process model's gradient norm, the same on every rank."""
-        counted = [x.master.grad for x in self.pieces if counted_in_norm(x.param, self.tp)]
+        roles = self.buffers.roles
+        counted = [
+            x.master.grad for x in self.pieces if counted_in_norm(x.name, x.param, roles, self.tp)
+        ]
         total = squared_sum(counted, self.buffers.chunks[0].grads.device)
         all_reduce_sum_(total, self.tp)
         all_reduce_sum_(total, self.pp)

@@ -31,6 +31,7 @@ from ptdp.parallel.comm import Group, all_reduce_mean_, all_reduce_sum_
 from ptdp.parallel.data import GradBuffers
 from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
+from ptdp.parallel.roles import rank_roles
 from ptdp.perf.flops import flops_per_iteration
 from ptdp.perf.timeline import TimelineRecorder
 from ptdp.pipeline.actions import Action, Kind
@@ -92,6 +93,7 @@ class Trainer:
         self.model = nn.ModuleList(self.chunks).to(self.device)
         self.grads = GradBuffers(
             self.chunks,
+            roles=rank_roles(self.chunks),
             dp=self.mesh.axis("dp"),
             tp=self.tp,
             embedding=self.mesh.axis("embedding") if cfg.model.tie_embeddings else Group.single(),
