@@ -12,22 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ptdp import __version__
 from ptdp.errors import PtdpError
 
-if TYPE_CHECKING:
-    from ptdp.config import RunConfig
-
 Subparsers = argparse._SubParsersAction
 
-TRAIN_EPILOG = """\
-Configuration: defaults < --config FILE (TOML) < --section.key value overrides.
-Every option below can be set in the TOML file as `key = value` under `[section]`,
-or on the command line as --section.key value or --section.key=value.
-
-{options}
+TORCHRUN = """
 
 Under torchrun, every process runs this same command and becomes one rank:
   torchrun --nproc-per-node 2 -m ptdp train --config configs/demo.toml
@@ -75,7 +66,7 @@ def _train_parser(sub: Subparsers) -> None:
         "train",
         help="train a model (one process, or one rank under torchrun)",
         description="Train a GPT model on preprocessed data.",
-        epilog=TRAIN_EPILOG.format(options=help_text()),
+        epilog=help_text() + TORCHRUN,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # so that --section.key overrides never match an option prefix
     )
@@ -346,56 +337,32 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
     from ptdp.pipeline.plan import build_plan
-    from ptdp.pipeline.schedules import theory_bubble
     from ptdp.pipeline.verify import ScheduleError, format_table
 
-    pp, m, vpp = args.pp, args.microbatches, args.vpp
     try:
-        plan = build_plan(args.schedule, pp, m, vpp)
-        report = plan.report
+        plan = build_plan(args.schedule, args.pp, args.microbatches, args.vpp)
+        verdict = plan.check_line()
     except (ValueError, ScheduleError) as exc:
         print(f"ptdp schedule: error: {exc}", file=sys.stderr)
         return 2
     print(format_table(plan.compute if args.no_comms else plan.lowered))
-    print(
-        f"\n{args.schedule}: pp={pp} vpp={vpp} microbatches={m} | unit-cost makespan "
-        f"{report.makespan} (ideal {report.ideal}) | bubble {report.bubble_fraction:.4f} "
-        f"(theory {theory_bubble(args.schedule, pp, m, vpp):.4f}) | peak in-flight "
-        f"activations per rank {list(report.peak_in_flight)}"
-    )
+    print(f"\n{verdict}")
     return 0
 
 
-def _perf_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
-    """--model < --config < overrides, through the config's own resolution."""
-    from ptdp.config import resolve
-    from ptdp.perf.paper import model_config
-
-    return resolve(args.config, overrides, base=model_config(args.model) if args.model else None)
-
-
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    import json
-
     from ptdp.perf.costs import SOFTWARE
     from ptdp.perf.hardware import load_system
-    from ptdp.perf.report import format_prediction, prediction_dict, write_timeline
+    from ptdp.perf.paper import perf_config
+    from ptdp.perf.report import simulation_output
     from ptdp.perf.simulator import default_world_size, simulate
 
-    cfg = _perf_config(args, args.overrides)
+    cfg = perf_config(args.model, args.config, args.overrides)
     system = load_system(args.device)
     gpus = args.gpus or default_world_size(cfg)
     prediction = simulate(cfg, system, gpus, software=SOFTWARE[args.software])
     out = Path(args.out or Path(cfg.train.run_dir) / "simulation")
-    title = f"{system.name}: {prediction.layout.describe()} ({cfg.parallel.schedule.value})"
-    png, trace = write_timeline(prediction, out, title)
-    if args.json:
-        files = {"png": png and str(png), "trace": str(trace)}
-        print(json.dumps({**prediction_dict(prediction), **files}))
-    else:
-        png_text = str(png) if png else "not drawn (pip install matplotlib)"
-        print(format_prediction(prediction, system))
-        print(f"timeline: {png_text} | trace: {trace} (open in https://ui.perfetto.dev)")
+    print(simulation_output(prediction, system, out, args.json))
     return 0
 
 
@@ -408,32 +375,25 @@ def _old_spellings(args: argparse.Namespace) -> list[str]:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from tqdm import tqdm
-
     from ptdp.config import parse_overrides
     from ptdp.errors import ConfigError
     from ptdp.perf.costs import SOFTWARE
     from ptdp.perf.hardware import load_system
+    from ptdp.perf.paper import perf_config
     from ptdp.perf.planner import pinned, plan
-    from ptdp.perf.report import format_plan, plan_dict
+    from ptdp.perf.report import format_plan, plan_dict, progress_bar
 
     overrides = _old_spellings(args) + args.overrides  # the explicit keys win
     given = parse_overrides(overrides)
     if "global_batch_size" not in given.get("train", {}):
         raise ConfigError("the planner needs --train.global_batch_size B (or --global-batch B)")
-    base = _perf_config(args, overrides)
-    system = load_system(args.device)
-    bar = tqdm(total=0, desc="simulating layouts", unit="layout", file=sys.stderr, disable=None)
-
-    def progress(done: int, total: int, what: str) -> None:
-        bar.total = total
-        bar.set_postfix_str(what)
-        bar.update(done - bar.n)
-
-    software = SOFTWARE[args.software]
+    base = perf_config(args.model, args.config, overrides)
     pins = pinned(base, given)
-    result = plan(base, gpus=args.gpus, system=system, software=software, progress=progress, **pins)
-    bar.close()
+    system, software = load_system(args.device), SOFTWARE[args.software]
+    with progress_bar("simulating layouts") as progress:
+        result = plan(
+            base, gpus=args.gpus, system=system, software=software, progress=progress, **pins
+        )
     top = args.top
     print(json.dumps(plan_dict(result, top)) if args.json else format_plan(result, system, top))
     return 0 if result.best else 1

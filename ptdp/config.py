@@ -430,7 +430,12 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def help_text() -> str:
     """Every option of every section with its default and docstring, for --help."""
-    lines = []
+    lines = [
+        "Configuration: defaults < --config FILE (TOML) < --section.key value overrides.",
+        "Every option below can be set in the TOML file as `key = value` under `[section]`,",
+        "or on the command line as --section.key value or --section.key=value.",
+        "",
+    ]
     for section, cls in SECTIONS.items():
         lines.append(f"[{section}]")
         docs = field_docs(cls)

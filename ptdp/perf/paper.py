@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ptdp.config import ModelConfig, RunConfig, apply_updates, load_toml
+from ptdp.config import ModelConfig, RunConfig, apply_updates, load_toml, resolve
 from ptdp.errors import ConfigError
 
 VOCAB = 51200
@@ -98,6 +98,11 @@ def model_config(model: str) -> RunConfig:
     raise ConfigError(
         f"unknown model {model!r}; use a preset ({', '.join(PRESETS)}) or a TOML config file"
     )
+
+
+def perf_config(model: str, config: str | None, overrides: list[str]) -> RunConfig:
+    """`ptdp simulate|plan`: --model (`model_config`) < --config FILE < --section.key overrides."""
+    return resolve(config, overrides, base=model_config(model) if model else None)
 
 
 def paper_run(row: Table1Row, *, micro_batch: int, vpp: int) -> RunConfig:

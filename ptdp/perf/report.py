@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from tqdm import tqdm
 
 from ptdp.config import to_dict
 from ptdp.perf.hardware import GIB, System
-from ptdp.perf.planner import Option, PlanResult
+from ptdp.perf.planner import Option, PlanResult, Progress
 from ptdp.perf.simulator import Prediction
 from ptdp.perf.timeline import plot_timelines, write_chrome_trace
 
@@ -95,6 +101,35 @@ def write_timeline(p: Prediction, out: Path, title: str) -> tuple[Path | None, P
     except ImportError:  # matplotlib is optional: pip install "ptdp[bench]"
         png = None
     return png, trace
+
+
+def simulation_output(p: Prediction, system: System, out: Path, as_json: bool) -> str:
+    """Write the timeline under `out`; the prediction as text (or JSON) naming the files."""
+    title = f"{system.name}: {p.layout.describe()} ({p.layout.schedule})"
+    png, trace = write_timeline(p, out, title)
+    if as_json:
+        return json.dumps({**prediction_dict(p), "png": png and str(png), "trace": str(trace)})
+    png_text = str(png) if png else "not drawn (pip install matplotlib)"
+    return (
+        f"{format_prediction(p, system)}\n"
+        f"timeline: {png_text} | trace: {trace} (open in https://ui.perfetto.dev)"
+    )
+
+
+@contextmanager
+def progress_bar(desc: str) -> Iterator[Progress]:
+    """A `Progress` callback drawing a bar on stderr (when it is a terminal)."""
+    bar = tqdm(total=0, desc=desc, unit="layout", file=sys.stderr, disable=None)
+
+    def progress(done: int, total: int, what: str) -> None:
+        bar.total = total
+        bar.set_postfix_str(what)
+        bar.update(done - bar.n)
+
+    try:
+        yield progress
+    finally:
+        bar.close()
 
 
 def option_dict(o: Option) -> dict:

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ptdp.pipeline.actions import Action, Plan
-from ptdp.pipeline.schedules import add_comms, build, forward_only, in_flight_bound
+from ptdp.pipeline.schedules import (
+    add_comms,
+    build,
+    forward_only,
+    in_flight_bound,
+    theory_bubble,
+)
 from ptdp.pipeline.verify import ScheduleReport, verify
 
 
@@ -56,6 +62,17 @@ class PipelinePlan:
             f"{self.num_microbatches} microbatches per pipeline per step | predicted bubble "
             f"{report.bubble_fraction:.3f} of the ideal time (unit costs) | peak stored "
             f"activations (microbatch x chunk) per rank {list(report.peak_in_flight)}"
+        )
+
+    def check_line(self) -> str:
+        """`ptdp schedule`'s verdict: the unit-cost dry run beside the schedule's formula."""
+        r, name = self.report, self.schedule
+        theory = theory_bubble(name, self.pp, self.num_microbatches, self.vpp)
+        return (
+            f"{name}: pp={self.pp} vpp={self.vpp} microbatches={self.num_microbatches} | "
+            f"unit-cost makespan {r.makespan} (ideal {r.ideal}) | bubble "
+            f"{r.bubble_fraction:.4f} (theory {theory:.4f}) | peak in-flight activations per "
+            f"rank {list(r.peak_in_flight)}"
         )
 
 
