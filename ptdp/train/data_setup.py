@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ptdp.config import RunConfig
+from ptdp.config import DataConfig, RunConfig
 from ptdp.data.dataset import GPTDataset
 from ptdp.data.indexed import IndexedDataset, bin_path, idx_path
 from ptdp.data.preprocess import read_metadata
@@ -29,21 +29,21 @@ class RunData:
     """"bytes", a path to a tokenizer.json, or "" when unknown (data made elsewhere)."""
 
 
-def tokenizer_spec_for(cfg: RunConfig) -> str:
+def tokenizer_spec_for(data: DataConfig) -> str:
     """The tokenizer named in the config, else the one recorded beside the data."""
-    if cfg.data.tokenizer:
-        return cfg.data.tokenizer
-    meta = read_metadata(cfg.data.path)
+    if data.tokenizer:
+        return data.tokenizer
+    meta = read_metadata(data.path)
     if not meta:
         return ""
     if meta["tokenizer"] == "bytes":
         return "bytes"
-    return str(Path(cfg.data.path).parent / meta["tokenizer"])
+    return str(Path(data.path).parent / meta["tokenizer"])
 
 
 def resolve_vocab(cfg: RunConfig) -> RunConfig:
     """Fill model.vocab_size from the data when it is 0; reject a model too small for it."""
-    require_data_path(cfg)
+    require_data_path(cfg.data)
     meta = read_metadata(cfg.data.path)
     data_vocab = meta["vocab_size"] if meta else 0
     if cfg.data.tokenizer:
@@ -51,7 +51,7 @@ def resolve_vocab(cfg: RunConfig) -> RunConfig:
 
         tok_vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
         if meta:
-            _check_same_tokenizer(cfg, meta, tok_vocab)
+            _check_same_tokenizer(cfg.data, meta, tok_vocab)
         data_vocab = data_vocab or tok_vocab
     vocab = cfg.model.vocab_size or data_vocab
     if not vocab:
@@ -69,14 +69,14 @@ def resolve_vocab(cfg: RunConfig) -> RunConfig:
     return replace(cfg, model=replace(cfg.model, vocab_size=vocab))
 
 
-def _check_same_tokenizer(cfg: RunConfig, meta: dict, tok_vocab: int) -> None:
+def _check_same_tokenizer(data: DataConfig, meta: dict, tok_vocab: int) -> None:
     """data.tokenizer must be the tokenizer the data was made with (its sidecar says which)."""
     recorded = meta["tokenizer"]
-    recorded_path = Path(cfg.data.path).parent / recorded
-    chosen = Path(cfg.data.tokenizer)
+    recorded_path = Path(data.path).parent / recorded
+    chosen = Path(data.tokenizer)
     if chosen.is_dir():
         chosen = chosen / "tokenizer.json"
-    if (recorded == "bytes") != (cfg.data.tokenizer == "bytes"):
+    if (recorded == "bytes") != (data.tokenizer == "bytes"):
         same = False
     elif recorded == "bytes":
         same = True
@@ -87,8 +87,8 @@ def _check_same_tokenizer(cfg: RunConfig, meta: dict, tok_vocab: int) -> None:
     if not same:
         made_with = "bytes" if recorded == "bytes" else str(recorded_path)
         raise ConfigError(
-            f"data.tokenizer = '{cfg.data.tokenizer}' (vocabulary {tok_vocab}) is not the "
-            f"tokenizer the data at '{cfg.data.path}' was made with ({made_with}, vocabulary "
+            f"data.tokenizer = '{data.tokenizer}' (vocabulary {tok_vocab}) is not the "
+            f"tokenizer the data at '{data.path}' was made with ({made_with}, vocabulary "
             f"{meta['vocab_size']}); leave --data.tokenizer empty to use the data's, or "
             "re-run `ptdp preprocess` with the tokenizer you want"
         )
@@ -108,8 +108,8 @@ def _check_token_ids(prefix: str, vocab: int) -> None:
         )
 
 
-def require_data_path(cfg: RunConfig) -> None:
-    if not cfg.data.path:
+def require_data_path(data: DataConfig) -> None:
+    if not data.path:
         raise ConfigError(
             "data.path is empty; preprocess a corpus with `ptdp preprocess --input FILES "
             "--output-prefix data/NAME --tokenizer bpe` and pass --data.path data/NAME"
@@ -132,7 +132,7 @@ def require_data_files(prefix: str) -> None:
 
 
 def open_data(cfg: RunConfig) -> RunData:
-    require_data_path(cfg)
+    require_data_path(cfg.data)
     require_data_files(cfg.data.path)
     d, s, seed = cfg.data, cfg.model.seq_length, cfg.train.seed
     train = GPTDataset(d.path, s, "train", valid_fraction=d.valid_fraction, seed=seed)
@@ -145,4 +145,4 @@ def open_data(cfg: RunConfig) -> RunData:
                 f"holds no window of {s + 1} tokens; raise data.valid_fraction or set "
                 "--train.eval_interval 0"
             )
-    return RunData(train, valid, tokenizer_spec_for(cfg))
+    return RunData(train, valid, tokenizer_spec_for(cfg.data))
