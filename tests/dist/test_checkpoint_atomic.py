@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ptdp.parallel.env import LaunchEnv
 from ptdp import checkpoint as ckpt
+from ptdp.parallel.env import LaunchEnv
 from ptdp.train.run import train
 from tests.dist.harness import RankError, run_ranks
 from tests.helpers import tiny_config

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from ptdp import checkpoint as ckpt
 from ptdp.errors import CheckpointError
 from ptdp.parallel.env import LaunchEnv
-from ptdp import checkpoint as ckpt
 from ptdp.train.run import train
 from tests.dist.harness import run_ranks
 from tests.helpers import LLAMA, tiny_config

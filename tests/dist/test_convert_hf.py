@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ptdp import checkpoint as ckpt
 from ptdp.config import apply_updates, load_toml
 from ptdp.convert.hf import export_hf, import_hf
-from ptdp.sample import load_model
 from ptdp.parallel.env import LaunchEnv
-from ptdp import checkpoint as ckpt
+from ptdp.sample import load_model
 from ptdp.train.run import train
 from tests.dist.harness import run_ranks
 from tests.helpers import LLAMA, tiny_config

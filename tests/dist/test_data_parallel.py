@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ptdp.config import RunConfig
-from ptdp.sample import sample_from_checkpoint
-from ptdp.parallel.env import LaunchEnv
 from ptdp import checkpoint as ckpt
+from ptdp.config import RunConfig
+from ptdp.parallel.env import LaunchEnv
+from ptdp.sample import sample_from_checkpoint
 from ptdp.train.run import prepare, train
 from ptdp.train.step.trainer import Trainer
 from tests.dist.harness import run_ranks

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from ptdp import checkpoint as ckpt
 from ptdp.errors import CheckpointError
 from ptdp.parallel.env import LaunchEnv
-from ptdp import checkpoint as ckpt
 from ptdp.train.run import train
 from ptdp.train.step.trainer import Trainer
 from tests.dist.harness import run_ranks

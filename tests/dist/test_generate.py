@@ -12,8 +12,8 @@ from ptdp.config import RunConfig, apply_updates
 from ptdp.model.generate import generate, next_logits
 from ptdp.model.gpt import GPT
 from ptdp.model.kv_cache import KVCache
-from ptdp.sample import sample_from_checkpoint
 from ptdp.parallel.comm import Group
+from ptdp.sample import sample_from_checkpoint
 from ptdp.train.run import train
 from tests.dist.harness import run_ranks
 from tests.helpers import LLAMA, tiny_config
