@@ -1,4 +1,5 @@
-"""Test helpers: a tiny generated corpus and a tiny run config built on it."""
+"""Test helpers: a tiny generated corpus, a tiny run config built on it, and the check that
+two runs agree."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+import torch
+
+from ptdp import checkpoint as ckpt
 from ptdp.config import RunConfig, apply_updates
 
 LLAMA = {
@@ -68,3 +73,15 @@ def load_benchmark(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def assert_same_run(single: Path, parallel: Path, losses: dict[int, float], other: dict) -> None:
+    """Two runs' losses (`losses` of `single`, `other` of `parallel`) and final model weights
+    agree to float32 rounding: the equivalence check of every layout against one process."""
+    for step, loss in losses.items():
+        assert other[step] == pytest.approx(loss, rel=1e-5), step
+    a = ckpt.load_checkpoint(ckpt.find_checkpoint(single))["model"]
+    b = ckpt.load_checkpoint(ckpt.find_checkpoint(parallel))["model"]
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)

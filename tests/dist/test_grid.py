@@ -20,8 +20,7 @@ from ptdp.config import RunConfig
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.run import train
 from tests.dist.harness import run_ranks
-from tests.dist.test_data_parallel import assert_same_run
-from tests.helpers import LLAMA, tiny_config
+from tests.helpers import LLAMA, assert_same_run, tiny_config
 
 pytestmark = pytest.mark.dist
 

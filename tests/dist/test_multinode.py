@@ -29,8 +29,7 @@ import pytest
 
 from ptdp.config import to_toml
 from ptdp.train.run import train
-from tests.dist.test_data_parallel import assert_same_run
-from tests.helpers import tiny_config
+from tests.helpers import assert_same_run, tiny_config
 
 pytestmark = pytest.mark.dist
 

@@ -22,7 +22,7 @@ from ptdp.sample import sample_from_checkpoint
 from ptdp.train.run import prepare, train
 from ptdp.train.step.trainer import Trainer
 from tests.dist.harness import run_ranks
-from tests.helpers import LLAMA, tiny_config
+from tests.helpers import LLAMA, assert_same_run, tiny_config
 
 pytestmark = pytest.mark.dist
 
@@ -62,16 +62,6 @@ def _check_training(rank: int, world_size: int, data: str, run_dir: str, name: s
     if rank == 0:
         (Path(run_dir) / "losses.json").write_text(json.dumps(result.losses))
         (Path(run_dir) / "val_losses.json").write_text(json.dumps(result.val_losses))
-
-
-def assert_same_run(single: Path, parallel: Path, losses: dict[int, float], other: dict) -> None:
-    for step, loss in losses.items():
-        assert other[step] == pytest.approx(loss, rel=1e-5), step
-    a = ckpt.load_checkpoint(ckpt.find_checkpoint(single))["model"]
-    b = ckpt.load_checkpoint(ckpt.find_checkpoint(parallel))["model"]
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
