@@ -44,7 +44,8 @@ except ModuleNotFoundError:  # run as `python benchmarks/x.py` without the repo 
     from _spawn import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
-PNG = ROOT / "benchmarks" / "results" / "interleaved_timeline.png"
+# Under the ignored runs/, so that running the benchmark never rewrites a tracked file.
+PNG = ROOT / "runs" / "benchmarks" / "interleaved_timeline.png"
 PP = 4
 SHAPE = (8, 8)
 TIMELINE = ("interleaved", 2, 8)  # (schedule, v, m) of the iteration drawn
