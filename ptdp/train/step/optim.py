@@ -28,12 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ptdp.checkpoint.keys import STATE_KEYS
 from ptdp.config import OptimConfig
 from ptdp.parallel.comm import Group, all_gather_flat, all_reduce_sum_
 from ptdp.parallel.data import GradBuffers
 from ptdp.parallel.grads import counted_in_norm, squared_sum
-
-STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
