@@ -56,7 +56,8 @@ PARAM_DTYPES = {
 
 
 class Trainer:
-    """Owns one rank's model, optimizer and data position; `run()` trains to train.steps."""
+    """Owns one rank's model, optimizer and data position; `ptdp.train.loop.run_loop` trains
+    it to train.steps through its public methods."""
 
     def __init__(self, cfg: RunConfig, layout: Layout, env: LaunchEnv, data: RunData) -> None:
         self.cfg, self.layout, self.env, self.data = cfg, layout, env, data
@@ -120,30 +121,7 @@ class Trainer:
             if cfg.train.profile_timeline
             else None
         )
-        chunk_of_stage = {stage: i for i, stage in enumerate(by_stage)}
-        self.pipeline = (
-            PipelineStep(
-                layout.pipeline,
-                by_stage,
-                build_p2p(
-                    self.mesh,
-                    layout,
-                    boundary_shape(cfg.model, layout, t.micro_batch_size),
-                    dtype,
-                    self.device,
-                    scatter_gather=cfg.parallel.scatter_gather,
-                ),
-                self._autocast,
-                StepHooks(
-                    on_final_backward=lambda stage: self.grads.start_final(chunk_of_stage[stage]),
-                    on_step_end=self.grads.finish,
-                    around_action=self.around if self.recorder or self.watchdog else None,
-                    around_wait=self.watchdog.waiting_for if self.watchdog else None,
-                ),
-            )
-            if layout.pp > 1
-            else None
-        )
+        self.pipeline = self._pipeline_step(by_stage, dtype) if layout.pp > 1 else None
         self.step = 0
         world = Group(None, env.world_size, env.rank) if env.world_size > 1 else Group.single()
         self.checkpoints = CheckpointManager(
@@ -168,6 +146,23 @@ class Trainer:
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
         if self.watchdog:
             self.watchdog.start()
+
+    def _pipeline_step(self, by_stage: dict[int, nn.Module], dtype: torch.dtype) -> PipelineStep:
+        """The layout's plan on this rank's chunks; the gradient reduction, timeline and
+        watchdog hook into it."""
+        cfg, layout = self.cfg, self.layout
+        chunk_of_stage = {stage: i for i, stage in enumerate(by_stage)}
+        shape = boundary_shape(cfg.model, layout, cfg.train.micro_batch_size)
+        p2p = build_p2p(
+            self.mesh, layout, shape, dtype, self.device, scatter_gather=cfg.parallel.scatter_gather
+        )
+        hooks = StepHooks(
+            on_final_backward=lambda stage: self.grads.start_final(chunk_of_stage[stage]),
+            on_step_end=self.grads.finish,
+            around_action=self.around if self.recorder or self.watchdog else None,
+            around_wait=self.watchdog.waiting_for if self.watchdog else None,
+        )
+        return PipelineStep(layout.pipeline, by_stage, p2p, self._autocast, hooks)
 
     # ------------------------------------------------------------------ batches
 
