@@ -138,6 +138,7 @@ def _inspect_parser(sub: Subparsers) -> None:
 def _schedule_parser(sub: Subparsers) -> None:
     from ptdp.pipeline.schedules import SCHEDULES
 
+    width = max(len(s.formula) for s in SCHEDULES.values())
     p = sub.add_parser(
         "schedule",
         help="print a pipeline schedule's per-rank actions and check it",
@@ -147,7 +148,7 @@ def _schedule_parser(sub: Subparsers) -> None:
             "step x rank table with its unit-cost bubble. No cluster needed."
         ),
         epilog="schedules (bubble under unit costs):\n"
-        + "\n".join(f"  {n:<12} {s.formula:<12} {s.doc}" for n, s in SCHEDULES.items()),
+        + "\n".join(f"  {n:<12} {s.formula:<{width}} {s.doc}" for n, s in SCHEDULES.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.set_defaults(run=_cmd_schedule)

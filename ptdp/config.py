@@ -49,6 +49,7 @@ class Schedule(str, enum.Enum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
     ZB_H1 = "zb-h1"
+    ZB_H2 = "zb-h2"
 
 
 class Recompute(str, enum.Enum):
@@ -148,7 +149,7 @@ class ParallelConfig:
     vpp: int = 1
     """Model chunks per pipeline rank (interleaved schedule)."""
     schedule: Schedule = Schedule.ONE_F_ONE_B
-    """Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 or zb-h2."""
     sequence_parallel: bool = False
     """Split norm/dropout activations along the sequence over the tensor group."""
     recompute: Recompute = Recompute.NONE

@@ -11,8 +11,10 @@ for the recompute mode and sequence parallelism; with fused attention (flash or
 memory-efficient SDPA, what ptdp runs on GPUs and on CPU without dropout) no s x s tensor
 is stored, so "none" stores what the paper's "selective" does. A pipeline rank stores them
 for as many (microbatch, chunk) forwards as are in flight at once, which
-`ptdp.pipeline.verify` counts on the schedule's own action lists: p - r for 1F1B on rank
-r, m for GPipe, more for interleaved (Korthikanti: x (1 + (p-1)/(p v)) on rank 0).
+`ptdp.pipeline.verify` counts on the schedule's own action lists, from each F until its BW,
+or until its W when the backward is split (B leaves the graph for W): p - r for 1F1B on
+rank r, m for GPipe, p on every rank for ZB-H1 and 2p - 1 for ZB-H2 (capped at m), more
+for interleaved (Korthikanti: x (1 + (p-1)/(p v)) on rank 0).
 
 Known omissions: temporary buffers of a backward pass other than recomputation, p2p
 receive buffers, and grouped-query attention's smaller K and V (counted as full heads).
@@ -36,7 +38,7 @@ from ptdp.config import (
 )
 from ptdp.layout import Layout, validate
 from ptdp.perf.activations import activation_bytes_per_layer
-from ptdp.pipeline.actions import BACKWARD_KINDS, Kind, Plan
+from ptdp.pipeline.actions import RELEASE_KINDS, Kind, Plan
 from ptdp.pipeline.plan import PipelinePlan
 
 
@@ -163,9 +165,10 @@ def head_activation_bytes(
 def in_flight(plan: PipelinePlan) -> tuple[int, ...]:
     """Most (microbatch, chunk) forwards each rank of `plan` holds at once.
 
-    Where the schedule declares a bound that `verify` enforces (GPipe m, 1F1B and ZB-H1
-    pp - rank) the peak is that bound capped at m, without the dry run; otherwise
-    (interleaved) it is what `verify` counts on the plan.
+    Counted as `verify` counts: from a forward until its BW, or its W when the backward is
+    split. Where the schedule declares a bound that `verify` enforces (GPipe m, 1F1B
+    pp - rank, ZB-H1 pp, ZB-H2 2 pp - 1) the peak is that bound capped at m, without the
+    dry run; otherwise (interleaved) it is what `verify` counts on the plan.
     """
     bound = plan.in_flight_bound
     if bound is not None:
@@ -174,11 +177,11 @@ def in_flight(plan: PipelinePlan) -> tuple[int, ...]:
 
 
 def stage_in_flight(plan: Plan, stage: int) -> int:
-    """Most microbatches of one stage whose forward ran and whose backward has not."""
+    """Most microbatches of one stage whose forward ran and whose BW, or W when split, has not."""
     held = peak = 0
     for a in plan[stage % len(plan)]:
         if a.stage == stage:
-            held += 1 if a.kind is Kind.F else -1 if a.kind in BACKWARD_KINDS else 0
+            held += 1 if a.kind is Kind.F else -1 if a.kind in RELEASE_KINDS else 0
             peak = max(peak, held)
     return peak
 

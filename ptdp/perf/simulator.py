@@ -36,6 +36,7 @@ from ptdp.perf.memory import (
 )
 from ptdp.perf.replay import PipelineCosts, PipelineRun, replay
 from ptdp.perf.timeline import Event
+from ptdp.pipeline.schedules import SCHEDULES
 
 __all__ = ["PipelineCosts", "PipelineRun", "Prediction", "replay", "simulate"]
 
@@ -116,7 +117,8 @@ def transfer_seconds(cfg: RunConfig, layout: Layout, system: System, sender: int
 
 def pipeline_costs(cfg: RunConfig, layout: Layout, c: Compute) -> PipelineCosts:
     passes = stage_costs(cfg, layout, c)
-    if c.software.weight_pass_retraverses and cfg.parallel.schedule.value == "zb-h1":
+    split = SCHEDULES[cfg.parallel.schedule.value].splits_backward
+    if c.software.weight_pass_retraverses and split:
         passes = [Passes(p.f, p.b, p.w + p.b) for p in passes]
     stages = len(passes)
     hop = [transfer_seconds(cfg, layout, c.system, s) for s in range(stages)]

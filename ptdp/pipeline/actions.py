@@ -40,7 +40,10 @@ class Kind(str, Enum):
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW})
 BACKWARD_KINDS = frozenset({Kind.B, Kind.BW})
-"""Kinds that consume the output gradient and free the stashed forward activations."""
+"""Kinds that consume the output gradient and produce the input gradient."""
+RELEASE_KINDS = frozenset({Kind.W, Kind.BW})
+"""Kinds after which a microbatch's stashed activations on a stage are freed: the fused BW, or
+W when the backward is split (B leaves the graph, or the weight-gradient inputs, for W)."""
 
 _TEXT = re.compile(r"^(\d+)([A-Z_]+)(\d+)$")
 

@@ -10,7 +10,12 @@ step, r = pipeline rank (0 first). Rank r holds the global virtual stages r, r +
 (Megatron's interleaving), so stage s runs on rank s % pp.
 
 Sources: GPipe (Huang et al., arXiv 1811.06965); 1F1B = PipeDream-Flush and interleaved 1F1B
-(Narayanan et al., arXiv 2104.04473, section 2.2); ZB-H1 (Qi et al., arXiv 2401.10241).
+(Narayanan et al., arXiv 2104.04473, section 2.2); ZB-H1 and ZB-H2 (Qi et al., arXiv 2401.10241,
+section 3).
+
+In flight: a microbatch holds its activations on a stage from its F until its BW, or until its W
+when the backward is split (B leaves the graph, or the weight-gradient inputs, for W), which is
+how `verify` and `ptdp.perf.memory` count.
 """
 
 from __future__ import annotations
@@ -111,15 +116,18 @@ def _interleaved_rank(rank: int, pp: int, m: int, vpp: int) -> list[Action]:
 def zb_h1(pp: int, m: int) -> Plan:
     """ZB-H1 (Qi et al., arXiv 2401.10241): 1F1B with the backward split into B and W.
 
-    F and B run in 1F1B's order, so in-flight activations (forwards whose B has not run) stay
-    within 1F1B's pp - rank. W needs no neighbour, so it can wait: after each B, rank r runs
-    the oldest pending W only if more than r are pending, and runs the r held back at the end.
+    F and B run in 1F1B's order. W needs no neighbour, so it can wait: after each B, rank r
+    runs the oldest pending W only if more than r are pending, and runs the r held back at
+    the end. Counted until W, rank r holds 1F1B's pp - rank forwards plus those r W's: at most
+    pp microbatches on every rank (min(pp, m), checked over pp <= 8, m <= 6 pp), where 1F1B
+    holds pp - rank.
 
     Why r: the last microbatch's B still has r ranks to pass after it leaves rank r, so rank r
     would idle r slots at the end; its r deferred W's fill them (at T_F = T_B = T_W every rank
     then ends together). The bubble falls from 1F1B's (pp - 1)(T_F + T_B + T_W) to the
     paper's (pp - 1)(T_F + T_B - T_W) for m >= pp; with fewer microbatches the dependency chain
-    through all stages is longer than that.
+    through all stages is longer than that (the makespan is 3m + max(pp - 1, 2 pp - 1 - m),
+    as for ZB-H2).
     """
     return {r: _zb_h1_rank(r, pp, m) for r in range(pp)}
 
@@ -143,6 +151,54 @@ def _zb_h1_rank(rank: int, pp: int, m: int) -> list[Action]:
     return actions + [Action(Kind.W, rank, mb) for mb in pending]
 
 
+def zb_h2(pp: int, m: int) -> Plan:
+    """ZB-H2 (Qi et al., arXiv 2401.10241, section 3): ZB-H1 with up to 2 pp - 1 in flight.
+
+    Built by list scheduling at T_F = T_B = T_W = 1: at each time unit every rank runs, first
+    that can, its next B whose output gradient has arrived, its next F whose input has arrived
+    while fewer than 2 pp - 1 microbatches are in flight (F run, W not), or its oldest pending
+    W; otherwise it waits. Rank r's warm-up is then the paper's 2(pp - r) - 1 forwards, which
+    fill the time until microbatch 0's B comes back, and the W's deferred past the last B make
+    the tail a parallelogram: for m >= 2 pp - 1 every rank computes without a gap from its
+    first action to its last (`ScheduleReport.span` = 3m), the paper's zero bubble.
+
+    That gap-free span is zero bubble only for overlapping steps (the paper bypasses the
+    optimizer's synchronisation to get them; ptdp's step synchronises). Within one step the
+    last rank cannot start before pp - 1 forwards reach it, and rank 0's first B cannot start
+    before 2 pp - 1 (microbatch 0 through pp F's and pp - 1 B's), after which it has m B's and
+    m W's left. So the makespan is at least 3m + max(pp - 1, 2 pp - 1 - m), which ZB-H1 and
+    ZB-H2 both reach: the verifier's bubble is max(pp - 1, 2 pp - 1 - m) / (3m) for both,
+    (pp - 1) / (3m) for m >= pp. ZB-H2 gains under real costs with T_W < T_F (the paper's
+    (pp - 1)(T_F + T_B - 2 T_W) against ZB-H1's (pp - 1)(T_F + T_B - T_W)) and pays with
+    min(2 pp - 1, m) microbatches in flight on every rank against ZB-H1's min(pp, m) (both
+    checked over pp <= 8, m <= 6 pp).
+    """
+    limit = 2 * pp - 1
+    plan: Plan = {r: [] for r in range(pp)}
+    f_done = [[-1] * m for _ in range(pp)]  # time each F ends; -1: not run yet
+    b_done = [[-1] * m for _ in range(pp)]
+    done = {kind: [0] * pp for kind in (Kind.F, Kind.B, Kind.W)}  # passes run per rank
+    t = 0
+    while any(w < m for w in done[Kind.W]):
+        ran = []  # decided on the state at time t, applied after every rank has chosen
+        for r in range(pp):
+            f, b, w = (done[k][r] for k in (Kind.F, Kind.B, Kind.W))
+            if b < f and 0 <= f_done[r][b] <= t and (r == pp - 1 or 0 <= b_done[r + 1][b] <= t):
+                ran.append(Action(Kind.B, r, b))
+            elif f < m and f - w < limit and (r == 0 or 0 <= f_done[r - 1][f] <= t):
+                ran.append(Action(Kind.F, r, f))
+            elif w < b:
+                ran.append(Action(Kind.W, r, w))
+        for a in ran:
+            plan[a.stage].append(a)
+            done[a.kind][a.stage] += 1
+            if a.kind is not Kind.W:
+                (f_done if a.kind is Kind.F else b_done)[a.stage][a.mb] = t + 1
+        t += 1
+        assert t <= 3 * m + 2 * pp, "zb_h2 list scheduling stalled"  # makespan <= 3m + 2pp - 1
+    return plan
+
+
 def _one_chunk(builder: Callable[[int, int], Plan]) -> Builder:
     """Adapt a builder without model chunks to the registry's (pp, m, vpp) signature."""
 
@@ -160,6 +216,19 @@ def _pp_minus_rank(pp: int, m: int) -> list[int]:
     return [pp - r for r in range(pp)]
 
 
+def _pp_each(pp: int, m: int) -> list[int]:
+    return [pp] * pp
+
+
+def _twice_pp_minus_one_each(pp: int, m: int) -> list[int]:
+    return [2 * pp - 1] * pp
+
+
+def _zero_bubble(pp: int, m: int, vpp: int) -> float:
+    """ZB-H1's and ZB-H2's unit-cost bubble: makespan 3m + max(pp - 1, 2 pp - 1 - m)."""
+    return max(pp - 1, 2 * pp - 1 - m) / (3 * m)
+
+
 @dataclass(frozen=True)
 class ScheduleSpec:
     """Everything the rest of ptdp needs to know about one schedule, next to its builder."""
@@ -167,12 +236,14 @@ class ScheduleSpec:
     build: Builder
     """(pp, m, vpp) -> compute-only plan."""
     bubble: Callable[[int, int, int], float]
-    """(pp, m, vpp) -> the paper's bubble fraction, bubble time / ideal time, at unit costs
-    T_F = T_B = T_W (for ZB-H1 when m >= pp)."""
+    """(pp, m, vpp) -> the bubble fraction, bubble time / ideal time, at unit costs
+    T_F = T_B = T_W: the paper's (for ZB-H1 when m >= pp), or the verifier's dry run exactly
+    (ZB-H2)."""
     formula: str
     """`bubble` as written in the papers, in p (pp), v (vpp) and m."""
     in_flight_bound: Callable[[int, int], list[int]] | None
-    """(pp, m) -> most activations each rank may stash; None where `verify` only reports it."""
+    """(pp, m) -> most activations each rank may stash (F until BW, or W when split); None
+    where `verify` only reports it."""
     interleaved: bool = False
     """Takes vpp >= 2 model chunks per rank and m a multiple of pp; otherwise vpp = 1."""
     splits_backward: bool = False
@@ -208,9 +279,17 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         build=_one_chunk(zb_h1),
         bubble=lambda pp, m, vpp: (pp - 1) / (3 * m),
         formula="(p-1)/(3m)",
-        in_flight_bound=_pp_minus_rank,
+        in_flight_bound=_pp_each,
         splits_backward=True,
         doc="1F1B with the backward split into B and W, W deferred into the bubble",
+    ),
+    "zb-h2": ScheduleSpec(
+        build=_one_chunk(zb_h2),
+        bubble=_zero_bubble,
+        formula="max(p-1,2p-1-m)/(3m)",
+        in_flight_bound=_twice_pp_minus_one_each,
+        splits_backward=True,
+        doc="ZB-H1 with 2p-1 in flight: no gap on any rank from first to last pass",
     ),
 }
 """Schedules by the config's names (`ptdp.config.Schedule` values)."""
@@ -257,9 +336,10 @@ def build(name: str, pp: int, m: int, vpp: int = 1) -> Plan:
 def in_flight_bound(name: str, pp: int, m: int, vpp: int = 1) -> list[int] | None:
     """Most activations each rank may stash under schedule `name`; None where only reported.
 
-    GPipe stashes all m; 1F1B and ZB-H1 at most pp - rank (the paper's p * M_B on rank 0).
-    Interleaved has no simple closed form (Korthikanti et al. give the first stage's), so
-    `verify` only reports it.
+    Counted from F until BW, or until W when split. GPipe stashes all m, 1F1B at most
+    pp - rank (the paper's p * M_B on rank 0), ZB-H1 pp and ZB-H2 2 pp - 1 on every rank
+    (the W's they defer hold their microbatches). Interleaved has no simple closed form
+    (Korthikanti et al. give the first stage's), so `verify` only reports it.
     """
     check_args(name, pp, m, vpp)
     bound = SCHEDULES[name].in_flight_bound

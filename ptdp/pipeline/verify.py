@@ -13,7 +13,9 @@ failing cells marked `<<`, after PyTorch's `_format_pipeline_order`). Rules, in 
    receiver, F or B) the receiver receives in the order the sender sends, as point-to-point
    messages match in order;
 5. the dry run finishes (no deadlock);
-6. in-flight activations (forwards whose B or BW has not run) stay within a given bound.
+6. in-flight activations stay within a given bound: a microbatch is in flight on a stage from
+   its F until its BW, or until its W when the backward is split, as the runtime holds it (B
+   leaves the graph, or the stashed weight-gradient inputs, for W).
 
 Dry-run model: F = B = W = 1 and BW = 2 time units; comms take no time; a SEND never blocks (the
 runtime posts it asynchronously) while a RECV blocks its rank until the matching SEND has run. A
@@ -26,7 +28,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from ptdp.pipeline.actions import BACKWARD_KINDS, Action, Kind, Plan
+from ptdp.pipeline.actions import BACKWARD_KINDS, RELEASE_KINDS, Action, Kind, Plan
 from ptdp.pipeline.schedules import stage_to_rank
 
 Cell = tuple[int, int]
@@ -54,13 +56,16 @@ class ScheduleReport:
     """What the unit-time dry run of a valid plan measured."""
 
     peak_in_flight: tuple[int, ...]
-    """Per rank: most forwards whose B or BW had not yet run."""
+    """Per rank: most forwards whose BW, or W when split, had not yet run."""
     makespan: int
     """Time units from the first action to the last, over all ranks."""
     busy: tuple[int, ...]
     """Per rank: time units spent computing."""
     ideal: int
     """m * vpp * (F + B + W): one rank's work with no bubble."""
+    span: tuple[int, ...] = ()
+    """Per rank: time units from the start of its first compute action to the end of its last.
+    A rank is idle for span - busy inside it; ZB-H2 makes that zero on every rank."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -93,9 +98,9 @@ def verify(
     _check_order(plan, where, needs)
     if lowered:
         _check_channels(plan, pp)
-    makespan, busy = _dry_run(plan, where, needs)
+    makespan, busy, span = _dry_run(plan, where, needs)
     peaks = _check_in_flight(plan, max_in_flight)
-    return ScheduleReport(peaks, makespan, busy, m * vpp * CHUNK_COST)
+    return ScheduleReport(peaks, makespan, busy, m * vpp * CHUNK_COST, span)
 
 
 def format_table(plan: Plan, marks: Collection[Cell] = (), context: int | None = None) -> str:
@@ -287,8 +292,8 @@ def _done_key(a: Action) -> Action:
 
 def _dry_run(
     plan: Plan, where: dict[Action, Cell], needs: dict[int, list[_Needs]]
-) -> tuple[int, tuple[int, ...]]:
-    """Run every rank in unit time; return the makespan and each rank's busy time."""
+) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Run every rank in unit time; return the makespan and each rank's busy time and span."""
     waits = {
         rank: [[_done_key(need) for need, _ in step_needs] for step_needs in needs[rank]]
         for rank in plan
@@ -297,6 +302,7 @@ def _dry_run(
     step = dict.fromkeys(plan, 0)
     clock = dict.fromkeys(plan, 0)
     busy = dict.fromkeys(plan, 0)
+    first: dict[int, int] = {}  # rank -> start of its first compute action
     progress = True
     while progress:  # each pass runs every rank as far as it can go
         progress = False
@@ -306,7 +312,10 @@ def _dry_run(
                 if any(key not in finish for key in keys):
                     break
                 cost = UNIT_COST.get(a.kind, 0)
-                clock[rank] = max([clock[rank], *(finish[key] for key in keys)]) + cost
+                start = max([clock[rank], *(finish[key] for key in keys)])
+                if cost:
+                    first.setdefault(rank, start)
+                clock[rank] = start + cost
                 busy[rank] += cost
                 finish[_done_key(a)] = clock[rank]
                 step[rank] += 1
@@ -322,18 +331,19 @@ def _dry_run(
             other, cell = found
             lines.append(f"  {_at((rank, i))}: {a} waits for {other} ({why}) at {_at(cell)}")
         _fail(plan, "\n".join(lines), stuck)
-    return max(clock.values(), default=0), tuple(busy[r] for r in sorted(plan))
+    span = tuple(clock[r] - first.get(r, clock[r]) for r in sorted(plan))
+    return max(clock.values(), default=0), tuple(busy[r] for r in sorted(plan)), span
 
 
 def _check_in_flight(plan: Plan, bound: Sequence[int] | None) -> tuple[int, ...]:
-    """Peak forwards per rank whose B or BW has not run, checked against `bound`."""
+    """Peak forwards per rank whose BW, or W when split, has not run, checked against `bound`."""
     if bound is not None and len(bound) != len(plan):
         raise ValueError(f"max_in_flight has {len(bound)} entries for {len(plan)} ranks")
     peaks = []
     for rank in sorted(plan):
         held = peak = 0
         for step, a in enumerate(plan[rank]):
-            held += 1 if a.kind is Kind.F else -1 if a.kind in BACKWARD_KINDS else 0
+            held += 1 if a.kind is Kind.F else -1 if a.kind in RELEASE_KINDS else 0
             peak = max(peak, held)
             if bound is not None and held > bound[rank]:
                 text = (

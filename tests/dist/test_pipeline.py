@@ -29,6 +29,7 @@ CASES = [  # (schedule, vpp)
     ("gpipe", 1),
     ("1f1b", 1),
     ("zb-h1", 1),
+    ("zb-h2", 1),
     ("interleaved", 2),
 ]
 

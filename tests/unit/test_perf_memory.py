@@ -14,6 +14,7 @@ from ptdp.perf.memory import (
     in_flight,
     layer_activation_bytes,
     parameters_per_rank,
+    stage_in_flight,
 )
 from ptdp.perf.paper import preset
 from ptdp.perf.validation import measure_cpu_memory
@@ -89,14 +90,26 @@ def test_interleaved_first_stage_holds_korthikanti_factor() -> None:
         assert inter / one == pytest.approx(1 + (pp - 1) / (pp * vpp))
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved"])
 def test_in_flight_is_what_the_verifier_counts(name: str) -> None:
+    # Both count a microbatch from its F until its BW, or its W when the backward is split.
     for pp in (1, 2, 3, 4, 8):
         vpp = 2 if name == "interleaved" else 1
         for m in {pp, 2 * pp, 4 * pp} | ({1, pp + 1} if vpp == 1 else set()):
             plan = build_plan(name, pp, m, vpp)
             peaks = verify(plan.compute, pp, vpp, m).peak_in_flight
             assert in_flight(plan) == peaks
+            if vpp == 1:  # one stage per rank: the last stage's count is the last rank's
+                assert stage_in_flight(plan.compute, pp - 1) == peaks[-1]
+
+
+def test_split_backward_holds_until_w() -> None:
+    # ZB-H1 on the last rank of pp = 2, m = 3: "1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2" holds
+    # microbatches 0 and 1 (B run, W not) when F2 runs: 2, not 1F1B's 1.
+    plan = build_plan("zb-h1", 2, 3)
+    assert stage_in_flight(plan.compute, 1) == 2 and in_flight(plan) == (2, 2)
+    assert in_flight(build_plan("1f1b", 2, 3)) == (2, 1)
+    assert in_flight(build_plan("zb-h2", 2, 3)) == (3, 3)
 
 
 def test_estimate_scales_with_layout() -> None:

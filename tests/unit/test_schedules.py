@@ -30,6 +30,7 @@ from ptdp.pipeline.schedules import (
     stages_of_rank,
     theory_bubble,
     zb_h1,
+    zb_h2,
 )
 from ptdp.pipeline.verify import MARK, ScheduleError, format_table, verify
 
@@ -57,7 +58,22 @@ PAPER_BUBBLE = {
     "1f1b": lambda pp, m, vpp: (pp - 1) / m,  # Narayanan et al., section 2.2.1
     "interleaved": lambda pp, m, vpp: (pp - 1) / (vpp * m),  # section 2.2.2
     "zb-h1": lambda pp, m, vpp: (pp - 1) / (3 * m),  # Qi et al.: (pp - 1)(T_F + T_B - T_W)
+    # Qi et al.'s (pp - 1)(T_F + T_B - 2 T_W) = 0 needs overlapping steps; within one step the
+    # last rank waits pp - 1 for its first input (for m >= pp that is the whole bubble) and
+    # rank 0 waits 2 pp - 1 for its first B, then runs m B's and m W's (for m < pp).
+    "zb-h2": lambda pp, m, vpp: (pp - 1 if m >= pp else 2 * pp - 1 - m) / (3 * m),
 }
+
+
+def _expected_peaks(name: str, pp: int, m: int) -> tuple[int, ...]:
+    """Microbatches held from F until BW, or until W when split, per rank (m >= 1)."""
+    most = {
+        "gpipe": [m] * pp,
+        "1f1b": [pp - r for r in range(pp)],  # warm-up pp - r - 1, then one more F
+        "zb-h1": [pp] * pp,  # 1F1B's pp - r, plus the r W's rank r holds back
+        "zb-h2": [2 * pp - 1] * pp,  # the W cap
+    }[name]
+    return tuple(min(held, m) for held in most)
 
 
 def test_grid_covers_every_schedule() -> None:
@@ -66,6 +82,7 @@ def test_grid_covers_every_schedule() -> None:
         "gpipe": 24,
         "1f1b": 24,
         "zb-h1": 24,
+        "zb-h2": 24,
         "interleaved": 48,
     }
 
@@ -93,8 +110,9 @@ def test_peak_in_flight(name: str, pp: int, m: int, vpp: int) -> None:
     peaks = build_plan(name, pp, m, vpp).report.peak_in_flight
     if name == "gpipe":
         assert peaks == (m,) * pp
-    elif name in ("1f1b", "zb-h1"):
-        assert peaks == tuple(min(pp - r, m) for r in range(pp))
+    elif name in ("1f1b", "zb-h1", "zb-h2"):
+        assert peaks == _expected_peaks(name, pp, m)
+        assert peaks == tuple(min(b, m) for b in in_flight_bound(name, pp, m))
     else:  # reported only; one more than the warm-up, whose F is still in flight
         assert peaks == tuple(
             min(interleaved_warmup(r, pp, m, vpp) + 1, m * vpp) for r in range(pp)
@@ -124,7 +142,9 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(pp: int, m: int) -> None:
     ofob = verify(one_f_one_b(pp, m), pp, 1, m)
     assert zb.makespan == 3 * m + (pp - 1)  # ideal + (pp - 1)(T_F + T_B - T_W)
     assert ofob.makespan == 3 * m + 3 * (pp - 1)  # ideal + (pp - 1)(T_F + T_B + T_W)
-    assert zb.peak_in_flight <= ofob.peak_in_flight
+    # Held until W: rank r's r deferred W's add to 1F1B's pp - r.
+    assert zb.peak_in_flight == (min(pp, m),) * pp
+    assert ofob.peak_in_flight == tuple(min(pp - r, m) for r in range(pp))
     # Same F/B order as 1F1B, with BW split.
     for rank in range(pp):
         ours = [a for a in zb_h1(pp, m)[rank] if a.kind is not Kind.W]
@@ -134,10 +154,39 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(pp: int, m: int) -> None:
 
 @pytest.mark.parametrize("pp,m", [(2, 1), (4, 1), (4, 3), (8, 5)])
 def test_fewer_microbatches_than_ranks(pp: int, m: int) -> None:
-    for name in ("gpipe", "1f1b", "zb-h1"):
+    for name in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
         report = build_plan(name, pp, m).report
         assert report.busy == (m * 3,) * pp
-        assert max(report.peak_in_flight) <= m
+        assert report.peak_in_flight == _expected_peaks(name, pp, m)
+    for name in ("zb-h1", "zb-h2"):  # rank 0: its first B at 2 pp - 1, then m B's and m W's
+        assert build_plan(name, pp, m).report.makespan == 2 * pp - 1 + 2 * m
+
+
+ZB_H2_CASES = [(pp, m) for pp in range(1, 9) for m in sorted({1, 2, pp, pp + 1, 2 * pp, 4 * pp})]
+
+
+@pytest.mark.parametrize("pp,m", ZB_H2_CASES)
+def test_zb_h2_bubble_span_and_memory(pp: int, m: int) -> None:
+    plan = build_plan("zb-h2", pp, m)
+    report = plan.report  # verified against the registry's in-flight bound
+    assert report.bubble_fraction == pytest.approx(theory_bubble("zb-h2", pp, m))
+    assert report.bubble_fraction == pytest.approx(PAPER_BUBBLE["zb-h2"](pp, m, 1))
+    assert report.makespan == verify(zb_h1(pp, m), pp, 1, m).makespan  # both at the floor
+    assert report.busy == (3 * m,) * pp
+    assert report.peak_in_flight == (min(2 * pp - 1, m),) * pp
+    if m >= 2 * pp - 1:  # the parallelogram: no rank idles between its first and last pass
+        assert report.span == (3 * m,) * pp
+    for rank, actions in zb_h2(pp, m).items():
+        first_b = next(i for i, a in enumerate(actions) if a.kind is Kind.B)
+        assert first_b == min(2 * (pp - rank) - 1, m)  # the paper's warm-up
+        for kind in (Kind.F, Kind.B, Kind.W):  # each kind in microbatch order
+            assert [a.mb for a in actions if a.kind is kind] == list(range(m))
+
+
+def test_zb_h2_order_pp2() -> None:
+    # Rank 0 warms up with 2 pp - 1 = 3 forwards; rank 1 defers its W's into the tail.
+    assert " ".join(map(str, zb_h2(2, 3)[0])) == "0F0 0F1 0F2 0B0 0W0 0B1 0W1 0B2 0W2"
+    assert " ".join(map(str, zb_h2(2, 3)[1])) == "1F0 1B0 1F1 1B1 1F2 1B2 1W0 1W1 1W2"
 
 
 def test_one_f_one_b_phases() -> None:
@@ -190,7 +239,7 @@ def test_action_parse_errors() -> None:
         ("1f1b", 4, 8, 2, "set vpp = 1 or use the interleaved schedule"),
         ("zb-h1", 0, 8, 1, "pp = 0 pipeline ranks must be >= 1"),
         ("gpipe", 2, 0, 1, "m = 0 microbatches must be >= 1"),
-        ("zb-h2", 2, 2, 1, "choose one of gpipe, 1f1b, interleaved, zb-h1"),
+        ("zb-h3", 2, 2, 1, "choose one of gpipe, 1f1b, interleaved, zb-h1, zb-h2"),
     ],
 )
 def test_invalid_arguments(name: str, pp: int, m: int, vpp: int, fix: str) -> None:
@@ -208,7 +257,7 @@ def test_registry_records() -> None:
     # One record per schedule: the chunk rule, the in-flight bound and the backward split
     # that check_args, in_flight_bound and the tests above read from it.
     assert [n for n, s in SCHEDULES.items() if s.interleaved] == ["interleaved"]
-    assert [n for n, s in SCHEDULES.items() if s.splits_backward] == ["zb-h1"]
+    assert [n for n, s in SCHEDULES.items() if s.splits_backward] == ["zb-h1", "zb-h2"]
     assert [n for n, s in SCHEDULES.items() if s.in_flight_bound is None] == ["interleaved"]
     assert SCHEDULES["zb-h1"].formula == "(p-1)/(3m)" and all(s.doc for s in SCHEDULES.values())
     assert theory_bubble("interleaved", 4, 8, 2) == 3 / 16
@@ -218,6 +267,9 @@ def test_registry_records() -> None:
 
 def test_config_enum_selects_a_schedule() -> None:
     assert build(Schedule.ZB_H1, 2, 2) == zb_h1(2, 2)
+    assert build(Schedule.ZB_H2, 3, 5) == zb_h2(3, 5)
+    assert in_flight_bound("zb-h1", 3, 5) == [3, 3, 3]
+    assert in_flight_bound("zb-h2", 3, 5) == [5, 5, 5]
     assert in_flight_bound("gpipe", 3, 5) == [5, 5, 5]
     assert in_flight_bound("interleaved", 2, 2, 2) is None
 
