@@ -168,10 +168,11 @@ def zb_h2(pp: int, m: int) -> Plan:
     before 2 pp - 1 (microbatch 0 through pp F's and pp - 1 B's), after which it has m B's and
     m W's left. So the makespan is at least 3m + max(pp - 1, 2 pp - 1 - m), which ZB-H1 and
     ZB-H2 both reach: the verifier's bubble is max(pp - 1, 2 pp - 1 - m) / (3m) for both,
-    (pp - 1) / (3m) for m >= pp. ZB-H2 gains under real costs with T_W < T_F (the paper's
-    (pp - 1)(T_F + T_B - 2 T_W) against ZB-H1's (pp - 1)(T_F + T_B - T_W)) and pays with
-    min(2 pp - 1, m) microbatches in flight on every rank against ZB-H1's min(pp, m) (both
-    checked over pp <= 8, m <= 6 pp).
+    (pp - 1) / (3m) for m >= pp. Other costs separate them: replayed, ZB-H2's makespan exceeds
+    m (T_F + T_B + T_W) by (pp - 1) max(T_F, T_F + T_B - 2 T_W), ZB-H1's by (pp - 1)
+    max(T_F, T_F + T_B - T_W) (the paper's formulas, floored by the last rank's wait), so
+    ZB-H2 wins when T_B > T_W. It pays with min(2 pp - 1, m) microbatches in flight on every
+    rank against ZB-H1's min(pp, m) (checked over pp <= 8, m <= 6 pp).
     """
     limit = 2 * pp - 1
     plan: Plan = {r: [] for r in range(pp)}

@@ -28,7 +28,7 @@ from ptdp.pipeline.verify import verify
 A100 = load_system("a100-80gb")
 GRID = [
     (name, pp, vpp, m)
-    for name in ("gpipe", "1f1b", "interleaved", "zb-h1")
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
     for pp in range(1, 9)
     for vpp in ((2, 3) if name == "interleaved" else (1,))
     for m in (pp, 2 * pp, 4 * pp)
@@ -44,14 +44,28 @@ def test_unit_costs_reproduce_the_bubble_formulas(name, pp, vpp, m) -> None:
         "1f1b": (pp - 1) / m,
         "interleaved": (pp - 1) / (vpp * m),
         "zb-h1": report.bubble_fraction,  # (p-1)(F+B-W) / (m (F+B+W)) for m >= p
+        "zb-h2": report.bubble_fraction,  # the last rank's (p-1) F wait: as zb-h1 here
     }[name]
-    if name == "zb-h1":
+    if name in ("zb-h1", "zb-h2"):
         assert report.bubble_fraction == pytest.approx((pp - 1) / (3 * m))
     for lowered in (plan, add_comms(plan, pp, vpp)):  # compute-only and with sends/receives
         run = replay(lowered, pp, vpp, PipelineCosts.unit(pp * vpp))
         assert run.bubble_fraction == pytest.approx(formula, abs=1e-12)
         assert run.makespan == report.makespan
         assert run.busy == report.busy
+
+
+@pytest.mark.parametrize("f,b,w", [(1, 2, 0.5), (1, 1.5, 0.5), (2, 1, 1), (1, 0.8, 1), (1, 1, 1)])
+def test_zero_bubble_overheads_beyond_unit_costs(f, b, w) -> None:
+    # The papers' (p-1)(F+B-W) for ZB-H1 and (p-1)(F+B-2W) for ZB-H2, floored at the last
+    # rank's wait of (p-1) F for its first input; ZB-H2's order is built at unit costs.
+    for pp in (2, 4, 8):
+        for m in (2 * pp, 4 * pp):
+            costs = PipelineCosts((f,) * pp, (b,) * pp, (w,) * pp, (0.0,) * pp, (0.0,) * pp)
+            for name, paper in (("zb-h1", f + b - w), ("zb-h2", f + b - 2 * w)):
+                run = replay(build(name, pp, m), pp, 1, costs)
+                overhead = run.makespan - m * (f + b + w)
+                assert overhead == pytest.approx((pp - 1) * max(f, paper))
 
 
 def test_replay_with_transfers_by_hand() -> None:
