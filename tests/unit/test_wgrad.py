@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ptdp.config import ModelConfig, Recompute, RunConfig, apply_updates
 from ptdp.model.gpt import GPT
+from ptdp.parallel.comm import Group
 from ptdp.parallel.wgrad import WeightGradStore, accumulate_grads, linear
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.p2p import TAG_ACTIVATION, TAG_GRADIENT
@@ -81,16 +82,33 @@ def _actions(stage: int, num_stages: int, split: bool) -> list[Action]:
     return out
 
 
-def _run(options: dict, position: str, recompute: Recompute, split: bool, inspect=None):
-    """Run one step of the chunk at `position`; returns (parameter grads, sent input grads)."""
+def run_chunk(
+    options: dict,
+    position: str,
+    recompute: Recompute,
+    split: bool,
+    tp: Group | None = None,
+    sequence_parallel: bool = False,
+) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Run one step of the chunk at `position` (this rank's shard of it, given `tp`);
+    returns (parameter grads, sent input grads). tests/dist/test_wgrad.py runs it at tp = 2."""
     stage, num_stages = POSITIONS[position]
     first, last = stage == 0, stage == num_stages - 1
     cfg = _cfg(**options)
-    chunk = GPT(cfg, seed=3, recompute=recompute, has_embedding=first, has_head=last)
+    chunk = GPT(
+        cfg,
+        seed=3,
+        recompute=recompute,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        has_embedding=first,
+        has_head=last,
+    )
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, V, (M, B, S + 1), generator=g)
-    hidden = [torch.randn(S, B, H, generator=g) for _ in range(M)]
-    out_grads = [torch.randn(S, B, H, generator=g) for _ in range(M)]
+    s = S // tp.size if sequence_parallel else S  # the boundary tensors: [s, b, h]
+    hidden = [torch.randn(s, B, H, generator=g) for _ in range(M)]
+    out_grads = [torch.randn(s, B, H, generator=g) for _ in range(M)]
 
     def forward_step(stage_: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
         x = tokens[mb, :, :-1] if first else x
@@ -101,37 +119,48 @@ def _run(options: dict, position: str, recompute: Recompute, split: bool, inspec
         {stage: chunk}, forward_step, p2p, num_stages, num_stages, wgrad={stage: chunk.wgrad}
     )
     runtime.run(_actions(stage, num_stages, split))
-    if inspect is not None:
-        inspect(runtime, chunk)
     assert len(chunk.wgrad) == 0  # nothing kept after the step
     grads = {n: p.grad for n, p in chunk.named_parameters()}
     return grads, p2p.sent[TAG_GRADIENT]
 
 
-def _assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     rel = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
     assert rel < 1e-5, f"{what}: relative error {rel:.2e}"
+
+
+def check_split_equals_fused(
+    options: dict,
+    position: str,
+    recompute: Recompute,
+    tp: Group | None = None,
+    sequence_parallel: bool = False,
+) -> None:
+    """Split (B of each microbatch, then W of each) against fused (BW): same parameter
+    gradients and sent input gradients, to float32 rounding."""
+    runs = [run_chunk(options, position, recompute, s, tp, sequence_parallel) for s in (0, 1)]
+    (fused, fused_dx), (split, split_dx) = runs
+    what = f"{position} {recompute.value} sp={sequence_parallel}"
+    assert fused.keys() == split.keys()
+    for name, grad in fused.items():
+        assert grad is not None and split[name] is not None, f"{what}: {name}"
+        assert_close(split[name], grad, f"{what}: {name}")
+    assert len(split_dx) == len(fused_dx) == (0 if position in ("whole", "first") else M)
+    for mb, (a, b) in enumerate(zip(split_dx, fused_dx)):
+        assert_close(a, b, f"{what}: input gradient of microbatch {mb}")
 
 
 @pytest.mark.parametrize("options", FAMILIES)
 @pytest.mark.parametrize("position", list(POSITIONS))
 @pytest.mark.parametrize("recompute", list(Recompute), ids=lambda r: r.value)
 def test_split_backward_equals_fused(options: dict, position: str, recompute: Recompute) -> None:
-    fused, fused_dx = _run(options, position, recompute, split=False)
-    split, split_dx = _run(options, position, recompute, split=True)
-    assert fused.keys() == split.keys()
-    for name, grad in fused.items():
-        assert grad is not None and split[name] is not None, name
-        _assert_close(split[name], grad, name)
-    assert len(split_dx) == len(fused_dx) == (0 if position in ("whole", "first") else M)
-    for mb, (a, b) in enumerate(zip(split_dx, fused_dx)):
-        _assert_close(a, b, f"input gradient of microbatch {mb}")
+    check_split_equals_fused(options, position, recompute)
 
 
 def test_fused_backward_is_unchanged_bit_for_bit() -> None:
     """A chunk whose plan has no B is the plain model: same gradients, bit for bit, as
     autograd's backward of the same model run outside the runtime."""
-    grads, _ = _run({}, "whole", Recompute.NONE, split=False)
+    grads, _ = run_chunk({}, "whole", Recompute.NONE, split=False)
     chunk = GPT(_cfg(), seed=3)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, V, (M, B, S + 1), generator=g)
