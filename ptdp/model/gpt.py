@@ -34,6 +34,7 @@ from ptdp.parallel.init import ShardSpec, rank_rng, shard_spec
 from ptdp.parallel.loss import vocab_parallel_cross_entropy
 from ptdp.parallel.roles import ParamRoles
 from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ptdp.parallel.wgrad import WeightGradStore, linear
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class TPContext:
 
     tp: Group = Group(None, 1, 0)
     sequence_parallel: bool = False
+    wgrad: WeightGradStore | None = None
+    """The chunk's store of deferred weight-gradient GEMMs (zero-bubble B/W split)."""
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -89,10 +92,20 @@ class Attention(nn.Module):
         qkv_out = cfg.query_groups * (self.q_per_group + 2) * self.head_dim
         sp = ctx.sequence_parallel
         self.qkv = ColumnParallelLinear(
-            cfg.hidden_size, qkv_out, tp=ctx.tp, bias=cfg.bias, sequence_parallel=sp
+            cfg.hidden_size,
+            qkv_out,
+            tp=ctx.tp,
+            bias=cfg.bias,
+            sequence_parallel=sp,
+            wgrad=ctx.wgrad,
         )
         self.proj = RowParallelLinear(
-            cfg.hidden_size, cfg.hidden_size, tp=ctx.tp, bias=cfg.bias, sequence_parallel=sp
+            cfg.hidden_size,
+            cfg.hidden_size,
+            tp=ctx.tp,
+            bias=cfg.bias,
+            sequence_parallel=sp,
+            wgrad=ctx.wgrad,
         )
         self.dropout = cfg.dropout
         self.recompute_core = recompute_core
@@ -160,9 +173,15 @@ class MLP(nn.Module):
             bias=cfg.bias,
             sequence_parallel=sp,
             parts=parts,
+            wgrad=ctx.wgrad,
         )
         self.fc2 = RowParallelLinear(
-            cfg.ffn_size, cfg.hidden_size, tp=ctx.tp, bias=cfg.bias, sequence_parallel=sp
+            cfg.ffn_size,
+            cfg.hidden_size,
+            tp=ctx.tp,
+            bias=cfg.bias,
+            sequence_parallel=sp,
+            wgrad=ctx.wgrad,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,7 +262,12 @@ class GPT(nn.Module):
         if cfg.vocab_size <= 0:
             raise ValueError("GPT needs a resolved model.vocab_size (> 0)")
         self.cfg = cfg
-        self.ctx = ctx = TPContext(tp or Group.single(), sequence_parallel and tp is not None)
+        self.wgrad = WeightGradStore()
+        """Weight-gradient GEMMs its linear layers put off in a split backward (the pipeline
+        runtime's B and W actions; `ptdp.parallel.wgrad`)."""
+        self.ctx = ctx = TPContext(
+            tp or Group.single(), sequence_parallel and tp is not None, self.wgrad
+        )
         self.has_embedding, self.has_head = has_embedding, has_head
         layers = range(cfg.num_layers) if layers is None else layers
         if has_embedding:
@@ -273,6 +297,7 @@ class GPT(nn.Module):
                     tp=ctx.tp,
                     bias=False,
                     pad_to_multiple=cfg.make_vocab_size_divisible_by,
+                    wgrad=self.wgrad,
                 )
         self.roles = self._param_roles()
         """Which parameters are tied copies or sequence-parallel (`ptdp.parallel.roles`)."""
@@ -329,7 +354,9 @@ class GPT(nn.Module):
             x = comm.gather_from_sp(x, self.ctx.tp)
         else:
             x = comm.copy_to_tp(x, self.ctx.tp)
-        return F.linear(x, self.output_weight())
+        # The output weight is the embedding's when tied (on a single stage): its deferred
+        # gradient is added to the embedding's own, computed in B, at W.
+        return linear(x, self.output_weight(), None, self.wgrad)
 
     def forward(
         self,

@@ -10,6 +10,9 @@ operators are identities, so the same classes make the single-process model.
 A layer with parameters whose gradient must be summed over the tensor group after
 backward (replicated weights that see only a sequence slice under sequence parallelism)
 names them in its `param_roles()` (`ptdp.parallel.roles`).
+Given a `WeightGradStore` (`wgrad=`), the linear layers' weight-gradient GEMM can be put
+off to a zero-bubble W action (`ptdp.parallel.wgrad`); under sequence parallelism the
+column-parallel layer keeps its all-gathered input for it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
 from ptdp.parallel.init import ShardSpec, padded
 from ptdp.parallel.roles import NO_ROLES, ParamRoles
+from ptdp.parallel.wgrad import WeightGradStore, linear
 
 
 def _sharded(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
@@ -51,9 +55,11 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         parts: int = 1,
         pad_to_multiple: int = 0,
+        wgrad: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
         self.tp, self.gather_output, self.sequence_parallel = tp, gather_output, sequence_parallel
+        self.wgrad = wgrad
         full = padded(out_features, pad_to_multiple * tp.size) if pad_to_multiple else out_features
         if full % (tp.size * parts):
             raise ValueError(f"{out_features} output features do not split over {tp.size} ranks")
@@ -69,7 +75,7 @@ class ColumnParallelLinear(nn.Module):
             if self.sequence_parallel
             else comm.copy_to_tp(x, self.tp)
         )
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.wgrad)
         return comm.gather_from_tp(y, self.tp) if self.gather_output else y
 
 
@@ -90,9 +96,10 @@ class RowParallelLinear(nn.Module):
         tp: Group,
         bias: bool = True,
         sequence_parallel: bool = False,
+        wgrad: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
-        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.tp, self.sequence_parallel, self.wgrad = tp, sequence_parallel, wgrad
         if in_features % tp.size:
             raise ValueError(f"{in_features} input features do not split over {tp.size} ranks")
         spec = ShardSpec(dim=1, full_size=in_features, padded_size=in_features, size=tp.size)
@@ -107,7 +114,7 @@ class RowParallelLinear(nn.Module):
         return NO_ROLES
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.wgrad)
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_sp(y, self.tp)
         else:

@@ -5,11 +5,17 @@ each action through a {Kind: handler} table and keeps tensors keyed by (stage, m
 Consecutive communication actions are posted together; a receive is waited on when its
 tensor is first needed, sends when the step ends.
 
-Backward: `BW` is the usual full backward of a microbatch. `B` computes only the input
-gradient (what the previous stage waits for) and keeps the graph; `W` then computes the
-weight gradients. PyTorch's autograd gives no cheaper way to split one graph, so `W`
-traverses the stage's graph a second time: zero-bubble schedules are exact here but pay
-that extra backward compute (a per-layer split of the weight-gradient GEMMs would remove it).
+Backward: `BW` is the usual full backward of a microbatch. A zero-bubble schedule splits
+it (Qi et al. 2023, arXiv 2401.10241): `B` computes what the previous stage waits for and
+`W`, later, the weight gradients, without walking the graph again. The split is made in
+the layers (`ptdp.parallel.wgrad`): a microbatch whose plan has a `B` runs its forward
+under its chunk's `WeightGradStore`, and `B` is then the whole backward, graph freed, in
+which the linear layers compute their input gradient and keep (input, output gradient)
+for their weight-gradient GEMM; the gradients of everything else (norms, biases,
+embeddings) are computed there too and held. `W` runs the kept GEMMs and accumulates all
+of the microbatch's parameter gradients through autograd, so gradient hooks (data-parallel
+buffers) fire in `W` as they do in `BW`. A chunk without a store (plain modules) computes
+all its gradients in `B`; its `W` only accumulates them.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ptdp.parallel.wgrad import WeightGradStore, accumulate_grads
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.p2p import P2P, TAG_ACTIVATION, TAG_GRADIENT
 
@@ -48,10 +55,14 @@ class PipelineRuntime:
     """Wraps each compute action (timelines, profilers); None = nothing."""
     around_wait: Callable[[str], AbstractContextManager] | None = None
     """Wraps each wait for a received tensor, given what is awaited (the watchdog)."""
+    wgrad: dict[int, WeightGradStore] = field(default_factory=dict)
+    """The weight-gradient stores of the chunks (by stage) whose layers can defer their
+    weight-gradient GEMMs to `W`; a stage without one computes all its gradients in `B`."""
     _inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _recvs: dict[tuple[Kind, int, int], tuple] = field(default_factory=dict)
-    _grads_in: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
+    _split: set[tuple[int, int]] = field(default_factory=set)
+    _param_grads: dict[tuple[int, int], list] = field(default_factory=dict)
     _grads_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _sends: list = field(default_factory=list)
     _sent_outputs: list = field(default_factory=list)
@@ -64,6 +75,7 @@ class PipelineRuntime:
     def run(self, actions: list[Action]) -> list[torch.Tensor]:
         """Run one step's actions; return the last stage's per-microbatch losses (if any)."""
         self.losses, self.freed_bytes = [], 0
+        self._split = {(a.stage, a.mb) for a in actions if a.kind is Kind.B}
         handlers = {
             Kind.F: self._forward,
             Kind.BW: self._backward_full,
@@ -166,7 +178,10 @@ class PipelineRuntime:
         if a.stage > 0:
             x = self._received(Kind.F, a.stage, a.mb).requires_grad_()
             self._inputs[(a.stage, a.mb)] = x
-        out = self.forward_step(a.stage, a.mb, x)
+        store = self.wgrad.get(a.stage)
+        split = store is not None and (a.stage, a.mb) in self._split
+        with store.capture() if split else nullcontext():
+            out = self.forward_step(a.stage, a.mb, x)
         if a.stage == self.num_stages - 1:
             self.losses.append(out.detach())
         self._outputs[(a.stage, a.mb)] = out
@@ -186,17 +201,26 @@ class PipelineRuntime:
             self._grads_out[key] = x.grad
 
     def _backward_input(self, a: Action) -> None:
+        """The whole backward, graph freed; the linear layers keep their weight-gradient
+        GEMMs in the store, every other parameter gradient is held for `W`."""
         key = (a.stage, a.mb)
-        grad = self._grad_of_output(a, self._outputs[key])
-        self._grads_in[key] = grad
-        x = self._inputs.get(key)
+        out = self._outputs.pop(key)
+        grad = self._grad_of_output(a, out)
+        x = self._inputs.pop(key, None)
+        params = [p for p in self.chunks[a.stage].parameters() if p.requires_grad]
+        inputs = ([] if x is None else [x]) + params
+        store = self.wgrad.get(a.stage)
+        with store.deferring(key) if store is not None else nullcontext():
+            grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
         if x is not None:
-            (dx,) = torch.autograd.grad(self._outputs[key], x, grad, retain_graph=True)
-            self._grads_out[key] = dx
+            self._grads_out[key], grads = grads[0], grads[1:]
+        self._param_grads[key] = [(p, g) for p, g in zip(params, grads) if g is not None]
 
     def _backward_weight(self, a: Action) -> None:
+        """The kept weight-gradient GEMMs, then one accumulation of every gradient."""
         key = (a.stage, a.mb)
-        out, grad = self._outputs.pop(key), self._grads_in.pop(key)
-        self._inputs.pop(key, None)
-        params = [p for p in self.chunks[a.stage].parameters() if p.requires_grad]
-        torch.autograd.backward(out, grad, inputs=params)
+        grads = self._param_grads.pop(key)
+        store = self.wgrad.get(a.stage)
+        if store is not None:
+            grads += store.flush(key)
+        accumulate_grads(grads)

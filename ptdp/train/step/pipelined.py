@@ -142,6 +142,7 @@ class PipelineStep:
             loss_scale=loss_scale,
             around_action=hooks.around_action,
             around_wait=hooks.around_wait,
+            wgrad={stage: chunk.wgrad for stage, chunk in self.chunks.items()},
         )
 
     def train(self, batch: Batch, loss_scale: float = 1.0) -> torch.Tensor:

@@ -1,0 +1,149 @@
+"""Deferred weight gradients: the real B/W split of zero-bubble pipelines (Qi et al. 2023,
+arXiv 2401.10241).
+
+Shapes: n = tokens of a microbatch (s * b flattened), k = input features, m = output
+features of a linear layer Y = X W^T + b.
+
+The backward of a linear layer is two GEMMs: dX = dY W (needed at once by the previous
+layer, and by the previous pipeline stage) and dW = dY^T X (needed only by the optimizer
+step). A zero-bubble schedule runs the first in its B action and the second in a later
+W action. `linear` below is `F.linear` whose weight-gradient GEMM a `WeightGradStore` can
+put off: during a split backward (`WeightGradStore.deferring`) it keeps (X, dY) instead of
+computing dW, and `flush` computes the kept GEMMs later. Everything else of the backward
+(norms, biases, embeddings, attention) runs in B as usual, so W walks no graph.
+
+What a store changes is opted into per microbatch: only a forward run under `capture`
+(or recomputed under `deferring`) uses the deferrable function; any other forward is the
+plain `F.linear`, so a backward that is not split is autograd's own, bit for bit. Under
+`torch.compile` the plain `F.linear` is used too (Dynamo would have to trace the stash, a
+Python side effect in backward): compiled layers compute their weight gradients in B.
+
+No global state: each model chunk owns its store and hands it to its layers; the pipeline
+runtime receives the same stores. The store keeps a plain attribute, not a thread-local,
+because autograd runs a GPU backward on its own device thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+
+class WeightGradStore:
+    """Weight-gradient GEMMs put off by split backwards, keyed by microbatch (any key)."""
+
+    def __init__(self) -> None:
+        self._capturing = False
+        self._key: Hashable | None = None
+        self._pending: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether a linear layer run now must be the deferrable one."""
+        return self._capturing or self._key is not None
+
+    @property
+    def deferring_key(self) -> Hashable | None:
+        return self._key
+
+    @contextmanager
+    def capture(self) -> Iterator[None]:
+        """Forward of a microbatch whose backward will be split (B then W)."""
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    @contextmanager
+    def deferring(self, key: Hashable) -> Iterator[None]:
+        """A B action: the backward run inside keeps its weight-gradient GEMMs under `key`.
+        A recomputed forward (activation checkpointing) inside is deferrable too."""
+        self._key = key
+        try:
+            yield
+        finally:
+            self._key = None
+
+    def put(self, param: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> None:
+        """Keep x [n, k] and dy [n, m] for param [m, k] under the current key."""
+        self._pending.setdefault(self._key, []).append((param, x, dy))
+
+    def flush(self, key: Hashable) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The W action: compute the GEMMs kept under `key`, in the order B produced them;
+        returns (parameter, gradient) pairs, each gradient in the parameter's dtype, as
+        autograd would accumulate it (the GEMM runs in the forward's compute dtype)."""
+        grads = []
+        for param, x, dy in self._pending.pop(key, []):
+            grads.append((param, dy.t().mm(x).to(param.dtype)))
+        return grads
+
+    def __len__(self) -> int:
+        """Microbatches with GEMMs still kept."""
+        return len(self._pending)
+
+
+def accumulate_grads(grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Add each gradient into its (leaf) parameter's `.grad` through autograd itself, so that
+    everything hooked on the accumulation (`register_post_accumulate_grad_hook`: the
+    data-parallel buffers) runs exactly as after a fused backward. Gradients of the same
+    parameter (a tied embedding) are summed first: one accumulation per parameter."""
+    summed: dict[torch.Tensor, torch.Tensor] = {}
+    for param, grad in grads:
+        summed[param] = summed[param] + grad if param in summed else grad
+    if summed:
+        torch.autograd.backward(list(summed), list(summed.values()))
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    """Y = X W^T + b; backward: dX = dY W and db now, dW = dY^T X now or kept in the store."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, param, store):
+        ctx.save_for_backward(x, weight)
+        (ctx.param,) = param  # in a tuple: not an autograd input of its own
+        ctx.store, ctx.has_bias = store, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])  # [n, m]
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1])  # [n, k]
+            if ctx.store.deferring_key is not None:
+                ctx.store.put(ctx.param, x2, dy2)
+            else:  # not a split backward: the GEMM now
+                dw = dy2.t().mm(x2)
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        # dW flows to `weight` (a cast copy under autocast, else `param` itself).
+        return dx, dw, db, None, None
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    store: WeightGradStore | None = None,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, whose weight gradient `store` may defer (see module doc).
+
+    `weight` must be a leaf (a parameter): a deferred gradient is accumulated into it.
+    Under autocast the operands are cast here as autocast would cast them, and the
+    function runs with autocast off, so it computes in the same dtype as `F.linear` would.
+    """
+    if store is None or not store.active or torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
+    param, device = weight, x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(device, enabled=False):
+            return _DeferrableLinear.apply(x, weight, bias, (param,), store)
+    return _DeferrableLinear.apply(x, weight, bias, (param,), store)
