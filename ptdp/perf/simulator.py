@@ -118,8 +118,10 @@ def transfer_seconds(cfg: RunConfig, layout: Layout, system: System, sender: int
 def pipeline_costs(cfg: RunConfig, layout: Layout, c: Compute) -> PipelineCosts:
     passes = stage_costs(cfg, layout, c)
     split = SCHEDULES[cfg.parallel.schedule.value].splits_backward
-    if c.software.weight_pass_retraverses and split:
-        passes = [Passes(p.f, p.b, p.w + p.b) for p in passes]
+    if split and cfg.train.compile:
+        # Compiled layers keep autograd's fused linear backward (ptdp/parallel/wgrad.py):
+        # their weight-gradient GEMMs run in B, and W only adds the gradients in.
+        passes = [Passes(p.f, p.b + p.w, 0.0) for p in passes]
     stages = len(passes)
     hop = [transfer_seconds(cfg, layout, c.system, s) for s in range(stages)]
     return PipelineCosts(

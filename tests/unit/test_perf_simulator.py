@@ -21,7 +21,7 @@ from ptdp.perf.flops import flops_per_iteration
 from ptdp.perf.hardware import load_system
 from ptdp.perf.paper import preset
 from ptdp.perf.replay import PipelineCosts, replay
-from ptdp.perf.simulator import pipeline_costs, simulate
+from ptdp.perf.simulator import pipeline_costs, simulate, stage_costs
 from ptdp.pipeline.schedules import add_comms, build
 from ptdp.pipeline.verify import verify
 
@@ -185,12 +185,15 @@ def test_zero_bubble_weight_pass_costs() -> None:
     cfg = small_run(schedule="zb-h1")
     c = Compute(A100, Precision.BF16, PTDP)
     lay = validate(cfg, 16)
-    ours = pipeline_costs(cfg, lay, c)
-    split = pipeline_costs(
-        cfg, lay, replace(c, software=replace(PTDP, weight_pass_retraverses=False))
-    )
-    # ptdp's W re-traverses the graph: it pays B again.
-    assert ours.backward_weight[1] == pytest.approx(
-        split.backward_weight[1] + split.backward_input[1]
-    )
-    assert ours.forward == split.forward
+    split = pipeline_costs(cfg, lay, c)
+    passes = stage_costs(cfg, lay, c)
+    # W runs only the stashed weight-gradient GEMMs: no second walk of the graph.
+    assert split.backward_weight == tuple(p.w for p in passes)
+    assert split.backward_input == tuple(p.b for p in passes)
+    assert 0 < split.backward_weight[1] < split.backward_input[1] + split.backward_weight[1]
+    # Compiled layers keep the fused linear backward: B does it all, W adds gradients in.
+    compiled = replace(cfg, train=replace(cfg.train, compile=True))
+    fused = pipeline_costs(compiled, lay, c)
+    passes = stage_costs(compiled, lay, c)
+    assert fused.backward_input == tuple(p.b + p.w for p in passes)
+    assert fused.backward_weight == (0.0,) * len(passes)
