@@ -19,7 +19,7 @@ import textwrap
 from dataclasses import dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -148,6 +148,10 @@ class ParallelConfig:
     """Data-parallel size; 0 = world_size / (tp * pp)."""
     vpp: int = 1
     """Model chunks per pipeline rank (interleaved schedule)."""
+    pipeline_layers: tuple[int, ...] = ()
+    """Layers of each virtual stage in stage order, pp * vpp entries summing to
+    model.num_layers (e.g. 3,4,4,3 on the command line or [3, 4, 4, 3] in TOML, to give the
+    stages holding the embedding and the loss one layer fewer); empty = an even split."""
     schedule: Schedule = Schedule.ONE_F_ONE_B
     """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 or zb-h2."""
     sequence_parallel: bool = False
@@ -308,6 +312,13 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
             raise ConfigError(
                 f"{where} = {value!r} is not a number; use e.g. 0.5 or 3e-4"
             ) from None
+    if get_origin(typ) is tuple:  # tuple[int, ...]: a TOML array or "3,4,4,3"
+        if isinstance(value, str):
+            text = value.strip().strip("[]()")
+            value = [part for part in text.replace(" ", ",").split(",") if part]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} = {value!r} is not a list; use e.g. 3,4,4,3")
+        return tuple(_coerce(v, get_args(typ)[0], f"{where}[{i}]") for i, v in enumerate(value))
     if typ is str:
         if not isinstance(value, (str, int, float)):
             raise ConfigError(f"{where} = {value!r} is not a string")

@@ -31,6 +31,9 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     """The pipeline schedule's name (`parallel.schedule`)."""
+    stage_layers: tuple[int, ...] = ()
+    """Layers of each virtual stage (pp * vpp entries): `parallel.pipeline_layers`, or the
+    even split; every reader (model chunks, simulator, memory model) takes it from here."""
 
     @cached_property
     def pipeline(self) -> PipelinePlan:
@@ -40,9 +43,11 @@ class Layout:
 
     def describe(self) -> str:
         sp = " sp=on" if self.sequence_parallel else ""
+        uneven = len(set(self.stage_layers)) > 1
+        split = f" layers={','.join(map(str, self.stage_layers))}" if uneven else ""
         return (
-            f"world={self.world_size} tp={self.tp}{sp} pp={self.pp} dp={self.dp} vpp={self.vpp} "
-            f"microbatches/step/rank={self.num_microbatches}"
+            f"world={self.world_size} tp={self.tp}{sp} pp={self.pp} dp={self.dp} vpp={self.vpp}"
+            f"{split} microbatches/step/rank={self.num_microbatches}"
         )
 
 
@@ -133,12 +138,45 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
             "parallel.schedule = interleaved needs parallel.vpp >= 2 model chunks per rank; "
             "set --parallel.vpp 2 or use --parallel.schedule 1f1b"
         )
-    if cfg.model.num_layers > 0 and cfg.model.num_layers % (p.pp * p.vpp):
-        errors.append(
-            f"model.num_layers = {cfg.model.num_layers} is not divisible by pp*vpp = "
-            f"{p.pp}*{p.vpp}; choose a layer count that is a multiple of {p.pp * p.vpp}"
-        )
+    _pipeline_layers_rules(cfg, errors)
     return dp
+
+
+def _pipeline_layers_rules(cfg: RunConfig, errors: list[str]) -> None:
+    """An explicit split must cover every layer exactly; without one the split is even."""
+    p, layers, stages = cfg.parallel, cfg.model.num_layers, cfg.parallel.pp * cfg.parallel.vpp
+    given = p.pipeline_layers
+    if not given:
+        if layers > 0 and layers % stages:
+            errors.append(
+                f"model.num_layers = {layers} is not divisible by pp*vpp = {p.pp}*{p.vpp}; "
+                f"choose a layer count that is a multiple of {stages}, or give each stage's "
+                f"layers with --parallel.pipeline_layers ({stages} entries summing to {layers})"
+            )
+        return
+    split = ",".join(map(str, given))
+    if len(given) != stages:
+        errors.append(
+            f"parallel.pipeline_layers = {split} has {len(given)} entries but pp*vpp = "
+            f"{p.pp}*{p.vpp} = {stages} stages need one each; give {stages} layer counts "
+            "summing to model.num_layers, or leave it empty for an even split"
+        )
+    if min(given) < 1:
+        errors.append(
+            f"parallel.pipeline_layers = {split} has an entry below 1; every stage needs at "
+            "least one layer"
+        )
+    if layers > 0 and sum(given) != layers:
+        errors.append(
+            f"parallel.pipeline_layers = {split} sums to {sum(given)} but model.num_layers = "
+            f"{layers}; the counts must add up to the layer count (no layer is dropped)"
+        )
+
+
+def _stage_layers(cfg: RunConfig) -> tuple[int, ...]:
+    """The validated split: `parallel.pipeline_layers`, or the even one."""
+    stages = cfg.parallel.pp * cfg.parallel.vpp
+    return cfg.parallel.pipeline_layers or (cfg.model.num_layers // stages,) * stages
 
 
 def _torchrun(processes: int) -> str:
@@ -267,5 +305,13 @@ def validate(cfg: RunConfig, world_size: int = 1) -> Layout:
         bullet = "\n  - "
         raise ConfigError(f"invalid configuration:{bullet}{bullet.join(errors)}")
     return Layout(
-        world_size, p.tp, p.pp, dp, p.vpp, microbatches, p.sequence_parallel, p.schedule.value
+        world_size,
+        p.tp,
+        p.pp,
+        dp,
+        p.vpp,
+        microbatches,
+        p.sequence_parallel,
+        p.schedule.value,
+        _stage_layers(cfg),
     )

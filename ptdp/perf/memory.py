@@ -81,14 +81,18 @@ def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
     return weights + biases + 2 * norm
 
 
-def parameters_per_stage(model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int = 1) -> list[int]:
+def parameters_per_stage(
+    model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int = 1, layers: tuple[int, ...] = ()
+) -> list[int]:
     """Local parameters of each virtual stage on one tensor-parallel rank.
 
+    `layers`: each stage's layer count (`Layout.stage_layers`); empty = an even split.
     Stage 0 holds the embedding; the last stage the final norm and the output layer,
     which with pp * vpp > 1 is a separate copy even when tied to the embedding.
     """
     h, v, stages = model.hidden_size, model.padded_vocab_size(tp), pp * vpp
-    counts = [model.num_layers // stages * layer_parameters(model, tp) for _ in range(stages)]
+    layers = layers or (model.num_layers // stages,) * stages
+    counts = [n * layer_parameters(model, tp) for n in layers]
     counts[0] += v // tp * h
     if model.position_embedding is PositionEmbedding.LEARNED:
         counts[0] += model.seq_length * h
@@ -99,10 +103,12 @@ def parameters_per_stage(model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int 
     return counts
 
 
-def parameters_per_rank(model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int = 1) -> list[int]:
+def parameters_per_rank(
+    model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int = 1, layers: tuple[int, ...] = ()
+) -> list[int]:
     """Local parameters on one tensor rank of each pipeline rank (rank r: stages r, r + pp, ...)."""
     counts = [0] * pp
-    for stage, count in enumerate(parameters_per_stage(model, tp, pp, vpp)):
+    for stage, count in enumerate(parameters_per_stage(model, tp, pp, vpp, layers)):
         counts[stage % pp] += count
     return counts
 
@@ -234,10 +240,12 @@ def estimate_memory(
     head = head_activation_bytes(
         model, micro_batch=b, tp=tp, precision=prec, compiled=cfg.train.compile
     )
-    per_chunk = model.num_layers // (pp * vpp)
+    # Layers of the rank's largest chunk (exact for vpp = 1 or an even split, else a bound).
+    split = layout.stage_layers or (model.num_layers // (pp * vpp),) * (pp * vpp)
+    per_chunk = [max(split[rank::pp]) for rank in range(pp)]
     out = []
-    for rank, count in enumerate(parameters_per_rank(model, tp, pp, vpp)):
-        acts = held[rank] * per_chunk * layer + (last_held * head if rank == pp - 1 else 0.0)
+    for rank, count in enumerate(parameters_per_rank(model, tp, pp, vpp, split)):
+        acts = held[rank] * per_chunk[rank] * layer + (last_held * head if rank == pp - 1 else 0.0)
         out.append(
             MemoryEstimate(
                 rank,

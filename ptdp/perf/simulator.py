@@ -91,7 +91,8 @@ def stage_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
         c=c,
     )
     stages = layout.pp * layout.vpp
-    passes = [layer.times(model.num_layers // stages) for _ in range(stages)]
+    split = layout.stage_layers or (model.num_layers // stages,) * stages
+    passes = [layer.times(n) for n in split]
     passes[0] += embedding_seconds(model, micro_batch=b, tp=tp, c=c)
     passes[-1] += head_seconds(model, micro_batch=b, tp=tp, c=c, compiled=cfg.train.compile)
     return passes
@@ -160,7 +161,7 @@ def _reduce_gradients(
     """
     model, par, d, t = cfg.model, cfg.parallel, layout.dp, layout.tp
     link = group_link(c.system, d, t)
-    params = parameters_per_stage(model, t, layout.pp, layout.vpp)
+    params = parameters_per_stage(model, t, layout.pp, layout.vpp, layout.stage_layers)
     bucket = par.bucket_mb * 2**20
     tied_copies = model.tie_embeddings and layout.pp * layout.vpp > 1
     ends, totals, events = [], [], []
@@ -196,7 +197,9 @@ def optimizer_seconds(cfg: RunConfig, layout: Layout, c: Compute) -> float:
     weight, 2 moments) or 30 B (16-bit: fp32 master in place of the weight, plus writing
     the 16-bit copy); the distributed optimizer then all-gathers the updated weights.
     """
-    per_rank = max(parameters_per_rank(cfg.model, layout.tp, layout.pp, layout.vpp))
+    per_rank = max(
+        parameters_per_rank(cfg.model, layout.tp, layout.pp, layout.vpp, layout.stage_layers)
+    )
     fp32 = cfg.train.precision is Precision.FP32
     shard = layout.dp if cfg.optim.distributed else 1
     seconds = c.stream(per_rank * (8 + (28 if fp32 else 30) / shard))

@@ -15,13 +15,26 @@ from ptdp.pipeline.schedules import stage_to_rank, stages_of_rank
 __all__ = ["layer_ranges", "stage_to_rank", "stages_of_rank"]
 
 
-def layer_ranges(num_layers: int, pp: int, vpp: int = 1) -> list[range]:
-    """Layers of each virtual stage, in stage order; an even split or an error."""
+def layer_ranges(
+    num_layers: int, pp: int, vpp: int = 1, layers: tuple[int, ...] | None = None
+) -> list[range]:
+    """Layers of each virtual stage, in stage order: `layers[s]` consecutive layers for stage s
+    (`parallel.pipeline_layers`), or an even split when `layers` is empty or None; never
+    drops a layer (an error instead)."""
     stages = pp * vpp
+    if layers:
+        if len(layers) != stages or min(layers) < 1 or sum(layers) != num_layers:
+            raise ValueError(
+                f"pipeline_layers = {list(layers)} must have pp*vpp = {pp}*{vpp} = {stages} "
+                f"entries, each >= 1, summing to num_layers = {num_layers}"
+            )
+        starts = [sum(layers[:s]) for s in range(stages + 1)]
+        return [range(starts[s], starts[s + 1]) for s in range(stages)]
     if num_layers % stages:
         raise ValueError(
             f"{num_layers} layers do not split evenly over pp*vpp = {pp}*{vpp} = {stages} "
-            f"stages; use a layer count that is a multiple of {stages}"
+            f"stages; use a layer count that is a multiple of {stages} or set "
+            "parallel.pipeline_layers"
         )
     per = num_layers // stages
     return [range(s * per, (s + 1) * per) for s in range(stages)]

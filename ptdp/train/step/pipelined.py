@@ -33,7 +33,7 @@ def build_chunks(
     """This rank's model chunks by global stage, each initialised as its slice of the
     single-process model."""
     pp, vpp = layout.pp, layout.vpp
-    ranges = layer_ranges(model.num_layers, pp, vpp)
+    ranges = layer_ranges(model.num_layers, pp, vpp, layout.stage_layers)
     last = pp * vpp - 1
     tp = mesh.axis("tp") if layout.tp > 1 else None
     return {
