@@ -77,6 +77,7 @@ def test_override_forms_and_coercion() -> None:
         (["--train.tensorboard", "maybe"], "not a boolean"),
         (["--optim.lr", "fast"], "not a number"),
         (["--model.num_layers"], "needs a value"),
+        (["--parallel.pipeline_layers", "3,x"], r"pipeline_layers\[1\] = 'x' is not an integer"),
         (["model.num_layers=2"], "config overrides look like"),
     ],
 )
@@ -137,6 +138,26 @@ INVALID = [
         2,
         "with 3 microbatches per step",
     ),
+    (
+        {"parallel": {"pp": 4}, "model": {"num_layers": 6}},
+        4,
+        "or give each stage's layers with --parallel.pipeline_layers (4 entries summing to 6)",
+    ),
+    (
+        {"parallel": {"pp": 2, "pipeline_layers": [1, 2, 1]}},
+        2,
+        "parallel.pipeline_layers = 1,2,1 has 3 entries but pp*vpp = 2*1 = 2 stages",
+    ),
+    (
+        {"parallel": {"pp": 2, "pipeline_layers": [0, 4]}},
+        2,
+        "parallel.pipeline_layers = 0,4 has an entry below 1",
+    ),
+    (
+        {"parallel": {"pp": 2, "pipeline_layers": [2, 3]}},
+        2,
+        "parallel.pipeline_layers = 2,3 sums to 5 but model.num_layers = 4",
+    ),
     ({"parallel": {"dp": 2}}, 3, "does not match the world size 3"),
     ({"parallel": {"tp": 2}}, 3, "world size 3 is not divisible by tp*pp"),
     ({"parallel": {"vpp": 2}}, 1, "needs the interleaved schedule"),
@@ -185,6 +206,36 @@ def test_valid_layouts_derive_dp_and_microbatches() -> None:
     assert validate(cfg, 1).num_microbatches == 8
 
 
+def test_explicit_pipeline_layers() -> None:
+    # TOML array or a comma-separated command-line value, the same tuple either way.
+    assert resolve(None, ["--parallel.pipeline_layers", "3,4,4,3"]).parallel.pipeline_layers == (
+        3,
+        4,
+        4,
+        3,
+    )
+    cfg = apply_updates(
+        RunConfig(),
+        {"model": {"num_layers": 7}, "parallel": {"pp": 2, "pipeline_layers": [3, 4]}},
+        "t",
+    )
+    assert cfg.parallel.pipeline_layers == (3, 4)
+    layout = validate(cfg, 2)  # 7 layers over 2 stages: no divisibility rule with a split
+    assert layout.stage_layers == (3, 4) and "layers=3,4" in layout.describe()
+    even = apply_updates(
+        RunConfig(),
+        {"model": {"num_layers": 8}, "parallel": {"pp": 4}, "train": {"micro_batch_size": 1}},
+        "t",
+    )
+    assert validate(even, 4).stage_layers == (2, 2, 2, 2)
+    interleaved = apply_updates(
+        even,
+        {"parallel": {"pp": 2, "vpp": 2, "schedule": "interleaved", "pipeline_layers": "1,3,3,1"}},
+        "t",
+    )
+    assert validate(interleaved, 2).stage_layers == (1, 3, 3, 1)
+
+
 def test_help_lists_every_field_with_its_doc() -> None:
     text = help_text()
     for section, values in to_dict(RunConfig()).items():
@@ -206,6 +257,8 @@ def test_toml_round_trip(tmp_path: Path) -> None:
             "1e-3",
             "--train.tensorboard",
             "true",
+            "--parallel.pipeline_layers",
+            "1,3",
         ],
     )
     path = tmp_path / "config.toml"

@@ -24,3 +24,19 @@ def test_interleaved_ownership() -> None:
 def test_uneven_split_is_an_error() -> None:
     with pytest.raises(ValueError, match="10 layers do not split evenly over pp\\*vpp = 4\\*1"):
         layer_ranges(10, 4)
+
+
+def test_explicit_split() -> None:
+    ranges = layer_ranges(6, 2, 1, (2, 4))
+    assert [list(r) for r in ranges] == [[0, 1], [2, 3, 4, 5]]
+    ranges = layer_ranges(6, 2, 2, (1, 2, 2, 1))
+    assert [list(r) for r in ranges] == [[0], [1, 2], [3, 4], [5]]
+    assert layer_ranges(8, 2, 2, ()) == layer_ranges(8, 2, 2)  # empty = even
+
+
+@pytest.mark.parametrize("layers", [(2, 3), (1, 1, 4), (0, 6)])
+def test_explicit_split_never_drops_layers(layers: tuple[int, ...]) -> None:
+    with pytest.raises(
+        ValueError, match="must have pp\\*vpp = 2\\*1 = 2 entries, each >= 1, summing"
+    ):
+        layer_ranges(6, 2, 1, layers)

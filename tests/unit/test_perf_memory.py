@@ -154,3 +154,26 @@ def test_estimate_within_15_percent_of_a_cpu_run(options, recompute, schedule, m
     total = est.params + est.grads + est.optimizer + est.activations
     assert total == pytest.approx(state + activations, rel=0.15)
     assert activations > 0.05 * state  # the activations are a real part of the total
+
+
+def test_uneven_stages_scale_parameters_and_activations() -> None:
+    sections = {
+        "model": {"num_layers": 6, "hidden_size": 32, "num_heads": 4, "vocab_size": 50},
+        "parallel": {"pp": 2},
+        "train": {"micro_batch_size": 2, "global_batch_size": 8},
+    }
+    model, split = config(**sections).model, (2, 4)
+    ranges, held = layer_ranges(6, 2, 1, split), [0, 0]
+    for stage, layers in enumerate(ranges):
+        chunk = GPT(model, layers=layers, has_embedding=stage == 0, has_head=stage == 1)
+        held[stage] = sum(p.numel() for p in chunk.parameters())
+    assert parameters_per_rank(model, 1, 2, 1, split) == held
+    even = estimate_memory(config(**sections), 2)
+    sections["parallel"] = {"pp": 2, "pipeline_layers": [2, 4]}
+    uneven = estimate_memory(config(**sections), 2)
+    # Rank 0 keeps the even split's 3 layers' activations minus one, rank 1 one more.
+    per_layer = even[0].activations / (even[0].in_flight * 3)
+    assert uneven[0].activations == pytest.approx(even[0].activations * 2 / 3)
+    assert uneven[1].activations - even[1].activations == pytest.approx(
+        even[1].in_flight * per_layer
+    )

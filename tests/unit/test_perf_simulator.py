@@ -197,3 +197,16 @@ def test_zero_bubble_weight_pass_costs() -> None:
     passes = stage_costs(compiled, lay, c)
     assert fused.backward_input == tuple(p.b + p.w for p in passes)
     assert fused.backward_weight == (0.0,) * len(passes)
+
+
+def test_uneven_stages_cost_in_proportion_to_their_layers() -> None:
+    c = Compute(A100, Precision.BF16, PTDP)
+    even_cfg, uneven_cfg = small_run(), small_run(pipeline_layers=[1, 3, 3, 1])
+    even = stage_costs(even_cfg, validate(even_cfg, 16), c)
+    uneven = stage_costs(uneven_cfg, validate(uneven_cfg, 16), c)
+    layer = even[1].f / 2  # the middle stages hold only their 2 layers
+    assert [p.f for p in uneven] == pytest.approx(
+        [even[0].f - layer, 3 * layer, 3 * layer, even[3].f - layer]
+    )
+    assert uneven[1].b == pytest.approx(even[1].b * 3 / 2)
+    assert simulate(uneven_cfg, A100, 16).iteration_seconds > 0
