@@ -149,3 +149,22 @@ def test_damaged_shard_is_named(tiny_data: str, tmp_path: Path) -> None:
     shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
     with pytest.raises(CheckpointError, match=f"{shard} is corrupted"):
         ckpt.load_checkpoint(step_dir)
+
+
+UNEVEN = {"pp": 2, "pipeline_layers": [1, 3]}
+
+
+def _uneven_save(rank: int, world: int, data: str, root: str) -> None:
+    env = LaunchEnv(rank, world, rank)
+    cfg = _config(data, Path(root) / "ref", 4, UNEVEN, {}, train={"save_interval": 3})
+    _write(root, "ref", rank, train(cfg, env=env).losses)
+
+
+def test_uneven_stages_reshard(tiny_data: str, tmp_path: Path) -> None:
+    """Layers are keyed by global index: a checkpoint saved with stages of 1 and 3 layers
+    restores in one process and under the opposite split."""
+    run_ranks(_uneven_save, 2, tiny_data, str(tmp_path))
+    full = ckpt.load_checkpoint(tmp_path / "ref" / "checkpoints" / SAVED)["model"]
+    assert {k.split(".")[1] for k in full if k.startswith("layers.")} == {"0", "1", "2", "3"}
+    targets = {"one": (1, {}), "pp2-3-1": (2, {"pp": 2, "pipeline_layers": [3, 1]})}
+    _check_resharding(tmp_path, tiny_data, tmp_path / "ref", targets, {})

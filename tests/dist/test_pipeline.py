@@ -2,7 +2,8 @@
 
 For p in {2, 4}, v in {1, 2}, m in {p, 2p}, tp in {1, 2} and every schedule: the loss
 and every parameter's gradient (gathered over tensor and pipeline ranks to full shape)
-match the single-process model within 1e-5 relative. Several schedules share one spawn.
+match the single-process model within 1e-5 relative; with pp = 2 also uneven stages
+(`parallel.pipeline_layers`). Several schedules share one spawn.
 """
 
 from __future__ import annotations
@@ -34,16 +35,25 @@ CASES = [  # (schedule, vpp)
 ]
 
 
-def _config(tp: int, pp: int, schedule: str, vpp: int, m: int, tied: bool) -> RunConfig:
+UNEVEN = [  # (schedule, vpp, layers per virtual stage) over pp = 2, 6 layers
+    ("1f1b", 1, (2, 4)),
+    ("zb-h1", 1, (4, 2)),
+    ("interleaved", 2, (1, 2, 2, 1)),
+]
+
+
+def _config(
+    tp: int, pp: int, schedule: str, vpp: int, m: int, tied: bool, layers: tuple[int, ...] = ()
+) -> RunConfig:
     model = {
-        "num_layers": 2 * pp,
+        "num_layers": sum(layers) or 2 * pp,
         "hidden_size": 32,
         "num_heads": 4,
         "seq_length": 16,
         "vocab_size": 51,
         "tie_embeddings": tied,
     }
-    parallel = {"tp": tp, "pp": pp, "vpp": vpp, "schedule": schedule}
+    parallel = {"tp": tp, "pp": pp, "vpp": vpp, "schedule": schedule, "pipeline_layers": layers}
     train = {"micro_batch_size": 2, "global_batch_size": 2 * m}
     return apply_updates(RunConfig(), {"model": model, "parallel": parallel, "train": train}, "t")
 
@@ -96,7 +106,7 @@ def _one_case(mesh: ParallelMesh, cfg: RunConfig, tokens: torch.Tensor) -> None:
     m = layout.num_microbatches
     ref_loss = sum(ref(*batch(j)) / m for j in range(m))
     ref_loss.backward()
-    what = f"{cfg.parallel.schedule.value} pp={layout.pp} vpp={layout.vpp} tp={layout.tp} m={m}"
+    what = f"{cfg.parallel.schedule.value} {layout.describe()}"
     assert _rel(loss, ref_loss.detach()) < 1e-5, f"{what}: loss {loss} vs {ref_loss}"
     ref_grads = dict(ref.named_parameters())
     assert merged.keys() == ref_grads.keys(), what
@@ -114,6 +124,9 @@ def _check_schedules(rank: int, world_size: int, tp: int, pp: int) -> None:
         for m in (pp, 2 * pp):
             for tied in (True, False):
                 _one_case(mesh, _config(tp, pp, schedule, vpp, m, tied), tokens)
+    if pp == 2:  # uneven stages (parallel.pipeline_layers)
+        for schedule, vpp, layers in UNEVEN:
+            _one_case(mesh, _config(tp, pp, schedule, vpp, 2 * pp, True, layers), tokens)
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 2), (1, 4), (2, 2), (2, 4)])

@@ -39,6 +39,7 @@ LAYOUTS = {  # name: (world size, parallel section, model section)
     "tp2-sp": (2, {"tp": 2, "sequence_parallel": True}, {}),
     "tp2-dp2-llama": (4, {"tp": 2}, {}),
     "pp2-1f1b": (2, {"pp": 2}, {"num_layers": 4}),
+    "pp2-uneven": (2, {"pp": 2, "pipeline_layers": [1, 3]}, {"num_layers": 4}),
     "pp2-gpipe": (2, {"pp": 2, "schedule": "gpipe"}, {"num_layers": 4}),
     "pp2-zb-h1": (2, {"pp": 2, "schedule": "zb-h1"}, {"num_layers": 4}),
     "pp2-vpp2-llama": (2, {"pp": 2, "vpp": 2, "schedule": "interleaved"}, {"num_layers": 4}),
