@@ -62,13 +62,18 @@ class Software:
     """Pipeline transfers block the rank until done (Megatron-LM in 2021 synchronised after
     each batch of sends and receives); False = ptdp's runtime, which waits for a receive
     only when its tensor is needed and for sends at the end of the step."""
+    split_backward: bool = True
+    """The zero-bubble schedules (ZB-H1, ZB-H2: B and W apart) exist; Megatron-LM in 2021
+    had none, so the planner does not search them for it."""
 
 
 PTDP = Software()
 """This runtime: SDPA (fused attention), non-blocking transfers, fp32 gradient buffers."""
-MEGATRON_2021 = Software(fused_attention=False, grad_reduce_bytes=2, blocking_p2p=True)
+MEGATRON_2021 = Software(
+    fused_attention=False, grad_reduce_bytes=2, blocking_p2p=True, split_backward=False
+)
 """The code of the paper's measurements: unfused attention, fp16 gradients all-reduced
-(its default for fp16 training), blocking pipeline transfers."""
+(its default for fp16 training), blocking pipeline transfers, no zero-bubble schedules."""
 
 SOFTWARE: dict[str, Software] = {"ptdp": PTDP, "megatron-2021": MEGATRON_2021}
 """The runtimes by name, as `--software` of `ptdp simulate` and `ptdp plan` takes them."""

@@ -16,6 +16,16 @@ or until its W when the backward is split (B leaves the graph for W): p - r for 
 rank r, m for GPipe, p on every rank for ZB-H1 and 2p - 1 for ZB-H2 (capped at m), more
 for interleaved (Korthikanti: x (1 + (p-1)/(p v)) on rank 0).
 
+A split backward (ZB-H1, ZB-H2) also holds, per microbatch from its B until its W, what W
+needs (`ptdp/parallel/wgrad.py`, `ptdp/pipeline/runtime.py`): each linear layer's (X, dY)
+and the gradients of every other parameter (norms, biases, embeddings), `stash`. dY is
+always extra. X is counted extra only where the activation count does not already hold
+that tensor: the saved inputs of the linear layers are among Korthikanti's activations,
+which stay counted until W, except under full recomputation (B recomputes them) and, under
+sequence parallelism, the all-gathered inputs of QKV and fc1 (the activation count has
+their [s/t] shard). Compiled layers (`train.compile`) compute every gradient in B, so W
+holds all of the chunk's parameter gradients instead.
+
 Known omissions: temporary buffers of a backward pass other than recomputation, p2p
 receive buffers, and grouped-query attention's smaller K and V (counted as full heads).
 
@@ -39,7 +49,9 @@ from ptdp.config import (
 from ptdp.layout import Layout, validate
 from ptdp.perf.activations import activation_bytes_per_layer
 from ptdp.pipeline.actions import RELEASE_KINDS, Kind, Plan
+from ptdp.pipeline.partition import layer_ranges
 from ptdp.pipeline.plan import PipelinePlan
+from ptdp.pipeline.schedules import SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -168,6 +180,80 @@ def head_activation_bytes(
     return 2 * n * model.hidden_size * element_bytes(precision) + n * logits
 
 
+def stash_bytes_per_layer(
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: Recompute = Recompute.NONE,
+    precision: Precision = Precision.BF16,
+) -> float:
+    """Bytes one layer holds for W per microbatch beyond its counted activations (module doc).
+
+    dY: QKV [n, qkv/t], projection [n, h], fc1 [n, f/t] (x 2 for SwiGLU's gate and up) and
+    fc2 [n, h], n = s b tokens; the row-parallel dY is the whole [n, h] (its backward
+    all-reduces or all-gathers before the GEMM). X under full recompute: QKV and fc1 inputs
+    [n, h] each, projection [n, h/t], fc2 [n, f/t]; under sequence parallelism otherwise the
+    (t-1)/t of the QKV and fc1 inputs the activation count shards. Plus the gradients of the
+    layer's biases and norms, in the weights' dtype.
+    """
+    h, t, e = model.hidden_size, tp, element_bytes(precision)
+    n = model.seq_length * micro_batch
+    qkv = h + 2 * model.query_groups * model.head_dim
+    parts = 2 if model.activation is Activation.SWIGLU else 1
+    f = model.ffn_size
+    dy = n * (qkv // t + f * parts // t + 2 * h)
+    if recompute is Recompute.FULL:
+        x = n * (2 * h + h // t + f // t)
+    elif sequence_parallel:
+        x = 2 * n * (h - h // t)
+    else:
+        x = 0
+    weights = (h * qkv + h * h + h * f * parts + f * h) // t
+    return e * (dy + x + layer_parameters(model, tp) - weights)
+
+
+def stage_stash_bytes(cfg: RunConfig, tp: int, pp: int, vpp: int, stage: int) -> float:
+    """Bytes one virtual stage holds for W per microbatch of a split backward (module doc):
+    its layers' `stash_bytes_per_layer`, the embedding's gradient on the first stage, the
+    output layer's dY [n, v/t] and the final norm's gradient on the last."""
+    model, prec = cfg.model, cfg.train.precision
+    e, n = element_bytes(prec), model.seq_length * cfg.train.micro_batch_size
+    split = cfg.parallel.pipeline_layers
+    layers = len(layer_ranges(model.num_layers, pp, vpp, split or None)[stage])
+    if cfg.train.compile:  # plain F.linear: every gradient is computed in B and held
+        return e * parameters_per_stage(model, tp, pp, vpp, split)[stage]
+    layer = stash_bytes_per_layer(
+        model,
+        micro_batch=cfg.train.micro_batch_size,
+        tp=tp,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        recompute=cfg.parallel.recompute,
+        precision=prec,
+    )
+    out = layers * layer
+    h, v = model.hidden_size, model.padded_vocab_size(tp)
+    if stage == 0:
+        out += e * v // tp * h
+        if model.position_embedding is PositionEmbedding.LEARNED:
+            out += e * model.seq_length * h
+    if stage == pp * vpp - 1:
+        norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
+        out += e * (n * v // tp + norm)
+    return out
+
+
+def stage_awaiting_w(plan: Plan, stage: int) -> int:
+    """Most microbatches of one stage whose B ran and whose W has not."""
+    held = peak = 0
+    for a in plan[stage % len(plan)]:
+        if a.stage == stage:
+            held += 1 if a.kind is Kind.B else -1 if a.kind is Kind.W else 0
+            peak = max(peak, held)
+    return peak
+
+
 def in_flight(plan: PipelinePlan) -> tuple[int, ...]:
     """Most (microbatch, chunk) forwards each rank of `plan` holds at once.
 
@@ -205,10 +291,14 @@ class MemoryEstimate:
     working: float
     """Transient: the layer being recomputed (full) or its attention core (selective)."""
     in_flight: int
+    stash: float = 0.0
+    """Split backward: held from B until W (module doc) x microbatches awaiting their W."""
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.working
+        return (
+            self.params + self.grads + self.optimizer + self.activations + self.working + self.stash
+        )
 
 
 def estimate_memory(
@@ -243,6 +333,11 @@ def estimate_memory(
     # Layers of the rank's largest chunk (exact for vpp = 1 or an even split, else a bound).
     split = layout.stage_layers or (model.num_layers // (pp * vpp),) * (pp * vpp)
     per_chunk = [max(split[rank::pp]) for rank in range(pp)]
+    stash = [0.0] * pp
+    if SCHEDULES[layout.schedule].splits_backward:
+        for stage in range(pp * vpp):
+            waiting = stage_awaiting_w(layout.pipeline.compute, stage)
+            stash[stage % pp] += waiting * stage_stash_bytes(cfg, tp, pp, vpp, stage)
     out = []
     for rank, count in enumerate(parameters_per_rank(model, tp, pp, vpp, split)):
         acts = held[rank] * per_chunk[rank] * layer + (last_held * head if rank == pp - 1 else 0.0)
@@ -255,6 +350,7 @@ def estimate_memory(
                 acts,
                 working,
                 held[rank],
+                stash[rank],
             )
         )
     return out

@@ -10,10 +10,11 @@ The search follows the paper's guidelines (Narayanan et al., section 3 and takea
    memory (1F1B's in-flight bound), then the micro-batch b that minimises the paper's
    equation (1), (B/(d b) + p - 1) (t_f(b) + t_b(b)), with t_f, t_b one stage's times
    from the cost model;
-3. for that b, the 1F1B schedule and every feasible interleaving v (layers divisible by
-   p v, microbatches a multiple of p), each simulated by replaying its action lists;
-   layouts that do not fit (the verifier's in-flight count) are dropped, the rest ranked
-   by iteration time;
+3. for that b, the 1F1B schedule, every feasible interleaving v (layers divisible by
+   p v, microbatches a multiple of p) and the zero-bubble ZB-H1 and ZB-H2 (where the
+   software splits the backward, `Software.split_backward`), each simulated by replaying
+   its action lists; layouts that do not fit (the verifier's in-flight count, and what a
+   split backward holds for W) are dropped, the rest ranked by iteration time;
 4. the recommendation is the fastest layout unless others come within `tolerance` of it
    (the model's error on the paper's Table 1, 6%): among those, the paper's takeaways
    decide, the smallest model-parallel size t p first (#2), then the largest t (#1).
@@ -34,6 +35,7 @@ from ptdp.perf.costs import PTDP, Compute, Software
 from ptdp.perf.hardware import GIB, System
 from ptdp.perf.memory import estimate_memory
 from ptdp.perf.simulator import Prediction, require_vocab, simulate, stage_costs
+from ptdp.pipeline.schedules import SCHEDULES
 
 Progress = Callable[[int, int, str], None]
 """progress(done, total, what): called before each simulation."""
@@ -94,9 +96,12 @@ def layout_config(
     sequence_parallel: bool,
     schedule: Schedule | None = None,
 ) -> RunConfig:
-    """`base` with a layout filled in (dp derived from the world size)."""
+    """`base` with a layout filled in (dp derived from the world size). A given split of
+    layers (parallel.pipeline_layers) is kept where it has pp*vpp stages; every other layout
+    gets the even split."""
     if schedule is None:
         schedule = Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B
+    split = base.parallel.pipeline_layers
     parallel = replace(
         base.parallel,
         tp=tp,
@@ -106,6 +111,7 @@ def layout_config(
         schedule=schedule,
         recompute=recompute,
         sequence_parallel=sequence_parallel,
+        pipeline_layers=split if len(split) == pp * vpp else (),
     )
     return replace(base, parallel=parallel, train=replace(base.train, micro_batch_size=micro_batch))
 
@@ -171,7 +177,7 @@ def plan(
     micro_batch: int | None = None,
     recompute: Recompute | None = None,
     sequence_parallel: bool | None = None,
-    schedules: tuple[str, ...] = ("1f1b", "interleaved"),
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1", "zb-h2"),
     max_micro_batch: int = 16,
     tolerance: float = 0.06,
     progress: Progress | None = None,
@@ -179,8 +185,11 @@ def plan(
     """Rank the layouts of `base.model` for `gpus` devices and `base.train.global_batch_size`.
 
     Fixed arguments (tp, pp, vpp, micro_batch, recompute, sequence_parallel) restrict the
-    search; precision, optimizer and the other parallel options come from `base`.
+    search; precision, optimizer and the other parallel options come from `base`. Schedules
+    that split the backward are searched only if `software.split_backward`.
     """
+    if not software.split_backward:
+        schedules = tuple(s for s in schedules if not SCHEDULES[s].splits_backward)
     require_vocab(base)
     c = Compute(system, base.train.precision, software)
     usable = system.device.usable_bytes
@@ -295,16 +304,21 @@ def _schedules(
     schedules: tuple[str, ...],
     rejected: list[Rejected],
 ) -> list[RunConfig]:
-    """`cfg` under 1F1B, each feasible interleaving, and zero-bubble if asked for."""
+    """`cfg` under each of `schedules` that fits: the interleaved ones (`SCHEDULES`) at every
+    feasible v > 1, the others at v = 1; with p = 1 only 1F1B (no pipeline, no bubble)."""
     p, layers = cfg.parallel.pp, cfg.model.num_layers
     out = []
     chunks = [vpp] if vpp else [v for v in divisors(layers // p)]
     for v in chunks:
-        names = [s for s in schedules if (s == "interleaved") == (v > 1)]
+        names = [s for s in schedules if SCHEDULES[s].interleaved == (v > 1)]
         for name in names:
             if p == 1 and name != "1f1b":
                 continue
-            candidate = replace(cfg, parallel=replace(cfg.parallel, vpp=v, schedule=Schedule(name)))
+            # As in `layout_config`: a given split only where it has p*v stages.
+            split = cfg.parallel.pipeline_layers
+            split = split if len(split) == p * v else ()
+            par = replace(cfg.parallel, vpp=v, schedule=Schedule(name), pipeline_layers=split)
+            candidate = replace(cfg, parallel=par)
             try:
                 validate(candidate, gpus)
             except ConfigError as exc:
@@ -388,10 +402,11 @@ def explain(
             f"micro-batch b={cfg.train.micro_batch_size} minimises equation (1) "
             f"(B/(d b) + p - 1)(t_f + t_b) among those that fit: {table}"
         )
-    formula = (lay.pp - 1) / (lay.vpp * lay.num_microbatches)
+    spec = SCHEDULES[cfg.parallel.schedule.value]
+    formula = spec.bubble(lay.pp, lay.num_microbatches, lay.vpp)
     lines.append(
         f"schedule {cfg.parallel.schedule.value} v={lay.vpp}: m={lay.num_microbatches} "
-        f"microbatches, simulated bubble {pred.bubble_fraction:.3f} (formula (p-1)/(v m) = "
+        f"microbatches, simulated bubble {pred.bubble_fraction:.3f} (formula {spec.formula} = "
         f"{formula:.3f}); recompute={cfg.parallel.recompute.value} (the least that fits)"
     )
     lines.append(

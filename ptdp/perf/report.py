@@ -52,6 +52,7 @@ def prediction_dict(p: Prediction) -> dict:
                 "optimizer": m.optimizer / GIB,
                 "activations": m.activations / GIB,
                 "working": m.working / GIB,
+                "stash": m.stash / GIB,
                 "total": m.total / GIB,
                 "in_flight": m.in_flight,
             }
@@ -74,7 +75,8 @@ def format_prediction(p: Prediction, system: System) -> str:
         f" W {1e3 * p.layer.w:.3g} ms | p2p {1e3 * p.p2p_seconds:.3g} ms"
         f" | dp reduce {p.dp_seconds:.3g} s | optimizer {p.optimizer_seconds:.3g} s",
         f"memory per GPU (GiB; {usable:.1f} usable on {system.device.name}):",
-        "  pp rank | params | grads | optimizer | activations (in flight) | working | total",
+        "  pp rank | params | grads | optimizer | activations (in flight) | working | stash"
+        " | total",
     ]
     shown = list(p.memory)
     if len(shown) > 8:  # long pipelines: the first ranks (most in flight) and the last
@@ -86,7 +88,7 @@ def format_prediction(p: Prediction, system: System) -> str:
         lines.append(
             f"  {m.rank:7d} | {m.params / GIB:6.2f} | {m.grads / GIB:5.2f} | "
             f"{m.optimizer / GIB:9.2f} | {m.activations / GIB:11.2f} ({m.in_flight:3d}) | "
-            f"{m.working / GIB:7.2f} | {m.total / GIB:5.2f}"
+            f"{m.working / GIB:7.2f} | {m.stash / GIB:5.2f} | {m.total / GIB:5.2f}"
             + ("  DOES NOT FIT" if m.total / GIB > usable else "")
         )
     return "\n".join(lines)

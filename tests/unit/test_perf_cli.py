@@ -83,7 +83,7 @@ def test_plan_takes_config_keys_like_train(tmp_path: Path, capsys) -> None:
     model.write_text(TINY)
 
     def run(*args: str) -> dict:
-        assert main(["plan", "--gpus", "8", "--json", *args]) == 0
+        assert main(["plan", "--gpus", "8", "--json", "--top", "50", *args]) == 0
         return json.loads(capsys.readouterr().out)
 
     keys = "--parallel.tp 2 --train.micro_batch_size=2 --train.global_batch_size 32"
@@ -95,7 +95,7 @@ def test_plan_takes_config_keys_like_train(tmp_path: Path, capsys) -> None:
         par, train = option["config"]["parallel"], option["config"]["train"]
         assert (par["tp"], par["sequence_parallel"], train["micro_batch_size"]) == (2, False, 2)
     assert {o["config"]["parallel"]["pp"] for o in new["options"]} == {1, 2, 4}  # searched
-    searched = run("--config", str(model), "--train.global_batch_size", "32", "--top", "50")
+    searched = run("--config", str(model), "--train.global_batch_size", "32")
     assert {o["config"]["parallel"]["tp"] for o in searched["options"]} == {1, 2, 4}
 
 

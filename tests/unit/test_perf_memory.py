@@ -15,6 +15,7 @@ from ptdp.perf.memory import (
     layer_activation_bytes,
     parameters_per_rank,
     stage_in_flight,
+    stash_bytes_per_layer,
 )
 from ptdp.perf.paper import preset
 from ptdp.perf.validation import measure_cpu_memory
@@ -177,3 +178,58 @@ def test_uneven_stages_scale_parameters_and_activations() -> None:
     assert uneven[1].activations - even[1].activations == pytest.approx(
         even[1].in_flight * per_layer
     )
+
+
+@pytest.mark.parametrize("options", [{}, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_split_backward_stash_matches_what_b_keeps_for_w(options, recompute) -> None:
+    # ZB-H1 on one rank (F B W per microbatch): one microbatch awaits its W at a time. What
+    # a CPU B really keeps for W (`WeightGradStore` pairs and the other parameters'
+    # gradients) is the estimate's stash plus the X it already counts as activations: the
+    # output layer's input (head) and, without recomputation, every linear's input.
+    import torch
+
+    cfg = config(
+        model={
+            "num_layers": 2,
+            "hidden_size": 64,
+            "num_heads": 4,
+            "seq_length": 32,
+            "vocab_size": 128,
+            **options,
+        },
+        parallel={"recompute": recompute, "schedule": "zb-h1"},
+        train={"micro_batch_size": 4, "global_batch_size": 8, "precision": "fp32"},
+    )
+    model = GPT(cfg.model, recompute=cfg.parallel.recompute)
+    tokens = torch.randint(0, 128, (4, 32))
+    with model.wgrad.capture():
+        loss = model(tokens, tokens)
+    params = list(model.parameters())
+    with model.wgrad.deferring(0):
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+    kept = [t for _, x, dy in model.wgrad._pending[0] for t in (x, dy)]
+    kept += [g for g in grads if g is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+    measured = sum(storages.values())
+
+    est = estimate_memory(cfg, 1)[0]
+    one_f_one_b = estimate_memory(apply_updates(cfg, {"parallel": {"schedule": "1f1b"}}, "t"), 1)
+    assert est.stash > 0 and est.total == pytest.approx(one_f_one_b[0].total + est.stash)
+    n, h, f = 4 * 32, 64, cfg.model.ffn_size
+    counted = n * h  # the final norm's output, in the head's activations
+    if recompute == "none":
+        counted += cfg.model.num_layers * n * (3 * h + f)  # QKV, proj, fc1, fc2 inputs
+    assert measured == est.stash + 4 * counted
+
+
+def test_stash_bytes_by_hand() -> None:
+    # GPT, one layer, s b = 128 tokens, h = 64, f = 256, fp32: dY of QKV [n, 3h], proj
+    # [n, h], fc1 [n, f], fc2 [n, h]; biases 3h + f + 2h and two LayerNorms 4h.
+    model = config(model={"hidden_size": 64, "num_heads": 4, "seq_length": 32}).model
+    kw = dict(micro_batch=4, precision=Precision.FP32)
+    per_layer = 128 * (3 * 64 + 256 + 2 * 64) + (3 * 64 + 256 + 2 * 64 + 4 * 64)
+    assert stash_bytes_per_layer(model, **kw) == 4 * per_layer
+    # Full recompute also keeps the recomputed inputs: 2 [n, h], [n, h/t], [n, f/t].
+    full = stash_bytes_per_layer(model, recompute=Recompute.FULL, **kw)
+    assert full == 4 * (per_layer + 128 * (3 * 64 + 256))

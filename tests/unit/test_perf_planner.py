@@ -13,6 +13,7 @@ from ptdp.perf.hardware import load_system
 from ptdp.perf.paper import README_GPT3, TABLE_1, paper_run
 from ptdp.perf.planner import equation_1, layout_config, pinned, plan
 from ptdp.perf.validation import check_row, readme_gpt3
+from ptdp.pipeline.schedules import SCHEDULES
 
 A100 = load_system("a100-80gb")
 
@@ -162,3 +163,30 @@ def test_only_the_keys_given_are_pinned() -> None:
     assert pinned(cfg, {}) == {}  # a TOML's or preset's layout is searched over
     with pytest.raises(ConfigError, match="derives d = gpus / .* fix --parallel.tp"):
         pinned(resolve(None, ["--parallel.dp", "4"]), {"parallel": {"dp": "4"}})
+
+
+def test_zero_bubble_chosen_where_fastest_never_for_megatron_2021() -> None:
+    # p = 4 with m = 4 microbatches: the bubble dominates, and ZB's (p-1)/(3m) beats 1F1B's.
+    result = plan(tiny(), gpus=4, system=A100, tp=1, pp=4, micro_batch=4)
+    names = [o.config.parallel.schedule.value for o in result.options]
+    assert {"1f1b", "zb-h1", "zb-h2"} <= set(names)
+    best = result.best.config.parallel.schedule.value
+    assert best in ("zb-h1", "zb-h2") and result.recommended == 0
+    formula = SCHEDULES[best].formula  # (p-1)/(3m) or max(p-1,2p-1-m)/(3m)
+    assert any(
+        f"schedule {best} v=1" in line and f"formula {formula}" in line
+        for line in result.explanation
+    )
+    old = plan(tiny(), gpus=4, system=A100, software=MEGATRON_2021, tp=1, pp=4, micro_batch=4)
+    assert {o.config.parallel.schedule.value for o in old.options} == {"1f1b"}
+    assert any("formula (p-1)/m = 0.750" in line for line in old.explanation)
+
+
+def test_a_given_layer_split_is_kept_only_where_it_fits() -> None:
+    base = apply_updates(tiny(), {"parallel": {"pp": 2, "pipeline_layers": [1, 3]}}, "t")
+    result = plan(base, gpus=4, system=A100)
+    layouts = {(o.config.parallel.pp, o.config.parallel.vpp) for o in result.options}
+    assert (2, 1) in layouts and any(pp != 2 for pp, _ in layouts)
+    for o in result.options:
+        p = o.config.parallel
+        assert p.pipeline_layers == ((1, 3) if (p.pp, p.vpp) == (2, 1) else ())
