@@ -15,7 +15,7 @@ from ptdp.config import Recompute
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from tests.dist.harness import run_ranks
 from tests.helpers import LLAMA
-from tests.unit.test_wgrad import check_split_equals_fused
+from tests.split_backward import check_split_equals_fused
 
 pytestmark = pytest.mark.dist
 
