@@ -24,6 +24,7 @@ from ptdp.checkpoint.store import (
     STATE_FILE,
     checkpoint_root,
     find_checkpoint,
+    has_checkpoint,
     load_config,
     read_metadata,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "checkpoint_root",
     "describe_checkpoint",
     "find_checkpoint",
+    "has_checkpoint",
     "full_model_state",
     "load_checkpoint",
     "load_config",

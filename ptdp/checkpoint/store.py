@@ -69,6 +69,11 @@ def damaged_advice(step_dir: Path) -> str:
     )
 
 
+def has_checkpoint(run_dir: str | Path) -> bool:
+    """Whether the run directory has published a checkpoint (its `latest` pointer exists)."""
+    return (checkpoint_root(run_dir) / LATEST).is_file()
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """Resolve a run dir, a checkpoints dir or a step dir to a complete step directory:
     its metadata reads and every data file it lists is there at full length (checksums,

@@ -277,7 +277,7 @@ def import_hf(directory: str | Path, run_dir: str | Path, *, seq_length: int = 0
     directory, run_dir = Path(directory), Path(run_dir)
     if not (directory / "config.json").is_file():
         raise CheckpointError(f"{directory} has no config.json: not a Hugging Face model")
-    if (ckpt.checkpoint_root(run_dir) / ckpt.LATEST).exists():
+    if ckpt.has_checkpoint(run_dir):
         raise CheckpointError(f"{run_dir} already holds checkpoints; choose another directory")
     cfg = model_config_from_hf(json.loads((directory / "config.json").read_text()), seq_length)
     model = from_hf_state(cfg, read_hf_weights(directory))

@@ -176,7 +176,7 @@ def _on_fault(trainer: Trainer, fault: NumericalFault, result: TrainResult) -> N
     bad one (b): the step counter decides the batch, so the batches of steps k+1..b are
     skipped. Replaying them would only reproduce the fault: the run is deterministic."""
     trainer.finish_save()  # an earlier step's save is good: publish it
-    has_checkpoint = (ckpt.checkpoint_root(trainer.run_dir) / ckpt.LATEST).is_file()
+    has_checkpoint = ckpt.has_checkpoint(trainer.run_dir)
     good = ckpt.find_checkpoint(trainer.run_dir) if has_checkpoint else None
     policy = trainer.cfg.train.on_nan
     if policy is OnNan.STOP or good is None:

@@ -39,7 +39,7 @@ def dry_run(cfg: RunConfig, env: LaunchEnv) -> str:
 def _checkpoint_to_resume(cfg: RunConfig, resume: bool) -> Path | None:
     """The checkpoint a run continues from; refuses to overwrite or mix runs."""
     run_dir = Path(cfg.train.run_dir)
-    has_checkpoint = (ckpt.checkpoint_root(run_dir) / ckpt.LATEST).exists()
+    has_checkpoint = ckpt.has_checkpoint(run_dir)
     if has_checkpoint and not resume:
         raise CheckpointError(
             f"{run_dir} already holds checkpoints; pass --resume to continue that run "
