@@ -33,9 +33,9 @@ from torch import nn
 from ptdp.parallel.comm import Group
 from ptdp.pipeline.actions import Action, Kind, Plan
 from ptdp.pipeline.p2p import P2P
+from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import build_plan
 from ptdp.pipeline.runtime import PipelineRuntime
-from ptdp.pipeline.schedules import stages_of_rank
 from ptdp.pipeline.verify import UNIT_COST
 
 try:
@@ -157,7 +157,7 @@ class SleepStage(nn.Module):
 
 def make_chunks(rank: int, v: int, costs: Costs) -> dict[int, SleepStage]:
     """This rank's chunks by global stage (rank, rank + pp, ...), as ptdp places them."""
-    return {s: SleepStage(costs, s == 0) for s in stages_of_rank(rank, PP, v)}
+    return {s: SleepStage(costs, s == 0) for s in StageMap(PP, v).stages_of(rank)}
 
 
 def loss_of(out: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -273,7 +273,7 @@ class Ours:
 
     def step(self) -> None:
         runtime = PipelineRuntime(
-            self.chunks, self.forward_step, self.p2p, PP * self.v, PP, around_action=_tag
+            self.chunks, self.forward_step, self.p2p, StageMap(PP, self.v), around_action=_tag
         )
         runtime.run(self.actions)
 

@@ -50,6 +50,7 @@ class Schedule(str, enum.Enum):
     INTERLEAVED = "interleaved"
     ZB_H1 = "zb-h1"
     ZB_H2 = "zb-h2"
+    ZB_V = "zb-v"
 
 
 class Recompute(str, enum.Enum):
@@ -153,7 +154,7 @@ class ParallelConfig:
     model.num_layers (e.g. 3,4,4,3 on the command line or [3, 4, 4, 3] in TOML, to give the
     stages holding the embedding and the loss one layer fewer); empty = an even split."""
     schedule: Schedule = Schedule.ONE_F_ONE_B
-    """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 or zb-h2."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2 or zb-v (vpp = 2)."""
     sequence_parallel: bool = False
     """Split norm/dropout activations along the sequence over the tensor group."""
     recompute: Recompute = Recompute.NONE

@@ -12,8 +12,9 @@ from functools import cached_property
 
 from ptdp.config import OnNan, PositionEmbedding, RunConfig, Schedule
 from ptdp.errors import ConfigError
+from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import PipelinePlan, build_plan
-from ptdp.pipeline.schedules import check_args
+from ptdp.pipeline.schedules import SCHEDULES, check_args
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class Layout:
         """The schedule built and lowered once for (pp, vpp, microbatches); every reader of the
         schedule (runtime, verifier, simulator, memory model, log) takes it from here."""
         return build_plan(self.schedule, self.pp, self.num_microbatches, self.vpp)
+
+    @property
+    def stages(self) -> StageMap:
+        """Which pipeline rank holds each virtual stage, by the schedule's placement."""
+        return SCHEDULES[self.schedule].stage_map(self.pp, self.vpp)
 
     def describe(self) -> str:
         sp = " sp=on" if self.sequence_parallel else ""
@@ -127,16 +133,23 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
                 "from the world size"
             )
     _tensor_parallel_rules(cfg, errors)
-    if p.vpp > 1 and p.schedule is not Schedule.INTERLEAVED:
+    spec = SCHEDULES[p.schedule.value]
+    if p.vpp > 1 and spec.chunks == 1:
         errors.append(
-            f"parallel.vpp = {p.vpp} needs the interleaved schedule, got "
-            f"parallel.schedule = {p.schedule.value}; set --parallel.schedule interleaved "
-            "or --parallel.vpp 1"
+            f"parallel.vpp = {p.vpp} needs a schedule with model chunks (interleaved, or zb-v "
+            f"with vpp = 2), got parallel.schedule = {p.schedule.value}; set "
+            "--parallel.schedule interleaved or --parallel.vpp 1"
         )
     if p.schedule is Schedule.INTERLEAVED and p.vpp < 2:
         errors.append(
             "parallel.schedule = interleaved needs parallel.vpp >= 2 model chunks per rank; "
             "set --parallel.vpp 2 or use --parallel.schedule 1f1b"
+        )
+    if spec.chunks not in (None, 1) and p.vpp != spec.chunks:
+        errors.append(
+            f"parallel.schedule = {p.schedule.value} runs {spec.chunks} model chunks per rank "
+            f"(parallel.vpp = {spec.chunks}), got parallel.vpp = {p.vpp}; set --parallel.vpp "
+            f"{spec.chunks}"
         )
     _pipeline_layers_rules(cfg, errors)
     return dp

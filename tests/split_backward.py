@@ -14,6 +14,7 @@ from ptdp.model.gpt import GPT
 from ptdp.parallel.comm import Group
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.p2p import TAG_ACTIVATION, TAG_GRADIENT
+from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.runtime import PipelineRuntime
 from tests.helpers import LLAMA
 
@@ -108,7 +109,7 @@ def run_chunk(
 
     p2p = FakeP2P(hidden, out_grads)
     runtime = PipelineRuntime(
-        {stage: chunk}, forward_step, p2p, num_stages, num_stages, wgrad={stage: chunk.wgrad}
+        {stage: chunk}, forward_step, p2p, StageMap(num_stages), wgrad={stage: chunk.wgrad}
     )
     runtime.run(_actions(stage, num_stages, split))
     assert len(chunk.wgrad) == 0  # nothing kept after the step

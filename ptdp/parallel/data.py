@@ -43,6 +43,7 @@ from ptdp.parallel.comm import (
     all_reduce_tensors_,
     reduce_scatter_flat_async,
 )
+from ptdp.parallel.grads import sum_tied_
 from ptdp.parallel.roles import ParamRoles
 
 
@@ -129,6 +130,9 @@ class GradBuffers:
         self.early_launches = 0
         self.chunks: list[ChunkBuffer] = []
         self._bucket_of: dict[nn.Parameter, tuple[ChunkBuffer, Bucket]] = {}
+        names = {n for chunk in chunks for n, _ in chunk.named_parameters()}
+        self._both_ends = "embedding.weight" in names and any(map(roles.is_tied_copy, names))
+        """This rank holds the embedding and its tied copy (ZB-V's V): they sum here."""
         bucket_elems = max(1, int(bucket_mb * 2**20 / 4))
         align = dp.size if self.shard else 1
         for chunk in chunks:
@@ -172,7 +176,7 @@ class GradBuffers:
 
     def _is_tied(self, name: str) -> bool:
         """The embedding that the first and last pipeline stages both hold (pp > 1, tied)."""
-        return self.embedding.size > 1 and (
+        return (self.embedding.size > 1 or self._both_ends) and (
             name == "embedding.weight" or self.roles.is_tied_copy(name)
         )
 
@@ -241,7 +245,7 @@ class GradBuffers:
         tied = [
             p.main_grad for buf in self.chunks for b in buf.buckets if b.deferred for p in b.params
         ]
-        all_reduce_tensors_(tied, self.embedding, average=False)
+        sum_tied_(tied, self.embedding)
         for buf in self.chunks:
             for bucket in buf.buckets:
                 if not bucket.launched:

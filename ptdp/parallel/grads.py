@@ -41,15 +41,24 @@ def reduce_tied_grads(chunks: Iterable[nn.Module], roles: ParamRoles, embedding:
 
     Both copies then hold the same gradient, so they stay equal after the optimizer step.
     """
-    if embedding.size == 1:
-        return
     grads = [
         p.grad
         for chunk in chunks
         for name, p in chunk.named_parameters()
         if p.grad is not None and (name.endswith("embedding.weight") or roles.is_tied_copy(name))
     ]
-    all_reduce_tensors_(grads, embedding, average=False)
+    sum_tied_(grads, embedding)
+
+
+def sum_tied_(grads: list[torch.Tensor], embedding: Group) -> None:
+    """Sum, in place, the gradients of the tied embedding's copies that this rank holds:
+    here when it holds both (the first and the last stage on one rank, as in ZB-V's V),
+    then over `embedding`, the group of the ranks holding the two ends."""
+    if len(grads) == 2:
+        grads[0].add_(grads[1])
+        grads[1].copy_(grads[0])
+    if embedding.size > 1:
+        all_reduce_tensors_(grads, embedding, average=False)
 
 
 def counted_in_norm(name: str, p: torch.Tensor, roles: ParamRoles, tp: Group) -> bool:

@@ -48,8 +48,9 @@ from ptdp.config import (
 )
 from ptdp.layout import Layout, validate
 from ptdp.perf.activations import activation_bytes_per_layer
-from ptdp.pipeline.actions import RELEASE_KINDS, Kind, Plan
+from ptdp.pipeline.actions import RELEASE_KINDS, Kind
 from ptdp.pipeline.partition import layer_ranges
+from ptdp.pipeline.placement import Placement, StageMap
 from ptdp.pipeline.plan import PipelinePlan
 from ptdp.pipeline.schedules import SCHEDULES
 
@@ -116,12 +117,18 @@ def parameters_per_stage(
 
 
 def parameters_per_rank(
-    model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int = 1, layers: tuple[int, ...] = ()
+    model: ModelConfig,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
+    layers: tuple[int, ...] = (),
+    placement: Placement = Placement.LOOPED,
 ) -> list[int]:
-    """Local parameters on one tensor rank of each pipeline rank (rank r: stages r, r + pp, ...)."""
+    """Local parameters on one tensor rank of each pipeline rank (its stages by `placement`)."""
+    stages = StageMap(pp, vpp, placement)
     counts = [0] * pp
     for stage, count in enumerate(parameters_per_stage(model, tp, pp, vpp, layers)):
-        counts[stage % pp] += count
+        counts[stages.rank(stage)] += count
     return counts
 
 
@@ -244,10 +251,10 @@ def stage_stash_bytes(cfg: RunConfig, tp: int, pp: int, vpp: int, stage: int) ->
     return out
 
 
-def stage_awaiting_w(plan: Plan, stage: int) -> int:
+def stage_awaiting_w(plan: PipelinePlan, stage: int) -> int:
     """Most microbatches of one stage whose B ran and whose W has not."""
     held = peak = 0
-    for a in plan[stage % len(plan)]:
+    for a in plan.compute[plan.stages.rank(stage)]:
         if a.stage == stage:
             held += 1 if a.kind is Kind.B else -1 if a.kind is Kind.W else 0
             peak = max(peak, held)
@@ -264,14 +271,14 @@ def in_flight(plan: PipelinePlan) -> tuple[int, ...]:
     """
     bound = plan.in_flight_bound
     if bound is not None:
-        return tuple(min(held, plan.num_microbatches) for held in bound)
+        return tuple(min(held, plan.num_microbatches * plan.vpp) for held in bound)
     return plan.report.peak_in_flight
 
 
-def stage_in_flight(plan: Plan, stage: int) -> int:
+def stage_in_flight(plan: PipelinePlan, stage: int) -> int:
     """Most microbatches of one stage whose forward ran and whose BW, or W when split, has not."""
     held = peak = 0
-    for a in plan[stage % len(plan)]:
+    for a in plan.compute[plan.stages.rank(stage)]:
         if a.stage == stage:
             held += 1 if a.kind is Kind.F else -1 if a.kind in RELEASE_KINDS else 0
             peak = max(peak, held)
@@ -317,7 +324,8 @@ def estimate_memory(
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp
     b = cfg.train.micro_batch_size
     held = in_flight(layout.pipeline)
-    last_held = stage_in_flight(layout.pipeline.compute, pp * vpp - 1)
+    stages = layout.stages
+    last_held = stage_in_flight(layout.pipeline, stages.last)
     state = bytes_per_parameter(prec, distributed=cfg.optim.distributed, dp=layout.dp)
     kw = dict(micro_batch=b, tp=tp, sequence_parallel=par.sequence_parallel, precision=prec)
     layer = layer_activation_bytes(
@@ -332,15 +340,17 @@ def estimate_memory(
     )
     # Layers of the rank's largest chunk (exact for vpp = 1 or an even split, else a bound).
     split = layout.stage_layers or (model.num_layers // (pp * vpp),) * (pp * vpp)
-    per_chunk = [max(split[rank::pp]) for rank in range(pp)]
+    per_chunk = [max(split[s] for s in stages.stages_of(rank)) for rank in range(pp)]
     stash = [0.0] * pp
     if SCHEDULES[layout.schedule].splits_backward:
         for stage in range(pp * vpp):
-            waiting = stage_awaiting_w(layout.pipeline.compute, stage)
-            stash[stage % pp] += waiting * stage_stash_bytes(cfg, tp, pp, vpp, stage)
+            waiting = stage_awaiting_w(layout.pipeline, stage)
+            stash[stages.rank(stage)] += waiting * stage_stash_bytes(cfg, tp, pp, vpp, stage)
     out = []
-    for rank, count in enumerate(parameters_per_rank(model, tp, pp, vpp, split)):
-        acts = held[rank] * per_chunk[rank] * layer + (last_held * head if rank == pp - 1 else 0.0)
+    per_rank = parameters_per_rank(model, tp, pp, vpp, split, stages.placement)
+    for rank, count in enumerate(per_rank):
+        with_head = rank == stages.rank(stages.last)
+        acts = held[rank] * per_chunk[rank] * layer + (last_held * head if with_head else 0.0)
         out.append(
             MemoryEstimate(
                 rank,

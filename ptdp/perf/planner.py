@@ -177,7 +177,7 @@ def plan(
     micro_batch: int | None = None,
     recompute: Recompute | None = None,
     sequence_parallel: bool | None = None,
-    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1", "zb-h2"),
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"),
     max_micro_batch: int = 16,
     tolerance: float = 0.06,
     progress: Progress | None = None,
@@ -304,13 +304,14 @@ def _schedules(
     schedules: tuple[str, ...],
     rejected: list[Rejected],
 ) -> list[RunConfig]:
-    """`cfg` under each of `schedules` that fits: the interleaved ones (`SCHEDULES`) at every
-    feasible v > 1, the others at v = 1; with p = 1 only 1F1B (no pipeline, no bubble)."""
+    """`cfg` under each of `schedules` that fits: each at every feasible v it takes
+    (`ScheduleSpec.takes_chunks`: interleaved any v > 1, ZB-V v = 2, the others v = 1); with
+    p = 1 only 1F1B (no pipeline, no bubble)."""
     p, layers = cfg.parallel.pp, cfg.model.num_layers
     out = []
     chunks = [vpp] if vpp else [v for v in divisors(layers // p)]
     for v in chunks:
-        names = [s for s in schedules if SCHEDULES[s].interleaved == (v > 1)]
+        names = [s for s in schedules if SCHEDULES[s].takes_chunks(v)]
         for name in names:
             if p == 1 and name != "1f1b":
                 continue

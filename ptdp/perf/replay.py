@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ptdp.perf.timeline import Event
 from ptdp.pipeline.actions import Action, Kind, Plan
+from ptdp.pipeline.placement import StageMap
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def _message(a: Action) -> _Key:
 
 
 def replay(
-    plan: Plan, pp: int, vpp: int, costs: PipelineCosts, *, blocking: bool = False
+    plan: Plan, stages: StageMap, costs: PipelineCosts, *, blocking: bool = False
 ) -> PipelineRun:
     """Run every rank's actions in simulated time (see the module docstring).
 
@@ -90,7 +91,7 @@ def replay(
     synchronised after each batch of point-to-point operations), instead of ptdp's
     asynchronous sends and receives waited on when their tensor is needed.
     """
-    last = pp * vpp - 1
+    pp, last = stages.pp, stages.last
     recv_actions = {_message(a) for acts in plan.values() for a in acts if a.kind.is_comm}
     done: dict[tuple[Kind, int, int], float] = {}  # (F or B, stage, mb) -> finish
     sends: dict[_Key, float] = {}  # posted, not blocking: key -> time
@@ -105,7 +106,7 @@ def replay(
         """Time the message `key` once it may start; return its arrival."""
         direction, stage, mb = key
         sender = stage - 1 if direction == "F" else stage + 1
-        src, dst = sender % pp, stage % pp
+        src, dst = stages.rank(sender), stages.rank(stage)
         seconds = (costs.send_forward if direction == "F" else costs.send_backward)[sender]
         start = max(channel_free.get((src, dst, direction), 0.0), *not_before)
         arrival[key] = channel_free[(src, dst, direction)] = start + seconds

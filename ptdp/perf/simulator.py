@@ -107,7 +107,8 @@ def transfer_seconds(cfg: RunConfig, layout: Layout, system: System, sender: int
     t, span = layout.tp, layout.tp * layout.dp  # GPUs between neighbouring stages
     b, m = cfg.train.micro_batch_size, cfg.model
     nbytes = b * m.seq_length * m.hidden_size * (4 if cfg.train.precision is Precision.FP32 else 2)
-    a, z = (sender % layout.pp) * span, ((sender + 1) % layout.pp) * span
+    stages = layout.stages
+    a, z = stages.rank(sender) * span, stages.rank(sender + 1) * span
     link = system.intra if system.node_of(a) == system.node_of(z) else system.inter
     if cfg.parallel.sequence_parallel:
         return link.transfer_seconds(nbytes / t)
@@ -198,7 +199,14 @@ def optimizer_seconds(cfg: RunConfig, layout: Layout, c: Compute) -> float:
     the 16-bit copy); the distributed optimizer then all-gathers the updated weights.
     """
     per_rank = max(
-        parameters_per_rank(cfg.model, layout.tp, layout.pp, layout.vpp, layout.stage_layers)
+        parameters_per_rank(
+            cfg.model,
+            layout.tp,
+            layout.pp,
+            layout.vpp,
+            layout.stage_layers,
+            layout.stages.placement,
+        )
     )
     fp32 = cfg.train.precision is Precision.FP32
     shard = layout.dp if cfg.optim.distributed else 1
@@ -239,9 +247,9 @@ def simulate(
     require_vocab(cfg)
     layout = layout or validate(cfg, world_size)
     c = Compute(system, cfg.train.precision, software)
-    pp, vpp = layout.pp, layout.vpp
+    pp = layout.pp
     costs = pipeline_costs(cfg, layout, c)
-    run = replay(layout.pipeline.lowered, pp, vpp, costs, blocking=software.blocking_p2p)
+    run = replay(layout.pipeline.lowered, layout.stages, costs, blocking=software.blocking_p2p)
     ends, dp_totals, dp_events = _reduce_gradients(cfg, layout, c, run)
     step = optimizer_seconds(cfg, layout, c)
     iteration = max(ends) + step

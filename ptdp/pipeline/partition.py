@@ -1,18 +1,11 @@
 """Which layers each pipeline stage holds (pure).
 
-Stages are virtual: with pp ranks and vpp chunks per rank there are pp*vpp stages, and
-rank r holds stages r, r + pp, r + 2pp, ... (Megatron's interleaving, so consecutive
-layers hop across ranks). The embedding lives on stage 0, the final norm, output layer
-and loss on the last stage.
+Stages are virtual: with pp ranks and vpp chunks per rank there are pp*vpp stages in model
+order; which rank holds which is the schedule's `ptdp.pipeline.placement.StageMap`. The
+embedding lives on stage 0, the final norm, output layer and loss on the last stage.
 """
 
 from __future__ import annotations
-
-# Which rank holds a stage is part of the schedule's vocabulary; re-exported here so that
-# model-splitting code has one place to look.
-from ptdp.pipeline.schedules import stage_to_rank, stages_of_rank
-
-__all__ = ["layer_ranges", "stage_to_rank", "stages_of_rank"]
 
 
 def layer_ranges(

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ptdp.pipeline.actions import Action, Plan
+from ptdp.pipeline.placement import Placement, StageMap
 from ptdp.pipeline.schedules import (
+    SCHEDULES,
     add_comms,
     build,
     forward_only,
@@ -34,10 +36,17 @@ class PipelinePlan:
     pp: int
     vpp: int
     num_microbatches: int
+    placement: Placement
+    """Which rank holds each stage (`SCHEDULES[schedule].placement`)."""
     compute: Plan = field(repr=False, compare=False)
     """Compute actions only (F, B, W, BW) per rank."""
     lowered: Plan = field(repr=False, compare=False)
     """`compute` with the sends and receives between stages: what the runtime executes."""
+
+    @property
+    def stages(self) -> StageMap:
+        """Stage <-> rank: the one mapping every reader of this plan uses."""
+        return StageMap(self.pp, self.vpp, self.placement)
 
     def actions(self, rank: int) -> list[Action]:
         """Pipeline rank `rank`'s action list, transfers included."""
@@ -52,7 +61,7 @@ class PipelinePlan:
     def report(self) -> ScheduleReport:
         """The verifier's unit-cost dry run (raises `ScheduleError` if the plan cannot run)."""
         m, bound = self.num_microbatches, self.in_flight_bound
-        return verify(self.lowered, self.pp, self.vpp, m, max_in_flight=bound)
+        return verify(self.lowered, self.stages, m, max_in_flight=bound)
 
     def summary(self) -> str:
         """One log line: the schedule and its bubble under unit costs."""
@@ -79,12 +88,14 @@ class PipelinePlan:
 def build_plan(schedule: str, pp: int, num_microbatches: int, vpp: int = 1) -> PipelinePlan:
     """Build schedule `schedule` and lower it; raises ValueError naming the fix on bad sizes."""
     compute = build(schedule, pp, num_microbatches, vpp)
-    return PipelinePlan(schedule, pp, vpp, num_microbatches, compute, add_comms(compute, pp, vpp))
+    stages = SCHEDULES[schedule].stage_map(pp, vpp)
+    lowered = add_comms(compute, stages)
+    return PipelinePlan(schedule, pp, vpp, num_microbatches, stages.placement, compute, lowered)
 
 
-def build_forward_only(pp: int, num_microbatches: int, vpp: int = 1) -> PipelinePlan:
+def build_forward_only(stages: StageMap, num_microbatches: int) -> PipelinePlan:
     """Forwards only, lowered (evaluation); not for `verify`, which needs backwards."""
-    compute = forward_only(pp, num_microbatches, vpp)
-    return PipelinePlan(
-        "forward-only", pp, vpp, num_microbatches, compute, add_comms(compute, pp, vpp)
-    )
+    compute = forward_only(stages, num_microbatches)
+    pp, vpp, m = stages.pp, stages.vpp, num_microbatches
+    lowered = add_comms(compute, stages)
+    return PipelinePlan("forward-only", pp, vpp, m, stages.placement, compute, lowered)

@@ -30,6 +30,7 @@ from torch import nn
 from ptdp.parallel.wgrad import WeightGradStore, accumulate_grads
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.p2p import P2P, TAG_ACTIVATION, TAG_GRADIENT
+from ptdp.pipeline.placement import StageMap
 
 # forward_step(stage, mb, input) -> output; input is None on stage 0, the output of the
 # last stage is the microbatch's loss already divided by the number of microbatches.
@@ -42,8 +43,9 @@ class PipelineRuntime:
     """This rank's model chunks, by global stage."""
     forward_step: ForwardStep
     p2p: P2P
-    num_stages: int
-    pp: int
+    stages: StageMap
+    """Which pipeline rank holds each stage: peers of the transfers, and the stage pairs on
+    this rank whose boundary tensors stay in memory (ZB-V's turn)."""
     on_final_backward: Callable[[int], None] | None = None
     """Called with a stage before that stage's last weight-gradient action of the step, so
     that its data-parallel reduction can overlap with the rest of backward."""
@@ -115,7 +117,7 @@ class PipelineRuntime:
     # ------------------------------------------------------------------ communication
 
     def _peer(self, stage: int) -> int:
-        return stage % self.pp
+        return self.stages.rank(stage)
 
     def _post(self, actions: list[Action]) -> None:
         sends, recvs, keys = [], [], []
@@ -175,20 +177,25 @@ class PipelineRuntime:
 
     def _forward(self, a: Action) -> None:
         x = None
-        if a.stage > 0:
+        if a.stage > 0 and self.stages.same_rank(a.stage - 1, a.stage):  # a new graph per stage
+            x = self._outputs[(a.stage - 1, a.mb)].detach().requires_grad_()
+            self._inputs[(a.stage, a.mb)] = x
+        elif a.stage > 0:
             x = self._received(Kind.F, a.stage, a.mb).requires_grad_()
             self._inputs[(a.stage, a.mb)] = x
         store = self.wgrad.get(a.stage)
         split = store is not None and (a.stage, a.mb) in self._split
         with store.capture() if split else nullcontext():
             out = self.forward_step(a.stage, a.mb, x)
-        if a.stage == self.num_stages - 1:
+        if a.stage == self.stages.last:
             self.losses.append(out.detach())
         self._outputs[(a.stage, a.mb)] = out
 
     def _grad_of_output(self, a: Action, out: torch.Tensor) -> torch.Tensor | None:
-        if a.stage == self.num_stages - 1:  # the loss: d (loss * scale) / d loss = scale
+        if a.stage == self.stages.last:  # the loss: d (loss * scale) / d loss = scale
             return None if self.loss_scale == 1 else torch.full_like(out, self.loss_scale)
+        if self.stages.same_rank(a.stage + 1, a.stage):
+            return self._grads_out.pop((a.stage + 1, a.mb))
         return self._received(Kind.B, a.stage, a.mb)
 
     def _backward_full(self, a: Action) -> None:

@@ -6,12 +6,13 @@ bubble formula, in-flight bound); the runtime never grows a branch for it (DESIG
 the runtime executes and `verify` checks.
 
 Letters: pp = pipeline ranks, vpp = model chunks per rank, m = microbatches per pipeline per
-step, r = pipeline rank (0 first). Rank r holds the global virtual stages r, r + pp, r + 2 pp, ...
-(Megatron's interleaving), so stage s runs on rank s % pp.
+step, r = pipeline rank (0 first). Which rank holds a stage is the schedule's placement
+(`ptdp.pipeline.placement`): looped (rank r holds r, r + pp, r + 2 pp, ..., Megatron's
+interleaving) for all but ZB-V, whose two chunks per rank sit in a V (stages r and 2 pp - 1 - r).
 
 Sources: GPipe (Huang et al., arXiv 1811.06965); 1F1B = PipeDream-Flush and interleaved 1F1B
 (Narayanan et al., arXiv 2104.04473, section 2.2); ZB-H1 and ZB-H2 (Qi et al., arXiv 2401.10241,
-section 3).
+sections 3 and 6).
 
 In flight: a microbatch holds its activations on a stage from its F until its BW, or until its W
 when the backward is split (B leaves the graph, or the weight-gradient inputs, for W), which is
@@ -25,19 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ptdp.pipeline.actions import Action, Kind, Plan
+from ptdp.pipeline.placement import Placement, StageMap
 
 Builder = Callable[[int, int, int], Plan]
 """Registry signature: (pp, m, vpp) -> compute-only plan."""
-
-
-def stage_to_rank(stage: int, pp: int) -> int:
-    """Pipeline rank that runs global virtual `stage`."""
-    return stage % pp
-
-
-def stages_of_rank(rank: int, pp: int, vpp: int) -> list[int]:
-    """Global virtual stages on `rank`, in chunk order: rank, rank + pp, rank + 2 pp, ..."""
-    return [chunk * pp + rank for chunk in range(vpp)]
 
 
 def gpipe(pp: int, m: int) -> Plan:
@@ -200,6 +192,87 @@ def zb_h2(pp: int, m: int) -> Plan:
     return plan
 
 
+_ZB_V_POLICIES = (("B0", "F1", "F0", "B1", "W", 1), ("F1", "F0", "B0", "B1", "W", 0))
+"""(preference order, admission slack) of the list schedules `zb_v` tries; between them they
+reach the (pp - 1) / (6m) bubble for every m >= 2 pp, pp <= 8 (searched over all 240 orders
+and slacks; no single order does)."""
+
+
+def zb_v(pp: int, m: int) -> Plan:
+    """ZB-V (Qi et al., arXiv 2401.10241, section 6): two chunks per rank placed in a V.
+
+    Rank r holds stages r (chunk 0) and 2 pp - 1 - r (chunk 1), so a microbatch goes down the
+    ranks and back up, its loss on rank 0, and the first and last stage share a rank. Built
+    by list scheduling at unit costs (F = B = W = 1 per chunk): at each time unit every rank
+    runs the first pass it can, in one of `_ZB_V_POLICIES`' orders, where a chunk-0 F (a new
+    microbatch on this rank) is admitted only while fewer than 2 pp - slack chunk activations
+    are held and a chunk-1 F while fewer than 2 pp; the builder keeps the policy with the
+    shortest makespan. 2 pp chunk activations are pp whole stages: 1F1B's peak on rank 0,
+    now on every rank.
+
+    Each rank has 6m passes; the last rank cannot start before pp - 1 forwards reach it, so
+    the makespan is at least 6m + pp - 1 and the bubble at least (pp - 1) / (6m), half ZB-H1's
+    (pp - 1) / (3m) at the same memory as 1F1B; the verifier's dry run meets that bound for
+    m >= 2 pp (checked for pp <= 8, m <= 6 pp). With fewer microbatches the chain of one
+    microbatch through all 2 pp stages and back dominates.
+    """
+    plans = [_zb_v_list_schedule(pp, m, order, slack) for *order, slack in _ZB_V_POLICIES]
+    return min(plans, key=lambda timed: timed[1])[0]
+
+
+def _zb_v_list_schedule(pp: int, m: int, order: list[str], slack: int) -> tuple[Plan, int]:
+    """One list schedule of `zb_v` at unit costs; returns it and its makespan."""
+    stages, limit = StageMap(pp, 2, Placement.V), 2 * pp
+    f_done: dict[tuple[int, int], int] = {}  # (stage, mb) -> end of its F
+    b_done: dict[tuple[int, int], int] = {}
+    runs = {kind: [0] * (2 * pp) for kind in (Kind.F, Kind.B)}  # passes run per stage
+    pending: list[deque[Action]] = [deque() for _ in range(pp)]  # B run, W not
+    held = [0] * pp
+    plan: Plan = {r: [] for r in range(pp)}
+    never = 1 << 30
+
+    def next_pass(r: int, t: int) -> Action | None:
+        for name in order:
+            if name == "W":
+                if pending[r]:
+                    return pending[r][0]
+                continue
+            chunk = int(name[1])
+            s = stages.stages_of(r)[chunk]
+            if name[0] == "B":
+                b = runs[Kind.B][s]
+                after_next = s == stages.last or b_done.get((s + 1, b), never) <= t
+                if b < runs[Kind.F][s] and f_done[(s, b)] <= t and after_next:
+                    return Action(Kind.B, s, b)
+            else:
+                f = runs[Kind.F][s]
+                room = held[r] + (slack if chunk == 0 else 0) < limit
+                if f < m and room and (s == 0 or f_done.get((s - 1, f), never) <= t):
+                    return Action(Kind.F, s, f)
+        return None
+
+    t = 0
+    while any(pending) or any(n < m for n in runs[Kind.B]):
+        chosen = [(r, next_pass(r, t)) for r in range(pp)]  # all decide on the state at t
+        for r, a in chosen:
+            if a is None:
+                continue
+            plan[r].append(a)
+            if a.kind is Kind.W:
+                pending[r].popleft()
+                held[r] -= 1
+                continue
+            runs[a.kind][a.stage] += 1
+            (f_done if a.kind is Kind.F else b_done)[(a.stage, a.mb)] = t + 1
+            if a.kind is Kind.F:
+                held[r] += 1
+            else:
+                pending[r].append(Action(Kind.W, a.stage, a.mb))
+        t += 1
+        assert t <= 6 * m + 4 * pp * pp, "zb_v list scheduling stalled"
+    return plan, t
+
+
 def _one_chunk(builder: Callable[[int, int], Plan]) -> Builder:
     """Adapt a builder without model chunks to the registry's (pp, m, vpp) signature."""
 
@@ -225,6 +298,10 @@ def _twice_pp_minus_one_each(pp: int, m: int) -> list[int]:
     return [2 * pp - 1] * pp
 
 
+def _twice_pp_each(pp: int, m: int) -> list[int]:
+    return [2 * pp] * pp
+
+
 def _zero_bubble(pp: int, m: int, vpp: int) -> float:
     """ZB-H1's and ZB-H2's unit-cost bubble: makespan 3m + max(pp - 1, 2 pp - 1 - m)."""
     return max(pp - 1, 2 * pp - 1 - m) / (3 * m)
@@ -245,12 +322,27 @@ class ScheduleSpec:
     in_flight_bound: Callable[[int, int], list[int]] | None
     """(pp, m) -> most activations each rank may stash (F until BW, or W when split); None
     where `verify` only reports it."""
-    interleaved: bool = False
-    """Takes vpp >= 2 model chunks per rank and m a multiple of pp; otherwise vpp = 1."""
+    chunks: int | None = 1
+    """Model chunks per rank (vpp) it runs: 1, 2 for ZB-V, or None for any vpp >= 2 with m a
+    multiple of pp (interleaved)."""
+    placement: Placement = Placement.LOOPED
+    """How its chunks sit on the ranks (`ptdp.pipeline.placement`)."""
     splits_backward: bool = False
     """Runs B (input gradient) and W (weight gradient) apart instead of one fused BW."""
     doc: str = ""
     """One line for `ptdp schedule --help`."""
+
+    @property
+    def interleaved(self) -> bool:
+        """Takes any vpp >= 2 chunks per rank, Megatron's interleaving."""
+        return self.chunks is None
+
+    def takes_chunks(self, vpp: int) -> bool:
+        """Whether it runs with `vpp` model chunks per rank."""
+        return vpp >= 2 if self.chunks is None else vpp == self.chunks
+
+    def stage_map(self, pp: int, vpp: int) -> StageMap:
+        return StageMap(pp, vpp, self.placement)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -273,7 +365,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         bubble=lambda pp, m, vpp: (pp - 1) / (vpp * m),
         formula="(p-1)/(v m)",
         in_flight_bound=None,  # no simple closed form (Korthikanti et al. give the first stage's)
-        interleaved=True,
+        chunks=None,
         doc="1F1B over vpp model chunks per rank: the bubble shrinks vpp times",
     ),
     "zb-h1": ScheduleSpec(
@@ -291,6 +383,16 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         in_flight_bound=_twice_pp_minus_one_each,
         splits_backward=True,
         doc="ZB-H1 with 2p-1 in flight: no gap on any rank from first to last pass",
+    ),
+    "zb-v": ScheduleSpec(
+        build=lambda pp, m, vpp: zb_v(pp, m),
+        bubble=lambda pp, m, vpp: (pp - 1) / (6 * m),
+        formula="(p-1)/(6m) for m >= 2p",
+        in_flight_bound=_twice_pp_each,
+        chunks=2,
+        placement=Placement.V,
+        splits_backward=True,
+        doc="two chunks per rank in a V (stages r, 2p-1-r): half ZB-H1's bubble at 1F1B's memory",
     ),
 }
 """Schedules by the config's names (`ptdp.config.Schedule` values)."""
@@ -319,12 +421,14 @@ def check_args(name: str, pp: int, m: int, vpp: int = 1) -> None:
         raise ValueError(f"pp = {pp} pipeline ranks must be >= 1")
     if m < 1:
         raise ValueError(f"m = {m} microbatches must be >= 1")
-    if SCHEDULES[name].interleaved:
+    spec = SCHEDULES[name]
+    if spec.interleaved:
         _check_interleaved(pp, m, vpp)
-    elif vpp != 1:
+    elif vpp != spec.chunks:
+        what = "one model chunk" if spec.chunks == 1 else f"{spec.chunks} model chunks"
         raise ValueError(
-            f"schedule {name!r} runs one model chunk per rank but vpp = {vpp}; "
-            "set vpp = 1 or use the interleaved schedule"
+            f"schedule {name!r} runs {what} per rank but vpp = {vpp}; set vpp = {spec.chunks}"
+            + (" or use the interleaved schedule" if spec.chunks == 1 else "")
         )
 
 
@@ -337,10 +441,11 @@ def build(name: str, pp: int, m: int, vpp: int = 1) -> Plan:
 def in_flight_bound(name: str, pp: int, m: int, vpp: int = 1) -> list[int] | None:
     """Most activations each rank may stash under schedule `name`; None where only reported.
 
-    Counted from F until BW, or until W when split. GPipe stashes all m, 1F1B at most
-    pp - rank (the paper's p * M_B on rank 0), ZB-H1 pp and ZB-H2 2 pp - 1 on every rank
-    (the W's they defer hold their microbatches). Interleaved has no simple closed form
-    (Korthikanti et al. give the first stage's), so `verify` only reports it.
+    Counted in (microbatch, chunk) pairs from F until BW, or until W when split. GPipe stashes
+    all m, 1F1B at most pp - rank (the paper's p * M_B on rank 0), ZB-H1 pp and ZB-H2 2 pp - 1
+    on every rank (the W's they defer hold their microbatches), ZB-V 2 pp half-size chunks.
+    Interleaved has no simple closed form (Korthikanti et al. give the first stage's), so
+    `verify` only reports it.
     """
     check_args(name, pp, m, vpp)
     bound = SCHEDULES[name].in_flight_bound
@@ -353,25 +458,26 @@ def theory_bubble(name: str, pp: int, m: int, vpp: int = 1) -> float:
     return SCHEDULES[name].bubble(pp, m, vpp)
 
 
-def add_comms(plan: Plan, pp: int, vpp: int) -> Plan:
+def add_comms(plan: Plan, stages: StageMap) -> Plan:
     """Lower a compute-only plan: add the sends and receives between neighbouring stages.
 
     RECV_F goes right before each F of a stage > 0 and SEND_F right after each F of a stage
     below the last; RECV_B/SEND_B do the same around each B or BW. Transfers whose two stages
-    share a rank (only when pp == 1) stay in memory and get no action. Receives are placed as
-    late as possible and sends as early as possible, so a rank blocks only when it must.
+    share a rank (pp == 1, or ZB-V's turn from stage pp - 1 to pp) stay in memory and get no
+    action. Receives are placed as late as possible and sends as early as possible, so a rank
+    blocks only when it must.
     """
-    last = pp * vpp - 1
+    last = stages.last
     lowered: Plan = {}
     for rank, actions in plan.items():
         out: list[Action] = []
         for a in actions:
             if a.kind is Kind.F:
-                before = _comm(Kind.RECV_F, a, a.stage - 1, pp, a.stage > 0)
-                after = _comm(Kind.SEND_F, a, a.stage + 1, pp, a.stage < last)
+                before = _comm(Kind.RECV_F, a, a.stage - 1, stages, a.stage > 0)
+                after = _comm(Kind.SEND_F, a, a.stage + 1, stages, a.stage < last)
             elif a.kind in (Kind.B, Kind.BW):
-                before = _comm(Kind.RECV_B, a, a.stage + 1, pp, a.stage < last)
-                after = _comm(Kind.SEND_B, a, a.stage - 1, pp, a.stage > 0)
+                before = _comm(Kind.RECV_B, a, a.stage + 1, stages, a.stage < last)
+                after = _comm(Kind.SEND_B, a, a.stage - 1, stages, a.stage > 0)
             else:
                 before = after = []
             out += [*before, a, *after]
@@ -379,20 +485,20 @@ def add_comms(plan: Plan, pp: int, vpp: int) -> Plan:
     return lowered
 
 
-def _comm(kind: Kind, a: Action, peer_stage: int, pp: int, exists: bool) -> list[Action]:
+def _comm(kind: Kind, a: Action, peer: int, stages: StageMap, exists: bool) -> list[Action]:
     """The transfer of `kind` for compute action `a`, if the peer stage exists on another rank."""
-    if not exists or stage_to_rank(peer_stage, pp) == stage_to_rank(a.stage, pp):
+    if not exists or stages.same_rank(peer, a.stage):
         return []
     return [Action(kind, a.stage, a.mb)]
 
 
-def forward_only(pp: int, m: int, vpp: int = 1) -> Plan:
+def forward_only(stages: StageMap, m: int) -> Plan:
     """Forwards only (evaluation): each rank runs microbatch by microbatch, its stages in order.
 
     Every wait points to a lower stage of the same microbatch or to an earlier microbatch,
     so with non-blocking sends it cannot deadlock. Not for `verify` (it has no backward).
     """
     return {
-        r: [Action(Kind.F, s, mb) for mb in range(m) for s in stages_of_rank(r, pp, vpp)]
-        for r in range(pp)
+        r: [Action(Kind.F, s, mb) for mb in range(m) for s in sorted(stages.stages_of(r))]
+        for r in range(stages.pp)
     }

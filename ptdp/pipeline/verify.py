@@ -4,7 +4,7 @@
 and shows a step x rank table (one column per rank, one row per position in the rank's list,
 failing cells marked `<<`, after PyTorch's `_format_pipeline_order`). Rules, in check order:
 
-1. every action runs on its stage's rank (stage % pp), with stage < pp * vpp and mb < m;
+1. every action runs on its stage's rank (the `StageMap`), with stage < pp * vpp and mb < m;
 2. every (stage, mb) runs one F and either one BW or one B and one W;
 3. every action comes after what it needs on its own rank (F(s) after F(s - 1), B/BW(s) after
    F(s) and B/BW(s + 1), W after its B, a SEND after the pass whose result it carries) and, in a
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from ptdp.pipeline.actions import BACKWARD_KINDS, RELEASE_KINDS, Action, Kind, Plan
-from ptdp.pipeline.schedules import stage_to_rank
+from ptdp.pipeline.placement import StageMap
 
 Cell = tuple[int, int]
 """(rank, step): position of an action in a plan."""
@@ -77,30 +77,29 @@ class ScheduleReport:
 
 
 def verify(
-    plan: Plan, pp: int, vpp: int, m: int, *, max_in_flight: Sequence[int] | None = None
+    plan: Plan, stages: StageMap, m: int, *, max_in_flight: Sequence[int] | None = None
 ) -> ScheduleReport:
     """Check `plan` (with or without comms) against the rules above and dry-run it.
 
     Args:
         plan: rank -> actions, for ranks 0..pp-1.
-        pp, vpp, m: pipeline ranks, model chunks per rank, microbatches.
+        stages: which rank holds each of the pp * vpp stages.
+        m: microbatches.
         max_in_flight: per-rank bound on stashed activations; None only reports the peaks.
     """
+    pp = stages.pp
     if sorted(plan) != list(range(pp)):
         _fail(plan, f"plan has ranks {sorted(plan)}, but pp = {pp} needs ranks 0..{pp - 1}")
-    where = _check_placement(plan, pp, vpp, m)
-    _check_complete(plan, where, pp * vpp, m)
+    where = _check_placement(plan, stages, m)
+    _check_complete(plan, where, stages.stages, m)
     lowered = any(a.kind.is_comm for actions in plan.values() for a in actions)
-    needs = {
-        rank: [_needs(a, pp, pp * vpp - 1, lowered) for a in actions]
-        for rank, actions in plan.items()
-    }
+    needs = {rank: [_needs(a, stages, lowered) for a in actions] for rank, actions in plan.items()}
     _check_order(plan, where, needs)
     if lowered:
-        _check_channels(plan, pp)
+        _check_channels(plan, stages)
     makespan, busy, span = _dry_run(plan, where, needs)
     peaks = _check_in_flight(plan, max_in_flight)
-    return ScheduleReport(peaks, makespan, busy, m * vpp * CHUNK_COST, span)
+    return ScheduleReport(peaks, makespan, busy, m * stages.vpp * CHUNK_COST, span)
 
 
 def format_table(plan: Plan, marks: Collection[Cell] = (), context: int | None = None) -> str:
@@ -145,22 +144,22 @@ def _at(cell: Cell) -> str:
     return f"rank {cell[0]} step {cell[1]}"
 
 
-def _check_placement(plan: Plan, pp: int, vpp: int, m: int) -> dict[Action, Cell]:
+def _check_placement(plan: Plan, stages: StageMap, m: int) -> dict[Action, Cell]:
     """Index every action by its cell, rejecting misplaced and duplicated ones."""
     where: dict[Action, Cell] = {}
     for rank in sorted(plan):
         for step, a in enumerate(plan[rank]):
             here = (rank, step)
-            if a.stage >= pp * vpp or a.mb >= m:
-                limits = f"stage must be < {pp * vpp} and microbatch < {m}"
+            if a.stage >= stages.stages or a.mb >= m:
+                limits = f"stage must be < {stages.stages} and microbatch < {m}"
                 _fail(plan, f"{a} at {_at(here)}: {limits}", [here])
-            if stage_to_rank(a.stage, pp) != rank:
-                home = stage_to_rank(a.stage, pp)
+            if stages.rank(a.stage) != rank:
+                home = stages.rank(a.stage)
                 _fail(
                     plan, f"{a} runs on rank {rank}, but stage {a.stage} is on rank {home}", [here]
                 )
             if a.kind.is_comm:
-                _check_peer(plan, a, here, pp, vpp)
+                _check_peer(plan, a, here, stages)
             if a in where:
                 _fail(plan, f"{a} runs twice: {_at(where[a])} and {_at(here)}", [where[a], here])
             where[a] = here
@@ -189,21 +188,21 @@ def _check_complete(plan: Plan, where: dict[Action, Cell], stages: int, m: int) 
                 _fail(plan, f"{name} has B but no weight-gradient pass W", present)
 
 
-def _check_peer(plan: Plan, a: Action, here: Cell, pp: int, vpp: int) -> None:
+def _check_peer(plan: Plan, a: Action, here: Cell, stages: StageMap) -> None:
     """A transfer must go to an existing stage on another rank."""
     peer = a.stage + _PEER_STEP[a.kind]
-    if not 0 <= peer < pp * vpp:
+    if not 0 <= peer < stages.stages:
         _fail(plan, f"{a} at {_at(here)} has no peer: there is no stage {peer}", [here])
-    if stage_to_rank(peer, pp) == here[0]:
+    if stages.rank(peer) == here[0]:
         _fail(plan, f"{a} at {_at(here)} transfers within rank {here[0]}: drop it", [here])
 
 
-def _needs(a: Action, pp: int, last: int, lowered: bool) -> _Needs:
+def _needs(a: Action, stages: StageMap, lowered: bool) -> _Needs:
     """What `a` waits for, each with the reason; a fused BW is found under its B name."""
-    s, mb = a.stage, a.mb
+    s, mb, last = a.stage, a.mb, stages.last
 
     def remote(peer: int) -> bool:
-        return lowered and stage_to_rank(peer, pp) != stage_to_rank(s, pp)
+        return lowered and not stages.same_rank(peer, s)
 
     if a.kind is Kind.F:
         if s == 0:
@@ -253,7 +252,7 @@ def _check_order(plan: Plan, where: dict[Action, Cell], needs: dict[int, list[_N
                     _fail(plan, text, [(rank, step), cell])
 
 
-def _check_channels(plan: Plan, pp: int) -> None:
+def _check_channels(plan: Plan, stages: StageMap) -> None:
     """Each SEND has its RECV, and each channel receives in the order it sends."""
     comm_cells = {a: (r, i) for r in plan for i, a in enumerate(plan[r]) if a.kind.is_comm}
     sent: dict[tuple[int, int, Kind], list[tuple[Action, Cell]]] = {}
@@ -262,7 +261,7 @@ def _check_channels(plan: Plan, pp: int) -> None:
         for step, a in enumerate(plan[rank]):
             if a.kind not in _PEER_STEP:
                 continue
-            peer = stage_to_rank(a.stage + _PEER_STEP[a.kind], pp)
+            peer = stages.rank(a.stage + _PEER_STEP[a.kind])
             if a.kind in (Kind.SEND_F, Kind.SEND_B):
                 partner = Action(_MATCH[a.kind], a.stage + _PEER_STEP[a.kind], a.mb)
                 if partner not in comm_cells:

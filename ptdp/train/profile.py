@@ -45,7 +45,7 @@ def replay_at_measured_costs(layout: Layout, events: Sequence[Event]) -> list[Ev
     zeros = (0.0,) * stages
     costs = PipelineCosts(tuple(forward), tuple(back_input), tuple(back_weight), zeros, zeros)
     plan = layout.pipeline
-    return list(replay(plan.lowered, plan.pp, plan.vpp, costs).events)
+    return list(replay(plan.lowered, plan.stages, costs).events)
 
 
 def predicted(

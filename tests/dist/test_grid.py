@@ -61,6 +61,8 @@ GRID = [
     Layout(pp=2),
     Layout(pp=2, vpp=2, schedule=I, recompute="full"),
     Layout(pp=2, schedule="zb-h1", recompute="selective", llama=True),
+    Layout(pp=2, schedule="zb-h2", llama=True),
+    Layout(pp=2, vpp=2, schedule="zb-v"),  # tied: embedding and output layer on rank 0
     # world 4
     Layout(tp=2, dp=2, sp=True, distributed=True),
     Layout(tp=2, dp=2, recompute="selective", llama=True),
@@ -73,6 +75,10 @@ GRID = [
     Layout(pp=4),
     Layout(pp=4, vpp=2, schedule=I, llama=True),
     Layout(pp=4, schedule="zb-h1", recompute="selective"),
+    Layout(pp=4, schedule="zb-h2", recompute="full"),
+    Layout(pp=4, vpp=2, schedule="zb-v", recompute="selective"),
+    Layout(pp=2, dp=2, vpp=2, schedule="zb-v", distributed=True),
+    Layout(tp=2, pp=2, vpp=2, schedule="zb-v", sp=True, llama=True),
     Layout(dp=4),
     Layout(dp=4, distributed=True),
     # world 8
@@ -84,6 +90,7 @@ GRID = [
     Layout(tp=2, pp=4, sp=True),
     Layout(tp=2, pp=4, vpp=2, schedule=I, recompute="selective", distributed=True),
     Layout(tp=2, pp=4, schedule="zb-h1", sp=True, recompute="full"),
+    Layout(tp=2, pp=2, dp=2, vpp=2, schedule="zb-v", distributed=True, recompute="full"),
 ]
 
 
@@ -142,7 +149,7 @@ def test_grid_covers_the_issue() -> None:
     assert all(x.world <= 8 for x in GRID)
     for attr, values in {
         "tp": {1, 2}, "pp": {1, 2, 4}, "dp": {1, 2}, "vpp": {1, 2},
-        "schedule": {"1f1b", "interleaved", "zb-h1"}, "sp": {True, False},
+        "schedule": {"1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"}, "sp": {True, False},
         "distributed": {True, False}, "recompute": {"none", "selective", "full"},
     }.items():  # fmt: skip
         assert values <= {getattr(x, attr) for x in GRID}, attr

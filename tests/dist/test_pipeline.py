@@ -21,7 +21,13 @@ from ptdp.parallel.grads import reduce_tied_grads
 from ptdp.parallel.init import full_tensor, shard_spec
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.parallel.roles import rank_roles
-from ptdp.train.step.pipelined import PipelineStep, boundary_shape, build_chunks, build_p2p
+from ptdp.train.step.pipelined import (
+    PipelineStep,
+    boundary_shape,
+    build_chunks,
+    build_p2p,
+    tied_embedding_group,
+)
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -32,6 +38,7 @@ CASES = [  # (schedule, vpp)
     ("zb-h1", 1),
     ("zb-h2", 1),
     ("interleaved", 2),
+    ("zb-v", 2),
 ]
 
 
@@ -39,6 +46,7 @@ UNEVEN = [  # (schedule, vpp, layers per virtual stage) over pp = 2, 6 layers
     ("1f1b", 1, (2, 4)),
     ("zb-h1", 1, (4, 2)),
     ("interleaved", 2, (1, 2, 2, 1)),
+    ("zb-v", 2, (2, 1, 1, 2)),
 ]
 
 
@@ -80,16 +88,19 @@ def _one_case(mesh: ParallelMesh, cfg: RunConfig, tokens: torch.Tensor) -> None:
         return rows[:, :-1], rows[:, 1:]
 
     loss = step.train(batch)
-    if 0 < mesh.coord("pp") < layout.pp - 1:  # only the first and last stage read data
-        assert not reads, f"pipeline rank {mesh.coord('pp')} read microbatches {reads}"
+    stages, rank = layout.stages, mesh.coord("pp")
+    if rank not in (stages.rank(0), stages.rank(stages.last)):  # only the ends read data
+        assert not reads, f"pipeline rank {rank} read microbatches {reads}"
     else:
         assert set(reads) == set(range(layout.num_microbatches))
     reads.clear()
-    if mesh.coord("pp") < layout.pp - 1:  # ranks that send activations free them once sent
-        out_bytes = 4 * cfg.model.seq_length * mbs * cfg.model.hidden_size
-        assert step.last_runtime.freed_bytes >= out_bytes * layout.num_microbatches
+    # A stage that sends its output frees it once sent (ZB-V's turn keeps it on the rank).
+    senders = [s for s in chunks if s < stages.last and not stages.same_rank(s, s + 1)]
+    out_bytes = 4 * cfg.model.seq_length * mbs * cfg.model.hidden_size
+    assert step.last_runtime.freed_bytes >= out_bytes * layout.num_microbatches * len(senders)
+    group = tied_embedding_group(mesh, layout, tied=cfg.model.tie_embeddings)
     if cfg.model.tie_embeddings:
-        reduce_tied_grads(chunks.values(), rank_roles(chunks.values()), mesh.axis("embedding"))
+        reduce_tied_grads(chunks.values(), rank_roles(chunks.values()), group)
     all_reduce_sum_(loss, mesh.axis("pp"))
     tp = mesh.axis("tp")
     grads = {

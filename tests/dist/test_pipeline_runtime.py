@@ -3,7 +3,7 @@
 The runtime test of STYLE's three levels, independent of the GPT model: the stages are
 small residual MLPs, each rank runs its lowered action list from `build_plan` with the
 real `P2P`, and the loss and every parameter gradient must match one process to float32
-rounding (rel < 1e-5), for gpipe, 1f1b, interleaved (vpp = 2), zb-h1 and zb-h2 (B/W split), with
+rounding (rel < 1e-5), for gpipe, 1f1b, interleaved (vpp = 2), zb-h1, zb-h2 and zb-v (B/W split), with
 m in {pp, 2pp} and with a loss scale. The hooks (on_final_backward once per local stage,
 on_step_end once, last) and the freeing of sent outputs are checked on the way. All cases
 of one pipeline size share one spawn.
@@ -24,9 +24,9 @@ from ptdp.parallel.comm import all_reduce_sum_, gather_objects
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.p2p import P2P
-from ptdp.pipeline.partition import stages_of_rank
 from ptdp.pipeline.plan import build_plan
 from ptdp.pipeline.runtime import PipelineRuntime
+from ptdp.pipeline.schedules import SCHEDULES
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -39,6 +39,7 @@ CASES = [  # (schedule, vpp, loss scale)
     ("interleaved", 2, 1.0),
     ("zb-h1", 1, 1.0),
     ("zb-h2", 1, 1.0),
+    ("zb-v", 2, 1.0),
 ]
 
 
@@ -96,7 +97,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _one_case(mesh: ParallelMesh, schedule: str, vpp: int, m: int, scale: float) -> None:
     pp, rank = mesh.size("pp"), mesh.coord("pp")
     num_stages, last = pp * vpp, pp * vpp - 1
-    chunks = {s: _stage(s) for s in stages_of_rank(rank, pp, vpp)}
+    stages = SCHEDULES[schedule].stage_map(pp, vpp)
+    chunks = {s: _stage(s) for s in stages.stages_of(rank)}
     xs, ys = _data(m)
 
     def forward_step(stage: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
@@ -120,8 +122,7 @@ def _one_case(mesh: ParallelMesh, schedule: str, vpp: int, m: int, scale: float)
         chunks,
         forward_step,
         p2p,
-        num_stages,
-        pp,
+        stages,
         on_final_backward=lambda stage: log.append(("final", stage)),
         on_step_end=lambda: log.append("end"),
         loss_scale=scale,
@@ -139,7 +140,8 @@ def _one_case(mesh: ParallelMesh, schedule: str, vpp: int, m: int, scale: float)
     for i, stage in finals:  # right before the stage's last weight-gradient action
         weights = [j for j, a in enumerate(log) if _weight_grad(a) and a.stage == stage]
         assert len(weights) == m and weights[-1] == i + 1, f"{what}: {log}"
-    senders = sum(1 for s in chunks if s != last)  # each frees its m sent outputs
+    # Each stage that sends its output frees it; ZB-V's turn (stage pp - 1 to pp) keeps it.
+    senders = sum(1 for s in chunks if s != last and not stages.same_rank(s, s + 1))
     assert runtime.freed_bytes >= senders * m * B * H * 4, f"{what}: {runtime.freed_bytes}"
     assert len(losses) == (m if last in chunks else 0), what
 

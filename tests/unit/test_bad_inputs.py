@@ -276,7 +276,7 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         "vpp-without-interleaved",
         lambda c: c.train(world=2, parallel={"pp": 2, "vpp": 2}),
         ConfigError,
-        ("parallel.vpp = 2 needs the interleaved schedule", "--parallel.schedule interleaved"),
+        ("parallel.vpp = 2 needs a schedule with model chunks", "--parallel.schedule interleaved"),
     ),
     # ---- data and tokenizer files
     (

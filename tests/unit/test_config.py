@@ -160,7 +160,8 @@ INVALID = [
     ),
     ({"parallel": {"dp": 2}}, 3, "does not match the world size 3"),
     ({"parallel": {"tp": 2}}, 3, "world size 3 is not divisible by tp*pp"),
-    ({"parallel": {"vpp": 2}}, 1, "needs the interleaved schedule"),
+    ({"parallel": {"vpp": 2}}, 1, "needs a schedule with model chunks"),
+    ({"parallel": {"pp": 2, "vpp": 3, "schedule": "zb-v"}}, 2, "set --parallel.vpp 2"),
     ({"parallel": {"schedule": "interleaved"}}, 1, "needs parallel.vpp >= 2"),
     ({"parallel": {"sequence_parallel": True}}, 1, "needs parallel.tp > 1"),
     (

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.pipeline.partition import layer_ranges, stage_to_rank, stages_of_rank
+from ptdp.pipeline.partition import layer_ranges
+from ptdp.pipeline.placement import StageMap
 
 
 @pytest.mark.parametrize(("layers", "pp", "vpp"), [(8, 1, 1), (8, 2, 1), (8, 2, 2), (24, 4, 3)])
@@ -16,8 +17,8 @@ def test_every_layer_exactly_once_in_order(layers: int, pp: int, vpp: int) -> No
 
 def test_interleaved_ownership() -> None:
     # The paper's example: 4 devices, 2 chunks each; device 1 holds stages 1 and 5.
-    assert stages_of_rank(1, 4, 2) == [1, 5]
-    assert [stage_to_rank(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert StageMap(4, 2).stages_of(1) == [1, 5]
+    assert [StageMap(4, 2).rank(s) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert list(layer_ranges(16, 4, 2)[5]) == [10, 11]
 
 

@@ -20,6 +20,7 @@ from ptdp.perf.memory import (
 from ptdp.perf.paper import preset
 from ptdp.perf.validation import measure_cpu_memory
 from ptdp.pipeline.partition import layer_ranges
+from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import build_plan
 from ptdp.pipeline.verify import verify
 from tests.helpers import LLAMA
@@ -53,7 +54,7 @@ def test_parameters_per_rank_match_the_model_chunks(options, tp, pp, vpp) -> Non
             has_head=stage == len(ranges) - 1,
             tp=Group(None, tp, 0) if tp > 1 else None,  # shapes only: no collective runs
         )
-        held[stage % pp] += sum(p.numel() for p in chunk.parameters())
+        held[StageMap(pp, vpp).rank(stage)] += sum(p.numel() for p in chunk.parameters())
     assert parameters_per_rank(model, tp, pp, vpp) == held
 
 
@@ -98,17 +99,17 @@ def test_in_flight_is_what_the_verifier_counts(name: str) -> None:
         vpp = 2 if name == "interleaved" else 1
         for m in {pp, 2 * pp, 4 * pp} | ({1, pp + 1} if vpp == 1 else set()):
             plan = build_plan(name, pp, m, vpp)
-            peaks = verify(plan.compute, pp, vpp, m).peak_in_flight
+            peaks = verify(plan.compute, plan.stages, m).peak_in_flight
             assert in_flight(plan) == peaks
             if vpp == 1:  # one stage per rank: the last stage's count is the last rank's
-                assert stage_in_flight(plan.compute, pp - 1) == peaks[-1]
+                assert stage_in_flight(plan, pp - 1) == peaks[-1]
 
 
 def test_split_backward_holds_until_w() -> None:
     # ZB-H1 on the last rank of pp = 2, m = 3: "1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2" holds
     # microbatches 0 and 1 (B run, W not) when F2 runs: 2, not 1F1B's 1.
     plan = build_plan("zb-h1", 2, 3)
-    assert stage_in_flight(plan.compute, 1) == 2 and in_flight(plan) == (2, 2)
+    assert stage_in_flight(plan, 1) == 2 and in_flight(plan) == (2, 2)
     assert in_flight(build_plan("1f1b", 2, 3)) == (2, 1)
     assert in_flight(build_plan("zb-h2", 2, 3)) == (3, 3)
 

@@ -22,7 +22,8 @@ from ptdp.perf.hardware import load_system
 from ptdp.perf.paper import preset
 from ptdp.perf.replay import PipelineCosts, replay
 from ptdp.perf.simulator import pipeline_costs, simulate, stage_costs
-from ptdp.pipeline.schedules import add_comms, build
+from ptdp.pipeline.placement import StageMap
+from ptdp.pipeline.schedules import SCHEDULES, add_comms, build
 from ptdp.pipeline.verify import verify
 
 A100 = load_system("a100-80gb")
@@ -38,7 +39,7 @@ GRID = [
 @pytest.mark.parametrize(("name", "pp", "vpp", "m"), GRID)
 def test_unit_costs_reproduce_the_bubble_formulas(name, pp, vpp, m) -> None:
     plan = build(name, pp, m, vpp)
-    report = verify(plan, pp, vpp, m)
+    report = verify(plan, SCHEDULES[name].stage_map(pp, vpp), m)
     formula = {
         "gpipe": (pp - 1) / m,
         "1f1b": (pp - 1) / m,
@@ -48,8 +49,9 @@ def test_unit_costs_reproduce_the_bubble_formulas(name, pp, vpp, m) -> None:
     }[name]
     if name in ("zb-h1", "zb-h2"):
         assert report.bubble_fraction == pytest.approx((pp - 1) / (3 * m))
-    for lowered in (plan, add_comms(plan, pp, vpp)):  # compute-only and with sends/receives
-        run = replay(lowered, pp, vpp, PipelineCosts.unit(pp * vpp))
+    stages = SCHEDULES[name].stage_map(pp, vpp)
+    for lowered in (plan, add_comms(plan, stages)):  # compute-only and with sends/receives
+        run = replay(lowered, stages, PipelineCosts.unit(pp * vpp))
         assert run.bubble_fraction == pytest.approx(formula, abs=1e-12)
         assert run.makespan == report.makespan
         assert run.busy == report.busy
@@ -63,7 +65,7 @@ def test_zero_bubble_overheads_beyond_unit_costs(f, b, w) -> None:
         for m in (2 * pp, 4 * pp):
             costs = PipelineCosts((f,) * pp, (b,) * pp, (w,) * pp, (0.0,) * pp, (0.0,) * pp)
             for name, paper in (("zb-h1", f + b - w), ("zb-h2", f + b - 2 * w)):
-                run = replay(build(name, pp, m), pp, 1, costs)
+                run = replay(build(name, pp, m), StageMap(pp), costs)
                 overhead = run.makespan - m * (f + b + w)
                 assert overhead == pytest.approx((pp - 1) * max(f, paper))
 
@@ -73,16 +75,16 @@ def test_replay_with_transfers_by_hand() -> None:
     # before the compute that needs it, so a transfer starts only then (rendezvous):
     # rank 1 posts RECV_F1 after its BW0 at 4.5, F1 arrives at 5.0; the last gradient
     # leaves rank 1 at 8 and reaches rank 0 at 8.5, whose BW1 ends at 10.5.
-    plan = add_comms(build("1f1b", 2, 2), 2, 1)
+    plan = add_comms(build("1f1b", 2, 2), StageMap(2))
     costs = PipelineCosts((1.0, 1.0), (2.0, 2.0), (0.0, 0.0), (0.5, 0.5), (0.5, 0.5))
-    run = replay(plan, 2, 1, costs)
+    run = replay(plan, StageMap(2), costs)
     assert run.makespan == 10.5
     assert run.busy == (6.0, 6.0)
     starts = {(e.rank, e.kind, e.mb): e.start for e in run.events}
     assert starts[(1, "F", 1)] == 5.0 and starts[(0, "BW", 0)] == 5.0
     assert starts[(0, "SEND_F", 1)] == 4.5  # posted at 2, matched at 4.5
     # Blocking (Megatron-LM 2021): the sender carries the transfer, so F1 starts at 1.5.
-    blocking = replay(plan, 2, 1, costs, blocking=True)
+    blocking = replay(plan, StageMap(2), costs, blocking=True)
     starts = {(e.rank, e.kind, e.mb): e.start for e in blocking.events}
     assert starts[(0, "F", 1)] == 1.5 and blocking.makespan == 10.5
 

@@ -21,6 +21,7 @@ from ptdp.perf.timeline import (
     write_chrome_trace,
 )
 from ptdp.pipeline.actions import Action, Kind
+from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.runtime import PipelineRuntime
 from ptdp.pipeline.schedules import build
 
@@ -66,8 +67,7 @@ def test_recorder_as_the_runtime_hook() -> None:
         chunks={0: layer},
         forward_step=forward_step,
         p2p=None,  # never used without SEND/RECV actions
-        num_stages=1,
-        pp=1,
+        stages=StageMap(1),
         around_action=rec.around_action,
     )
     actions = build("1f1b", 1, 3)[0]

@@ -15,6 +15,7 @@ import pytest
 
 from ptdp.config import Schedule
 from ptdp.pipeline.actions import Action, Kind, Plan
+from ptdp.pipeline.placement import Placement, StageMap
 from ptdp.pipeline.plan import build_plan
 from ptdp.pipeline.schedules import (
     SCHEDULES,
@@ -26,11 +27,10 @@ from ptdp.pipeline.schedules import (
     interleaved,
     interleaved_warmup,
     one_f_one_b,
-    stage_to_rank,
-    stages_of_rank,
     theory_bubble,
     zb_h1,
     zb_h2,
+    zb_v,
 )
 from ptdp.pipeline.verify import MARK, ScheduleError, format_table, verify
 
@@ -62,6 +62,8 @@ PAPER_BUBBLE = {
     # last rank waits pp - 1 for its first input (for m >= pp that is the whole bubble) and
     # rank 0 waits 2 pp - 1 for its first B, then runs m B's and m W's (for m < pp).
     "zb-h2": lambda pp, m, vpp: (pp - 1 if m >= pp else 2 * pp - 1 - m) / (3 * m),
+    # 6m passes per rank; the last rank waits pp - 1 for its first input (m = pp, m >= 2 pp).
+    "zb-v": lambda pp, m, vpp: (pp - 1) / (6 * m),
 }
 
 
@@ -72,8 +74,9 @@ def _expected_peaks(name: str, pp: int, m: int) -> tuple[int, ...]:
         "1f1b": [pp - r for r in range(pp)],  # warm-up pp - r - 1, then one more F
         "zb-h1": [pp] * pp,  # 1F1B's pp - r, plus the r W's rank r holds back
         "zb-h2": [2 * pp - 1] * pp,  # the W cap
+        "zb-v": [2 * pp] * pp,  # (microbatch, chunk) pairs: pp whole stages, 1F1B's rank 0
     }[name]
-    return tuple(min(held, m) for held in most)
+    return tuple(min(held, m * (2 if name == "zb-v" else 1)) for held in most)
 
 
 def test_grid_covers_every_schedule() -> None:
@@ -83,6 +86,7 @@ def test_grid_covers_every_schedule() -> None:
         "1f1b": 24,
         "zb-h1": 24,
         "zb-h2": 24,
+        "zb-v": 24,
         "interleaved": 48,
     }
 
@@ -96,13 +100,13 @@ def test_schedule_verifies_with_paper_bubble(name: str, pp: int, m: int, vpp: in
     assert theory == pytest.approx(PAPER_BUBBLE[name](pp, m, vpp))
     assert report.busy == (m * vpp * 3,) * pp
     # Comms take no time, so the compute-only dry run takes as long.
-    assert verify(plan, pp, vpp, m).makespan == report.makespan
+    assert verify(plan, SCHEDULES[name].stage_map(pp, vpp), m).makespan == report.makespan
     split = SCHEDULES[name].splits_backward
     for rank, actions in plan.items():
         kinds = Counter(a.kind for a in actions)
         backward = {Kind.B: m * vpp, Kind.W: m * vpp} if split else {Kind.BW: m * vpp}
         assert kinds == {Kind.F: m * vpp, **backward}
-        assert {a.stage for a in actions} == set(stages_of_rank(rank, pp, vpp))
+        assert {a.stage for a in actions} == set(SCHEDULES[name].stage_map(pp, vpp).stages_of(rank))
 
 
 @pytest.mark.parametrize("name,pp,m,vpp", GRID)
@@ -110,9 +114,9 @@ def test_peak_in_flight(name: str, pp: int, m: int, vpp: int) -> None:
     peaks = build_plan(name, pp, m, vpp).report.peak_in_flight
     if name == "gpipe":
         assert peaks == (m,) * pp
-    elif name in ("1f1b", "zb-h1", "zb-h2"):
+    elif name in ("1f1b", "zb-h1", "zb-h2", "zb-v"):
         assert peaks == _expected_peaks(name, pp, m)
-        assert peaks == tuple(min(b, m) for b in in_flight_bound(name, pp, m))
+        assert peaks == tuple(min(b, m * vpp) for b in in_flight_bound(name, pp, m, vpp))
     else:  # reported only; one more than the warm-up, whose F is still in flight
         assert peaks == tuple(
             min(interleaved_warmup(r, pp, m, vpp) + 1, m * vpp) for r in range(pp)
@@ -138,8 +142,8 @@ def test_interleaved_order_pp2_vpp2() -> None:
 
 @pytest.mark.parametrize("pp,m", [(pp, m) for pp in range(1, 9) for m in (pp, 2 * pp, 4 * pp)])
 def test_zb_h1_bubble_is_a_third_of_1f1b(pp: int, m: int) -> None:
-    zb = verify(zb_h1(pp, m), pp, 1, m)
-    ofob = verify(one_f_one_b(pp, m), pp, 1, m)
+    zb = verify(zb_h1(pp, m), StageMap(pp), m)
+    ofob = verify(one_f_one_b(pp, m), StageMap(pp), m)
     assert zb.makespan == 3 * m + (pp - 1)  # ideal + (pp - 1)(T_F + T_B - T_W)
     assert ofob.makespan == 3 * m + 3 * (pp - 1)  # ideal + (pp - 1)(T_F + T_B + T_W)
     # Held until W: rank r's r deferred W's add to 1F1B's pp - r.
@@ -171,7 +175,7 @@ def test_zb_h2_bubble_span_and_memory(pp: int, m: int) -> None:
     report = plan.report  # verified against the registry's in-flight bound
     assert report.bubble_fraction == pytest.approx(theory_bubble("zb-h2", pp, m))
     assert report.bubble_fraction == pytest.approx(PAPER_BUBBLE["zb-h2"](pp, m, 1))
-    assert report.makespan == verify(zb_h1(pp, m), pp, 1, m).makespan  # both at the floor
+    assert report.makespan == verify(zb_h1(pp, m), StageMap(pp), m).makespan  # both at the floor
     assert report.busy == (3 * m,) * pp
     assert report.peak_in_flight == (min(2 * pp - 1, m),) * pp
     if m >= 2 * pp - 1:  # the parallelogram: no rank idles between its first and last pass
@@ -201,18 +205,58 @@ def test_zb_h1_defers_rank_w_passes() -> None:
 
 
 def test_stage_placement() -> None:
-    assert stages_of_rank(1, 4, 3) == [1, 5, 9]
-    assert [stage_to_rank(s, 4) for s in (0, 3, 4, 9)] == [0, 3, 0, 1]
+    looped = StageMap(4, 3)
+    assert looped.stages_of(1) == [1, 5, 9]
+    assert [looped.rank(s) for s in (0, 3, 4, 9)] == [0, 3, 0, 1]
+    v = StageMap(4, 2, Placement.V)
+    assert [v.rank(s) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert v.stages_of(0) == [0, 7] and v.stages_of(3) == [3, 4]
+    assert v.same_rank(3, 4) and not v.same_rank(2, 3)
+    assert v.neighbours(0) == {1} and v.neighbours(3) == {2} and looped.neighbours(3) == {2, 0}
+    with pytest.raises(ValueError, match="set parallel.vpp = 2"):
+        StageMap(4, 3, Placement.V)
+
+
+def test_zb_v_turn_and_loss_stay_on_their_rank() -> None:
+    # The V: stage pp-1 hands its output to stage pp on the same rank, with no transfer, and
+    # the loss (the last stage) is on rank 0 beside the embedding.
+    plan = build_plan("zb-v", 2, 4, 2)
+    comms = {f"{a.stage}{a.kind.value}" for a in plan.lowered[1] if a.kind.is_comm}
+    assert comms == {"1RECV_F", "2SEND_F", "2RECV_B", "1SEND_B"}  # no 1SEND_F, no 2RECV_F
+    assert {a.stage for a in plan.compute[0]} == {0, 3}
+    assert plan.stages.rank(plan.stages.last) == 0
+
+
+@pytest.mark.parametrize("pp", range(2, 9))
+def test_zb_v_reaches_the_bound_from_two_pp_microbatches(pp: int) -> None:
+    # Makespan 6m + pp - 1, the floor set by the last rank's first input, for every
+    # m >= 2 pp, with pp whole stages (2 pp chunks) in flight per rank, 1F1B's rank-0 peak.
+    for m in range(2 * pp, 6 * pp + 1):
+        report = build_plan("zb-v", pp, m, 2).report
+        assert report.makespan == 6 * m + pp - 1, (pp, m)
+        assert max(report.peak_in_flight) <= 2 * pp
+    for m in range(1, 2 * pp):  # fewer: the floor or above, never below
+        assert build_plan("zb-v", pp, m, 2).report.makespan >= 6 * m + pp - 1
+
+
+def test_zb_v_halves_zb_h1_bubble_at_1f1b_memory() -> None:
+    for pp, m in ((4, 8), (8, 16)):
+        zbv, zbh1 = build_plan("zb-v", pp, m, 2).report, build_plan("zb-h1", pp, m).report
+        ofob = build_plan("1f1b", pp, m).report
+        assert zbv.bubble_fraction == pytest.approx(zbh1.bubble_fraction / 2)
+        # Chunks are half a stage: 2 pp chunks hold what 1F1B's rank 0 holds (pp stages).
+        assert max(zbv.peak_in_flight) / 2 == max(ofob.peak_in_flight)
+    assert zb_v(2, 2) == build("zb-v", 2, 2, 2)
 
 
 def test_add_comms() -> None:
-    plan = add_comms(one_f_one_b(2, 2), 2, 1)
+    plan = add_comms(one_f_one_b(2, 2), StageMap(2))
     assert " ".join(map(str, plan[0])) == ("0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0BW0 0RECV_B1 0BW1")
     assert " ".join(map(str, plan[1])) == ("1RECV_F0 1F0 1BW0 1SEND_B0 1RECV_F1 1F1 1BW1 1SEND_B1")
     # One rank: every transfer stays in memory.
-    assert add_comms(interleaved(1, 2, 2), 1, 2) == interleaved(1, 2, 2)
+    assert add_comms(interleaved(1, 2, 2), StageMap(1, 2)) == interleaved(1, 2, 2)
     # Interleaved: the last rank sends to rank 0's next chunk.
-    assert Action(Kind.SEND_F, 1, 0) in add_comms(interleaved(2, 2, 2), 2, 2)[1]
+    assert Action(Kind.SEND_F, 1, 0) in add_comms(interleaved(2, 2, 2), StageMap(2, 2))[1]
 
 
 @pytest.mark.parametrize(
@@ -257,7 +301,9 @@ def test_registry_records() -> None:
     # One record per schedule: the chunk rule, the in-flight bound and the backward split
     # that check_args, in_flight_bound and the tests above read from it.
     assert [n for n, s in SCHEDULES.items() if s.interleaved] == ["interleaved"]
-    assert [n for n, s in SCHEDULES.items() if s.splits_backward] == ["zb-h1", "zb-h2"]
+    assert [n for n, s in SCHEDULES.items() if s.splits_backward] == ["zb-h1", "zb-h2", "zb-v"]
+    assert [n for n, s in SCHEDULES.items() if s.placement is Placement.V] == ["zb-v"]
+    assert [n for n, s in SCHEDULES.items() if s.chunks == 2] == ["zb-v"]
     assert [n for n, s in SCHEDULES.items() if s.in_flight_bound is None] == ["interleaved"]
     assert SCHEDULES["zb-h1"].formula == "(p-1)/(3m)" and all(s.doc for s in SCHEDULES.values())
     assert theory_bubble("interleaved", 4, 8, 2) == 3 / 16
@@ -268,6 +314,10 @@ def test_registry_records() -> None:
 def test_config_enum_selects_a_schedule() -> None:
     assert build(Schedule.ZB_H1, 2, 2) == zb_h1(2, 2)
     assert build(Schedule.ZB_H2, 3, 5) == zb_h2(3, 5)
+    assert build(Schedule.ZB_V, 3, 5, 2) == zb_v(3, 5)
+    assert in_flight_bound("zb-v", 3, 5, 2) == [6, 6, 6]
+    with pytest.raises(ValueError, match="runs 2 model chunks per rank but vpp = 1; set vpp = 2"):
+        build("zb-v", 3, 5)
     assert in_flight_bound("zb-h1", 3, 5) == [3, 3, 3]
     assert in_flight_bound("zb-h2", 3, 5) == [5, 5, 5]
     assert in_flight_bound("gpipe", 3, 5) == [5, 5, 5]
@@ -302,7 +352,7 @@ def _move_before(plan: Plan, rank: int, text: str, anchor: str) -> Plan:
 
 
 def _lowered(name: str, pp: int, m: int, vpp: int = 1) -> Plan:
-    return add_comms(build(name, pp, m, vpp), pp, vpp)
+    return add_comms(build(name, pp, m, vpp), SCHEDULES[name].stage_map(pp, vpp))
 
 
 BROKEN = {
@@ -369,7 +419,7 @@ BROKEN = {
 def test_broken_plan_is_rejected(case: str) -> None:
     mutate, (pp, vpp, m), problem = BROKEN[case]
     with pytest.raises(ScheduleError) as error:
-        verify(mutate(), pp, vpp, m)
+        verify(mutate(), StageMap(pp, vpp), m)
     message = str(error.value)
     assert problem in message
     assert MARK in message and "| rank 0" in message
@@ -378,7 +428,7 @@ def test_broken_plan_is_rejected(case: str) -> None:
 def test_deadlock_names_each_wait() -> None:
     plan = _move_first(_lowered("1f1b", 2, 2), 0, "0RECV_B0")
     with pytest.raises(ScheduleError) as error:
-        verify(plan, 2, 1, 2)
+        verify(plan, StageMap(2), 2)
     message = str(error.value)
     assert "rank 0 step 0: 0RECV_B0 waits for 1SEND_B0 (the matching SEND_B) at rank 1 step 3" in (
         message
@@ -389,7 +439,7 @@ def test_deadlock_names_each_wait() -> None:
 
 def test_in_flight_bound_is_enforced() -> None:
     with pytest.raises(ScheduleError, match="rank 0 holds 5 activations at step 4"):
-        verify(gpipe(4, 8), 4, 1, 8, max_in_flight=in_flight_bound("1f1b", 4, 8))
+        verify(gpipe(4, 8), StageMap(4), 8, max_in_flight=in_flight_bound("1f1b", 4, 8))
 
 
 def test_format_table() -> None:

@@ -20,6 +20,7 @@ from ptdp.config import Recompute
 from ptdp.model.gpt import GPT
 from ptdp.parallel.wgrad import WeightGradStore, accumulate_grads, linear
 from ptdp.pipeline.actions import Action, Kind
+from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.runtime import PipelineRuntime
 from tests.helpers import LLAMA
 from tests.split_backward import (
@@ -119,7 +120,7 @@ def test_data_parallel_hooks_fire_once_per_parameter_in_w() -> None:
     def forward_step(stage: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
         return chunk(tokens[:, :-1], tokens[:, 1:])
 
-    runtime = PipelineRuntime({0: chunk}, forward_step, None, 1, 1, wgrad={0: chunk.wgrad})
+    runtime = PipelineRuntime({0: chunk}, forward_step, None, StageMap(1), wgrad={0: chunk.wgrad})
     marks = []
     runtime.around_action = lambda a: _Mark(marks, a, calls)
     runtime.run([Action(Kind.F, 0, 0), Action(Kind.B, 0, 0), Action(Kind.W, 0, 0)])

@@ -1,8 +1,9 @@
 """A rank's model chunks and the pipeline step that runs them through a schedule.
 
 With pp = 1 there is one chunk (the whole model) and the trainer runs plain gradient
-accumulation; with pp > 1 the rank holds `vpp` chunks (stages r, r + pp, ...) and each
-step executes this rank's action list of the layout's `PipelinePlan` with the runtime.
+accumulation; with pp > 1 the rank holds `vpp` chunks (the stages its schedule's placement
+gives it) and each step executes this rank's action list of the layout's `PipelinePlan` with
+the runtime.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import torch
 from ptdp.config import ModelConfig, Recompute
 from ptdp.layout import Layout
 from ptdp.model.gpt import GPT
+from ptdp.parallel.comm import Group
 from ptdp.parallel.mesh import ParallelMesh
 from ptdp.pipeline.actions import Action
 from ptdp.pipeline.p2p import P2P
-from ptdp.pipeline.partition import layer_ranges, stages_of_rank
+from ptdp.pipeline.partition import layer_ranges
 from ptdp.pipeline.plan import PipelinePlan, build_forward_only
 from ptdp.pipeline.runtime import PipelineRuntime
 
@@ -32,9 +34,9 @@ def build_chunks(
 ) -> dict[int, GPT]:
     """This rank's model chunks by global stage, each initialised as its slice of the
     single-process model."""
-    pp, vpp = layout.pp, layout.vpp
+    pp, vpp, stages = layout.pp, layout.vpp, layout.stages
     ranges = layer_ranges(model.num_layers, pp, vpp, layout.stage_layers)
-    last = pp * vpp - 1
+    last = stages.last
     tp = mesh.axis("tp") if layout.tp > 1 else None
     return {
         stage: GPT(
@@ -47,8 +49,18 @@ def build_chunks(
             has_embedding=stage == 0,
             has_head=stage == last,
         )
-        for stage in stages_of_rank(mesh.coord("pp"), pp, vpp)
+        for stage in stages.stages_of(mesh.coord("pp"))
     }
+
+
+def tied_embedding_group(mesh: ParallelMesh, layout: Layout, *, tied: bool) -> Group:
+    """Where a tied embedding's two copies sum their gradients: the first and the last
+    pipeline rank, or no group when one rank holds both ends (pp = 1, ZB-V's V: the copies
+    are summed on that rank, `ptdp.parallel.grads.sum_tied_`)."""
+    stages = layout.stages
+    if not tied or stages.same_rank(0, stages.last):
+        return Group.single()
+    return mesh.axis("embedding")
 
 
 def build_p2p(
@@ -113,8 +125,8 @@ class PipelineStep:
     ) -> None:
         self.plan, self.chunks, self.p2p = plan, chunks, p2p
         self.autocast, self.hooks = autocast, hooks
-        self.pp_rank = next(iter(chunks)) % plan.pp
-        self.last = plan.pp * plan.vpp - 1
+        self.pp_rank = plan.stages.rank(next(iter(chunks)))
+        self.last = plan.stages.last
 
     def _runtime(
         self, batch: Batch, num_microbatches: int, training: bool, loss_scale: float = 1.0
@@ -135,8 +147,7 @@ class PipelineStep:
             self.chunks,
             forward_step,
             self.p2p,
-            self.last + 1,
-            self.plan.pp,
+            self.plan.stages,
             on_final_backward=hooks.on_final_backward,
             on_step_end=hooks.on_step_end,
             loss_scale=loss_scale,
@@ -156,7 +167,7 @@ class PipelineStep:
 
     @torch.no_grad()
     def evaluate(self, batch: Batch, num_microbatches: int) -> torch.Tensor:
-        plan = build_forward_only(self.plan.pp, num_microbatches, self.plan.vpp)
+        plan = build_forward_only(self.plan.stages, num_microbatches)
         losses = self._runtime(batch, num_microbatches, False).run(plan.actions(self.pp_rank))
         return self._sum(losses)
 

@@ -46,6 +46,7 @@ from ptdp.train.step.pipelined import (
     boundary_shape,
     build_chunks,
     build_p2p,
+    tied_embedding_group,
 )
 
 PARAM_DTYPES = {
@@ -97,7 +98,7 @@ class Trainer:
             roles=rank_roles(self.chunks),
             dp=self.mesh.axis("dp"),
             tp=self.tp,
-            embedding=self.mesh.axis("embedding") if cfg.model.tie_embeddings else Group.single(),
+            embedding=tied_embedding_group(self.mesh, layout, tied=cfg.model.tie_embeddings),
             bucket_mb=cfg.parallel.bucket_mb,
             shard=cfg.optim.distributed,
             overlap=cfg.parallel.overlap_grad_reduce,
