@@ -20,7 +20,7 @@ Subparsers = argparse._SubParsersAction
 
 TORCHRUN = """
 
-Under torchrun, every process runs this same command and becomes one rank:
+Under torchrun (or srun alone), every process runs this same command and becomes one rank:
   torchrun --nproc-per-node 2 -m ptdp train --config configs/demo.toml
 """
 
@@ -64,7 +64,7 @@ def _train_parser(sub: Subparsers) -> None:
 
     p = sub.add_parser(
         "train",
-        help="train a model (one process, or one rank under torchrun)",
+        help="train a model (one process, or one rank under torchrun or srun)",
         description="Train a GPT model on preprocessed data.",
         epilog=help_text() + TORCHRUN,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -107,10 +107,10 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
         return 0
     model_ranks = p.tp * p.pp
     need = model_ranks * max(p.dp, 1)
-    if world_size == 1 and need > 1:  # a plain `ptdp train`, not under torchrun
+    if world_size == 1 and need > 1:  # a plain `ptdp train`, not under torchrun or srun
         errors.append(
             f"this layout needs {need} processes (tp*pp*dp = {p.tp}*{p.pp}*{max(p.dp, 1)}) "
-            f"but runs as one (world size 1, not under torchrun); launch it with "
+            f"but runs as one (world size 1, not under torchrun or srun); launch it with "
             f"{_torchrun(need)}"
         )
         world_size = need  # check the rest as if launched so
@@ -194,7 +194,10 @@ def _stage_layers(cfg: RunConfig) -> tuple[int, ...]:
 
 def _torchrun(processes: int) -> str:
     """The launch line for `processes` ranks on one node (torchrun --nnodes for several)."""
-    return f"`torchrun --nproc-per-node {processes} -m ptdp train ...`"
+    return (
+        f"`torchrun --nproc-per-node {processes} -m ptdp train ...` "
+        f"(SLURM: `srun --ntasks {processes} ptdp train ...`)"
+    )
 
 
 def _tensor_parallel_rules(cfg: RunConfig, errors: list[str]) -> None:

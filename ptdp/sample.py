@@ -44,7 +44,7 @@ def load_model(step_dir: Path, device: str = "cpu", tp: Group | None = None) -> 
 
 
 def launched_tensor_group(device: str) -> tuple[Group | None, str]:
-    """Under torchrun, one tensor-parallel group of all processes and this rank's device;
+    """Under torchrun or srun, one tensor-parallel group of all processes and this rank's device;
     (None, device) for one process."""
     env = LaunchEnv.from_environ()
     if env.world_size == 1:

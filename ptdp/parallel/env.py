@@ -1,5 +1,9 @@
-"""Joining a torchrun launch: read the environment torchrun sets, start the process group,
-leave it (on success or failure) without hanging on a peer."""
+"""Joining a launch: read the environment torchrun or srun sets, start the process group,
+leave it (on success or failure) without hanging on a peer.
+
+torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) win when
+WORLD_SIZE or RANK is set; otherwise an srun task reads SLURM's (ptdp/parallel/slurm.py);
+otherwise the process runs alone."""
 
 from __future__ import annotations
 
@@ -8,15 +12,25 @@ import sys
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from ptdp.errors import ConfigError, PtdpError
+from ptdp.parallel.slurm import is_srun_task, read_slurm_task
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What torchrun sets besides WORLD_SIZE, and the env:// rendezvous reads."""
+
+
+class Launcher(Enum):
+    """How the ranks meet: `ENV` through env:// (torchrun, or the variables set by hand),
+    `SLURM` through tcp:// to the store rank 0 hosts (srun alone)."""
+
+    ENV = "env"
+    SLURM = "slurm"
 
 
 @dataclass(frozen=True)
@@ -24,28 +38,58 @@ class LaunchEnv:
     rank: int
     world_size: int
     local_rank: int
+    node_rank: int = 0
+    master_addr: str = ""
+    master_port: int = 0
+    launcher: Launcher = Launcher.ENV
+    elastic: bool = False
+    """Under torchrun's agent, which hosts the store (TORCHELASTIC_RUN_ID)."""
+    restart: int = 0
+    """torchrun's restart count (TORCHELASTIC_RESTART_COUNT)."""
 
     @classmethod
     def from_environ(cls) -> LaunchEnv:
-        """Rank and world size from torchrun's variables; one process when they are absent.
+        """Rank and world size from torchrun's variables, else from srun's; one process
+        when neither is set.
 
         A partial set (WORLD_SIZE > 1 without the rest, as when a variable leaks from
         another shell) is refused here rather than left to hang in the rendezvous."""
         env = os.environ
+        if not env.get("WORLD_SIZE") and not env.get("RANK") and is_srun_task(env):
+            task = read_slurm_task(env)
+            return cls(
+                rank=task.rank,
+                world_size=task.world_size,
+                local_rank=task.local_rank,
+                node_rank=task.node_rank,
+                master_addr=task.master_addr,
+                master_port=task.master_port,
+                launcher=Launcher.SLURM,
+            )
         launch = cls(
             rank=_env_int("RANK", 0),
             world_size=_env_int("WORLD_SIZE", 1),
             local_rank=_env_int("LOCAL_RANK", 0),
+            node_rank=_lenient_int("GROUP_RANK"),
+            master_addr=env.get("MASTER_ADDR", ""),
+            master_port=_lenient_int("MASTER_PORT"),  # env:// reads it; here for messages
+            elastic=bool(env.get("TORCHELASTIC_RUN_ID")),
+            restart=_lenient_int("TORCHELASTIC_RESTART_COUNT"),
         )
         n = launch.world_size
         if n > 1 and not dist.is_initialized():  # a harness may have made the group itself
             missing = [name for name in TORCHRUN_VARS if not env.get(name)]
             if missing:
+                under_srun = (
+                    "; under srun, unset WORLD_SIZE: ptdp reads SLURM_PROCID and SLURM_NTASKS"
+                    if is_srun_task(env)
+                    else ""
+                )
                 raise ConfigError(
                     f"WORLD_SIZE={n} is set but {', '.join(missing)} "
                     f"{'is' if len(missing) == 1 else 'are'} not: the process was not started "
                     f"by torchrun; launch `torchrun --nproc-per-node {n} -m ptdp ...`, which "
-                    "sets them all, or unset WORLD_SIZE to run as one process"
+                    f"sets them all, or unset WORLD_SIZE to run as one process{under_srun}"
                 )
         if n < 1 or not 0 <= launch.rank < n:
             raise ConfigError(
@@ -53,6 +97,13 @@ class LaunchEnv:
                 "0 <= RANK < WORLD_SIZE); start the processes with torchrun"
             )
         return launch
+
+    def store_host(self) -> str:
+        """Who hosts the launcher's key-value store, for the message when it is gone."""
+        where = f"{self.master_addr or '?'}:{self.master_port or '?'}"
+        if self.elastic:
+            return f"the torchrun agent at {where} (the first node)"
+        return f"rank 0 at {where}"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -68,11 +119,19 @@ def _env_int(name: str, default: int) -> int:
         ) from None
 
 
+def _lenient_int(name: str) -> int:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isdigit() else 0
+
+
 def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda":
-        requested = f"cuda:{local_rank}"
+        # srun --gpus-per-task=1 (or CUDA_VISIBLE_DEVICES per process) leaves each process
+        # one visible GPU, index 0 whatever its local rank.
+        one = torch.cuda.is_available() and torch.cuda.device_count() == 1
+        requested = f"cuda:{0 if one else local_rank}"
     device = torch.device(requested)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -91,12 +150,33 @@ def init_process_group(
         return None
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    # The env:// rendezvous init_process_group would do, kept: the store outlives it.
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    # The rendezvous init_process_group would do, kept: the store outlives it. env:// reads
+    # torchrun's variables (and finds its agent's store); srun's are read into `env`.
+    if env.launcher is Launcher.SLURM:
+        store, rank, world_size = _meet_at_rank0(env, timeout)
+    else:
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     dist.init_process_group(
         backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
     )
     return store
+
+
+def _meet_at_rank0(env: LaunchEnv, timeout: timedelta) -> tuple[dist.Store, int, int]:
+    """The store rank 0 hosts at master_addr:master_port; the others connect to it."""
+    host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+    url = f"tcp://{host}:{env.master_port}"
+    try:
+        return next(dist.rendezvous(url, rank=env.rank, world_size=env.world_size, timeout=timeout))
+    except (RuntimeError, ValueError) as exc:  # DistStoreError (a timeout) is a RuntimeError
+        raise ConfigError(
+            f"rank {env.rank} of {env.world_size} (node {env.node_rank}) could not meet the "
+            f"others at the store of {env.store_host()} within "
+            f"{timeout.total_seconds():g} s ({' '.join(str(exc).split())[:200]}): start all "
+            f"SLURM_NTASKS={env.world_size} tasks with srun (`ptdp train` run directly in the "
+            "batch script is one process), check that the other nodes reach that host, or set "
+            "MASTER_PORT if another job holds the port"
+        ) from exc
 
 
 def destroy_process_group() -> None:

@@ -23,7 +23,8 @@ from ptdp.parallel.env import LaunchEnv
 from ptdp.train.run import train
 from tests.helpers import make_corpus, tiny_config
 
-TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID")
+"""Cleared before each launch case (SLURM_PROCID too: these cases are not srun tasks)."""
 
 
 @dataclass

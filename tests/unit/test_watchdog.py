@@ -8,6 +8,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from ptdp.parallel.env import LaunchEnv
 from ptdp.train.faults.watchdog import (
     PeerFailure,
     Watchdog,
@@ -16,16 +17,30 @@ from ptdp.train.faults.watchdog import (
     straggler_report,
 )
 
+LAUNCH_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
+    "SLURM_NTASKS", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_JOB_ID",
+    "SLURMD_NODENAME",
+)  # fmt: skip
 GLOO_ERROR = RuntimeError(
     "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
     "[127.0.0.1]:1234"
 )
 
 
-def _pair(timeout_s: float = 2.0) -> tuple[Watchdog, Watchdog, list[tuple[int, int]]]:
+def _pair(
+    timeout_s: float = 2.0, store_host: str = "rank 0"
+) -> tuple[Watchdog, Watchdog, list[tuple[int, int]]]:
     store, exits = dist.HashStore(), []
     dogs = [
-        Watchdog(store, r, 2, timeout_s, exit_process=lambda code, r=r: exits.append((r, code)))
+        Watchdog(
+            store,
+            r,
+            2,
+            timeout_s,
+            exit_process=lambda code, r=r: exits.append((r, code)),
+            store_host=store_host,
+        )
         for r in range(2)
     ]
     return dogs[0], dogs[1], exits
@@ -141,20 +156,32 @@ class _GoneStore:
 
 
 @pytest.mark.parametrize(
-    ("torchrun", "host"),
+    ("environ", "host"),
     [
-        (False, "rank 0 at 10.0.0.7:29500"),
-        (True, "the torchrun agent at 10.0.0.7:29500 (the first node)"),
+        ({}, "rank 0 at 10.0.0.7:29500"),  # by hand
+        ({"TORCHELASTIC_RUN_ID": "job"}, "the torchrun agent at 10.0.0.7:29500 (the first node)"),
+        (  # srun alone: the address from the node list, the port from the job id
+            {
+                "SLURM_PROCID": "1",
+                "SLURM_NTASKS": "2",
+                "SLURM_JOB_NODELIST": "n[07-08]",
+                "SLURM_JOB_ID": "42",
+            },
+            "rank 0 at n07:15042",
+        ),
     ],
+    ids=["by-hand", "torchrun", "srun"],
 )
-def test_a_lost_store_names_its_host(monkeypatch, torchrun: bool, host: str) -> None:
-    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
-    monkeypatch.setenv("MASTER_PORT", "29500")
-    if torchrun:
-        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
-    else:
-        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    _, one, exits = _pair()
+def test_a_lost_store_names_its_host(monkeypatch, environ: dict[str, str], host: str) -> None:
+    for name in (*LAUNCH_VARS, "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    if "SLURM_PROCID" not in environ:
+        environ = {**environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+        environ |= {"MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500"}
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PATH", "")  # no scontrol: our own node-list parser
+    _, one, exits = _pair(store_host=LaunchEnv.from_environ().store_host())
     one.store = _GoneStore()
     error = one.failed(GLOO_ERROR)
     assert isinstance(error, PeerFailure)

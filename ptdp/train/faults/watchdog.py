@@ -76,14 +76,6 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def store_host() -> str:
-    """Who hosts the launcher's key-value store, for the message when it is gone."""
-    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return f"the torchrun agent at {where} (the first node)"
-    return f"rank 0 at {where}"
-
-
 def _summary(exc: BaseException, limit: int = 300) -> str:
     text = " ".join(str(exc).split()) or "(no message)"
     text = text if len(text) <= limit else text[: limit - 3] + "..."
@@ -103,10 +95,13 @@ class Watchdog:
         straggler_factor: float = 0.0,
         say: Callable[[str], None] | None = None,
         exit_process: Callable[[int], None] = os._exit,
+        store_host: str = "rank 0",
+        restart: int = 0,
     ) -> None:
+        """`store_host` names who hosts `store` (LaunchEnv.store_host()), `restart` is
+        torchrun's restart count."""
         # Keys of their own for each run in this process group (the n-th on every rank)
         # and each torchrun restart, so that an earlier run's failure is not read again.
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         run = store.add(f"ptdp/watchdog/{restart}/runs/{rank}", 1)
         self.store = dist.PrefixStore(f"ptdp/watchdog/{restart}/{run}/", store)
         self.rank, self.world_size = rank, world_size
@@ -114,6 +109,7 @@ class Watchdog:
         self.straggler_factor = straggler_factor
         self.say = say or _stderr
         self.exit_process = exit_process
+        self.store_host = store_host
         self.watcher = rank in (0, world_size - 1)
         self.step = 0
         self.action: object = "starting"
@@ -188,7 +184,7 @@ class Watchdog:
         except Exception as store_error:
             return PeerFailure(
                 f"the launcher's key-value store is unreachable ({_summary(store_error, 120)}); "
-                f"{store_host()}, which hosts it, has probably failed. This rank "
+                f"{self.store_host}, which hosts it, has probably failed. This rank "
                 f"({self.rank}) stopped {where}: {_summary(exc, 160)}"
             )
         finally:
@@ -371,7 +367,7 @@ class Watchdog:
             return
         _stderr(
             f"rank {self.rank}: the launcher's key-value store is unreachable "
-            f"({_summary(exc, 160)}); {store_host()}, which hosts it, has failed. Exiting"
+            f"({_summary(exc, 160)}); {self.store_host}, which hosts it, has failed. Exiting"
         )
         self.exit_process(1)
 

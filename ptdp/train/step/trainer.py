@@ -80,6 +80,8 @@ class Trainer:
                 t.collective_timeout_s,
                 straggler_factor=t.straggler_factor,
                 say=self.say,
+                store_host=env.store_host(),
+                restart=env.restart,
             )
             if store is not None
             else None
