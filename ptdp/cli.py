@@ -106,9 +106,10 @@ def _generate_parser(sub: Subparsers) -> None:
         "generate",
         help="sample text from a checkpoint",
         description="Sample text from a trained checkpoint, with a KV cache. Launched "
-        "with torchrun --nproc-per-node N, the N processes split each layer "
-        "tensor-parallel (any N dividing the heads, key/value groups and MLP width) and "
-        "rank 0 prints.",
+        "with torchrun --nproc-per-node N, the N processes form --pp pipeline stages (a "
+        "near-even share of the layers each), each split tensor-parallel over N / pp ranks "
+        "(dividing the heads, key/value groups and MLP width); rank 0 prints the texts one "
+        "process would.",
     )
     p.set_defaults(run=_cmd_generate)
     p.add_argument("--checkpoint", required=True, metavar="PATH", help=CHECKPOINT_HELP)
@@ -120,6 +121,7 @@ def _generate_parser(sub: Subparsers) -> None:
     _opt(p, "--num-samples", 1, "independent samples of the same prompt", metavar="N")
     _opt(p, "--seed", 0, "sampling seed: same seed, same text")
     _opt(p, "--device", "cpu", "cpu or cuda")
+    _opt(p, "--pp", 1, "pipeline stages under torchrun (tp = processes / pp)", metavar="N")
     no_cache = "recompute the whole context for every new token (slower; for comparison)"
     p.add_argument("--no-kv-cache", action="store_true", help=no_cache)
 
@@ -305,9 +307,9 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from ptdp.parallel.env import exit_now
-    from ptdp.sample import launched_tensor_group, sample_from_checkpoint
+    from ptdp.sample import launch_generation, sample_from_checkpoint
 
-    tp, device = launched_tensor_group(args.device)
+    mesh, device = launch_generation(Path(args.checkpoint), args.device, args.pp)
     texts = sample_from_checkpoint(
         Path(args.checkpoint),
         args.prompt,
@@ -319,12 +321,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=str(device),
         use_cache=not args.no_kv_cache,
-        tp=tp,
+        mesh=mesh,
     )
-    for text in texts if tp is None or tp.rank == 0 else []:
+    for text in texts if mesh is None or mesh.rank == 0 else []:
         print(text)
         print("-" * 72)
-    if tp is not None:  # as after `ptdp train`: skip gloo's finalisers at exit
+    if mesh is not None:  # as after `ptdp train`: skip gloo's finalisers at exit
         exit_now(0)
     return 0
 

@@ -1,8 +1,11 @@
 """Load a checkpoint with its tokenizer and sample text from it (`ptdp generate`).
 
-Checkpoints hold full-shape tensors, so any of them loads into a model split over a
-tensor-parallel group of any size that divides its heads, key/value groups and MLP width
-(`tp=`; every rank then returns the same texts).
+Checkpoints are layout-free, so any of them loads into any generation layout: one
+process holds the whole model; under torchrun, `pp` pipeline stages (`--pp`, default 1)
+each hold a near-even share of the layers (stage 0 the embedding, the last one the output
+layer), split tensor-parallel over tp = processes / pp ranks (any tp dividing the heads,
+key/value groups and MLP width). Each process reads only its part of the checkpoint, and
+every process returns the same texts, those of one process for the same seed.
 """
 
 from __future__ import annotations
@@ -12,46 +15,96 @@ from pathlib import Path
 
 import torch
 
-from ptdp.checkpoint import find_checkpoint, load_checkpoint, load_config, load_full_model_state
-from ptdp.config import ParallelConfig
+from ptdp.checkpoint import find_checkpoint, load_config
+from ptdp.checkpoint.partial import load_model_weights, read_scalar
+from ptdp.config import ParallelConfig, RunConfig
 from ptdp.data.tokenizers import load_tokenizer
 from ptdp.errors import CheckpointError, ConfigError
 from ptdp.layout import validate
 from ptdp.model.generate import generate
 from ptdp.model.gpt import GPT
-from ptdp.parallel.comm import Group
+from ptdp.model.pipeline_generate import StagePeers, generate_pipelined
+from ptdp.parallel.comm import Group, world_group
 from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
+from ptdp.parallel.mesh import MeshShape, ParallelMesh
+from ptdp.pipeline.partition import layer_ranges
 
 
-def load_model(step_dir: Path, device: str = "cpu", tp: Group | None = None) -> GPT:
-    """The checkpoint's model, whole or (with `tp`) this rank's tensor-parallel part."""
-    cfg = load_config(step_dir)
-    state = load_checkpoint(step_dir)
-    if tp is None or tp.size == 1:  # full tensors; the model pads its vocabulary rows
-        model = GPT(cfg.model, seed=cfg.train.seed)
-        load_full_model_state([model], state["model"], Group.single())
-        return model.to(device)
-    try:  # only the tensor-parallel rules can fail: the run trained with this model
-        validate(dataclasses.replace(cfg, parallel=ParallelConfig(tp=tp.size, dp=1)), tp.size)
+def split_processes(world_size: int, pp: int) -> int:
+    """The tensor-parallel size tp = world_size / pp; refuses a pp that does not divide."""
+    if pp < 1 or world_size % pp:
+        raise ConfigError(
+            f"--pp {pp} pipeline stages do not divide {world_size} process(es); launch a "
+            f"multiple of pp processes (e.g. torchrun --nproc-per-node {max(pp, 1)} -m ptdp "
+            f"generate ... --pp {max(pp, 1)}), tp being processes / pp"
+        )
+    return world_size // pp
+
+
+def stage_layers(cfg: RunConfig, step_dir: Path, tp: int, pp: int) -> list[range]:
+    """Each stage's layers (a near-even split), after checking that the checkpoint's model
+    splits into pp stages over tp ranks; pure, so it runs before any process group."""
+    n = cfg.model.num_layers
+    if pp > n:
+        raise ConfigError(
+            f"{step_dir}'s model has {n} layers, too few for --pp {pp} stages of at least one "
+            f"layer each; use --pp {n} or fewer"
+        )
+    split = tuple(n // pp + (i < n % pp) for i in range(pp))
+    if tp * pp == 1:  # the whole model, as trained
+        return [range(n)]
+    parallel = ParallelConfig(tp=tp, pp=pp, dp=1, pipeline_layers=split if pp > 1 else ())
+    try:  # only the layout's rules can fail: the run trained with this model
+        validate(dataclasses.replace(cfg, parallel=parallel), tp * pp)
     except ConfigError as exc:
         raise ConfigError(
-            f"cannot split {step_dir}'s model over {tp.size} tensor-parallel processes "
-            f"(parallel.tp below means the process count): {exc}"
+            f"cannot split {step_dir}'s model over tp={tp} x pp={pp} processes (--pp {pp}, "
+            f"tp = processes / pp; parallel.* below are these): {exc}"
         ) from None
-    model = GPT(cfg.model, seed=cfg.train.seed, tp=tp).to(device)
-    load_full_model_state([model], state["model"], tp)
-    return model
+    return layer_ranges(n, pp, 1, split)
 
 
-def launched_tensor_group(device: str) -> tuple[Group | None, str]:
-    """Under torchrun or srun, one tensor-parallel group of all processes and this rank's device;
-    (None, device) for one process."""
+def launch_generation(path: Path, device: str, pp: int = 1) -> tuple[ParallelMesh | None, str]:
+    """Under torchrun or srun, the generation mesh (tp = processes / pp, stages slowest) and
+    this rank's device, the layout checked against the checkpoint before the process group
+    starts; (None, device) for one process."""
     env = LaunchEnv.from_environ()
+    tp = split_processes(env.world_size, pp)
     if env.world_size == 1:
         return None, device
+    step_dir = find_checkpoint(path)
+    stage_layers(load_config(step_dir), step_dir, tp, pp)
     picked = pick_device(device, env.local_rank)
     init_process_group(env, picked)
-    return Group(None, env.world_size, env.rank), str(picked)
+    return ParallelMesh.build(MeshShape(tp=tp, pp=pp), env.rank), str(picked)
+
+
+def load_model(step_dir: Path, device: str = "cpu", mesh: ParallelMesh | None = None) -> GPT:
+    """The checkpoint's model whole, or (with `mesh`) this rank's pipeline stage of it,
+    split over its tensor-parallel group; every rank of `mesh` calls this together."""
+    cfg = load_config(step_dir)
+    tp, pp = (1, 1) if mesh is None else (mesh.size("tp"), mesh.size("pp"))
+    ranges = stage_layers(cfg, step_dir, tp, pp)
+    stage = 0 if mesh is None else mesh.coord("pp")
+    group = mesh.axis("tp") if mesh is not None and tp > 1 else None
+    model = GPT(
+        cfg.model,
+        seed=cfg.train.seed,
+        tp=group,
+        layers=ranges[stage],
+        has_embedding=stage == 0,
+        has_head=stage == pp - 1,
+    )
+    world = world_group() if mesh is not None else Group.single()
+    load_model_weights([model], step_dir, group or Group.single(), world)
+    return model.to(device)
+
+
+def stage_peers(mesh: ParallelMesh) -> StagePeers:
+    """This rank's pipeline: its stage group and every stage's rank at its tp coordinate."""
+    tp = mesh.coord("tp")
+    ranks = tuple(mesh.shape.rank_of(tp=tp, dp=0, pp=i) for i in range(mesh.size("pp")))
+    return StagePeers(mesh.axis("pp"), ranks)
 
 
 def sample_from_checkpoint(
@@ -66,23 +119,22 @@ def sample_from_checkpoint(
     seed: int = 0,
     device: str = "cpu",
     use_cache: bool = True,
-    tp: Group | None = None,
+    mesh: ParallelMesh | None = None,
 ) -> list[str]:
+    """Texts continuing `prompt`; with `mesh` (every rank calls this together), sampled by
+    the pipeline of its stages over tensor groups, the same texts on every rank."""
     step_dir = find_checkpoint(path)
-    entry = load_checkpoint(step_dir).get("tokenizer", "")
+    entry = read_scalar(step_dir, "tokenizer", "")
     if not entry:
         raise CheckpointError(
             f"{step_dir} records no tokenizer (its data was preprocessed elsewhere); "
             "train with --data.tokenizer PATH/tokenizer.json to make it self-contained"
         )
     tokenizer = load_tokenizer("bytes" if entry == "bytes" else str(step_dir / entry))
-    model = load_model(step_dir, device, tp)
+    model = load_model(step_dir, device, mesh)
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eod_id]
     tokens = torch.tensor([ids] * num_samples, device=device)
-    out = generate(
-        model,
-        tokens,
-        max_new_tokens,
+    options = dict(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -90,4 +142,8 @@ def sample_from_checkpoint(
         stop_token=None,
         use_cache=use_cache,
     )
+    if mesh is not None and mesh.size("pp") > 1:
+        out = generate_pipelined(model, stage_peers(mesh), tokens, max_new_tokens, **options)
+    else:
+        out = generate(model, tokens, max_new_tokens, **options)
     return [tokenizer.decode(row.tolist()) for row in out]

@@ -3,9 +3,10 @@
 Modules: store.py (step directories, `latest`, checksums, reading entries), writer.py
 (parallel and background writes, atomic publish), keys.py (the layout-free key scheme),
 sharded.py (a rank's DCP/DTensor entries and resharding on load), full.py (the full
-single-process state used by generate, convert and inspect), manager.py (a training run's
-save and restore), inspect.py (`ptdp inspect`). Only ptdp/parallel/comm.py issues
-collectives; this package uses DCP, DTensor and DeviceMesh directly.
+single-process state used by convert and inspect), partial.py (one rank's model weights,
+read by each process alone, for generate), manager.py (a training run's save and restore),
+inspect.py (`ptdp inspect`). Only ptdp/parallel/comm.py issues collectives; this package
+uses DCP, DTensor and DeviceMesh directly.
 """
 
 from __future__ import annotations

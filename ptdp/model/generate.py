@@ -50,22 +50,40 @@ def generate(
     cache = KVCache(model.cfg.seq_length) if use_cache else None
     for _ in range(max_new_tokens):
         logits = next_logits(model, tokens, cache)
-        if temperature <= 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            logits = filter_logits(logits / temperature, top_k, top_p)
-            probs = logits.softmax(-1)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(tokens.device)
+        nxt = pick_next(logits, temperature, top_k, top_p, generator).to(tokens.device)
         tokens = torch.cat([tokens, nxt], dim=1)
         if stop_token is not None and bool((nxt == stop_token).all()):
             break
     return tokens
 
 
-def next_logits(model: GPT, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-    """fp32 logits [b, v] of the token after tokens [b, t], feeding the model only the
-    tokens the cache lacks (all of them at first, then one per step)."""
-    window = model.cfg.seq_length
+def pick_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """The next token [b, 1] from fp32 logits [b, v]: the argmax at temperature 0, else a
+    draw from the filtered distribution (on the CPU, so a CPU generator drives it)."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator)
+
+
+def step_input(
+    tokens: torch.Tensor, window: int, cache: KVCache | None
+) -> tuple[torch.Tensor, KVCache | None]:
+    """What the model reads this step and with which cache: only the tokens the cache lacks
+    (all of them at first, then one), or, without a cache or once the text outgrows the
+    context `window`, the last `window` tokens recomputed without one."""
     if cache is None or tokens.shape[1] > window:
-        return model(tokens[:, -window:])[:, -1, :].float()
-    return model(tokens[:, cache.length :], cache=cache)[:, -1, :].float()
+        return tokens[:, -window:], None
+    return tokens[:, cache.length :], cache
+
+
+def next_logits(model: GPT, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    """fp32 logits [b, v] of the token after tokens [b, t]."""
+    inputs, cache = step_input(tokens, model.cfg.seq_length, cache)
+    return model(inputs, cache=cache)[:, -1, :].float()

@@ -236,6 +236,13 @@ def all_reduce_max_value(x: torch.Tensor, g: Group) -> torch.Tensor:
     return x
 
 
+def broadcast_(x: torch.Tensor, g: Group, src: int) -> None:
+    """In place, no autograd: member `src`'s `x` (src counted within the group) on every
+    member (the tokens a generation pipeline's last stage chose)."""
+    if g.size > 1:
+        dist.broadcast(x, group=g.group, group_src=src)
+
+
 def gather_full(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
     """No autograd: concatenate the shards of `x` along `dim` (for checkpoints and tests)."""
     return x if g.size == 1 else _all_gather(x.detach(), g, dim)

@@ -1,5 +1,5 @@
-"""Tensor-parallel generation (gloo on CPU) against one process: the same greedy tokens,
-the same cached logits, and the same sampled text from a checkpoint."""
+"""Tensor- and pipeline-parallel generation (gloo on CPU) against one process: the same
+greedy tokens, the same cached logits, and the same sampled text from a checkpoint."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from ptdp.checkpoint import find_checkpoint
 from ptdp.config import RunConfig, apply_updates
 from ptdp.model.generate import generate, next_logits
 from ptdp.model.gpt import GPT
 from ptdp.model.kv_cache import KVCache
+from ptdp.model.pipeline_generate import generate_pipelined
 from ptdp.parallel.comm import Group
-from ptdp.sample import sample_from_checkpoint
+from ptdp.parallel.mesh import MeshShape, ParallelMesh
+from ptdp.sample import load_model, sample_from_checkpoint, stage_peers
 from ptdp.train.run import train
 from tests.dist.harness import run_ranks
 from tests.helpers import LLAMA, tiny_config
@@ -49,7 +52,7 @@ def _sample(rank: int, world_size: int, run_dir: Path, expected: list[str]) -> N
         max_new_tokens=12,
         num_samples=2,
         seed=3,
-        tp=Group(None, world_size, rank),
+        mesh=ParallelMesh.build(MeshShape(tp=world_size), rank),
     )
     assert texts == expected
 
@@ -60,3 +63,57 @@ def test_tp2_samples_from_a_checkpoint_like_one_process(tiny_data: str, tmp_path
         tmp_path / "run", "to be", max_new_tokens=12, num_samples=2, seed=3
     )
     run_ranks(_sample, 2, tmp_path / "run", expected)
+
+
+# Greedy and sampled, with and without the KV cache; 40 new tokens outgrow the 32-token
+# context, so the prefill, the cached steps and the recomputed window all cross stages.
+PIPELINE_RUNS = {
+    "greedy": {"temperature": 0.0},
+    "sampled": {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 3},
+    "sampled, no cache": {"temperature": 0.9, "seed": 4, "use_cache": False},
+}
+
+
+def _pipeline_ids(run_dir: Path, mesh: ParallelMesh | None) -> dict[str, torch.Tensor]:
+    """Token ids [2, 5 + 40] of each run, from one process (no mesh) or this rank's stage."""
+    model = load_model(find_checkpoint(run_dir), mesh=mesh)
+    prompt = torch.tensor([list(b"to be"), list(b"not a")])
+    out = {}
+    for name, options in PIPELINE_RUNS.items():
+        options = dict(options)
+        generator = torch.Generator().manual_seed(options.pop("seed", 0))
+        if mesh is None:
+            out[name] = generate(model, prompt, 40, generator=generator, **options)
+        else:
+            peers = stage_peers(mesh)
+            out[name] = generate_pipelined(model, peers, prompt, 40, generator=generator, **options)
+    return out
+
+
+def _pipeline(rank: int, world_size: int, tp: int, run_dir: Path, expected: dict) -> None:
+    mesh = ParallelMesh.build(MeshShape(tp=tp, pp=world_size // tp), rank)
+    ids = _pipeline_ids(run_dir, mesh)
+    for name in PIPELINE_RUNS:
+        assert torch.equal(ids[name], expected[name]), (name, mesh.coord("pp"))
+    texts = sample_from_checkpoint(run_dir, "to be", max_new_tokens=12, num_samples=2, mesh=mesh)
+    assert texts == expected["texts"]
+
+
+@pytest.mark.parametrize(
+    "tp,pp,options",
+    [
+        pytest.param(1, 2, {}, id="pp2-gpt2"),  # tied embedding: the last stage loads a copy
+        pytest.param(2, 2, LLAMA, id="tp2xpp2-llama"),
+    ],
+)
+def test_pipeline_generation_equals_single_process(
+    tiny_data: str, tmp_path: Path, tp: int, pp: int, options: dict
+) -> None:
+    model = {"num_layers": 3, **options}  # 3 layers over 2 stages: an uneven split
+    train(tiny_config(tiny_data, tmp_path / "run", train={"steps": 2}, model=model))
+    expected: dict = _pipeline_ids(tmp_path / "run", None)
+    assert not torch.equal(expected["greedy"], expected["sampled"])  # the sampling sampled
+    expected["texts"] = sample_from_checkpoint(
+        tmp_path / "run", "to be", max_new_tokens=12, num_samples=2
+    )
+    run_ranks(_pipeline, tp * pp, tp, tmp_path / "run", expected)
