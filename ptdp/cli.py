@@ -83,20 +83,21 @@ def _train_parser(sub: Subparsers) -> None:
 def _preprocess_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "preprocess",
-        help="tokenize text/JSON-lines into an indexed binary dataset",
+        help="tokenize text, JSON lines, Parquet, Arrow or saved datasets into an indexed dataset",
         description=(
-            "Tokenize plain-text files (one document per file) or JSON-lines files (a 'text' "
-            "field per line) into PREFIX.bin / PREFIX.idx in Megatron-LM's indexed format, "
-            "plus PREFIX.json recording the tokenizer."
+            "Tokenize plain-text files (one document per file), JSON lines, Parquet or Arrow "
+            "files or datasets.save_to_disk folders (one document per line or row) into PREFIX"
+            ".bin/.idx (Megatron-LM's format), tokenizer.json and PREFIX.json naming it."
         ),
     )
     p.set_defaults(run=_cmd_preprocess)
-    inputs = "files or directories (searched for *.txt, *.jsonl, *.json)"
+    inputs = "files or directories (*.txt, *.jsonl, *.json, *.parquet, *.arrow, saved datasets)"
     p.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR", help=inputs)
     prefix = "output path without extension, e.g. data/shakespeare/shakespeare"
     p.add_argument("--output-prefix", required=True, metavar="PREFIX", help=prefix)
-    tokenizer = "raw bytes, a byte-level BPE trained on the input, or a tokenizer.json"
+    tokenizer = "raw bytes, a BPE trained on the input, a tokenizer.json or an HF model directory"
     _opt(p, "--tokenizer", "bpe", tokenizer, metavar="bytes|bpe|PATH")
+    _opt(p, "--text-key", "text", "field or column holding the text (JSON, tables)", metavar="K")
     _opt(p, "--vocab-size", 4096, "vocabulary of the trained BPE", metavar="N")
     _opt(p, "--workers", 1, "tokenizer processes", metavar="N")
 
@@ -297,6 +298,7 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
         args.tokenizer,
         vocab_size=args.vocab_size,
         workers=args.workers,
+        text_key=args.text_key,
     )
     print(
         f"wrote {result.prefix}.bin/.idx: {result.num_docs:,} documents, "

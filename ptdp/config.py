@@ -171,8 +171,13 @@ class ParallelConfig:
 class DataConfig:
     path: str = ""
     """Prefix of a preprocessed dataset (PREFIX.bin / PREFIX.idx), from `ptdp preprocess`."""
+    paths: tuple[str, ...] = ()
+    """A weighted blend instead of data.path, weights and prefixes alternating (Megatron's
+    spelling): ["0.7", "a/prefix", "0.3", "b/prefix"] in TOML, 0.7,a/prefix,0.3,b/prefix on
+    the command line. Weights are normalised; the datasets must share one tokenizer."""
     tokenizer: str = ""
-    """Tokenizer for generation and checks: bytes or a tokenizer.json; empty = the data's own."""
+    """Tokenizer for generation and checks: bytes, a tokenizer.json or a Hugging Face model
+    directory; empty = the data's own."""
     valid_fraction: float = 0.05
     """Fraction of the token stream (at its end) held out for validation."""
 

@@ -13,6 +13,7 @@ import torch
 from ptdp.checkpoint.full import load_checkpoint
 from ptdp.checkpoint.store import find_checkpoint, load_config
 from ptdp.config import RunConfig, to_dict
+from ptdp.errors import DataError
 
 
 def _size(nbytes: int) -> str:
@@ -73,8 +74,16 @@ def _tokenizer(step_dir: Path, entry: str) -> str:
         return "bytes (byte-level, built in)"
     if not entry:
         return "none recorded (data preprocessed elsewhere; `ptdp generate` cannot decode)"
-    present = "present" if (step_dir / entry).is_file() else "MISSING"
-    return f"{entry} ({present} in {step_dir})"
+    path = step_dir / entry
+    if not path.is_file():
+        return f"{entry} (MISSING in {step_dir})"
+    from ptdp.data.tokenizers import ByteTokenizer, load_tokenizer
+
+    try:
+        kind = "bytes, " if isinstance(load_tokenizer(path), ByteTokenizer) else ""
+    except DataError as e:
+        return f"{entry} (UNREADABLE in {step_dir}: {e})"
+    return f"{entry} ({kind}present in {step_dir})"
 
 
 def _config(cfg: RunConfig) -> list[str]:

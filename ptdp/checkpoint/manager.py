@@ -26,6 +26,7 @@ from ptdp.checkpoint.sharded import load_plan, sharded_state, stage_mesh, unpack
 from ptdp.checkpoint.store import STATE_FILE, load_entries, read_metadata, verify_files
 from ptdp.checkpoint.writer import PendingCheckpoint, start_checkpoint
 from ptdp.config import RunConfig, to_dict
+from ptdp.data.tokenizers import load_tokenizer
 from ptdp.errors import CheckpointError
 from ptdp.parallel.comm import Group, all_gather_objects, new_world_group
 from ptdp.parallel.mesh import ParallelMesh
@@ -79,6 +80,7 @@ class CheckpointManager:
     _async_group: ProcessGroup | None = field(default=None, init=False)  # its collectives' group
     _dcp_mesh: DeviceMesh | None = field(default=None, init=False)
     _dcp_mesh_built: bool = field(default=False, init=False)
+    _tok_json: bytes | None = field(default=None, init=False)
 
     @property
     def run_dir(self) -> Path:
@@ -120,10 +122,17 @@ class CheckpointManager:
             self._dcp_mesh_built = True
         return self._dcp_mesh
 
+    def _tokenizer_json(self) -> bytes | None:
+        """The tokenizer.json every checkpoint holds (the byte tokenizer's and a model
+        directory's too), read once."""
+        if self._tok_json is None and self.tokenizer_spec:
+            self._tok_json = load_tokenizer(self.tokenizer_spec).to_json().encode("utf-8")
+        return self._tok_json
+
     def _tokenizer_entry(self) -> str:
-        """How generation finds the tokenizer: "bytes", the copied tokenizer.json, or ""."""
-        spec = self.tokenizer_spec
-        return spec if spec in ("bytes", "") else "tokenizer.json"
+        """How generation finds the tokenizer: the tokenizer.json written beside the
+        checkpoint (the byte tokenizer's too), or "" when the data records none."""
+        return "tokenizer.json" if self.tokenizer_spec else ""
 
     def save(self, step: int) -> Path:
         """Every rank writes its own shards (no gather); rank 0 publishes the result.
@@ -132,8 +141,7 @@ class CheckpointManager:
         background; it is published by the next `save` or `finish_save` (all ranks call
         both at the same steps), so `latest` names it only then."""
         self.finish_save()  # the previous asynchronous save first
-        spec = self.tokenizer_spec
-        tok = Path(spec) if spec and spec != "bytes" else None
+        tok = self._tokenizer_json()
         asynchronous = self.cfg.train.async_save
         pending = start_checkpoint(
             self.run_dir,

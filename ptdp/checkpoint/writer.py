@@ -43,7 +43,7 @@ class PendingCheckpoint:
     final: Path
     tmp: Path
     cfg: RunConfig
-    tokenizer_file: Path | None
+    tokenizer_file: Path | bytes | None  # a tokenizer.json to copy, or its content
     keep: int
     distributed: bool
     future: Future | None = None  # the background write of an asynchronous save
@@ -61,7 +61,7 @@ def start_checkpoint(
     step: int,
     state: dict[str, Any],
     cfg: RunConfig,
-    tokenizer_file: Path | None,
+    tokenizer_file: Path | bytes | None,
     keep: int = 0,
     *,
     distributed: bool = False,
@@ -174,7 +174,9 @@ def _publish(p: PendingCheckpoint) -> Path:
     if world.rank == 0:
         (p.tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
         (p.tmp / "config.toml").write_text(to_toml(p.cfg))
-        if p.tokenizer_file is not None:
+        if isinstance(p.tokenizer_file, bytes):
+            (p.tmp / "tokenizer.json").write_bytes(p.tokenizer_file)
+        elif p.tokenizer_file is not None:
             shutil.copyfile(p.tokenizer_file, p.tmp / "tokenizer.json")
         shutil.rmtree(p.final, ignore_errors=True)
         os.replace(p.tmp, p.final)

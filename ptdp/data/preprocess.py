@@ -1,9 +1,11 @@
 """Tokenize text corpora into an indexed dataset plus a JSON sidecar naming its tokenizer.
 
-Inputs are ``.txt`` files (one document each) and JSON Lines files (``.jsonl``/``.json``, one
-object per line with a ``text`` field), or folders holding them. Output, for ``PREFIX``:
-``PREFIX.bin``/``PREFIX.idx`` (Megatron's format, see ``indexed.py``) and ``PREFIX.json``, which
-records the tokenizer so training and generation decode with the one that encoded.
+Inputs are ``.txt`` files (one document each), JSON Lines, Parquet and Arrow files and saved
+Hugging Face datasets (one document per line or row, its ``text_key`` field), or folders
+holding them (``readers.py``). Output, for ``PREFIX``: ``PREFIX.bin``/``PREFIX.idx``
+(Megatron's format, see ``indexed.py``), ``tokenizer.json`` beside them (the byte tokenizer
+has one too) and ``PREFIX.json``, which names it, so training and generation decode with the
+tokenizer that encoded.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import functools
 import json
 import multiprocessing
 import os
-import shutil
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -25,10 +26,10 @@ import numpy as np
 from tqdm import tqdm
 
 from ptdp.data.indexed import IndexedWriter, optimal_dtype
+from ptdp.data.readers import SUFFIXES, find_input_files, iter_documents
 from ptdp.data.tokenizers import (
     TOKENIZER_FILE,
     ByteTokenizer,
-    HFTokenizer,
     Tokenizer,
     load_tokenizer,
     train_bpe_from_iterator,
@@ -36,8 +37,6 @@ from ptdp.data.tokenizers import (
 from ptdp.errors import DataError
 
 FORMAT = "ptdp-indexed-v1"
-TEXT_SUFFIXES = (".txt",)
-JSON_SUFFIXES = (".jsonl", ".json")
 _DOCS_PER_CHUNK = 64
 
 
@@ -51,74 +50,12 @@ class PreprocessResult:
     vocab_size: int
     eod_id: int
     tokenizer: str
-    """Path of the tokenizer.json beside the data, or ``"bytes"``."""
+    """Path of the tokenizer.json beside the data (the byte tokenizer's too)."""
 
 
 def sidecar_path(prefix: str | Path) -> Path:
     """``PREFIX.json``."""
     return Path(f"{prefix}.json")
-
-
-def find_input_files(inputs: Iterable[str | Path]) -> list[Path]:
-    """Expand folders to their ``*.txt``/``*.jsonl``/``*.json`` files, sorted for determinism."""
-    files: list[Path] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            suffixes = TEXT_SUFFIXES + JSON_SUFFIXES
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes)
-            if not found:
-                raise DataError(
-                    f"{path}: folder holds no .txt, .jsonl or .json files; add some or pass "
-                    f"the files themselves"
-                )
-            files.extend(found)
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise DataError(f"{path}: input not found; check the path")
-    return files
-
-
-def _json_lines(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                hint = (
-                    " (a JSON array? write one object per line instead)"
-                    if lineno == 1 and line.lstrip().startswith("[")
-                    else ""
-                )
-                raise DataError(
-                    f"{path}:{lineno}: invalid JSON ({e.msg}){hint}; each line must be one "
-                    f'JSON object like {{"text": "..."}}'
-                ) from e
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise DataError(
-                    f"{path}:{lineno}: no string 'text' field; each line must be one JSON "
-                    f'object like {{"text": "..."}}'
-                )
-            yield obj["text"]
-
-
-def iter_documents(files: Iterable[Path]) -> Iterator[str]:
-    """Yield every non-empty document's text, in file order."""
-    for path in files:
-        try:
-            if path.suffix in JSON_SUFFIXES:
-                texts: Iterable[str] = _json_lines(path)
-            else:
-                # Bytes then decode: no newline translation, so "\r\n" survives the round trip.
-                texts = [path.read_bytes().decode("utf-8")]
-            for text in texts:
-                if text:
-                    yield text
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not valid UTF-8 ({e}); re-encode it as UTF-8") from e
 
 
 def _chunks(docs: Iterator[str], size: int) -> Iterator[list[str]]:
@@ -168,24 +105,21 @@ def _check_tokenizer_slot(target: Path, prefix: Path) -> None:
 
 
 def _resolve_tokenizer(
-    spec: str, files: list[Path], prefix: Path, vocab_size: int
-) -> tuple[Tokenizer, str]:
-    """Return the tokenizer and the sidecar's tokenizer entry, saving a tokenizer.json if any."""
-    if spec == "bytes":
-        return ByteTokenizer(), "bytes"
+    spec: str, files: list[Path], prefix: Path, vocab_size: int, text_key: str
+) -> Tokenizer:
+    """Save the tokenizer as ``tokenizer.json`` beside the data and return it, loaded back."""
     target = prefix.parent / TOKENIZER_FILE
     if spec == "bpe":
         _check_tokenizer_slot(target, prefix)
-        return train_bpe_from_iterator(iter_documents(files), vocab_size, target), TOKENIZER_FILE
-    source = load_tokenizer(spec)
-    if not isinstance(source, HFTokenizer):
-        raise DataError(f"{spec}: expected a tokenizer.json path")
-    if not (target.exists() and os.path.samefile(source.path, target)):
-        if target.exists() and target.read_bytes() != source.path.read_bytes():
-            _check_tokenizer_slot(target, prefix)
+        return train_bpe_from_iterator(iter_documents(files, text_key), vocab_size, target)
+    text = (ByteTokenizer() if spec == "bytes" else load_tokenizer(spec)).to_json()
+    if not (target.is_file() and target.read_bytes() == text.encode("utf-8")):
+        _check_tokenizer_slot(target, prefix)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source.path, target)
-    return HFTokenizer(target), TOKENIZER_FILE
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_bytes(text.encode("utf-8"))
+        os.replace(tmp, target)
+    return load_tokenizer(target)
 
 
 def preprocess(
@@ -195,34 +129,40 @@ def preprocess(
     vocab_size: int = 4096,
     workers: int = 1,
     progress: bool = True,
+    text_key: str = "text",
 ) -> PreprocessResult:
     """Tokenize ``inputs`` into ``PREFIX.bin``/``.idx``/``.json``; each document ends with EOD.
 
     Args:
-        inputs: files or folders (folders: every ``*.txt``/``*.jsonl``/``*.json``, recursively).
+        inputs: files or folders (folders: every corpus file of ``readers.SUFFIXES``
+            recursively, a saved Hugging Face dataset as a whole).
         output_prefix: path prefix of the output files; its folder is created.
-        tokenizer: ``"bytes"``, ``"bpe"`` (train one of ``vocab_size`` on the inputs) or the
-            path of a tokenizer.json. Any tokenizer.json is stored as ``tokenizer.json`` beside
-            the data.
+        tokenizer: ``"bytes"``, ``"bpe"`` (train one of ``vocab_size`` on the inputs), the
+            path of a tokenizer.json or a Hugging Face model directory. It is stored as
+            ``tokenizer.json`` beside the data.
         vocab_size: BPE vocabulary size; only used with ``"bpe"``.
         workers: encoding processes. The output is byte-identical for any count.
         progress: show a progress bar on stderr.
+        text_key: the field (JSON lines) or column (Parquet, Arrow, datasets) holding the text.
     """
     if not inputs:
-        raise DataError("no inputs given; pass .txt/.jsonl/.json files or folders holding them")
+        raise DataError(
+            f"no inputs given; pass {'/'.join(SUFFIXES)} files, saved datasets or folders "
+            f"holding them"
+        )
     if workers < 1:
         raise DataError(f"workers={workers}; use 1 or more encoding processes")
     prefix = Path(output_prefix)
     files = find_input_files(inputs)
-    if next(iter_documents(files), None) is None:
+    if next(iter_documents(files, text_key), None) is None:
         raise DataError(
             f"no documents found in {len(files)} input file(s) (first: {files[0]}): every "
             f"input is empty; pass files with text"
         )
-    tok, tok_entry = _resolve_tokenizer(str(tokenizer), files, prefix, vocab_size)
-    spec = "bytes" if tok_entry == "bytes" else str(prefix.parent / TOKENIZER_FILE)
+    tok = _resolve_tokenizer(str(tokenizer), files, prefix, vocab_size, text_key)
+    spec = str(prefix.parent / TOKENIZER_FILE)
     dtype = optimal_dtype(tok.vocab_size)
-    chunks = _chunks(iter_documents(files), _DOCS_PER_CHUNK)
+    chunks = _chunks(iter_documents(files, text_key), _DOCS_PER_CHUNK)
     if workers == 1:
         results = (_encode_docs(tok, dtype.str, chunk) for chunk in chunks)
     else:
@@ -239,9 +179,9 @@ def preprocess(
         num_tokens=writer.num_tokens,
         vocab_size=tok.vocab_size,
         eod_id=tok.eod_id,
-        tokenizer="bytes" if tok_entry == "bytes" else spec,
+        tokenizer=spec,
     )
-    _write_sidecar(result, tok_entry, files)
+    _write_sidecar(result, TOKENIZER_FILE, files)
     return result
 
 
@@ -312,10 +252,10 @@ def load_data_tokenizer(prefix: str | Path) -> Tokenizer | None:
     if meta is None:
         return None
     entry = meta.get("tokenizer")
-    if entry == "bytes":
+    if entry == "bytes":  # written before the byte tokenizer had a file
         tok: Tokenizer = ByteTokenizer()
     elif isinstance(entry, str):
-        tok = HFTokenizer(Path(prefix).parent / entry)
+        tok = load_tokenizer(Path(prefix).parent / entry)
     else:
         raise DataError(f"{sidecar_path(prefix)}: no 'tokenizer' entry; re-run `ptdp preprocess`")
     if (tok.vocab_size, tok.eod_id) != (meta.get("vocab_size"), meta.get("eod_id")):

@@ -3,21 +3,32 @@
 Both round-trip text exactly: ``decode(encode(x)) == x``. That holds for the byte tokenizer by
 construction and for byte-level BPE because every byte maps to a symbol of the initial alphabet
 (the GPT-2 scheme, Radford et al. 2019). ``train_bpe`` builds such a tokenizer from a corpus.
+
+Every tokenizer has a ``tokenizer.json`` form (``to_json``), so a dataset or checkpoint holds the
+file it was made with: the byte tokenizer's is a byte-level BPE without merges whose ids are the
+byte values, which ``load_tokenizer`` recognises and turns back into ``ByteTokenizer``. A model
+directory without a ``tokenizer.json`` (SentencePiece, tiktoken) is read by ``transformers``
+and converted to one.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
 import tokenizers as hf
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 
 from ptdp.errors import DataError
 
 EOD_TOKEN = "<|endoftext|>"
+EOD_FALLBACKS = ("</s>", "<|end_of_text|>", "<eos>")
+"""End-of-sequence tokens of other model families (Llama 1/2 and Mistral, Llama 3, Gemma),
+tried in order when a tokenizer has no ``<|endoftext|>``; then the lowest special id."""
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -31,6 +42,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
+
+    def to_json(self) -> str: ...
 
 
 class ByteTokenizer:
@@ -48,6 +61,49 @@ class ByteTokenizer:
         data = bytes(i for i in ids if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
 
+    def to_json(self) -> str:
+        """The same tokenizer as a Hugging Face ``tokenizer.json`` (see ``byte_tokenizer_json``)."""
+        return byte_tokenizer_json()
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's printable stand-in for each byte: printable Latin-1 bytes stand for themselves,
+    the others (controls, space, soft hyphen) for the code points from 256 upwards in order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    symbols, spare = [], 256
+    for b in range(256):
+        if b in printable:
+            symbols.append(chr(b))
+        else:
+            symbols.append(chr(spare))
+            spare += 1
+    return symbols
+
+
+@functools.cache
+def byte_tokenizer_json() -> str:
+    """``ByteTokenizer`` as a ``tokenizer.json``: a byte-level BPE with no merges whose 256
+    symbols have the byte values as ids, and ``<|endoftext|>`` = 256. The pre-tokenizer does
+    not split (no regex), so every byte is one token, as in ``ByteTokenizer``."""
+    vocab = {sym: b for b, sym in enumerate(_byte_symbols())}
+    tok = hf.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOD_TOKEN, special=True)])
+    return tok.to_str()
+
+
+def _is_byte_tokenizer(text: str) -> bool:
+    """Whether a tokenizer.json's text is ``byte_tokenizer_json`` (the length test skips
+    parsing a real vocabulary's megabytes)."""
+    canonical = byte_tokenizer_json()
+    if abs(len(text) - len(canonical)) > len(canonical):
+        return False
+    try:
+        return json.loads(text) == json.loads(canonical)
+    except ValueError:
+        return False
+
 
 class HFTokenizer:
     """A Hugging Face ``tokenizers.Tokenizer`` loaded from a ``tokenizer.json``.
@@ -56,16 +112,20 @@ class HFTokenizer:
     mentions ``<|endoftext|>`` cannot forge a document boundary and still round-trips.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, text: str | None = None) -> None:
         self.path = Path(path)
         self.name = str(self.path)
-        if not self.path.is_file():
-            raise DataError(
-                f"{self.path}: tokenizer file not found; pass 'bytes', 'bpe' or the path of an "
-                f"existing tokenizer.json"
-            )
+        if text is None:
+            if not self.path.is_file():
+                raise DataError(
+                    f"{self.path}: tokenizer file not found; pass 'bytes', 'bpe' or the path of "
+                    f"an existing tokenizer.json"
+                )
+            # Bytes then decode: no newline translation, so copies stay byte-identical.
+            text = self.path.read_bytes().decode("utf-8")
+        self._json = text
         try:
-            self._tok = hf.Tokenizer.from_file(str(self.path))
+            self._tok = hf.Tokenizer.from_str(text)
         except Exception as e:  # tokenizers raises a bare Exception on parse errors
             raise DataError(
                 f"{self.path}: not a valid Hugging Face tokenizer.json ({e}); pass a file saved "
@@ -76,9 +136,10 @@ class HFTokenizer:
         self.eod_id = self._find_eod()
 
     def _find_eod(self) -> int:
-        eod = self._tok.token_to_id(EOD_TOKEN)
-        if eod is not None:
-            return eod
+        for name in (EOD_TOKEN, *EOD_FALLBACKS):
+            eod = self._tok.token_to_id(name)
+            if eod is not None:
+                return eod
         specials = sorted(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         if specials:
             return specials[0]
@@ -95,6 +156,37 @@ class HFTokenizer:
         # Specials only enter through appended EOD (encode treats their strings as text),
         # so dropping them gives back exactly the encoded text.
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text this tokenizer was loaded from."""
+        return self._json
+
+    @classmethod
+    def from_model_dir(cls, path: Path) -> HFTokenizer:
+        """A Hugging Face model directory without ``tokenizer.json`` (SentencePiece's
+        ``tokenizer.model``, tiktoken, or vocab + merges files): ``transformers`` reads it and
+        converts it to its fast form, whose ``tokenizer.json`` is what ptdp keeps."""
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:
+            raise DataError(
+                f"{path}: holds no tokenizer.json, and reading its tokenizer files needs "
+                f"transformers: pip install 'ptdp[hf]' (or pass a tokenizer.json)"
+            ) from e
+        try:
+            auto = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # transformers raises many kinds (OSError, ValueError, ...)
+            raise DataError(
+                f"{path}: transformers cannot load a tokenizer from this directory ({e}); "
+                f"pass a Hugging Face model directory or a tokenizer.json"
+            ) from e
+        if not getattr(auto, "is_fast", False):
+            raise DataError(
+                f"{path}: transformers loaded a slow {type(auto).__name__} that has no "
+                f"tokenizer.json form; install the converter's dependencies (sentencepiece, "
+                f"protobuf, tiktoken) or pass a tokenizer.json"
+            )
+        return cls(path, auto.backend_tokenizer.to_str())
 
 
 def train_bpe_from_iterator(
@@ -144,17 +236,29 @@ def train_bpe(files: list[Path], vocab_size: int, save_path: Path) -> HFTokenize
     return train_bpe_from_iterator(_file_texts(files), vocab_size, save_path)
 
 
-def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """``"bytes"`` gives ``ByteTokenizer``; a tokenizer.json path (or its folder) an HFTokenizer."""
+def load_tokenizer(spec: str | Path) -> ByteTokenizer | HFTokenizer:
+    """``"bytes"`` or the byte tokenizer's file give ``ByteTokenizer``; any other
+    tokenizer.json, or a model directory (holding one, or files ``transformers`` converts), an
+    ``HFTokenizer``."""
     if str(spec) == "bytes":
         return ByteTokenizer()
     path = Path(spec)
-    if path.is_dir() and (path / TOKENIZER_FILE).is_file():
+    if path.is_dir():
+        if not (path / TOKENIZER_FILE).is_file():
+            return HFTokenizer.from_model_dir(path)
         path = path / TOKENIZER_FILE
     if path.is_file():
-        return HFTokenizer(path)
+        tok = HFTokenizer(path)
+        return ByteTokenizer() if _is_byte_tokenizer(tok.to_json()) else tok
     raise DataError(
-        f"{spec}: unknown tokenizer, neither 'bytes' nor an existing tokenizer.json; pass "
-        f"'bytes' or the path of a tokenizer.json (`ptdp preprocess` with tokenizer 'bpe' "
-        f"trains one)"
+        f"{spec}: unknown tokenizer, neither 'bytes' nor an existing tokenizer.json or model "
+        f"directory; pass 'bytes' or the path of a tokenizer.json (`ptdp preprocess` with "
+        f"tokenizer 'bpe' trains one)"
     )
+
+
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two tokenizers encode alike: both the byte tokenizer, or the same file text."""
+    if isinstance(a, ByteTokenizer) or isinstance(b, ByteTokenizer):
+        return isinstance(a, ByteTokenizer) and isinstance(b, ByteTokenizer)
+    return a.to_json() == b.to_json()

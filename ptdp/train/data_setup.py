@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from ptdp.config import DataConfig, RunConfig
+from ptdp.data.blend import BlendedDataset, parse_blend
 from ptdp.data.dataset import GPTDataset
 from ptdp.data.indexed import IndexedDataset, bin_path, idx_path
-from ptdp.data.preprocess import read_metadata
+from ptdp.data.preprocess import load_data_tokenizer, read_metadata, sidecar_path
+from ptdp.data.tokenizers import Tokenizer, load_tokenizer, same_tokenizer
 from ptdp.errors import ConfigError, DataError
 
 SCAN_TOKENS = 1 << 24
@@ -23,73 +25,105 @@ SCAN_TOKENS = 1 << 24
 
 @dataclass(frozen=True)
 class RunData:
-    train: GPTDataset
-    valid: GPTDataset | None
+    train: GPTDataset | BlendedDataset
+    valid: GPTDataset | BlendedDataset | None
     tokenizer_spec: str
     """"bytes", a path to a tokenizer.json, or "" when unknown (data made elsewhere)."""
+
+
+def data_blend(data: DataConfig) -> list[tuple[float, str]]:
+    """(weight, prefix) of each dataset: data.path alone, or the blend data.paths names."""
+    if data.path and data.paths:
+        raise ConfigError(
+            f"data.path = '{data.path}' and data.paths are both set; use data.path for one "
+            "dataset or data.paths for a weighted blend, not both"
+        )
+    if data.paths:
+        return parse_blend(data.paths)
+    require_data_path(data)
+    return [(1.0, data.path)]
+
+
+def _first_prefix(data: DataConfig) -> str:
+    return data_blend(data)[0][1]
 
 
 def tokenizer_spec_for(data: DataConfig) -> str:
     """The tokenizer named in the config, else the one recorded beside the data."""
     if data.tokenizer:
         return data.tokenizer
-    meta = read_metadata(data.path)
+    prefix = _first_prefix(data)
+    meta = read_metadata(prefix)
     if not meta:
         return ""
     if meta["tokenizer"] == "bytes":
         return "bytes"
-    return str(Path(data.path).parent / meta["tokenizer"])
+    return str(Path(prefix).parent / meta["tokenizer"])
+
+
+def check_shared_tokenizer(prefixes: list[str]) -> None:
+    """Every dataset of a blend must be made with one tokenizer (ids mean the same tokens)."""
+    first = prefixes[0]
+    first_tok = load_data_tokenizer(first)
+    for other in prefixes[1:]:
+        tok = load_data_tokenizer(other)
+        if first_tok is None and tok is None:
+            continue
+        if first_tok is None or tok is None or not same_tokenizer(first_tok, tok):
+            raise ConfigError(
+                f"data.paths: '{first}' and '{other}' were not made with the same tokenizer "
+                f"({_made_with(first, first_tok)} and {_made_with(other, tok)}); re-run `ptdp "
+                "preprocess` on one of them with the other's --tokenizer"
+            )
+
+
+def _made_with(prefix: str, tok: Tokenizer | None) -> str:
+    if tok is None:
+        return f"{sidecar_path(prefix)} is missing, so its tokenizer is unknown"
+    vocab = f"vocabulary {tok.vocab_size}"
+    return (
+        f"{sidecar_path(prefix)}: bytes, {vocab}" if tok.name == "bytes" else f"{tok.name}, {vocab}"
+    )
 
 
 def resolve_vocab(cfg: RunConfig) -> RunConfig:
     """Fill model.vocab_size from the data when it is 0; reject a model too small for it."""
-    require_data_path(cfg.data)
-    meta = read_metadata(cfg.data.path)
+    prefixes = [prefix for _, prefix in data_blend(cfg.data)]
+    check_shared_tokenizer(prefixes)
+    prefix = prefixes[0]
+    meta = read_metadata(prefix)
     data_vocab = meta["vocab_size"] if meta else 0
     if cfg.data.tokenizer:
-        from ptdp.data.tokenizers import load_tokenizer
-
-        tok_vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
+        tok = load_tokenizer(cfg.data.tokenizer)
         if meta:
-            _check_same_tokenizer(cfg.data, meta, tok_vocab)
-        data_vocab = data_vocab or tok_vocab
+            _check_same_tokenizer(prefix, cfg.data.tokenizer, tok)
+        data_vocab = data_vocab or tok.vocab_size
     vocab = cfg.model.vocab_size or data_vocab
     if not vocab:
         raise ConfigError(
-            f"model.vocab_size = 0 but the data at '{cfg.data.path}' records no tokenizer "
+            f"model.vocab_size = 0 but the data at '{prefix}' records no tokenizer "
             "(was it preprocessed elsewhere?); set --model.vocab_size or --data.tokenizer"
         )
     if data_vocab and vocab < data_vocab:
         raise ConfigError(
             f"model.vocab_size = {vocab} is smaller than the data's vocabulary of {data_vocab} "
-            f"tokens ({cfg.data.path}); set --model.vocab_size {data_vocab} or 0 (automatic)"
+            f"tokens ({prefix}); set --model.vocab_size {data_vocab} or 0 (automatic)"
         )
     if not meta:
-        _check_token_ids(cfg.data.path, vocab)
+        for each in prefixes:
+            _check_token_ids(each, vocab)
     return replace(cfg, model=replace(cfg.model, vocab_size=vocab))
 
 
-def _check_same_tokenizer(data: DataConfig, meta: dict, tok_vocab: int) -> None:
+def _check_same_tokenizer(prefix: str, spec: str, chosen: Tokenizer) -> None:
     """data.tokenizer must be the tokenizer the data was made with (its sidecar says which)."""
-    recorded = meta["tokenizer"]
-    recorded_path = Path(data.path).parent / recorded
-    chosen = Path(data.tokenizer)
-    if chosen.is_dir():
-        chosen = chosen / "tokenizer.json"
-    if (recorded == "bytes") != (data.tokenizer == "bytes"):
-        same = False
-    elif recorded == "bytes":
-        same = True
-    elif recorded_path.is_file():
-        same = recorded_path.read_bytes() == chosen.read_bytes()
-    else:
-        same = tok_vocab == meta["vocab_size"]
-    if not same:
-        made_with = "bytes" if recorded == "bytes" else str(recorded_path)
+    recorded = load_data_tokenizer(prefix)
+    if recorded is not None and not same_tokenizer(recorded, chosen):
+        made_with = "bytes" if recorded.name == "bytes" else recorded.name
         raise ConfigError(
-            f"data.tokenizer = '{data.tokenizer}' (vocabulary {tok_vocab}) is not the "
-            f"tokenizer the data at '{data.path}' was made with ({made_with}, vocabulary "
-            f"{meta['vocab_size']}); leave --data.tokenizer empty to use the data's, or "
+            f"data.tokenizer = '{spec}' (vocabulary {chosen.vocab_size}) is not the "
+            f"tokenizer the data at '{prefix}' was made with ({made_with}, vocabulary "
+            f"{recorded.vocab_size}); leave --data.tokenizer empty to use the data's, or "
             "re-run `ptdp preprocess` with the tokenizer you want"
         )
 
@@ -109,10 +143,11 @@ def _check_token_ids(prefix: str, vocab: int) -> None:
 
 
 def require_data_path(data: DataConfig) -> None:
-    if not data.path:
+    if not data.path and not data.paths:
         raise ConfigError(
             "data.path is empty; preprocess a corpus with `ptdp preprocess --input FILES "
-            "--output-prefix data/NAME --tokenizer bpe` and pass --data.path data/NAME"
+            "--output-prefix data/NAME --tokenizer bpe` and pass --data.path data/NAME (or "
+            "--data.paths 0.7,data/A,0.3,data/B for a weighted blend)"
         )
 
 
@@ -132,17 +167,31 @@ def require_data_files(prefix: str) -> None:
 
 
 def open_data(cfg: RunConfig) -> RunData:
-    require_data_path(cfg.data)
-    require_data_files(cfg.data.path)
+    """The train and (when evaluating) valid splits: one dataset's, or the blend of every
+    dataset's split by the same data.valid_fraction, with the same weights."""
+    blend = data_blend(cfg.data)
+    for _, prefix in blend:
+        require_data_files(prefix)
     d, s, seed = cfg.data, cfg.model.seq_length, cfg.train.seed
-    train = GPTDataset(d.path, s, "train", valid_fraction=d.valid_fraction, seed=seed)
+
+    def split(name: str) -> GPTDataset | BlendedDataset:
+        parts = [
+            GPTDataset(p, s, name, valid_fraction=d.valid_fraction, seed=seed) for _, p in blend
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        return BlendedDataset(parts, [w for w, _ in blend])
+
+    train = split("train")
     valid = None
     if cfg.train.eval_interval:
-        valid = GPTDataset(d.path, s, "valid", valid_fraction=d.valid_fraction, seed=seed)
-        if len(valid) == 0:
-            raise ConfigError(
-                f"the validation split of {d.path} (data.valid_fraction = {d.valid_fraction}) "
-                f"holds no window of {s + 1} tokens; raise data.valid_fraction or set "
-                "--train.eval_interval 0"
-            )
+        valid = split("valid")
+        parts = valid.datasets if isinstance(valid, BlendedDataset) else [valid]
+        for (_, prefix), part in zip(blend, parts):
+            if len(part) == 0:
+                raise ConfigError(
+                    f"the validation split of {prefix} (data.valid_fraction = "
+                    f"{d.valid_fraction}) holds no window of {s + 1} tokens; raise "
+                    "data.valid_fraction or set --train.eval_interval 0"
+                )
     return RunData(train, valid, tokenizer_spec_for(cfg.data))

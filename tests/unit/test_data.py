@@ -190,11 +190,13 @@ def _check_round_trip(prefix: Path, docs: list[str]) -> None:
 def test_preprocess_bytes(tmp_path: Path) -> None:
     src = _write_inputs(tmp_path, DOCS)
     res = preprocess([src], tmp_path / "out" / "corpus", "bytes", progress=False)
-    assert (res.num_docs, res.vocab_size, res.eod_id, res.tokenizer) == (4, 257, 256, "bytes")
+    assert (res.num_docs, res.vocab_size, res.eod_id) == (4, 257, 256)
+    assert res.tokenizer == str(tmp_path / "out" / "tokenizer.json")  # the byte tokenizer's file
+    assert isinstance(load_data_tokenizer(res.prefix), ByteTokenizer)
     _check_round_trip(res.prefix, DOCS)
     meta = read_metadata(res.prefix)
     assert meta is not None and meta["format"] == "ptdp-indexed-v1"
-    assert meta["tokenizer"] == "bytes" and meta["num_tokens"] == res.num_tokens
+    assert meta["tokenizer"] == "tokenizer.json" and meta["num_tokens"] == res.num_tokens
     assert meta["inputs"][-1].endswith("zz.jsonl") and len(meta["inputs"]) == 3
     assert res.num_tokens == sum(len(d.encode()) + 1 for d in DOCS)
 

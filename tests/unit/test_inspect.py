@@ -23,7 +23,7 @@ def test_inspect_run_and_step_dirs(tiny_data: str, tmp_path: Path, capsys) -> No
     step_dir = ckpt.find_checkpoint(tmp_path / "run")
     assert f"checkpoint: {step_dir}" in out
     assert "step: 2 (16 samples)" in out
-    assert "tokenizer: bytes" in out
+    assert "tokenizer: tokenizer.json (bytes, present in" in out
     assert "  num_layers = 2" in out and "  hidden_size = 32" in out
     assert "tp=1 pp=1" in out
     state = ckpt.load_checkpoint(step_dir)["model"]
