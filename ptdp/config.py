@@ -241,6 +241,14 @@ class TrainConfig:
     """cpu, cuda, or auto (cuda when available)."""
     tensorboard: bool = False
     """Also write the metrics as TensorBoard events under run_dir/tensorboard."""
+    wandb_project: str = ""
+    """Also log the metrics to this Weights & Biases project (needs pip install wandb;
+    WANDB_MODE=offline works); empty = off."""
+    wandb_run_name: str = ""
+    """Name of the Weights & Biases run; empty = wandb picks one."""
+    peak_tflops: float = 0.0
+    """Dense peak TFLOP/s of one device at the run's precision, for the logged MFU; 0 = look
+    the GPU up by name (ptdp/perf/flops.py), none on a CPU."""
     progress: bool = True
     """Show a progress bar (on an interactive terminal)."""
     profile_timeline: bool = False

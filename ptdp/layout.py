@@ -243,6 +243,16 @@ def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
             f"train.straggler_factor = {t.straggler_factor} must be 0 (off) or > 1 (a multiple "
             "of the median step time, e.g. 3)"
         )
+    if not 0 <= t.peak_tflops < float("inf"):
+        errors.append(
+            f"train.peak_tflops = {t.peak_tflops} must be >= 0: one device's dense peak "
+            "TFLOP/s (e.g. 989 for an H100 SXM in bf16) or 0 to look the device up"
+        )
+    if t.wandb_run_name and not t.wandb_project:
+        errors.append(
+            "train.wandb_run_name is set but train.wandb_project is empty; set "
+            "--train.wandb_project to log to Weights & Biases"
+        )
     if t.eval_interval and not t.eval_iters:
         errors.append("train.eval_iters = 0 with train.eval_interval > 0; set eval_iters >= 1")
     if t.on_nan is OnNan.ROLLBACK and not t.save_interval:

@@ -19,6 +19,8 @@ sparsity figures of the datasheets are twice these and are never used.
 
 from __future__ import annotations
 
+import re
+
 from ptdp.config import Activation, ModelConfig, Recompute
 
 
@@ -86,35 +88,55 @@ def hardware_flops_per_iteration(
 
 
 # Dense (not 2:4-sparse) tensor-core peaks per device in TFLOP/s, by precision. fp32 is the
-# plain FP32 rate (PyTorch does not use TF32 for matmuls unless asked). Sources: NVIDIA
-# V100, A100, H100 (SXM5 and PCIe), H200 and HGX B200 datasheets (the B200 table's
-# 8-GPU, with-sparsity figures divided by 8 and by 2); AMD Instinct MI300X datasheet.
+# plain FP32 rate (PyTorch does not use TF32 for matmuls unless asked; on AMD, the FP32
+# matrix rate). 0 = no such tensor rate. Sources: NVIDIA V100, A10, A100, L40S, H100 (SXM5,
+# PCIe, NVL), H200 (SXM, NVL) and HGX B200 datasheets (the B200 table's 8-GPU,
+# with-sparsity figures divided by 8 and by 2; the others' sparse figures divided by 2);
+# AMD Instinct MI250X and MI300X datasheets; an MI250X is two dies that torch sees as two
+# devices, so its row is half the package figures (383 bf16, 95.7 fp32). This is the one
+# table: `ptdp/perf/hardware/*.toml` take their peaks from it by `kind`, and the training
+# log's MFU (ptdp/train/peak.py) looks the device up here.
 DENSE_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "v100": {"fp16": 125.0, "bf16": 0.0, "tf32": 0.0, "fp32": 15.7},
+    "a10": {"fp16": 125.0, "bf16": 125.0, "tf32": 62.5, "fp32": 31.2},
     "a100": {"fp16": 312.0, "bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "l40s": {"fp16": 362.05, "bf16": 362.05, "tf32": 183.0, "fp32": 91.6},
     "h100-pcie": {"fp16": 756.0, "bf16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "h100-nvl": {"fp16": 835.5, "bf16": 835.5, "tf32": 417.5, "fp32": 60.0},
     "h100-sxm": {"fp16": 989.0, "bf16": 989.0, "tf32": 494.5, "fp32": 66.9},
     "h200": {"fp16": 989.0, "bf16": 989.0, "tf32": 494.5, "fp32": 66.9},
+    "h200-nvl": {"fp16": 835.5, "bf16": 835.5, "tf32": 417.5, "fp32": 60.0},
     "b200": {"fp16": 2250.0, "bf16": 2250.0, "tf32": 1125.0, "fp32": 75.0},
+    "mi250x": {"fp16": 191.5, "bf16": 191.5, "tf32": 0.0, "fp32": 47.85},
     "mi300x": {"fp16": 1307.4, "bf16": 1307.4, "tf32": 653.7, "fp32": 163.4},
 }
 
-# Substrings of torch.cuda.get_device_name() -> table key, most specific first.
+# Patterns of torch.cuda.get_device_name() -> table key, most specific first. Whole words
+# only: "A10" is neither "A100" nor "A10G" (a different part), "L40S" is not "L40".
 _DEVICE_NAMES: tuple[tuple[str, str], ...] = (
-    ("H100 PCIe", "h100-pcie"),
-    ("GH200", "h200"),
-    ("H200", "h200"),
-    ("H100", "h100-sxm"),
-    ("A100", "a100"),
-    ("V100", "v100"),
-    ("B200", "b200"),
-    ("MI300X", "mi300x"),
+    (r"H100\b.*\bPCIe", "h100-pcie"),
+    (r"H100\b.*\bNVL", "h100-nvl"),
+    (r"H200\b.*\bNVL", "h200-nvl"),
+    (r"GH200", "h200"),
+    (r"H200", "h200"),
+    (r"H100", "h100-sxm"),
+    (r"A100", "a100"),
+    (r"A10", "a10"),
+    (r"L40S", "l40s"),
+    (r"V100", "v100"),
+    (r"B200", "b200"),
+    (r"MI250X?", "mi250x"),
+    (r"MI300X", "mi300x"),
 )
 
 
 def device_kind(device_name: str) -> str | None:
-    """Table key for a device name as torch reports it ("NVIDIA A100-SXM4-80GB" -> "a100")."""
-    return next((kind for part, kind in _DEVICE_NAMES if part in device_name), None)
+    """Table key for a device name as torch reports it ("NVIDIA A100-SXM4-80GB" -> "a100");
+    None for a device not in the table."""
+    return next(
+        (kind for pattern, kind in _DEVICE_NAMES if re.search(rf"\b{pattern}\b", device_name)),
+        None,
+    )
 
 
 def dense_peak_flops(kind: str, precision: str) -> float:

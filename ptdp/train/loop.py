@@ -16,12 +16,15 @@ import torch
 from tqdm import tqdm
 
 from ptdp import checkpoint as ckpt
-from ptdp.config import OnNan
+from ptdp.config import OnNan, to_dict
 from ptdp.parallel.comm import gather_objects
+from ptdp.perf.flops import utilisation
 from ptdp.perf.timeline import from_dicts, to_dicts
 from ptdp.train.faults.numerical import NumericalFault, TrainingError
 from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
+from ptdp.train.peak import Peak, device_name, resolve_peak
 from ptdp.train.profile import write_timeline
+from ptdp.train.progress import Progress
 from ptdp.train.step.optim import lr_at
 
 if TYPE_CHECKING:
@@ -81,7 +84,20 @@ class TrainResult:
 def run_loop(trainer: Trainer) -> TrainResult:
     t = trainer.cfg.train
     result = TrainResult(trainer.run_dir, trainer.step, trainer.step)
-    writer = MetricsWriter(trainer.run_dir, t.tensorboard) if trainer.is_main else None
+    writer = (
+        MetricsWriter(
+            trainer.run_dir,
+            t.tensorboard,
+            wandb_project=t.wandb_project,
+            wandb_run_name=t.wandb_run_name,
+            run_config=to_dict(trainer.cfg),
+        )
+        if trainer.is_main
+        else None
+    )
+    peak = resolve_peak(t.peak_tflops, device_name(trainer.device), t.precision.value)
+    trainer.say(peak.message)
+    progress = Progress(t.steps)
     bar = tqdm(
         total=t.steps,
         initial=trainer.step,
@@ -110,7 +126,8 @@ def run_loop(trainer: Trainer) -> TrainResult:
                 stopping = bool(trainer.faults.signum)  # agreed by all ranks
                 last = trainer.step == t.steps
                 if trainer.step % t.log_interval == 0 or last or stopping:
-                    record = _log(trainer, pending, timer.take_interval(), result)
+                    record = _log(trainer, pending, timer.take_interval(), result, peak)
+                    record |= progress.update(trainer.step, record["step_time_s"])
                     bar.set_postfix(loss=f"{record['loss']:.3f}")
                     if writer:
                         writer.write(record)
@@ -153,7 +170,7 @@ def run_loop(trainer: Trainer) -> TrainResult:
     finally:
         bar.close()
         if writer:
-            writer.close()
+            writer.close(failed=sys.exc_info()[0] is not None)  # in flight: failing
     result.final_step = trainer.step
     result.nonfinite_skipped = trainer.faults.skipped
     if trainer.recorder and trainer.step > result.start_step:
@@ -218,8 +235,10 @@ def _write_timeline(trainer: Trainer) -> None:
         trainer.say(f"timeline of the last step: {trace} (open in ui.perfetto.dev), {png}")
 
 
-def _log(trainer: Trainer, pending, elapsed: float, result: TrainResult) -> dict:
-    """Turn a log interval's losses into one record (one host sync per interval)."""
+def _log(trainer: Trainer, pending, elapsed: float, result: TrainResult, peak: Peak) -> dict:
+    """Turn a log interval's losses into one record (one host sync per interval).
+
+    MFU is per device: the job's model FLOP/s / world size / one device's peak."""
     steps = [s for s, _, _ in pending]
     losses = torch.stack([loss for _, loss, _ in pending]).tolist()
     norms = torch.stack([n.float() for _, _, n in pending]).tolist()
@@ -232,7 +251,15 @@ def _log(trainer: Trainer, pending, elapsed: float, result: TrainResult) -> dict
         "lr": lr_at(trainer.step - 1, trainer.cfg.optim, trainer.cfg.train.steps),
         "grad_norm": norms[-1],
         "tokens_per_s": n * trainer.tokens_per_step / elapsed,
+        "step_time_s": elapsed / n,
         "tflops_per_device": n * trainer.flops_per_step / elapsed / trainer.env.world_size / 1e12,
+        "mfu": (
+            utilisation(
+                n * trainer.model_flops_per_step, elapsed, trainer.env.world_size, peak.flops
+            )
+            if peak.flops
+            else None
+        ),
         "peak_mem_gb": peak_memory_gb(trainer.device),
     }
     if trainer.scaler:

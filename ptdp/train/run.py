@@ -17,12 +17,14 @@ from ptdp.parallel.comm import all_gather_objects, barrier
 from ptdp.parallel.env import LaunchEnv, destroy_process_group
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
 from ptdp.train.loop import TrainResult, run_loop
+from ptdp.train.metrics import check_wandb
 from ptdp.train.step.trainer import Trainer
 
 
 def prepare(cfg: RunConfig, env: LaunchEnv) -> tuple[RunConfig, Layout, RunData]:
     """Every check that can fail, before any process group exists."""
     layout = validate(cfg, env.world_size)
+    check_wandb(cfg.train.wandb_project)
     data = open_data(cfg)  # names a missing or damaged file before anything else
     return resolve_vocab(cfg), layout, data
 

@@ -138,6 +138,17 @@ def test_dense_peaks_are_the_datasheet_dense_figures() -> None:
         ("NVIDIA H100 PCIe", "h100-pcie"),
         ("NVIDIA H200", "h200"),
         ("NVIDIA GH200 480GB", "h200"),
+        ("NVIDIA H100 NVL", "h100-nvl"),
+        ("NVIDIA H200 NVL", "h200-nvl"),
+        ("NVIDIA A100 80GB PCIe", "a100"),
+        ("NVIDIA A10", "a10"),
+        ("NVIDIA A10G", None),  # a different part (lower clocks), not in the table
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA L40", None),
+        ("Tesla V100-SXM2-32GB", "v100"),
+        ("NVIDIA B200", "b200"),
+        ("AMD Instinct MI250X/MI250", "mi250x"),
+        ("AMD Instinct MI300X", "mi300x"),
         ("Intel Xeon", None),
     ],
 )

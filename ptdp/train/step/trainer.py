@@ -32,7 +32,7 @@ from ptdp.parallel.data import GradBuffers
 from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.parallel.roles import rank_roles
-from ptdp.perf.flops import flops_per_iteration
+from ptdp.perf.flops import flops_per_iteration, model_flops_per_iteration
 from ptdp.perf.timeline import TimelineRecorder
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.train.data_setup import RunData
@@ -145,6 +145,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + 7919 * (1 + self.mesh.coord("dp")))
         self.flops_per_step = flops_per_iteration(
             cfg.model, cfg.train.global_batch_size, cfg.parallel.recompute
+        )  # executed, recomputation included; MFU counts model FLOPs (without it)
+        self.model_flops_per_step = model_flops_per_iteration(
+            cfg.model, cfg.train.global_batch_size
         )
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
         if self.watchdog:
