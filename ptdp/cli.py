@@ -71,6 +71,7 @@ def _train_parser(sub: Subparsers) -> None:
         allow_abbrev=False,  # so that --section.key overrides never match an option prefix
     )
     p.set_defaults(run=_cmd_train, overrides_ok=True)
+    _model_option(p)
     p.add_argument("--config", metavar="FILE", help="TOML config file (see configs/)")
     resume = "continue from the latest checkpoint in train.run_dir (start fresh if none)"
     p.add_argument("--resume", action="store_true", help=resume)
@@ -164,15 +165,19 @@ def _schedule_parser(sub: Subparsers) -> None:
     p.add_argument("--no-comms", action="store_true", help=no_comms)
 
 
+def _model_option(p: argparse.ArgumentParser) -> None:
+    from ptdp.perf.paper import MODEL_HELP
+
+    p.add_argument("--model", default="", metavar="NAME|FILE", help=MODEL_HELP)
+
+
 def _perf_parser(sub: Subparsers, name: str, **kw: str) -> argparse.ArgumentParser:
     """`simulate` and `plan`: a model and its config, a cluster, a runtime."""
     from ptdp.perf.costs import SOFTWARE
     from ptdp.perf.hardware import list_systems
-    from ptdp.perf.paper import PRESETS
 
     p = sub.add_parser(name, allow_abbrev=False, **kw)
-    presets = f"a paper model ({', '.join(PRESETS)}; in bf16) or a TOML config to start from"
-    p.add_argument("--model", default="", metavar="NAME|FILE", help=presets)
+    _model_option(p)
     p.add_argument("--config", metavar="FILE", help="TOML config file, applied over --model")
     systems = f"cluster: {', '.join(list_systems())} or a hardware TOML"
     _opt(p, "--device", "a100-80gb", systems, metavar="NAME|FILE")
@@ -234,10 +239,10 @@ def _convert_parser(sub: Subparsers) -> None:
         help="convert a checkpoint to or from a Hugging Face transformers model",
         description=(
             "--to hf CKPT OUT: write a checkpoint (run or step directory) as a transformers "
-            "GPT-2 or Llama model directory (config.json, model.safetensors, tokenizer.json). "
-            "--from hf DIR OUT: make OUT a run directory whose step-0 checkpoint holds the "
-            "model, with no optimizer state; train from it in any layout with "
-            "`ptdp train --config OUT/config.toml --resume --data.path PREFIX`."
+            "GPT-2, Llama, Mistral or Qwen2 model directory (config.json, model.safetensors, "
+            "tokenizer.json). --from hf DIR OUT: make OUT a run directory whose step-0 "
+            "checkpoint holds the model, with no optimizer state; train from it in any layout "
+            "with `ptdp train --config OUT/config.toml --resume --data.path PREFIX`."
         ),
     )
     p.set_defaults(run=_cmd_convert)
@@ -265,11 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ptdp.config import resolve
     from ptdp.parallel.env import LaunchEnv, exit_now, leave_failed_rank
+    from ptdp.perf.paper import perf_config
     from ptdp.train.run import dry_run, train
 
-    cfg = resolve(args.config, args.overrides)
+    cfg = perf_config(args.model, args.config, args.overrides)
     env = LaunchEnv.from_environ()
     if args.dry_run:
         if args.world_size:

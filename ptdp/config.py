@@ -34,6 +34,11 @@ class PositionEmbedding(str, enum.Enum):
     ROPE = "rope"
 
 
+class RopeScaling(str, enum.Enum):
+    NONE = "none"
+    LLAMA3 = "llama3"
+
+
 class Normalization(str, enum.Enum):
     LAYERNORM = "layernorm"
     RMSNORM = "rmsnorm"
@@ -100,7 +105,18 @@ class ModelConfig:
     position_embedding: PositionEmbedding = PositionEmbedding.LEARNED
     """Positions: learned (GPT-2) or rope (Llama)."""
     rope_theta: float = 10000.0
-    """Rotary base frequency."""
+    """Rotary base frequency (Llama 3: 500000, Qwen2.5: 1000000)."""
+    rope_scaling: RopeScaling = RopeScaling.NONE
+    """Rotary frequency scaling for a longer context: none, or llama3 (Llama 3.1+, the four
+    keys below: slow rotations turn slower, fast ones are kept, the band between blends)."""
+    rope_scaling_factor: float = 8.0
+    """llama3: how many times slower the slow rotations turn."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: rotations with a wavelength over rope_original_max_positions / this are slowed."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: rotations with a wavelength under rope_original_max_positions / this are kept."""
+    rope_original_max_positions: int = 8192
+    """llama3: the context length the model was first trained at."""
     normalization: Normalization = Normalization.LAYERNORM
     """layernorm (GPT-2) or rmsnorm (Llama)."""
     norm_eps: float = 1e-5
@@ -111,6 +127,11 @@ class ModelConfig:
     """Share the input embedding with the output layer."""
     bias: bool = True
     """Biases in linear layers and LayerNorm (Llama uses none)."""
+    qkv_bias: bool = False
+    """A bias on the query/key/value projection even when model.bias is false (Qwen2)."""
+    sliding_window: int = 0
+    """Sliding-window attention (Mistral): a position attends to itself and the
+    sliding_window - 1 positions before it; 0 = every earlier position."""
     dropout: float = 0.0
     """Dropout on attention probabilities and residual branches."""
     init_std: float = 0.02
@@ -457,7 +478,8 @@ def field_docs(cls: type) -> dict[str, str]:
 def help_text() -> str:
     """Every option of every section with its default and docstring, for --help."""
     lines = [
-        "Configuration: defaults < --config FILE (TOML) < --section.key value overrides.",
+        "Configuration: defaults < --model NAME|FILE (a preset or a TOML file) < --config FILE "
+        "(TOML) < --section.key value overrides.",
         "Every option below can be set in the TOML file as `key = value` under `[section]`,",
         "or on the command line as --section.key value or --section.key=value.",
         "",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from ptdp.config import OnNan, PositionEmbedding, RunConfig, Schedule
+from ptdp.config import ModelConfig, OnNan, PositionEmbedding, RopeScaling, RunConfig, Schedule
 from ptdp.errors import ConfigError
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import PipelinePlan, build_plan
@@ -68,8 +68,9 @@ def _model_rules(cfg: RunConfig, errors: list[str]) -> None:
     positive = ("num_layers", "hidden_size", "num_heads", "seq_length")
     for name in (*positive, "make_vocab_size_divisible_by"):
         _positive(errors, f"model.{name}", getattr(m, name))
-    for name in ("num_query_groups", "ffn_hidden_size", "vocab_size"):
+    for name in ("num_query_groups", "ffn_hidden_size", "vocab_size", "sliding_window"):
         _positive(errors, f"model.{name}", getattr(m, name), zero_ok=True)
+    _rope_scaling_rules(m, errors)
     if len(errors) > before:
         return
     if m.hidden_size % m.num_heads:
@@ -91,6 +92,24 @@ def _model_rules(cfg: RunConfig, errors: list[str]) -> None:
         errors.append(f"model.dropout = {m.dropout} must be in [0, 1)")
     if m.norm_eps <= 0:
         errors.append(f"model.norm_eps = {m.norm_eps} must be > 0")
+
+
+def _rope_scaling_rules(m: ModelConfig, errors: list[str]) -> None:
+    if m.rope_scaling is RopeScaling.NONE:
+        return
+    if m.position_embedding is not PositionEmbedding.ROPE:
+        errors.append(
+            f"model.rope_scaling = {m.rope_scaling.value} scales rotary positions, but "
+            "model.position_embedding = learned; set model.position_embedding = rope or "
+            "model.rope_scaling = none"
+        )
+    for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_original_max_positions"):
+        _positive(errors, f"model.{name}", getattr(m, name))
+    if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        errors.append(
+            f"model.rope_high_freq_factor = {m.rope_high_freq_factor} must exceed "
+            f"model.rope_low_freq_factor = {m.rope_low_freq_factor} (Llama 3.1: 4 and 1)"
+        )
 
 
 def _divisor(n: int) -> int:

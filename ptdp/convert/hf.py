@@ -1,9 +1,12 @@
 """Hugging Face `transformers` export and import of ptdp checkpoints (`ptdp convert`).
 
-Two families map one to one: GPT-2 (`GPT2LMHeadModel`: learned positions, LayerNorm,
-tanh GeLU, biases, multi-head attention) and Llama (`LlamaForCausalLM`: rotary, RMSNorm,
-SwiGLU, grouped-query attention, optional biases). A ptdp option outside both is refused
-with the option's name, never silently dropped.
+Four families map one to one: GPT-2 (`GPT2LMHeadModel`: learned positions, LayerNorm,
+tanh GeLU, biases, multi-head attention), Llama (`LlamaForCausalLM`: rotary, RMSNorm,
+SwiGLU, grouped-query attention, optional biases, Llama 3.1's rotary scaling), Mistral
+(`MistralForCausalLM`: Llama with a sliding attention window) and Qwen2 / Qwen2.5
+(`Qwen2ForCausalLM`: Llama with a bias on the query, key and value projections only).
+The rotary families share their tensor names. A ptdp option outside all of them is
+refused with the option's name, never silently dropped.
 
 What the mapping has to know (shapes: h hidden, n query heads, g key/value groups,
 r = n / g, d head size, f MLP width, v vocabulary):
@@ -71,8 +74,11 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig
     return torch.cat(parts, dim=1).flatten(0, 2)
 
 
-def _layer_suffixes(cfg: ModelConfig) -> tuple[str, ...]:
-    return (".weight", ".bias") if cfg.bias else (".weight",)
+def _suffixes(cfg: ModelConfig, linear: str) -> tuple[str, ...]:
+    """The tensors of one linear layer: its weight, and its bias where the model has one
+    (every linear layer with model.bias, only QKV with model.qkv_bias)."""
+    with_bias = cfg.bias or (cfg.qkv_bias and linear == "attn.qkv")
+    return (".weight", ".bias") if with_bias else (".weight",)
 
 
 def _conv1d(x: torch.Tensor, suffix: str) -> torch.Tensor:
@@ -91,19 +97,22 @@ def to_hf_state(cfg: ModelConfig, model: Tensors) -> Tensors:
     for i in range(cfg.num_layers):
         src = f"layers.{i}."
         dst = f"transformer.h.{i}." if gpt2 else f"model.layers.{i}."
-        for sfx in _layer_suffixes(cfg):
+        for sfx in _suffixes(cfg, "attn.qkv"):
             q, k, v = split_qkv(model[src + "attn.qkv" + sfx], cfg)
-            fc1, proj, fc2 = (model[src + m + sfx] for m in ("mlp.fc1", "attn.proj", "mlp.fc2"))
             if gpt2:  # Conv1D holds [in, out]
                 out[dst + "attn.c_attn" + sfx] = _conv1d(torch.cat([q, k, v]), sfx)
+            else:
+                for name, x in zip(("q_proj", "k_proj", "v_proj"), (q, k, v)):
+                    out[dst + "self_attn." + name + sfx] = x
+        for sfx in _suffixes(cfg, "attn.proj"):
+            fc1, proj, fc2 = (model[src + m + sfx] for m in ("mlp.fc1", "attn.proj", "mlp.fc2"))
+            if gpt2:
                 out[dst + "attn.c_proj" + sfx] = _conv1d(proj, sfx)
                 out[dst + "mlp.c_fc" + sfx] = _conv1d(fc1, sfx)
                 out[dst + "mlp.c_proj" + sfx] = _conv1d(fc2, sfx)
             else:
                 gate, up = fc1.chunk(2)
-                names = ("q_proj", "k_proj", "v_proj", "o_proj")
-                for name, x in zip(names, (q, k, v, proj)):
-                    out[dst + "self_attn." + name + sfx] = x
+                out[dst + "self_attn.o_proj" + sfx] = proj
                 for name, x in zip(("gate_proj", "up_proj", "down_proj"), (gate, up, fc2)):
                     out[dst + "mlp." + name + sfx] = x
         norms = ("ln_1", "ln_2") if gpt2 else ("input_layernorm", "post_attention_layernorm")
@@ -155,23 +164,26 @@ def from_hf_state(cfg: ModelConfig, tensors: Tensors) -> Tensors:
     for i in range(cfg.num_layers):
         src = f"h.{i}." if gpt2 else f"model.layers.{i}."
         dst = f"layers.{i}."
-        for sfx in _layer_suffixes(cfg):
+        for sfx in _suffixes(cfg, "attn.qkv"):
             if gpt2:
                 q, k, v = _conv1d(take(src + "attn.c_attn" + sfx), sfx).chunk(3)
+            else:
+                q, k, v = (
+                    take(src + "self_attn." + m + sfx) for m in ("q_proj", "k_proj", "v_proj")
+                )
+            model[dst + "attn.qkv" + sfx] = fuse_qkv(q, k, v, cfg)
+        for sfx in _suffixes(cfg, "attn.proj"):
+            if gpt2:
                 proj, fc1, fc2 = (
                     _conv1d(take(src + m + sfx), sfx)
                     for m in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
                 )
             else:
-                q, k, v, proj = (
-                    take(src + "self_attn." + m + sfx)
-                    for m in ("q_proj", "k_proj", "v_proj", "o_proj")
-                )
+                proj = take(src + "self_attn.o_proj" + sfx)
                 gate, up, fc2 = (
                     take(src + "mlp." + m + sfx) for m in ("gate_proj", "up_proj", "down_proj")
                 )
                 fc1 = torch.cat([gate, up])
-            model[dst + "attn.qkv" + sfx] = fuse_qkv(q, k, v, cfg)
             model[dst + "attn.proj" + sfx] = proj
             model[dst + "mlp.fc1" + sfx] = fc1
             model[dst + "mlp.fc2" + sfx] = fc2

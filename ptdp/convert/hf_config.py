@@ -1,6 +1,7 @@
 """`transformers` config.json <-> ptdp ModelConfig, for `ptdp convert` (see convert/hf.py).
 
-A model with learned positions maps to GPT-2 and one with rotary positions to Llama; an
+A model with learned positions maps to GPT-2; one with rotary positions to Qwen2 when only
+its QKV projection has a bias, to Mistral when it has a sliding window, else to Llama. An
 option the target family has no equivalent for is refused with its name.
 """
 
@@ -9,31 +10,50 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ptdp.config import Activation, ModelConfig, Normalization, PositionEmbedding
+from ptdp.config import Activation, ModelConfig, Normalization, PositionEmbedding, RopeScaling
 from ptdp.errors import ConfigError
 
 TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 """`transformers` activations that are GeLU's tanh approximation (ptdp's GeLU)."""
 
+NAMES = {"gpt2": "GPT-2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+LLAMA3_KEYS = {
+    "factor": "rope_scaling_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_positions",
+}
+"""`transformers`' llama3 rope_scaling keys -> ptdp's model keys."""
+
 
 def family(cfg: ModelConfig) -> str:
-    """The family, "gpt2" or "llama", by position embedding; refuses what it lacks."""
+    """The family (a key of NAMES) that `cfg` exports to; refuses what it lacks."""
     if cfg.position_embedding is PositionEmbedding.LEARNED:
-        kind, name = "gpt2", "GPT-2"
+        kind, why = "gpt2", "model.position_embedding = learned"
         wanted = {"normalization": Normalization.LAYERNORM, "activation": Activation.GELU}
-        wanted |= {"bias": True, "num_query_groups": cfg.num_heads}
+        wanted |= {"bias": True, "num_query_groups": cfg.num_heads, "sliding_window": 0}
     else:
-        kind, name = "llama", "Llama"
         wanted = {"normalization": Normalization.RMSNORM, "activation": Activation.SWIGLU}
+        if cfg.qkv_bias and not cfg.bias:
+            kind, why = "qwen2", "model.qkv_bias = true with model.bias = false"
+        elif cfg.sliding_window:
+            kind, why = "mistral", f"model.sliding_window = {cfg.sliding_window}"
+            wanted["bias"] = False
+        else:
+            kind, why = "llama", "model.position_embedding = rope"
     got = {k: cfg.query_groups if k == "num_query_groups" else getattr(cfg, k) for k in wanted}
     bad = [k for k in wanted if got[k] != wanted[k]]
     if bad:
         have = ", ".join(f"model.{k} = {_show(got[k])}" for k in bad)
         need = ", ".join(f"{_show(wanted[k])}" for k in bad)
         raise ConfigError(
-            f"cannot export to Hugging Face: model.position_embedding = "
-            f"{cfg.position_embedding.value} maps to {name}, which has no equivalent of "
-            f"{have} (it needs {need})"
+            f"cannot export to Hugging Face: {why} maps to {NAMES[kind]}, which has no "
+            f"equivalent of {have} (it needs {need})"
         )
     return kind
 
@@ -52,7 +72,8 @@ def hf_config(cfg: ModelConfig, eod_id: int | None = None) -> dict[str, Any]:
         "eos_token_id": eod_id,
         "torch_dtype": "float32",
     }
-    if family(cfg) == "gpt2":
+    kind = family(cfg)
+    if kind == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",
@@ -70,23 +91,48 @@ def hf_config(cfg: ModelConfig, eod_id: int | None = None) -> dict[str, Any]:
             "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False,
         } | common
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    rotary = {
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.ffn_size,
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.query_groups,
         "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.seq_length,
+        "max_position_embeddings": _max_positions(cfg),
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "hidden_act": "silu",
-        "attention_bias": cfg.bias,
-        "mlp_bias": cfg.bias,
         "attention_dropout": cfg.dropout,
-    } | common
+    } | _rope_scaling(cfg)
+    window = cfg.sliding_window or None
+    if kind == "llama":
+        rotary |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
+    elif kind == "mistral":
+        rotary |= {"sliding_window": window}
+    else:  # Qwen2 slides from layer max_window_layers on: from the first, as ptdp does
+        layer = "sliding_attention" if window else "full_attention"
+        rotary |= {"use_sliding_window": bool(window), "sliding_window": window}
+        rotary |= {"max_window_layers": 0, "layer_types": [layer] * cfg.num_layers}
+    return rotary | common
+
+
+def _max_positions(cfg: ModelConfig) -> int:
+    """The training context, or the context llama3 scaling stretches the model to (Llama
+    3.1: 8192 x 8 = 131072), whichever is longer."""
+    if cfg.rope_scaling is RopeScaling.LLAMA3:
+        stretched = round(cfg.rope_original_max_positions * cfg.rope_scaling_factor)
+        return max(cfg.seq_length, stretched)
+    return cfg.seq_length
+
+
+def _rope_scaling(cfg: ModelConfig) -> dict[str, Any]:
+    """The `rope_scaling` entry (the spelling both transformers 4 and 5 read), if any."""
+    if cfg.rope_scaling is RopeScaling.NONE:
+        return {}
+    scaling = {theirs: getattr(cfg, ours) for theirs, ours in LLAMA3_KEYS.items()}
+    return {"rope_scaling": {"rope_type": cfg.rope_scaling.value, **scaling}}
 
 
 def model_config_from_hf(config: dict[str, Any], seq_length: int = 0) -> ModelConfig:
@@ -96,9 +142,10 @@ def model_config_from_hf(config: dict[str, Any], seq_length: int = 0) -> ModelCo
     keep the table's first `seq_length` rows.
     """
     kind = config.get("model_type")
-    if kind not in ("gpt2", "llama"):
-        raise ConfigError(f"cannot import model_type {kind!r}: ptdp converts 'gpt2' and 'llama'")
-    cfg = (_gpt2_config if kind == "gpt2" else _llama_config)(config, seq_length)
+    if kind not in NAMES:
+        known = ", ".join(repr(k) for k in NAMES)
+        raise ConfigError(f"cannot import model_type {kind!r}: ptdp converts {known}")
+    cfg = (_gpt2_config if kind == "gpt2" else _rotary_config)(config, seq_length)
     # Leave widths that equal ptdp's defaults at 0 (automatic), as a hand-written config would.
     if cfg.ffn_size == replace(cfg, ffn_hidden_size=0).ffn_size:
         cfg = replace(cfg, ffn_hidden_size=0)
@@ -146,19 +193,20 @@ def _gpt2_config(c: dict[str, Any], seq_length: int) -> ModelConfig:
     )
 
 
-def _llama_config(c: dict[str, Any], seq_length: int) -> ModelConfig:
+def _rotary_config(c: dict[str, Any], seq_length: int) -> ModelConfig:
+    """Llama, Mistral or Qwen2 (`c["model_type"]`): one model with three sets of options."""
+    kind = c["model_type"]
     h, n = c["hidden_size"], c["num_attention_heads"]
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    bad = {}
+    bad: dict[str, object] = {}
     if c.get("hidden_act", "silu") != "silu":
         bad["hidden_act"] = c["hidden_act"]
     if (c.get("head_dim") or h // n) * n != h:
         bad["head_dim"] = c["head_dim"]  # ptdp's head size is hidden_size / num_heads
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        bad["rope_type"] = rope.get("rope_type", rope.get("type"))
-    if c.get("attention_bias", False) != c.get("mlp_bias", False):
+    if kind == "llama" and c.get("attention_bias", False) != c.get("mlp_bias", False):
         bad["attention_bias != mlp_bias"] = (c["attention_bias"], c["mlp_bias"])
-    _refuse("Llama", bad)
+    rope = _rope_options(c, bad)
+    window = _sliding_window(c, bad)
+    _refuse(NAMES[kind], bad)
     return ModelConfig(
         num_layers=c["num_hidden_layers"],
         hidden_size=h,
@@ -168,12 +216,54 @@ def _llama_config(c: dict[str, Any], seq_length: int) -> ModelConfig:
         vocab_size=c["vocab_size"],
         seq_length=_context(seq_length, c.get("max_position_embeddings", 2048)),
         position_embedding=PositionEmbedding.ROPE,
-        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
         normalization=Normalization.RMSNORM,
         norm_eps=c.get("rms_norm_eps", 1e-6),
         activation=Activation.SWIGLU,
         tie_embeddings=c.get("tie_word_embeddings", False),
-        bias=c.get("attention_bias", False),
+        bias=kind == "llama" and c.get("attention_bias", False),
+        qkv_bias=kind == "qwen2",
+        sliding_window=window,
         dropout=c.get("attention_dropout", 0.0),
         init_std=c.get("initializer_range", 0.02),
+        **rope,
     )
+
+
+def _rope_options(c: dict[str, Any], bad: dict[str, object]) -> dict[str, Any]:
+    """ptdp's rope_* keys from `rope_parameters` (transformers 5) or `rope_scaling` and
+    `rope_theta` (transformers 4, most published config.json files)."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    options: dict[str, Any] = {
+        "rope_theta": float(rope.get("rope_theta", c.get("rope_theta", 1e4)))
+    }
+    if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+        bad["partial_rotary_factor"] = rope.get("partial_rotary_factor")
+    if kind == "llama3":
+        missing = [k for k in LLAMA3_KEYS if k not in rope]
+        if missing:
+            bad[f"rope_type = 'llama3' without {', '.join(missing)}"] = rope
+        options["rope_scaling"] = RopeScaling.LLAMA3
+        options |= {ours: rope[theirs] for theirs, ours in LLAMA3_KEYS.items() if theirs in rope}
+    elif kind != "default":
+        bad["rope_type"] = kind
+    return options
+
+
+def _sliding_window(c: dict[str, Any], bad: dict[str, object]) -> int:
+    """Mistral's `sliding_window`; Qwen2's when every layer slides (`layer_types`)."""
+    window = c.get("sliding_window") or 0
+    if c["model_type"] == "mistral":
+        return window
+    if c["model_type"] == "llama" or not c.get("use_sliding_window", False) or not window:
+        return 0
+    first = c.get("max_window_layers", 0)
+    layers = c.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention"
+        for i in range(c["num_hidden_layers"])
+    ]
+    if set(layers) == {"sliding_attention"}:
+        return window
+    if "sliding_attention" in layers:
+        bad["layer_types mixing sliding and full attention"] = layers
+    return 0

@@ -12,7 +12,8 @@ the tensor-parallel ones of `ptdp.parallel.tensor`: given a tensor group of size
 rank holds 1/t of the heads, the MLP width and the vocabulary; with t = 1 (no group) it
 is the single-process reference model. Attention goes through
 `scaled_dot_product_attention` with the causal flag, so no mask is materialised and
-flash kernels are used on GPUs.
+flash kernels are used on GPUs; only a sliding window shorter than the sequence
+(`model.sliding_window`, Mistral) needs an explicit mask.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from ptdp.config import Activation, ModelConfig, Normalization, PositionEmbedding, Recompute
 from ptdp.model.init import apply_init
 from ptdp.model.kv_cache import KVCache, LayerCache
+from ptdp.model.rope import Rotary
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
 from ptdp.parallel.init import ShardSpec, rank_rng, shard_spec
@@ -53,34 +55,21 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-class Rotary(nn.Module):
-    """Rotary position embedding (Su et al. 2021), rotate-half convention as in Llama."""
-
-    def __init__(self, head_dim: int, seq_length: int, theta: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        angles = torch.outer(torch.arange(seq_length, dtype=torch.float64), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)  # [s, d]
-        # Not persistent: derived from the config, so checkpoints need not carry it.
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
-
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """x: [b, heads, s, d] -> same, rotated by each position's angle."""
-        s = x.shape[-2]
-        cos = self.cos[offset : offset + s].to(x.dtype)
-        sin = self.sin[offset : offset + s].to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+def attention_mask(q_len: int, k_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """Bool [q_len, k_len], True where query i (the position k_len - q_len + i) may read key
+    j: j <= i, and with a sliding `window` (> 0) also i - j < window."""
+    offset = k_len - q_len
+    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(offset)
+    return mask.triu(offset - window + 1) if window else mask
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query support.
+    """Causal self-attention with grouped-query support and an optional sliding window.
 
     The fused QKV weight is laid out group by group, [q heads of group 0, k0, v0, q heads
     of group 1, k1, v1, ...], so that a contiguous split of its rows over tensor-parallel
-    ranks hands each rank whole groups (Megatron's layout).
+    ranks hands each rank whole groups (Megatron's layout); its bias (model.bias or
+    model.qkv_bias) is split with the same rows.
     """
 
     def __init__(self, cfg: ModelConfig, ctx: TPContext, recompute_core: bool) -> None:
@@ -95,7 +84,7 @@ class Attention(nn.Module):
             cfg.hidden_size,
             qkv_out,
             tp=ctx.tp,
-            bias=cfg.bias,
+            bias=cfg.bias or cfg.qkv_bias,
             sequence_parallel=sp,
             wgrad=ctx.wgrad,
         )
@@ -108,24 +97,31 @@ class Attention(nn.Module):
             wgrad=ctx.wgrad,
         )
         self.dropout = cfg.dropout
+        self.window = cfg.sliding_window
         self.recompute_core = recompute_core
         self.tp = ctx.tp
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = q.shape[2]
+        # A window as long as the sequence is plain causal attention: keep the flash path.
+        mask = attention_mask(s, s, self.window, q.device) if 0 < self.window < s else None
         p = self.dropout if self.training else 0.0
         if p == 0.0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None)
         with rank_rng(self.tp, q.device):  # heads are split: a different mask per rank
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            return F.scaled_dot_product_attention(
+                q, k, v, mask, dropout_p=p, is_causal=mask is None
+            )
 
-    @staticmethod
-    def _cached_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _cached_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [b, n, s, d] for the last s of the k/v positions [b, n, offset + s, d]."""
         s, total = q.shape[2], k.shape[2]
-        if s == 1:  # one new token sees every cached position
+        if s == 1:  # one new token sees every cached position (in its window)
+            if 0 < self.window < total:
+                k, v = k[:, :, -self.window :], v[:, :, -self.window :]
             return F.scaled_dot_product_attention(q, k, v)
         # is_causal aligns the mask top-left; new positions need it bottom-right.
-        mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
+        mask = attention_mask(s, total, self.window, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def forward(
@@ -282,9 +278,7 @@ class GPT(nn.Module):
                 self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
             self.embed_dropout = nn.Dropout(cfg.dropout)
         self.rotary = (
-            Rotary(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
-            if cfg.position_embedding is PositionEmbedding.ROPE
-            else None
+            Rotary.from_config(cfg) if cfg.position_embedding is PositionEmbedding.ROPE else None
         )
         # Keyed by global index, so parameter names (and thus init) match across layouts.
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, recompute) for i in layers})

@@ -170,12 +170,17 @@ def layer_gemms(model: ModelConfig, micro_batch: int, tp: int) -> list[Gemm]:
 
 
 def attention_core(model: ModelConfig, micro_batch: int, tp: int, c: Compute) -> Passes:
-    """Scores QK^T and their product with V: all of it input gradients (B)."""
+    """Scores QK^T and their product with V: all of it input gradients (B).
+
+    A sliding window shorter than the sequence needs an explicit mask, with which the
+    fused kernels compute every s x s block (none is skipped as causal ones are).
+    """
     s, d = model.seq_length, model.head_dim
     heads = micro_batch * model.num_heads // tp
     scores, values = Gemm(s, s, d, heads), Gemm(s, d, s, heads)
     if c.software.fused_attention:
-        flops = (scores.flops + values.flops) * c.software.causal_fraction
+        masked = 0 < model.sliding_window < s
+        flops = (scores.flops + values.flops) * (1.0 if masked else c.software.causal_fraction)
         dev = c.system.device
         forward = flops / (c.peak * dev.gemm_efficiency) + dev.kernel_overhead
         return Passes(forward, forward * c.software.fused_backward_ratio, 0.0)

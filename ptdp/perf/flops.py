@@ -2,7 +2,8 @@
 
 An [m, k] x [k, n] GEMM costs 2mkn FLOPs; only the transformer GEMMs, the attention
 score/value products and the logit layer are counted (the paper's lower bound). The
-attention products are counted over the full s x s square, as the paper does.
+attention products are counted over the full s x s square, as the paper does; with a
+sliding window w < s (model.sliding_window) over the s x w band each query can read.
 
 For the paper's own GPT (4h MLP, multi-head attention) with full recomputation,
 `flops_per_iteration` equals equation (3),
@@ -31,7 +32,8 @@ def layer_forward_flops_per_token(cfg: ModelConfig) -> tuple[float, float]:
     qkv = 2 * h * (h + 2 * kv)
     proj = 2 * h * h
     mlp = (6 if cfg.activation is Activation.SWIGLU else 4) * h * f
-    core = 4 * s * h  # scores QK^T and the weighted sum over V, 2 s h each
+    span = min(s, cfg.sliding_window) if cfg.sliding_window else s  # keys a query may read
+    core = 4 * span * h  # scores QK^T and the weighted sum over V, 2 span h each
     return qkv + proj + mlp, core
 
 

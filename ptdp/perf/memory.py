@@ -83,13 +83,17 @@ def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
     """Parameters of one transformer layer on one tensor-parallel rank.
 
     Column-parallel weights and biases (QKV, fc1) and row-parallel weights (projection,
-    fc2) are split over t; row-parallel biases and the norms are replicated.
+    fc2) are split over t; row-parallel biases and the norms are replicated. With
+    model.qkv_bias alone (Qwen2) only QKV has a bias.
     """
     h, f, t = model.hidden_size, model.ffn_size, tp
     qkv = h + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
     weights = (h * qkv + h * h + h * f * parts + f * h) // t
-    biases = (qkv + f * parts) // t + 2 * h if model.bias else 0
+    if model.bias:
+        biases = (qkv + f * parts) // t + 2 * h
+    else:
+        biases = qkv // t if model.qkv_bias else 0
     norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
     return weights + biases + 2 * norm
 

@@ -1,4 +1,5 @@
-"""Model presets and published figures from the paper, for planning and validation.
+"""Model presets and published figures from the paper, for planning and validation; the
+`--model NAME|FILE` resolver of `ptdp train`, `simulate` and `plan`.
 
 Narayanan et al., SC21 (arXiv 2104.04473): Table 1 (weak scaling on DGX A100 80GB nodes,
 interleaved schedule with scatter/gather, full activation recomputation, mixed precision,
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from ptdp.config import ModelConfig, RunConfig, apply_updates, load_toml, resolve
 from ptdp.errors import ConfigError
+from ptdp.presets import MODEL_PRESETS, model_preset
 
 VOCAB = 51200
 SEQ = 2048
@@ -80,28 +82,39 @@ def preset(name: str) -> ModelConfig:
     return apply_updates(RunConfig(), {"model": model}, f"preset {name}").model
 
 
+ALL_PRESETS: tuple[str, ...] = (*PRESETS, *MODEL_PRESETS)
+"""Every `--model NAME`: the paper's GPTs, then the published models of `ptdp.presets`."""
+
+MODEL_HELP = f"a preset ({', '.join(ALL_PRESETS)}; in bf16) or a TOML config to start from"
+"""The help of `--model` (train, simulate, plan)."""
+
+
 def preset_config(name: str) -> RunConfig:
-    """A paper model (`preset`) in the paper's mixed precision (bf16), as a whole config."""
-    if name not in PRESETS:
-        raise ConfigError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
-    cfg = replace(RunConfig(), model=preset(name))
+    """A paper model (`preset`) or a published one (`ptdp.presets`) in mixed precision (bf16,
+    as the paper and those models trained), as a whole config."""
+    if name not in ALL_PRESETS:
+        raise ConfigError(f"unknown model {name!r}; presets: {', '.join(ALL_PRESETS)}")
+    model = preset(name) if name in PRESETS else model_preset(name)
+    cfg = replace(RunConfig(), model=model)
     return apply_updates(cfg, {"train": {"precision": "bf16"}}, f"preset {name}")
 
 
 def model_config(model: str) -> RunConfig:
-    """`--model NAME|FILE` of `ptdp simulate` and `ptdp plan`: a preset (`preset_config`) or a
-    TOML config file; the base that `ptdp.config.resolve` applies `--config` and overrides to."""
-    if model in PRESETS:
+    """`--model NAME|FILE` of `ptdp train`, `simulate` and `plan`: a preset (`preset_config`)
+    or a TOML config file; the base that `ptdp.config.resolve` applies `--config` and
+    overrides to."""
+    if model in ALL_PRESETS:
         return preset_config(model)
     if Path(model).suffix == ".toml" or Path(model).exists():
         return load_toml(model)
     raise ConfigError(
-        f"unknown model {model!r}; use a preset ({', '.join(PRESETS)}) or a TOML config file"
+        f"unknown model {model!r}; use a preset ({', '.join(ALL_PRESETS)}) or a TOML config file"
     )
 
 
 def perf_config(model: str, config: str | None, overrides: list[str]) -> RunConfig:
-    """`ptdp simulate|plan`: --model (`model_config`) < --config FILE < --section.key overrides."""
+    """`ptdp train|simulate|plan`: --model (`model_config`) < --config FILE < --section.key
+    overrides."""
     return resolve(config, overrides, base=model_config(model) if model else None)
 
 

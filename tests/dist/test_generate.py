@@ -40,7 +40,17 @@ def _greedy(rank: int, world_size: int, options: dict) -> None:
             torch.testing.assert_close(logits, single(expected[:, :t])[:, -1], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("options", [pytest.param({}, id="gpt2"), pytest.param(LLAMA, id="llama")])
+WINDOW = {**LLAMA, "qkv_bias": True, "sliding_window": 5}  # Qwen2's bias, Mistral's window
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({}, id="gpt2"),
+        pytest.param(LLAMA, id="llama"),
+        pytest.param(WINDOW, id="window"),
+    ],
+)
 def test_tp2_greedy_generation_equals_single_process(options: dict) -> None:
     run_ranks(_greedy, 2, options)
 

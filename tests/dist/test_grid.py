@@ -51,6 +51,10 @@ class Layout:
         return "-".join(parts)
 
 
+ROTARY_FAMILIES = {"qkv_bias": True, "sliding_window": 6}
+"""The llama layouts also carry Qwen2's QKV-only bias (split with the heads) and Mistral's
+sliding window (shorter than the 16-token sequence, so attention takes the masked path)."""
+
 I = "interleaved"
 GRID = [
     # world 2
@@ -96,7 +100,7 @@ GRID = [
 
 def _config(data: str, run_dir: Path, layout: Layout | None, llama: bool) -> RunConfig:
     model = {"num_layers": 8, "hidden_size": 32, "num_heads": 4, "seq_length": 16}
-    model |= LLAMA if llama else {"tie_embeddings": True}
+    model |= LLAMA | ROTARY_FAMILIES if llama else {"tie_embeddings": True}
     parallel = {"bucket_mb": 0.01}
     if layout is not None:
         parallel |= {

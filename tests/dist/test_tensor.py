@@ -218,6 +218,12 @@ FAMILIES = {  # gpt2 pads the vocabulary to a multiple of 128 * t (the default),
     "llama": {"make_vocab_size_divisible_by": 1, "position_embedding": "rope", "normalization": "rmsnorm", "activation": "swiglu",
               "num_query_groups": 4, "tie_embeddings": False, "bias": False},
 }
+# Qwen2's QKV-only bias (split over ranks with its heads) and Mistral's sliding window
+# (shorter than the 16-token sequence: the explicit-mask path), with Llama 3.1's rotary.
+FAMILIES["qwen2-window"] = FAMILIES["llama"] | {
+    "qkv_bias": True, "sliding_window": 5, "rope_scaling": "llama3",
+    "rope_original_max_positions": 16,
+}
 
 
 def _model_cfg(options: dict):

@@ -250,6 +250,33 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         ("model.num_layers = 2 is not divisible by pp*vpp = 2*2", "a multiple of 4"),
     ),
     (
+        "rope-scaling-without-rope",
+        lambda c: c.train(model={"rope_scaling": "llama3"}),
+        ConfigError,
+        ("model.rope_scaling = llama3 scales rotary positions", "model.position_embedding = rope"),
+    ),
+    (
+        "rope-scaling-bands-inverted",
+        lambda c: c.train(
+            model={
+                "position_embedding": "rope",
+                "rope_scaling": "llama3",
+                "rope_high_freq_factor": 1,
+            }
+        ),
+        ConfigError,
+        (
+            "model.rope_high_freq_factor = 1.0 must exceed model.rope_low_freq_factor = 1.0",
+            "4 and 1",
+        ),
+    ),
+    (
+        "negative-sliding-window",
+        lambda c: c.train(model={"sliding_window": -4}),
+        ConfigError,
+        ("model.sliding_window = -4 must be >= 0",),
+    ),
+    (
         "global-batch-not-divisible",
         lambda c: c.train(train={"global_batch_size": 10}),
         ConfigError,

@@ -25,13 +25,21 @@ transformers = pytest.importorskip("transformers", reason="needs transformers (p
 pytest.importorskip("safetensors", reason="needs safetensors (pip install .[hf])")
 
 SHAPE = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 16, "vocab_size": 64}
+LLAMA31 = {"rope_scaling": "llama3", "rope_theta": 500.0, "rope_original_max_positions": 32}
+"""Llama 3.1's scaling on a context where every band shows: head size 8, theta 500 gives
+wavelengths 6.3 (kept: < 32/4), 30 (blended) and 140, 660 (slowed: > 32/1)."""
 FAMILIES = {
     "gpt2": {},
     "gpt2-untied": {"tie_embeddings": False},
     "llama": LLAMA,  # grouped-query: 4 heads in 2 groups, untied
     "llama-tied-bias": LLAMA | {"tie_embeddings": True, "bias": True, "num_query_groups": 1},
+    "llama3.1": LLAMA | LLAMA31,
+    "mistral": LLAMA | {"sliding_window": 5},  # shorter than the 16-token sequence
+    "qwen2": LLAMA | {"qkv_bias": True, "rope_theta": 1e6},
+    "qwen2-tied-window": LLAMA | {"qkv_bias": True, "tie_embeddings": True, "sliding_window": 5},
 }
-TOL = 1e-4
+KINDS = {"gpt2": "gpt2", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+TOL = 1e-5
 
 
 def _model_config(**options: object) -> ModelConfig:
@@ -77,51 +85,98 @@ def test_export_matches_transformers(family: str, tmp_path: Path) -> None:
     assert main(["convert", "--to", "hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     assert not (tmp_path / "hf" / "tokenizer.json").exists()  # the byte tokenizer has none
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    kind = "gpt2" if family.startswith("gpt2") else "llama"
+    kind = KINDS[family.split("-")[0].removesuffix("3.1")]
     assert hf.config.model_type == kind
     tokens = _tokens(cfg.vocab_size, cfg.seq_length)
     with torch.no_grad():
         _compare(model.eval()(tokens), hf(tokens).logits)
 
 
+ROTARY = {
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 16,
+    "rms_norm_eps": 1e-5,
+}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "rope_theta": 500.0,
+}
+HF_FAMILIES = {
+    "gpt2": lambda v: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=24, vocab_size=v,
+                                n_inner=48)
+    ),
+    "llama": lambda v: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**ROTARY, vocab_size=v, rope_theta=500.0)
+    ),
+    "llama3.1": lambda v: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**ROTARY, vocab_size=v, rope_scaling=LLAMA3_SCALING)
+    ),
+    "mistral": lambda v: transformers.MistralForCausalLM(
+        transformers.MistralConfig(**ROTARY, vocab_size=v, sliding_window=5)
+    ),
+    "qwen2": lambda v: transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**ROTARY, vocab_size=v, rope_theta=1e6)
+    ),
+    "qwen2-tied": lambda v: transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**ROTARY, vocab_size=v, tie_word_embeddings=True)
+    ),
+    "qwen2-window": lambda v: transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(
+            **ROTARY, vocab_size=v, use_sliding_window=True, sliding_window=5, max_window_layers=0
+        )
+    ),
+}  # fmt: skip
+"""Tiny random `transformers` models; the rotary ones with grouped-query attention."""
+
+
 def _hf_model(family: str, vocab_size: int = 64) -> torch.nn.Module:
-    if family == "gpt2":
-        config = transformers.GPT2Config(
-            n_embd=32, n_layer=2, n_head=4, n_positions=24, vocab_size=vocab_size, n_inner=48
-        )
-        model = transformers.GPT2LMHeadModel(config)
-    else:
-        config = transformers.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=16,
-            vocab_size=vocab_size,
-            rope_theta=500.0,
-            rms_norm_eps=1e-5,
-        )
-        model = transformers.LlamaForCausalLM(config)
+    model = HF_FAMILIES[family](vocab_size)
     _randomize(model, 5)
     return model.eval()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", HF_FAMILIES)
 def test_import_matches_transformers(family: str, tmp_path: Path) -> None:
     hf = _hf_model(family)
     hf.save_pretrained(tmp_path / "hf")
     result = import_hf(tmp_path / "hf", tmp_path / "run", seq_length=16)
     assert result.path == ckpt.find_checkpoint(tmp_path / "run")
+    assert result.family == family.split("-")[0].removesuffix("3.1")
     model = load_model(result.path).eval()
     assert model.cfg.seq_length == 16
     tokens = _tokens(64, 16)
     with torch.no_grad():
-        _compare(model(tokens), hf(tokens).logits)
+        ours = model(tokens)
+        _compare(ours, hf(tokens).logits)
     state = ckpt.load_checkpoint(result.path)
     assert state["step"] == 0 and state["optimizer"]["state"] == {}
     # The run's config.toml is the checkpoint's, so `ptdp train --config` resumes it.
     assert load_toml(tmp_path / "run" / "config.toml") == ckpt.load_config(result.path)
+    # Each family's own option is live: without it the logits are not the same.
+    cfg = model.cfg
+    own = {"llama3.1": {"rope_scaling": "none"}, "mistral": {"sliding_window": 0}}
+    own |= {"qwen2-window": {"sliding_window": 0}}
+    if family in own:
+        plain = apply_updates(RunConfig(model=cfg), {"model": own[family]}, "a test").model
+        other = GPT(plain)
+        other.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert (other.eval()(tokens) - ours).abs().max() > 100 * TOL
+    # And back: `transformers` loads the export with the same logits.
+    export_hf(tmp_path / "run", tmp_path / "back")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(again) is type(hf)
+    with torch.no_grad():
+        _compare(again(tokens).logits, ours)
 
 
 def test_training_starts_from_an_import(tiny_data: str, tmp_path: Path, capsys) -> None:
@@ -199,6 +254,8 @@ def test_tokenizer_is_exported(tmp_path: Path) -> None:
         ({"normalization": "rmsnorm"}, "model.normalization"),
         ({"num_query_groups": 2}, "model.num_query_groups"),
         ({**LLAMA, "activation": "gelu"}, "model.activation"),
+        ({**LLAMA, "sliding_window": 4, "bias": True}, "Mistral, .* model.bias = true"),
+        ({"sliding_window": 4}, "model.sliding_window = 4"),
     ],
 )
 def test_export_refuses_options_without_equivalent(
@@ -209,6 +266,24 @@ def test_export_refuses_options_without_equivalent(
     with pytest.raises(ConfigError, match=named):
         export_hf(tmp_path / "run", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    "family,change,named",
+    [
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
+                   "layer_types": ["full_attention", "sliding_attention"]}, "layer_types mixing"),
+    ],
+)  # fmt: skip
+def test_import_refuses_what_ptdp_lacks(
+    family: str, change: dict, named: str, tmp_path: Path
+) -> None:
+    _hf_model(family).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(ConfigError, match=named):
+        import_hf(tmp_path / "hf", tmp_path / "run")
 
 
 def test_import_refuses_exact_gelu(tmp_path: Path) -> None:

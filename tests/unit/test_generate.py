@@ -15,6 +15,9 @@ FAMILIES = [
     pytest.param({}, id="gpt2"),
     pytest.param(LLAMA, id="llama"),
     pytest.param({**LLAMA, "num_query_groups": 1}, id="mqa"),
+    # A window shorter than the prefill and the chunk: the cache path must mask it too.
+    pytest.param({**LLAMA, "sliding_window": 3}, id="mistral-window"),
+    pytest.param({**LLAMA, "qkv_bias": True, "rope_scaling": "llama3"}, id="qwen2-llama3"),
 ]
 
 

@@ -10,6 +10,7 @@ import torch
 from ptdp.config import ModelConfig, Recompute, RunConfig, apply_updates
 from ptdp.model.generate import filter_logits, generate
 from ptdp.model.gpt import GPT, Rotary, count_parameters
+from ptdp.model.rope import inverse_frequencies, llama3_scaled
 from ptdp.perf.flops import paper_parameter_count
 from tests.helpers import LLAMA
 
@@ -19,7 +20,14 @@ def model_cfg(**kw) -> ModelConfig:
     return apply_updates(RunConfig(), {"model": {**base, **kw}}, "test").model
 
 
-FAMILIES = [pytest.param({}, id="gpt2"), pytest.param(LLAMA, id="llama")]
+MISTRAL = {**LLAMA, "sliding_window": 5}  # shorter than the 16-token sequence
+QWEN2 = {**LLAMA, "qkv_bias": True, "rope_theta": 1e6}
+FAMILIES = [
+    pytest.param({}, id="gpt2"),
+    pytest.param(LLAMA, id="llama"),
+    pytest.param(MISTRAL, id="mistral"),
+    pytest.param(QWEN2, id="qwen2"),
+]
 
 
 @pytest.mark.parametrize("options", FAMILIES)
@@ -61,7 +69,8 @@ def naive_attention(attn, x: torch.Tensor, rotary: Rotary | None) -> torch.Tenso
     n, g, d = attn.num_heads, attn.groups, attn.head_dim
     qkv = x @ attn.qkv.weight.t() + (attn.qkv.bias if attn.qkv.bias is not None else 0)
     per_group = qkv.view(s, b, g, n // g + 2, d)
-    mask = torch.ones(s, s).tril().bool()
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    mask = (j <= i) & ((i - j < attn.window) if attn.window else True)
     heads = []
     for head in range(n):
         group, slot = divmod(head, n // g)
@@ -89,6 +98,47 @@ def test_attention_matches_naive(options: dict) -> None:
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_sliding_window_limits_what_each_position_reads() -> None:
+    # Each layer reaches 4 positions further back: after 3 layers, position p reads
+    # p - 12 .. p, so changing token 2 leaves positions >= 15 alone and changes 14.
+    model = GPT(model_cfg(**MISTRAL))
+    tokens = torch.randint(0, 50, (2, 16))
+    changed = tokens.clone()
+    changed[:, 2] = (changed[:, 2] + 1) % 50
+    a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, 15:], b[:, 15:], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 2:15], b[:, 2:15])
+    assert not torch.allclose(a[:, 14], b[:, 14])  # exactly 3 x (5 - 1) = 12 positions back
+    # A window as long as the sequence is plain causal attention.
+    full = GPT(model_cfg(**LLAMA))
+    long = GPT(model_cfg(**{**LLAMA, "sliding_window": 16}))
+    torch.testing.assert_close(full(tokens), long(tokens), rtol=0, atol=0)
+
+
+def test_llama3_rope_scaling_bands() -> None:
+    plain = model_cfg(**LLAMA, rope_theta=500.0, num_heads=2)  # head size 16: 8 frequencies
+    cfg = apply_updates(
+        RunConfig(model=plain),
+        {"model": {"rope_scaling": "llama3", "rope_original_max_positions": 64}},
+        "test",
+    ).model
+    w, scaled = inverse_frequencies(plain), inverse_frequencies(cfg)
+    wavelength = 2 * math.pi / w
+    high, low = wavelength < 64 / 4, wavelength > 64 / 1
+    assert high.any() and low.any() and (~high & ~low).any()  # every band is exercised
+    torch.testing.assert_close(scaled[high], w[high], rtol=0, atol=0)
+    torch.testing.assert_close(scaled[low], w[low] / 8, rtol=1e-12, atol=0)
+    mid = ~high & ~low
+    assert ((scaled[mid] < w[mid]) & (scaled[mid] > w[mid] / 8)).all()
+    # Continuous at both edges of the band: no jump in frequency.
+    edges = torch.tensor([2 * math.pi / 16, 2 * math.pi / 64], dtype=torch.float64)
+    s = llama3_scaled(edges, factor=8, low_freq_factor=1, high_freq_factor=4, original_positions=64)
+    torch.testing.assert_close(s, torch.stack([edges[0], edges[1] / 8]), rtol=1e-12, atol=0)
+    a, b = GPT(plain, seed=1), GPT(cfg, seed=1)
+    tokens = torch.randint(0, 50, (1, 16))
+    assert not torch.allclose(a(tokens), b(tokens))  # the scaled rotation reaches the logits
 
 
 def test_rotary_is_relative() -> None:
@@ -137,6 +187,12 @@ def test_llama_options_change_the_structure() -> None:
     assert cfg.ffn_size == 128  # 8h/3 = 85, rounded up to a multiple of 64
     tied = GPT(model_cfg())
     assert tied.output_weight() is tied.embedding.weight
+
+
+def test_qkv_bias_is_the_only_bias() -> None:
+    model = GPT(model_cfg(**QWEN2))
+    biases = {n for n, _ in model.named_parameters() if n.endswith("bias")}
+    assert biases == {f"layers.{i}.attn.qkv.bias" for i in range(3)}
 
 
 def test_filter_logits() -> None:

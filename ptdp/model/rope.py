@@ -1,0 +1,88 @@
+"""Rotary position embedding (Su et al. 2021, arXiv 2104.09864) and its frequency scaling.
+
+Shapes: b = batch, n = heads, s = positions, d = head size. Rotation pairs dim i with
+dim i + d/2 (the rotate-half convention of Llama and `transformers`), pair i turning by
+position * w_i with w_i = theta^(-2i/d).
+
+Llama 3.1 (`model.rope_scaling = llama3`, Grattafiori et al. 2024, arXiv 2407.21783)
+stretches the context by slowing down only the slow rotations: a pair whose wavelength
+2 pi / w_i spans more than L = original / low_freq_factor positions turns `factor` times
+slower, one shorter than H = original / high_freq_factor is kept, and between the two
+the frequency is interpolated linearly in original / wavelength, so w is continuous.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ptdp.config import ModelConfig, RopeScaling
+
+
+def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """w_i [d/2] in float64 for `cfg.head_dim`, `cfg.rope_theta` and `cfg.rope_scaling`."""
+    freq = plain_frequencies(cfg.head_dim, cfg.rope_theta)
+    if cfg.rope_scaling is RopeScaling.LLAMA3:
+        freq = llama3_scaled(
+            freq,
+            factor=cfg.rope_scaling_factor,
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_positions=cfg.rope_original_max_positions,
+        )
+    return freq
+
+
+def plain_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """w_i = theta^(-2i/d), i < d/2, in float64."""
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+
+def llama3_scaled(
+    freq: torch.Tensor,
+    *,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_positions: int,
+) -> torch.Tensor:
+    """Llama 3.1's scaled frequencies (module docstring): kept above 2 pi / H, divided by
+    `factor` below 2 pi / L, linearly blended in between."""
+    ratio = original_positions * freq / (2 * math.pi)  # original context / wavelength
+    blend = ((ratio - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
+    return (1.0 - blend) * freq / factor + blend * freq
+
+
+class Rotary(nn.Module):
+    """Rotates queries and keys by their positions; cos/sin tables for `seq_length`."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        seq_length: int,
+        theta: float,
+        inv_freq: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        if inv_freq is None:
+            inv_freq = plain_frequencies(head_dim, theta)
+        angles = torch.outer(torch.arange(seq_length, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # [s, d]
+        # Not persistent: derived from the config, so checkpoints need not carry it.
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> Rotary:
+        return cls(cfg.head_dim, cfg.seq_length, cfg.rope_theta, inverse_frequencies(cfg))
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """x: [b, n, s, d] -> same, rotated by each position's angle."""
+        s = x.shape[-2]
+        cos = self.cos[offset : offset + s].to(x.dtype)
+        sin = self.sin[offset : offset + s].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
