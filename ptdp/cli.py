@@ -376,29 +376,18 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _old_spellings(args: argparse.Namespace) -> list[str]:
-    """`--tp 8` and the other old flags of `plan` as the overrides they stand for."""
-    given = {k: v for k, v in vars(args).items() if "." in k and v not in (None, "0", "auto")}
-    return [text for key, value in given.items() for text in (f"--{key}", str(value))]
-
-
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from ptdp.config import parse_overrides
-    from ptdp.errors import ConfigError
     from ptdp.perf.costs import SOFTWARE
     from ptdp.perf.hardware import load_system
-    from ptdp.perf.paper import perf_config
-    from ptdp.perf.planner import pinned, plan
+    from ptdp.perf.planner import plan, plan_request
     from ptdp.perf.report import format_plan, plan_dict, progress_bar
 
-    overrides = _old_spellings(args) + args.overrides  # the explicit keys win
-    given = parse_overrides(overrides)
-    if "global_batch_size" not in given.get("train", {}):
-        raise ConfigError("the planner needs --train.global_batch_size B (or --global-batch B)")
-    base = perf_config(args.model, args.config, overrides)
-    pins = pinned(base, given)
+    # `--tp 8` and the other old flags of `plan` as overrides; the explicit keys win.
+    old = {k: v for k, v in vars(args).items() if "." in k and v not in (None, "0", "auto")}
+    overrides = [text for key, value in old.items() for text in (f"--{key}", str(value))]
+    base, pins = plan_request(args.model, args.config, overrides + args.overrides)
     system, software = load_system(args.device), SOFTWARE[args.software]
     with progress_bar("simulating layouts") as progress:
         result = plan(

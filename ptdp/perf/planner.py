@@ -28,12 +28,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ptdp.config import Recompute, RunConfig, Schedule
+from ptdp.config import Recompute, RunConfig, Schedule, parse_overrides
 from ptdp.errors import ConfigError
 from ptdp.layout import validate
 from ptdp.perf.costs import PTDP, Compute, Software
 from ptdp.perf.hardware import GIB, System
 from ptdp.perf.memory import estimate_memory
+from ptdp.perf.paper import perf_config
 from ptdp.perf.simulator import Prediction, require_vocab, simulate, stage_costs
 from ptdp.pipeline.schedules import SCHEDULES
 
@@ -138,6 +139,17 @@ SEARCHED: dict[str, str] = {
     "train.micro_batch_size": "micro_batch",
 }
 """Config keys the planner searches, and the `plan` argument that fixes each."""
+
+
+def plan_request(
+    model: str, config: str | None, overrides: list[str]
+) -> tuple[RunConfig, dict[str, object]]:
+    """`ptdp plan`'s base config (`--model`, `--config`, `--section.key`) and the keys it pins."""
+    given = parse_overrides(overrides)
+    if "global_batch_size" not in given.get("train", {}):
+        raise ConfigError("the planner needs --train.global_batch_size B (or --global-batch B)")
+    base = perf_config(model, config, overrides)
+    return base, pinned(base, given)
 
 
 def pinned(cfg: RunConfig, given: dict[str, dict[str, str]]) -> dict[str, object]:
