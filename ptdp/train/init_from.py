@@ -160,9 +160,12 @@ def _conflict(key: str, mine: Any, saved: ModelConfig) -> str | None:
             return f"model.seq_length = {mine} exceeds its {theirs} learned positions"
         return None
     if _effective(saved, key, mine) != _effective(saved, key, theirs):
-        show = lambda v: getattr(v, "value", v)  # noqa: E731 - enums by their value
-        return f"model.{key} = {show(mine)} where it has {show(theirs)}"
+        return f"model.{key} = {_show(mine)} where it has {_show(theirs)}"
     return None
+
+
+def _show(value: Any) -> Any:
+    return getattr(value, "value", value)  # enums by their value
 
 
 def merge_model(
