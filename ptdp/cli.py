@@ -270,19 +270,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from ptdp.config import given_keys
     from ptdp.parallel.env import LaunchEnv, exit_now, leave_failed_rank
     from ptdp.perf.paper import perf_config
     from ptdp.train.run import dry_run, train
 
     cfg = perf_config(args.model, args.config, args.overrides)
     env = LaunchEnv.from_environ()
+    given = given_keys(args.config, args.overrides)  # checked by checkpoint.init_from
     if args.dry_run:
         if args.world_size:
             env = LaunchEnv(rank=0, world_size=args.world_size, local_rank=0)
-        print(dry_run(cfg, env))
+        print(dry_run(cfg, env, given=given))
         return 0
     try:
-        result = train(cfg, resume=args.resume, env=env)
+        result = train(cfg, resume=args.resume, env=env, given=given)
     except BaseException as exc:
         if env.world_size == 1:
             raise

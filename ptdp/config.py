@@ -292,12 +292,22 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    init_from: str = ""
+    """Start from these weights: a ptdp run or step directory (any layout) or a Hugging
+    Face model directory (config.json + safetensors); fresh optimizer, step 0, data from
+    the start; the model settings come from it. A run that already has checkpoints
+    continues from its own with --resume instead. Empty = a fresh initialisation."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
@@ -429,6 +439,14 @@ def resolve(
     if config_path:
         cfg = load_toml(config_path, cfg)
     return apply_updates(cfg, parse_overrides(overrides), "the command line")
+
+
+def given_keys(config_path: str | None, overrides: list[str]) -> frozenset[str]:
+    """The `section.key` names a TOML file or the command line sets, as opposed to those
+    left at their defaults (checkpoint.init_from refuses only given model keys)."""
+    data = tomllib.loads(Path(config_path).read_text()) if config_path else {}
+    given = {f"{s}.{k}" for s, values in data.items() if isinstance(values, dict) for k in values}
+    return frozenset(given | {f"{s}.{k}" for s, v in parse_overrides(overrides).items() for k in v})
 
 
 # --------------------------------------------------------------------------- writing, help

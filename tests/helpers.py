@@ -85,3 +85,30 @@ def assert_same_run(single: Path, parallel: Path, losses: dict[int, float], othe
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def save_tiny_hf(directory: Path, family: str, *, vocab_size: int = 257, positions: int = 64):
+    """A random 2-layer, h=32 `transformers` GPT-2 or Llama (grouped-query) model saved in
+    `directory` (no dropout, weights far from init so a misplaced tensor shows); the byte
+    vocabulary by default. Returns the model."""
+    import transformers
+
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, n_positions=positions, vocab_size=vocab_size,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=positions, vocab_size=vocab_size,
+            rms_norm_eps=1e-5,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    model.save_pretrained(directory)
+    return model

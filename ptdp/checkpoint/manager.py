@@ -10,6 +10,7 @@ whatever the saving ranks wrote, so the layout may change between runs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from ptdp.checkpoint.full import load_checkpoint, local_model_state, local_optimizer_state
-from ptdp.checkpoint.keys import RNG
+from ptdp.checkpoint.keys import MODEL, RNG, named_parameters
 from ptdp.checkpoint.sharded import load_plan, sharded_state, stage_mesh, unpack
 from ptdp.checkpoint.store import STATE_FILE, load_entries, read_metadata, verify_files
 from ptdp.checkpoint.writer import PendingCheckpoint, start_checkpoint
@@ -32,6 +33,7 @@ from ptdp.parallel.comm import Group, all_gather_objects, new_world_group
 from ptdp.parallel.mesh import ParallelMesh
 
 Moments = dict[nn.Parameter, dict[str, torch.Tensor]]
+POSITIONS = "position.weight"  # the learned position table: [seq_length, h], replicated
 
 
 class TrainOptimizer(Protocol):
@@ -196,14 +198,7 @@ class CheckpointManager:
         if (step_dir / STATE_FILE).is_file():  # the earlier single-file format
             return self._restore_full(load_checkpoint(step_dir))
         distributed = self.world.size > 1
-        metadata = read_metadata(step_dir)
-        problems = verify_files(step_dir, metadata, self.world.rank, self.world.size)
-        # Each rank checked a share of the files; all must agree.
-        parts = all_gather_objects(problems, self.world.group, self.world.size)
-        problems = [p for part in parts for p in part]
-        if problems:
-            raise CheckpointError("; ".join(problems))
-        keys = metadata.state_dict_metadata
+        keys = self._verified_metadata(step_dir).state_dict_metadata
         entries, plan = load_plan(self.chunks, keys, self._stage_mesh(), self.tp_rank)
         scalars = ("step", "loss_scaler", "layout", "optimizer/step")
         entries |= {k: None for k in scalars if k in keys}
@@ -224,6 +219,47 @@ class CheckpointManager:
         else:
             self._reseed(step, f"it was saved in layout {entries.get('layout') or 'unknown'}")
         return step
+
+    def _verified_metadata(self, step_dir: Path):
+        """The DCP metadata, once every rank has checked its share of the files (missing,
+        truncated, checksum) and all agree."""
+        metadata = read_metadata(step_dir)
+        problems = verify_files(step_dir, metadata, self.world.rank, self.world.size)
+        parts = all_gather_objects(problems, self.world.group, self.world.size)
+        problems = [p for part in parts for p in part]
+        if problems:
+            raise CheckpointError("; ".join(problems))
+        return metadata
+
+    def load_weights(self, step_dir: Path) -> None:
+        """Only the model weights of a checkpoint saved in any layout, resharded as in
+        `restore`, with a fresh optimizer (checkpoint.init_from). A learned position table
+        longer than this model's sequence keeps its first rows."""
+        if (step_dir / STATE_FILE).is_file():  # the earlier single-file format
+            self.load_model_state(load_checkpoint(step_dir)["model"])
+            return
+        metadata = self._verified_metadata(step_dir).state_dict_metadata
+        keys = {k: v for k, v in metadata.items() if k.startswith(MODEL)}
+        mine = dict(named_parameters(self.chunks)).get(POSITIONS)
+        saved = keys.get(MODEL + POSITIONS)
+        longer = mine is not None and saved is not None and saved.size[0] > mine.shape[0]
+        if longer:  # plan for this model's rows, read all of the saved ones
+            keys[MODEL + POSITIONS] = dataclasses.replace(saved, size=torch.Size(mine.shape))
+        entries, plan = load_plan(self.chunks, keys, self._stage_mesh(), self.tp_rank)
+        if longer:
+            rows = entries[MODEL + POSITIONS]
+            entries[MODEL + POSITIONS] = torch.empty(saved.size, dtype=torch.float32)
+        load_entries(step_dir, entries, distributed=self.world.size > 1)
+        if longer:
+            rows.copy_(entries[MODEL + POSITIONS][: rows.shape[0]])
+        masters, _ = unpack(plan, self.tp_rank)
+        self.optimizer.load(masters, {}, 0)
+
+    def load_model_state(self, model: dict[str, torch.Tensor]) -> None:
+        """Model weights from a full-shape state by global name (a converted Hugging Face
+        model), each rank taking its shards; the optimizer starts fresh."""
+        masters = local_model_state(self.chunks, model, self.mesh.axis("tp"))
+        self.optimizer.load(masters, {}, 0)
 
     def _reseed(self, step: int, why: str) -> None:
         """A deterministic new random stream per data-parallel rank (as at the start)."""

@@ -16,22 +16,37 @@ from ptdp.layout import Layout, validate
 from ptdp.parallel.comm import all_gather_objects, barrier
 from ptdp.parallel.env import LaunchEnv, destroy_process_group
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
+from ptdp.train.init_from import InitSource, load_initial_weights, resolve_init
 from ptdp.train.loop import TrainResult, run_loop
 from ptdp.train.metrics import check_wandb
 from ptdp.train.step.trainer import Trainer
 
 
-def prepare(cfg: RunConfig, env: LaunchEnv) -> tuple[RunConfig, Layout, RunData]:
-    """Every check that can fail, before any process group exists."""
+def _prepare(
+    cfg: RunConfig, env: LaunchEnv, given: frozenset[str] | None
+) -> tuple[RunConfig, Layout, RunData, InitSource | None]:
+    cfg, source = resolve_init(cfg, given)  # the model of init_from
     layout = validate(cfg, env.world_size)
     check_wandb(cfg.train.wandb_project)
     data = open_data(cfg)  # names a missing or damaged file before anything else
-    return resolve_vocab(cfg), layout, data
+    return resolve_vocab(cfg), layout, data, source
 
 
-def dry_run(cfg: RunConfig, env: LaunchEnv) -> str:
+def prepare(
+    cfg: RunConfig,
+    env: LaunchEnv,
+    *,
+    given: frozenset[str] | None = None,
+) -> tuple[RunConfig, Layout, RunData]:
+    """Every check that can fail, before any process group exists. `given`: the config
+    keys the user set (config.given_keys), which checkpoint.init_from checks against its
+    model; None counts those that differ from their defaults."""
+    return _prepare(cfg, env, given)[:3]
+
+
+def dry_run(cfg: RunConfig, env: LaunchEnv, *, given: frozenset[str] | None = None) -> str:
     """`ptdp train --dry-run`: the resolved config, the layout and the data, checked."""
-    cfg, layout, data = prepare(cfg, env)
+    cfg, layout, data = prepare(cfg, env, given=given)
     return (
         f"{to_toml(cfg)}\n# layout: {layout.describe()}\n"
         f"# data: {len(data.train):,} training samples, tokenizer {data.tokenizer_spec}"
@@ -83,10 +98,16 @@ def _same_checkpoint_everywhere(step_dir: Path | None, env: LaunchEnv) -> None:
     )
 
 
-def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None) -> TrainResult:
-    """Train as one process, or as one rank of a torchrun launch."""
+def train(
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    env: LaunchEnv | None = None,
+    given: frozenset[str] | None = None,
+) -> TrainResult:
+    """Train as one process, or as one rank of a torchrun launch (`given`: see prepare)."""
     env = env or LaunchEnv.from_environ()
-    cfg, layout, data = prepare(cfg, env)
+    cfg, layout, data, source = _prepare(cfg, env, given)
     step_dir = _checkpoint_to_resume(cfg, resume)
     run_dir = Path(cfg.train.run_dir)
     trainer = None
@@ -96,6 +117,17 @@ def train(cfg: RunConfig, *, resume: bool = False, env: LaunchEnv | None = None)
         if step_dir is not None:
             trainer.restore(step_dir)
             trainer.say(f"resumed from {step_dir} at step {trainer.step}")
+            if cfg.checkpoint.init_from:
+                trainer.say(
+                    f"checkpoint.init_from = {cfg.checkpoint.init_from} not loaded: --resume "
+                    "continues this run from its own checkpoint"
+                )
+        elif source is not None:
+            load_initial_weights(trainer.checkpoints, source, cfg.model)
+            trainer.say(
+                f"initialised the weights from {source.describe()}: fresh optimizer, step 0, "
+                "data from the start" + (f" (--resume: no checkpoint in {run_dir} yet)" * resume)
+            )
         elif resume:
             trainer.say(f"no checkpoint in {run_dir}; starting from step 0")
         if trainer.is_main:
