@@ -88,7 +88,8 @@ def assert_same_run(single: Path, parallel: Path, losses: dict[int, float], othe
 
 
 def save_tiny_hf(directory: Path, family: str, *, vocab_size: int = 257, positions: int = 64):
-    """A random 2-layer, h=32 `transformers` GPT-2 or Llama (grouped-query) model saved in
+    """A random 2-layer, h=32 `transformers` GPT-2, Llama (grouped-query) or Qwen2 (Llama's
+    shape with QKV biases, tied embeddings) model saved in
     `directory` (no dropout, weights far from init so a misplaced tensor shows); the byte
     vocabulary by default. Returns the model."""
     import transformers
@@ -99,6 +100,13 @@ def save_tiny_hf(directory: Path, family: str, *, vocab_size: int = 257, positio
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         )  # fmt: skip
         model = transformers.GPT2LMHeadModel(config)
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=positions, vocab_size=vocab_size,
+            rms_norm_eps=1e-5, tie_word_embeddings=True,
+        )  # fmt: skip
+        model = transformers.Qwen2ForCausalLM(config)
     else:
         config = transformers.LlamaConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
