@@ -156,7 +156,8 @@ def test_another_tokenizer_is_refused(source: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         train(cfg)
     message = str(info.value)
-    assert "tokenizer bytes (vocabulary 257)" in message
+    # Every checkpoint holds its tokenizer.json, the byte tokenizer's too.
+    assert "step_00000004/tokenizer.json (vocabulary 257)" in message
     assert f"{prefix.parent / 'tokenizer.json'} (vocabulary 300)" in message
 
 
