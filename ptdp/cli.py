@@ -202,7 +202,7 @@ def _simulate_parser(sub: Subparsers) -> None:
     )
     p.set_defaults(run=_cmd_simulate, overrides_ok=True)
     gpus = "world size (default: tp * pp * dp, with dp = 1 if it is 0)"
-    p.add_argument("--gpus", type=int, default=0, metavar="N", help=gpus)
+    p.add_argument("--gpus", type=int, default=None, metavar="N", help=gpus)
     out = "where timeline.png and trace.json go (default: train.run_dir/simulation)"
     p.add_argument("--out", default="", metavar="DIR", help=out)
 
@@ -371,7 +371,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     cfg = perf_config(args.model, args.config, args.overrides)
     system = load_system(args.device)
-    gpus = args.gpus or default_world_size(cfg)
+    gpus = default_world_size(cfg) if args.gpus is None else args.gpus
     prediction = simulate(cfg, system, gpus, software=SOFTWARE[args.software])
     out = Path(args.out or Path(cfg.train.run_dir) / "simulation")
     print(simulation_output(prediction, system, out, args.json))
@@ -389,7 +389,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     # `--tp 8` and the other old flags of `plan` as overrides; the explicit keys win.
     old = {k: v for k, v in vars(args).items() if "." in k and v not in (None, "0", "auto")}
     overrides = [text for key, value in old.items() for text in (f"--{key}", str(value))]
-    base, pins = plan_request(args.model, args.config, overrides + args.overrides)
+    base, pins = plan_request(args.model, args.config, overrides + args.overrides, args.top)
     system, software = load_system(args.device), SOFTWARE[args.software]
     with progress_bar("simulating layouts") as progress:
         result = plan(

@@ -344,7 +344,7 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
             raise ConfigError(f"{where} = {value!r} is not an integer; use a whole number")
         try:
             return int(value)
-        except ValueError:
+        except (ValueError, TypeError):  # TypeError: a TOML array, table or date
             raise ConfigError(
                 f"{where} = {value!r} is not an integer; use a whole number"
             ) from None
@@ -353,7 +353,7 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
             raise ConfigError(f"{where} = {value!r} is not a number; use e.g. 0.5 or 3e-4")
         try:
             return float(value)
-        except ValueError:
+        except (ValueError, TypeError):
             raise ConfigError(
                 f"{where} = {value!r} is not a number; use e.g. 0.5 or 3e-4"
             ) from None
@@ -402,10 +402,20 @@ def load_toml(path: str | Path, cfg: RunConfig | None = None) -> RunConfig:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; see configs/ for examples")
     try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    return apply_updates(cfg or RunConfig(), data, str(path))
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"config file {path} is not valid TOML (UTF-8 text of [section] tables of key = "
+            f"value lines): {exc}; see configs/ for examples"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        return apply_updates(cfg or RunConfig(), data, str(path))
+    except ConfigError as exc:  # a value of the wrong type: say which file holds it
+        if str(path) in str(exc):
+            raise
+        raise ConfigError(f"{exc} (in {path})") from None
 
 
 def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:

@@ -329,7 +329,10 @@ def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
 def validate(cfg: RunConfig, world_size: int = 1) -> Layout:
     """Check every cross-field rule; raise one ConfigError listing all problems."""
     if world_size < 1:
-        raise ConfigError(f"world size {world_size} must be >= 1")
+        raise ConfigError(
+            f"world size {world_size} must be >= 1 (the number of processes; --gpus N for "
+            "simulate and plan)"
+        )
     errors: list[str] = []
     _model_rules(cfg, errors)
     dp = _parallel_rules(cfg, world_size, errors)

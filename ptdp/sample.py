@@ -32,13 +32,40 @@ from ptdp.pipeline.partition import layer_ranges
 
 def split_processes(world_size: int, pp: int) -> int:
     """The tensor-parallel size tp = world_size / pp; refuses a pp that does not divide."""
-    if pp < 1 or world_size % pp:
+    if pp < 1:
+        raise ConfigError(f"--pp {pp}: the number of pipeline stages must be 1 or more")
+    if world_size % pp:
         raise ConfigError(
             f"--pp {pp} pipeline stages do not divide {world_size} process(es); launch a "
             f"multiple of pp processes (e.g. torchrun --nproc-per-node {max(pp, 1)} -m ptdp "
             f"generate ... --pp {max(pp, 1)}), tp being processes / pp"
         )
     return world_size // pp
+
+
+def check_sampling(
+    prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, samples: int
+) -> None:
+    """Refuse sampling options that cannot work, naming the option and the valid range."""
+    for flag, value in (("--max-new-tokens", max_new_tokens), ("--num-samples", samples)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be 1 or more")
+    if not temperature >= 0:
+        raise ConfigError(f"--temperature {temperature} must be >= 0 (0 = greedy)")
+    if top_k < 0:
+        raise ConfigError(f"--top-k {top_k} must be >= 0 (0 = all tokens)")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"--top-p {top_p} must be in (0, 1] (1 = off)")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # argv bytes that are not UTF-8 arrive as surrogates
+        raw = prompt[exc.start : exc.end].encode("utf-8", "surrogateescape")
+        bad = ", ".join(f"0x{b:02x}" for b in raw)
+        raise ConfigError(
+            f"--prompt is not valid UTF-8 text (byte {bad} at character {exc.start}); pass "
+            "UTF-8 text, e.g. run the shell with a UTF-8 locale (LANG=C.UTF-8) or convert the "
+            "prompt's file with `iconv -t UTF-8`"
+        ) from None
 
 
 def stage_layers(cfg: RunConfig, step_dir: Path, tp: int, pp: int) -> list[range]:
@@ -71,7 +98,7 @@ def launch_generation(path: Path, device: str, pp: int = 1) -> tuple[ParallelMes
     env = LaunchEnv.from_environ()
     tp = split_processes(env.world_size, pp)
     if env.world_size == 1:
-        return None, device
+        return None, str(pick_device(device, 0))
     step_dir = find_checkpoint(path)
     stage_layers(load_config(step_dir), step_dir, tp, pp)
     picked = pick_device(device, env.local_rank)
@@ -123,6 +150,7 @@ def sample_from_checkpoint(
 ) -> list[str]:
     """Texts continuing `prompt`; with `mesh` (every rank calls this together), sampled by
     the pipeline of its stages over tensor groups, the same texts on every rank."""
+    check_sampling(prompt, max_new_tokens, temperature, top_k, top_p, num_samples)
     step_dir = find_checkpoint(path)
     entry = read_scalar(step_dir, "tokenizer", "")
     if not entry:

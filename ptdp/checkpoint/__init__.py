@@ -26,6 +26,7 @@ from ptdp.checkpoint.store import (
     checkpoint_root,
     find_checkpoint,
     has_checkpoint,
+    latest_note,
     load_config,
     read_metadata,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "describe_checkpoint",
     "find_checkpoint",
     "has_checkpoint",
+    "latest_note",
     "full_model_state",
     "load_checkpoint",
     "load_config",

@@ -6,13 +6,16 @@ config.toml, tokenizer.json?} and RUN_DIR/checkpoints/latest (a text file naming
 newest complete step directory). The tensors are a `torch.distributed.checkpoint` (DCP)
 checkpoint whose keys are layout-free (ptdp/checkpoint/keys.py). A step directory is
 complete once it has DCP's `.metadata` (or `state.pt`, the earlier single-file format,
-which still loads); ptdp/checkpoint/writer.py makes one appear only when it is. Reading
-here needs no process group.
+which still loads); ptdp/checkpoint/writer.py makes one appear only when it is. A
+published one also has checksums.json, without which it is not loaded. When `latest` is
+missing or empty (lost in a crash, or deleted), the newest complete step directory is
+the latest. Reading here needs no process group.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import warnings
 import zlib
 from pathlib import Path
@@ -28,6 +31,7 @@ STATE_FILE = "state.pt"  # the earlier single-writer format
 METADATA = ".metadata"
 CHECKSUMS = "checksums.json"
 LATEST = "latest"
+STEP_DIR = re.compile(r"step_\d+")
 
 # DCP warns when it saves or loads without a process group (also from a background thread).
 warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single")
@@ -70,18 +74,41 @@ def damaged_advice(step_dir: Path) -> str:
 
 
 def has_checkpoint(run_dir: str | Path) -> bool:
-    """Whether the run directory has published a checkpoint (its `latest` pointer exists)."""
-    return (checkpoint_root(run_dir) / LATEST).is_file()
+    """Whether the run directory has published a checkpoint: its `latest` pointer names
+    one, or a step directory is there (`latest` lost or emptied, e.g. by a crash)."""
+    root = checkpoint_root(run_dir)
+    return _latest_name(root) is not None or bool(_step_dirs(root))
+
+
+def _latest_name(root: Path) -> str | None:
+    """What `latest` names, or None when it is missing or empty."""
+    file = root / LATEST
+    try:
+        name = file.read_text().strip() if file.is_file() else ""
+    except (OSError, UnicodeDecodeError):
+        name = ""
+    return name or None
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """Published step directories (not `.tmp`), oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and STEP_DIR.fullmatch(p.name))
 
 
 def find_checkpoint(path: str | Path) -> Path:
     """Resolve a run dir, a checkpoints dir or a step dir to a complete step directory:
-    its metadata reads and every data file it lists is there at full length (checksums,
-    which read every byte, are checked when loading)."""
+    its metadata reads, its checksums.json is there and every data file it lists is there
+    at full length (checksums, which read every byte, are checked when loading). With
+    `latest` missing or empty, the newest complete step directory (`latest_note` says so)."""
     path = Path(path)
     for root in (path, path / "checkpoints"):
-        if (root / LATEST).is_file():
-            step_dir = root / (root / LATEST).read_text().strip()
+        name = _latest_name(root)
+        if name is None and _step_dirs(root):
+            return _newest_complete(root)
+        if name is not None:
+            step_dir = root / name
             if not _complete(step_dir):
                 what = "does not exist" if not step_dir.is_dir() else f"has no {METADATA}"
                 raise CheckpointError(
@@ -97,23 +124,69 @@ def find_checkpoint(path: str | Path) -> Path:
     )
 
 
-def _check_present(step_dir: Path) -> Path:
+def _newest_complete(root: Path) -> Path:
+    """`latest` is lost: the newest step directory whose files are all there."""
+    skipped = []
+    for step_dir in reversed(_step_dirs(root)):
+        problems = _problems(step_dir)
+        if not problems:
+            return step_dir
+        skipped.append(f"{step_dir.name}: {'; '.join(problems)}")
+    raise CheckpointError(
+        f"{root / LATEST} is missing or empty and no step directory in {root} is complete "
+        f"({' | '.join(skipped)}); copy the damaged files back from a backup, or start "
+        "afresh with another --train.run_dir"
+    )
+
+
+def latest_note(step_dir: Path) -> str | None:
+    """Why `step_dir` was chosen when `latest` named nothing (None when it named it)."""
+    root = step_dir.parent
+    if _latest_name(root) is not None or step_dir not in _step_dirs(root):
+        return None
+    newer = [p for p in _step_dirs(root) if p.name > step_dir.name]
+    skipped = "".join(f"; skipped {p.name}: {'; '.join(_problems(p))}" for p in newer)
+    return (
+        f"{root / LATEST} is missing or empty: continued from the newest complete "
+        f"checkpoint, {step_dir.name} (the next save writes {LATEST} again){skipped}"
+    )
+
+
+def _problems(step_dir: Path) -> list[str]:
+    """What makes a step directory incomplete (sizes and names only, no checksums)."""
     if (step_dir / STATE_FILE).is_file():
-        return step_dir
-    problems = verify_files(step_dir, read_metadata(step_dir), checksums=False)
+        return []
+    if not (step_dir / METADATA).is_file():
+        return [f"{step_dir / METADATA} is missing"]
+    try:
+        metadata = _read_metadata(step_dir)
+    except Exception as exc:
+        return [_unreadable(step_dir, exc)]
+    return verify_files(step_dir, metadata, checksums=False)
+
+
+def _check_present(step_dir: Path) -> Path:
+    problems = _problems(step_dir)
     if problems:
         raise CheckpointError(f"{'; '.join(problems)}; {damaged_advice(step_dir)}")
     return step_dir
 
 
+def _read_metadata(step_dir: Path):
+    return dcp.FileSystemReader(step_dir).read_metadata()
+
+
+def _unreadable(step_dir: Path, exc: Exception) -> str:
+    return f"cannot read checkpoint file {step_dir / METADATA} ({type(exc).__name__}: {exc})"
+
+
 def read_metadata(step_dir: Path):
     """The DCP metadata: every entry's key, and shape and dtype for tensors."""
     try:
-        return dcp.FileSystemReader(step_dir).read_metadata()
+        return _read_metadata(step_dir)
     except Exception as exc:
         raise CheckpointError(
-            f"cannot read checkpoint file {step_dir / METADATA} ({type(exc).__name__}: {exc}); "
-            f"the checkpoint is damaged: {damaged_advice(step_dir)}"
+            f"{_unreadable(step_dir, exc)}; the checkpoint is damaged: {damaged_advice(step_dir)}"
         ) from exc
 
 
@@ -122,12 +195,12 @@ def verify_files(
 ) -> list[str]:
     """Problems with this rank's share of the data files: a missing file, one shorter
     than the metadata says, or (`checksums`) one whose checksum differs from the one
-    recorded at save."""
-    sums_file = step_dir / CHECKSUMS
-    try:
-        sums = json.loads(sums_file.read_text()) if sums_file.is_file() else {}
-    except ValueError as exc:
-        return [f"checkpoint file {sums_file} is not valid JSON ({exc})"]
+    recorded at save. Every checkpoint ptdp publishes has checksums.json: without it, or
+    with a file it does not list, the files cannot be verified, so that is a problem too
+    (named by rank 0 alone)."""
+    sums, problem = _read_checksums(step_dir)
+    if problem:
+        return [problem] if rank == 0 else []
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         name = str(info.relative_path)
@@ -138,18 +211,48 @@ def verify_files(
         if not file.is_file():
             problems.append(f"checkpoint file {file} is missing")
             continue
-        size = file.stat().st_size
-        want = sums[name]["bytes"] if name in sums else ends.get(name, 0)
-        if size < want:
-            problems.append(f"checkpoint file {file} is truncated ({size} of {want} bytes)")
-        elif name in sums and size != want:
+        if name not in sums:
+            problems.append(
+                f"checkpoint file {file} is not listed in {step_dir / CHECKSUMS}, so it "
+                "cannot be verified (the directory was modified by hand)"
+            )
+            continue
+        size, want = file.stat().st_size, sums[name]["bytes"]
+        if size < max(want, ends.get(name, 0)):
+            problems.append(
+                f"checkpoint file {file} is truncated ({size} of "
+                f"{max(want, ends.get(name, 0))} bytes)"
+            )
+        elif size != want:
             problems.append(f"checkpoint file {file} has {size} bytes, {want} were written")
-        elif checksums and name in sums and checksum(file)["crc32"] != sums[name]["crc32"]:
+        elif checksums and checksum(file)["crc32"] != sums[name]["crc32"]:
             problems.append(
                 f"checkpoint file {file} is corrupted (checksum mismatch with {CHECKSUMS}); "
                 f"copy it back from a backup or use an earlier checkpoint"
             )
     return problems
+
+
+def _read_checksums(step_dir: Path) -> tuple[dict[str, dict[str, int]], str | None]:
+    """checksums.json as {file: {"bytes", "crc32"}}, or the problem with it."""
+    file = step_dir / CHECKSUMS
+    if not file.is_file():
+        return {}, (
+            f"checkpoint file {file} is missing, so the shards cannot be checked against the "
+            "sizes and checksums recorded at save (the checkpoint was not fully copied, or "
+            "was modified by hand)"
+        )
+    try:
+        sums = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        return {}, f"checkpoint file {file} is not valid JSON ({exc})"
+    valid = isinstance(sums, dict) and all(
+        isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("crc32"), int)
+        for v in sums.values()
+    )
+    if not valid:
+        return {}, f"checkpoint file {file} does not map each file to its bytes and crc32"
+    return sums, None
 
 
 def load_entries(

@@ -35,10 +35,11 @@ import torch
 
 from ptdp import checkpoint as ckpt
 from ptdp.config import ModelConfig, PositionEmbedding, RunConfig, to_dict, to_toml
-from ptdp.convert.hf_config import family, hf_config, model_config_from_hf
+from ptdp.convert.hf_config import family, hf_config
+from ptdp.convert.hf_files import INDEX_FILE, WEIGHTS_FILE, read_hf_config, weight_files
 from ptdp.errors import CheckpointError, ConfigError
+from ptdp.outputs import make_output_dir
 
-WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 """Buffers some `transformers` checkpoints carry that hold no weights."""
@@ -213,18 +214,24 @@ def _safetensors():  # noqa: ANN202 - a module
 
 
 def read_hf_weights(directory: Path) -> Tensors:
-    """A `transformers` model directory's weights: safetensors (one file or an index)
-    or pytorch_model.bin."""
-    single, index = directory / WEIGHTS_FILE, directory / f"{WEIGHTS_FILE}.index.json"
-    if single.is_file():
-        return _safetensors().load_file(single)
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {k: v for f in files for k, v in _safetensors().load_file(directory / f).items()}
+    """A `transformers` model directory's weights: safetensors (one file or an index),
+    each checked whole first (convert/hf_files.py), or pytorch_model.bin."""
+    files = weight_files(directory)
+    if files:
+        tensors: Tensors = {}
+        for file in files:
+            try:
+                tensors |= _safetensors().load_file(file)
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(
+                    f"cannot read Hugging Face weights file {file} ({exc}); the file is "
+                    "damaged: download or export the model again"
+                ) from None
+        return tensors
     if (directory / "pytorch_model.bin").is_file():
         return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise CheckpointError(
-        f"{directory} holds no {WEIGHTS_FILE}, {index.name} or pytorch_model.bin: "
+        f"{directory} holds no {WEIGHTS_FILE}, {INDEX_FILE} or pytorch_model.bin: "
         "is it a Hugging Face model directory (save_pretrained output)?"
     )
 
@@ -264,8 +271,7 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> ConvertResult:
     kind = family(cfg)  # refuse before reading the weights
     state = ckpt.load_checkpoint(step_dir)
     tensors = to_hf_state(cfg, state["model"])
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_output_dir(out, "OUT")
     entry = state.get("tokenizer", "")
     notes = _export_tokenizer(step_dir, entry, out, cfg)
     eod_id = None
@@ -287,11 +293,10 @@ def import_hf(directory: str | Path, run_dir: str | Path, *, seq_length: int = 0
     `ptdp train --config RUN_DIR/config.toml --resume --data.path PREFIX ...`.
     """
     directory, run_dir = Path(directory), Path(run_dir)
-    if not (directory / "config.json").is_file():
-        raise CheckpointError(f"{directory} has no config.json: not a Hugging Face model")
+    cfg = read_hf_config(directory, seq_length)
     if ckpt.has_checkpoint(run_dir):
         raise CheckpointError(f"{run_dir} already holds checkpoints; choose another directory")
-    cfg = model_config_from_hf(json.loads((directory / "config.json").read_text()), seq_length)
+    make_output_dir(run_dir, "OUT")
     model = from_hf_state(cfg, read_hf_weights(directory))
     base = RunConfig()
     run_cfg = replace(base, model=cfg, train=replace(base.train, run_dir=str(run_dir)))

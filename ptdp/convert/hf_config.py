@@ -159,6 +159,10 @@ def _refuse(kind: str, bad: dict[str, object]) -> None:
 
 
 def _context(seq_length: int, maximum: int) -> int:
+    if seq_length < 0:
+        raise ConfigError(
+            f"--seq-length {seq_length} must be >= 1, or 0 for the model's {maximum} positions"
+        )
     if seq_length > maximum:
         raise ConfigError(f"--seq-length {seq_length} exceeds the model's {maximum} positions")
     return seq_length or maximum

@@ -35,6 +35,7 @@ from ptdp.data.tokenizers import (
     train_bpe_from_iterator,
 )
 from ptdp.errors import DataError
+from ptdp.outputs import make_output_dir
 
 FORMAT = "ptdp-indexed-v1"
 _DOCS_PER_CHUNK = 64
@@ -153,6 +154,7 @@ def preprocess(
     if workers < 1:
         raise DataError(f"workers={workers}; use 1 or more encoding processes")
     prefix = Path(output_prefix)
+    make_output_dir(prefix.parent, "--output-prefix", prefix)
     files = find_input_files(inputs)
     if next(iter_documents(files, text_key), None) is None:
         raise DataError(

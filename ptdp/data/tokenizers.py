@@ -122,7 +122,14 @@ class HFTokenizer:
                     f"an existing tokenizer.json"
                 )
             # Bytes then decode: no newline translation, so copies stay byte-identical.
-            text = self.path.read_bytes().decode("utf-8")
+            try:
+                text = self.path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{self.path}: not a valid Hugging Face tokenizer.json (not UTF-8 text: "
+                    f"{exc}); pass a file saved by `tokenizers.Tokenizer.save` or use tokenizer "
+                    "'bpe' to train one"
+                ) from None
         self._json = text
         try:
             self._tok = hf.Tokenizer.from_str(text)

@@ -125,6 +125,7 @@ def _lenient_int(name: str) -> int:
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
+    asked = requested
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda":
@@ -132,10 +133,18 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
         # one visible GPU, index 0 whatever its local rank.
         one = torch.cuda.is_available() and torch.cuda.device_count() == 1
         requested = f"cuda:{0 if one else local_rank}"
-    device = torch.device(requested)
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise ConfigError(
+            f"device '{requested}' is not one torch knows; use auto, cpu or cuda"
+        ) from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("train.device = cuda but no CUDA device is visible; use cpu")
+            raise ConfigError(
+                f"device '{asked}' asked for, but this torch ({torch.__version__}) sees no "
+                "CUDA device; use cpu (--train.device cpu, or --device cpu for generate)"
+            )
         torch.cuda.set_device(device)
     return device
 

@@ -117,10 +117,82 @@ def load_system(name_or_path: str | Path) -> System:
             f"{', '.join(list_systems())}; see ptdp/perf/hardware/*.toml for the format"
         )
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"hardware file {path} is not valid TOML: {exc}; {FORMAT}") from None
+    check_numbers(data, path)
+    try:
         return _parse(data, path.stem)
-    except (KeyError, TypeError, ValueError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"hardware file {path}: {exc!r}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"hardware file {path}: {exc!r}; {FORMAT}") from None
+
+
+FORMAT = f"see {BUILTIN_DIR / 'a100-80gb.toml'} for the format"
+NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
+    ("device", "memory_gib", "positive", True),
+    ("device", "memory_bandwidth_gb_s", "positive", True),
+    ("device.achieved", "gemm_efficiency", "fraction", False),
+    ("device.achieved", "memory_efficiency", "fraction", False),
+    ("device.achieved", "kernel_overhead_us", "non-negative", False),
+    ("device.achieved", "reserved_gib", "non-negative", False),
+    ("node", "gpus", "count", True),
+    *(
+        (link, key, kind, key == "bandwidth_gb_s")
+        for link in ("node", "network")
+        for key, kind in (
+            ("bandwidth_gb_s", "positive"),
+            ("efficiency", "fraction"),
+            ("latency_us", "non-negative"),
+        )
+    ),
+)
+"""(table, key, rule, required) for every number of a hardware file."""
+RULES = {
+    "positive": (lambda v: v > 0, "must be > 0"),
+    "fraction": (lambda v: 0 < v <= 1, "must be a fraction in (0, 1]"),
+    "non-negative": (lambda v: v >= 0, "must be >= 0"),
+    "count": (lambda v: v >= 1 and float(v).is_integer(), "must be a whole number >= 1"),
+}
+
+
+def check_numbers(data: dict[str, Any], path: Path) -> None:
+    """Refuse a hardware file whose tables or numbers are impossible (a zero bandwidth, an
+    efficiency above 1, a fractional GPU count...), naming the key, its value and the rule."""
+    for table, key, rule, required in NUMBERS:
+        values = _table(data, table, path)
+        if key not in values:
+            if required:
+                raise ConfigError(f"hardware file {path}: [{table}] lacks {key}; {FORMAT}")
+            continue
+        _check_number(path, f"[{table}] {key}", values[key], rule)
+    for precision, value in _table(data, "device.peak_tflops", path).items():
+        _check_number(path, f"[device] peak_tflops.{precision}", value, "positive")
+    memory = data["device"]["memory_gib"]
+    reserved = data["device"].get("achieved", {}).get("reserved_gib", 0)
+    if reserved >= memory:
+        raise ConfigError(
+            f"hardware file {path}: [device.achieved] reserved_gib = {reserved} leaves nothing "
+            f"of [device] memory_gib = {memory}; reserve less than the device's memory"
+        )
+
+
+def _table(data: dict[str, Any], dotted: str, path: Path) -> dict[str, Any]:
+    table: Any = data
+    for part in dotted.split("."):
+        table = table.get(part, {})
+        if not isinstance(table, dict):
+            raise ConfigError(
+                f"hardware file {path}: [{dotted}] must be a table of key = value lines; {FORMAT}"
+            )
+    return table
+
+
+def _check_number(path: Path, where: str, value: Any, rule: str) -> None:
+    ok, text = RULES[rule]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"hardware file {path}: {where} = {value!r} is not a number; {FORMAT}")
+    if not ok(value):
+        raise ConfigError(f"hardware file {path}: {where} = {value!r} {text}; {FORMAT}")
 
 
 def system_for_device_name(device_name: str) -> System | None:

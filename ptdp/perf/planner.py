@@ -142,9 +142,12 @@ SEARCHED: dict[str, str] = {
 
 
 def plan_request(
-    model: str, config: str | None, overrides: list[str]
+    model: str, config: str | None, overrides: list[str], top: int = 1
 ) -> tuple[RunConfig, dict[str, object]]:
-    """`ptdp plan`'s base config (`--model`, `--config`, `--section.key`) and the keys it pins."""
+    """`ptdp plan`'s base config (`--model`, `--config`, `--section.key`) and the keys it pins;
+    `top`, the layouts to list, checked before the search."""
+    if top < 1:
+        raise ConfigError(f"--top {top}: the number of layouts to list must be 1 or more")
     given = parse_overrides(overrides)
     if "global_batch_size" not in given.get("train", {}):
         raise ConfigError("the planner needs --train.global_batch_size B (or --global-batch B)")
@@ -203,6 +206,13 @@ def plan(
     if not software.split_backward:
         schedules = tuple(s for s in schedules if not SCHEDULES[s].splits_backward)
     require_vocab(base)
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus}: the number of GPUs to plan for must be 1 or more")
+    if base.train.global_batch_size < 1:
+        raise ConfigError(
+            f"train.global_batch_size = {base.train.global_batch_size} must be 1 or more "
+            "(samples per step); e.g. --train.global_batch_size 512"
+        )
     c = Compute(system, base.train.precision, software)
     usable = system.device.usable_bytes
     rejected: list[Rejected] = []

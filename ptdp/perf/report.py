@@ -11,6 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ptdp.config import to_dict
+from ptdp.outputs import make_output_dir
 from ptdp.perf.hardware import GIB, System
 from ptdp.perf.planner import Option, PlanResult, Progress
 from ptdp.perf.simulator import Prediction
@@ -97,6 +98,7 @@ def format_prediction(p: Prediction, system: System) -> str:
 def write_timeline(p: Prediction, out: Path, title: str) -> tuple[Path | None, Path]:
     """timeline.png (None without matplotlib) and trace.json (open in Perfetto) under `out`."""
     events = {"simulated": p.events}
+    make_output_dir(out, "--out")
     trace = write_chrome_trace(out / "trace.json", events)
     try:
         png = plot_timelines(out / "timeline.png", events, title=title)

@@ -9,18 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
-
 from ptdp.config import DataConfig, RunConfig
 from ptdp.data.blend import BlendedDataset, parse_blend
 from ptdp.data.dataset import GPTDataset
 from ptdp.data.indexed import IndexedDataset, bin_path, idx_path
 from ptdp.data.preprocess import load_data_tokenizer, read_metadata, sidecar_path
+from ptdp.data.token_range import token_range
 from ptdp.data.tokenizers import Tokenizer, load_tokenizer, same_tokenizer
 from ptdp.errors import ConfigError, DataError
-
-SCAN_TOKENS = 1 << 24
-"""Tokens checked against model.vocab_size when the data records no vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -109,9 +105,8 @@ def resolve_vocab(cfg: RunConfig) -> RunConfig:
             f"model.vocab_size = {vocab} is smaller than the data's vocabulary of {data_vocab} "
             f"tokens ({prefix}); set --model.vocab_size {data_vocab} or 0 (automatic)"
         )
-    if not meta:
-        for each in prefixes:
-            _check_token_ids(each, vocab)
+    for each in prefixes:
+        _check_token_ids(each, vocab)
     return replace(cfg, model=replace(cfg.model, vocab_size=vocab))
 
 
@@ -129,17 +124,33 @@ def _check_same_tokenizer(prefix: str, spec: str, chosen: Tokenizer) -> None:
 
 
 def _check_token_ids(prefix: str, vocab: int) -> None:
-    """Data made elsewhere records no vocabulary: look at its first tokens for ids the
-    model's embedding has no row for (a whole scan would read the corpus on every rank)."""
+    """Every token id of the data must have a row in the model's embedding, whatever the
+    sidecar says (a damaged or replaced .bin): the whole .bin is scanned, the result cached
+    for large files (ptdp/data/token_range.py)."""
     indexed = IndexedDataset(prefix)
-    head = np.asarray(indexed.tokens[:SCAN_TOKENS])
-    if head.size and int(head.max()) >= vocab:
-        raise ConfigError(
-            f"the data at '{prefix}' holds token id {int(head.max())}, but model.vocab_size = "
-            f"{vocab} (ids 0..{vocab - 1}): the data was made with a larger tokenizer; set "
-            f"--model.vocab_size {int(head.max()) + 1} or more, or --data.tokenizer to the "
-            "tokenizer it was made with"
+    low, high = token_range(indexed)
+    if low >= 0 and high < vocab:
+        return
+    bad = low if low < 0 else high
+    meta = read_metadata(prefix)
+    if meta:
+        raise DataError(
+            f"{indexed.bin_path} holds token id {bad}, but model.vocab_size = {vocab} (ids "
+            f"0..{vocab - 1}) and its sidecar {sidecar_path(prefix)} records a vocabulary of "
+            f"{meta['vocab_size']}: the .bin does not match its sidecar (damaged, or replaced "
+            "by another tokenizer's data); re-create it with `ptdp preprocess`"
         )
+    if low < 0:
+        raise DataError(
+            f"{indexed.bin_path} holds token id {low}: token ids cannot be negative; the "
+            "file is damaged or not token ids, re-create it with `ptdp preprocess`"
+        )
+    raise ConfigError(
+        f"the data at '{prefix}' ({indexed.bin_path}) holds token id {high}, but "
+        f"model.vocab_size = {vocab} (ids 0..{vocab - 1}): the data was made with a larger "
+        f"tokenizer; set --model.vocab_size {high + 1} or more, or --data.tokenizer to the "
+        "tokenizer it was made with"
+    )
 
 
 def require_data_path(data: DataConfig) -> None:

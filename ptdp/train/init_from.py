@@ -13,7 +13,6 @@ before any process group exists.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -29,8 +28,8 @@ from ptdp.config import (
     PositionEmbedding,
     RunConfig,
 )
-from ptdp.convert.hf import TOKENIZER_FILE, WEIGHTS_FILE, from_hf_state, read_hf_weights
-from ptdp.convert.hf_config import model_config_from_hf
+from ptdp.convert.hf import TOKENIZER_FILE, from_hf_state, read_hf_weights
+from ptdp.convert.hf_files import read_hf_config, weight_files
 from ptdp.data.preprocess import read_metadata
 from ptdp.errors import CheckpointError, ConfigError
 from ptdp.train.data_setup import tokenizer_spec_for
@@ -95,34 +94,16 @@ def _saved_tokenizer(step_dir: Path) -> str:
 
 
 def _hf_source(directory: Path) -> InitSource:
-    file = directory / "config.json"
-    try:
-        config = json.loads(file.read_text())
-        model = model_config_from_hf(config)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise CheckpointError(
-            f"cannot read the Hugging Face model config {file} ({type(exc).__name__}: {exc}); "
-            "is it a transformers config.json (save_pretrained output)?"
-        ) from None
+    model = read_hf_config(directory)
     _check_weight_files(directory)
     tokenizer = directory / TOKENIZER_FILE
     return InitSource(directory, True, model, str(tokenizer) if tokenizer.is_file() else "")
 
 
 def _check_weight_files(directory: Path) -> None:
-    """The safetensors files are there and their headers read (before launch)."""
-    single, index = directory / WEIGHTS_FILE, directory / f"{WEIGHTS_FILE}.index.json"
-    if single.is_file():
-        files = [single]
-    elif index.is_file():
-        try:
-            names = json.loads(index.read_text())["weight_map"].values()
-        except (ValueError, KeyError, AttributeError) as exc:
-            raise CheckpointError(f"cannot read {index} ({type(exc).__name__}: {exc})") from None
-        files = [directory / name for name in sorted(set(names))]
-    else:
+    """The safetensors files are there, whole, and their headers read (before launch)."""
+    files = weight_files(directory)  # each named if missing or truncated
+    if not files:
         read_hf_weights(directory)  # pytorch_model.bin, or the error naming what is missing
         return
     from safetensors import safe_open

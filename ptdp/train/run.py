@@ -13,6 +13,7 @@ from ptdp import checkpoint as ckpt
 from ptdp.config import LAYOUT_ONLY_MODEL_KEYS, RunConfig, to_dict, to_toml
 from ptdp.errors import CheckpointError
 from ptdp.layout import Layout, validate
+from ptdp.outputs import make_output_dir
 from ptdp.parallel.comm import all_gather_objects, barrier
 from ptdp.parallel.env import LaunchEnv, destroy_process_group
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
@@ -110,6 +111,7 @@ def train(
     cfg, layout, data, source = _prepare(cfg, env, given)
     step_dir = _checkpoint_to_resume(cfg, resume)
     run_dir = Path(cfg.train.run_dir)
+    make_output_dir(run_dir, "--train.run_dir")  # before any process group
     trainer = None
     try:
         trainer = Trainer(cfg, layout, env, data)  # creates the process group if none
@@ -117,6 +119,8 @@ def train(
         if step_dir is not None:
             trainer.restore(step_dir)
             trainer.say(f"resumed from {step_dir} at step {trainer.step}")
+            if note := ckpt.latest_note(step_dir):  # `latest` was lost: say which was taken
+                trainer.say(note)
             if cfg.checkpoint.init_from:
                 trainer.say(
                     f"checkpoint.init_from = {cfg.checkpoint.init_from} not loaded: --resume "

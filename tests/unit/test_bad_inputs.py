@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,9 +18,14 @@ import torch.distributed as dist
 import ptdp.checkpoint as ckpt
 from ptdp.cli import main
 from ptdp.config import resolve
+from ptdp.convert.hf import export_hf, import_hf
 from ptdp.data.tokenizers import train_bpe
 from ptdp.errors import CheckpointError, ConfigError, DataError, PtdpError
 from ptdp.parallel.env import LaunchEnv
+from ptdp.perf.hardware import BUILTIN_DIR, load_system
+from ptdp.perf.planner import plan
+from ptdp.perf.simulator import simulate
+from ptdp.sample import launch_generation, sample_from_checkpoint
 from ptdp.train.run import train
 from tests.helpers import make_corpus, tiny_config
 
@@ -190,6 +196,85 @@ def _world_size_alone(c: Ctx) -> None:
 def _world_size_not_int(c: Ctx) -> None:
     _environ(c, WORLD_SIZE="four")
     train(tiny_config(c.data, c.run))
+
+
+def _toml(c: Ctx, text: str | bytes) -> None:
+    path = c.tmp / "c.toml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    resolve(str(path), [])
+
+
+def _latest(c: Ctx, text: str | None) -> None:
+    """The saved run with `latest` deleted (None) or replaced by `text`."""
+    latest = c.copy_run().parent / ckpt.LATEST
+    latest.unlink() if text is None else latest.write_text(text)
+
+
+def _fresh_start_without_latest(c: Ctx) -> None:
+    _latest(c, None)
+    c.train()
+
+
+def _checksums(c: Ctx, text: str | None) -> None:
+    sums = c.copy_run() / "checksums.json"
+    sums.unlink() if text is None else sums.write_text(text)
+    c.train(resume=True, train={"steps": 2})
+
+
+def _latest_lost_and_shard_missing(c: Ctx) -> None:
+    step_dir = c.copy_run()
+    (step_dir.parent / ckpt.LATEST).write_text("\n")
+    next(step_dir.glob("*.distcp")).unlink()
+    c.train(resume=True)
+
+
+def _hf_config_not_json(c: Ctx) -> None:
+    (_hf_dir(c) / "config.json").write_text("{oops")
+    import_hf(c.tmp / "hf", c.tmp / "imported")
+
+
+def _run_dir_under_a_file(c: Ctx) -> None:
+    (c.tmp / "file").write_text("")
+    c.train(train={"run_dir": str(c.tmp / "file" / "run")})
+
+
+def _tokenizer_not_utf8(c: Ctx) -> None:
+    (c.tmp / "t.json").write_bytes(b"\xff")
+    c.train(data={"tokenizer": str(c.tmp / "t.json")})
+
+
+def _ids_beyond_sidecar(c: Ctx) -> None:
+    """The sidecar says vocabulary 257, but one token of the .bin is 300 (a damaged file)."""
+    source = Path(c.data).parent / "tokenizer.json"
+    c.copy_data()
+    shutil.copyfile(source, Path(c.data).parent / "tokenizer.json")
+    tokens = np.memmap(f"{c.data}.bin", dtype=np.uint16, mode="r+")
+    tokens[len(tokens) // 2] = 300
+    tokens.flush()
+    del tokens
+    c.train()
+
+
+def _hf_dir(c: Ctx) -> Path:
+    """The saved run exported as a Hugging Face model directory."""
+    return export_hf(c.saved, c.tmp / "hf").path
+
+
+def _truncated_safetensors(c: Ctx, keep: int) -> Path:
+    hf = _hf_dir(c)
+    _truncate(hf / "model.safetensors", keep)
+    return hf
+
+
+def _hardware(c: Ctx, old: str, new: str, prepend: str = "") -> None:
+    text = (BUILTIN_DIR / "a100-80gb.toml").read_text()
+    assert old in text
+    (c.tmp / "hw.toml").write_text(prepend + text.replace(old, new))
+    load_system(c.tmp / "hw.toml")
+
+
+def _sample(c: Ctx, prompt: str = "", **options: float) -> None:
+    sample_from_checkpoint(c.saved, prompt, **{"max_new_tokens": 2, **options})
 
 
 def _rank_out_of_range(c: Ctx) -> None:
@@ -467,6 +552,181 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         ConfigError,
         ("RANK=4 with WORLD_SIZE=4", "0 <= RANK < WORLD_SIZE", "torchrun"),
     ),
+    # ---- damage (issue 21): never loaded unverified, never a raw traceback
+    (
+        "fresh-start-where-latest-is-lost",
+        _fresh_start_without_latest,
+        CheckpointError,
+        ("already holds checkpoints", "pass --resume"),
+    ),
+    (
+        "checksums-missing",
+        lambda c: _checksums(c, None),
+        CheckpointError,
+        ("checksums.json is missing, so the shards cannot be checked", "an earlier checkpoint"),
+    ),
+    (
+        "checksums-not-listing-a-shard",
+        lambda c: _checksums(c, "{}"),
+        CheckpointError,
+        ("__0_0.distcp is not listed in", "checksums.json, so it cannot be verified"),
+    ),
+    (
+        "checksums-wrong-shape",
+        lambda c: _checksums(c, "[1, 2]"),
+        CheckpointError,
+        ("checksums.json does not map each file to its bytes and crc32",),
+    ),
+    (
+        "latest-lost-and-no-complete-checkpoint",
+        _latest_lost_and_shard_missing,
+        CheckpointError,
+        ("latest is missing or empty and no step directory", "__0_0.distcp is missing"),
+    ),
+    (
+        "token-ids-beyond-vocab-despite-sidecar",
+        _ids_beyond_sidecar,
+        DataError,
+        (
+            "tiny.bin holds token id 300, but model.vocab_size = 257",
+            "tiny.json records a vocabulary of 257",
+            "re-create it with `ptdp preprocess`",
+        ),
+    ),  # fmt: skip
+    (
+        "hf-weights-truncated-in-import",
+        lambda c: import_hf(_truncated_safetensors(c, 50_000), c.tmp / "imported"),
+        CheckpointError,
+        ("model.safetensors is truncated (50000 of", "download or export the model again"),
+    ),
+    (
+        "hf-weights-truncated-in-init-from",
+        lambda c: c.train(checkpoint={"init_from": str(_truncated_safetensors(c, 5))}),
+        CheckpointError,
+        ("model.safetensors is truncated (5 of 8 bytes", "download or export the model again"),
+    ),
+    (
+        "hf-config-not-json",
+        _hf_config_not_json,
+        CheckpointError,
+        ("cannot read the Hugging Face model config", "config.json (JSONDecodeError"),
+    ),
+    (
+        "toml-value-wrong-shape",
+        lambda c: _toml(c, "[model]\nnum_layers = [1, 2]\n"),
+        ConfigError,
+        ("model.num_layers = [1, 2] is not an integer", "use a whole number", "c.toml"),
+    ),
+    (
+        "toml-table-for-a-value",
+        lambda c: _toml(c, "[train.lr]\nx = 1\n"),
+        ConfigError,
+        ("unknown key 'train.lr'",),
+    ),
+    (
+        "config-not-toml",
+        lambda c: _toml(c, "this is = = not toml\n"),
+        ConfigError,
+        ("c.toml is not valid TOML", "see configs/"),
+    ),
+    (
+        "config-not-utf8",
+        lambda c: _toml(c, b"\xff\xfe[model]\n"),
+        ConfigError,
+        ("c.toml is not valid TOML (UTF-8 text", "can't decode byte 0xff"),
+    ),
+    (
+        "run-dir-unwritable",
+        _run_dir_under_a_file,
+        ConfigError,
+        ("--train.run_dir = ", "file is a file, not a directory", "choose a directory you can"),
+    ),
+    (
+        "tokenizer-not-utf8",
+        _tokenizer_not_utf8,
+        DataError,
+        ("t.json: not a valid Hugging Face tokenizer.json (not UTF-8 text",),
+    ),
+    (
+        "generate-device-unknown",
+        lambda c: _environ(c) or launch_generation(c.saved, "tpu"),
+        ConfigError,
+        ("device 'tpu' is not one torch knows", "auto, cpu or cuda"),
+    ),
+    (
+        "hardware-zero-gpus-per-node",
+        lambda c: _hardware(c, "gpus = 8", "gpus = 0"),
+        ConfigError,
+        ("hw.toml: [node] gpus = 0 must be a whole number >= 1", "a100-80gb.toml for the format"),
+    ),
+    (
+        "hardware-efficiency-above-one",
+        lambda c: _hardware(c, "gemm_efficiency = 0.75", "gemm_efficiency = 1.5"),
+        ConfigError,
+        ("[device.achieved] gemm_efficiency = 1.5 must be a fraction in (0, 1]",),
+    ),
+    (
+        "hardware-zero-bandwidth",
+        lambda c: _hardware(c, "bandwidth_gb_s = 25 ", "bandwidth_gb_s = 0 "),
+        ConfigError,
+        ("[network] bandwidth_gb_s = 0 must be > 0",),
+    ),
+    (
+        "hardware-reserves-all-memory",
+        lambda c: _hardware(c, "reserved_gib = 4", "reserved_gib = 80"),
+        ConfigError,
+        ("reserved_gib = 80 leaves nothing of [device] memory_gib = 80",),
+    ),
+    (
+        "hardware-value-not-a-number",
+        lambda c: _hardware(c, "memory_gib = 80 ", 'memory_gib = "lots" '),
+        ConfigError,
+        ("[device] memory_gib = 'lots' is not a number",),
+    ),
+    (
+        "hardware-section-not-a-table",
+        lambda c: _hardware(c, "[network]", "[unused]", prepend="network = 3\n"),
+        ConfigError,
+        ("[network] must be a table of key = value lines",),
+    ),
+    (
+        "prompt-not-utf8",
+        lambda c: _sample(c, "ab" + b"\xff".decode("utf-8", "surrogateescape") + "cd"),
+        ConfigError,
+        ("--prompt is not valid UTF-8 text (byte 0xff at character 2)", "LANG=C.UTF-8"),
+    ),
+    (
+        "max-new-tokens-zero",
+        lambda c: _sample(c, max_new_tokens=0),
+        ConfigError,
+        ("--max-new-tokens 0 must be 1 or more",),
+    ),
+    (
+        "top-p-zero",
+        lambda c: _sample(c, top_p=0.0),
+        ConfigError,
+        ("--top-p 0.0 must be in (0, 1]",),
+    ),
+    (
+        "simulate-zero-gpus",
+        lambda c: simulate(resolve(None, ["--model.vocab_size", "64"]), load_system("h100-sxm"), 0),
+        ConfigError,
+        ("world size 0 must be >= 1", "--gpus N"),
+    ),
+    (
+        "plan-negative-gpus",
+        lambda c: plan(
+            resolve(None, ["--model.vocab_size", "64"]), gpus=-1, system=load_system("h100-sxm")
+        ),
+        ConfigError,
+        ("--gpus -1: the number of GPUs to plan for must be 1 or more",),
+    ),
+    (
+        "convert-negative-seq-length",
+        lambda c: import_hf(_hf_dir(c), c.tmp / "imported", seq_length=-5),
+        ConfigError,
+        ("--seq-length -5 must be >= 1, or 0 for the model's 32 positions",),
+    ),
 ]
 
 
@@ -500,7 +760,7 @@ def test_bad_input(
 
 
 def test_table_is_large_enough() -> None:
-    assert len(CASES) >= 24 and len({row[0] for row in CASES}) == len(CASES)
+    assert len(CASES) >= 65 and len({row[0] for row in CASES}) == len(CASES)
 
 
 @pytest.mark.parametrize(
