@@ -8,8 +8,8 @@ checkpoint whose keys are layout-free (ptdp/checkpoint/keys.py). A step director
 complete once it has DCP's `.metadata` (or `state.pt`, the earlier single-file format,
 which still loads); ptdp/checkpoint/writer.py makes one appear only when it is. A
 published one also has checksums.json, without which it is not loaded. When `latest` is
-missing or empty (lost in a crash, or deleted), the newest complete step directory is
-the latest. Reading here needs no process group.
+missing, empty or damaged (lost in a crash, or deleted), the newest complete step
+directory is the latest. Reading here needs no process group.
 """
 
 from __future__ import annotations
@@ -81,13 +81,14 @@ def has_checkpoint(run_dir: str | Path) -> bool:
 
 
 def _latest_name(root: Path) -> str | None:
-    """What `latest` names, or None when it is missing or empty."""
+    """The step directory `latest` names, or None when it is missing, empty or holds no
+    step directory's name (damaged: ptdp writes it whole, with os.replace)."""
     file = root / LATEST
     try:
         name = file.read_text().strip() if file.is_file() else ""
     except (OSError, UnicodeDecodeError):
         name = ""
-    return name or None
+    return name if STEP_DIR.fullmatch(name) else None
 
 
 def _step_dirs(root: Path) -> list[Path]:
@@ -101,7 +102,8 @@ def find_checkpoint(path: str | Path) -> Path:
     """Resolve a run dir, a checkpoints dir or a step dir to a complete step directory:
     its metadata reads, its checksums.json is there and every data file it lists is there
     at full length (checksums, which read every byte, are checked when loading). With
-    `latest` missing or empty, the newest complete step directory (`latest_note` says so)."""
+    `latest` missing, empty or damaged, the newest complete step directory (`latest_note`
+    says so)."""
     path = Path(path)
     for root in (path, path / "checkpoints"):
         name = _latest_name(root)
@@ -133,7 +135,7 @@ def _newest_complete(root: Path) -> Path:
             return step_dir
         skipped.append(f"{step_dir.name}: {'; '.join(problems)}")
     raise CheckpointError(
-        f"{root / LATEST} is missing or empty and no step directory in {root} is complete "
+        f"{root / LATEST} is missing, empty or damaged and no step directory in {root} is complete "
         f"({' | '.join(skipped)}); copy the damaged files back from a backup, or start "
         "afresh with another --train.run_dir"
     )
@@ -147,7 +149,7 @@ def latest_note(step_dir: Path) -> str | None:
     newer = [p for p in _step_dirs(root) if p.name > step_dir.name]
     skipped = "".join(f"; skipped {p.name}: {'; '.join(_problems(p))}" for p in newer)
     return (
-        f"{root / LATEST} is missing or empty: continued from the newest complete "
+        f"{root / LATEST} is missing, empty or damaged: continued from the newest complete "
         f"checkpoint, {step_dir.name} (the next save writes {LATEST} again){skipped}"
     )
 

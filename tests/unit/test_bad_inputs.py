@@ -581,7 +581,7 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         "latest-lost-and-no-complete-checkpoint",
         _latest_lost_and_shard_missing,
         CheckpointError,
-        ("latest is missing or empty and no step directory", "__0_0.distcp is missing"),
+        ("latest is missing, empty or damaged and no step directory", "__0_0.distcp is missing"),
     ),
     (
         "token-ids-beyond-vocab-despite-sidecar",

@@ -60,7 +60,9 @@ def _damaged_copy(saved: Path, tmp_path: Path, latest: str | None) -> Path:
     return run
 
 
-@pytest.mark.parametrize("latest", [None, "", " \n"], ids=["missing", "empty", "blank"])
+@pytest.mark.parametrize(
+    "latest", [None, "", " \n", "../../x\n"], ids=["missing", "empty", "blank", "damaged"]
+)
 def test_lost_latest_resumes_from_the_newest_complete_checkpoint(
     latest: str | None,
     saved_run: Path,
@@ -78,7 +80,10 @@ def test_lost_latest_resumes_from_the_newest_complete_checkpoint(
     result = train(_config(tiny_data, run, 6), resume=True, env=ONE)
     assert (result.start_step, result.final_step) == (4, 6)
     out = capsys.readouterr().out
-    assert "latest is missing or empty: continued from the newest complete checkpoint, " in out
+    assert (
+        "latest is missing, empty or damaged: continued from the newest complete checkpoint, "
+        in out
+    )
     assert "step_00000004" in out
     root = ckpt.checkpoint_root(run)
     assert (root / ckpt.LATEST).read_text().strip() == "step_00000006"  # written again
