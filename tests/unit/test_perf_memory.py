@@ -92,11 +92,12 @@ def test_interleaved_first_stage_holds_korthikanti_factor() -> None:
         assert inter / one == pytest.approx(1 + (pp - 1) / (pp * vpp))
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved", "zb-v"])
 def test_in_flight_is_what_the_verifier_counts(name: str) -> None:
     # Both count a microbatch from its F until its BW, or its W when the backward is split.
+    # tests/dist/test_pipeline_memory.py measures the same peaks on the runtime.
     for pp in (1, 2, 3, 4, 8):
-        vpp = 2 if name == "interleaved" else 1
+        vpp = 2 if name in ("interleaved", "zb-v") else 1
         for m in {pp, 2 * pp, 4 * pp} | ({1, pp + 1} if vpp == 1 else set()):
             plan = build_plan(name, pp, m, vpp)
             peaks = verify(plan.compute, plan.stages, m).peak_in_flight
