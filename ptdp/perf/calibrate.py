@@ -68,48 +68,48 @@ class Sweep:
 KIB, MIB = 2**10, 2**20
 SWEEPS: dict[tuple[str, bool], Sweep] = {
     ("cuda", False): Sweep(
-        (256, 512, 1024, 2048, 4096, 8192),
-        4096,
-        (512, 1024, 2048, 4096, 8192),
-        16,
-        128,
-        512 * MIB,
-        tuple(64 * KIB * 4**i for i in range(7)),
-        0.5,
-        mb.Timing(0.05, 5),
+        hidden=(256, 512, 1024, 2048, 4096, 8192),
+        tokens=4096,
+        attention_seq=(512, 1024, 2048, 4096, 8192),
+        heads=16,
+        head_dim=128,
+        stream_bytes=512 * MIB,  # past an H100's 50 MB L2
+        message_bytes=tuple(64 * KIB * 4**i for i in range(7)),  # to 256 MiB
+        max_call_s=0.5,
+        timing=mb.Timing(0.05, 5),
     ),
     ("cuda", True): Sweep(
-        (512, 2048, 8192),
-        2048,
-        (1024, 4096),
-        16,
-        128,
-        128 * MIB,
-        (64 * KIB, 4 * MIB, 64 * MIB),
-        0.2,
-        mb.Timing(0.01, 3),
+        hidden=(512, 2048, 8192),
+        tokens=2048,
+        attention_seq=(1024, 4096),
+        heads=16,
+        head_dim=128,
+        stream_bytes=128 * MIB,
+        message_bytes=(64 * KIB, 4 * MIB, 64 * MIB),
+        max_call_s=0.2,
+        timing=mb.Timing(0.01, 3),
     ),
     ("cpu", False): Sweep(
-        (64, 128, 256, 512, 1024, 2048, 4096),
-        1024,
-        (128, 256, 512, 1024, 2048),
-        8,
-        64,
-        64 * MIB,
-        tuple(4 * KIB * 4**i for i in range(7)),
-        0.25,
-        mb.Timing(0.1, 3),
+        hidden=(64, 128, 256, 512, 1024, 2048, 4096),
+        tokens=1024,
+        attention_seq=(128, 256, 512, 1024, 2048),
+        heads=8,
+        head_dim=64,
+        stream_bytes=64 * MIB,  # past a server CPU's last-level cache
+        message_bytes=tuple(4 * KIB * 4**i for i in range(7)),  # to 16 MiB
+        max_call_s=0.25,
+        timing=mb.Timing(0.03, 7),  # short batches, many: some miss a neighbour's job
     ),
     ("cpu", True): Sweep(
-        (32, 64, 128, 256),
-        128,
-        (64, 128),
-        4,
-        32,
-        2 * MIB,
-        (4 * KIB, 64 * KIB, 1 * MIB),
-        0.02,
-        mb.Timing(0.005, 2),
+        hidden=(32, 64, 128, 256),
+        tokens=128,
+        attention_seq=(64, 128),
+        heads=4,
+        head_dim=32,
+        stream_bytes=2 * MIB,
+        message_bytes=(4 * KIB, 64 * KIB, 1 * MIB),
+        max_call_s=0.02,
+        timing=mb.Timing(0.005, 3),
     ),
 }
 """Defaults by device type: under five minutes on one GPU or a small CPU; --quick: seconds."""
@@ -122,13 +122,15 @@ def measure_compute(
     device: torch.device, dtype: torch.dtype, sweep: Sweep, step: Progress
 ) -> tuple[list[tuple[mb.GemmShape, float]], list[tuple[mb.AttentionShape, float, float]]]:
     """GEMMs by growing hidden size, then attention by growing sequence, each skipped once
-    the best rate so far predicts a call longer than `sweep.max_call_s`."""
+    the best rate so far predicts a call longer than `sweep.max_call_s`. The two smallest
+    hidden sizes are always timed, so that one call slowed by a neighbour's job (the best
+    rate of a single figure) cannot cut the sweep short."""
     gemms: list[tuple[mb.GemmShape, float]] = []
-    for hidden in sweep.hidden:
+    for i, hidden in enumerate(sweep.hidden):
         for shape in mb.layer_gemm_shapes(hidden, sweep.tokens):
             step(shape.name)
             best = max((s.flops / t for s, t in gemms), default=0.0)
-            if best and shape.flops / best > sweep.max_call_s:
+            if i >= 2 and shape.flops / best > sweep.max_call_s:
                 continue
             gemms.append((shape, mb.gemm_seconds(shape, dtype, device, sweep.timing)))
     attention: list[tuple[mb.AttentionShape, float, float]] = []
@@ -291,9 +293,14 @@ def calibrate(
             "host": platform.node(),
             "torch": torch.__version__,
             "threads": str(torch.get_num_threads()),
-            "sweep": "quick" if sweep == SWEEPS.get((device.type, True)) else "default",
+            "sweep": _sweep_name(sweep, device.type),
         },
     )
+
+
+def _sweep_name(sweep: Sweep, device_type: str) -> str:
+    names = {SWEEPS.get((device_type, q)): n for q, n in ((True, "quick"), (False, "default"))}
+    return names.get(sweep, "custom")
 
 
 def _cpu_name() -> str:

@@ -5,8 +5,10 @@ On CUDA, work is timed with CUDA events recorded around the calls and the host w
 end event (kernels are asynchronous: a host clock alone would time the launches); the
 device is synchronised before each batch so no earlier work leaks in. On CPU the host
 clock times the calls at torch's thread count, the one `ptdp train` runs with (it keeps
-torch's default, or OMP_NUM_THREADS as torchrun sets it). Each figure is the median per
-call over a few batches, each batch long enough to dwarf the clock's resolution.
+torch's default, or OMP_NUM_THREADS as torchrun sets it). Each figure is the time per
+call of the fastest of a few batches, each long enough to dwarf the clock's resolution:
+other work on a shared machine (preemption, a neighbour's job) only ever adds time, so the
+fastest batch is the closest to what the hardware does.
 
 Collectives go through `ptdp.parallel.comm` (the only module that calls them); every rank
 runs the same number of calls, and a batch's time is the slowest rank's.
@@ -17,7 +19,6 @@ d = head size; e = bytes per element.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def time_call(fn: Callable[[], object], device: torch.device, timing: Timing) -> float:
-    """Median seconds per call of `fn` (after one untimed warm-up call)."""
+    """Seconds per call of `fn` in the fastest batch (after one untimed warm-up call)."""
     fn()  # warm-up: allocations, kernel selection, lazy initialisation
     synchronize(device)
     start = time.perf_counter()
@@ -68,7 +69,7 @@ def time_call(fn: Callable[[], object], device: torch.device, timing: Timing) ->
             for _ in range(calls):
                 fn()
             per_call.append((time.perf_counter() - start) / calls)
-    return statistics.median(per_call)
+    return min(per_call)
 
 
 # ----------------------------------------------------------------------------- compute
@@ -261,7 +262,8 @@ def collective_seconds(
     device: torch.device,
     timing: Timing,
 ) -> float:
-    """Median seconds per call of `op` over `g`, the slowest rank's, every rank in step."""
+    """Seconds per call of `op` over `g` in the fastest batch, each batch timed by its slowest
+    rank, every rank in step."""
     fn = _collective_call(op, nbytes, g, dtype, device)
     world = comm.world_group()
 
@@ -277,4 +279,4 @@ def collective_seconds(
     batch(1)  # warm-up: NCCL builds the group's communicator on its first call
     one = batch(1)
     calls = max(1, min(timing.max_calls, int(timing.min_seconds / max(one, 1e-7))))
-    return statistics.median(batch(calls) for _ in range(timing.trials))
+    return min(batch(calls) for _ in range(timing.trials))

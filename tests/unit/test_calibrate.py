@@ -46,11 +46,13 @@ def test_the_file_loads_and_holds_what_was_measured(calibrated: Path) -> None:
     values = [y for _, y in dev.gemm_curve]
     assert all(a <= b for a, b in zip(values, values[1:])) and 0 < values[0] <= values[-1] <= 1
     assert dev.gemm_efficiency == pytest.approx(values[-1])
-    # A GEMM of a measured size costs what the fitted curve says: flops / (peak * eff).
-    m, n, k = gemm["mnk"][-1]
+    # The largest GEMM measured costs what the top of the curve says: flops / (peak * eff).
+    m, n, k = max(gemm["mnk"], key=lambda mnk: mnk[0] * mnk[1] * mnk[2])
     c = Compute(system, Precision.FP32, PTDP)
     assert c.gemm(Gemm(m, n, k)) == pytest.approx(2 * m * n * k / (peak * values[-1]), rel=1e-6)
-    assert 0 < dev.attention_efficiency <= 2 and dev.attention_backward_ratio > 0
+    assert len(flops) >= 10  # the two smallest hidden sizes at least, 5 shapes each
+    # Relative to a measured peak, so not bounded by 1 on a machine this noisy.
+    assert dev.attention_efficiency > 0 and dev.attention_backward_ratio > 0
     memory = raw["calibration"]["memory_gb_s"]
     assert set(memory) == {"layer_norm", "rms_norm", "gelu", "softmax", "add", "adamw"}
     assert all(v > 0 for v in memory.values())
@@ -72,9 +74,15 @@ def test_the_file_changes_simulate_predictions(
     a100 = _simulate("a100-80gb", tmp_path, capsys)
     # A 2-core CPU at ~0.1 TFLOP/s against an A100: the same step predicted far slower.
     assert mine["iteration_seconds"] > 20 * a100["iteration_seconds"]
-    # Model TFLOP/s cannot beat the measured peak of this CPU.
-    peak = load_system(calibrated).device.peak_flops("fp32")
-    assert 0 < mine["model_tflops_per_device"] * 1e12 < peak
+    # The constants it fitted are what the prediction reads: twice the GEMM peak and the
+    # same step is predicted faster, everything else equal.
+    text = calibrated.read_text()
+    peak = load_system(calibrated).device.peak_flops("fp32") / 1e12
+    faster = tmp_path / "faster.toml"
+    faster.write_text(text.replace(f"fp32 = {peak:.8g}", f"fp32 = {2 * peak:.8g}"))
+    assert load_system(faster).device.peak_flops("fp32") == pytest.approx(2 * peak * 1e12)
+    doubled = _simulate(str(faster), tmp_path, capsys)
+    assert doubled["iteration_seconds"] < mine["iteration_seconds"]
 
 
 def test_gpu_check_without_cuda_exits_0_and_says_what_it_skipped(tmp_path: Path) -> None:
