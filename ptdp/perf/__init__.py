@@ -10,4 +10,6 @@ simulator.py    one training step of a config on a cluster: time, bubble, TFLOP/
 planner.py      layouts that fit, ranked by simulated throughput, explained
 timeline.py     TimelineRecorder for the runtime, Chrome traces and PNG charts
 paper.py        the paper's model presets and published figures; validation.py checks them
+calibrate.py    `ptdp calibrate`: microbench.py times this machine, fit.py fits the constants,
+                calibration_file.py writes them as a cluster file for hardware.py
 """
