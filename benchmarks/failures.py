@@ -5,7 +5,8 @@ Each scenario launches `ptdp train` four times by hand with torchrun's variables
 `srun` would: no launcher tears the other ranks down, so ptdp's watchdog must), or once
 under torchrun. This file is also the per-rank driver (`driver` as first argument): it
 patches one fault into one rank, PTDP_FAULT = "kind:rank:step[:seconds]" (or "none"), fired once at
-that rank's first backward action of that step, in the middle of the step:
+that rank's first backward action of that step, in the middle of the step (not again in
+a run that torchrun restarted, `--max-restarts`):
 
   kill   SIGKILL (as the kernel's out-of-memory killer does)
   raise  a RuntimeError inside the action (an exception in the training code)

@@ -211,15 +211,17 @@ def _on_fault(trainer: Trainer, fault: NumericalFault, result: TrainResult) -> N
     good = ckpt.find_checkpoint(trainer.run_dir) if has_checkpoint else None
     policy = trainer.cfg.train.on_nan
     if policy is OnNan.STOP:
-        saved = ""
+        where = f"the last good checkpoint is {good}"
         if good is None or good.name != step_dir_name(trainer.step):
             good = trainer.save()  # trainer.step is the last good step: nothing applied since
             trainer.finish_save()
-            saved = f"saved the last good step {trainer.step} as {good}; "
+            where = (
+                f"saved the last good step {trainer.step} (the bad update not applied) as {good}"
+            )
         raise TrainingError(
-            f"{fault}; stopped (train.on_nan = stop); {saved}the last good checkpoint is "
-            f"{good} (continue from it with --resume). Lower optim.lr or raise "
-            "optim.warmup_steps, or set --train.on_nan skip or rollback"
+            f"{fault}; stopped (train.on_nan = stop); {where} (continue from it with "
+            "--resume). Lower optim.lr or raise optim.warmup_steps, or set --train.on_nan "
+            "skip or rollback"
         )
     if good is None:
         raise TrainingError(

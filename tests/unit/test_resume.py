@@ -221,3 +221,24 @@ def test_a_new_world_that_cannot_hold_the_layout_is_refused(
     with pytest.raises(ConfigError, match=message) as caught:
         train(cfg, resume=True, env=LaunchEnv(rank=0, world_size=world, local_rank=0))
     assert "cannot resume" in str(caught.value) and "step_00000001" in str(caught.value)
+
+
+def test_a_requeue_after_sigterm_resumes_and_loses_nothing(
+    tiny_data: str, tmp_path: Path, monkeypatch
+) -> None:
+    """A scheduler's SIGTERM in step 3: the step is saved and recorded as `interrupted`;
+    the requeued job (SLURM_RESTART_COUNT = 1) resumes by itself with no step lost."""
+    from tests.unit.test_faults import _signal_during
+
+    cfg = _config(tiny_data, tmp_path / "run")
+    with monkeypatch.context() as m:
+        _signal_during(m, 3)
+        assert train(cfg).interrupted
+    stop = read_events(tmp_path / "run")[-1]
+    assert (stop["event"], stop["signal"], stop["step"]) == ("interrupted", "SIGTERM", 3)
+    resumed = train(cfg, env=LaunchEnv(0, 1, 0, requeue=1))
+    assert resumed.start_step == 3 and resumed.final_step == 6
+    record = read_events(tmp_path / "run")[-1]
+    assert record["event"] == "restart" and record["launch"] == "SLURM requeue 1"
+    assert record["cause"] == "interrupted by SIGTERM" and record["failed_rank"] is None
+    assert record["steps_lost"] == 0
