@@ -162,3 +162,22 @@ def test_a_save_in_flight_at_a_failure_is_published_when_whole(
     for result in (resumed, fallback):
         for step, loss in result.losses.items():
             assert loss == pytest.approx(full.losses[step], rel=1e-5), step
+
+
+def test_rank0_death_without_torchrun_is_named_as_rank0(tiny_data: str, tmp_path: Path) -> None:
+    """pp=2 launched by hand (rank 0 hosts the store): rank 0 is SIGKILLed in step 4. Rank
+    1 names rank 0 as the rank that failed first (pid, host, last step), says the store it
+    hosted is gone, exits within the timeout and records the failure in events.jsonl."""
+    run = launch(tmp_path, train_args(tiny_data, 1, 2, 60), "kill:0:4", world=2)
+    try:
+        exited = run.wait(limit_s=120)
+        assert 1 in exited and run.procs[1].returncode != 0, run.output(1)[-3000:]
+        assert exited[1] - run.fault_at() < 12.0
+    finally:
+        run.kill_all()
+    text = run.output(1)
+    assert "rank 0 (pid" in text and "failed first, " in text, text[-3000:]
+    assert "store is unreachable" in text and "rank 0 at 127.0.0.1:" in text
+    failure = read_events(run.run_dir)[-1]
+    assert (failure["event"], failure["rank"], failure["how"]) == ("failure", 0, "store lost")
+    assert failure["step"] == 4 and "pid" in failure

@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -142,6 +143,12 @@ class Watchdog:
     def start(self) -> Watchdog:
         who = {"host": socket.gethostname(), "pid": os.getpid()}
         self.store.set(f"who/{self.rank}", json.dumps(who))
+        if self.store_on_rank0 and self.rank:  # rank 0 is named by pid and host if it dies
+            try:  # it starts its watchdog at the same point of the run as this rank
+                self.store.wait(["who/0"], timedelta(seconds=self.times.stale_s))
+                self._rank0 = self._who(0)
+            except Exception:  # not there in time: named without them
+                pass
         self._write_heartbeat()
         self._thread.start()
         return self
@@ -265,7 +272,7 @@ class Watchdog:
         where = (
             f"last heard from at step {last['step']} in {last['action']}"
             if "step" in last
-            else "its last step unknown"
+            else f"at step {self.step} or before"  # every step ends with a collective
         )
         first = {
             "rank": 0,
