@@ -70,6 +70,12 @@ class OnNan(str, enum.Enum):
     ROLLBACK = "rollback"
 
 
+class Resume(str, enum.Enum):
+    AUTO = "auto"
+    ALWAYS = "always"
+    NEVER = "never"
+
+
 class Precision(str, enum.Enum):
     FP32 = "fp32"
     BF16 = "bf16"
@@ -275,10 +281,15 @@ class TrainConfig:
     profile_timeline: bool = False
     """Write the last step's per-rank timeline (timeline.json for Perfetto, timeline.png)
     beside its prediction."""
+    resume: Resume = Resume.AUTO
+    """Continue from the newest complete checkpoint in run_dir: auto (when the launcher
+    restarted the job: torchrun --max-restarts, a SLURM requeue; a first launch continues
+    only with --resume), always (as --resume), never (a run_dir with checkpoints is refused)."""
     on_nan: OnNan = OnNan.STOP
-    """A step with a non-finite loss or gradient norm (not an fp16 overflow): stop (with an
-    error naming the last good checkpoint), skip (leave the step out), or rollback (reload
-    the last checkpoint and skip the batches since it, the bad one included)."""
+    """A step with a non-finite loss or gradient norm (not an fp16 overflow): stop (save the
+    last good step, the bad update not applied, and end with an error naming it), skip
+    (leave the step out), or rollback (reload the last checkpoint and skip the batches
+    since it, the bad one included)."""
     collective_timeout_s: float = 300.0
     """Seconds a collective or pipeline receive may wait; a rank that dies or hangs is
     named and every other rank stops within this time (ptdp/train/faults/watchdog.py)."""
