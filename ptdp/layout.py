@@ -53,9 +53,10 @@ class Layout:
         sp = " sp=on" if self.sequence_parallel else ""
         uneven = len(set(self.stage_layers)) > 1
         split = f" layers={','.join(map(str, self.stage_layers))}" if uneven else ""
+        zero = f" zero={self.zero}" if self.zero else ""  # absent at 0, as before the levels
         return (
             f"world={self.world_size} tp={self.tp}{sp} pp={self.pp} dp={self.dp} vpp={self.vpp}"
-            f"{split} zero={self.zero} microbatches/step/rank={self.num_microbatches}"
+            f"{split}{zero} microbatches/step/rank={self.num_microbatches}"
         )
 
     @property

@@ -6,8 +6,8 @@ Model-state bytes per parameter follow what the runtime does (`ptdp/parallel/dat
 weights, 4 B gradients and 8 B of moments. ZeRO-1 (`parallel.zero`, the distributed
 optimizer) divides the master weights and moments by the data-parallel size, ZeRO-2 the
 gradient buffer too. ZeRO-2 then holds, besides its 1/dp, the full-size fp32 gradient
-of the buckets being filled or reduced (`grad_buckets`): about two buckets per model
-chunk with overlapped reduction; the whole chunk without overlap or under a split
+of the buckets being filled or reduced (`grad_buckets`): two buckets per model chunk
+with overlapped reduction (one filling, the one before it reducing); the whole chunk without overlap or under a split
 backward (B leaves a gradient in every bucket holding a norm or bias until W fills the
 rest); and a tied embedding's bucket on the two stages holding it (reduced at the step's
 end).
@@ -333,13 +333,15 @@ def grad_bucket_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
     model, tp, pp, vpp, split = cfg.model, layout.tp, layout.pp, layout.vpp, layout.stage_layers
     per_stage = parameters_per_stage(model, tp, pp, vpp, split)
     whole = not cfg.parallel.overlap_grad_reduce or SCHEDULES[layout.schedule].splits_backward
-    bucket = 2 * max(1, int(cfg.parallel.bucket_mb * 2**20 / 4))
+    bucket = max(1, int(cfg.parallel.bucket_mb * 2**20 / 4))
     tied = model.tie_embeddings and pp * vpp > 1
     out = [0.0] * pp
     for stage, count in enumerate(per_stage):
-        held = count if whole else min(count, bucket)
-        if tied and stage in (0, pp * vpp - 1) and not whole:
-            held = min(count, held + model.padded_vocab_size(tp) // tp * model.hidden_size)
+        embedding = 0
+        if tied and stage in (0, pp * vpp - 1):
+            embedding = model.padded_vocab_size(tp) // tp * model.hidden_size
+        # One bucket filling while the one before it reduces (`GradBuffers._retire`).
+        held = count if whole else embedding + 2 * min(count - embedding, bucket)
         out[layout.stages.rank(stage)] += 4.0 * held
     return out
 
