@@ -108,7 +108,6 @@ def _zero_rules(cfg: RunConfig, errors: list[str]) -> None:
         )
 
 
-
 def _positive(errors: list[str], name: str, value: int | float, zero_ok: bool = False) -> None:
     if value < 0 or (value == 0 and not zero_ok):
         bound = ">= 0" if zero_ok else "> 0"

@@ -310,7 +310,8 @@ class GradBuffers:
             buf, bucket, work, full = self._inflight.pop(0)
             work.wait()
             part = bucket.size // self.dp.size
-            self.owned_grads(buf, bucket).add_(full[self.dp.rank * part : (self.dp.rank + 1) * part])
+            mine = full[self.dp.rank * part : (self.dp.rank + 1) * part]
+            self.owned_grads(buf, bucket).add_(mine)
             self.full_bytes -= full.nbytes
 
     # ------------------------------------------------------------------ reduction

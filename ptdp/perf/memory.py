@@ -7,10 +7,10 @@ weights, 4 B gradients and 8 B of moments. ZeRO-1 (`parallel.zero`, the distribu
 optimizer) divides the master weights and moments by the data-parallel size, ZeRO-2 the
 gradient buffer too. ZeRO-2 then holds, besides its 1/dp, the full-size fp32 gradient
 of the buckets being filled or reduced (`grad_buckets`): two buckets per model chunk
-with overlapped reduction (one filling, the one before it reducing); the whole chunk without overlap or under a split
-backward (B leaves a gradient in every bucket holding a norm or bias until W fills the
-rest); and a tied embedding's bucket on the two stages holding it (reduced at the step's
-end).
+with overlapped reduction (one filling, the one before it reducing); the whole chunk
+without overlap or under a split backward (B leaves a gradient in every bucket holding
+a norm or bias until W fills the rest); and a tied embedding's bucket on the two stages
+holding it (reduced at the step's end).
 
 Activations per layer are Korthikanti et al.'s (arXiv 2205.05198, `ptdp.perf.activations`)
 for the recompute mode and sequence parallelism; with fused attention (flash or

@@ -120,8 +120,8 @@ def _check_sharded_grads(rank: int, world_size: int) -> None:
                 expected = torch.cat([ref_params[p].grad.reshape(-1) for p in bucket.params])
                 expected = torch.cat([expected, expected.new_zeros(bucket.size - len(expected))])
                 first, last = buffers.shard_range(bucket)
-                got = buffers.owned_grads(buf, bucket)
-                torch.testing.assert_close(got, expected[first - bucket.start : last - bucket.start])
+                want = expected[first - bucket.start : last - bucket.start]
+                torch.testing.assert_close(buffers.owned_grads(buf, bucket), want)
 
 
 def test_sharded_gradients() -> None:
