@@ -72,7 +72,8 @@ class Bucket:
     """The parameters (in `params` order) whose gradients are summed over the tensor group
     first: partial sums under sequence parallelism."""
     pending: int = 0
-    """Parameters still to receive their final gradient in this step."""
+    """Parameters still to receive their final gradient in this step (ZeRO-2: their next
+    gradient since the bucket's full buffer was allocated)."""
     work: dist.Work | None = None
     launched: bool = False
     full: torch.Tensor | None = None
@@ -363,6 +364,7 @@ class GradBuffers:
                 bucket.work, bucket.launched = None, False
 
     def zero_grad(self) -> None:
+        self._retire(keep=0)  # ZeRO-2: reductions a failed step left running
         for buf in self.chunks:
             buf.grads.zero_()
             for bucket in buf.buckets:  # ZeRO-2: a step's leftovers would be stale
