@@ -192,6 +192,11 @@ class ParallelConfig:
     """Size of a data-parallel gradient bucket in MiB of fp32 gradient."""
     overlap_grad_reduce: bool = True
     """Start each bucket's data-parallel reduction during the last backward, not after it."""
+    zero: int = -1
+    """Sharding of the model state over the data-parallel group (ZeRO level): 0 = none
+    (replicated), 1 = fp32 master weights and AdamW moments, 2 = also the gradients
+    (reduce-scattered per microbatch, full buffers freed after), 3 = also the parameters
+    (not built yet); -1 = from optim.distributed (1 if true, else 0)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -230,7 +235,8 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 = no clipping."""
     distributed: bool = False
-    """Shard fp32 master weights and AdamW state over the data-parallel group (ZeRO-1)."""
+    """Old spelling of parallel.zero = 1: shard fp32 master weights and AdamW state over the
+    data-parallel group. Implied by parallel.zero >= 1."""
     initial_loss_scale: float = 65536.0
     """fp16 only: the first dynamic loss scale."""
     loss_scale_window: int = 1000

@@ -105,7 +105,8 @@ class Trainer:
             tp=self.tp,
             embedding=tied_embedding_group(self.mesh, layout, tied=cfg.model.tie_embeddings),
             bucket_mb=cfg.parallel.bucket_mb,
-            shard=cfg.optim.distributed,
+            shard=layout.shards_optimizer,
+            shard_grads=layout.shards_grads,
             overlap=cfg.parallel.overlap_grad_reduce,
         )
         dtype = PARAM_DTYPES[cfg.train.precision]
