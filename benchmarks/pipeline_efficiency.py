@@ -78,17 +78,16 @@ class Costs:
     w: float
 
     def pipeline(self, stages: int) -> PipelineCosts:
-        """Durations of the compute actions as the synthetic stages really run them (free
-        transfers).
+        """Durations of ptdp's compute actions on the synthetic stages (free transfers).
 
-        Stage 0 has no input gradient to send, so B there computes nothing (in ptdp and in
-        PyTorch alike) and its W backpropagates through the whole chunk, B's path included,
-        as the weight gradients of a real first stage (embedding, layers) need.
+        Every stage alike, stage 0 included: ptdp's B runs the whole backward but the kept
+        weight-gradient pass (`DeferredSleep`), so stage 0's B walks the input path for its
+        `embed` gradient. PyTorch's first stage instead runs nothing in B and both paths in W.
         """
-        b = (0.0,) + (self.b,) * (stages - 1)
-        w = (self.b + self.w,) + (self.w,) * (stages - 1)
         zeros = (0.0,) * stages
-        return PipelineCosts((self.f,) * stages, b, w, zeros, zeros)
+        return PipelineCosts(
+            (self.f,) * stages, (self.b,) * stages, (self.w,) * stages, zeros, zeros
+        )
 
 
 # ----------------------------------------------------------------------------- synthetic stage
@@ -119,29 +118,68 @@ class _InputPath(torch.autograd.Function):
         return grad, None
 
 
+class DeferredSleep:
+    """A synthetic chunk's weight-gradient store (what the runtime's `wgrad` stores do).
+
+    Inside ptdp's B (`deferring`) the weight path keeps (w, x, dy) instead of sleeping; W
+    (`flush`) sleeps T_W and returns w's gradient, as `WeightGradStore` runs the linear
+    layers' kept GEMMs. Any other backward (BW, PyTorch's) sleeps where it stands.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.key: tuple[int, int] | None = None
+        self.pending: dict = {}
+
+    @contextmanager
+    def capture(self) -> Iterator[None]:
+        yield  # every forward of the weight path can defer
+
+    @contextmanager
+    def deferring(self, key: tuple[int, int]) -> Iterator[None]:
+        self.key = key
+        try:
+            yield
+        finally:
+            self.key = None
+
+    def flush(self, key: tuple[int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        grads = []
+        for w, x, dy in self.pending.pop(key, []):
+            _sleep(self.seconds)
+            grads.append((w, dy * x))
+        return grads
+
+
 class _WeightPath(torch.autograd.Function):
-    """w * x with x detached, whose backward, the weight-gradient path, sleeps T_W."""
+    """w * x with x detached, whose backward, the weight-gradient path, sleeps T_W (or, in a
+    split backward, leaves that to W)."""
 
     @staticmethod
-    def forward(ctx, w: torch.Tensor, x: torch.Tensor, seconds: float) -> torch.Tensor:
+    def forward(ctx, w: torch.Tensor, x: torch.Tensor, store: DeferredSleep) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.seconds = seconds
+        ctx.w, ctx.store = w, store
         return w * x
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         (x,) = ctx.saved_tensors
-        _sleep(ctx.seconds)
+        store = ctx.store
+        if store.key is not None:
+            store.pending.setdefault(store.key, []).append((ctx.w, x, grad))
+            return None, None, None
+        _sleep(store.seconds)
         return grad * x, None, None
 
 
 class SleepStage(nn.Module):
     """One model chunk: forward sleeps T_F; y = x + w * x, the two terms' backwards apart.
 
-    The input-gradient pass (autograd.grad w.r.t. x) reaches only `_InputPath` and the
-    weight-gradient pass (w.r.t. the parameters) only `_WeightPath`, so ptdp's B sleeps T_B,
-    its W T_W and BW both. Stage 0 scales its input by an `embed` parameter that stands for
-    the embedding: its weight gradient needs the input-gradient path, as in a real model.
+    The input-gradient pass reaches only `_InputPath` and the weight-gradient pass only
+    `_WeightPath`, so ptdp's B sleeps T_B (the weight path kept in `wgrad`), its W T_W and
+    BW both; PyTorch's I and W likewise. Stage 0 scales its input by an `embed` parameter
+    that stands for the embedding: its weight gradient needs the input-gradient path, as in
+    a real model.
     """
 
     def __init__(self, costs: Costs, first: bool) -> None:
@@ -149,13 +187,14 @@ class SleepStage(nn.Module):
         self.costs = costs
         self.weight = nn.Parameter(torch.full(SHAPE, 0.01))
         self.embed = nn.Parameter(torch.ones(SHAPE)) if first else None
+        self.wgrad = DeferredSleep(costs.w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _sleep(self.costs.f)
         if self.embed is not None:
             x = x * self.embed
         return _InputPath.apply(x, self.costs.b) + _WeightPath.apply(
-            self.weight, x.detach(), self.costs.w
+            self.weight, x.detach(), self.wgrad
         )
 
 
@@ -250,7 +289,12 @@ class Ours:
 
     def step(self) -> None:
         runtime = PipelineRuntime(
-            self.chunks, self.forward_step, self.p2p, self.stages, around_action=_tag
+            self.chunks,
+            self.forward_step,
+            self.p2p,
+            self.stages,
+            around_action=_tag,
+            wgrad={s: chunk.wgrad for s, chunk in self.chunks.items()},
         )
         runtime.run(self.actions)
 

@@ -35,6 +35,7 @@ def test_tiny_real_chunk_benchmark(tmp_path: Path, capsys) -> None:
         assert all((w > 0) == split for w in costs.backward_weight)
         assert run.ideal <= run.makespan  # the busiest rank's compute bounds the replay
         assert 0.3 < r["measured"] / run.makespan < 20  # same compute, measured vs replayed
+        assert 0.3 < r["per_step"] < 20 and len(r["steps"]) == 2
     assert "m=4: zb-h1 / 1f1b step time" in printed and "target <= 0.92" in printed
     assert "| zb-v | 4 |" in printed
     assert png.stat().st_size > 10_000

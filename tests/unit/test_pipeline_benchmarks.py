@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from ptdp.perf.replay import PipelineCosts
 from ptdp.perf.timeline import Event
@@ -34,8 +35,8 @@ def test_every_synthetic_plan_replays_as_verify(m: int) -> None:
 def test_synthetic_costs_and_v_chunks() -> None:
     bench = load_benchmark("pipeline_efficiency")
     costs = bench.Costs(0.01, 0.02, 0.03).pipeline(8)
-    assert costs.duration(Action(Kind.B, 0, 0)) == 0.0  # stage 0: nothing to send back
-    assert costs.duration(Action(Kind.W, 0, 0)) == pytest.approx(0.05)
+    assert costs.duration(Action(Kind.B, 0, 0)) == pytest.approx(0.02)
+    assert costs.duration(Action(Kind.W, 0, 0)) == pytest.approx(0.03)
     assert costs.duration(Action(Kind.BW, 5, 1)) == pytest.approx(0.05)
     assert costs.duration(Action(Kind.F, 7, 1)) == pytest.approx(0.01)
     stages = build_plan("zb-v", bench.PP, 8, 2).stages
@@ -65,3 +66,24 @@ def test_compute_clock_leaves_out_the_wait_for_input() -> None:
     (event,) = clock.events
     assert (event.rank, event.stage, event.kind) == (1, 1, "F")
     assert 0.045 < event.seconds < 0.15
+
+
+def test_synthetic_stage_defers_its_weight_gradient_to_w() -> None:
+    """ptdp's B leaves the weight path's sleep and gradient to W; a fused backward sleeps
+    both paths and gives the same gradients."""
+    bench = load_benchmark("pipeline_efficiency")
+    stage = bench.SleepStage(bench.Costs(0.0, 0.0, 0.05), first=True)
+    x = torch.full(bench.SHAPE, 2.0)
+    stage(x).sum().backward()
+    fused = (stage.weight.grad.clone(), stage.embed.grad.clone())
+    stage.weight.grad = stage.embed.grad = None
+    out = stage(x)
+    with stage.wgrad.deferring((0, 0)):
+        start = time.perf_counter()
+        grads = torch.autograd.grad(out.sum(), [stage.embed, stage.weight], allow_unused=True)
+        assert time.perf_counter() - start < 0.04  # B did not sleep T_W
+    assert grads[1] is None and torch.equal(grads[0], fused[1])
+    start = time.perf_counter()
+    ((param, grad),) = stage.wgrad.flush((0, 0))
+    assert time.perf_counter() - start >= 0.05 and param is stage.weight
+    assert torch.equal(grad, fused[0])
