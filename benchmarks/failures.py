@@ -5,7 +5,8 @@ Each scenario launches `ptdp train` four times by hand with torchrun's variables
 `srun` would: no launcher tears the other ranks down, so ptdp's watchdog must), or once
 under torchrun. This file is also the per-rank driver (`driver` as first argument): it
 patches one fault into one rank, PTDP_FAULT = "kind:rank:step[:seconds]" (or "none"), fired once at
-that rank's first backward action of that step, in the middle of the step:
+that rank's first backward action of that step, in the middle of the step (not again in
+a run that torchrun restarted, `--max-restarts`):
 
   kill   SIGKILL (as the kernel's out-of-memory killer does)
   raise  a RuntimeError inside the action (an exception in the training code)
@@ -111,7 +112,8 @@ def driver(run_dir: str, args: list[str]) -> int:
 
     torch.set_num_threads(1)
     fault = os.environ.get("PTDP_FAULT", "none")
-    if fault != "none":
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+    if fault != "none" and not restarted:  # once: not again in a run torchrun restarted
         kind, rank, step, *rest = fault.split(":")
         _inject(kind, int(rank), int(step), float(rest[0]) if rest else 0.0)
     return main(["train", "--train.run_dir", run_dir, *args])
@@ -181,9 +183,15 @@ class Launch:
 
 
 def launch(
-    tmp: Path, args: list[str], fault: str, world: int = 4, torchrun: bool = False
+    tmp: Path,
+    args: list[str],
+    fault: str,
+    world: int = 4,
+    torchrun: bool = False,
+    max_restarts: int = 0,
 ) -> Launch:
-    """Start `ptdp train` on `world` ranks with `fault` injected; outputs go to files."""
+    """Start `ptdp train` on `world` ranks with `fault` injected; outputs go to files.
+    `max_restarts`: torchrun restarts the ranks after a failure (the fault fires once)."""
     tmp.mkdir(parents=True, exist_ok=True)
     run_dir = tmp / "run"
     port = str(_free_port())
@@ -197,6 +205,7 @@ def launch(
     script = [str(Path(__file__).resolve()), "driver", str(run_dir), *args]
     if torchrun:
         run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+        run += ["--max-restarts", str(max_restarts)] if max_restarts else []
         commands = [[*run, "--master-addr", "127.0.0.1", "--master-port", port, *script]]
         envs = [env]
     else:
@@ -227,10 +236,16 @@ class Scenario:
     train: tuple[tuple[str, object], ...] = ()
     resume: bool = False
     """Resume afterwards and count the steps run twice (the work lost)."""
+    max_restarts: int = 0
+    """torchrun --max-restarts: the run restarts itself; its record in events.jsonl says
+    how long from the fault to the restarted run's first step."""
 
 
 SCENARIOS = [
     Scenario("one rank SIGKILLed (torchrun)", "kill:2:8", 2, 2, torchrun=True, resume=True),
+    Scenario(
+        "one rank SIGKILLed, torchrun --max-restarts 1", "kill:2:8", 2, 2, True, max_restarts=1
+    ),
     Scenario("one rank SIGKILLed (by hand, like srun)", "kill:2:8", 2, 2, resume=True),
     Scenario("one rank raises an exception", "raise:1:8", 2, 2, resume=True),
     Scenario("one rank frozen (SIGSTOP)", "stop:2:8", 2, 2, frozen=(2,), resume=True),
@@ -283,7 +298,7 @@ def run_scenario(s: Scenario, data: str, tmp: Path) -> dict:
     extra = dict(s.train) | {"save_interval": SAVE_INTERVAL}
     args = train_args(data, s.tp, s.pp, STEPS, **extra)
     fault_step = int(s.fault.split(":")[2])
-    run = launch(tmp, args, s.fault, torchrun=s.torchrun)
+    run = launch(tmp, args, s.fault, torchrun=s.torchrun, max_restarts=s.max_restarts)
     try:
         exited = run.wait(limit_s=180, ignore=s.frozen)
         fault_at = run.fault_at()
@@ -314,6 +329,15 @@ def run_scenario(s: Scenario, data: str, tmp: Path) -> dict:
         row["work lost"] = f"the batch of step {fault_step}"
     elif not stopped:
         row["work lost"] = "none"
+    if s.max_restarts:
+        events = [json.loads(line) for line in (run.run_dir / "events.jsonl").open()]
+        restart = next(e for e in events if e["event"] == "restart")
+        row["restart"] = {
+            k: restart[k]
+            for k in ("cause", "failed_rank", "fault_step", "step", "steps_lost", "detection_s")
+            + ("fault_to_first_step_s", "start_to_first_step_s")
+        }
+        row["work lost"] = f"{restart['steps_lost']} completed steps and the step in progress"
     if s.resume:
         done = max(_steps_logged(rank0), default=0)
         again = launch(tmp, [*args, "--resume"], "none")

@@ -5,11 +5,13 @@ for cores and the ideal time of a schedule is known exactly: the makespan of its
 replayed with these durations and free communication. For p = 4 ranks (4 processes, gloo) and
 m in {4, 8, 16, 32}, each schedule reports measured / ideal (target <= 1.05) and the measured
 bubble against the paper's formula. The same stages then run under `torch.distributed.pipelining`
-in the same process group, iterations alternating with ours: ours / theirs (target <= 1.0).
-One measured iteration of interleaved 1F1B (v = 2, m = 8) is drawn as a timeline PNG.
+in the same process group, iterations alternating with ours: ours / theirs (target <= 1.0),
+ZB-V beside `ScheduleZBVZeroBubble` (both V-placed: rank r holds stages r and 2p - 1 - r).
+One measured iteration of interleaved 1F1B (v = 2, m = 8) is drawn as a timeline PNG above
+the same plan replayed.
 
-    python benchmarks/pipeline_efficiency.py            # about 4 minutes
-    python benchmarks/pipeline_efficiency.py --quick    # about 1 minute sanity run
+    python benchmarks/pipeline_efficiency.py            # about 6 minutes
+    python benchmarks/pipeline_efficiency.py --quick    # about 1.5 minute sanity run
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ptdp.parallel.comm import Group
-from ptdp.pipeline.actions import Action, Kind, Plan
+from ptdp.perf.replay import PipelineCosts, replay
+from ptdp.perf.timeline import Event, plot_timelines
+from ptdp.pipeline.actions import Action
 from ptdp.pipeline.p2p import P2P
-from ptdp.pipeline.placement import StageMap
-from ptdp.pipeline.plan import build_plan
+from ptdp.pipeline.placement import Placement, StageMap
+from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.runtime import PipelineRuntime
-from ptdp.pipeline.verify import UNIT_COST
+from ptdp.pipeline.schedules import theory_bubble
 
 try:
     from benchmarks._spawn import spawn
@@ -49,13 +53,17 @@ PNG = ROOT / "runs" / "benchmarks" / "interleaved_timeline.png"
 PP = 4
 SHAPE = (8, 8)
 TIMELINE = ("interleaved", 2, 8)  # (schedule, v, m) of the iteration drawn
-PAIRS = [  # (ours, v, theirs): the torch schedule run next to ours
+PAIRS = [  # (ours, v, theirs): the torch schedule run next to ours (None: torch has none)
     ("gpipe", 1, "ScheduleGPipe"),
     ("1f1b", 1, "Schedule1F1B"),
     ("zb-h1", 1, "ScheduleInterleavedZeroBubble"),  # theirs needs v = 2: a different schedule
+    ("zb-h2", 1, None),
     ("interleaved", 2, "ScheduleInterleaved1F1B"),
+    ("zb-v", 2, "ScheduleZBVZeroBubble"),
 ]
 TORCH_V = {"ScheduleInterleavedZeroBubble": 2}  # torch schedules run at another v than ours
+TORCH_V_PLACED = {"ScheduleZBVZeroBubble"}  # stages r and 2p - 1 - r on rank r, as ours
+NO_TORCH = "torch has no such schedule"
 
 
 # ----------------------------------------------------------------------------- stage costs
@@ -69,22 +77,17 @@ class Costs:
     b: float
     w: float
 
-    def of(self, kind: Kind, stage: int) -> float:
-        """Duration of a compute action as the synthetic stage really runs it (comms: 0).
+    def pipeline(self, stages: int) -> PipelineCosts:
+        """Durations of ptdp's compute actions on the synthetic stages (free transfers).
 
-        Stage 0 has no input gradient to send, so B there computes nothing (in ptdp and in
-        PyTorch alike) and its W backpropagates through the whole chunk, B's path included,
-        as the weight gradients of a real first stage (embedding, layers) need.
+        Every stage alike, stage 0 included: ptdp's B runs the whole backward but the kept
+        weight-gradient pass (`DeferredSleep`), so stage 0's B walks the input path for its
+        `embed` gradient. PyTorch's first stage instead runs nothing in B and both paths in W.
         """
-        if kind is Kind.F:
-            return self.f
-        if kind is Kind.BW:
-            return self.b + self.w
-        if kind is Kind.B:
-            return 0.0 if stage == 0 else self.b
-        if kind is Kind.W:
-            return self.b + self.w if stage == 0 else self.w
-        return 0.0
+        zeros = (0.0,) * stages
+        return PipelineCosts(
+            (self.f,) * stages, (self.b,) * stages, (self.w,) * stages, zeros, zeros
+        )
 
 
 # ----------------------------------------------------------------------------- synthetic stage
@@ -115,29 +118,68 @@ class _InputPath(torch.autograd.Function):
         return grad, None
 
 
+class DeferredSleep:
+    """A synthetic chunk's weight-gradient store (what the runtime's `wgrad` stores do).
+
+    Inside ptdp's B (`deferring`) the weight path keeps (w, x, dy) instead of sleeping; W
+    (`flush`) sleeps T_W and returns w's gradient, as `WeightGradStore` runs the linear
+    layers' kept GEMMs. Any other backward (BW, PyTorch's) sleeps where it stands.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.key: tuple[int, int] | None = None
+        self.pending: dict = {}
+
+    @contextmanager
+    def capture(self) -> Iterator[None]:
+        yield  # every forward of the weight path can defer
+
+    @contextmanager
+    def deferring(self, key: tuple[int, int]) -> Iterator[None]:
+        self.key = key
+        try:
+            yield
+        finally:
+            self.key = None
+
+    def flush(self, key: tuple[int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        grads = []
+        for w, x, dy in self.pending.pop(key, []):
+            _sleep(self.seconds)
+            grads.append((w, dy * x))
+        return grads
+
+
 class _WeightPath(torch.autograd.Function):
-    """w * x with x detached, whose backward, the weight-gradient path, sleeps T_W."""
+    """w * x with x detached, whose backward, the weight-gradient path, sleeps T_W (or, in a
+    split backward, leaves that to W)."""
 
     @staticmethod
-    def forward(ctx, w: torch.Tensor, x: torch.Tensor, seconds: float) -> torch.Tensor:
+    def forward(ctx, w: torch.Tensor, x: torch.Tensor, store: DeferredSleep) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.seconds = seconds
+        ctx.w, ctx.store = w, store
         return w * x
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         (x,) = ctx.saved_tensors
-        _sleep(ctx.seconds)
+        store = ctx.store
+        if store.key is not None:
+            store.pending.setdefault(store.key, []).append((ctx.w, x, grad))
+            return None, None, None
+        _sleep(store.seconds)
         return grad * x, None, None
 
 
 class SleepStage(nn.Module):
     """One model chunk: forward sleeps T_F; y = x + w * x, the two terms' backwards apart.
 
-    The input-gradient pass (autograd.grad w.r.t. x) reaches only `_InputPath` and the
-    weight-gradient pass (w.r.t. the parameters) only `_WeightPath`, so ptdp's B sleeps T_B,
-    its W T_W and BW both. Stage 0 scales its input by an `embed` parameter that stands for
-    the embedding: its weight gradient needs the input-gradient path, as in a real model.
+    The input-gradient pass reaches only `_InputPath` and the weight-gradient pass only
+    `_WeightPath`, so ptdp's B sleeps T_B (the weight path kept in `wgrad`), its W T_W and
+    BW both; PyTorch's I and W likewise. Stage 0 scales its input by an `embed` parameter
+    that stands for the embedding: its weight gradient needs the input-gradient path, as in
+    a real model.
     """
 
     def __init__(self, costs: Costs, first: bool) -> None:
@@ -145,19 +187,20 @@ class SleepStage(nn.Module):
         self.costs = costs
         self.weight = nn.Parameter(torch.full(SHAPE, 0.01))
         self.embed = nn.Parameter(torch.ones(SHAPE)) if first else None
+        self.wgrad = DeferredSleep(costs.w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _sleep(self.costs.f)
         if self.embed is not None:
             x = x * self.embed
         return _InputPath.apply(x, self.costs.b) + _WeightPath.apply(
-            self.weight, x.detach(), self.costs.w
+            self.weight, x.detach(), self.wgrad
         )
 
 
-def make_chunks(rank: int, v: int, costs: Costs) -> dict[int, SleepStage]:
-    """This rank's chunks by global stage (rank, rank + pp, ...), as ptdp places them."""
-    return {s: SleepStage(costs, s == 0) for s in StageMap(PP, v).stages_of(rank)}
+def make_chunks(rank: int, stages: StageMap, costs: Costs) -> dict[int, SleepStage]:
+    """This rank's chunks by global stage, placed by `stages` (looped, or ZB-V's V)."""
+    return {s: SleepStage(costs, s == 0) for s in stages.stages_of(rank)}
 
 
 def loss_of(out: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,59 +211,31 @@ def loss_of(out: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tens
 # ----------------------------------------------------------------------------- ideal time
 
 
-def replay(plan: Plan, cost: Callable[[Kind, int], float]) -> dict[int, list[tuple]]:
-    """Makespan model: each rank runs its actions in order, compute takes `cost`, comms none.
-
-    A SEND never blocks (ptdp posts it asynchronously) and a RECV waits until its SEND ran.
-    Returns per rank [(action, start, end)] of the compute actions.
-    """
-    sent: dict[Action, float] = {}  # the RECV a SEND satisfies -> when it was sent
-    pos, clock = dict.fromkeys(plan, 0), dict.fromkeys(plan, 0.0)
-    spans: dict[int, list[tuple]] = {r: [] for r in plan}
-    progress = True
-    while progress:
-        progress = False
-        for r, actions in plan.items():
-            while pos[r] < len(actions):
-                a = actions[pos[r]]
-                if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                    if a not in sent:
-                        break
-                    clock[r] = max(clock[r], sent.pop(a))
-                elif a.kind is Kind.SEND_F:
-                    sent[Action(Kind.RECV_F, a.stage + 1, a.mb)] = clock[r]
-                elif a.kind is Kind.SEND_B:
-                    sent[Action(Kind.RECV_B, a.stage - 1, a.mb)] = clock[r]
-                else:
-                    start = clock[r]
-                    clock[r] += cost(a.kind, a.stage)
-                    spans[r].append((a, start, clock[r]))
-                pos[r] += 1
-                progress = True
-    if any(pos[r] < len(plan[r]) for r in plan):
-        raise RuntimeError(f"replay deadlocked at {pos}")
-    return spans
-
-
-def makespan(spans: dict[int, list[tuple]]) -> float:
-    return max((end for rank in spans.values() for _, _, end in rank), default=0.0)
-
-
-def lowered(name: str, v: int, m: int) -> Plan:
-    """Schedule `name` with its comms; checked against verify's unit-time dry run first."""
-    built = build_plan(name, PP, m, v)
-    plan = built.lowered
-    unit = makespan(replay(plan, lambda kind, stage: UNIT_COST[kind]))
-    report = built.report
-    if unit != report.makespan:
-        raise AssertionError(f"{name} m={m}: replay {unit} != verify {report.makespan}")
+def planned(name: str, v: int, m: int) -> PipelinePlan:
+    """Schedule `name` with its comms; its replay checked against verify's unit-time dry run."""
+    plan = build_plan(name, PP, m, v)
+    unit = replay(plan.lowered, plan.stages, PipelineCosts.unit(PP * v)).makespan
+    if unit != plan.report.makespan:
+        raise AssertionError(f"{name} m={m}: replay {unit} != verify {plan.report.makespan}")
     return plan
 
 
+def ideal(name: str, v: int, m: int, chunk: Costs) -> float:
+    """The plan's makespan replayed with the stages' sleep times and free communication."""
+    plan = planned(name, v, m)
+    return replay(plan.lowered, plan.stages, chunk.pipeline(PP * v)).makespan
+
+
 def formula_bubble(name: str, v: int, m: int, c: Costs) -> float:
-    """The papers' bubble fraction, bubble time over m * v * (T_F + T_B + T_W)."""
+    """The papers' bubble fraction, bubble time over m * v * (T_F + T_B + T_W).
+
+    ZB-H1's formula takes the three costs; ZB-H2's and ZB-V's are the registry's unit-cost
+    ones (`theory_bubble`), exact when T_F = T_B = T_W (the default).
+    """
     if name == "zb-h1":
         return (PP - 1) * (c.f + c.b - c.w) / (m * (c.f + c.b + c.w))
+    if name in ("zb-h2", "zb-v"):
+        return theory_bubble(name, PP, m, v)
     return (PP - 1) / (v * m)
 
 
@@ -261,8 +276,9 @@ class Ours:
 
     def __init__(self, rank: int, name: str, v: int, m: int, costs: Costs) -> None:
         self.rank, self.v, self.m = rank, v, m
-        self.actions = lowered(name, v, m)[rank]
-        self.chunks = make_chunks(rank, v, costs)
+        plan = planned(name, v, m)
+        self.actions, self.stages = plan.actions(rank), plan.stages
+        self.chunks = make_chunks(rank, self.stages, costs)
         tp = Group(None, 1, 0)
         self.p2p = P2P(list(range(PP)), SHAPE, torch.float32, torch.device("cpu"), tp)
         self.input = torch.ones(SHAPE)
@@ -273,7 +289,12 @@ class Ours:
 
     def step(self) -> None:
         runtime = PipelineRuntime(
-            self.chunks, self.forward_step, self.p2p, StageMap(PP, self.v), around_action=_tag
+            self.chunks,
+            self.forward_step,
+            self.p2p,
+            self.stages,
+            around_action=_tag,
+            wgrad={s: chunk.wgrad for s, chunk in self.chunks.items()},
         )
         runtime.run(self.actions)
 
@@ -287,7 +308,8 @@ class Theirs:
         from torch.distributed import pipelining
 
         self.rank, self.m = rank, m
-        self.chunks = make_chunks(rank, v, costs)
+        placement = Placement.V if name in TORCH_V_PLACED else Placement.LOOPED
+        self.chunks = make_chunks(rank, StageMap(PP, v, placement), costs)
         # Shapes are inferred at the first step: passing input_args/output_args alone makes
         # torch 2.13 skip receiving output gradients ("grad can be implicitly created only for
         # scalar outputs" on every stage but the last).
@@ -345,8 +367,11 @@ def _measure_pair(
     tv = TORCH_V.get(torch_name, v)
     torch_costs = Costs(*(t * v / tv for t in (costs.f, costs.b, costs.w)))  # same work per rank
     ours = Ours(rank, name, v, m, costs)
-    theirs, error = _build_theirs(rank, torch_name, tv, m, torch_costs, args.torch_timeout)
-    error = _agree(error)
+    if torch_name is None:
+        theirs, error = None, NO_TORCH
+    else:
+        theirs, error = _build_theirs(rank, torch_name, tv, m, torch_costs, args.torch_timeout)
+        error = _agree(error)
     global _trace
     ours_t, theirs_t, row = [], [], {}
     for i in range(args.warmup + args.iters):
@@ -390,7 +415,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     """Every pair's rows; rank 0 prints each as it finishes."""
     costs = Costs(args.f_ms / 1e3, args.b_ms / 1e3, args.w_ms / 1e3)
     rows = []
-    for pair in PAIRS:
+    for pair in (p for p in PAIRS if p[0] in args.schedules):
         v = pair[1]
         chunk_costs = Costs(costs.f / v, costs.b / v, costs.w / v)
         for m in args.ms:
@@ -400,7 +425,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                 theirs = f"{statistics.median(r['theirs']) * 1e3:.0f}" if r["theirs"] else "-"
                 print(
                     f"  {pair[0]} v={v} m={m}: ours {statistics.median(r['ours']) * 1e3:.0f} ms, "
-                    f"{pair[2]} {theirs} ms",
+                    f"{pair[2] or 'no torch schedule'} {theirs} ms",
                     flush=True,
                 )
     return rows
@@ -418,85 +443,53 @@ def table(rows: list[dict], costs: Costs) -> list[str]:
     for r in rows:
         name, v, m = r["schedule"], r["v"], r["m"]
         chunk = Costs(costs.f / v, costs.b / v, costs.w / v)
-        ideal = makespan(replay(lowered(name, v, m), chunk.of))
+        best = ideal(name, v, m, chunk)
         work = m * v * (chunk.f + chunk.b + chunk.w)
         measured = statistics.median(r["ours"])
-        torch_name = f"{r['torch']} (v={r['torch_v']})"
-        if r["error"]:
+        torch_name = f"{r['torch']} (v={r['torch_v']})" if r["torch"] else "-"
+        if r["error"] == NO_TORCH:
+            theirs, ratio = "-", "-"
+        elif r["error"]:
             theirs, ratio = f"failed: {r['error']}", "-"
         else:
             t = statistics.median(r["theirs"])
             theirs, ratio = f"{t * 1e3:.1f}", f"{measured / t:.3f}"
         lines.append(
-            f"| {name} | {v} | {m} | {ideal * 1e3:.1f} | {measured * 1e3:.1f} | "
-            f"{measured / ideal:.3f} | {(measured - work) / work:.3f} | "
-            f"{(ideal - work) / work:.3f} | {formula_bubble(name, v, m, chunk):.3f} | "
+            f"| {name} | {v} | {m} | {best * 1e3:.1f} | {measured * 1e3:.1f} | "
+            f"{measured / best:.3f} | {(measured - work) / work:.3f} | "
+            f"{(best - work) / work:.3f} | {formula_bubble(name, v, m, chunk):.3f} | "
             f"{torch_name} | {theirs} | {ratio} |"
         )
     return lines
 
 
-COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52"}
-
-
 def draw(timeline: dict, costs: Costs, path: Path) -> None:
     """Gantt chart: the measured iteration above, the zero-overhead replay of its plan below."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
     name, v, m = TIMELINE
     chunk = Costs(costs.f / v, costs.b / v, costs.w / v)
-    ideal = replay(lowered(name, v, m), chunk.of)
-    measured = {
-        r: [(Action.parse(k), s, e) for k, (s, e) in spans.items()]
-        for r, spans in enumerate(timeline["ranks"])
-    }
-    fig, axes = plt.subplots(2, 1, figsize=(16, 6.5), sharex=True)
-    titles = [
-        f"ptdp, measured: {timeline['took'] * 1e3:.0f} ms",
-        f"same plan replayed with zero overhead: {makespan(ideal) * 1e3:.0f} ms",
+    plan = planned(name, v, m)
+    run = replay(plan.lowered, plan.stages, chunk.pipeline(PP * v))
+    measured = [
+        Event(rank, a.stage, a.mb, a.kind.value, start, end)
+        for rank, spans in enumerate(timeline["ranks"])
+        for a, (start, end) in ((Action.parse(k), se) for k, se in spans.items())
     ]
-    for ax, spans, title in zip(axes, (measured, ideal), titles):
-        for rank, acts in spans.items():
-            for a, s, e in acts:
-                if e - s <= 0:
-                    continue  # stage 0's B: nothing to compute
-                chunk_index = a.stage // PP
-                ax.broken_barh(
-                    [(s * 1e3, (e - s) * 1e3)],
-                    (rank - 0.4, 0.8),
-                    facecolors=COLORS[a.kind.value],
-                    edgecolor="black",
-                    linewidth=0.5,
-                    alpha=1.0 if chunk_index == 0 else 0.6,
-                    hatch=None if chunk_index == 0 else "//",
-                )
-                ax.text((s + e) / 2 * 1e3, rank, str(a.mb), ha="center", va="center", fontsize=7)
-        ax.set_yticks(range(PP), [f"rank {r}" for r in range(PP)])
-        ax.invert_yaxis()
-        ax.set_title(title, fontsize=10, loc="left")
-    axes[-1].set_xlabel("ms from the first rank's start")
-    handles = [Patch(facecolor=c, label=k) for k, c in COLORS.items() if k in ("F", "BW")]
-    handles += [Patch(facecolor="white", edgecolor="black", hatch="//", label="chunk 1")]
-    axes[0].legend(
-        handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncols=3
+    simulated = [e for e in run.events if e.lane == "compute" and e.seconds > 0]  # not 0B
+    plot_timelines(
+        path,
+        {
+            f"ptdp, measured: {timeline['took'] * 1e3:.0f} ms": measured,
+            f"same plan replayed with zero overhead: {run.makespan * 1e3:.0f} ms": simulated,
+        },
+        title=f"{name}, p={PP}, v={v}, m={m}; per chunk T_F {chunk.f * 1e3:g}, "
+        f"T_B {chunk.b * 1e3:g}, T_W {chunk.w * 1e3:g} ms (labels: stage.microbatch)",
     )
-    fig.suptitle(
-        f"interleaved 1F1B, p={PP}, v={v}, m={m}; per chunk T_F {chunk.f * 1e3:g}, "
-        f"T_B {chunk.b * 1e3:g}, T_W {chunk.w * 1e3:g} ms (numbers: microbatch; hatched: chunk 1)",
-        fontsize=11,
-    )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    names = [name for name, _, _ in PAIRS]
+    parser.add_argument("--schedules", nargs="+", choices=names, default=names)
     parser.add_argument("--ms", type=int, nargs="+", default=[4, 8, 16, 32], help="microbatches")
     parser.add_argument("--f-ms", type=float, default=30.0, help="T_F per microbatch at v=1")
     parser.add_argument("--b-ms", type=float, default=30.0, help="T_B (divided by v per chunk)")
@@ -509,19 +502,21 @@ def main() -> None:
     )
     parser.add_argument("--png", default=str(PNG))
     parser.add_argument("--quick", action="store_true", help="m in {4, 8}, 2 iterations")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.ms, args.iters = [4, 8], 2
-    if TIMELINE[2] not in args.ms:
+    drawn = TIMELINE[0] in args.schedules
+    if drawn and TIMELINE[2] not in args.ms:
         args.ms = sorted({*args.ms, TIMELINE[2]})
     costs = Costs(args.f_ms / 1e3, args.b_ms / 1e3, args.w_ms / 1e3)
     start = time.perf_counter()
     rows = spawn(worker, PP, args, timeout_s=args.timeout)
     took = time.perf_counter() - start
-    timeline = next(r["timeline"] for r in rows if "timeline" in r)
-    draw(timeline, costs, Path(args.png))
+    if drawn:
+        draw(next(r["timeline"] for r in rows if "timeline" in r), costs, Path(args.png))
     print()
-    print(f"command: python {' '.join(sys.argv)}  ({took:.0f} s, {date.today()})")
+    command = " ".join(sys.argv if argv is None else ["benchmarks/pipeline_efficiency.py", *argv])
+    print(f"command: python {command}  ({took:.0f} s, {date.today()})")
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"gloo, {PP} ranks with 1 thread each"
@@ -537,11 +532,14 @@ def main() -> None:
     print(
         "ideal: the plan replayed with these durations and free communication; bubbles are "
         "(time - m*v*(T_F+T_B+T_W)) / m*v*(T_F+T_B+T_W); formula: (p-1)/m for gpipe and 1f1b, "
-        "(p-1)/(v*m) for interleaved, (p-1)(T_F+T_B-T_W)/(m(T_F+T_B+T_W)) for zb-h1. "
+        "(p-1)/(v*m) for interleaved, (p-1)(T_F+T_B-T_W)/(m(T_F+T_B+T_W)) for zb-h1, "
+        "max(p-1,2p-1-m)/(3m) for zb-h2 and (p-1)/(6m) (m >= 2p) for zb-v at equal costs. "
         "zb-h1 (ours, v=1) and ScheduleInterleavedZeroBubble (v=2, same work per rank) are "
-        "different schedules."
+        "different schedules; torch has no zb-h2."
     )
-    print(f"timeline of one measured interleaved iteration: {args.png}")
+    if drawn:
+        print(f"timeline of one measured interleaved iteration: {args.png}")
+    return rows
 
 
 if __name__ == "__main__":

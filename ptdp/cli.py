@@ -1,5 +1,5 @@
-"""`ptdp train|preprocess|generate|schedule|simulate|plan|convert|inspect`: the only place
-that reads argv.
+"""`ptdp train|preprocess|generate|schedule|simulate|plan|calibrate|convert|inspect`: the only
+place that reads argv.
 
 Parsing and printing only. Each subparser names the function that runs it
 (`set_defaults(run=...)`); commands import what they use when they run, so `ptdp --help`
@@ -28,25 +28,6 @@ PERF_EPILOG = (
     "Configuration: --model (a preset or a TOML file) < --config FILE < --section.key value "
     "overrides, with the keys of `ptdp train --help`."
 )
-
-PLAN_EPILOG = (
-    " A searched key ({searched}) given on the command line fixes it: --parallel.tp 8 "
-    "searches only t = 8 (0 = search); keys not given, and a TOML file's layout, are "
-    "searched over. The old spellings stand for config keys: --tp 8 is --parallel.tp 8."
-)
-
-OLD_PLAN_FLAGS = {
-    "--global-batch": "train.global_batch_size",
-    "--vocab-size": "model.vocab_size",
-    "--precision": "train.precision",
-    "--tp": "parallel.tp",
-    "--pp": "parallel.pp",
-    "--vpp": "parallel.vpp",
-    "--micro-batch": "train.micro_batch_size",
-    "--recompute": "parallel.recompute",
-    "--sequence-parallel": "parallel.sequence_parallel",
-}
-"""`ptdp plan`'s first options, kept as other spellings of config keys (README, BENCHMARKS)."""
 
 CHECKPOINT_HELP = "a run directory (uses its latest checkpoint) or a step directory"
 
@@ -208,7 +189,7 @@ def _simulate_parser(sub: Subparsers) -> None:
 
 
 def _plan_parser(sub: Subparsers) -> None:
-    from ptdp.perf.planner import SEARCHED
+    from ptdp.perf.planner import OLD_PLAN_FLAGS, PLAN_EPILOG
 
     p = _perf_parser(
         sub,
@@ -221,7 +202,7 @@ def _plan_parser(sub: Subparsers) -> None:
             "(tensor parallel inside a node, pipeline across nodes, micro-batch from its "
             "equation (1))."
         ),
-        epilog=PERF_EPILOG + PLAN_EPILOG.format(searched=", ".join(SEARCHED)),
+        epilog=PERF_EPILOG + PLAN_EPILOG,
     )
     p.set_defaults(run=_cmd_plan, overrides_ok=True)
     p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
@@ -231,6 +212,20 @@ def _plan_parser(sub: Subparsers) -> None:
         old.add_argument(flag, dest=key, metavar="V", help=f"--{key} V")
     on, key = {"action": "store_const", "const": "true"}, "optim.distributed"
     old.add_argument("--distributed-optimizer", dest=key, help=f"--{key} true", **on)
+
+
+def _calibrate_parser(sub: Subparsers) -> None:
+    from ptdp.perf.calibration_file import DESCRIPTION
+
+    help = "time this machine's kernels and links; write a cluster TOML for --device"
+    p = sub.add_parser("calibrate", help=help, description=DESCRIPTION)
+    p.set_defaults(run=_cmd_calibrate)
+    _opt(p, "--out", "", "cluster TOML to write (runs/calibration/<device>.toml)", metavar="FILE")
+    p.add_argument("--quick", action="store_true", help="a coarse pass of a few seconds")
+    base = "built-in cluster (or file) whose links one process keeps; auto: this GPU's own"
+    _opt(p, "--base", "auto", base, metavar="NAME|FILE|none")
+    precision = "of GEMMs and attention (auto: bf16 on CUDA, fp32 on CPU)"
+    _opt(p, "--precision", "auto", precision, choices=["auto", "fp32", "bf16", "fp16"])
 
 
 def _convert_parser(sub: Subparsers) -> None:
@@ -264,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(overrides_ok=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = (_train_parser, _preprocess_parser, _generate_parser, _inspect_parser)
-    for add in (*commands, _schedule_parser, _simulate_parser, _plan_parser, _convert_parser):
+    perf = (_schedule_parser, _simulate_parser, _plan_parser, _calibrate_parser)
+    for add in (*commands, *perf, _convert_parser):
         add(sub)
     return parser
 
@@ -398,6 +394,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     top = args.top
     print(json.dumps(plan_dict(result, top)) if args.json else format_plan(result, system, top))
     return 0 if result.best else 1
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from ptdp.perf.calibrate import run_calibrate
+
+    return run_calibrate(args.out, quick=args.quick, base=args.base, precision=args.precision)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:

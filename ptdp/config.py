@@ -70,6 +70,12 @@ class OnNan(str, enum.Enum):
     ROLLBACK = "rollback"
 
 
+class Resume(str, enum.Enum):
+    AUTO = "auto"
+    ALWAYS = "always"
+    NEVER = "never"
+
+
 class Precision(str, enum.Enum):
     FP32 = "fp32"
     BF16 = "bf16"
@@ -186,6 +192,11 @@ class ParallelConfig:
     """Size of a data-parallel gradient bucket in MiB of fp32 gradient."""
     overlap_grad_reduce: bool = True
     """Start each bucket's data-parallel reduction during the last backward, not after it."""
+    zero: int = -1
+    """Sharding of the model state over the data-parallel group (ZeRO level): 0 = none
+    (replicated), 1 = fp32 master weights and AdamW moments, 2 = also the gradients
+    (reduce-scattered per microbatch, full buffers freed after), 3 = also the parameters
+    (not built yet); -1 = from optim.distributed (1 if true, else 0)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -224,7 +235,8 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 = no clipping."""
     distributed: bool = False
-    """Shard fp32 master weights and AdamW state over the data-parallel group (ZeRO-1)."""
+    """Old spelling of parallel.zero = 1: shard fp32 master weights and AdamW state over the
+    data-parallel group. Implied by parallel.zero >= 1."""
     initial_loss_scale: float = 65536.0
     """fp16 only: the first dynamic loss scale."""
     loss_scale_window: int = 1000
@@ -275,10 +287,15 @@ class TrainConfig:
     profile_timeline: bool = False
     """Write the last step's per-rank timeline (timeline.json for Perfetto, timeline.png)
     beside its prediction."""
+    resume: Resume = Resume.AUTO
+    """Continue from the newest complete checkpoint in run_dir: auto (when the launcher
+    restarted the job: torchrun --max-restarts, a SLURM requeue; a first launch continues
+    only with --resume), always (as --resume), never (a run_dir with checkpoints is refused)."""
     on_nan: OnNan = OnNan.STOP
-    """A step with a non-finite loss or gradient norm (not an fp16 overflow): stop (with an
-    error naming the last good checkpoint), skip (leave the step out), or rollback (reload
-    the last checkpoint and skip the batches since it, the bad one included)."""
+    """A step with a non-finite loss or gradient norm (not an fp16 overflow): stop (save the
+    last good step, the bad update not applied, and end with an error naming it), skip
+    (leave the step out), or rollback (reload the last checkpoint and skip the batches
+    since it, the bad one included)."""
     collective_timeout_s: float = 300.0
     """Seconds a collective or pipeline receive may wait; a rank that dies or hangs is
     named and every other rank stops within this time (ptdp/train/faults/watchdog.py)."""

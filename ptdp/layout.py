@@ -35,6 +35,8 @@ class Layout:
     stage_layers: tuple[int, ...] = ()
     """Layers of each virtual stage (pp * vpp entries): `parallel.pipeline_layers`, or the
     even split; every reader (model chunks, simulator, memory model) takes it from here."""
+    zero: int = 0
+    """The ZeRO level (`zero_level`): what of the model state is sharded over dp."""
 
     @cached_property
     def pipeline(self) -> PipelinePlan:
@@ -51,9 +53,58 @@ class Layout:
         sp = " sp=on" if self.sequence_parallel else ""
         uneven = len(set(self.stage_layers)) > 1
         split = f" layers={','.join(map(str, self.stage_layers))}" if uneven else ""
+        zero = f" zero={self.zero}" if self.zero else ""  # absent at 0, as before the levels
         return (
             f"world={self.world_size} tp={self.tp}{sp} pp={self.pp} dp={self.dp} vpp={self.vpp}"
-            f"{split} microbatches/step/rank={self.num_microbatches}"
+            f"{split}{zero} microbatches/step/rank={self.num_microbatches}"
+        )
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """fp32 masters and AdamW moments hold 1/dp per rank (ZeRO-1 and up)."""
+        return self.zero >= 1
+
+    @property
+    def shards_grads(self) -> bool:
+        """Gradients kept as each rank's 1/dp, full buckets freed after reduction (ZeRO-2)."""
+        return self.zero >= 2
+
+
+ZERO_LEVELS = {
+    0: "replicated model state",
+    1: "optimizer state sharded over dp",
+    2: "optimizer state and gradients sharded over dp",
+    3: "optimizer state, gradients and parameters sharded over dp",
+}
+ZERO_BUILT = (0, 1, 2)
+
+
+def zero_level(cfg: RunConfig) -> int:
+    """The effective ZeRO level: `parallel.zero`, or -1 resolved from `optim.distributed`
+    (its old spelling: true = 1). Call after `validate`, which refuses the disagreements."""
+    if cfg.parallel.zero >= 0:
+        return cfg.parallel.zero
+    return 1 if cfg.optim.distributed else 0
+
+
+def _zero_rules(cfg: RunConfig, errors: list[str]) -> None:
+    zero = cfg.parallel.zero
+    if zero not in (-1, *ZERO_LEVELS):
+        errors.append(
+            f"parallel.zero = {zero} is not a ZeRO level; use 0 (none), 1 (optimizer state), "
+            "2 (and gradients) or 3 (and parameters), or -1 to follow optim.distributed"
+        )
+    elif zero in ZERO_LEVELS and zero not in ZERO_BUILT:
+        errors.append(
+            f"parallel.zero = {zero} ({ZERO_LEVELS[zero]}) is not built yet; use "
+            "--parallel.zero 2 (optimizer state and gradients sharded) or tensor and pipeline "
+            "parallelism to fit the parameters"
+        )
+    elif zero == 0 and cfg.optim.distributed:
+        errors.append(
+            "optim.distributed = true (the old spelling of parallel.zero = 1) disagrees with "
+            "parallel.zero = 0; drop optim.distributed and set --parallel.zero 1 (or 2), or "
+            "set --optim.distributed false to keep the state replicated"
         )
 
 
@@ -293,6 +344,7 @@ def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
             microbatches = t.global_batch_size // per_step
     if p.bucket_mb <= 0:
         errors.append(f"parallel.bucket_mb = {p.bucket_mb} must be > 0 (25 is a good default)")
+    _zero_rules(cfg, errors)
     if o.initial_loss_scale <= 0:
         errors.append(f"optim.initial_loss_scale = {o.initial_loss_scale} must be > 0")
     _positive(errors, "optim.loss_scale_window", o.loss_scale_window)
@@ -362,4 +414,5 @@ def validate(cfg: RunConfig, world_size: int = 1) -> Layout:
         p.sequence_parallel,
         p.schedule.value,
         _stage_layers(cfg),
+        zero_level(cfg),
     )

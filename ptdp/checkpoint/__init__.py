@@ -5,6 +5,7 @@ Modules: store.py (step directories, `latest`, checksums, reading entries), writ
 sharded.py (a rank's DCP/DTensor entries and resharding on load), full.py (the full
 single-process state used by convert and inspect), partial.py (one rank's model weights,
 read by each process alone, for generate), manager.py (a training run's save and restore),
+recover.py (a save in flight when a run failed, published when every rank wrote it),
 inspect.py (`ptdp inspect`). Only ptdp/parallel/comm.py issues collectives; this package
 uses DCP, DTensor and DeviceMesh directly.
 """

@@ -83,6 +83,8 @@ class CheckpointManager:
     _dcp_mesh: DeviceMesh | None = field(default=None, init=False)
     _dcp_mesh_built: bool = field(default=False, init=False)
     _tok_json: bytes | None = field(default=None, init=False)
+    restored_layout: str = field(default="", init=False)
+    """The layout (Layout.describe()) the last restored checkpoint was saved in."""
 
     @property
     def run_dir(self) -> Path:
@@ -174,7 +176,8 @@ class CheckpointManager:
     def publish_save_after_failure(self) -> None:
         """A run that failed still publishes the asynchronous save of an earlier, good
         step, in one process: there is no peer to wait for. With several ranks publishing
-        needs all of them, and some may be gone; that save stays unpublished (`.tmp`)."""
+        needs all of them, and some may be gone; that save stays unpublished (`.tmp`) and the
+        next start publishes it if every rank finished writing it (checkpoint/recover.py)."""
         if self._pending is None or self.world.size > 1:
             return
         try:
@@ -212,6 +215,7 @@ class CheckpointManager:
         if self.scaler and entries.get("loss_scaler"):
             self.scaler.load_state_dict(entries["loss_scaler"])
         step = int(entries["step"])
+        self.restored_layout = entries.get("layout") or ""
         if entries.get("layout") == self.layout and rng + "cpu" in entries:
             torch.set_rng_state(entries[rng + "cpu"])
             if rng + "cuda" in entries and self.device.type == "cuda":

@@ -11,6 +11,11 @@ holds, so a checkpoint saved in one layout restores in any other.
 
 Keys are layout-free (ptdp/checkpoint/keys.py). The last pipeline stage's copy of a tied
 embedding is not saved; it loads from `embedding.weight`.
+
+The ZeRO level (`parallel.zero`) is not part of the format: the optimizer hands over its
+masters and moments per tensor slice (all-gathered over dp from its 1/dp pieces at
+levels 1 and 2) and loads back only its own pieces, so any level restores any other
+(tests/dist/test_zero.py compares the moments tensor by tensor).
 """
 
 from __future__ import annotations

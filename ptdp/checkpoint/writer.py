@@ -1,12 +1,15 @@
 """Writing a checkpoint: every rank its own shards, in parallel, then an atomic publish.
 
 A checkpoint is written under `step_X.tmp` by all ranks (DCP writes each distinct chunk
-once, so nothing is gathered to rank 0), checksummed, renamed by rank 0 when every rank
-is done, and only then does `latest` move (written to a temporary file and
-`os.replace`d), so a crash or a failed save leaves the previous checkpoint as the
-latest. An asynchronous save (`start_checkpoint(asynchronous=True)`) copies the state
-to CPU memory, writes it in a background thread and publishes it in `finish()`.
-The directory format is ptdp/checkpoint/store.py's.
+once, so nothing is gathered to rank 0); each rank then records the size and checksum of
+the files it wrote (`written.rank<r>.json`); rank 0 merges those records into
+`checksums.json` and renames the directory when every rank is done, and only then does
+`latest` move (written to a temporary file and `os.replace`d), so a crash or a failed
+save leaves the previous checkpoint as the latest. An asynchronous save
+(`start_checkpoint(asynchronous=True)`) copies the state to CPU memory, writes it (and
+its record) in a background thread and publishes it in `finish()`; if the run fails
+first, the records tell the next start that it was complete on every rank
+(ptdp/checkpoint/recover.py). The directory format is ptdp/checkpoint/store.py's.
 """
 
 from __future__ import annotations
@@ -31,19 +34,20 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ptdp.checkpoint.store import CHECKSUMS, LATEST, checkpoint_root, checksum, step_dir_name
 from ptdp.config import RunConfig, to_toml
 from ptdp.errors import CheckpointError
-from ptdp.parallel.comm import Group, all_gather_objects, barrier, world_group
+from ptdp.parallel.comm import Group, barrier, world_group
+
+WRITTEN_PREFIX = "written.rank"
+"""`written.rank<r>.json`: what rank r wrote of a checkpoint (see the module docstring)."""
 
 
 @dataclass
 class PendingCheckpoint:
     """A checkpoint whose shards are being (or have been) written under `tmp`; `finish`
-    (all ranks together) waits for this rank's write, then checksums and publishes it."""
+    (all ranks together) waits for this rank's write and its record, then publishes it."""
 
     root: Path
     final: Path
     tmp: Path
-    cfg: RunConfig
-    tokenizer_file: Path | bytes | None  # a tokenizer.json to copy, or its content
     keep: int
     distributed: bool
     future: Future | None = None  # the background write of an asynchronous save
@@ -83,8 +87,6 @@ def start_checkpoint(
         root,
         root / step_dir_name(step),
         root / f"{step_dir_name(step)}.tmp",
-        cfg,
-        tokenizer_file,
         keep,
         distributed,
     )
@@ -92,6 +94,7 @@ def start_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(pending.tmp, ignore_errors=True)
         pending.tmp.mkdir()
+        _write_beside(pending.tmp, cfg, tokenizer_file)
     barrier(world.group, world.size)
     kwargs = {
         "storage_writer": dcp.FileSystemWriter(pending.tmp, thread_count=1),
@@ -102,10 +105,54 @@ def start_checkpoint(
     with warnings.catch_warnings(), _write_errors(pending):
         warnings.simplefilter("ignore", UserWarning)
         if asynchronous:
-            pending.future = dcp.async_save(state, process_group=process_group, **kwargs)
+            written = dcp.async_save(state, process_group=process_group, **kwargs)
+            pending.future = _then_record(written, pending.tmp, world.rank, world.size)
         else:
             dcp.save(state, **kwargs)
+            record_written(pending.tmp, world.rank, world.size)
     return pending
+
+
+def _write_beside(tmp: Path, cfg: RunConfig, tokenizer_file: Path | bytes | None) -> None:
+    """config.toml and tokenizer.json, written first so that a save complete on every rank
+    is a whole checkpoint even if nobody could publish it."""
+    (tmp / "config.toml").write_text(to_toml(cfg))
+    if isinstance(tokenizer_file, bytes):
+        (tmp / "tokenizer.json").write_bytes(tokenizer_file)
+    elif tokenizer_file is not None:
+        shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+
+
+def written_record(rank: int) -> str:
+    """The name of the file in which `rank` records what it wrote."""
+    return f"{WRITTEN_PREFIX}{rank}.json"
+
+
+def record_written(tmp: Path, rank: int, world: int) -> None:
+    """This rank's shards are on disk (DCP names them `__<rank>_<i>.distcp`): record their
+    sizes and CRC-32s and the saving world size, atomically (a record that exists is
+    whole)."""
+    files = {f.name: checksum(f) for f in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+    part = tmp / f"{written_record(rank)}.part"
+    part.write_text(json.dumps({"world": world, "files": files}, sort_keys=True))
+    os.replace(part, tmp / written_record(rank))
+
+
+def _then_record(written: Future, tmp: Path, rank: int, world: int) -> Future:
+    """A future done once the background write is done and recorded (the record is written
+    in DCP's thread, before `finish` can see the write as done)."""
+    done: Future = Future()
+
+    def record(future: Future) -> None:
+        try:
+            future.result()
+            record_written(tmp, rank, world)
+            done.set_result(None)
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    written.add_done_callback(record)
+    return done
 
 
 def _os_error(exc: BaseException) -> OSError | None:
@@ -164,29 +211,37 @@ def _write_errors(p: PendingCheckpoint) -> Iterator[None]:
 
 
 def _publish(p: PendingCheckpoint) -> Path:
-    """Checksum the written shards, then (rank 0) rename `tmp` and move `latest`."""
+    """Once every rank has written and recorded its shards, rank 0 merges the records into
+    checksums.json, renames `tmp` and moves `latest`."""
     world = world_group() if p.distributed else Group.single()
-    barrier(world.group, world.size)  # every rank's shards (and DCP's .metadata) are written
-    files = sorted(f.name for f in p.tmp.glob("*.distcp"))
-    sums = {name: checksum(p.tmp / name) for name in files[world.rank :: world.size]}
-    parts = all_gather_objects(sums, world.group, world.size)
-    sums = {k: v for part in parts for k, v in part.items()}
+    barrier(world.group, world.size)  # every rank's shards and record are written
     if world.rank == 0:
-        (p.tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
-        (p.tmp / "config.toml").write_text(to_toml(p.cfg))
-        if isinstance(p.tokenizer_file, bytes):
-            (p.tmp / "tokenizer.json").write_bytes(p.tokenizer_file)
-        elif p.tokenizer_file is not None:
-            shutil.copyfile(p.tokenizer_file, p.tmp / "tokenizer.json")
-        shutil.rmtree(p.final, ignore_errors=True)
-        os.replace(p.tmp, p.final)
-        pointer = p.root / f"{LATEST}.tmp"
-        pointer.write_text(p.final.name + "\n")
-        os.replace(pointer, p.root / LATEST)
-        if p.keep:
-            _prune(p.root, p.keep)
+        install(p.tmp, p.final, read_written(p.tmp, world.size), p.keep)
     barrier(world.group, world.size)
     return p.final
+
+
+def read_written(tmp: Path, world: int) -> dict[str, dict[str, int]]:
+    """The size and checksum of every file the `world` saving ranks recorded."""
+    sums: dict[str, dict[str, int]] = {}
+    for rank in range(world):
+        sums |= json.loads((tmp / written_record(rank)).read_text())["files"]
+    return sums
+
+
+def install(tmp: Path, final: Path, sums: dict[str, dict[str, int]], keep: int) -> None:
+    """Rank 0: write checksums.json, rename `tmp` to `final`, move `latest` to it, prune."""
+    (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
+    for record in tmp.glob(f"{WRITTEN_PREFIX}*"):
+        record.unlink()
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    root = final.parent
+    pointer = root / f"{LATEST}.tmp"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, root / LATEST)
+    if keep:
+        _prune(root, keep)
 
 
 def _prune(root: Path, keep: int) -> None:

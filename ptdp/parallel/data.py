@@ -25,6 +25,18 @@ the first and last pipeline stages sits alone in a deferred bucket, summed over 
 embedding group in `finish` (its two holders reach their last backward at different
 times), then reduced like the rest. Which parameters play these roles, the model chunks'
 `ParamRoles` record says (`ptdp.parallel.roles`).
+
+ZeRO-2 (`shard_grads`) keeps no full gradient buffer between reductions: the persistent
+fp32 buffer is each rank's 1/dp of every bucket, and a bucket's full-size fp32 gradient
+exists only from its first gradient of a backward until its reduce-scatter completes.
+It is then freed and the reduced 1/dp added into the shard. So the reduction runs in every
+microbatch's backward, not only the last: m times ZeRO-1's reduce-scatter traffic under
+gradient accumulation or pipelining, for gradient memory of about 1/dp plus the buckets in
+flight (the choice of DeepSpeed's ZeRO-2 and of FSDP with a reduction per microbatch). A
+bucket is started when each of its parameters has had one gradient since the bucket was
+last allocated; which microbatch a gradient belongs to does not matter for the sum (a split
+backward's B and W may interleave). A tied embedding's bucket (deferred) and, without
+overlap, every bucket stay full over the step and are reduced in `finish`.
 """
 
 from __future__ import annotations
@@ -60,9 +72,12 @@ class Bucket:
     """The parameters (in `params` order) whose gradients are summed over the tensor group
     first: partial sums under sequence parallelism."""
     pending: int = 0
-    """Parameters still to receive their final gradient in this step."""
+    """Parameters still to receive their final gradient in this step (ZeRO-2: their next
+    gradient since the bucket's full buffer was allocated)."""
     work: dist.Work | None = None
     launched: bool = False
+    full: torch.Tensor | None = None
+    """ZeRO-2: the bucket's full-size fp32 gradient while it is being filled."""
 
     @property
     def size(self) -> int:
@@ -75,6 +90,7 @@ class ChunkBuffer:
 
     params: torch.Tensor
     grads: torch.Tensor
+    """fp32; every bucket in full, or (ZeRO-2) this rank's 1/dp of each, in bucket order."""
     buckets: list[Bucket] = field(default_factory=list)
     final: bool = False
     """True during the chunk's last backward of the step."""
@@ -107,7 +123,9 @@ class GradBuffers:
     """The flat buffers of a rank's chunks and the data-parallel reduction of their buckets.
 
     `roles`: the chunks' merged record (`ptdp.parallel.roles.rank_roles`; `NO_ROLES` for
-    plain modules), naming the tied copy and the sequence-parallel parameters.
+    plain modules), naming the tied copy and the sequence-parallel parameters. `shard`:
+    reduce-scatter so that each rank owns 1/dp of every bucket (ZeRO-1); `shard_grads`:
+    also keep only that 1/dp of the gradients (ZeRO-2, module doc; implies `shard`).
     """
 
     def __init__(
@@ -120,10 +138,17 @@ class GradBuffers:
         embedding: Group,
         bucket_mb: float = 25.0,
         shard: bool = False,
+        shard_grads: bool = False,
         overlap: bool = True,
     ) -> None:
         self.dp, self.tp, self.embedding, self.roles = dp, tp, embedding, roles
-        self.shard = shard and dp.size > 1
+        self.shard = (shard or shard_grads) and dp.size > 1
+        self.shard_grads = shard_grads and self.shard
+        self.full_bytes = 0
+        """ZeRO-2: bytes of full bucket gradients alive now; `peak_full_bytes` the most."""
+        self.peak_full_bytes = 0
+        self._inflight: list[tuple[ChunkBuffer, Bucket, dist.Work, torch.Tensor]] = []
+        """ZeRO-2: reduce-scatters started, in launch order: (chunk, bucket, work, full)."""
         self.overlap = overlap
         self.launches = 0
         """Bucket reductions started so far; `early_launches` of them during a backward."""
@@ -151,9 +176,10 @@ class GradBuffers:
             ranges.append((offset, offset + padded, params))
             offset += padded
         device, dtype = named[0][1].device, named[0][1].dtype
+        kept = offset // align if self.shard_grads else offset
         buf = ChunkBuffer(
             params=torch.zeros(offset, dtype=dtype, device=device),
-            grads=torch.zeros(offset, dtype=torch.float32, device=device),
+            grads=torch.zeros(kept, dtype=torch.float32, device=device),
         )
         for start, end, params in ranges:
             bucket = Bucket(
@@ -169,7 +195,8 @@ class GradBuffers:
                 n = p.numel()
                 buf.params[at : at + n].copy_(p.data.view(-1))
                 p.data = buf.params[at : at + n].view_as(p)
-                p.main_grad = buf.grads[at : at + n].view_as(p)
+                if not self.shard_grads:  # else a view of the bucket's `full`, when it exists
+                    p.main_grad = buf.grads[at : at + n].view_as(p)
                 self._bucket_of[p] = (buf, bucket)
                 at += n
         return buf
@@ -205,22 +232,90 @@ class GradBuffers:
         first = bucket.start + self.dp.rank * part
         return first, first + part
 
+    def owned_grads(self, buf: ChunkBuffer, bucket: Bucket) -> torch.Tensor:
+        """The reduced fp32 gradient of `shard_range(bucket)`, where the optimizer reads it."""
+        first, last = self.shard_range(bucket)
+        if not self.shard_grads:
+            return buf.grads[first:last]
+        at = bucket.start // self.dp.size  # buckets are padded to multiples of dp
+        return buf.grads[at : at + last - first]
+
+    def grad_bytes(self) -> int:
+        """Bytes of fp32 gradient this rank holds now: its buffers and any full buckets."""
+        return sum(buf.grads.nbytes for buf in self.chunks) + self.full_bytes
+
     def start_final(self, chunk: int) -> None:
         """The next backward of chunk `chunk` is its last of this step."""
         buf = self.chunks[chunk]
         buf.final = True
+        if self.shard_grads:  # counted per allocation of the bucket, every microbatch
+            return
         for bucket in buf.buckets:
             bucket.pending = len(bucket.params)
 
     def _on_grad(self, p: nn.Parameter) -> None:
+        buf, bucket = self._bucket_of[p]
+        if self.shard_grads:
+            self._on_sharded_grad(p, buf, bucket)
+            return
         p.main_grad.add_(p.grad)
         p.grad = None
-        buf, bucket = self._bucket_of[p]
         if buf.final:
             bucket.pending -= 1
             if bucket.pending == 0 and self.overlap and not bucket.deferred:
                 self.early_launches += 1
                 self._launch(buf, bucket)
+
+    # ------------------------------------------------------------------ ZeRO-2
+
+    def _on_sharded_grad(self, p: nn.Parameter, buf: ChunkBuffer, bucket: Bucket) -> None:
+        if bucket.full is None:
+            self._materialize(bucket)
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        bucket.pending -= 1
+        if bucket.pending > 0:
+            return
+        if self.overlap and not bucket.deferred:
+            self.early_launches += 1
+            self._launch(buf, bucket)
+            self._retire(keep=1)  # this one reduces while the next bucket fills
+        else:  # reduced in `finish`; keep counting for the next microbatch
+            bucket.pending = len(bucket.params)
+
+    def _materialize(self, bucket: Bucket) -> None:
+        """Allocate the bucket's full fp32 gradient and point its parameters' main_grad at it."""
+        full = torch.zeros(bucket.size, dtype=torch.float32, device=self.chunks[0].grads.device)
+        bucket.full, bucket.pending, at = full, len(bucket.params), 0
+        for p in bucket.params:
+            p.main_grad = full[at : at + p.numel()].view_as(p)
+            at += p.numel()
+        self.full_bytes += full.nbytes
+        self.peak_full_bytes = max(self.peak_full_bytes, self.full_bytes)
+
+    def _scatter_full(self, buf: ChunkBuffer, bucket: Bucket) -> None:
+        """Start reducing the bucket's full gradient into this rank's part; drop its views."""
+        full, part = bucket.full, bucket.size // self.dp.size
+        bucket.full = None
+        for p in bucket.params:
+            p.main_grad = None
+        full.div_(self.dp.size)
+        out = full[self.dp.rank * part : (self.dp.rank + 1) * part]
+        self._inflight.append((buf, bucket, reduce_scatter_flat_async(out, full, self.dp), full))
+
+    def _retire(self, keep: int) -> None:
+        """Wait for the reductions started before the last `keep`, in launch order (so that a
+        shard sums its microbatches in the same order on every run), add each rank's part
+        into its shard and free the full buffer. Bounds the full buffers in flight."""
+        while len(self._inflight) > keep:
+            buf, bucket, work, full = self._inflight.pop(0)
+            work.wait()
+            part = bucket.size // self.dp.size
+            mine = full[self.dp.rank * part : (self.dp.rank + 1) * part]
+            self.owned_grads(buf, bucket).add_(mine)
+            self.full_bytes -= full.nbytes
+
+    # ------------------------------------------------------------------ reduction
 
     def _launch(self, buf: ChunkBuffer, bucket: Bucket) -> None:
         bucket.launched = True
@@ -229,6 +324,9 @@ class GradBuffers:
             sp = [p.main_grad for p in bucket.sequence_parallel]
             if sp:
                 all_reduce_tensors_(sp, self.tp, average=False)
+        if self.shard_grads:
+            self._scatter_full(buf, bucket)
+            return
         if self.dp.size == 1:
             return
         grads = buf.grads[bucket.start : bucket.end]
@@ -242,14 +340,22 @@ class GradBuffers:
 
     def finish(self) -> None:
         """Complete the step's reduction: deferred and not yet started buckets, then wait."""
+        if self.shard_grads:
+            for b in (b for buf in self.chunks for b in buf.buckets if b.deferred):
+                if b.full is None:  # every holder of the tied embedding sums, even with zeros
+                    self._materialize(b)
         tied = [
             p.main_grad for buf in self.chunks for b in buf.buckets if b.deferred for p in b.params
         ]
         sum_tied_(tied, self.embedding)
         for buf in self.chunks:
             for bucket in buf.buckets:
-                if not bucket.launched:
+                if self.shard_grads and bucket.full is not None:
+                    self._launch(buf, bucket)  # what has not been reduced yet
+                elif not self.shard_grads and not bucket.launched:
                     self._launch(buf, bucket)
+        if self.shard_grads:
+            self._retire(keep=0)
         for buf in self.chunks:
             buf.final = False
             for bucket in buf.buckets:
@@ -258,8 +364,15 @@ class GradBuffers:
                 bucket.work, bucket.launched = None, False
 
     def zero_grad(self) -> None:
+        self._retire(keep=0)  # ZeRO-2: reductions a failed step left running
         for buf in self.chunks:
             buf.grads.zero_()
+            for bucket in buf.buckets:  # ZeRO-2: a step's leftovers would be stale
+                if bucket.full is not None:
+                    self.full_bytes -= bucket.full.nbytes
+                    bucket.full = None
+                    for p in bucket.params:
+                        p.main_grad = None
 
     def gather_params(self) -> None:
         """All-gather each rank's updated shard of the parameters (distributed optimizer)."""

@@ -46,6 +46,20 @@ class LaunchEnv:
     """Under torchrun's agent, which hosts the store (TORCHELASTIC_RUN_ID)."""
     restart: int = 0
     """torchrun's restart count (TORCHELASTIC_RESTART_COUNT)."""
+    requeue: int = 0
+    """SLURM's count of this job's requeues (SLURM_RESTART_COUNT)."""
+
+    @property
+    def is_restart(self) -> bool:
+        """The launcher started this process again after a failure (torchrun
+        --max-restarts) or the scheduler requeued the job (SLURM)."""
+        return self.restart > 0 or self.requeue > 0
+
+    def restart_text(self) -> str:
+        """How this process was restarted, for the log and events.jsonl."""
+        parts = [f"torchrun restart {self.restart}"] if self.restart else []
+        parts += [f"SLURM requeue {self.requeue}"] if self.requeue else []
+        return ", ".join(parts) or "first launch"
 
     @classmethod
     def from_environ(cls) -> LaunchEnv:
@@ -65,6 +79,7 @@ class LaunchEnv:
                 master_addr=task.master_addr,
                 master_port=task.master_port,
                 launcher=Launcher.SLURM,
+                requeue=_lenient_int("SLURM_RESTART_COUNT"),
             )
         launch = cls(
             rank=_env_int("RANK", 0),
@@ -75,6 +90,7 @@ class LaunchEnv:
             master_port=_lenient_int("MASTER_PORT"),  # env:// reads it; here for messages
             elastic=bool(env.get("TORCHELASTIC_RUN_ID")),
             restart=_lenient_int("TORCHELASTIC_RESTART_COUNT"),
+            requeue=_lenient_int("SLURM_RESTART_COUNT"),  # srun launching torchrun
         )
         n = launch.world_size
         if n > 1 and not dist.is_initialized():  # a harness may have made the group itself
@@ -165,8 +181,12 @@ def init_process_group(
         store, rank, world_size = _meet_at_rank0(env, timeout)
     else:
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    # A restarted run meets in the same store as the run before it when torchrun's static
+    # rendezvous (--master-addr/--master-port) keeps it: keys of its own, so that no rank
+    # reads the address of a process of the previous attempt.
+    group_store = dist.PrefixStore(f"ptdp/attempt{env.restart}/", store) if env.restart else store
     dist.init_process_group(
-        backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        backend=backend, store=group_store, rank=rank, world_size=world_size, timeout=timeout
     )
     return store
 

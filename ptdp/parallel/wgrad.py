@@ -81,6 +81,10 @@ class WeightGradStore:
             grads.append((param, dy.t().mm(x).to(param.dtype)))
         return grads
 
+    def keys(self) -> list[Hashable]:
+        """Keys (microbatches) with GEMMs still kept, in the order their B ran."""
+        return list(self._pending)
+
     def __len__(self) -> int:
         """Microbatches with GEMMs still kept."""
         return len(self._pending)

@@ -5,9 +5,11 @@ memory.py       bytes per device: model state, Korthikanti activations x in-flig
 activations.py  Korthikanti et al.'s per-layer activation bytes and what PyTorch really saves
 hardware.py     clusters as data (hardware/*.toml): device, NVLink, network
 costs.py        seconds of F, B, W per layer (GEMM efficiency curve, HBM traffic, collectives)
-replay.py       the schedules' own action lists replayed in simulated time
+replay.py       the schedules' own action lists replayed in simulated time (ptdp.pipeline.dryrun)
 simulator.py    one training step of a config on a cluster: time, bubble, TFLOP/s, memory
 planner.py      layouts that fit, ranked by simulated throughput, explained
 timeline.py     TimelineRecorder for the runtime, Chrome traces and PNG charts
 paper.py        the paper's model presets and published figures; validation.py checks them
+calibrate.py    `ptdp calibrate`: microbench.py times this machine, fit.py fits the constants,
+                calibration_file.py writes them as a cluster file for hardware.py
 """

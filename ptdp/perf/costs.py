@@ -11,6 +11,11 @@ the loss) move `elementwise_traffic` bytes through HBM per byte of activation th
 stores for backward (Korthikanti et al.'s count) in the forward pass, and twice that in
 the backward pass.
 
+Calibrated devices (`ptdp calibrate`) carry an efficiency curve over GEMM size measured
+on these same layer shapes instead: a GEMM takes 2 m n k / (peak * curve(2 m n k)), which
+holds operand traffic and launch costs as measured. Their fused attention runs at its own
+measured efficiency and backward / forward ratio.
+
 Backward of a linear layer: the input gradient (dgrad, [m, n] x [n, k]) goes to B and the
 weight gradient (wgrad, [k, m] x [m, n]) to W; everything else of a backward goes to B
 (the zero-bubble split, Qi et al. arXiv 2401.10241). Full recomputation adds a forward to
@@ -140,6 +145,8 @@ class Compute:
 
     def gemm(self, g: Gemm) -> float:
         d = self.system.device
+        if d.gemm_curve:
+            return g.flops / (self.peak * d.gemm_efficiency_at(g.flops))
         compute = g.flops / (self.peak * d.gemm_efficiency)
         return compute + g.nbytes(self.e) / self.bandwidth + d.kernel_overhead
 
@@ -182,8 +189,10 @@ def attention_core(model: ModelConfig, micro_batch: int, tp: int, c: Compute) ->
         masked = 0 < model.sliding_window < s
         flops = (scores.flops + values.flops) * (1.0 if masked else c.software.causal_fraction)
         dev = c.system.device
-        forward = flops / (c.peak * dev.gemm_efficiency) + dev.kernel_overhead
-        return Passes(forward, forward * c.software.fused_backward_ratio, 0.0)
+        efficiency = dev.attention_efficiency or dev.gemm_efficiency
+        forward = flops / (c.peak * efficiency) + dev.kernel_overhead
+        ratio = dev.attention_backward_ratio or c.software.fused_backward_ratio
+        return Passes(forward, forward * ratio, 0.0)
     forward = c.gemm(scores) + c.gemm(values)
     backward = sum(c.gemm(g.dgrad()) + c.gemm(g.wgrad()) for g in (scores, values))
     return Passes(forward, backward, 0.0)

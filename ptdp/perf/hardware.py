@@ -4,7 +4,9 @@ A system is one TOML file (the shipped ones are in `ptdp/perf/hardware/`; a user
 the path of their own): `[device]` (peak rates by `kind` from
 `ptdp.perf.flops.DENSE_PEAK_TFLOPS` or an explicit `peak_tflops` table, memory, HBM
 bandwidth), `[device.achieved]` (the calibration: achieved GEMM and memory efficiency, a
-kernel launch cost, reserved memory), `[node]` (GPUs per node and their NVLink/NVSwitch
+kernel launch cost, reserved memory; from `ptdp calibrate` also a GEMM efficiency curve over
+size, `gemm_curve_flops` and `gemm_curve_efficiency`, and the fused attention kernel's own
+efficiency and backward / forward ratio), `[node]` (GPUs per node and their NVLink/NVSwitch
 link) and `[network]` (the inter-node link per GPU, e.g. one InfiniBand HCA each).
 Bandwidths are per GPU and per direction, in GB/s (1e9 bytes); latencies per message.
 
@@ -25,6 +27,7 @@ else:  # pragma: no cover - Python 3.10 only
     import tomli as tomllib
 
 from ptdp.errors import ConfigError
+from ptdp.perf.fit import interpolate_log
 from ptdp.perf.flops import DENSE_PEAK_TFLOPS
 
 BUILTIN_DIR = Path(__file__).with_name("hardware")
@@ -73,6 +76,18 @@ class Device:
     reserved_bytes: float
     """Memory the framework cannot use: CUDA context, communication buffers, fragmentation."""
     match: tuple[str, ...] = ()
+    gemm_curve: tuple[tuple[float, float], ...] = ()
+    """Measured (GEMM FLOPs, efficiency) knots, sizes increasing, efficiency non-decreasing;
+    when given, it replaces `gemm_efficiency` (see `gemm_efficiency_at`)."""
+    attention_efficiency: float = 0.0
+    """Fraction of the peak the fused attention forward sustains (0: `gemm_efficiency`)."""
+    attention_backward_ratio: float = 0.0
+    """Fused attention backward / forward time as measured (0: the software's figure)."""
+
+    def gemm_efficiency_at(self, flops: float) -> float:
+        """Efficiency of a GEMM of `flops`: the measured curve (log-linear between its knots,
+        flat beyond them) if there is one, else the single `gemm_efficiency`."""
+        return interpolate_log(self.gemm_curve, flops) if self.gemm_curve else self.gemm_efficiency
 
     def peak_flops(self, precision: str) -> float:
         """Dense FLOP/s at `precision` (fp32, tf32, bf16 or fp16)."""
@@ -224,6 +239,9 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         kernel_overhead=float(achieved.get("kernel_overhead_us", 5)) * 1e-6,
         reserved_bytes=float(achieved.get("reserved_gib", 4)) * GIB,
         match=tuple(dev.get("match", ())),
+        gemm_curve=_curve(achieved),
+        attention_efficiency=float(achieved.get("attention_efficiency", 0.0)),
+        attention_backward_ratio=float(achieved.get("attention_backward_ratio", 0.0)),
     )
     return System(
         name=str(data.get("name", default_name)),
@@ -233,6 +251,21 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         intra=_link(data["node"]),
         inter=_link(data["network"]),
     )
+
+
+def _curve(achieved: dict[str, Any]) -> tuple[tuple[float, float], ...]:
+    sizes = [float(x) for x in achieved.get("gemm_curve_flops", [])]
+    values = [float(y) for y in achieved.get("gemm_curve_efficiency", [])]
+    if len(sizes) != len(values):
+        raise ValueError("gemm_curve_flops and gemm_curve_efficiency differ in length")
+    increasing = all(a < b for a, b in zip(sizes, sizes[1:]))
+    monotone = all(a <= b for a, b in zip(values, values[1:]))
+    if not (increasing and monotone and all(0 < y for y in values) and all(0 < x for x in sizes)):
+        raise ValueError(
+            "the GEMM curve needs positive sizes, increasing, with positive efficiencies that "
+            "never decrease (as `ptdp calibrate` writes it)"
+        )
+    return tuple(zip(sizes, values))
 
 
 def _link(table: dict[str, Any]) -> Link:

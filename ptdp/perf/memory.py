@@ -3,8 +3,14 @@
 Model-state bytes per parameter follow what the runtime does (`ptdp/parallel/data.py`,
 `ptdp/train/step/optim.py`): with bf16/fp16, 16-bit weights (2 B), an fp32 gradient buffer
 (4 B), fp32 master weights (4 B) and AdamW's two fp32 moments (8 B); with fp32, 4 B
-weights, 4 B gradients and 8 B of moments. The distributed optimizer (ZeRO-1) divides the
-master weights and moments by the data-parallel size.
+weights, 4 B gradients and 8 B of moments. ZeRO-1 (`parallel.zero`, the distributed
+optimizer) divides the master weights and moments by the data-parallel size, ZeRO-2 the
+gradient buffer too. ZeRO-2 then holds, besides its 1/dp, the full-size fp32 gradient
+of the buckets being filled or reduced (`grad_buckets`): two buckets per model chunk
+with overlapped reduction (one filling, the one before it reducing); the whole chunk
+without overlap or under a split backward (B leaves a gradient in every bucket holding
+a norm or bias until W fills the rest); and a tied embedding's bucket on the two stages
+holding it (reduced at the step's end).
 
 Activations per layer are Korthikanti et al.'s (arXiv 2205.05198, `ptdp.perf.activations`)
 for the recompute mode and sequence parallelism; with fused attention (flash or
@@ -64,14 +70,14 @@ class StateBytes:
     optimizer: float
 
 
-def bytes_per_parameter(
-    precision: Precision, *, distributed: bool = False, dp: int = 1
-) -> StateBytes:
-    """Weights, gradient buffer and optimizer state per parameter, as the runtime keeps them."""
-    shard = dp if distributed else 1
+def bytes_per_parameter(precision: Precision, *, zero: int = 0, dp: int = 1) -> StateBytes:
+    """Weights, gradient buffer and optimizer state per parameter, as the runtime keeps them
+    at ZeRO level `zero` (persistent state; ZeRO-2's buckets in flight are apart)."""
+    state = dp if zero >= 1 else 1
+    grads = 4.0 / (dp if zero >= 2 else 1)
     if precision is Precision.FP32:
-        return StateBytes(4.0, 4.0, 8.0 / shard)
-    return StateBytes(2.0, 4.0, 12.0 / shard)  # fp32 master (4) + AdamW moments (8)
+        return StateBytes(4.0, grads, 8.0 / state)
+    return StateBytes(2.0, grads, 12.0 / state)  # fp32 master (4) + AdamW moments (8)
 
 
 def element_bytes(precision: Precision) -> int:
@@ -304,12 +310,40 @@ class MemoryEstimate:
     in_flight: int
     stash: float = 0.0
     """Split backward: held from B until W (module doc) x microbatches awaiting their W."""
+    grad_buckets: float = 0.0
+    """ZeRO-2: full-size fp32 gradients of the buckets being filled or reduced (module doc)."""
 
     @property
     def total(self) -> float:
         return (
-            self.params + self.grads + self.optimizer + self.activations + self.working + self.stash
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.working
+            + self.stash
+            + self.grad_buckets
         )
+
+
+def grad_bucket_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
+    """ZeRO-2's full-size gradients in flight on each pipeline rank (module doc); 0 below."""
+    if not layout.shards_grads or layout.dp == 1:
+        return [0.0] * layout.pp
+    model, tp, pp, vpp, split = cfg.model, layout.tp, layout.pp, layout.vpp, layout.stage_layers
+    per_stage = parameters_per_stage(model, tp, pp, vpp, split)
+    whole = not cfg.parallel.overlap_grad_reduce or SCHEDULES[layout.schedule].splits_backward
+    bucket = max(1, int(cfg.parallel.bucket_mb * 2**20 / 4))
+    tied = model.tie_embeddings and pp * vpp > 1
+    out = [0.0] * pp
+    for stage, count in enumerate(per_stage):
+        embedding = 0
+        if tied and stage in (0, pp * vpp - 1):
+            embedding = model.padded_vocab_size(tp) // tp * model.hidden_size
+        # One bucket filling while the one before it reduces (`GradBuffers._retire`).
+        held = count if whole else embedding + 2 * min(count - embedding, bucket)
+        out[layout.stages.rank(stage)] += 4.0 * held
+    return out
 
 
 def estimate_memory(
@@ -330,7 +364,8 @@ def estimate_memory(
     held = in_flight(layout.pipeline)
     stages = layout.stages
     last_held = stage_in_flight(layout.pipeline, stages.last)
-    state = bytes_per_parameter(prec, distributed=cfg.optim.distributed, dp=layout.dp)
+    state = bytes_per_parameter(prec, zero=layout.zero, dp=layout.dp)
+    buckets = grad_bucket_bytes(cfg, layout)
     kw = dict(micro_batch=b, tp=tp, sequence_parallel=par.sequence_parallel, precision=prec)
     layer = layer_activation_bytes(
         model, recompute=par.recompute, fused_attention=fused_attention, **kw
@@ -365,6 +400,7 @@ def estimate_memory(
                 working,
                 held[rank],
                 stash[rank],
+                buckets[rank],
             )
         )
     return out

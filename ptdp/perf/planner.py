@@ -446,3 +446,24 @@ def explain(
             "(smallest t*p that fits, then tensor parallelism up to the node) decide"
         )
     return lines
+
+
+PLAN_EPILOG = (
+    " A searched key ({searched}) given on the command line fixes it: --parallel.tp 8 "
+    "searches only t = 8 (0 = search); keys not given, and a TOML file's layout, are "
+    "searched over. The old spellings stand for config keys: --tp 8 is --parallel.tp 8."
+).format(searched=", ".join(SEARCHED))
+"""`ptdp plan --help`: how searched keys and pins combine."""
+
+OLD_PLAN_FLAGS = {
+    "--global-batch": "train.global_batch_size",
+    "--vocab-size": "model.vocab_size",
+    "--precision": "train.precision",
+    "--tp": "parallel.tp",
+    "--pp": "parallel.pp",
+    "--vpp": "parallel.vpp",
+    "--micro-batch": "train.micro_batch_size",
+    "--recompute": "parallel.recompute",
+    "--sequence-parallel": "parallel.sequence_parallel",
+}
+"""`ptdp plan`'s first options, kept as other spellings of config keys (README, BENCHMARKS)."""

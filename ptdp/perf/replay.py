@@ -1,13 +1,13 @@
-"""Replays pipeline action lists in simulated time.
+"""Replays pipeline action lists in simulated time, as timelines of `Event`s.
 
-`replay` runs every pipeline rank's list from `ptdp.pipeline.schedules` (after
-`add_comms`): the same lists the runtime executes and `verify` checks (DESIGN invariant
-1), with real durations instead of verify's unit times. A compute action starts when its
-rank is free and its input has arrived. By default (ptdp's runtime) a SEND costs its rank
-nothing and its transfer starts once the receiver has posted the matching RECV and the
-previous message on that channel has left; the consumer waits for the arrival. With
-`blocking=True` the rank carries its transfers itself. Contention between channels that
-share a network card is not modelled.
+A thin adapter over `ptdp.pipeline.dryrun`, the dry-run engine `verify` also runs: the same
+lists the runtime executes (DESIGN invariant 1), with the performance model's durations
+instead of verify's unit times. A compute action starts when its rank is free and its input
+has arrived. By default (ptdp's runtime, `CommModel.ASYNC`) a SEND costs its rank nothing
+and its transfer starts once the receiver has posted the matching RECV and the previous
+message on that channel has left; the consumer waits for the arrival. With `blocking=True`
+the rank carries its transfers itself. Contention between channels that share a network
+card is not modelled.
 """
 
 from __future__ import annotations
@@ -15,36 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.perf.timeline import Event
-from ptdp.pipeline.actions import Action, Kind, Plan
+from ptdp.pipeline.actions import Plan
+from ptdp.pipeline.dryrun import CommModel, PipelineCosts, Timed, dry_run
 from ptdp.pipeline.placement import StageMap
 
-
-@dataclass(frozen=True)
-class PipelineCosts:
-    """Seconds of each action of each global stage; transfers by sending stage."""
-
-    forward: tuple[float, ...]
-    backward_input: tuple[float, ...]
-    backward_weight: tuple[float, ...]
-    send_forward: tuple[float, ...]
-    """Stage s -> s + 1, activation, arrival after the send is matched."""
-    send_backward: tuple[float, ...]
-    """Stage s -> s - 1, gradient."""
-
-    @classmethod
-    def unit(cls, stages: int) -> PipelineCosts:
-        """verify's dry-run costs: F = B = W = 1 (BW = 2), free transfers."""
-        ones, zeros = (1.0,) * stages, (0.0,) * stages
-        return cls(ones, ones, ones, zeros, zeros)
-
-    def duration(self, a: Action) -> float:
-        s = a.stage
-        return {
-            Kind.F: self.forward[s],
-            Kind.B: self.backward_input[s],
-            Kind.W: self.backward_weight[s],
-            Kind.BW: self.backward_input[s] + self.backward_weight[s],
-        }.get(a.kind, 0.0)
+__all__ = ["PipelineCosts", "PipelineRun", "replay"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +32,7 @@ class PipelineRun:
     busy: tuple[float, ...]
     """Per rank: seconds computing."""
     rank_end: tuple[float, ...]
-    """Per rank: end of its last compute action."""
+    """Per rank: when it finished its list (its last compute, or a blocking send after it)."""
 
     @property
     def ideal(self) -> float:
@@ -70,15 +45,13 @@ class PipelineRun:
         return (self.makespan - self.ideal) / self.ideal
 
 
-_Key = tuple[str, int, int]  # (direction "F"/"B", receiving stage, mb)
+def _event(t: Timed) -> Event:
+    a = t.action
+    return Event(t.rank, a.stage, a.mb, a.kind.value, t.start, t.end, _lane(t))
 
 
-def _message(a: Action) -> _Key:
-    if a.kind is Kind.SEND_F:
-        return ("F", a.stage + 1, a.mb)
-    if a.kind is Kind.SEND_B:
-        return ("B", a.stage - 1, a.mb)
-    return ("F" if a.kind is Kind.RECV_F else "B", a.stage, a.mb)
+def _lane(t: Timed) -> str:
+    return "p2p" if t.is_transfer else "compute"
 
 
 def replay(
@@ -91,82 +64,10 @@ def replay(
     synchronised after each batch of point-to-point operations), instead of ptdp's
     asynchronous sends and receives waited on when their tensor is needed.
     """
-    pp, last = stages.pp, stages.last
-    recv_actions = {_message(a) for acts in plan.values() for a in acts if a.kind.is_comm}
-    done: dict[tuple[Kind, int, int], float] = {}  # (F or B, stage, mb) -> finish
-    sends: dict[_Key, float] = {}  # posted, not blocking: key -> time
-    recvs: dict[_Key, float] = {}
-    arrival: dict[_Key, float] = {}
-    channel_free: dict[tuple[int, int, str], float] = {}
-    clock, busy = [0.0] * pp, [0.0] * pp
-    step = [0] * pp
-    events: list[Event] = []
-
-    def transfer(key: _Key, *not_before: float) -> float:
-        """Time the message `key` once it may start; return its arrival."""
-        direction, stage, mb = key
-        sender = stage - 1 if direction == "F" else stage + 1
-        src, dst = stages.rank(sender), stages.rank(stage)
-        seconds = (costs.send_forward if direction == "F" else costs.send_backward)[sender]
-        start = max(channel_free.get((src, dst, direction), 0.0), *not_before)
-        arrival[key] = channel_free[(src, dst, direction)] = start + seconds
-        kind = "SEND_F" if direction == "F" else "SEND_B"
-        events.append(Event(src, sender, mb, kind, start, start + seconds, "p2p"))
-        return arrival[key]
-
-    def post(rank: int, a: Action) -> bool:
-        """Run comm action `a` on `rank`; False if it must wait (blocking RECV)."""
-        key = _message(a)
-        is_send = a.kind in (Kind.SEND_F, Kind.SEND_B)
-        if blocking and is_send:
-            clock[rank] = transfer(key, clock[rank])
-        elif blocking:
-            if key not in arrival:
-                return False
-            clock[rank] = max(clock[rank], arrival[key])
-        else:  # rendezvous: the transfer starts once both sides have posted
-            (sends if is_send else recvs)[key] = clock[rank]
-            if key in sends and key in recvs:
-                transfer(key, sends[key], recvs[key])
-        return True
-
-    def ready(a: Action) -> float | None:
-        """When `a`'s input is available, or None if not yet known."""
-        s, mb = a.stage, a.mb
-        if a.kind is Kind.F and s > 0:
-            key = ("F", s, mb)
-            return arrival.get(key) if key in recv_actions else done.get((Kind.F, s - 1, mb))
-        if a.kind in (Kind.B, Kind.BW) and s < last:
-            key = ("B", s, mb)
-            return arrival.get(key) if key in recv_actions else done.get((Kind.B, s + 1, mb))
-        return 0.0
-
-    def advance(rank: int, actions: list[Action]) -> bool:
-        """Run `rank` as far as it can go; True if it moved."""
-        moved = False
-        while step[rank] < len(actions):
-            a = actions[step[rank]]
-            if a.kind.is_comm:
-                if not post(rank, a):
-                    return moved
-            else:
-                t = ready(a)
-                if t is None:
-                    return moved
-                start = max(clock[rank], t)
-                seconds = costs.duration(a)
-                clock[rank] = start + seconds
-                busy[rank] += seconds
-                kind = Kind.B if a.kind is Kind.BW else a.kind
-                done[(kind, a.stage, a.mb)] = clock[rank]
-                events.append(Event(rank, a.stage, a.mb, a.kind.value, start, clock[rank]))
-            step[rank] += 1
-            moved = True
-        return moved
-
-    while any([advance(rank, actions) for rank, actions in plan.items()]):
-        pass
-    stuck = [r for r in plan if step[r] < len(plan[r])]
-    if stuck:
-        raise ValueError(f"replay deadlocked on ranks {stuck}; run ptdp.pipeline.verify on it")
-    return PipelineRun(tuple(events), max(clock), tuple(busy), tuple(clock))
+    comms = CommModel.BLOCKING if blocking else CommModel.ASYNC
+    run = dry_run(plan, stages, costs, comms=comms)
+    if run.stuck:
+        waits = "; ".join(str(w) for w in run.stuck)
+        raise ValueError(f"replay deadlocked: {waits}; run ptdp.pipeline.verify on the plan")
+    events = tuple(_event(t) for t in run.events)
+    return PipelineRun(events, run.makespan, run.busy, run.end)

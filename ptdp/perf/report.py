@@ -30,6 +30,7 @@ def prediction_dict(p: Prediction) -> dict:
             "vpp": lay.vpp,
             "num_microbatches": lay.num_microbatches,
             "sequence_parallel": lay.sequence_parallel,
+            "zero": lay.zero,
         },
         "iteration_seconds": p.iteration_seconds,
         "pipeline_seconds": p.pipeline_seconds,
@@ -50,6 +51,7 @@ def prediction_dict(p: Prediction) -> dict:
                 "pp_rank": m.rank,
                 "params": m.params / GIB,
                 "grads": m.grads / GIB,
+                "grad_buckets": m.grad_buckets / GIB,
                 "optimizer": m.optimizer / GIB,
                 "activations": m.activations / GIB,
                 "working": m.working / GIB,
@@ -79,6 +81,8 @@ def format_prediction(p: Prediction, system: System) -> str:
         "  pp rank | params | grads | optimizer | activations (in flight) | working | stash"
         " | total",
     ]
+    if any(m.grad_buckets for m in p.memory):
+        lines.append("  (grads: ZeRO-2's 1/dp plus its full-size buckets in flight)")
     shown = list(p.memory)
     if len(shown) > 8:  # long pipelines: the first ranks (most in flight) and the last
         shown = shown[:3] + [None] + shown[-2:]
@@ -87,7 +91,7 @@ def format_prediction(p: Prediction, system: System) -> str:
             lines.append("      ... |")
             continue
         lines.append(
-            f"  {m.rank:7d} | {m.params / GIB:6.2f} | {m.grads / GIB:5.2f} | "
+            f"  {m.rank:7d} | {m.params / GIB:6.2f} | {(m.grads + m.grad_buckets) / GIB:5.2f} | "
             f"{m.optimizer / GIB:9.2f} | {m.activations / GIB:11.2f} ({m.in_flight:3d}) | "
             f"{m.working / GIB:7.2f} | {m.stash / GIB:5.2f} | {m.total / GIB:5.2f}"
             + ("  DOES NOT FIT" if m.total / GIB > usable else "")

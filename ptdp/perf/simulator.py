@@ -170,7 +170,7 @@ def _reduce_gradients(
         free, total = (0.0 if par.overlap_grad_reduce else run.rank_end[rank]), 0.0
         for start, end, stage in finals:
             nbytes = float(c.software.grad_reduce_bytes * params[stage])
-            if cfg.optim.distributed:
+            if layout.shards_optimizer:
                 seconds = gather_seconds(nbytes, d, link)  # reduce-scatter
             else:
                 seconds = all_reduce_seconds(nbytes, d, link)
@@ -209,9 +209,9 @@ def optimizer_seconds(cfg: RunConfig, layout: Layout, c: Compute) -> float:
         )
     )
     fp32 = cfg.train.precision is Precision.FP32
-    shard = layout.dp if cfg.optim.distributed else 1
+    shard = layout.dp if layout.shards_optimizer else 1
     seconds = c.stream(per_rank * (8 + (28 if fp32 else 30) / shard))
-    if cfg.optim.distributed:
+    if layout.shards_optimizer:
         link = group_link(c.system, layout.dp, layout.tp)
         seconds += gather_seconds(per_rank * (4 if fp32 else 2), layout.dp, link)
     return seconds

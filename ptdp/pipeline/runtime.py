@@ -114,6 +114,14 @@ class PipelineRuntime:
             self.on_step_end()
         return self.losses
 
+    def held_pairs(self) -> set[tuple[int, int]]:
+        """The (stage, mb) pairs whose activations this rank holds now: forward run and
+        backward not (the output with its graph), or B run and W not (the weight-gradient
+        inputs kept in the chunk's store, the other gradients held for W). What `verify`
+        counts as in flight; tests/dist/test_pipeline_memory.py measures it."""
+        stashed = {key for store in self.wgrad.values() for key in store.keys()}
+        return set(self._outputs) | set(self._param_grads) | stashed
+
     # ------------------------------------------------------------------ communication
 
     def _peer(self, stage: int) -> int:

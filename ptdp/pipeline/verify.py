@@ -17,9 +17,10 @@ failing cells marked `<<`, after PyTorch's `_format_pipeline_order`). Rules, in 
    its F until its BW, or until its W when the backward is split, as the runtime holds it (B
    leaves the graph, or the stashed weight-gradient inputs, for W).
 
-Dry-run model: F = B = W = 1 and BW = 2 time units; comms take no time; a SEND never blocks (the
-runtime posts it asynchronously) while a RECV blocks its rank until the matching SEND has run. A
-compute-only plan is dry-run with direct dependencies between stages.
+Dry-run model (`ptdp.pipeline.dryrun`, the engine the simulator replays plans with, here at
+`CommModel.RECV_BLOCKS`): F = B = W = 1 and BW = 2 time units; comms take no time; a SEND never
+blocks (the runtime posts it asynchronously) while a RECV blocks its rank until the matching
+SEND has run. A compute-only plan is dry-run with direct dependencies between stages.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from ptdp.pipeline.actions import BACKWARD_KINDS, RELEASE_KINDS, Action, Kind, Plan
+from ptdp.pipeline.dryrun import CommModel, dry_run
 from ptdp.pipeline.placement import StageMap
 
 Cell = tuple[int, int]
@@ -97,7 +99,7 @@ def verify(
     _check_order(plan, where, needs)
     if lowered:
         _check_channels(plan, stages)
-    makespan, busy, span = _dry_run(plan, where, needs)
+    makespan, busy, span = _dry_run(plan, stages, where, needs)
     peaks = _check_in_flight(plan, max_in_flight)
     return ScheduleReport(peaks, makespan, busy, m * stages.vpp * CHUNK_COST, span)
 
@@ -289,49 +291,29 @@ def _done_key(a: Action) -> Action:
     return Action(Kind.B, a.stage, a.mb) if a.kind is Kind.BW else a
 
 
+def _unit_cost(a: Action) -> int:
+    return UNIT_COST[a.kind]
+
+
 def _dry_run(
-    plan: Plan, where: dict[Action, Cell], needs: dict[int, list[_Needs]]
+    plan: Plan, stages: StageMap, where: dict[Action, Cell], needs: dict[int, list[_Needs]]
 ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """Run every rank in unit time; return the makespan and each rank's busy time and span."""
-    waits = {
-        rank: [[_done_key(need) for need, _ in step_needs] for step_needs in needs[rank]]
-        for rank in plan
-    }
-    finish: dict[Action, int] = {}
-    step = dict.fromkeys(plan, 0)
-    clock = dict.fromkeys(plan, 0)
-    busy = dict.fromkeys(plan, 0)
-    first: dict[int, int] = {}  # rank -> start of its first compute action
-    progress = True
-    while progress:  # each pass runs every rank as far as it can go
-        progress = False
-        for rank, actions in plan.items():
-            while step[rank] < len(actions):
-                a, keys = actions[step[rank]], waits[rank][step[rank]]
-                if any(key not in finish for key in keys):
-                    break
-                cost = UNIT_COST.get(a.kind, 0)
-                start = max([clock[rank], *(finish[key] for key in keys)])
-                if cost:
-                    first.setdefault(rank, start)
-                clock[rank] = start + cost
-                busy[rank] += cost
-                finish[_done_key(a)] = clock[rank]
-                step[rank] += 1
-                progress = True
-    stuck = [(rank, step[rank]) for rank in sorted(plan) if step[rank] < len(plan[rank])]
-    if stuck:
+    run = dry_run(plan, stages, _unit_cost, comms=CommModel.RECV_BLOCKS)
+    if run.stuck:
         lines = ["deadlock: each unfinished rank waits for an action that cannot run first"]
-        for rank, i in stuck:
-            a = plan[rank][i]
-            need, why = next(n for n in needs[rank][i] if _done_key(n[0]) not in finish)
-            found = _find(where, need)
-            assert found is not None, "_check_order has seen every need exist"
-            other, cell = found
-            lines.append(f"  {_at((rank, i))}: {a} waits for {other} ({why}) at {_at(cell)}")
-        _fail(plan, "\n".join(lines), stuck)
-    span = tuple(clock[r] - first.get(r, clock[r]) for r in sorted(plan))
-    return max(clock.values(), default=0), tuple(busy[r] for r in sorted(plan)), span
+        for wait in run.stuck:
+            rank, i = wait.rank, wait.step
+            key = _done_key(wait.waits_for)
+            why = next((why for n, why in needs[rank][i] if _done_key(n) == key), "")
+            cell = where.get(wait.waits_for)
+            lines.append(
+                f"  {_at((rank, i))}: {wait.action} waits for {wait.waits_for}"
+                + (f" ({why})" if why else "")
+                + (f" at {_at(cell)}" if cell is not None else ", which the plan lacks")
+            )
+        _fail(plan, "\n".join(lines), [(w.rank, w.step) for w in run.stuck])
+    return int(run.makespan), tuple(map(int, run.busy)), tuple(map(int, run.span))
 
 
 def _check_in_flight(plan: Plan, bound: Sequence[int] | None) -> tuple[int, ...]:

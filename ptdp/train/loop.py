@@ -8,6 +8,7 @@ import math
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,10 +17,12 @@ import torch
 from tqdm import tqdm
 
 from ptdp import checkpoint as ckpt
+from ptdp.checkpoint.store import step_dir_name
 from ptdp.config import OnNan, to_dict
 from ptdp.parallel.comm import gather_objects
 from ptdp.perf.flops import utilisation
 from ptdp.perf.timeline import from_dicts, to_dicts
+from ptdp.train.faults.events import append_event
 from ptdp.train.faults.numerical import NumericalFault, TrainingError
 from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
 from ptdp.train.peak import Peak, device_name, resolve_peak
@@ -81,7 +84,9 @@ class TrainResult:
     """The signal (SIGINT, SIGTERM) the run stopped for after saving; 0 if none."""
 
 
-def run_loop(trainer: Trainer) -> TrainResult:
+def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) -> TrainResult:
+    """Train to train.steps; `on_first_step` runs once, after this run's first step (the
+    record of a resumed run, with its time from the fault to that step)."""
     t = trainer.cfg.train
     result = TrainResult(trainer.run_dir, trainer.step, trainer.step)
     writer = (
@@ -121,6 +126,9 @@ def run_loop(trainer: Trainer) -> TrainResult:
                     continue
                 if trainer.watchdog:
                     trainer.watchdog.end_step()
+                if on_first_step is not None:
+                    on_first_step()
+                    on_first_step = None
                 pending.append((trainer.step, loss, grad_norm))
                 bar.update(1)
                 stopping = bool(trainer.faults.signum)  # agreed by all ranks
@@ -158,6 +166,11 @@ def run_loop(trainer: Trainer) -> TrainResult:
                     trainer.finish_save()
                     result.interrupted = trainer.faults.signum
                     name = signal.Signals(trainer.faults.signum).name
+                    if trainer.is_main:
+                        append_event(
+                            trainer.run_dir, "interrupted", signal=name, step=trainer.step,
+                            checkpoint=str(step_dir),
+                        )  # fmt: skip
                     trainer.say(
                         f"interrupted by {name} at step {trainer.step}; saved checkpoint "
                         f"{step_dir}; resume with --resume"
@@ -188,7 +201,8 @@ def run_loop(trainer: Trainer) -> TrainResult:
 def _on_fault(trainer: Trainer, fault: NumericalFault, result: TrainResult) -> None:
     """A step with a non-finite loss or gradient norm under on_nan = stop or rollback.
 
-    stop: save nothing new and raise TrainingError naming the last good checkpoint.
+    stop: save the last good state (the step before the bad one, whose update was not
+    applied) unless it is saved already, and raise TrainingError naming it.
     rollback: restore the last checkpoint (step k) and continue with the step after the
     bad one (b): the step counter decides the batch, so the batches of steps k+1..b are
     skipped. Replaying them would only reproduce the fault: the run is deterministic."""
@@ -196,15 +210,23 @@ def _on_fault(trainer: Trainer, fault: NumericalFault, result: TrainResult) -> N
     has_checkpoint = ckpt.has_checkpoint(trainer.run_dir)
     good = ckpt.find_checkpoint(trainer.run_dir) if has_checkpoint else None
     policy = trainer.cfg.train.on_nan
-    if policy is OnNan.STOP or good is None:
-        where = (
-            f"the last good checkpoint is {good} (continue from it with --resume)"
-            if good
-            else "no checkpoint was saved before it"
-        )
+    if policy is OnNan.STOP:
+        where = f"the last good checkpoint is {good}"
+        if good is None or good.name != step_dir_name(trainer.step):
+            good = trainer.save()  # trainer.step is the last good step: nothing applied since
+            trainer.finish_save()
+            where = (
+                f"saved the last good step {trainer.step} (the bad update not applied) as {good}"
+            )
         raise TrainingError(
-            f"{fault}; stopped without saving (train.on_nan = {policy.value}); {where}. Lower "
-            "optim.lr or raise optim.warmup_steps, or set --train.on_nan skip or rollback"
+            f"{fault}; stopped (train.on_nan = stop); {where} (continue from it with "
+            "--resume). Lower optim.lr or raise optim.warmup_steps, or set --train.on_nan "
+            "skip or rollback"
+        )
+    if good is None:
+        raise TrainingError(
+            f"{fault}; no checkpoint was saved before it to roll back to (train.on_nan = "
+            "rollback); set --train.save_interval"
         )
     trainer.restore(good)
     restored, trainer.step = trainer.step, fault.step

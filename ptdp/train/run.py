@@ -7,26 +7,40 @@ names the rank that failed first.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ptdp import checkpoint as ckpt
-from ptdp.config import LAYOUT_ONLY_MODEL_KEYS, RunConfig, to_dict, to_toml
+from ptdp.config import RunConfig, to_toml
 from ptdp.errors import CheckpointError
 from ptdp.layout import Layout, validate
 from ptdp.outputs import make_output_dir
 from ptdp.parallel.comm import all_gather_objects, barrier
 from ptdp.parallel.env import LaunchEnv, destroy_process_group
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
+from ptdp.train.faults.events import append_event
 from ptdp.train.init_from import InitSource, load_initial_weights, resolve_init
 from ptdp.train.loop import TrainResult, run_loop
 from ptdp.train.metrics import check_wandb
+from ptdp.train.resume import (
+    ResumePlan,
+    check_world,
+    layout_change,
+    plan_resume,
+    publish_in_flight,
+    record_continued,
+    wants_resume,
+)
 from ptdp.train.step.trainer import Trainer
 
 
 def _prepare(
-    cfg: RunConfig, env: LaunchEnv, given: frozenset[str] | None
+    cfg: RunConfig, env: LaunchEnv, given: frozenset[str] | None, resume: bool = False
 ) -> tuple[RunConfig, Layout, RunData, InitSource | None]:
     cfg, source = resolve_init(cfg, given)  # the model of init_from
+    if resume:
+        check_world(cfg, env.world_size)  # an elastic restart's world, named with its checkpoint
     layout = validate(cfg, env.world_size)
     check_wandb(cfg.train.wandb_project)
     data = open_data(cfg)  # names a missing or damaged file before anything else
@@ -52,32 +66,6 @@ def dry_run(cfg: RunConfig, env: LaunchEnv, *, given: frozenset[str] | None = No
         f"{to_toml(cfg)}\n# layout: {layout.describe()}\n"
         f"# data: {len(data.train):,} training samples, tokenizer {data.tokenizer_spec}"
     )
-
-
-def _checkpoint_to_resume(cfg: RunConfig, resume: bool) -> Path | None:
-    """The checkpoint a run continues from; refuses to overwrite or mix runs."""
-    run_dir = Path(cfg.train.run_dir)
-    has_checkpoint = ckpt.has_checkpoint(run_dir)
-    if has_checkpoint and not resume:
-        raise CheckpointError(
-            f"{run_dir} already holds checkpoints; pass --resume to continue that run "
-            "or choose another --train.run_dir"
-        )
-    if not has_checkpoint:
-        return None
-    step_dir = ckpt.find_checkpoint(run_dir)
-    saved, current = to_dict(ckpt.load_config(step_dir))["model"], to_dict(cfg)["model"]
-    diff = [
-        f"{k}: {saved.get(k)} -> {v}"
-        for k, v in current.items()
-        if k not in LAYOUT_ONLY_MODEL_KEYS and saved.get(k, v) != v
-    ]
-    if diff:
-        raise CheckpointError(
-            f"checkpoint {step_dir} was trained with a different model ({'; '.join(diff)}); "
-            "resume with the same model settings or use another --train.run_dir"
-        )
-    return step_dir
 
 
 def _same_checkpoint_everywhere(step_dir: Path | None, env: LaunchEnv) -> None:
@@ -106,21 +94,31 @@ def train(
     env: LaunchEnv | None = None,
     given: frozenset[str] | None = None,
 ) -> TrainResult:
-    """Train as one process, or as one rank of a torchrun launch (`given`: see prepare)."""
+    """Train as one process, or as one rank of a torchrun launch (`given`: see prepare).
+    `resume`: --resume; train.resume and a launcher restart may also make the run resume
+    (ptdp/train/resume.py)."""
     env = env or LaunchEnv.from_environ()
-    cfg, layout, data, source = _prepare(cfg, env, given)
-    step_dir = _checkpoint_to_resume(cfg, resume)
+    resume = wants_resume(cfg.train.resume, resume, env)
+    cfg, layout, data, source = _prepare(cfg, env, given, resume)
+    plan = plan_resume(cfg, resume)
     run_dir = Path(cfg.train.run_dir)
     make_output_dir(run_dir, "--train.run_dir")  # before any process group
     trainer = None
     try:
         trainer = Trainer(cfg, layout, env, data)  # creates the process group if none
-        _same_checkpoint_everywhere(step_dir, env)
+        _same_checkpoint_everywhere(plan.newest, env)
+        keep = cfg.train.keep_checkpoints
+        step_dir = publish_in_flight(plan, env.rank, env.world_size, keep, trainer.say)
         if step_dir is not None:
             trainer.restore(step_dir)
-            trainer.say(f"resumed from {step_dir} at step {trainer.step}")
+            how = f" ({env.restart_text()})" if env.is_restart else ""
+            trainer.say(f"resumed from {step_dir} at step {trainer.step}{how}")
             if note := ckpt.latest_note(step_dir):  # `latest` was lost: say which was taken
                 trainer.say(note)
+            saved_layout = trainer.checkpoints.restored_layout
+            change = layout_change(saved_layout, layout, plan.saved, cfg)
+            if change:
+                trainer.say(change)
             if cfg.checkpoint.init_from:
                 trainer.say(
                     f"checkpoint.init_from = {cfg.checkpoint.init_from} not loaded: --resume "
@@ -156,7 +154,10 @@ def train(
             f"{sum(len(b.buckets) for b in trainer.grads.chunks)} gradient buckets on rank 0"
             + (", reduced during backward" if cfg.parallel.overlap_grad_reduce else "")
         )
-        result = run_loop(trainer)
+        first_step = None
+        if trainer.is_main and (step_dir is not None or env.is_restart):
+            first_step = _recorder(trainer, plan, step_dir)
+        result = run_loop(trainer, on_first_step=first_step)
         if trainer.watchdog:
             trainer.watchdog.close()
         barrier(None, env.world_size)  # leave together (see destroy_process_group)
@@ -166,6 +167,8 @@ def train(
     except BaseException as exc:
         # Name the rank that failed first. The process group is left alone: destroying it
         # can block on a dead peer (NCCL), and the command line exits the process.
+        if trainer is not None and env.world_size == 1 and isinstance(exc, Exception):
+            _record_failure(trainer, exc)
         if trainer is None or trainer.watchdog is None:
             raise
         error = trainer.watchdog.failed(exc)
@@ -173,3 +176,23 @@ def train(
         if error is exc:
             raise
         raise error from exc
+
+
+def _recorder(trainer: Trainer, plan: ResumePlan, step_dir: Path | None) -> Callable[[], None]:
+    """Rank 0's record of a resumed or restarted run, written after its first step."""
+    start, layouts = trainer.step, (trainer.checkpoints.restored_layout, trainer.layout.describe())
+
+    def record() -> None:
+        _, line = record_continued(trainer.run_dir, trainer.env, plan, step_dir, start, layouts)
+        trainer.say(line)
+
+    return record
+
+
+def _record_failure(trainer: Trainer, exc: Exception) -> None:
+    """One process has no watchdog: its failure goes to events.jsonl here."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+    append_event(
+        trainer.run_dir, "failure", rank=0, how="raised", error=text, step=trainer.step + 1,
+        fault_time=round(time.time(), 3),
+    )  # fmt: skip

@@ -76,3 +76,53 @@ def _check(rank: int, world_size: int, shard: bool, overlap: bool) -> None:
 @pytest.mark.parametrize(("shard", "overlap"), [(False, True), (True, True), (False, False)])
 def test_bucketed_reduction(shard: bool, overlap: bool) -> None:
     run_ranks(_check, 2, shard, overlap)
+
+
+def _check_sharded_grads(rank: int, world_size: int) -> None:
+    """ZeRO-2: each rank keeps 1/dp of the gradients; every microbatch's buckets reduce
+    during its backward (with overlap) and their full buffers are freed afterwards."""
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 3))
+        ref = copy.deepcopy(model)
+        xs = torch.randn(world_size, 3, 5, 8)
+        dp = Group(dist.group.WORLD, world_size, rank)
+        single = Group.single()
+        buffers = GradBuffers(
+            [model], roles=NO_ROLES, dp=dp, tp=single, embedding=single, bucket_mb=BUCKET_MB,
+            shard_grads=True, overlap=overlap,
+        )  # fmt: skip
+        buf = buffers.chunks[0]
+        full = sum(b.size for b in buf.buckets)
+        assert buffers.shard and buf.grads.numel() * world_size == full
+        m = xs.shape[1]
+        for step in range(2):  # the second step starts from zeroed shards
+            buffers.zero_grad()
+            for j in range(m):
+                if j == m - 1:
+                    buffers.start_final(0)
+                model(xs[rank, j]).pow(2).mean().div(m).backward()
+                if overlap:  # all three buckets reduced in this microbatch's backward
+                    assert buffers.launches == 3 * (step * m + j + 1)
+                    assert all(p.main_grad is None for p in model.parameters())
+            buffers.finish()
+            assert buffers.full_bytes == 0 and buffers.grad_bytes() == 4 * full // world_size
+            sizes = sorted(b.size for b in buf.buckets)  # one filling, one reducing at most
+            bound = 4 * (sizes[-1] + sizes[-2]) if overlap else 4 * full
+            assert len(sizes) == 3 and 4 * sizes[-1] <= buffers.peak_full_bytes <= bound
+            for p in ref.parameters():
+                p.grad = None
+            for r in range(world_size):
+                for j in range(m):
+                    ref(xs[r, j]).pow(2).mean().div(m * world_size).backward()
+            ref_params = dict(zip(model.parameters(), ref.parameters()))
+            for bucket in buf.buckets:
+                expected = torch.cat([ref_params[p].grad.reshape(-1) for p in bucket.params])
+                expected = torch.cat([expected, expected.new_zeros(bucket.size - len(expected))])
+                first, last = buffers.shard_range(bucket)
+                want = expected[first - bucket.start : last - bucket.start]
+                torch.testing.assert_close(buffers.owned_grads(buf, bucket), want)
+
+
+def test_sharded_gradients() -> None:
+    run_ranks(_check_sharded_grads, 2)

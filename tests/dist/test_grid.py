@@ -5,7 +5,8 @@ match the single-process run of the same model: the logged losses, the global gr
 norms (clipping is active, so a wrong norm also changes the weights) and the final
 parameters, all within 1e-5 relative. Layouts with the same world size share one spawn,
 one after another, so the grid costs three spawns. Small gradient buckets (0.01 MiB)
-make every chunk use several buckets, with padding under the distributed optimizer.
+make every chunk use several buckets, with padding under the distributed optimizer
+(ZeRO-1) and several reductions per backward under ZeRO-2.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Layout:
     vpp: int = 1
     schedule: str = "1f1b"
     sp: bool = False
-    distributed: bool = False
+    zero: int = 0
     recompute: str = "none"
     llama: bool = False
 
@@ -46,7 +47,7 @@ class Layout:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
         if self.pp > 1:
             parts += [self.schedule] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
-        parts += ["sp"] * self.sp + ["distopt"] * self.distributed
+        parts += ["sp"] * self.sp + [f"zero{self.zero}"] * (self.zero > 0)
         parts += [f"rc-{self.recompute}"] * (self.recompute != "none") + ["llama"] * self.llama
         return "-".join(parts)
 
@@ -58,7 +59,7 @@ sliding window (shorter than the 16-token sequence, so attention takes the maske
 I = "interleaved"
 GRID = [
     # world 2
-    Layout(dp=2, distributed=True),
+    Layout(dp=2, zero=1),
     Layout(dp=2, recompute="full", llama=True),
     Layout(tp=2, sp=True, recompute="selective"),
     Layout(tp=2, llama=True),
@@ -67,12 +68,13 @@ GRID = [
     Layout(pp=2, schedule="zb-h1", recompute="selective", llama=True),
     Layout(pp=2, schedule="zb-h2", llama=True),
     Layout(pp=2, vpp=2, schedule="zb-v"),  # tied: embedding and output layer on rank 0
+    Layout(dp=2, zero=2),
     # world 4
-    Layout(tp=2, dp=2, sp=True, distributed=True),
+    Layout(tp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, dp=2, recompute="selective", llama=True),
-    Layout(pp=2, dp=2, distributed=True),
-    Layout(pp=2, dp=2, vpp=2, schedule=I, distributed=True, recompute="full"),
-    Layout(pp=2, dp=2, schedule="zb-h1", llama=True),
+    Layout(pp=2, dp=2, zero=1),
+    Layout(pp=2, dp=2, vpp=2, schedule=I, zero=1, recompute="full"),
+    Layout(pp=2, dp=2, schedule="zb-h1", zero=2, llama=True),  # ZeRO-2 under B/W split
     Layout(tp=2, pp=2, sp=True),
     Layout(tp=2, pp=2, vpp=2, schedule=I, recompute="selective"),
     Layout(tp=2, pp=2, schedule="zb-h1", sp=True, recompute="full", llama=True),
@@ -81,20 +83,24 @@ GRID = [
     Layout(pp=4, schedule="zb-h1", recompute="selective"),
     Layout(pp=4, schedule="zb-h2", recompute="full"),
     Layout(pp=4, vpp=2, schedule="zb-v", recompute="selective"),
-    Layout(pp=2, dp=2, vpp=2, schedule="zb-v", distributed=True),
+    Layout(pp=2, dp=2, vpp=2, schedule="zb-v", zero=1),
     Layout(tp=2, pp=2, vpp=2, schedule="zb-v", sp=True, llama=True),
     Layout(dp=4),
-    Layout(dp=4, distributed=True),
+    Layout(dp=4, zero=1),
+    Layout(dp=4, zero=2, recompute="full"),
+    Layout(tp=2, dp=2, zero=2, sp=True),
+    Layout(pp=2, dp=2, zero=2),  # tied embedding: a deferred bucket on both stages
+    Layout(pp=2, dp=2, vpp=2, schedule=I, zero=2, recompute="selective"),
     # world 8
-    Layout(tp=2, pp=2, dp=2, sp=True, distributed=True),
-    Layout(tp=2, pp=2, dp=2, vpp=2, schedule=I, sp=True, distributed=True, recompute="full"),
-    Layout(tp=2, pp=2, dp=2, schedule="zb-h1", recompute="selective", llama=True),
-    Layout(pp=4, dp=2, vpp=2, schedule=I, distributed=True),
+    Layout(tp=2, pp=2, dp=2, sp=True, zero=1),
+    Layout(tp=2, pp=2, dp=2, vpp=2, schedule=I, sp=True, zero=1, recompute="full"),
+    Layout(tp=2, pp=2, dp=2, schedule="zb-h1", recompute="selective", zero=2, llama=True),
+    Layout(pp=4, dp=2, vpp=2, schedule=I, zero=1),
     Layout(pp=4, dp=2, recompute="full", llama=True),
     Layout(tp=2, pp=4, sp=True),
-    Layout(tp=2, pp=4, vpp=2, schedule=I, recompute="selective", distributed=True),
+    Layout(tp=2, pp=4, vpp=2, schedule=I, recompute="selective", zero=1),
     Layout(tp=2, pp=4, schedule="zb-h1", sp=True, recompute="full"),
-    Layout(tp=2, pp=2, dp=2, vpp=2, schedule="zb-v", distributed=True, recompute="full"),
+    Layout(tp=2, pp=2, dp=2, vpp=2, schedule="zb-v", zero=1, recompute="full"),
 ]
 
 
@@ -110,6 +116,7 @@ def _config(data: str, run_dir: Path, layout: Layout | None, llama: bool) -> Run
             "schedule": layout.schedule,
             "sequence_parallel": layout.sp,
             "recompute": layout.recompute,
+            "zero": layout.zero,
         }
     return tiny_config(
         data,
@@ -118,7 +125,7 @@ def _config(data: str, run_dir: Path, layout: Layout | None, llama: bool) -> Run
         parallel=parallel,
         # eps = 1e-6: see tests/dist/test_tensor.py (rounding-level gradients under Adam);
         # grad_clip below the norms seen here, so that clipping is exercised.
-        optim={"eps": 1e-6, "grad_clip": 0.5, "distributed": bool(layout and layout.distributed)},
+        optim={"eps": 1e-6, "grad_clip": 0.5},
         train={"micro_batch_size": 1, "global_batch_size": 8, "steps": 3},
     )
 
@@ -154,7 +161,7 @@ def test_grid_covers_the_issue() -> None:
     for attr, values in {
         "tp": {1, 2}, "pp": {1, 2, 4}, "dp": {1, 2}, "vpp": {1, 2},
         "schedule": {"1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"}, "sp": {True, False},
-        "distributed": {True, False}, "recompute": {"none", "selective", "full"},
+        "zero": {0, 1, 2}, "recompute": {"none", "selective", "full"},
     }.items():  # fmt: skip
         assert values <= {getattr(x, attr) for x in GRID}, attr
 
@@ -179,8 +186,8 @@ def test_every_layout_matches_one_process(tiny_data: str, tmp_path: Path, world:
         assert_same_run(single, run_dir, losses, got["losses"])
     # The distributed optimizer keeps 1/dp of the state (up to one bucket's padding).
     for layout, got in results.items():
-        if layout.distributed and layout.dp > 1:
-            full = results.get(replace(layout, distributed=False))
+        if layout.zero and layout.dp > 1:
+            full = results.get(replace(layout, zero=0))
             if full is not None:
                 per_rank = full["optimizer_bytes"] / layout.dp
                 assert got["optimizer_bytes"] == pytest.approx(per_rank, rel=0.05), layout.name

@@ -168,16 +168,17 @@ def test_scatter_gather_on_and_off_are_identical(tiny_data: str, tmp_path: Path)
     assert_same_run(tmp_path / "single", tmp_path / "sgTrue", single.losses, single.losses)
 
 
-def _bf16_config(data: str, run_dir: Path, distributed: bool = False):
+def _bf16_config(data: str, run_dir: Path, zero: int = 0, precision: str = "bf16"):
     # No clipping: the norm's summation order differs between layouts, the update does not.
-    optim = {"eps": 1e-6, "grad_clip": 0.0, "distributed": distributed}
-    train_ = {"precision": "bf16", "steps": 4}
-    return tiny_config(data, run_dir, optim=optim, train=train_, parallel={"bucket_mb": 0.01})
+    optim = {"eps": 1e-6, "grad_clip": 0.0}
+    train_ = {"precision": precision, "steps": 4}
+    parallel = {"bucket_mb": 0.01, "zero": zero}
+    return tiny_config(data, run_dir, optim=optim, train=train_, parallel=parallel)
 
 
 def _check_bf16_sharded(rank: int, world_size: int, data: str, root: str) -> None:
     env = LaunchEnv(rank, world_size, rank)
-    cfg, layout, run_data = prepare(_bf16_config(data, Path(root) / "steps", True), env)
+    cfg, layout, run_data = prepare(_bf16_config(data, Path(root) / "steps", 1), env)
     trainer = Trainer(cfg, layout, env, run_data)
     pieces = trainer.optimizer.pieces
     assert 0 < sum(x.hi - x.lo for x in pieces) < trainer.parameter_count(full=False)
@@ -193,9 +194,10 @@ def _check_bf16_sharded(rank: int, world_size: int, data: str, root: str) -> Non
     if trainer.owns_process_group:
         dist.destroy_process_group()
     out = {}
-    for distributed in (False, True):
-        result = train(_bf16_config(data, Path(root) / f"d{distributed}", distributed), env=env)
-        out[str(distributed)] = [result.losses, result.optimizer_bytes]
+    for precision, zero in (("bf16", 0), ("bf16", 1), ("bf16", 2), ("fp16", 0), ("fp16", 2)):
+        cfg = _bf16_config(data, Path(root) / f"{precision}-zero{zero}", zero, precision)
+        result = train(cfg, env=env)
+        out[f"{precision}-zero{zero}"] = [result.losses, result.optimizer_bytes]
     if rank == 0:
         (Path(root) / "losses.json").write_text(json.dumps(out))
 
@@ -205,16 +207,23 @@ def test_bf16_distributed_optimizer(tiny_data: str, tmp_path: Path) -> None:
     slices of the masters back into the bf16 weights and all-gathers them, so after every
     step each weight is its master rounded to bf16. Sharded and replicated runs sum the same
     two fp32 gradients and apply the same elementwise AdamW: they agree bit for bit, and
-    with one process (which accumulates its microbatches' bf16 gradients) to bf16 rounding."""
+    with one process (which accumulates its microbatches' bf16 gradients) to bf16 rounding.
+    ZeRO-2 reduces each microbatch's gradients apart and sums the reduced ones: to fp32
+    rounding of ZeRO-1's sums. fp16 (loss scaling, unscaled and checked on the shards) too."""
     run_ranks(_check_bf16_sharded, 2, tiny_data, str(tmp_path))
     got = json.loads((tmp_path / "losses.json").read_text())
-    (replicated, full_bytes), (sharded, shard_bytes) = got["False"], got["True"]
+    (replicated, full_bytes), (sharded, shard_bytes) = got["bf16-zero0"], got["bf16-zero1"]
     assert sorted(sharded) == ["1", "2", "3", "4"] and sharded == replicated
     assert shard_bytes == pytest.approx(full_bytes / 2, rel=0.05)  # masters and moments halved
-    a = ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path / "dFalse"))["model"]
-    b = ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path / "dTrue"))["model"]
+    a = ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path / "bf16-zero0"))["model"]
+    b = ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path / "bf16-zero1"))["model"]
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    for zero2, other in (("bf16-zero2", sharded), ("fp16-zero2", got["fp16-zero0"][0])):
+        losses, state_bytes = got[zero2]
+        assert state_bytes == shard_bytes
+        for step, loss in other.items():
+            assert losses[step] == pytest.approx(loss, rel=1e-4), (zero2, step)
     single = train(_bf16_config(tiny_data, tmp_path / "single"))
     for step, loss in single.losses.items():
         assert sharded[str(step)] == pytest.approx(loss, rel=1e-4), step

@@ -171,6 +171,15 @@ INVALID = [
     ),
     ({"train": {"global_batch_size": 8, "micro_batch_size": 4}}, 4, "micro_batch_size*dp = 4*4"),
     ({"parallel": {"bucket_mb": 0}}, 1, "parallel.bucket_mb = 0"),
+    ({"parallel": {"zero": 4}}, 1, "parallel.zero = 4 is not a ZeRO level"),
+    ({"parallel": {"zero": 3}}, 1, "parallel.zero = 3 (optimizer state, gradients and param"),
+    ({"parallel": {"zero": 3}}, 1, "is not built yet; use --parallel.zero 2"),
+    (
+        {"parallel": {"zero": 0}, "optim": {"distributed": True}},
+        1,
+        "optim.distributed = true (the old spelling of parallel.zero = 1) disagrees with "
+        "parallel.zero = 0",
+    ),
     ({"optim": {"loss_scale_window": 0}}, 1, "optim.loss_scale_window = 0"),
     ({"optim": {"lr": 1e-4, "min_lr": 1e-3}}, 1, "optim.min_lr = 0.001 must be in [0"),
     ({"optim": {"warmup_steps": 50, "decay_steps": 10}}, 1, "exceeds optim.decay_steps = 10"),
@@ -205,6 +214,19 @@ def test_valid_layouts_derive_dp_and_microbatches() -> None:
     layout = validate(cfg, 4)
     assert (layout.dp, layout.num_microbatches) == (4, 2)
     assert validate(cfg, 1).num_microbatches == 8
+
+
+@pytest.mark.parametrize(
+    ("zero", "distributed", "level"),
+    [(-1, False, 0), (-1, True, 1), (0, False, 0), (1, False, 1), (2, False, 2), (2, True, 2)],
+)
+def test_zero_level_and_its_old_spelling(zero: int, distributed: bool, level: int) -> None:
+    updates = {"parallel": {"zero": zero}, "optim": {"distributed": distributed}}
+    updates |= {"train": {"micro_batch_size": 1}}
+    layout = validate(apply_updates(RunConfig(), updates, "t"), 2)
+    assert layout.zero == level
+    assert (f" zero={level} " in layout.describe()) == (level > 0)
+    assert (layout.shards_optimizer, layout.shards_grads) == (level >= 1, level >= 2)
 
 
 def test_explicit_pipeline_layers() -> None:

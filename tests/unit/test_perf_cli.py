@@ -110,6 +110,27 @@ def test_simulate_starts_from_a_preset(tmp_path: Path, capsys) -> None:
     assert out["layout"]["num_microbatches"] == 8  # 64 / (b = 8 x d = 1)
 
 
+def test_simulate_zero_levels(tmp_path: Path, capsys) -> None:
+    """--parallel.zero N: ZeRO-2 keeps 1/d of the gradients (and ZeRO-1's optimizer share);
+    zero 3 is refused before anything runs."""
+    base = ["simulate", "--model", "gpt-7.5b", "--parallel.tp", "8", "--gpus", "32"]
+    base += ["--train.global_batch_size", "64"]
+    memory = {}
+    for zero in (0, 1, 2):
+        args = [*base, "--parallel.zero", str(zero), "--out", str(tmp_path), "--json"]
+        assert main(args) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["layout"]["zero"] == zero
+        memory[zero] = out["memory_gib"][0]
+    z0, z1, z2 = memory[0], memory[1], memory[2]
+    assert z1["optimizer"] == pytest.approx(z0["optimizer"] / 4) == z2["optimizer"]  # d = 4
+    assert z1["grads"] == z0["grads"] == pytest.approx(4 * z2["grads"])
+    assert z2["grad_buckets"] > 0 == z1["grad_buckets"]
+    assert z2["total"] < z1["total"] < z0["total"]
+    assert main([*base, "--parallel.zero", "3", "--out", str(tmp_path)]) == 2
+    assert "parallel.zero = 3" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "bad,message",
     [

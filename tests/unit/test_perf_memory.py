@@ -33,10 +33,13 @@ def config(**sections: dict) -> RunConfig:
 def test_model_state_bytes_per_parameter() -> None:
     mixed = bytes_per_parameter(Precision.BF16)
     assert (mixed.params, mixed.grads, mixed.optimizer) == (2, 4, 12)  # 18 B in all
-    sharded = bytes_per_parameter(Precision.BF16, distributed=True, dp=8)
+    sharded = bytes_per_parameter(Precision.BF16, zero=1, dp=8)
     assert sharded.params + sharded.grads + sharded.optimizer == 6 + 12 / 8
-    full = bytes_per_parameter(Precision.FP32, distributed=True, dp=4)
+    full = bytes_per_parameter(Precision.FP32, zero=1, dp=4)
     assert (full.params, full.grads, full.optimizer) == (4, 4, 2)
+    zero2 = bytes_per_parameter(Precision.BF16, zero=2, dp=8)  # 2 + 16 / d (ZeRO paper)
+    assert (zero2.params, zero2.grads, zero2.optimizer) == (2, 0.5, 1.5)
+    assert bytes_per_parameter(Precision.FP32, zero=2, dp=1) == bytes_per_parameter(Precision.FP32)
 
 
 @pytest.mark.parametrize("options", [{}, LLAMA], ids=["gpt", "llama"])
@@ -92,11 +95,12 @@ def test_interleaved_first_stage_holds_korthikanti_factor() -> None:
         assert inter / one == pytest.approx(1 + (pp - 1) / (pp * vpp))
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved", "zb-v"])
 def test_in_flight_is_what_the_verifier_counts(name: str) -> None:
     # Both count a microbatch from its F until its BW, or its W when the backward is split.
+    # tests/dist/test_pipeline_memory.py measures the same peaks on the runtime.
     for pp in (1, 2, 3, 4, 8):
-        vpp = 2 if name == "interleaved" else 1
+        vpp = 2 if name in ("interleaved", "zb-v") else 1
         for m in {pp, 2 * pp, 4 * pp} | ({1, pp + 1} if vpp == 1 else set()):
             plan = build_plan(name, pp, m, vpp)
             peaks = verify(plan.compute, plan.stages, m).peak_in_flight
@@ -130,6 +134,17 @@ def test_estimate_scales_with_layout() -> None:
     assert first.activations == 16 * 6 * 2 * 2048 * 12288
     dist = estimate_memory(apply_updates(base, {"optim": {"distributed": True}}, "t"), 1024)[0]
     assert dist.optimizer == pytest.approx(first.optimizer / 8)  # d = 8
+    assert dist.grads == first.grads and dist.grad_buckets == first.grad_buckets == 0
+    ranks2 = estimate_memory(apply_updates(base, {"parallel": {"zero": 2}}, "t"), 1024)
+    zero2 = ranks2[0]
+    assert (zero2.grads, zero2.optimizer) == (first.grads / 8, dist.optimizer)
+    assert ranks2[1].grad_buckets == 2 * 25 * 2**20  # two 25 MiB buckets in flight
+    embedding = 4 * 51200 // 8 * 12288  # the tied embedding's bucket, full over the step
+    assert zero2.grad_buckets == 2 * 25 * 2**20 + embedding
+    assert zero2.total < dist.total
+    # A split backward leaves gradients in every bucket until W: the whole stage in flight.
+    zb = apply_updates(base, {"parallel": {"zero": 2, "schedule": "zb-h1"}}, "t")
+    assert estimate_memory(zb, 1024)[0].grad_buckets == 4 * params
 
 
 @pytest.mark.parametrize("options", [{}, LLAMA], ids=["gpt", "llama"])

@@ -29,9 +29,9 @@ from ptdp.pipeline.verify import verify
 A100 = load_system("a100-80gb")
 GRID = [
     (name, pp, vpp, m)
-    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
     for pp in range(1, 9)
-    for vpp in ((2, 3) if name == "interleaved" else (1,))
+    for vpp in {"interleaved": (2, 3), "zb-v": (2,)}.get(name, (1,))
     for m in (pp, 2 * pp, 4 * pp)
 ]
 
@@ -46,9 +46,12 @@ def test_unit_costs_reproduce_the_bubble_formulas(name, pp, vpp, m) -> None:
         "interleaved": (pp - 1) / (vpp * m),
         "zb-h1": report.bubble_fraction,  # (p-1)(F+B-W) / (m (F+B+W)) for m >= p
         "zb-h2": report.bubble_fraction,  # the last rank's (p-1) F wait: as zb-h1 here
+        "zb-v": report.bubble_fraction,  # (p-1)/(6m) for m >= 2p
     }[name]
     if name in ("zb-h1", "zb-h2"):
         assert report.bubble_fraction == pytest.approx((pp - 1) / (3 * m))
+    if name == "zb-v" and m >= 2 * pp:
+        assert report.bubble_fraction == pytest.approx((pp - 1) / (6 * m))
     stages = SCHEDULES[name].stage_map(pp, vpp)
     for lowered in (plan, add_comms(plan, stages)):  # compute-only and with sends/receives
         run = replay(lowered, stages, PipelineCosts.unit(pp * vpp))

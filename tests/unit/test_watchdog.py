@@ -189,3 +189,36 @@ def test_a_lost_store_names_its_host(monkeypatch, environ: dict[str, str], host:
     assert "key-value store is unreachable" in text and f"{host}, which hosts it" in text
     assert "This rank (1) stopped" in text and "Connection closed by peer" in text
     assert exits == []
+
+
+def test_a_lost_store_hosted_by_rank0_names_rank0_as_failed() -> None:
+    """Launched without torchrun, rank 0 hosts the store: when it is gone, the last rank
+    names rank 0 as the rank that failed first (pid, host, last step) and records it."""
+    store, records = dist.HashStore(), []
+    dogs = [
+        Watchdog(
+            store, r, 2, 2.0, exit_process=lambda code: None, store_host="rank 0 at h:1",
+            store_on_rank0=True, on_failure=records.append,
+        )
+        for r in range(2)
+    ]  # fmt: skip
+    zero, one = dogs
+    zero.begin_step(5)
+    zero.start()
+    one.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not (one._rank0 and 0 in one._seen) and time.monotonic() < deadline:
+            time.sleep(0.05)  # rank 1's thread has read rank 0's identity and heartbeat
+        one._stop.set()
+        one._thread.join()
+        one.store = _GoneStore()
+        one.begin_step(5)
+        text = str(one.failed(GLOO_ERROR))
+    finally:
+        zero.close()
+    assert "rank 0 (pid" in text and "failed first, last heard from at step 5" in text, text
+    assert "store is unreachable" in text and "rank 0 at h:1" in text
+    assert "This rank (1) stopped at step 5" in text
+    assert [(r["rank"], r["how"], r["step"]) for r in records] == [(0, "store lost", 5)]
+    assert records[0]["fault_time"] <= time.time()

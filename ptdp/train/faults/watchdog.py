@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -97,9 +98,13 @@ class Watchdog:
         exit_process: Callable[[int], None] = os._exit,
         store_host: str = "rank 0",
         restart: int = 0,
+        store_on_rank0: bool = False,
+        on_failure: Callable[[dict], None] | None = None,
     ) -> None:
         """`store_host` names who hosts `store` (LaunchEnv.store_host()), `restart` is
-        torchrun's restart count."""
+        torchrun's restart count; `store_on_rank0`: rank 0 hosts the store (launched without
+        torchrun), so a lost store means rank 0 died. `on_failure` receives the failure
+        record this rank wrote first (for RUN_DIR/events.jsonl)."""
         # Keys of their own for each run in this process group (the n-th on every rank)
         # and each torchrun restart, so that an earlier run's failure is not read again.
         run = store.add(f"ptdp/watchdog/{restart}/runs/{rank}", 1)
@@ -110,6 +115,10 @@ class Watchdog:
         self.say = say or _stderr
         self.exit_process = exit_process
         self.store_host = store_host
+        self.store_on_rank0 = store_on_rank0
+        self.on_failure = on_failure
+        self._rank0: dict = {}  # rank 0's pid and host, once read (named if it dies)
+        self._rank0_reported = False
         self.watcher = rank in (0, world_size - 1)
         self.step = 0
         self.action: object = "starting"
@@ -134,6 +143,12 @@ class Watchdog:
     def start(self) -> Watchdog:
         who = {"host": socket.gethostname(), "pid": os.getpid()}
         self.store.set(f"who/{self.rank}", json.dumps(who))
+        if self.store_on_rank0 and self.rank:  # rank 0 is named by pid and host if it dies
+            try:  # it starts its watchdog at the same point of the run as this rank
+                self.store.wait(["who/0"], timedelta(seconds=self.times.stale_s))
+                self._rank0 = self._who(0)
+            except Exception:  # not there in time: named without them
+                pass
         self._write_heartbeat()
         self._thread.start()
         return self
@@ -183,9 +198,8 @@ class Watchdog:
                 return self._failed(exc, where)
         except Exception as store_error:
             return PeerFailure(
-                f"the launcher's key-value store is unreachable ({_summary(store_error, 120)}); "
-                f"{self.store_host}, which hosts it, has probably failed. This rank "
-                f"({self.rank}) stopped {where}: {_summary(exc, 160)}"
+                f"{self._store_gone(store_error, 120)}. This rank ({self.rank}) stopped "
+                f"{where}: {_summary(exc, 160)}"
             )
         finally:
             self._reporting = False
@@ -237,6 +251,8 @@ class Watchdog:
 
     def _tick(self) -> None:
         self._write_heartbeat()
+        if self.store_on_rank0 and not self._rank0 and self.rank:
+            self._rank0 = self._who(0)
         first = self._first_failure()
         if first is not None:
             self._failure_seen(first)
@@ -244,6 +260,43 @@ class Watchdog:
             self._scan()
         if self.rank == 0 and self.straggler_factor > 0:
             self._check_straggler()
+
+    def _store_gone(self, error: Exception, limit: int = 160) -> str:
+        """Why the store is unreachable. Launched without torchrun, rank 0 hosts it: rank 0
+        has failed, and is named as any failed rank is (the last rank records it)."""
+        lost = f"the launcher's key-value store is unreachable ({_summary(error, limit)})"
+        if not self.store_on_rank0 or self.rank == 0:
+            return f"{lost}; {self.store_host}, which hosts it, has probably failed"
+        seen = self._seen.get(0)
+        last = json.loads(seen[0]) if seen else {}
+        where = (
+            f"last heard from at step {last['step']} in {last['action']}"
+            if "step" in last
+            else f"at step {self.step} or before"  # every step ends with a collective
+        )
+        first = {
+            "rank": 0,
+            **self._rank0,
+            "how": "store lost",
+            "where": where,
+            "error": f"{lost}: the process hosting it ({self.store_host}) was killed or its "
+            "machine went away",
+            "step": self.step,
+            "fault_time": round(time.time() - (time.monotonic() - seen[1]), 3) if seen else None,
+        }
+        if self.rank == self.world_size - 1 and not self._rank0_reported:
+            self._rank0_reported = True
+            self._report(first)
+        return describe_failure(first)
+
+    def _report(self, record: dict) -> None:
+        """Hand the failure this rank recorded first to on_failure (never raises)."""
+        if self.on_failure is None:
+            return
+        try:
+            self.on_failure(record)
+        except Exception as exc:  # the report matters less than the exit
+            _stderr(f"rank {self.rank}: could not record the failure: {_summary(exc)}")
 
     def _write_heartbeat(self) -> None:
         self._beat += 1
@@ -281,9 +334,11 @@ class Watchdog:
     def _claim(self, record: dict, rank: int | None = None) -> None:
         """Write a failure; the first one written is the one every rank reports."""
         rank = self.rank if rank is None else rank
-        record = {"rank": rank, **self._who(rank), **record}
+        record = {"rank": rank, **self._who(rank), "step": self.step, **record}
+        record.setdefault("fault_time", round(time.time(), 3))
         if self.store.add("failures", 1) == 1:
             self.store.set("first", json.dumps(record))
+            self._report(record)
         self._first_failure()  # counted as seen (it may be another rank's, written first)
 
     def _who(self, rank: int) -> dict:
@@ -329,6 +384,7 @@ class Watchdog:
                             "(SIGKILL, out of host memory), froze, or its machine went away"
                         ),
                         "where": f"last heard from at step {last['step']} in {last['action']}",
+                        "fault_time": round(time.time() - (now - changed), 3),
                     },
                     rank=r,
                 )
@@ -365,10 +421,7 @@ class Watchdog:
             _stderr(f"rank {self.rank}: {describe_failure(self._first)}; exiting")
             self.exit_process(1)
             return
-        _stderr(
-            f"rank {self.rank}: the launcher's key-value store is unreachable "
-            f"({_summary(exc, 160)}); {self.store_host}, which hosts it, has failed. Exiting"
-        )
+        _stderr(f"rank {self.rank}: {self._store_gone(exc)}. Exiting")
         self.exit_process(1)
 
 

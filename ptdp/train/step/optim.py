@@ -4,7 +4,8 @@ learning-rate schedule.
 The optimizer updates the part of each gradient bucket this rank owns (`GradBuffers.
 shard_range`): every bucket without the distributed optimizer, 1/dp of it with. For
 each parameter slice in that part it keeps a "piece": an fp32 master tensor whose
-`.grad` is the matching view of the fp32 gradient buffer. In fp32 training the master
+`.grad` is the matching view of the fp32 gradient buffer (`GradBuffers.owned_grads`: the
+full buffer, or under ZeRO-2 the rank's persistent 1/dp of it). In fp32 training the master
 is a view of the parameter itself (no copy); with 16-bit parameters it is an fp32 copy,
 written back after each step. With the distributed optimizer, masters and AdamW state
 exist only for the rank's shard, so their memory falls by dp, and the updated shards
@@ -44,7 +45,7 @@ class Piece:
     lo: int
     hi: int
     master: torch.Tensor
-    """fp32, 1-D; its .grad is the slice of param.main_grad."""
+    """fp32, 1-D; its .grad is the slice [lo, hi) of the parameter's reduced gradient."""
 
 
 class Optimizer:
@@ -68,13 +69,14 @@ class Optimizer:
         for buf in buffers.chunks:
             for bucket in buf.buckets:
                 first, last = buffers.shard_range(bucket)
+                owned = buffers.owned_grads(buf, bucket)
                 mine, at = [], bucket.start
                 for p in bucket.params:
                     lo, hi = max(first, at) - at, min(last, at + p.numel()) - at
                     if lo < hi:
                         flat = p.data.view(-1)[lo:hi]
                         piece = Piece(names[p], p, lo, hi, flat.clone() if self.copies else flat)
-                        piece.master.grad = p.main_grad.view(-1)[lo:hi]
+                        piece.master.grad = owned[at + lo - first : at + hi - first]
                         mine.append(piece)
                     at += p.numel()
                 self.pieces += mine

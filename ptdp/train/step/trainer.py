@@ -36,6 +36,7 @@ from ptdp.perf.flops import flops_per_iteration, model_flops_per_iteration
 from ptdp.perf.timeline import TimelineRecorder
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.train.data_setup import RunData
+from ptdp.train.faults.events import append_event
 from ptdp.train.faults.numerical import FaultMonitor
 from ptdp.train.faults.watchdog import Watchdog
 from ptdp.train.step.loss_scale import DynamicLossScaler
@@ -82,6 +83,8 @@ class Trainer:
                 say=self.say,
                 store_host=env.store_host(),
                 restart=env.restart,
+                store_on_rank0=not env.elastic,
+                on_failure=lambda record: append_event(self.run_dir, "failure", **record),
             )
             if store is not None
             else None
@@ -102,7 +105,8 @@ class Trainer:
             tp=self.tp,
             embedding=tied_embedding_group(self.mesh, layout, tied=cfg.model.tie_embeddings),
             bucket_mb=cfg.parallel.bucket_mb,
-            shard=cfg.optim.distributed,
+            shard=layout.shards_optimizer,
+            shard_grads=layout.shards_grads,
             overlap=cfg.parallel.overlap_grad_reduce,
         )
         dtype = PARAM_DTYPES[cfg.train.precision]

@@ -1,0 +1,368 @@
+"""`ptdp calibrate`: measure this machine and fit the performance model's constants.
+
+What is measured (ptdp/perf/microbench.py) and what it becomes in the cluster TOML that
+`ptdp simulate --device FILE` and `ptdp plan --device FILE` read (ptdp/perf/hardware.py):
+
+- the GEMMs of a transformer layer (QKV, projection, MLP in and out, a weight gradient)
+  over hidden sizes -> `gemm_curve_flops` / `gemm_curve_efficiency`, a non-decreasing
+  efficiency curve over GEMM FLOPs (ptdp/perf/fit.py), and `gemm_efficiency`, its top;
+- causal fused attention (torch SDPA) -> `attention_efficiency` (forward, at the longest
+  sequence measured) and `attention_backward_ratio`;
+- norms, activations, softmax, a residual add and the AdamW step -> achieved bandwidth,
+  `memory_efficiency` (their bytes over their time, against the nominal bandwidth of the
+  base cluster, or as the bandwidth itself where there is none, on CPUs);
+- a one-element kernel -> `kernel_overhead_us`;
+- under torchrun, all-reduce, all-gather, reduce-scatter and point-to-point over message
+  sizes and group sizes -> the `[node]` link (groups inside a node) and the `[network]`
+  link (one rank per node, when there are several nodes) as latency + bandwidth, a least
+  squares fit over every collective of the link's groups; each collective's own fit is
+  kept under `[calibration]`.
+
+A single process keeps the base cluster's links and node size (`--base`, default: the
+built-in file of this GPU); with none (a CPU), its links are marked not measured.
+Peaks: a GPU in ptdp/perf/flops.py keeps its datasheet peak; any other device (a CPU) gets
+the best GEMM rate measured as its peak, so its curve tops out at 1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ptdp.errors import ConfigError
+from ptdp.parallel import comm
+from ptdp.perf import microbench as mb
+from ptdp.perf.calibration_file import Calibration, CollectiveFit, render_toml, summary
+from ptdp.perf.fit import LinkFit, collective_bytes, fit_latency_bandwidth, monotone_curve
+from ptdp.perf.flops import DENSE_PEAK_TFLOPS, device_kind
+from ptdp.perf.hardware import GIB, System, load_system, system_for_device_name
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What to measure, and for how long."""
+
+    hidden: tuple[int, ...]
+    """Hidden sizes whose layer GEMMs are timed (on `tokens` rows)."""
+    tokens: int
+    attention_seq: tuple[int, ...]
+    """Sequence lengths of the attention timings (batch = tokens // s, at least 1)."""
+    heads: int
+    head_dim: int
+    stream_bytes: int
+    """Bytes of each memory-bound kernel's input (well past the last-level cache)."""
+    message_bytes: tuple[int, ...]
+    max_call_s: float
+    """Skip any GEMM or attention call predicted to take longer than this."""
+    timing: mb.Timing
+
+
+KIB, MIB = 2**10, 2**20
+SWEEPS: dict[tuple[str, bool], Sweep] = {
+    ("cuda", False): Sweep(
+        hidden=(256, 512, 1024, 2048, 4096, 8192),
+        tokens=4096,
+        attention_seq=(512, 1024, 2048, 4096, 8192),
+        heads=16,
+        head_dim=128,
+        stream_bytes=512 * MIB,  # past an H100's 50 MB L2
+        message_bytes=tuple(64 * KIB * 4**i for i in range(7)),  # to 256 MiB
+        max_call_s=0.5,
+        timing=mb.Timing(0.05, 5),
+    ),
+    ("cuda", True): Sweep(
+        hidden=(512, 2048, 8192),
+        tokens=2048,
+        attention_seq=(1024, 4096),
+        heads=16,
+        head_dim=128,
+        stream_bytes=128 * MIB,
+        message_bytes=(64 * KIB, 4 * MIB, 64 * MIB),
+        max_call_s=0.2,
+        timing=mb.Timing(0.01, 3),
+    ),
+    ("cpu", False): Sweep(
+        hidden=(64, 128, 256, 512, 1024, 2048, 4096),
+        tokens=1024,
+        attention_seq=(128, 256, 512, 1024, 2048),
+        heads=8,
+        head_dim=64,
+        stream_bytes=64 * MIB,  # past a server CPU's last-level cache
+        message_bytes=tuple(4 * KIB * 4**i for i in range(7)),  # to 16 MiB
+        max_call_s=0.25,
+        timing=mb.Timing(0.03, 7),  # short batches, many: some miss a neighbour's job
+    ),
+    ("cpu", True): Sweep(
+        hidden=(32, 64, 128, 256),
+        tokens=128,
+        attention_seq=(64, 128),
+        heads=4,
+        head_dim=32,
+        stream_bytes=2 * MIB,
+        message_bytes=(4 * KIB, 64 * KIB, 1 * MIB),
+        max_call_s=0.02,
+        timing=mb.Timing(0.005, 3),
+    ),
+}
+"""Defaults by device type: under five minutes on one GPU or a small CPU; --quick: seconds."""
+
+
+Progress = Callable[[str], None]
+
+
+def measure_compute(
+    device: torch.device, dtype: torch.dtype, sweep: Sweep, step: Progress
+) -> tuple[list[tuple[mb.GemmShape, float]], list[tuple[mb.AttentionShape, float, float]]]:
+    """GEMMs by growing hidden size, then attention by growing sequence, each skipped once
+    the best rate so far predicts a call longer than `sweep.max_call_s`. The two smallest
+    hidden sizes are always timed, so that one call slowed by a neighbour's job (the best
+    rate of a single figure) cannot cut the sweep short."""
+    gemms: list[tuple[mb.GemmShape, float]] = []
+    for i, hidden in enumerate(sweep.hidden):
+        for shape in mb.layer_gemm_shapes(hidden, sweep.tokens):
+            step(shape.name)
+            best = max((s.flops / t for s, t in gemms), default=0.0)
+            if i >= 2 and shape.flops / best > sweep.max_call_s:
+                continue
+            gemms.append((shape, mb.gemm_seconds(shape, dtype, device, sweep.timing)))
+    attention: list[tuple[mb.AttentionShape, float, float]] = []
+    rate = max(s.flops / t for s, t in gemms)
+    for seq in sweep.attention_seq:
+        shape = mb.AttentionShape(max(1, sweep.tokens // seq), sweep.heads, seq, sweep.head_dim)
+        step(f"attention s={seq}")
+        if attention and 3.5 * shape.causal_flops / rate > sweep.max_call_s:
+            continue
+        attention.append((shape, *mb.attention_seconds(shape, dtype, device, sweep.timing)))
+    return gemms, attention
+
+
+def collective_plans(world: int, per_node: int) -> list[tuple[int, int, str, tuple[str, ...]]]:
+    """(ranks, stride, span, collectives) to time: groups of 2, 4, ... and all ranks of a
+    node (neighbours), and one rank per node when there are several nodes; point-to-point
+    once per link, between a pair of neighbours (or of nodes)."""
+    sizes = sorted({n for n in (2, 4, 8, 16, 32, 64) if n < per_node} | {per_node} - {1})
+    plans = [(n, 1, "node", mb.COLLECTIVES if n == 2 else mb.COLLECTIVES[:3]) for n in sizes]
+    if world > per_node:
+        plans.append((world // per_node, per_node, "network", mb.COLLECTIVES))
+    return plans
+
+
+def measure_collectives(
+    device: torch.device, dtype: torch.dtype, sweep: Sweep, per_node: int, step: Progress
+) -> list[CollectiveFit]:
+    """Each collective of `collective_plans`, over `sweep.message_bytes`, fitted to
+    latency + bandwidth. Collective: every rank calls it."""
+    world = comm.world_group().size
+    fits = []
+    for ranks, stride, span, ops in collective_plans(world, per_node):
+        group = mb.build_groups(world, ranks, stride)
+        pair = group if ranks == 2 or "p2p" not in ops else mb.build_groups(world, 2, stride)
+        for op in ops:
+            g = pair if op == "p2p" else group
+            samples = []
+            for nbytes in sweep.message_bytes:
+                step(f"{op} x{ranks} {span} {nbytes // KIB} KiB")
+                seconds = mb.collective_seconds(op, nbytes, g, dtype, device, sweep.timing)
+                samples.append((nbytes, seconds))
+            n = 2 if op == "p2p" else ranks
+            xs = [(collective_bytes(op, b, n), t) for b, t in samples]
+            try:
+                fit, note = fit_latency_bandwidth(xs), ""
+            except ValueError as exc:
+                fit, note = None, str(exc)
+            fits.append(CollectiveFit(op, n, span, tuple(samples), fit, note))
+    return fits
+
+
+def planned_figures(sweep: Sweep, world: int, per_node: int) -> int:
+    """How many figures `calibrate` times (the progress bar's total)."""
+    plans = collective_plans(world, per_node) if world > 1 else []
+    comms = sum(len(ops) for *_, ops in plans) * len(sweep.message_bytes)
+    compute = 5 * len(sweep.hidden) + len(sweep.attention_seq) + len(mb.STREAM_KERNELS) + 1
+    return compute + comms
+
+
+def _link_fits(fits: list[CollectiveFit]) -> dict[str, tuple[LinkFit | None, str]]:
+    """One latency + bandwidth per link: the fit over every all-reduce, all-gather and
+    reduce-scatter sample of its groups (the ring collectives whose cost formula the model
+    applies to the link; point-to-point, often far cheaper per call on gloo, keeps its own
+    fit under [calibration] and enters only when nothing else was measured)."""
+    links: dict[str, tuple[LinkFit | None, str]] = {}
+    for span in ("node", "network"):
+        chosen = [f for f in fits if f.span == span and f.op != "p2p"]
+        chosen = chosen or [f for f in fits if f.span == span]
+        xs = [(collective_bytes(f.op, n, f.ranks), t) for f in chosen for n, t in f.samples]
+        if not xs:
+            continue
+        ops = sorted({f"{f.op} x{f.ranks}" for f in chosen})
+        try:
+            links[span] = (fit_latency_bandwidth(xs), "measured: " + ", ".join(ops))
+        except ValueError as exc:  # too noisy to fit: say so, keep the base's or a placeholder
+            warnings.warn(f"{span} link not fitted: {exc}", stacklevel=2)
+    return links
+
+
+def calibrate(
+    device: torch.device,
+    sweep: Sweep,
+    *,
+    precision: str = "auto",
+    base: System | None = None,
+    progress: bool = True,
+) -> Calibration:
+    """Measure `device` (and, with a process group, the links) and fit the constants.
+
+    Collective over the world when a process group exists: every rank calls it.
+    """
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    world = comm.world_group()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world.size))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    total = planned_figures(sweep, world.size, per_node)
+    bar = tqdm(
+        total=total,
+        desc="calibrating",
+        unit="figure",
+        disable=not progress or world.rank != 0 or None,
+    )
+
+    def step(what: str) -> None:
+        bar.set_postfix_str(what, refresh=False)
+        bar.update()
+
+    try:
+        gemms, attention = measure_compute(device, dtype, sweep, step)
+        stream = []
+        for kernel in mb.STREAM_KERNELS:
+            step(kernel)
+            stream.append(
+                (
+                    kernel,
+                    *mb.stream_seconds(kernel, sweep.stream_bytes, dtype, device, sweep.timing),
+                )
+            )
+        step("kernel launch")
+        launch = mb.launch_seconds(device, sweep.timing)
+        collectives = (
+            measure_collectives(device, dtype, sweep, per_node, step) if world.size > 1 else []
+        )
+    finally:
+        bar.close()
+    kind = device_kind(name) if device.type == "cuda" else None
+    table_peak = DENSE_PEAK_TFLOPS.get(kind or "", {}).get(precision, 0.0) * 1e12
+    peak = table_peak or max(s.flops / t for s, t in gemms)
+    curve = monotone_curve([(s.flops, s.flops / (t * peak)) for s, t in gemms])
+    if device.type == "cuda":
+        memory = float(torch.cuda.get_device_properties(device).total_memory)
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, per_node)
+    return Calibration(
+        device_name=name,
+        device_type=device.type,
+        kind=kind if table_peak else ("cpu" if device.type == "cpu" else "measured"),
+        precision=precision,
+        peak=peak,
+        peak_measured=not table_peak,
+        gemm=tuple(gemms),
+        curve=curve,
+        attention=tuple(attention),
+        stream=tuple(stream),
+        launch_seconds=launch,
+        memory_bytes=memory,
+        reserved_bytes=base.device.reserved_bytes
+        if base
+        else (4 if device.type == "cuda" else 1) * GIB,
+        nominal_bandwidth=base.device.memory_bandwidth if base else 0.0,
+        ranks=world.size,
+        gpus_per_node=per_node if world.size > 1 else (base.gpus_per_node if base else 1),
+        collectives=tuple(collectives),
+        links=_link_fits(collectives),
+        base=base,
+        info={
+            "date": datetime.date.today().isoformat(),
+            "host": platform.node(),
+            "torch": torch.__version__,
+            "threads": str(torch.get_num_threads()),
+            "sweep": _sweep_name(sweep, device.type),
+        },
+    )
+
+
+def _sweep_name(sweep: Sweep, device_type: str) -> str:
+    names = {SWEEPS.get((device_type, q)): n for q, n in ((True, "quick"), (False, "default"))}
+    return names.get(sweep, "custom")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"CPU {line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def resolve_base(base: str, device: torch.device) -> System | None:
+    """`--base`: a built-in name or file; auto = this GPU's built-in file (none on CPU)."""
+    if base == "none":
+        return None
+    if base != "auto":
+        return load_system(base)
+    return (
+        system_for_device_name(torch.cuda.get_device_name(device))
+        if device.type == "cuda"
+        else None
+    )
+
+
+def write_calibration(cal: Calibration, path: Path) -> System:
+    """Write the cluster TOML and load it back (so a file that cannot load is never left)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_toml(cal, path.stem))
+    try:
+        return load_system(path)
+    except ConfigError:
+        path.rename(path.with_suffix(".broken.toml"))
+        raise
+
+
+def run_calibrate(out: str, *, quick: bool, base: str, precision: str) -> int:
+    """The command: launch (torchrun or one process), measure, write, print (rank 0)."""
+    from ptdp.parallel.env import (
+        LaunchEnv,
+        exit_now,
+        init_process_group,
+        leave_failed_rank,
+        pick_device,
+    )
+
+    env = LaunchEnv.from_environ()
+    device = pick_device("auto", env.local_rank)
+    init_process_group(env, device)
+    try:
+        sweep = SWEEPS[(device.type, quick)]
+        cal = calibrate(device, sweep, precision=precision, base=resolve_base(base, device))
+        if env.rank == 0:
+            name = "cpu" if device.type == "cpu" else (cal.kind or "gpu")
+            path = Path(out or f"runs/calibration/{name}.toml")
+            write_calibration(cal, path)
+            print(summary(cal))
+            print(f"wrote {path}; use it with `ptdp simulate --device {path}` (or `ptdp plan`)")
+    except BaseException as exc:
+        if env.world_size == 1:
+            raise
+        leave_failed_rank("calibrate", env.rank, exc)
+    if env.world_size > 1:
+        exit_now(0)
+    return 0

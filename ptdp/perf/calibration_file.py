@@ -1,0 +1,254 @@
+"""What `ptdp calibrate` measured (`Calibration`), the cluster TOML it writes, its summary.
+
+The file has the tables of every cluster file (ptdp/perf/hardware.py reads `[device]`,
+`[device.achieved]`, `[node]`, `[network]`) and a `[calibration]` table the loader skips:
+when, where and how it was measured, and every figure behind the fitted constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ptdp.perf.fit import LinkFit
+from ptdp.perf.hardware import GB, GIB, Link, System
+
+DESCRIPTION = (
+    "Time GEMMs over the shapes of a transformer layer, fused attention, memory-bound kernels "
+    "(norms, activations, the optimizer step) and, under torchrun, all-reduce, all-gather, "
+    "reduce-scatter and point-to-point over message and group sizes; fit the performance "
+    "model's constants (a GEMM efficiency curve, achieved bandwidth, link latency and "
+    "bandwidth) and write a cluster TOML for `ptdp simulate|plan --device FILE`. CPU (gloo) "
+    "or CUDA (NCCL): `torchrun --nproc-per-node N -m ptdp calibrate` measures the links too."
+)
+"""`ptdp calibrate --help` (here, not in the torch-importing calibrate.py: parsing stays fast)."""
+
+if TYPE_CHECKING:  # torch: not imported when only the help text is wanted
+    from ptdp.perf import microbench as mb
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    op: str
+    ranks: int
+    span: str
+    """"node" (neighbouring ranks) or "network" (one rank per node)."""
+    samples: tuple[tuple[int, float], ...]
+    """(message bytes, seconds per call)."""
+    fit: LinkFit | None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Everything measured, and the constants fitted from it."""
+
+    device_name: str
+    device_type: str
+    kind: str
+    precision: str
+    peak: float
+    peak_measured: bool
+    gemm: tuple[tuple[mb.GemmShape, float], ...]
+    curve: tuple[tuple[float, float], ...]
+    attention: tuple[tuple[mb.AttentionShape, float, float], ...]
+    stream: tuple[tuple[str, float, float], ...]
+    """(kernel, bytes, seconds)."""
+    launch_seconds: float
+    memory_bytes: float
+    reserved_bytes: float
+    nominal_bandwidth: float
+    ranks: int
+    gpus_per_node: int
+    collectives: tuple[CollectiveFit, ...]
+    links: dict[str, tuple[LinkFit | None, str]]
+    """"node" and "network": the fit (None: taken from the base) and where it came from."""
+    base: System | None
+    info: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def achieved_bandwidth(self) -> float:
+        return sum(b for _, b, _ in self.stream) / sum(s for _, _, s in self.stream)
+
+    @property
+    def attention_efficiency(self) -> float:
+        shape, fwd, _ = max(self.attention, key=lambda r: r[0].s)
+        return shape.causal_flops / (fwd * self.peak)
+
+    @property
+    def attention_backward_ratio(self) -> float:
+        _, fwd, bwd = max(self.attention, key=lambda r: r[0].s)
+        return bwd / fwd
+
+
+def _value(v: object) -> str:
+    """A TOML value: strings quoted, floats to 8 significant digits, lists inline."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        text = f"{v:.8g}"
+        return text if any(c in text for c in ".en") else f"{text}.0"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_value(x)}" for k, x in v.items()) + " }"
+    text = str(v).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{text}"'
+
+
+def _table(name: str, rows: dict[str, object], comment: str = "") -> list[str]:
+    head = f"[{name}]" + (f"  # {comment}" if comment else "")
+    return [head, *(f"{k} = {_value(v)}" for k, v in rows.items()), ""]
+
+
+def _link_rows(fit: LinkFit | None, base: Link | None, source: str) -> dict[str, object]:
+    if fit is not None:  # the fitted bandwidth is what collectives achieve: efficiency 1
+        bandwidth, efficiency, latency = fit.bandwidth / GB, 1.0, fit.latency * 1e6
+    elif base is not None:
+        bandwidth, efficiency, latency = base.bandwidth / GB, base.efficiency, base.latency * 1e6
+    else:  # one process and no base: nothing to go on
+        bandwidth, efficiency, latency = 1.0, 1.0, 100.0
+    return {
+        "link": source,
+        "bandwidth_gb_s": float(bandwidth),
+        "efficiency": float(efficiency),
+        "latency_us": float(latency),
+    }
+
+
+def _links(cal: Calibration) -> tuple[dict[str, object], dict[str, object]]:
+    base = cal.base
+    unmeasured = "not measured: run `torchrun --nproc-per-node N -m ptdp calibrate`"
+    node_fit, node_src = cal.links.get("node", (None, ""))
+    if node_fit is None:
+        node_src = f"{base.intra.name} (from {base.name}, not measured)" if base else unmeasured
+    node = _link_rows(node_fit, base.intra if base else None, node_src)
+    net_fit, net_src = cal.links.get("network", (None, ""))
+    if net_fit is None and base is not None:
+        net_src = f"{base.inter.name} (from {base.name}, not measured)"
+        network = _link_rows(None, base.inter, net_src)
+    elif net_fit is None and node_fit is not None:  # one node: its own link stands in
+        network = dict(node, link="one node measured: the in-node link, not a network")
+    else:
+        network = _link_rows(net_fit, None, net_src or unmeasured)
+    return node, network
+
+
+def _knots(curve: tuple[tuple[float, float], ...]) -> list[tuple[float, float]]:
+    """The curve without the inside knots of flat runs (the same curve, read log-linearly)."""
+    keep = [
+        knot
+        for i, knot in enumerate(curve)
+        if i in (0, len(curve) - 1) or not curve[i - 1][1] == knot[1] == curve[i + 1][1]
+    ]
+    return [(float(x), float(y)) for x, y in keep]
+
+
+def render_toml(cal: Calibration, name: str) -> str:
+    """The cluster file for `cal`, named `name`."""
+    achieved_bw = cal.achieved_bandwidth
+    nominal = cal.nominal_bandwidth or achieved_bw
+    device: dict[str, object] = {"name": cal.device_name, "kind": cal.kind}
+    if cal.peak_measured:
+        device["peak_tflops"] = {cal.precision: cal.peak / 1e12}
+    device |= {"memory_gib": cal.memory_bytes / GIB, "memory_bandwidth_gb_s": nominal / GB}
+    curve = _knots(cal.curve)
+    achieved = {
+        "gemm_efficiency": curve[-1][1],
+        "gemm_curve_flops": [x for x, _ in curve],
+        "gemm_curve_efficiency": [y for _, y in curve],
+        "attention_efficiency": cal.attention_efficiency,
+        "attention_backward_ratio": cal.attention_backward_ratio,
+        "memory_efficiency": achieved_bw / nominal,
+        "kernel_overhead_us": cal.launch_seconds * 1e6,
+        "reserved_gib": cal.reserved_bytes / GIB,
+    }
+    node, network = _links(cal)
+    peak = "best GEMM measured (no datasheet peak)" if cal.peak_measured else "datasheet"
+    described = f"calibrated {cal.device_name} on {cal.info.get('host', '?')}"
+    lines = [
+        f"# Measured by `ptdp calibrate` on {cal.info.get('date', '?')}: {cal.device_name},",
+        f"# {cal.ranks} rank(s), {cal.precision} GEMMs, peak = {peak}.",
+        f'name = "{name}"',
+        f"description = {_value(described)}",
+        "",
+        *_table("device", device),
+        *_table("device.achieved", achieved, "fitted by ptdp/perf/fit.py"),
+        *_table("node", {"gpus": cal.gpus_per_node, **node}),
+        *_table("network", network),
+        *_calibration_tables(cal),
+    ]
+    return "\n".join(lines)
+
+
+def _calibration_tables(cal: Calibration) -> list[str]:
+    gemm = {
+        "shape": [s.name for s, _ in cal.gemm],
+        "mnk": [[s.m, s.n, s.k] for s, _ in cal.gemm],
+        "tflops": [s.flops / t / 1e12 for s, t in cal.gemm],
+    }
+    attention = {
+        "bhsd": [[a.b, a.a, a.s, a.d] for a, _, _ in cal.attention],
+        "forward_ms": [f * 1e3 for _, f, _ in cal.attention],
+        "backward_ms": [b * 1e3 for _, _, b in cal.attention],
+        "forward_tflops": [a.causal_flops / f / 1e12 for a, f, _ in cal.attention],
+    }
+    memory = {k: b / s / GB for k, b, s in cal.stream}
+    lines = [
+        *_table("calibration", dict(cal.info), "what was measured; the loader skips it"),
+        *_table("calibration.gemm", gemm),
+        *_table("calibration.attention", attention, "causal SDPA"),
+        *_table("calibration.memory_gb_s", memory),
+    ]
+    for c in cal.collectives:
+        rows: dict[str, object] = {"op": c.op, "ranks": c.ranks, "span": c.span}
+        if c.fit is not None:
+            rows |= {
+                "latency_us": c.fit.latency * 1e6,
+                "bandwidth_gb_s": c.fit.bandwidth / GB,
+                "rms_relative_error": c.fit.rms_relative_error,
+            }
+        else:
+            rows["not_fitted"] = c.note
+        rows |= {
+            "message_bytes": [n for n, _ in c.samples],
+            "seconds": [t for _, t in c.samples],
+        }
+        lines += ["[[calibration.collectives]]", *(f"{k} = {_value(v)}" for k, v in rows.items())]
+        lines.append("")
+    return lines
+
+
+def summary(cal: Calibration) -> str:
+    """What a user reads after a calibration: the fitted constants, one line each."""
+    top, small = cal.curve[-1], cal.curve[0]
+    source = "measured" if cal.peak_measured else "datasheet"
+    lines = [
+        f"{cal.device_name}: {cal.precision}, {cal.info.get('threads', '?')} threads, "
+        f"{cal.ranks} rank(s)",
+        f"  GEMM peak {cal.peak / 1e12:.3g} TFLOP/s ({source}); "
+        f"efficiency {small[1]:.2f} at {small[0]:.2g} FLOPs .. {top[1]:.2f} at {top[0]:.2g}",
+        f"  attention (causal SDPA) forward efficiency {cal.attention_efficiency:.2f}, "
+        f"backward / forward {cal.attention_backward_ratio:.2f}",
+        "  memory-bound kernels: "
+        + ", ".join(f"{k} {b / s / GB:.3g}" for k, b, s in cal.stream)
+        + f" GB/s (all: {cal.achieved_bandwidth / GB:.3g})",
+        f"  kernel launch {cal.launch_seconds * 1e6:.3g} us",
+    ]
+    for c in cal.collectives:
+        fit = c.fit
+        got = (
+            f"{fit.latency * 1e6:.3g} us + bytes / {fit.bandwidth / GB:.3g} GB/s "
+            f"(rms error {100 * fit.rms_relative_error:.0f}%)"
+            if fit
+            else f"not fitted: {c.note}"
+        )
+        lines.append(f"  {c.op} x{c.ranks} ({c.span}): {got}")
+    for span, (fit, _) in cal.links.items():
+        if fit:
+            lines.append(
+                f"  {span} link: {fit.latency * 1e6:.3g} us, {fit.bandwidth / GB:.3g} GB/s"
+            )
+    return "\n".join(lines)

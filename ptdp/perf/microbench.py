@@ -1,0 +1,282 @@
+"""Microbenchmarks on the local device for `ptdp calibrate`: GEMMs, fused attention,
+memory-bound kernels, a kernel launch, and the collectives the runtime uses.
+
+On CUDA, work is timed with CUDA events recorded around the calls and the host waits on the
+end event (kernels are asynchronous: a host clock alone would time the launches); the
+device is synchronised before each batch so no earlier work leaks in. On CPU the host
+clock times the calls at torch's thread count, the one `ptdp train` runs with (it keeps
+torch's default, or OMP_NUM_THREADS as torchrun sets it). Each figure is the time per
+call of the fastest of a few batches, each long enough to dwarf the clock's resolution:
+other work on a shared machine (preemption, a neighbour's job) only ever adds time, so the
+fastest batch is the closest to what the hardware does.
+
+Collectives go through `ptdp.parallel.comm` (the only module that calls them); every rank
+runs the same number of calls, and a batch's time is the slowest rank's.
+
+Letters: m, n, k = GEMM sizes ([m, k] x [k, n]); b = batch, a = heads, s = sequence,
+d = head size; e = bytes per element.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ptdp.parallel import comm
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How long to time each figure: `trials` batches of calls lasting `min_seconds` each."""
+
+    min_seconds: float
+    trials: int
+    max_calls: int = 1000
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], device: torch.device, timing: Timing) -> float:
+    """Seconds per call of `fn` in the fastest batch (after one untimed warm-up call)."""
+    fn()  # warm-up: allocations, kernel selection, lazy initialisation
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    one = time.perf_counter() - start
+    calls = max(1, min(timing.max_calls, int(timing.min_seconds / max(one, 1e-7))))
+    per_call = []
+    for _ in range(timing.trials):
+        synchronize(device)
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            per_call.append(begin.elapsed_time(end) / 1e3 / calls)  # elapsed_time is in ms
+        else:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_call.append((time.perf_counter() - start) / calls)
+    return min(per_call)
+
+
+# ----------------------------------------------------------------------------- compute
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """One GEMM a transformer layer issues: [m, k] x [k, n]."""
+
+    name: str
+    m: int
+    n: int
+    k: int
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k
+
+
+def layer_gemm_shapes(hidden: int, tokens: int) -> list[GemmShape]:
+    """The forward GEMMs of a GPT layer (QKV, projection, MLP in and out) on `tokens` rows,
+    and the weight gradient of the MLP's first (its inner size is the token count)."""
+    h, t = hidden, tokens
+    return [
+        GemmShape(f"qkv h={h}", t, 3 * h, h),
+        GemmShape(f"proj h={h}", t, h, h),
+        GemmShape(f"fc1 h={h}", t, 4 * h, h),
+        GemmShape(f"fc2 h={h}", t, h, 4 * h),
+        GemmShape(f"fc1-wgrad h={h}", h, 4 * h, t),
+    ]
+
+
+def gemm_seconds(
+    shape: GemmShape, dtype: torch.dtype, device: torch.device, timing: Timing
+) -> float:
+    a = torch.randn(shape.m, shape.k, dtype=dtype, device=device)
+    b = torch.randn(shape.k, shape.n, dtype=dtype, device=device)
+    out = torch.empty(shape.m, shape.n, dtype=dtype, device=device)
+    return time_call(lambda: torch.mm(a, b, out=out), device, timing)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Causal fused attention (torch SDPA) on q, k, v of [b, a, s, d]."""
+
+    b: int
+    a: int
+    s: int
+    d: int
+
+    @property
+    def causal_flops(self) -> float:
+        """QK^T and the product with V over the causal half of the s x s scores (the count
+        of ptdp/perf/costs.py with causal_fraction 0.5)."""
+        return 0.5 * 4.0 * self.b * self.a * self.s * self.s * self.d
+
+
+def attention_seconds(
+    shape: AttentionShape, dtype: torch.dtype, device: torch.device, timing: Timing
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one causal SDPA call; backward = (forward + backward)
+    - forward, timed apart."""
+    size = (shape.b, shape.a, shape.s, shape.d)
+    q, k, v = (torch.randn(size, dtype=dtype, device=device, requires_grad=True) for _ in "qkv")
+    grad = torch.randn(size, dtype=dtype, device=device)
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def both() -> object:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.autograd.grad(out, (q, k, v), grad)
+
+    fwd = time_call(forward, device, timing)
+    return fwd, max(0.0, time_call(both, device, timing) - fwd)
+
+
+# ------------------------------------------------------------------------- memory-bound
+
+
+STREAM_KERNELS = ("layer_norm", "rms_norm", "gelu", "softmax", "add", "adamw")
+"""Memory-bound kernels of a training step: norms, activations, residual adds, optimizer."""
+
+
+def stream_seconds(
+    kernel: str, nbytes: int, dtype: torch.dtype, device: torch.device, timing: Timing
+) -> tuple[float, float]:
+    """(bytes moved, seconds) of one call of `kernel` on tensors of about `nbytes`.
+
+    Bytes are the least each kernel must move: a read and a write per element for norms,
+    activations and softmax, two reads and a write for an add, and for the AdamW step on fp32
+    state 28 bytes a parameter (read weight, gradient, two moments; write weight and
+    moments), the count of ptdp/perf/simulator.py.
+    """
+    hidden = 1024
+    if kernel == "adamw":
+        numel = max(hidden, nbytes // 4)
+        param = torch.nn.Parameter(torch.zeros(numel, device=device))
+        param.grad = torch.randn(numel, device=device)
+        # As ptdp.train.step.optim.adamw_kernel picks: fused on CUDA, foreach on CPU.
+        kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        opt = torch.optim.AdamW([param], lr=1e-4, **kind)
+        return 28.0 * numel, time_call(opt.step, device, timing)
+    e = torch.empty((), dtype=dtype).element_size()
+    rows = max(1, nbytes // (e * hidden))
+    x = torch.randn(rows, hidden, dtype=dtype, device=device)
+    weight = torch.ones(hidden, dtype=dtype, device=device)
+    bias = torch.zeros(hidden, dtype=dtype, device=device)
+    y, out = torch.randn_like(x), torch.empty_like(x)
+    kernels: dict[str, tuple[int, Callable[[], object]]] = {
+        "layer_norm": (2, lambda: F.layer_norm(x, (hidden,), weight, bias)),
+        "rms_norm": (2, lambda: F.rms_norm(x, (hidden,), weight)),
+        "gelu": (2, lambda: F.gelu(x, approximate="tanh")),
+        "softmax": (2, lambda: torch.softmax(x, dim=-1)),
+        "add": (3, lambda: torch.add(x, y, out=out)),
+    }
+    if kernel not in kernels:
+        raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(STREAM_KERNELS)}")
+    passes, fn = kernels[kernel]
+    with torch.no_grad():
+        return float(passes * x.numel() * e), time_call(fn, device, timing)
+
+
+def launch_seconds(device: torch.device, timing: Timing) -> float:
+    """Fixed cost of one kernel: an in-place add on one element, back to back."""
+    x = torch.zeros(1, device=device)
+    return time_call(lambda: x.add_(1.0), device, timing)
+
+
+# ------------------------------------------------------------------------- collectives
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+"""What the runtime calls: tensor- and data-parallel reductions and gathers (comm.py's
+flat and in-place forms) and the pipeline's point-to-point transfers."""
+
+
+def build_groups(world: int, size: int, stride: int) -> comm.Group:
+    """Split the world into groups of `size` ranks `stride` apart (stride 1: neighbours in
+    rank order, as a tensor-parallel group inside a node; stride = ranks per node: one rank
+    per node). Every rank creates every group (dist.new_group is collective); returns this
+    rank's, or a single-rank group when the split leaves it out."""
+    rank, mine = dist.get_rank(), comm.Group.single()
+    block = size * stride
+    for start in range(0, world - block + 1, block):
+        for offset in range(stride):
+            ranks = [start + offset + i * stride for i in range(size)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = comm.Group(group, size, ranks.index(rank))
+    return mine
+
+
+def _collective_call(
+    op: str, nbytes: int, g: comm.Group, dtype: torch.dtype, device: torch.device
+) -> Callable[[], object]:
+    """One call of `op` on a full tensor of about `nbytes` over `g` (a no-op off the group)."""
+    e = torch.empty((), dtype=dtype).element_size()
+    numel = max(g.size, nbytes // e // g.size * g.size)
+    full = torch.zeros(numel, dtype=dtype, device=device)  # zeros: sums never overflow
+    shard = torch.zeros(numel // g.size, dtype=dtype, device=device)
+    if g.size == 1:
+        return lambda: None
+    if op == "all_reduce":
+        return lambda: comm.all_reduce_sum_(full, g)
+    if op == "all_gather":
+        return lambda: comm.all_gather_flat(full, shard, g)
+    if op == "reduce_scatter":
+        return lambda: comm.reduce_scatter_flat_async(shard, full, g).wait()
+    if op == "p2p":  # one direction: a group's first rank sends to its second
+        peer = dist.get_global_rank(g.group, 1 - g.rank) if g.rank < 2 else -1
+        sends = [(full, peer, 0)] if g.rank == 0 else []
+        recvs = [(full, peer, 0)] if g.rank == 1 else []
+        return lambda: [w.wait() for w in comm.send_recv_async(sends, recvs)]
+    raise ValueError(f"unknown collective {op!r}; known: {', '.join(COLLECTIVES)}")
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    """The largest of every rank's `seconds` (what a synchronous step waits for)."""
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    return float(comm.all_reduce_max_value(value, comm.world_group()).item())
+
+
+def collective_seconds(
+    op: str,
+    nbytes: int,
+    g: comm.Group,
+    dtype: torch.dtype,
+    device: torch.device,
+    timing: Timing,
+) -> float:
+    """Seconds per call of `op` over `g` in the fastest batch, each batch timed by its slowest
+    rank, every rank in step."""
+    fn = _collective_call(op, nbytes, g, dtype, device)
+    world = comm.world_group()
+
+    def batch(calls: int) -> float:
+        comm.barrier(None, world.size)
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+        return _slowest(time.perf_counter() - start, device) / calls
+
+    batch(1)  # warm-up: NCCL builds the group's communicator on its first call
+    one = batch(1)
+    calls = max(1, min(timing.max_calls, int(timing.min_seconds / max(one, 1e-7))))
+    return min(batch(calls) for _ in range(timing.trials))

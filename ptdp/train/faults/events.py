@@ -1,0 +1,65 @@
+"""RUN_DIR/events.jsonl: what happened to a run besides its metrics, one JSON object a line.
+
+- `failure`: the rank that failed first, how (raised, no heartbeat, the store's host
+  gone), its error, the step in progress, `time` (when it was recorded) and `fault_time`
+  (when it happened: for a silent rank, its last heartbeat);
+- `interrupted`: the run stopped for SIGINT/SIGTERM after saving (a preemption notice);
+- `resume` / `restart`: a run continued from a checkpoint, by `--resume` or by a launcher
+  restart (torchrun --max-restarts, a SLURM requeue): the checkpoint and its step, the
+  cause read from the previous failure, steps lost, the layout change, and the seconds
+  from the fault to the restarted run's first step.
+
+One rank writes each record, in one `write` to a file opened for appending (O_APPEND), so
+records of several processes do not interleave. The next start reads them back to tell a
+restart why it happened.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+EVENTS = "events.jsonl"
+ENDINGS = ("failure", "interrupted")
+"""Events that end a run."""
+BEGINNINGS = ("resume", "restart")
+"""Events a continued run writes after its first step."""
+
+
+def append_event(run_dir: str | Path, event: str, **fields: Any) -> dict[str, Any]:
+    """Append one record (with the wall-clock `time`, unless given) and return it."""
+    record = {"event": event, "time": round(time.time(), 3), **fields}
+    path = Path(run_dir) / EVENTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of the run directory; a line cut short by a crash is left out."""
+    path = Path(run_dir) / EVENTS
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def previous_ending(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The failure or interruption that ended the previous run: the last one recorded
+    after the last resume or restart (None if that run left no record)."""
+    for record in reversed(events):
+        if record.get("event") in ENDINGS:
+            return record
+        if record.get("event") in BEGINNINGS:
+            return None
+    return None

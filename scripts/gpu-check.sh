@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# One call on a lent GPU (one H100 or H200, under ten minutes): every CUDA-only test,
+# `ptdp calibrate` for the GPU, the one-GPU MFU benchmark for the ~125M and ~1.3B models
+# beside the peers benchmarks/mfu.py compares (predicted by the file just calibrated), and
+# a short bf16 training demo on a local text corpus (no network needed). Every figure goes
+# into one results folder, with BENCHMARKS-snippet.md, a markdown table for BENCHMARKS.md.
+#
+# Without CUDA it says so, runs the CPU parts (calibrate --quick, a tiny CPU MFU run, a
+# few fp32 demo steps), lists what it skipped and exits 0.
+#
+# Environment: PTDP_GPU_CHECK_OUT=DIR the results folder (default runs/gpu-check/DATE);
+# PTDP_GPU_CHECK_QUICK=1 only calibrate --quick and the report (the script's own test);
+# PYTHON the interpreter with torch (default: python3). Writes no tracked file.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${PTDP_GPU_CHECK_OUT:-runs/gpu-check/$(date +%Y-%m-%d-%H%M%S)}
+QUICK=${PTDP_GPU_CHECK_QUICK:-0}
+mkdir -p "$OUT"
+: > "$OUT/status.tsv"
+tracked_before=$(git status --porcelain --untracked-files=no 2>/dev/null || true)
+
+# part NAME SECONDS COMMAND...: run it with a time limit, log it, record ok/failed.
+part() {
+  local name=$1 limit=$2; shift 2
+  echo "== $name: $*"
+  local start=$SECONDS
+  if timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; then
+    printf '%s\tok (%ss)\n' "$name" $((SECONDS - start)) >> "$OUT/status.tsv"
+  else
+    printf '%s\tFAILED (exit %s, %ss; see %s.log)\n' "$name" "$?" $((SECONDS - start)) "$name" >> "$OUT/status.tsv"
+  fi
+  tail -n 15 "$OUT/$name.log"
+}
+skip() {
+  echo "== $1: skipped ($2)"
+  printf '%s\tskipped: %s\n' "$1" "$2" >> "$OUT/status.tsv"
+}
+
+if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  CUDA=1
+  "$PY" -c 'import torch; print("GPU:", torch.cuda.get_device_name(0), "| torch", torch.__version__)'
+else
+  CUDA=0
+  echo "no CUDA device here: running the CPU parts only"
+fi
+mapfile -t CUDA_TESTS < <("$PY" scripts/gpu_check_report.py cuda-tests)
+
+if [ "$CUDA" = 1 ]; then
+  part cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}"
+  part calibrate 300 "$PY" -m ptdp calibrate --out "$OUT/calibration.toml"
+  part mfu 420 "$PY" benchmarks/mfu.py --models 125m,1.3b --compare --steps 10 --warmup 3 \
+    --predict "$OUT/calibration.toml" --json "$OUT/mfu.json"
+  DEMO_ARGS=(--train.precision bf16 --train.device cuda --train.steps 60)
+else
+  skip cuda-tests "no CUDA: ${#CUDA_TESTS[@]} tests need a GPU: ${CUDA_TESTS[*]}"
+  part calibrate 300 "$PY" -m ptdp calibrate --quick --out "$OUT/calibration.toml"
+  if [ "$QUICK" = 1 ]; then
+    skip mfu "no CUDA; quick mode: no CPU run either"
+  else
+    part mfu 300 "$PY" benchmarks/mfu.py --device cpu --models tiny --steps 3 --warmup 1 \
+      --no-compile --compare --peers plain-gpt --precision fp32 \
+      --predict "$OUT/calibration.toml" --json "$OUT/mfu.json"
+  fi
+  DEMO_ARGS=(--train.device cpu --train.steps 6)
+fi
+
+if [ "$QUICK" = 1 ]; then
+  skip demo "quick mode"
+else
+  # A local corpus (this repository's documentation), bytes as tokens: no download.
+  part preprocess 120 "$PY" -m ptdp preprocess --input README.md BENCHMARKS.md \
+    --output-prefix "$OUT/data/docs" --tokenizer bytes
+  part demo 240 "$PY" -m ptdp train --config configs/demo.toml --data.path "$OUT/data/docs" \
+    --train.run_dir "$OUT/demo" --train.eval_interval 0 --train.save_interval 0 "${DEMO_ARGS[@]}"
+fi
+[ "$CUDA" = 1 ] || echo "skipped without CUDA: the CUDA-only tests, ptdp calibrate's full GPU sweep, the 125M/1.3B MFU runs, the bf16 demo"
+
+"$PY" scripts/gpu_check_report.py report "$OUT"
+tracked_after=$(git status --porcelain --untracked-files=no 2>/dev/null || true)
+if [ "$tracked_before" != "$tracked_after" ]; then
+  echo "warning: tracked files changed during the check:"; echo "$tracked_after"
+fi
+echo "results in $OUT (table: $OUT/BENCHMARKS-snippet.md)"
+exit 0

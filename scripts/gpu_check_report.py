@@ -1,0 +1,132 @@
+"""Helpers of scripts/gpu-check.sh: find the CUDA-only tests, write the results table.
+
+    python scripts/gpu_check_report.py cuda-tests       # node ids, one a line
+    python scripts/gpu_check_report.py report DIR       # DIR/BENCHMARKS-snippet.md, printed
+
+A test is CUDA-only when a `skipif` whose condition mentions cuda marks it: directly, through
+a module-level name (`needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), ...)`),
+or as the module's `pytestmark`. Found by reading the sources (ast), so nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _is_cuda_skip(node: ast.AST) -> bool:
+    text = ast.unparse(node)
+    return "skipif" in text and "cuda" in text.lower()
+
+
+def cuda_only_tests(root: Path = ROOT / "tests") -> list[str]:
+    ids = []
+    for path in sorted(root.rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        marks = {
+            t.id
+            for node in tree.body
+            if isinstance(node, ast.Assign) and _is_cuda_skip(node.value)
+            for t in node.targets
+            if isinstance(t, ast.Name)
+        }
+        whole = "pytestmark" in marks
+        rel = path.relative_to(ROOT)
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
+                decorated = any(
+                    _is_cuda_skip(d) or ast.unparse(d) in marks for d in node.decorator_list
+                )
+                if whole or decorated:
+                    ids.append(f"{rel}::{node.name}")
+    return ids
+
+
+def _calibration_rows(path: Path) -> list[str]:
+    if not path.is_file():
+        return ["| calibration | not run | |"]
+    data = tomllib.loads(path.read_text())
+    dev, ach = data["device"], data["device"]["achieved"]
+    cal = data.get("calibration", {})
+    gemm = cal.get("gemm", {})
+    rows = [
+        f"| device | {dev['name']} ({cal.get('sweep', '?')} sweep, {cal.get('date', '?')}) | |",
+        f"| GEMM efficiency, smallest to largest | {ach['gemm_curve_efficiency'][0]:.2f} .. "
+        f"{ach['gemm_efficiency']:.2f} | of the dense peak |",
+        f"| best GEMM | {max(gemm.get('tflops', [0])):.4g} TFLOP/s | {len(gemm.get('tflops', []))} "
+        "shapes of a transformer layer |",
+        f"| fused attention forward | {ach['attention_efficiency']:.2f} of peak | backward / "
+        f"forward {ach['attention_backward_ratio']:.2f} |",
+        f"| memory-bound kernels | {dev['memory_bandwidth_gb_s'] * ach['memory_efficiency']:.4g}"
+        " GB/s | "
+        + ", ".join(f"{k} {v:.3g}" for k, v in cal.get("memory_gb_s", {}).items())
+        + " |",
+        f"| kernel launch | {ach['kernel_overhead_us']:.3g} us | |",
+    ]
+    return rows
+
+
+def _mfu_rows(path: Path) -> list[str]:
+    if not path.is_file():
+        return []
+    rows = json.loads(path.read_text()).get("rows", [])
+    lines = [
+        "",
+        "| model | impl | micro-batch | tokens/s | TFLOP/s | MFU | peak GiB | predicted tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
+        pred = r.get("predicted") or {}
+        predicted = f"{pred['tokens_per_s']:,.0f}" if pred else ""
+        lines.append(
+            f"| {r['model']} | {r['impl']} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tflops']:.3g} | {mfu} | {r['peak_gib']:.1f} | {predicted} |"
+        )
+    return lines
+
+
+def report(out: Path) -> str:
+    status = {}
+    if (out / "status.tsv").is_file():
+        for line in (out / "status.tsv").read_text().splitlines():
+            part, _, result = line.partition("\t")
+            status[part] = result
+    lines = [
+        f"### GPU check ({out.name})",
+        "",
+        "| part | result | note |",
+        "|---|---|---|",
+        *(f"| {part} | {result} | |" for part, result in status.items()),
+        *_calibration_rows(out / "calibration.toml"),
+        *_mfu_rows(out / "mfu.json"),
+        "",
+        f"Commands and logs: `{out}` (run by `bash scripts/gpu-check.sh`).",
+    ]
+    text = "\n".join(lines) + "\n"
+    (out / "BENCHMARKS-snippet.md").write_text(text)
+    return text
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["cuda-tests"]:
+        print("\n".join(cuda_only_tests()))
+        return 0
+    if argv[:1] == ["report"] and len(argv) == 2:
+        print(report(Path(argv[1])), end="")
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,62 @@
+"""`ptdp calibrate` over two gloo ranks: every collective the runtime uses, timed over
+message sizes and fitted to latency + bandwidth, and the in-node link written from them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from ptdp.config import tomllib
+from ptdp.perf import microbench as mb
+from ptdp.perf.calibrate import SWEEPS, calibrate, write_calibration
+from ptdp.perf.costs import all_reduce_seconds
+from ptdp.perf.fit import collective_bytes
+from ptdp.perf.hardware import load_system
+from tests.dist.harness import run_ranks
+
+pytestmark = pytest.mark.dist
+
+KIB = 1024
+
+
+def _calibrate(rank: int, world_size: int, out: str) -> None:
+    sweep = replace(
+        SWEEPS[("cpu", True)],
+        hidden=(32, 64),
+        attention_seq=(32,),
+        stream_bytes=256 * KIB,
+        message_bytes=(4 * KIB, 256 * KIB, 4096 * KIB, 16384 * KIB),
+        timing=mb.Timing(0.01, 5),
+    )
+    cal = calibrate(torch.device("cpu"), sweep, progress=False)
+    if rank == 0:
+        write_calibration(cal, Path(out))
+
+
+def test_two_rank_calibration_fits_every_collective(tmp_path: Path) -> None:
+    out = tmp_path / "two.toml"
+    run_ranks(_calibrate, 2, str(out))
+    system = load_system(out)
+    assert system.gpus_per_node == 2
+    assert system.intra.name.startswith("measured: ")
+    assert system.intra.latency > 0 and system.intra.achieved > 0
+    raw = tomllib.loads(out.read_text())
+    fits = {c["op"]: c for c in raw["calibration"]["collectives"]}
+    assert set(fits) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    for c in fits.values():
+        assert c["ranks"] == 2 and c["span"] == "node", c
+        assert "not_fitted" not in c, c
+        assert c["latency_us"] >= 0 and c["bandwidth_gb_s"] > 0, c
+        assert len(c["seconds"]) == 4 and all(t > 0 for t in c["seconds"])
+        assert 0 <= c["rms_relative_error"] < 10, c
+    # The cost model reads the fitted link: latency plus the ring's bytes over bandwidth.
+    nbytes = fits["all_reduce"]["message_bytes"][-1]
+    expected = system.intra.latency + collective_bytes("all_reduce", nbytes, 2) / (
+        system.intra.achieved
+    )
+    assert all_reduce_seconds(nbytes, 2, system.intra) == pytest.approx(expected)
+    # Timings on this shared machine swing several-fold, so the fit's accuracy is not
+    # asserted here; BENCHMARKS.md records a calibration and its errors.

@@ -1,0 +1,134 @@
+"""ZeRO levels over dp = 2: the model state each rank measurably holds equals the memory
+model's figure at every level, and checkpoints move between levels with the optimizer
+state intact (moments compared tensor by tensor). Equivalence with one process is in
+the grid (tests/dist/test_grid.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ptdp import checkpoint as ckpt
+from ptdp.parallel.env import LaunchEnv
+from ptdp.perf.memory import estimate_memory
+from ptdp.train.run import prepare
+from ptdp.train.step.trainer import Trainer
+from tests.dist.harness import run_ranks
+from tests.helpers import tiny_config
+
+pytestmark = pytest.mark.dist
+
+
+def _config(data: str, run_dir: Path, zero: int, **train):
+    # Even sizes everywhere: no bucket padding, so the bytes are the formula's exactly.
+    return tiny_config(
+        data,
+        run_dir,
+        parallel={"zero": zero},
+        optim={"eps": 1e-6, "grad_clip": 0.5},
+        train={"micro_batch_size": 2, "global_batch_size": 8, "steps": 3, **train},
+    )
+
+
+def _trainer(cfg, env: LaunchEnv) -> Trainer:
+    cfg, layout, data = prepare(cfg, env)
+    return Trainer(cfg, layout, env, data)
+
+
+def _close(trainer: Trainer) -> None:
+    if trainer.watchdog:
+        trainer.watchdog.close()
+    if trainer.owns_process_group:
+        dist.destroy_process_group()
+
+
+def _measure(trainer: Trainer) -> dict[str, float]:
+    """Bytes of parameters, gradients and optimizer state this rank holds after a step."""
+    trainer.optimizer_step(trainer.forward_backward())
+    grads = trainer.grads
+    return {
+        "params": float(sum(buf.params.nbytes for buf in grads.chunks)),
+        "grads": float(grads.grad_bytes()),
+        "optimizer": float(trainer.optimizer.state_bytes()),
+        "peak_full": float(grads.peak_full_bytes),
+    }
+
+
+def _check_memory(rank: int, world: int, data: str, root: str) -> None:
+    env, out = LaunchEnv(rank, world, rank), {}
+    for precision in ("fp32", "bf16"):
+        for zero in (0, 1, 2):
+            cfg = _config(data, Path(root) / f"{precision}{zero}", zero, precision=precision)
+            trainer = _trainer(cfg, env)
+            got = _measure(trainer)
+            (est,) = estimate_memory(trainer.cfg, world, layout=trainer.layout)
+            _close(trainer)
+            want = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer}
+            assert {k: got[k] for k in want} == want, (precision, zero, got, want)
+            # ZeRO-2's full buckets in flight: here one bucket holds the whole model.
+            assert got["peak_full"] == est.grad_buckets, (precision, zero, got, est)
+            out[f"{precision}{zero}"] = got
+    if rank == 0:
+        (Path(root) / "memory.json").write_text(json.dumps(out))
+
+
+def test_model_state_bytes_per_level(tiny_data: str, tmp_path: Path) -> None:
+    """Each level divides what it shards by dp = 2 and keeps the rest: measured on the
+    trainer's buffers and optimizer after a step, equal to `estimate_memory`."""
+    run_ranks(_check_memory, 2, tiny_data, str(tmp_path))
+    got = json.loads((tmp_path / "memory.json").read_text())
+    for precision in ("fp32", "bf16"):
+        z0, z1, z2 = (got[f"{precision}{zero}"] for zero in (0, 1, 2))
+        assert z1["params"] == z0["params"] == z2["params"]
+        assert z1["optimizer"] == z2["optimizer"] == z0["optimizer"] / 2
+        assert z1["grads"] == z0["grads"] == 2 * z2["grads"]
+        assert z0["peak_full"] == z1["peak_full"] == 0 < z2["peak_full"]
+
+
+def _moments(trainer: Trainer) -> dict[str, dict[str, torch.Tensor]]:
+    """Masters and AdamW moments by parameter name, all-gathered to tensor-local shape."""
+    names = {p: n for chunk in trainer.chunks for n, p in chunk.named_parameters()}
+    moments, step = trainer.optimizer.moments()
+    masters = trainer.optimizer.master_weights()
+    return {names[p]: {"master": masters[p], **moments[p], "step": step} for p in moments}
+
+
+def _check_checkpoints(rank: int, world: int, data: str, root: str) -> None:
+    """Save at one level, restore at the others: the same masters and moments, and the next
+    step's loss as the saving level reaches it."""
+    env, root_ = LaunchEnv(rank, world, rank), Path(root)
+    for source, targets in ((2, (0, 1)), (0, (2,))):
+        saver = _trainer(_config(data, root_ / f"save{source}", source), env)
+        for _ in range(2):
+            saver.train_step()
+        path = saver.save()
+        saver.finish_save()
+        saved = _moments(saver)
+        next_loss = saver.train_step()[0].item()
+        _close(saver)
+        for target in targets:
+            loader = _trainer(_config(data, root_ / f"load{source}-{target}", target), env)
+            loader.restore(path)
+            assert loader.step == 2 and loader.layout.zero == target
+            loaded = _moments(loader)
+            assert loaded.keys() == saved.keys()
+            for name, state in saved.items():
+                for key, value in state.items():
+                    other = loaded[name][key]
+                    same = other == value if key == "step" else torch.equal(other, value)
+                    assert same, (source, target, name, key)
+            loss = loader.train_step()[0].item()
+            assert loss == pytest.approx(next_loss, rel=1e-6), (source, target)
+            _close(loader)
+    if rank == 0:
+        (root_ / "done").write_text("ok")
+
+
+def test_checkpoints_move_between_levels(tiny_data: str, tmp_path: Path) -> None:
+    run_ranks(_check_checkpoints, 2, tiny_data, str(tmp_path))
+    assert (tmp_path / "done").read_text() == "ok"
+    assert ckpt.find_checkpoint(tmp_path / "save2") is not None

@@ -1,0 +1,107 @@
+"""`ptdp calibrate` on this CPU: the file it writes loads, holds the monotone fit of its own
+measurements, and moves `ptdp simulate`'s predictions; `scripts/gpu-check.sh` without CUDA."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ptdp.cli import main
+from ptdp.config import Precision, tomllib
+from ptdp.perf.costs import PTDP, Compute, Gemm
+from ptdp.perf.fit import interpolate_log, monotone_curve
+from ptdp.perf.hardware import load_system
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("calibration") / "cpu.toml"
+    assert main(["calibrate", "--quick", "--out", str(path)]) == 0
+    return path
+
+
+def test_the_file_loads_and_holds_what_was_measured(calibrated: Path) -> None:
+    system = load_system(calibrated)
+    raw = tomllib.loads(calibrated.read_text())
+    dev = system.device
+    assert dev.kind == "cpu" and system.gpus_per_node == 1
+    assert raw["calibration"]["sweep"] == "quick"
+    assert raw["calibration"]["threads"] == str(__import__("torch").get_num_threads())
+    # The peak of a CPU is its best measured GEMM, so the curve tops out at 1.
+    peak = dev.peak_flops("fp32")
+    gemm = raw["calibration"]["gemm"]
+    assert max(gemm["tflops"]) * 1e12 == pytest.approx(peak, rel=1e-6)
+    flops = [2.0 * m * n * k for m, n, k in gemm["mnk"]]
+    points = [(f, t * 1e12 / peak) for f, t in zip(flops, gemm["tflops"])]
+    fitted = monotone_curve(points)
+    for f in flops:  # the file's curve is the isotonic fit of its own measurements
+        assert dev.gemm_efficiency_at(f) == pytest.approx(interpolate_log(fitted, f), rel=1e-6)
+    values = [y for _, y in dev.gemm_curve]
+    assert all(a <= b for a, b in zip(values, values[1:])) and 0 < values[0] <= values[-1] <= 1
+    assert dev.gemm_efficiency == pytest.approx(values[-1])
+    # The largest GEMM measured costs what the top of the curve says: flops / (peak * eff).
+    m, n, k = max(gemm["mnk"], key=lambda mnk: mnk[0] * mnk[1] * mnk[2])
+    c = Compute(system, Precision.FP32, PTDP)
+    assert c.gemm(Gemm(m, n, k)) == pytest.approx(2 * m * n * k / (peak * values[-1]), rel=1e-6)
+    assert len(flops) >= 10  # the two smallest hidden sizes at least, 5 shapes each
+    # Relative to a measured peak, so not bounded by 1 on a machine this noisy.
+    assert dev.attention_efficiency > 0 and dev.attention_backward_ratio > 0
+    memory = raw["calibration"]["memory_gb_s"]
+    assert set(memory) == {"layer_norm", "rms_norm", "gelu", "softmax", "add", "adamw"}
+    assert all(v > 0 for v in memory.values())
+    assert dev.memory_bandwidth * dev.memory_efficiency > 0 and dev.kernel_overhead > 0
+    assert "not measured" in system.intra.name  # one process: no link was timed
+
+
+def _simulate(device: str, out: Path, capsys: pytest.CaptureFixture[str]) -> dict:
+    config = str(ROOT / "configs" / "demo.toml")
+    argv = ["simulate", "--config", config, "--model.vocab_size", "4096", "--device", device]
+    assert main([*argv, "--json", "--out", str(out)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_file_changes_simulate_predictions(
+    calibrated: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mine = _simulate(str(calibrated), tmp_path, capsys)
+    a100 = _simulate("a100-80gb", tmp_path, capsys)
+    # A 2-core CPU at ~0.1 TFLOP/s against an A100: the same step predicted far slower.
+    assert mine["iteration_seconds"] > 20 * a100["iteration_seconds"]
+    # The constants it fitted are what the prediction reads: twice the GEMM peak and the
+    # same step is predicted faster, everything else equal.
+    text = calibrated.read_text()
+    peak = load_system(calibrated).device.peak_flops("fp32") / 1e12
+    faster = tmp_path / "faster.toml"
+    faster.write_text(text.replace(f"fp32 = {peak:.8g}", f"fp32 = {2 * peak:.8g}"))
+    assert load_system(faster).device.peak_flops("fp32") == pytest.approx(2 * peak * 1e12)
+    doubled = _simulate(str(faster), tmp_path, capsys)
+    assert doubled["iteration_seconds"] < mine["iteration_seconds"]
+
+
+def test_gpu_check_without_cuda_exits_0_and_says_what_it_skipped(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this test is the no-CUDA path; the GPU path is the script's whole run")
+    out = tmp_path / "check"
+    env = dict(os.environ, PTDP_GPU_CHECK_QUICK="1", PTDP_GPU_CHECK_OUT=str(out))
+    env["PYTHON"] = sys.executable
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu-check.sh")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no CUDA device here" in done.stdout
+    assert "cuda-tests: skipped" in done.stdout and "test_fused_adamw_on_cuda" in done.stdout
+    assert "skipped without CUDA" in done.stdout
+    load_system(out / "calibration.toml")
+    status = (out / "status.tsv").read_text()
+    assert "calibrate\tok" in status and "mfu\tskipped" in status
+    table = (out / "BENCHMARKS-snippet.md").read_text()
+    assert "| GEMM efficiency, smallest to largest |" in table and "| calibrate | ok" in table
