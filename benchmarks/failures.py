@@ -20,6 +20,9 @@ Before firing it writes the wall-clock time to <run_dir>/fault_at.
 
     python benchmarks/failures.py [--out benchmarks/results/failures.json]
 
+By default the rows go to runs/benchmarks/failures.json (ignored by git); name the
+tracked record with --out to update it.
+
 tests/dist/test_rank_death.py runs the same launches with assertions.
 """
 
@@ -354,7 +357,7 @@ def run_scenario(s: Scenario, data: str, tmp: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/failures.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs/benchmarks/failures.json")
     parser.add_argument("--only", default="", help="run the scenarios whose name has this")
     parser.add_argument("--keep", type=Path, help="keep every run's logs in this directory")
     opts = parser.parse_args()
@@ -378,6 +381,7 @@ def main() -> None:
             (tmp / str(i)).mkdir(exist_ok=True)
             rows.append(run_scenario(s, str(tmp / "tiny"), tmp / str(i)))
             print(json.dumps(rows[-1], indent=1), flush=True)
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.out.write_text(json.dumps(rows, indent=1))
     print(f"wrote {opts.out}")
 
