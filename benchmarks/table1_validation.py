@@ -29,12 +29,17 @@ from ptdp.perf.planner import plan
 from ptdp.perf.timeline import plot_timelines
 from ptdp.perf.validation import check_row, measure_cpu_memory, readme_gpt3
 
-PNG = Path(__file__).resolve().parent / "results" / "gpt3_175b_simulated_timeline.png"
+ROOT = Path(__file__).resolve().parents[1]
+PNG = ROOT / "runs" / "benchmarks" / "gpt3_175b_simulated_timeline.png"  # untracked
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--free", action="store_true", help="also plan t and p freely")
+    parser.add_argument(
+        "--png", type=Path, default=PNG,
+        help="timeline image (benchmarks/results/... updates the one BENCHMARKS.md shows)",
+    )  # fmt: skip
     args = parser.parse_args()
     system = load_system("a100-80gb")
     start = time.perf_counter()
@@ -79,11 +84,11 @@ def main() -> None:
         )
     events = [e for e in script.events if e.end < 0.2 * script.iteration_seconds]
     plot_timelines(
-        PNG,
+        args.png,
         {"simulated, first 20% of the step (warm-up and steady state)": events},
         title="GPT-3 175B on 1024 A100s, 1F1B, b=1 (t=8, p=16, d=8)",
     )
-    print(f"  timeline: {PNG.relative_to(PNG.parents[2])}")
+    print(f"  timeline: {args.png}")
 
     if args.free:
         print("\nplanner free to choose t and p (full recomputation, no sequence parallelism):")
