@@ -58,6 +58,11 @@ class Schedule(str, enum.Enum):
     ZB_V = "zb-v"
 
 
+class CpComm(str, enum.Enum):
+    RING = "ring"
+    ALLGATHER = "allgather"
+
+
 class Recompute(str, enum.Enum):
     NONE = "none"
     SELECTIVE = "selective"
@@ -173,7 +178,13 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel size (ranks that split the layers into stages)."""
     dp: int = 0
-    """Data-parallel size; 0 = world_size / (tp * pp)."""
+    """Data-parallel size; 0 = world_size / (tp * cp * pp)."""
+    cp: int = 1
+    """Context-parallel size (ranks that split each sequence; 2*cp chunks, rank i holding
+    chunks i and 2*cp-1-i so causal attention work is balanced)."""
+    cp_comm: CpComm = CpComm.RING
+    """How attention sees the other ranks' keys and values under cp > 1: ring (blocks rotated
+    point to point, overlapped with compute) or allgather (gathered once per layer)."""
     vpp: int = 1
     """Model chunks per pipeline rank (interleaved schedule)."""
     pipeline_layers: tuple[int, ...] = ()
@@ -212,6 +223,11 @@ class DataConfig:
     directory; empty = the data's own."""
     valid_fraction: float = 0.05
     """Fraction of the token stream (at its end) held out for validation."""
+    document_mask: bool = False
+    """Attend only within each document of a packed training window (an end-of-document
+    token ends the document it closes)."""
+    reset_positions: bool = False
+    """With document_mask: positions restart at 0 at each document's first token."""
 
 
 @dataclass(kw_only=True, frozen=True)

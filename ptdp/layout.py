@@ -37,6 +37,8 @@ class Layout:
     even split; every reader (model chunks, simulator, memory model) takes it from here."""
     zero: int = 0
     """The ZeRO level (`zero_level`): what of the model state is sharded over dp."""
+    cp: int = 1
+    """Context-parallel size: ranks that split each sequence."""
 
     @cached_property
     def pipeline(self) -> PipelinePlan:
@@ -51,11 +53,12 @@ class Layout:
 
     def describe(self) -> str:
         sp = " sp=on" if self.sequence_parallel else ""
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
         uneven = len(set(self.stage_layers)) > 1
         split = f" layers={','.join(map(str, self.stage_layers))}" if uneven else ""
         zero = f" zero={self.zero}" if self.zero else ""  # absent at 0, as before the levels
         return (
-            f"world={self.world_size} tp={self.tp}{sp} pp={self.pp} dp={self.dp} vpp={self.vpp}"
+            f"world={self.world_size} tp={self.tp}{sp}{cp} pp={self.pp} dp={self.dp} vpp={self.vpp}"
             f"{split}{zero} microbatches/step/rank={self.num_microbatches}"
         )
 
@@ -170,16 +173,17 @@ def _divisor(n: int) -> int:
 def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
     """Check the layout; return the data-parallel size (0 if it could not be derived)."""
     p, before = cfg.parallel, len(errors)
-    for name in ("tp", "pp", "vpp"):
+    for name in ("tp", "cp", "pp", "vpp"):
         _positive(errors, f"parallel.{name}", getattr(p, name))
     _positive(errors, "parallel.dp", p.dp, zero_ok=True)
     if len(errors) > before:
         return 0
-    model_ranks = p.tp * p.pp
+    model_ranks = p.tp * p.cp * p.pp
     need = model_ranks * max(p.dp, 1)
     if world_size == 1 and need > 1:  # a plain `ptdp train`, not under torchrun or srun
         errors.append(
-            f"this layout needs {need} processes (tp*pp*dp = {p.tp}*{p.pp}*{max(p.dp, 1)}) "
+            f"this layout needs {need} processes (tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*"
+            f"{max(p.dp, 1)}) "
             f"but runs as one (world size 1, not under torchrun or srun); launch it with "
             f"{_torchrun(need)}"
         )
@@ -187,7 +191,7 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
     if p.dp == 0:
         if world_size % model_ranks:
             errors.append(
-                f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp} = "
+                f"world size {world_size} is not divisible by tp*cp*pp = {p.tp}*{p.cp}*{p.pp} = "
                 f"{model_ranks}; launch a multiple of {model_ranks} processes, e.g. "
                 f"{_torchrun(model_ranks)}"
             )
@@ -195,9 +199,10 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
         dp = world_size // model_ranks
     else:
         dp = p.dp
-        if p.tp * p.pp * dp != world_size:
+        if model_ranks * dp != world_size:
             errors.append(
-                f"tp*pp*dp = {p.tp}*{p.pp}*{dp} = {model_ranks * dp} does not match the world "
+                f"tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{dp} = {model_ranks * dp} does not match "
+                "the world "
                 f"size {world_size}; launch {model_ranks * dp} processes "
                 f"({_torchrun(model_ranks * dp)}) or set --parallel.dp 0 to derive dp "
                 "from the world size"
@@ -415,4 +420,5 @@ def validate(cfg: RunConfig, world_size: int = 1) -> Layout:
         p.schedule.value,
         _stage_layers(cfg),
         zero_level(cfg),
+        p.cp,
     )

@@ -371,13 +371,13 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         "world-size-not-tp-pp-dp",
         lambda c: c.train(world=3, parallel={"dp": 2}),
         ConfigError,
-        ("tp*pp*dp = 1*1*2 = 2 does not match the world size 3", "torchrun --nproc-per-node 2"),
+        ("tp*cp*pp*dp = 1*1*1*2 = 2 does not match the world", "torchrun --nproc-per-node 2"),
     ),
     (
         "world-size-not-multiple-of-tp-pp",
         lambda c: c.train(world=3, parallel={"tp": 2}),
         ConfigError,
-        ("world size 3 is not divisible by tp*pp = 2*1 = 2", "launch a multiple of 2"),
+        ("world size 3 is not divisible by tp*cp*pp = 2*1*1 = 2", "launch a multiple of 2"),
     ),
     (
         "rollback-without-save-interval",
@@ -525,7 +525,7 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         _no_torchrun,
         ConfigError,
         (
-            "this layout needs 4 processes (tp*pp*dp = 4*1*1)",
+            "this layout needs 4 processes (tp*cp*pp*dp = 4*1*1*1)",
             "not under torchrun",
             "torchrun --nproc-per-node 4 -m ptdp train",
         ),

@@ -159,7 +159,7 @@ INVALID = [
         "parallel.pipeline_layers = 2,3 sums to 5 but model.num_layers = 4",
     ),
     ({"parallel": {"dp": 2}}, 3, "does not match the world size 3"),
-    ({"parallel": {"tp": 2}}, 3, "world size 3 is not divisible by tp*pp"),
+    ({"parallel": {"tp": 2}}, 3, "world size 3 is not divisible by tp*cp*pp"),
     ({"parallel": {"vpp": 2}}, 1, "needs a schedule with model chunks"),
     ({"parallel": {"pp": 2, "vpp": 3, "schedule": "zb-v"}}, 2, "set --parallel.vpp 2"),
     ({"parallel": {"schedule": "interleaved"}}, 1, "needs parallel.vpp >= 2"),
