@@ -1,0 +1,403 @@
+"""The performance model against ptdp's own measured step times on this machine.
+
+Issue 22, item 2. With a cluster file calibrated here (`--calibration FILE`; default: run
+`torchrun --nproc-per-node 2 -m ptdp calibrate --quick` now, into runs/benchmarks/), each
+configuration of `CASES` trains for a few steps on CPU (gloo, one thread per rank), its
+median step time after the warm-up steps is measured (ptdp's `Trainer.train_step`: the
+forward-backward of the global batch, the gradient reduction and the optimizer step,
+between barriers), and `ptdp.perf.simulator.simulate` predicts it from the file. The cases
+differ in what the model must get right: one process at several widths, sequence lengths,
+micro-batch sizes and recomputation; two ranks at tp = 2 with and without sequence
+parallelism, pp = 2 under every schedule, dp = 2 at ZeRO 0, 1 and 2; cp = 2 and ZeRO 3
+where `validate` accepts them (listed as skipped otherwise). Targets: median |error| <= 10%,
+max |error| <= 20%. One pipelined run's last step is drawn above its simulated timeline.
+
+Writes runs/benchmarks/prediction.json, prediction.md and prediction_timeline.png (plus
+its Chrome trace); never a tracked file.
+
+    python benchmarks/prediction.py                      # a few minutes on 2 quiet cores
+    python benchmarks/prediction.py --calibration runs/calibration/cpu.toml --only pp2-1f1b
+    python benchmarks/prediction.py --tiny               # every case at a tiny size (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ptdp.config import RunConfig, apply_updates
+from ptdp.errors import ConfigError
+from ptdp.layout import validate
+from ptdp.parallel.env import LaunchEnv
+from ptdp.parallel.mesh import ORDER
+from ptdp.perf.hardware import System, load_system
+from ptdp.perf.simulator import Prediction, simulate
+from ptdp.perf.timeline import Event, from_dicts, plot_timelines, to_dicts, write_chrome_trace
+from ptdp.train.run import prepare
+from ptdp.train.step.trainer import Trainer
+
+try:
+    from benchmarks._spawn import spawn
+    from benchmarks.zero import corpus
+except ModuleNotFoundError:  # run as `python benchmarks/x.py`
+    from _spawn import spawn
+    from zero import corpus
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "runs" / "benchmarks"  # ignored runs/: no tracked file
+TARGETS = (0.10, 0.20)  # median and max |error|
+BASE = {
+    "model": {
+        "num_layers": 4, "hidden_size": 128, "num_heads": 4, "seq_length": 128, "dropout": 0.0,
+    },
+    "train": {"micro_batch_size": 4, "global_batch_size": 8},
+}  # fmt: skip
+TINY = {"num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": 16}
+"""--tiny: every case's model at this size (4 layers: pp = 2 with two chunks per rank)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration: its world size, what it changes from `BASE` and what it tests."""
+
+    name: str
+    world: int
+    tests: str
+    parallel: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)
+    train: dict = field(default_factory=dict)
+
+
+def _pp(schedule: str, **parallel: object) -> Case:
+    return Case(
+        f"pp2-{schedule}",
+        2,
+        f"schedule {schedule}: bubble, p2p latency, per-microbatch cost",
+        {"pp": 2, "schedule": schedule, **parallel},
+        train={"micro_batch_size": 2, "global_batch_size": 8},
+    )
+
+
+CASES: tuple[Case, ...] = (
+    Case("1p-base", 1, "h 128, s 128, b 4, m 2: the reference point"),
+    Case("1p-h64", 1, "narrow GEMMs: small-GEMM efficiency", model={"hidden_size": 64}),
+    Case("1p-h256", 1, "wide GEMMs: the curve's top", model={"hidden_size": 256}),
+    Case("1p-s32", 1, "short sequence: attention small", model={"seq_length": 32}),
+    Case("1p-s512", 1, "long sequence: attention's share", model={"seq_length": 512}),
+    Case(
+        "1p-b1", 1, "micro-batch 1, m 8: per-microbatch fixed costs",
+        train={"micro_batch_size": 1},
+    ),
+    Case(
+        "1p-b8", 1, "micro-batch 8, m 1: one large pass",
+        train={"micro_batch_size": 8},
+    ),
+    Case("1p-full", 1, "full recomputation: a forward again in B", {"recompute": "full"}),
+    Case("1p-selective", 1, "selective recomputation: attention again", {"recompute": "selective"}),
+    Case("tp2", 2, "tensor parallel: 4 all-reduces per layer per microbatch", {"tp": 2}),
+    Case(
+        "tp2-sp", 2, "sequence parallel: reduce-scatter + all-gather pairs",
+        {"tp": 2, "sequence_parallel": True},
+    ),
+    _pp("gpipe"),
+    _pp("1f1b"),
+    _pp("interleaved", vpp=2),
+    _pp("zb-h1"),
+    _pp("zb-h2"),
+    _pp("zb-v", vpp=2),
+    Case("dp2-zero0", 2, "gradient all-reduce, overlapped", {"zero": 0}),
+    Case("dp2-zero1", 2, "reduce-scatter + sharded step + all-gather", {"zero": 1}),
+    Case("dp2-zero2", 2, "ZeRO-2: gradients sharded as well", {"zero": 2}),
+    Case("dp2-zero3", 2, "ZeRO-3: parameters gathered per layer", {"zero": 3}),
+    Case("cp2", 2, "context parallel: key/value ring", {"cp": 2}),
+)  # fmt: skip
+TIMELINE_CASE = "pp2-1f1b"
+
+
+def case_config(case: Case, data: str, run_dir: str, tiny: bool) -> RunConfig:
+    model = {**BASE["model"], **case.model, **(TINY if tiny else {})}
+    if tiny and case.model.get("seq_length", 0) > TINY["seq_length"]:
+        model["seq_length"] = 2 * TINY["seq_length"]
+    train = {
+        **BASE["train"],
+        **case.train,
+        "device": "cpu", "progress": False, "steps": 1000, "log_interval": 1000,
+        "eval_interval": 0, "save_interval": 0, "run_dir": f"{run_dir}/{case.name}",
+        "profile_timeline": case.name == TIMELINE_CASE,
+    }  # fmt: skip
+    updates = {
+        "model": model,
+        "parallel": case.parallel,
+        "data": {"path": data, "valid_fraction": 0.05},
+        "optim": {"warmup_steps": 2},
+        "train": train,
+    }
+    return apply_updates(RunConfig(), updates, f"benchmark case {case.name}")
+
+
+def accepted(case: Case, cfg: RunConfig) -> str:
+    """'' if `validate` takes the case, else why not (a dimension still being built)."""
+    try:
+        layout = validate(cfg, case.world)
+    except ConfigError as exc:
+        return str(exc)
+    missing = [axis for axis in ("cp",) if getattr(layout, axis, 1) > 1 and axis not in ORDER]
+    if missing:  # validated before the runtime has the axis (built by others, in parts)
+        return f"not built: the mesh has no {', '.join(missing)} axis yet (ptdp/parallel/mesh.py)"
+    return ""
+
+
+# ----------------------------------------------------------------------------- measure
+
+
+def _measure(cfg: RunConfig, rank: int, world: int, warmup: int, steps: int) -> dict:
+    """Median step time of `cfg` on this rank's share, between barriers; the timeline's
+    events (every pipeline rank's last step) if the config records them."""
+    env = LaunchEnv(rank, world, rank)
+    cfg, layout, data = prepare(cfg, env)
+    trainer = Trainer(cfg, layout, env, data)
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.train_step()
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    events: list = [None] * world
+    mine = to_dicts(trainer.recorder.events) if trainer.recorder else []
+    dist.all_gather_object(events, mine)
+    if trainer.watchdog:
+        trainer.watchdog.close()
+    del trainer
+    gc.collect()
+    return {"times": times, "events": [row for rows in events for row in rows]}
+
+
+def worker(rank: int, world: int, configs: list[tuple[str, RunConfig]], warmup: int, steps: int):
+    """Every config of this world size in turn, in one spawn."""
+    out = {}
+    for name, cfg in configs:
+        out[name] = _measure(cfg, rank, world, warmup, steps)
+        if rank == 0:
+            print(f"  {name}: {1e3 * statistics.median(out[name]['times']):.1f} ms", flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- predict
+
+
+def predict(cfg: RunConfig, world: int, system: System) -> Prediction:
+    """`ptdp simulate --device FILE` for `cfg` (vocabulary resolved from its data)."""
+    resolved, layout, _ = prepare(cfg, LaunchEnv(0, world, 0))
+    return simulate(resolved, system, world, layout=layout)
+
+
+def calibrate_now(out: Path) -> Path:
+    """A quick two-rank calibration, made now (the ranks' collectives measured too)."""
+    path = out / "calibration.toml"
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["-m", "ptdp", "calibrate", "--quick", "--out", str(path)]
+    print("calibrating:", " ".join(command[2:]), flush=True)
+    subprocess.run(command, check=True, env=env, cwd=ROOT)
+    return path
+
+
+def file_date(source: str) -> str:
+    """The calibration's own date line ('Measured by `ptdp calibrate` on DATE'), else mtime."""
+    path = Path(source)
+    if not path.is_file():
+        return "built-in file"
+    for line in path.read_text().splitlines()[:3]:
+        if "ptdp calibrate` on " in line:
+            return line.split("` on ", 1)[1].split(":", 1)[0]
+    return datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).date().isoformat()
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| config | world | tests | predicted ms | measured ms | error |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r.get("skipped"):
+            lines.append(f"| {r['name']} | {r['world']} | {r['tests']} | skipped: "
+                         f"{r['skipped'].splitlines()[-1].strip()[:120]} | | |")  # fmt: skip
+            continue
+        lines.append(
+            f"| {r['name']} | {r['world']} | {r['tests']} | {r['predicted_ms']:.1f} | "
+            f"{r['measured_ms']:.1f} | {100 * r['error']:+.1f}% |"
+        )
+    return lines
+
+
+def summarise(rows: list[dict]) -> dict:
+    errors = [abs(r["error"]) for r in rows if not r.get("skipped")]
+    if not errors:
+        return {"median_abs_error": None, "max_abs_error": None, "met": False}
+    median, worst = statistics.median(errors), max(errors)
+    return {
+        "median_abs_error": median,
+        "max_abs_error": worst,
+        "met": median <= TARGETS[0] and worst <= TARGETS[1],
+    }
+
+
+def draw_timeline(row: dict, prediction: Prediction, out: Path) -> tuple[Path | None, Path]:
+    measured = from_dicts(row["events"])
+    simulated = [e for e in prediction.events if e.lane != "dp" or e.kind == "DP"]
+    sources: dict[str, list[Event]] = {
+        f"measured (last step, compute actions): {row['measured_ms']:.0f} ms step": measured,
+        f"simulated from the calibration: {row['predicted_ms']:.0f} ms step": simulated,
+    }
+    trace = write_chrome_trace(out / "prediction_timeline.json", sources)
+    try:
+        png = plot_timelines(
+            out / "prediction_timeline.png", sources, title=f"{row['name']} ({row['tests']})"
+        )
+    except ImportError:  # matplotlib is optional
+        png = None
+    return png, trace
+
+
+def run(args: argparse.Namespace) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    source = args.calibration or str(calibrate_now(out))
+    system = load_system(source)
+    cases = [c for c in CASES if not args.only or c.name in args.only]
+    cases = [c for c in cases if c.name not in args.skip]
+    rows, by_world = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = corpus(Path(tmp) / "data")
+        configs = {}
+        for case in cases:
+            cfg = case_config(case, data, f"{tmp}/runs", args.tiny)
+            why = accepted(case, cfg)
+            row = {"name": case.name, "world": case.world, "tests": case.tests}
+            if why:
+                rows.append(row | {"skipped": why})
+                continue
+            configs[case.name] = cfg
+            by_world.setdefault(case.world, []).append((case.name, cfg))
+            rows.append(row)
+        measured = {}
+        for world, todo in sorted(by_world.items()):
+            print(f"measuring {len(todo)} config(s) on {world} rank(s)", flush=True)
+            measured |= spawn(worker, world, todo, args.warmup, args.steps, timeout_s=args.timeout)
+        predictions = {}
+        for row in rows:
+            if row.get("skipped"):
+                continue
+            p = predictions[row["name"]] = predict(configs[row["name"]], row["world"], system)
+            m = measured[row["name"]]
+            row["measured_ms"] = 1e3 * statistics.median(m["times"])
+            row["times_ms"] = [1e3 * t for t in m["times"]]
+            row["predicted_ms"] = 1e3 * p.iteration_seconds
+            row["error"] = (row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
+            row["events"] = m["events"]
+    result = {
+        "command": " ".join(["python", "benchmarks/prediction.py", *args.argv]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
+        "machine": f"{platform.node()}: {_cpu()}, torch {torch.__version__}, gloo, 1 thread/rank",
+        "calibration": source,
+        "calibration_date": file_date(source),
+        "warmup_steps": args.warmup,
+        "timed_steps": args.steps,
+        "targets": {"median_abs_error": TARGETS[0], "max_abs_error": TARGETS[1]},
+        **summarise(rows),
+        "rows": [{k: v for k, v in r.items() if k != "events"} for r in rows],
+    }
+    timeline = next((r for r in rows if r["name"] == TIMELINE_CASE and "events" in r), None)
+    if timeline is not None:
+        png, trace = draw_timeline(timeline, predictions[TIMELINE_CASE], out)
+        result["timeline"] = {"png": png and str(png), "trace": str(trace)}
+    (out / "prediction.json").write_text(json.dumps(result, indent=1))
+    (out / "prediction.md").write_text(markdown(result))
+    return result
+
+
+def _cpu() -> str:
+    info = Path("/proc/cpuinfo")
+    for line in info.read_text().splitlines() if info.exists() else []:
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    return f"{platform.machine()}, {os.cpu_count()} cores"
+
+
+def markdown(result: dict) -> str:
+    med, worst = result["median_abs_error"], result["max_abs_error"]
+    verdict = (
+        "no case measured"
+        if med is None
+        else f"median |error| {100 * med:.1f}% (target <= {100 * TARGETS[0]:.0f}%), "
+        f"max |error| {100 * worst:.1f}% (target <= {100 * TARGETS[1]:.0f}%): "
+        + ("met" if result["met"] else "not met")
+    )
+    lines = [
+        f"command: `{result['command']}` ({result['date']})",
+        f"machine: {result['machine']}",
+        f"calibration: {result['calibration']} (measured {result['calibration_date']}); "
+        f"median of {result['timed_steps']} steps after {result['warmup_steps']} warm-up",
+        "",
+        *table(result["rows"]),
+        "",
+        verdict,
+    ]
+    if "timeline" in result:
+        lines.append(f"timeline ({TIMELINE_CASE}): {result['timeline']['png']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calibration", default="", metavar="FILE",
+                        help="`ptdp calibrate` output (default: calibrate now)")  # fmt: skip
+    parser.add_argument("--only", nargs="+", default=[], metavar="NAME", help="these cases only")
+    parser.add_argument("--skip", nargs="+", default=[], metavar="NAME", help="leave these out")
+    parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument("--warmup", type=int, default=2, help="steps before timing")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (their median counts)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="every case at a tiny size (the test's); --calibration may name "
+                        "a built-in cluster")  # fmt: skip
+    parser.add_argument("--out", default=str(OUT), help="where the JSON, table and PNG go")
+    parser.add_argument("--timeout", type=float, default=600.0, help="gloo timeout, seconds")
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    if args.list:
+        for c in CASES:
+            print(f"{c.name:14} {c.world} rank(s)  {c.tests}")
+        return {}
+    unknown = sorted(set(args.only + args.skip) - {c.name for c in CASES})
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; --list shows them")
+    start = time.perf_counter()
+    result = run(args)
+    print(markdown(result))
+    print(f"({time.perf_counter() - start:.0f} s; written to {args.out})")
+    return result
+
+
+if __name__ == "__main__":
+    main()
