@@ -170,22 +170,25 @@ def _measure(cfg: RunConfig, rank: int, world: int, warmup: int, steps: int) -> 
     env = LaunchEnv(rank, world, rank)
     cfg, layout, data = prepare(cfg, env)
     trainer = Trainer(cfg, layout, env, data)
-    times = []
+    times, cpu = [], []
     for i in range(warmup + steps):
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         trainer.train_step()
+        took_cpu = time.process_time() - start_cpu
         dist.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - start)
+            cpu.append(took_cpu)
     events: list = [None] * world
     mine = to_dicts(trainer.recorder.events) if trainer.recorder else []
-    dist.all_gather_object(events, mine)
+    dist.all_gather_object(events, (mine, cpu))
+    cpu = [max(step) for step in zip(*(c for _, c in events))]
     if trainer.watchdog:
         trainer.watchdog.close()
     del trainer
     gc.collect()
-    return {"times": times, "events": [row for rows in events for row in rows]}
+    return {"times": times, "cpu": cpu, "events": [row for rows, _ in events for row in rows]}
 
 
 def worker(rank: int, world: int, configs: list[tuple[str, RunConfig]], warmup: int, steps: int):
@@ -236,17 +239,18 @@ def file_date(source: str) -> str:
 
 def table(rows: list[dict]) -> list[str]:
     lines = [
-        "| config | world | tests | predicted ms | measured ms | error |",
-        "|---|---:|---|---:|---:|---:|",
+        "| config | world | tests | predicted ms | measured ms | error | best ms | CPU ms |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if r.get("skipped"):
             lines.append(f"| {r['name']} | {r['world']} | {r['tests']} | skipped: "
-                         f"{r['skipped'].splitlines()[-1].strip()[:120]} | | |")  # fmt: skip
+                         f"{r['skipped'].splitlines()[-1].strip()[:120]} | | | | |")  # fmt: skip
             continue
         lines.append(
             f"| {r['name']} | {r['world']} | {r['tests']} | {r['predicted_ms']:.1f} | "
-            f"{r['measured_ms']:.1f} | {100 * r['error']:+.1f}% |"
+            f"{r['measured_ms']:.1f} | {100 * r['error']:+.1f}% | {r['best_ms']:.1f} | "
+            f"{r['cpu_ms']:.1f} |"
         )
     return lines
 
@@ -313,6 +317,8 @@ def run(args: argparse.Namespace) -> dict:
             m = measured[row["name"]]
             row["measured_ms"] = 1e3 * statistics.median(m["times"])
             row["times_ms"] = [1e3 * t for t in m["times"]]
+            row["best_ms"] = min(row["times_ms"])
+            row["cpu_ms"] = 1e3 * statistics.median(m["cpu"])
             row["predicted_ms"] = 1e3 * p.iteration_seconds
             row["error"] = (row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
             row["events"] = m["events"]

@@ -12,6 +12,9 @@ What is measured (ptdp/perf/microbench.py) and what it becomes in the cluster TO
   `memory_efficiency` (their bytes over their time, against the nominal bandwidth of the
   base cluster, or as the bandwidth itself where there is none, on CPUs);
 - a one-element kernel -> `kernel_overhead_us`;
+- on a CPU, ptdp's own model at a negligible size (0 and 2 layers, forward and backward)
+  -> `layer_overhead_us` and `head_overhead_us`: what Python, module calls and autograd
+  cost per layer and per embedding + head + loss, beyond the kernels timed above;
 - under torchrun, all-reduce, all-gather, reduce-scatter and point-to-point over message
   sizes and group sizes -> the `[node]` link (groups inside a node) and the `[network]`
   link (one rank per node, when there are several nodes) as latency + bandwidth, a least
@@ -100,16 +103,16 @@ SWEEPS: dict[tuple[str, bool], Sweep] = {
         max_call_s=0.25,
         timing=mb.Timing(0.03, 7),  # short batches, many: some miss a neighbour's job
     ),
-    ("cpu", True): Sweep(
+    ("cpu", True): Sweep(  # the shapes of small CPU runs (benchmarks/prediction.py's)
         hidden=(32, 64, 128, 256),
-        tokens=128,
-        attention_seq=(64, 128),
+        tokens=512,
+        attention_seq=(128, 512),
         heads=4,
         head_dim=32,
         stream_bytes=2 * MIB,
         message_bytes=(4 * KIB, 64 * KIB, 1 * MIB),
         max_call_s=0.02,
-        timing=mb.Timing(0.005, 3),
+        timing=mb.Timing(0.005, 7),  # as the default: many short batches on a shared CPU
     ),
 }
 """Defaults by device type: under five minutes on one GPU or a small CPU; --quick: seconds."""
@@ -186,7 +189,7 @@ def planned_figures(sweep: Sweep, world: int, per_node: int) -> int:
     """How many figures `calibrate` times (the progress bar's total)."""
     plans = collective_plans(world, per_node) if world > 1 else []
     comms = sum(len(ops) for *_, ops in plans) * len(sweep.message_bytes)
-    compute = 5 * len(sweep.hidden) + len(sweep.attention_seq) + len(mb.STREAM_KERNELS) + 1
+    compute = 5 * len(sweep.hidden) + len(sweep.attention_seq) + len(mb.STREAM_KERNELS) + 2
     return compute + comms
 
 
@@ -253,6 +256,10 @@ def calibrate(
             )
         step("kernel launch")
         launch = mb.launch_seconds(device, sweep.timing)
+        step("framework overhead")
+        framework = (
+            mb.framework_overhead(dtype, device, sweep.timing) if device.type == "cpu" else None
+        )
         collectives = (
             measure_collectives(device, dtype, sweep, per_node, step) if world.size > 1 else []
         )
@@ -295,6 +302,7 @@ def calibrate(
             "threads": str(torch.get_num_threads()),
             "sweep": _sweep_name(sweep, device.type),
         },
+        framework=framework,
     )
 
 

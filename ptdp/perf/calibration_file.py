@@ -65,6 +65,10 @@ class Calibration:
     """"node" and "network": the fit (None: taken from the base) and where it came from."""
     base: System | None
     info: dict[str, str] = field(default_factory=dict)
+    framework: tuple[tuple[float, float], tuple[float, float]] | None = None
+    """(forward, backward) seconds per layer and for the embedding + head + loss that no
+    kernel runs (microbench.framework_overhead); measured on CPUs only, where nothing hides
+    it (on a GPU the host runs ahead of the kernels)."""
 
     @property
     def achieved_bandwidth(self) -> float:
@@ -165,6 +169,10 @@ def render_toml(cal: Calibration, name: str) -> str:
         "kernel_overhead_us": cal.launch_seconds * 1e6,
         "reserved_gib": cal.reserved_bytes / GIB,
     }
+    if cal.framework is not None:
+        layer, head = cal.framework
+        achieved["layer_overhead_us"] = [layer[0] * 1e6, layer[1] * 1e6]
+        achieved["head_overhead_us"] = [head[0] * 1e6, head[1] * 1e6]
     node, network = _links(cal)
     peak = "best GEMM measured (no datasheet peak)" if cal.peak_measured else "datasheet"
     described = f"calibrated {cal.device_name} on {cal.info.get('host', '?')}"
@@ -237,6 +245,12 @@ def summary(cal: Calibration) -> str:
         + f" GB/s (all: {cal.achieved_bandwidth / GB:.3g})",
         f"  kernel launch {cal.launch_seconds * 1e6:.3g} us",
     ]
+    if cal.framework is not None:
+        (lf, lb), (hf, hb) = cal.framework
+        lines.append(
+            f"  framework (Python, autograd) per layer F {lf * 1e6:.3g} us B {lb * 1e6:.3g} us;"
+            f" embedding + head + loss F {hf * 1e6:.3g} us B {hb * 1e6:.3g} us"
+        )
     for c in cal.collectives:
         fit = c.fit
         got = (

@@ -14,7 +14,10 @@ the backward pass.
 Calibrated devices (`ptdp calibrate`) carry an efficiency curve over GEMM size measured
 on these same layer shapes instead: a GEMM takes 2 m n k / (peak * curve(2 m n k)), which
 holds operand traffic and launch costs as measured. Their fused attention runs at its own
-measured efficiency and backward / forward ratio.
+measured efficiency and backward / forward ratio. A calibrated CPU also carries the fixed
+cost of a layer pass that no kernel timing holds (Python, module calls, autograd: ptdp's
+own model timed at a negligible size), added per layer and microbatch, and the same for
+the embedding, head and loss.
 
 Backward of a linear layer: the input gradient (dgrad, [m, n] x [n, k]) goes to B and the
 weight gradient (wgrad, [k, m] x [m, n]) to W; everything else of a backward goes to B
@@ -247,8 +250,9 @@ def layer_seconds(
     traffic = c.stream(c.software.elementwise_traffic * stored)
     boundary = micro_batch * model.seq_length * model.hidden_size * c.e
     comm = 2 * all_reduce_seconds(boundary, tp, group_link(c.system, tp, 1))
-    forward = linears.f + core.f + traffic + comm
-    backward = linears.b + core.b + c.software.backward_traffic_ratio * traffic + comm
+    fixed_f, fixed_b = c.system.device.layer_overhead
+    forward = linears.f + core.f + traffic + comm + fixed_f
+    backward = linears.b + core.b + c.software.backward_traffic_ratio * traffic + comm + fixed_b
     passes = Passes(forward, backward, linears.w)
     if recompute is Recompute.FULL:
         passes += Passes(0.0, forward, 0.0)
@@ -273,7 +277,9 @@ def head_seconds(
         model, micro_batch=micro_batch, tp=tp, precision=c.precision, compiled=compiled
     )
     traffic = c.stream(c.software.elementwise_traffic * stored)
-    return logits + Passes(traffic, c.software.backward_traffic_ratio * traffic, 0.0)
+    fixed_f, fixed_b = c.system.device.head_overhead  # the embedding's too (it is small)
+    backward = c.software.backward_traffic_ratio * traffic + fixed_b
+    return logits + Passes(traffic + fixed_f, backward, 0.0)
 
 
 def embedding_seconds(model: ModelConfig, *, micro_batch: int, tp: int, c: Compute) -> Passes:

@@ -83,6 +83,11 @@ class Device:
     """Fraction of the peak the fused attention forward sustains (0: `gemm_efficiency`)."""
     attention_backward_ratio: float = 0.0
     """Fused attention backward / forward time as measured (0: the software's figure)."""
+    layer_overhead: tuple[float, float] = (0.0, 0.0)
+    """Seconds per transformer layer and microbatch, (forward, backward), that no kernel
+    runs: Python, the dispatcher, autograd (`ptdp calibrate` on a CPU measures it)."""
+    head_overhead: tuple[float, float] = (0.0, 0.0)
+    """The same for the embedding, output layer and loss of one microbatch."""
 
     def gemm_efficiency_at(self, flops: float) -> float:
         """Efficiency of a GEMM of `flops`: the measured curve (log-linear between its knots,
@@ -242,6 +247,8 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         gemm_curve=_curve(achieved),
         attention_efficiency=float(achieved.get("attention_efficiency", 0.0)),
         attention_backward_ratio=float(achieved.get("attention_backward_ratio", 0.0)),
+        layer_overhead=_pair(achieved, "layer_overhead_us"),
+        head_overhead=_pair(achieved, "head_overhead_us"),
     )
     return System(
         name=str(data.get("name", default_name)),
@@ -251,6 +258,14 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         intra=_link(data["node"]),
         inter=_link(data["network"]),
     )
+
+
+def _pair(achieved: dict[str, Any], key: str) -> tuple[float, float]:
+    """[forward, backward] microseconds -> seconds (absent: no overhead)."""
+    values = [float(v) for v in achieved.get(key, [0.0, 0.0])]
+    if len(values) != 2 or min(values) < 0:
+        raise ValueError(f"{key} must be [forward, backward] microseconds, both >= 0")
+    return values[0] * 1e-6, values[1] * 1e-6
 
 
 def _curve(achieved: dict[str, Any]) -> tuple[tuple[float, float], ...]:

@@ -131,14 +131,15 @@ def attention_seconds(
     shape: AttentionShape, dtype: torch.dtype, device: torch.device, timing: Timing
 ) -> tuple[float, float]:
     """(forward, backward) seconds of one causal SDPA call; backward = (forward + backward)
-    - forward, timed apart."""
+    - forward, timed apart. The forward runs with autograd on, as in training: without it
+    a CPU takes a cheaper path (no log-sum-exp kept for backward), which would credit the
+    difference to the backward."""
     size = (shape.b, shape.a, shape.s, shape.d)
     q, k, v = (torch.randn(size, dtype=dtype, device=device, requires_grad=True) for _ in "qkv")
     grad = torch.randn(size, dtype=dtype, device=device)
 
-    def forward() -> torch.Tensor:
-        with torch.no_grad():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    def forward() -> torch.Tensor:  # its graph is dropped unused
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def both() -> object:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -280,3 +281,50 @@ def collective_seconds(
     one = batch(1)
     calls = max(1, min(timing.max_calls, int(timing.min_seconds / max(one, 1e-7))))
     return min(batch(calls) for _ in range(timing.trials))
+
+
+# ----------------------------------------------------------------------------- framework
+
+
+def framework_seconds(
+    layers: int, dtype: torch.dtype, device: torch.device, timing: Timing
+) -> tuple[float, float]:
+    """(forward, backward) seconds of ptdp's own GPT (`ptdp.model.gpt`) with `layers` layers
+    (0: the embedding, head and loss alone) at a size whose arithmetic is negligible (b 1,
+    s 8, h 32, vocabulary 64), with the loss.
+
+    What remains is what no kernel timing above sees: Python, module calls, the dispatcher
+    and autograd's graph (built in forward, walked in backward) per op of the layer, the
+    embedding and the head. Two depths give it per layer and per model
+    (`framework_overhead`). Any process group is left alone (tensor size 1).
+    """
+    from ptdp.config import ModelConfig
+    from ptdp.model.gpt import GPT
+
+    cfg = ModelConfig(
+        num_layers=2, hidden_size=32, num_heads=4, seq_length=8, vocab_size=64, dropout=0.0
+    )
+    model = GPT(cfg, layers=range(layers)).to(device=device, dtype=dtype)
+    tokens = torch.randint(0, 64, (1, 8), device=device)
+
+    def forward() -> torch.Tensor:
+        return model(tokens, tokens)
+
+    def both() -> None:
+        model(tokens, tokens).backward()
+
+    # Calls of about a millisecond: many short batches, so that some miss a neighbour's job.
+    timing = Timing(timing.min_seconds, max(timing.trials, 15), timing.max_calls)
+    f, fb = time_call(forward, device, timing), time_call(both, device, timing)
+    return f, max(0.0, fb - f)
+
+
+def framework_overhead(
+    dtype: torch.dtype, device: torch.device, timing: Timing
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((forward, backward) per transformer layer, (forward, backward) of the rest: the
+    embedding, final norm, output layer and loss), from models of 0 and 2 layers."""
+    rest = framework_seconds(0, dtype, device, timing)
+    two = framework_seconds(2, dtype, device, timing)
+    layer = tuple(max(0.0, (t - r) / 2) for r, t in zip(rest, two))
+    return (layer[0], layer[1]), rest

@@ -105,3 +105,46 @@ def test_gpu_check_without_cuda_exits_0_and_says_what_it_skipped(tmp_path: Path)
     assert "calibrate\tok" in status and "mfu\tskipped" in status
     table = (out / "BENCHMARKS-snippet.md").read_text()
     assert "| GEMM efficiency, smallest to largest |" in table and "| calibrate | ok" in table
+
+
+def test_framework_overhead_is_measured_and_enters_each_layer_pass(calibrated: Path) -> None:
+    """A CPU file carries what Python and autograd cost per layer and per head (ptdp's own
+    model timed at a negligible size); the model adds exactly that to every layer's F and B
+    (twice F's under full recomputation) and to the head's."""
+    from dataclasses import replace
+
+    from ptdp.config import ModelConfig, Recompute
+    from ptdp.perf.costs import head_seconds, layer_seconds
+
+    system = load_system(calibrated)
+    raw = tomllib.loads(calibrated.read_text())["device"]["achieved"]
+    layer, head = system.device.layer_overhead, system.device.head_overhead
+    assert layer == pytest.approx([v * 1e-6 for v in raw["layer_overhead_us"]])
+    assert head == pytest.approx([v * 1e-6 for v in raw["head_overhead_us"]])
+    assert min(layer + head) >= 0 and sum(layer) > 0 and sum(head) > 0
+    bare = replace(
+        system, device=replace(system.device, layer_overhead=(0, 0), head_overhead=(0, 0))
+    )
+    model = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_length=32, vocab_size=64)
+    for recompute, redo in ((Recompute.NONE, 0), (Recompute.FULL, 1)):
+        kw = dict(micro_batch=2, tp=1, sequence_parallel=False, recompute=recompute)
+        got = layer_seconds(model, c=Compute(system, Precision.FP32, PTDP), **kw)
+        without = layer_seconds(model, c=Compute(bare, Precision.FP32, PTDP), **kw)
+        assert got.f - without.f == pytest.approx(layer[0])
+        assert got.b - without.b == pytest.approx(layer[1] + redo * layer[0])
+        assert got.w == pytest.approx(without.w)
+    kw = dict(micro_batch=2, tp=1)
+    got = head_seconds(model, c=Compute(system, Precision.FP32, PTDP), **kw)
+    without = head_seconds(model, c=Compute(bare, Precision.FP32, PTDP), **kw)
+    assert (got.f - without.f, got.b - without.b) == pytest.approx(head)
+
+
+def test_overheads_in_a_hardware_file_are_checked(tmp_path: Path) -> None:
+    from ptdp.errors import ConfigError
+
+    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
+    assert load_system("a100-80gb").device.layer_overhead == (0.0, 0.0)  # absent: none
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace("[device.achieved]", "[device.achieved]\nlayer_overhead_us = [5]"))
+    with pytest.raises(ConfigError, match=r"layer_overhead_us must be \[forward, backward\]"):
+        load_system(bad)
