@@ -7,6 +7,7 @@ when, where and how it was measured, and every figure behind the fitted constant
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -72,7 +73,10 @@ class Calibration:
 
     @property
     def achieved_bandwidth(self) -> float:
-        return sum(b for _, b, _ in self.stream) / sum(s for _, _, s in self.stream)
+        """The median kernel's bandwidth: a typical memory-bound kernel, which one slow kernel
+        the model's layer may not even run (RMS norm, unfused on CPUs, in a LayerNorm model)
+        or one batch hit by a neighbour's job cannot drag down as it drags a total."""
+        return statistics.median(b / s for _, b, s in self.stream)
 
     @property
     def attention_efficiency(self) -> float:
@@ -242,7 +246,7 @@ def summary(cal: Calibration) -> str:
         f"backward / forward {cal.attention_backward_ratio:.2f}",
         "  memory-bound kernels: "
         + ", ".join(f"{k} {b / s / GB:.3g}" for k, b, s in cal.stream)
-        + f" GB/s (all: {cal.achieved_bandwidth / GB:.3g})",
+        + f" GB/s (median: {cal.achieved_bandwidth / GB:.3g})",
         f"  kernel launch {cal.launch_seconds * 1e6:.3g} us",
     ]
     if cal.framework is not None:
