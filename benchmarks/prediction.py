@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -239,18 +239,19 @@ def file_date(source: str) -> str:
 
 def table(rows: list[dict]) -> list[str]:
     lines = [
-        "| config | world | tests | predicted ms | measured ms | error | best ms | CPU ms |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| config | world | tests | predicted ms | measured ms | error | best ms | CPU ms "
+        "| predicted without framework term |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if r.get("skipped"):
             lines.append(f"| {r['name']} | {r['world']} | {r['tests']} | skipped: "
-                         f"{r['skipped'].splitlines()[-1].strip()[:120]} | | | | |")  # fmt: skip
+                         f"{r['skipped'].splitlines()[-1].strip()[:120]} | | | | | |")  # fmt: skip
             continue
         lines.append(
             f"| {r['name']} | {r['world']} | {r['tests']} | {r['predicted_ms']:.1f} | "
             f"{r['measured_ms']:.1f} | {100 * r['error']:+.1f}% | {r['best_ms']:.1f} | "
-            f"{r['cpu_ms']:.1f} |"
+            f"{r['cpu_ms']:.1f} | {r['predicted_without_framework_ms']:.1f} |"
         )
     return lines
 
@@ -296,6 +297,8 @@ def run(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     source = args.calibration or str(calibrate_now(out))
     system = load_system(source)
+    zero = (0.0, 0.0)  # the same file without its framework term, to show what that adds
+    bare = replace(system, device=replace(system.device, layer_overhead=zero, head_overhead=zero))
     cases = [c for c in CASES if not args.only or c.name in args.only]
     cases = [c for c in cases if c.name not in args.skip]
     rows, by_world = [], {}
@@ -328,6 +331,8 @@ def run(args: argparse.Namespace) -> dict:
             row["cpu_ms"] = 1e3 * statistics.median(m["cpu"])
             row["predicted_ms"] = 1e3 * p.iteration_seconds
             row["error"] = (row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
+            without = predict(configs[row["name"]], row["world"], bare).iteration_seconds
+            row["predicted_without_framework_ms"] = 1e3 * without
             row["events"] = m["events"]
     result = {
         "command": " ".join(["python", "benchmarks/prediction.py", *args.argv]),
@@ -383,7 +388,8 @@ def markdown(result: dict) -> str:
         "error = predicted / measured - 1 (measured: median step); best: the fastest timed "
         "step; CPU: process CPU time of the busiest rank per step (median), which a loaded "
         "machine does not stretch as it stretches wall time (for one process, about the step "
-        "a quiet machine would take; with two ranks it leaves out the waits).",
+        "a quiet machine would take; with two ranks it leaves out the waits); without "
+        "framework term: the same file with layer_overhead_us and head_overhead_us at 0.",
     ]
     if "timeline" in result:
         lines.append(f"timeline ({TIMELINE_CASE}): {result['timeline']['png']}")
