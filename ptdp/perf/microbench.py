@@ -286,17 +286,44 @@ def collective_seconds(
 # ----------------------------------------------------------------------------- framework
 
 
-def framework_seconds(
-    layers: int, dtype: torch.dtype, device: torch.device, timing: Timing
-) -> tuple[float, float]:
-    """(forward, backward) seconds of ptdp's own GPT (`ptdp.model.gpt`) with `layers` layers
-    (0: the embedding, head and loss alone) at a size whose arithmetic is negligible (b 1,
-    s 8, h 32, vocabulary 64), with the loss.
+def interleaved_seconds(
+    fns: list[Callable[[], object]], device: torch.device, timing: Timing
+) -> list[float]:
+    """Seconds per call of each of `fns`, the fastest of `timing.trials` batches, with one
+    batch of each in turn per trial: figures that are subtracted from each other then see
+    the same moments of a shared machine, not one a quiet moment and the other a busy one."""
+    calls = []
+    for fn in fns:
+        fn()  # warm-up
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        one = time.perf_counter() - start
+        calls.append(max(1, min(timing.max_calls, int(timing.min_seconds / max(one, 1e-7)))))
+    best = [float("inf")] * len(fns)
+    for _ in range(timing.trials):
+        for i, (fn, n) in enumerate(zip(fns, calls)):
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            synchronize(device)
+            best[i] = min(best[i], (time.perf_counter() - start) / n)
+    return best
+
+
+def framework_overhead(
+    dtype: torch.dtype, device: torch.device, timing: Timing
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((forward, backward) per transformer layer, (forward, backward) of the rest: the
+    embedding, final norm, output layer and loss) of ptdp's own GPT (`ptdp.model.gpt`) at a
+    size whose arithmetic is negligible (b 1, s 8, h 32, vocabulary 64), from models of 0
+    and 2 layers, forward (with autograd on, as in training) and forward + backward.
 
     What remains is what no kernel timing above sees: Python, module calls, the dispatcher
     and autograd's graph (built in forward, walked in backward) per op of the layer, the
-    embedding and the head. Two depths give it per layer and per model
-    (`framework_overhead`). Any process group is left alone (tensor size 1).
+    embedding and the head. Any process group is left alone (tensor size 1).
     """
     from ptdp.config import ModelConfig
     from ptdp.model.gpt import GPT
@@ -304,27 +331,15 @@ def framework_seconds(
     cfg = ModelConfig(
         num_layers=2, hidden_size=32, num_heads=4, seq_length=8, vocab_size=64, dropout=0.0
     )
-    model = GPT(cfg, layers=range(layers)).to(device=device, dtype=dtype)
     tokens = torch.randint(0, 64, (1, 8), device=device)
-
-    def forward() -> torch.Tensor:
-        return model(tokens, tokens)
-
-    def both() -> None:
-        model(tokens, tokens).backward()
-
+    fns: list[Callable[[], object]] = []
+    for layers in (0, 2):
+        model = GPT(cfg, layers=range(layers)).to(device=device, dtype=dtype)
+        fns.append(lambda m=model: m(tokens, tokens))
+        fns.append(lambda m=model: m(tokens, tokens).backward())
     # Calls of about a millisecond: many short batches, so that some miss a neighbour's job.
     timing = Timing(timing.min_seconds, max(timing.trials, 15), timing.max_calls)
-    f, fb = time_call(forward, device, timing), time_call(both, device, timing)
-    return f, max(0.0, fb - f)
-
-
-def framework_overhead(
-    dtype: torch.dtype, device: torch.device, timing: Timing
-) -> tuple[tuple[float, float], tuple[float, float]]:
-    """((forward, backward) per transformer layer, (forward, backward) of the rest: the
-    embedding, final norm, output layer and loss), from models of 0 and 2 layers."""
-    rest = framework_seconds(0, dtype, device, timing)
-    two = framework_seconds(2, dtype, device, timing)
-    layer = tuple(max(0.0, (t - r) / 2) for r, t in zip(rest, two))
-    return (layer[0], layer[1]), rest
+    f0, fb0, f2, fb2 = interleaved_seconds(fns, device, timing)
+    rest = (f0, max(0.0, fb0 - f0))
+    layer = (max(0.0, (f2 - f0) / 2), max(0.0, (fb2 - f2 - rest[1]) / 2))
+    return layer, rest
