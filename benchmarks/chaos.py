@@ -4,8 +4,9 @@ from, the steps it cost (from RUN_DIR/events.jsonl), and the effective-training-
 ratio (useful step time over wall time) beside the same run without faults.
 
 Fault kinds (each fires once, on one rank, in its first backward action of the step,
-the mechanism of benchmarks/failures.py; a marker file records that it fired, so a
-restarted run that trains the step again does not fire it again):
+the mechanism of benchmarks/failures.py; `save` fires inside the checkpoint writer and
+`nan` after the gradient reduction; a marker file records that it fired, so a restarted
+run that trains the step again does not fire it again):
 
   kill      SIGKILL of a random rank (the out-of-memory killer)
   stop      SIGSTOP (a frozen rank: the watchdog names it after T/4)
@@ -50,7 +51,8 @@ ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("kill", "stop", "raise", "term", "save", "truncate", "nan", "shrink")
 ENDS_RUN = frozenset(KINDS) - {"nan"}
 """Kinds after which the launcher restarts the job."""
-LAYOUTS = {"tp2pp2": (2, 2), "dp2pp2": (1, 2), "dp1pp2": (1, 2), "pp2": (1, 2)}
+LAYOUTS = {"tp2pp2": (2, 2), "dp2pp2": (1, 2), "dp1pp2": (1, 2)}
+"""(tp, pp); dp follows the processes (4 for the first two, 2 for dp1pp2)."""
 
 
 @dataclass(frozen=True)
