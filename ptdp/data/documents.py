@@ -81,8 +81,8 @@ def require_documents(indexed: IndexedDataset) -> None:
 
 
 def window_positions(documents: torch.Tensor, *, reset: bool) -> TokenPositions | None:
-    """The positions of a microbatch from its tokens' documents [b, s] (numbers that change
-    exactly at each boundary, e.g. `DocumentIndex.window`).
+    """The positions of a microbatch from its tokens' documents [b, s] (numbers that grow
+    along each row exactly at each boundary, e.g. `DocumentIndex.window`).
 
     None when every row lies in one document: the fused causal kernel then does the same
     work without building a mask. With `reset`, each document's positions start at 0
@@ -108,5 +108,9 @@ def microbatch_positions(
     data.document_mask and data.reset_positions; None without masking (the fused path)."""
     if not data.document_mask:
         return None
-    documents = dataset.document_batch(first_sample, count).to(device, non_blocking=True)
-    return window_positions(documents, reset=data.reset_positions)
+    # Built on the host, where the one-document test costs no device synchronisation.
+    host = window_positions(dataset.document_batch(first_sample, count), reset=data.reset_positions)
+    if host is None:
+        return None
+    position = None if host.position is None else host.position.to(device)
+    return TokenPositions(host.index.to(device), position, host.document.to(device))

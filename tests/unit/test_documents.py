@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from ptdp.config import RunConfig, apply_updates
+from ptdp.config import DataConfig, RunConfig, apply_updates
 from ptdp.data.dataset import GPTDataset
-from ptdp.data.documents import DocumentIndex, window_positions
+from ptdp.data.documents import DocumentIndex, microbatch_positions, window_positions
 from ptdp.data.indexed import IndexedDataset, IndexedWriter
 from ptdp.data.preprocess import preprocess
 from ptdp.errors import ConfigError, DataError
@@ -85,6 +85,15 @@ def test_documents_of_preprocessed_data_end_at_their_eod(tmp_path: Path) -> None
             assert data.documents(k).tolist() == closed.tolist(), (split, k)
         rows = data.document_batch(1, 3)
         assert rows.shape == (3, 7) and rows[1].tolist() == data.documents(2).tolist()
+    masking = DataConfig(document_mask=True, reset_positions=True)
+    for first in range(0, len(data) - 2):
+        got = microbatch_positions(data, first, 2, masking, torch.device("cpu"))
+        want = window_positions(data.document_batch(first, 2), reset=True)
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert torch.equal(got.position, want.position)
+            assert torch.equal(got.document, want.document)
+    assert microbatch_positions(data, 0, 2, DataConfig(), torch.device("cpu")) is None
 
 
 def test_window_positions() -> None:
