@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ptdp.config import DataConfig, RunConfig, apply_updates
+from ptdp.data.blend import BlendedDataset
 from ptdp.data.dataset import GPTDataset
 from ptdp.data.documents import DocumentIndex, microbatch_positions, window_positions
 from ptdp.data.indexed import IndexedDataset, IndexedWriter
@@ -94,6 +95,10 @@ def test_documents_of_preprocessed_data_end_at_their_eod(tmp_path: Path) -> None
             assert torch.equal(got.position, want.position)
             assert torch.equal(got.document, want.document)
     assert microbatch_positions(data, 0, 2, DataConfig(), torch.device("cpu")) is None
+    blend = BlendedDataset([data, GPTDataset(indexed, 7, "train", seed=5)], [0.5, 0.5])
+    for k in range(6):  # each sample's documents come from the dataset it is drawn from
+        i, n = blend.source(k)
+        assert blend.document_batch(k, 1)[0].tolist() == blend.datasets[i].documents(n).tolist()
 
 
 def test_window_positions() -> None:
