@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ptdp.checkpoint import CheckpointManager
 from ptdp.config import Precision, RunConfig
+from ptdp.data.documents import microbatch_positions
 from ptdp.layout import Layout
 from ptdp.model.compile import apply_compile
 from ptdp.model.gpt import count_parameters
@@ -187,9 +188,10 @@ class Trainer:
         return stack
 
     def _microbatch(self, dataset, first_sample: int) -> Microbatch:
-        batch = dataset.batch(first_sample, self.cfg.train.micro_batch_size)
-        batch = batch.to(self.device, non_blocking=True)
-        return Microbatch(batch[:, :-1], batch[:, 1:])
+        size = self.cfg.train.micro_batch_size
+        batch = dataset.batch(first_sample, size).to(self.device, non_blocking=True)
+        positions = microbatch_positions(dataset, first_sample, size, self.cfg.data, self.device)
+        return Microbatch(batch[:, :-1], batch[:, 1:], positions)
 
     def _autocast(self):
         """16-bit training: the weights are 16-bit already; autocast keeps the ops that need
