@@ -11,12 +11,13 @@ A compute action starts when its rank is free and its inputs are there: F(s) nee
 output of stage s - 1, B or BW(s) its own F and the input gradient from stage s + 1, W its
 B. Between stages on the same rank (pp = 1, ZB-V's turn), or in a compute-only plan, the
 dependency is direct and free; otherwise the message travels from the SEND on one rank to
-the RECV on the other, and `CommModel` says how (contention between channels that share a
-network card is not modelled).
+the RECV on the other, and `CommModel` says how. A rank's messages leave (and arrive)
+through its own cards one at a time, whichever neighbour and direction they go to.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -31,7 +32,12 @@ Cost = Callable[[Action], float]
 class CommModel(str, Enum):
     """How a transfer between ranks occupies the two ranks and its channel.
 
-    A channel is (sending rank, receiving rank, direction); its messages leave one at a time.
+    A channel is (sending rank, receiving rank, direction); its messages leave one at a time,
+    in order. All channels of one rank share its cards (activations to the next stage and
+    gradients to the previous one leave through the same NIC or NVLink ports, and arrive
+    through them): a message takes the first gap at or after it may start in which both
+    the sender's outgoing and the receiver's incoming direction are free, so interleaving's
+    extra messages queue behind one another.
     """
 
     ASYNC = "async"
@@ -197,6 +203,8 @@ class _Engine:
         self.posted: dict[_Message, float] = {}  # RECV posted at
         self.arrival: dict[_Message, float] = {}
         self.channel_free: dict[tuple[int, int, Kind], float] = {}
+        self.egress: dict[int, list[tuple[float, float]]] = {}  # rank -> busy, by start
+        self.ingress: dict[int, list[tuple[float, float]]] = {}
         ranks = range(stages.pp)
         self.step = [0 for _ in ranks]  # next action of each rank
         self.clock: list[float] = [0 for _ in ranks]  # when each rank is free
@@ -312,8 +320,18 @@ class _Engine:
         send = _sender(key)
         src, dst = self.stages.rank(send.stage), self.stages.rank(key[1])
         channel = (src, dst, key[0])
+        seconds = self.transfer_cost(send)
+        out, into = self.egress.setdefault(src, []), self.ingress.setdefault(dst, [])
         start = max(self.channel_free.get(channel, 0), *not_before)
-        self.arrival[key] = self.channel_free[channel] = start + self.transfer_cost(send)
+        while True:  # the first start at which both the sender's and receiver's cards are free
+            fits = _first_gap(into, _first_gap(out, start, seconds), seconds)
+            if fits == start:
+                break
+            start = fits
+        if seconds > 0:
+            bisect.insort(out, (start, start + seconds))
+            bisect.insort(into, (start, start + seconds))
+        self.arrival[key] = self.channel_free[channel] = start + seconds
         self.events.append(Timed(src, send, start, self.arrival[key]))
         return self.arrival[key]
 
@@ -341,3 +359,17 @@ class _Engine:
 
 def _free(a: Action) -> float:
     return 0
+
+
+def _first_gap(busy: list[tuple[float, float]], ready: float, seconds: float) -> float:
+    """The earliest start >= `ready` at which `seconds` fit between the `busy` intervals
+    (sorted, disjoint, so their ends are sorted too)."""
+    start = ready
+    first = max(0, bisect.bisect_left(busy, (ready,)) - 1)
+    for begin, end in busy[first:]:
+        if end <= start:
+            continue
+        if begin >= start + seconds:
+            break
+        start = end
+    return start
