@@ -75,10 +75,19 @@ class Software:
     split_backward: bool = True
     """The zero-bubble schedules (ZB-H1, ZB-H2: B and W apart) exist; Megatron-LM in 2021
     had none, so the planner does not search them for it."""
+    elementwise_kernels: int = 8
+    """Memory-bound kernels one layer launches in forward (two norms, two residual adds, the
+    activation, the copies around attention), each paying the device's kernel overhead;
+    backward launches `backward_traffic_ratio` times as many. A fixed cost per layer that
+    weighs most where the per-rank tensors are small (small h / t)."""
     tp_comm_overlap: bool = False
     """Tensor-parallel collectives run in chunks under the GEMMs that consume or produce
     them (Megatron-Core's --tp-comm-overlap through Transformer Engine): only what outlasts
     a pass's GEMMs is exposed. ptdp runs them between its GEMMs (False)."""
+    overlap_param_gather: bool = False
+    """The distributed optimizer's all-gather of updated weights runs under the next step's
+    first forward (Megatron-Core's --overlap-param-gather): only what outlasts that forward
+    is exposed. ptdp gathers after the step (False)."""
 
 
 PTDP = Software()
@@ -89,9 +98,10 @@ MEGATRON_2021 = Software(
 """The code of the paper's measurements: unfused attention, fp16 gradients all-reduced
 (its default for fp16 training), blocking pipeline transfers, no zero-bubble schedules."""
 
-MEGATRON_CORE = Software(tp_comm_overlap=True)
+MEGATRON_CORE = Software(grad_reduce_bytes=2, tp_comm_overlap=True, overlap_param_gather=True)
 """Megatron-Core as its published H100 weak-scaling runs used it (`ptdp.perf.published`):
-fused attention, overlapped tensor-parallel, gradient and parameter communication."""
+fused attention, overlapped tensor-parallel, gradient and parameter communication, and
+gradients reduced in bf16 (its default, grad_reduce_in_fp32 off)."""
 
 SOFTWARE: dict[str, Software] = {
     "ptdp": PTDP,
@@ -285,7 +295,8 @@ def layer_seconds(
     stored = layer_activation_bytes(
         model, recompute=Recompute.NONE, precision=c.precision, fused_attention=fused, **kw
     )
-    traffic = c.stream(c.software.elementwise_traffic * stored)
+    launches = c.software.elementwise_kernels * c.system.device.kernel_overhead
+    traffic = c.stream(c.software.elementwise_traffic * stored) + launches
     boundary = micro_batch * model.seq_length * model.hidden_size * c.e
     comm = 2 * all_reduce_seconds(boundary, tp, group_link(c.system, tp, 1))
     comm_f = comm_b = comm

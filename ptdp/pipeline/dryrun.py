@@ -64,6 +64,11 @@ class PipelineCosts:
     """Stage s -> s + 1, activation, on the wire once the send is matched."""
     send_backward: tuple[float, ...]
     """Stage s -> s - 1, gradient."""
+    receive_forward: tuple[float, ...] = ()
+    """By sending stage: the receiver's work on an arrived activation before it is usable
+    (scatter/gather's all-gather over the tensor group); it holds neither the sender nor the
+    channel. Empty: none."""
+    receive_backward: tuple[float, ...] = ()
 
     @classmethod
     def unit(cls, stages: int) -> PipelineCosts:
@@ -88,6 +93,11 @@ class PipelineCosts:
         """Seconds on the wire of the message SEND_F or SEND_B action `send` carries."""
         table = self.send_forward if send.kind is Kind.SEND_F else self.send_backward
         return table[send.stage]
+
+    def receive(self, send: Action) -> float:
+        """Seconds the receiver spends on the message of `send` after it arrived."""
+        table = self.receive_forward if send.kind is Kind.SEND_F else self.receive_backward
+        return table[send.stage] if table else 0.0
 
 
 @dataclass(frozen=True)
@@ -194,8 +204,9 @@ class _Engine:
         self.plan, self.stages, self.comms = plan, stages, comms
         if isinstance(cost, PipelineCosts):
             self.compute_cost, self.transfer_cost = cost.duration, cost.transfer
+            self.receive_cost = cost.receive
         else:
-            self.compute_cost, self.transfer_cost = cost, _free
+            self.compute_cost, self.transfer_cost, self.receive_cost = cost, _free, _free
         self.present = {a for actions in plan.values() for a in actions}
         self.carried = {_message(a) for a in self.present if a.kind.is_comm}
         self.done: dict[tuple[Kind, int, int], float] = {}  # (F, B or W, stage, mb) -> end
@@ -316,7 +327,8 @@ class _Engine:
         return True
 
     def _transfer(self, key: _Message, *not_before: float) -> float:
-        """Time message `key` once it may start; return its arrival."""
+        """Time message `key` once it may start; return when it has left the sender (it is
+        usable at `arrival`, after the receiver's own work on it)."""
         send = _sender(key)
         src, dst = self.stages.rank(send.stage), self.stages.rank(key[1])
         channel = (src, dst, key[0])
@@ -328,12 +340,13 @@ class _Engine:
             if fits == start:
                 break
             start = fits
+        end = self.channel_free[channel] = start + seconds
         if seconds > 0:
-            bisect.insort(out, (start, start + seconds))
-            bisect.insort(into, (start, start + seconds))
-        self.arrival[key] = self.channel_free[channel] = start + seconds
+            bisect.insort(out, (start, end))
+            bisect.insort(into, (start, end))
+        self.arrival[key] = end + self.receive_cost(send)
         self.events.append(Timed(src, send, start, self.arrival[key]))
-        return self.arrival[key]
+        return end
 
     # ------------------------------------------------------------------ deadlock
 
