@@ -38,7 +38,8 @@ class GemmLaw:
 
     def knots(self) -> tuple[tuple[float, float], ...]:
         """(FLOPs, efficiency) at `KNOT_EXPONENTS`, as a hardware file stores the curve."""
-        return tuple((10.0**x, round(self.efficiency(10.0**x), 4)) for x in KNOT_EXPONENTS)
+        sizes = [float(f"{10.0**x:.3g}") for x in KNOT_EXPONENTS]  # as the file prints them
+        return tuple((size, round(self.efficiency(size), 4)) for size in sizes)
 
     def apply(self, system: System) -> System:
         """`system` with this curve and attention efficiency in place of its constants."""

@@ -148,3 +148,24 @@ def test_messages_share_their_ranks_cards() -> None:
 def _receiver(t, stages: StageMap) -> int:  # noqa: ANN001 - a Timed transfer
     step = 1 if t.action.kind is Kind.SEND_F else -1
     return stages.rank(t.action.stage + step)
+
+
+def test_receiver_work_holds_neither_sender_nor_channel() -> None:
+    """Scatter/gather: the receivers all-gather the arrived pieces (0.25 here) after the
+    wire (0.5). Blocking, the sender is held for the wire only; the consumer waits for
+    both: 1 + .5 + .25 + 1 + 2 + .5 + .25 + 2 = 7.5."""
+    stages = StageMap(2)
+    plan = add_comms(one_f_one_b(2, 1), stages)
+    costs = PipelineCosts(
+        (1.0, 1.0), (2.0, 2.0), (0.0, 0.0), (0.5, 0.5), (0.5, 0.5), (0.25, 0.25), (0.0, 0.25)
+    )
+    for comms in (CommModel.BLOCKING, CommModel.ASYNC):
+        run = dry_run(plan, stages, costs, comms=comms)
+        assert run.makespan == 7.5
+        assert [t.start for t in run.events if t.action.kind is Kind.F] == [0.0, 1.75]
+    two = add_comms(one_f_one_b(2, 2), stages)
+    blocking = dry_run(two, stages, costs, comms=CommModel.BLOCKING)
+    forwards = [(t.rank, t.start) for t in blocking.events if t.action.kind is Kind.F]
+    assert (0, 1.5) in forwards  # rank 0's second forward: its send held it until 1.5
+    assert costs.receive(Action.parse("0SEND_F0")) == 0.25
+    assert PipelineCosts.unit(2).receive(Action.parse("1SEND_B0")) == 0.0
