@@ -37,6 +37,7 @@ width, v = vocabulary, t = tensor-parallel size, e = bytes per element.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -251,6 +252,7 @@ def group_members(size: int, stride: int, period: int) -> list[list[int]]:
     return [[base + i * stride for i in range(size)] for base in bases]
 
 
+@functools.lru_cache(maxsize=4096)  # the planner asks again for every layout it weighs
 def group_link(system: System, size: int, stride: int) -> Link:
     """The bottleneck link of the slowest group of `size` GPUs spaced `stride` apart.
 
