@@ -355,25 +355,29 @@ def run_scenario(s: Scenario, data: str, tmp: Path) -> dict:
     return row
 
 
+def tiny_corpus(tmp: Path) -> str:
+    """A byte-level dataset of about 100k tokens under `tmp`; returns its prefix (tmp/tiny)."""
+    from ptdp.data.preprocess import preprocess
+
+    text = tmp / "text"
+    text.mkdir(parents=True, exist_ok=True)
+    words = "to be or not that is the question whether tis nobler in the mind".split()
+    for i in range(12):
+        (text / f"d{i}.txt").write_text(" ".join(words[(i + j) % len(words)] for j in range(2000)))
+    preprocess([text], tmp / "tiny", "bytes", progress=False)
+    return str(tmp / "tiny")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "runs/benchmarks/failures.json")
     parser.add_argument("--only", default="", help="run the scenarios whose name has this")
     parser.add_argument("--keep", type=Path, help="keep every run's logs in this directory")
     opts = parser.parse_args()
-    from ptdp.data.preprocess import preprocess
-
     rows = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = opts.keep or Path(tmp_name)
-        text = tmp / "text"
-        text.mkdir(parents=True, exist_ok=True)
-        words = "to be or not that is the question whether tis nobler in the mind".split()
-        for i in range(12):
-            (text / f"d{i}.txt").write_text(
-                " ".join(words[(i + j) % len(words)] for j in range(2000))
-            )
-        preprocess([text], tmp / "tiny", "bytes", progress=False)
+        tiny_corpus(tmp)
         for i, s in enumerate(SCENARIOS):
             if opts.only not in s.name:
                 continue

@@ -224,8 +224,9 @@ class DataConfig:
     valid_fraction: float = 0.05
     """Fraction of the token stream (at its end) held out for validation."""
     document_mask: bool = False
-    """Attend only within each document of a packed training window (an end-of-document
-    token ends the document it closes)."""
+    """Attend only within each document of a packed training window; documents as the
+    dataset's .idx records them (each ends with its end-of-document token under `ptdp
+    preprocess`)."""
     reset_positions: bool = False
     """With document_mask: positions restart at 0 at each document's first token."""
 

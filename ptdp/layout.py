@@ -373,14 +373,24 @@ def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
         errors.append(f"optim.weight_decay = {o.weight_decay} must be >= 0")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         errors.append(f"optim.beta1/beta2 = {o.beta1}/{o.beta2} must be in [0, 1)")
-    if not 0.0 <= cfg.data.valid_fraction < 1.0:
-        errors.append(f"data.valid_fraction = {cfg.data.valid_fraction} must be in [0, 1)")
-    elif cfg.data.valid_fraction == 0 and t.eval_interval:
+    return microbatches
+
+
+def _data_rules(cfg: RunConfig, errors: list[str]) -> None:
+    d, t = cfg.data, cfg.train
+    if d.reset_positions and not d.document_mask:
+        errors.append(
+            "data.reset_positions = true restarts positions at each document's first token, "
+            "which needs document masking; set --data.document_mask true as well, or "
+            "--data.reset_positions false"
+        )
+    if not 0.0 <= d.valid_fraction < 1.0:
+        errors.append(f"data.valid_fraction = {d.valid_fraction} must be in [0, 1)")
+    elif d.valid_fraction == 0 and t.eval_interval:
         errors.append(
             "data.valid_fraction = 0 leaves no validation data but train.eval_interval > 0; "
             "set --train.eval_interval 0 or a valid_fraction such as 0.05"
         )
-    return microbatches
 
 
 def validate(cfg: RunConfig, world_size: int = 1) -> Layout:
@@ -394,6 +404,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> Layout:
     _model_rules(cfg, errors)
     dp = _parallel_rules(cfg, world_size, errors)
     microbatches = _train_rules(cfg, dp, errors)
+    _data_rules(cfg, errors)
     p = cfg.parallel
     if microbatches and cfg.parallel.pp > 1:
         try:

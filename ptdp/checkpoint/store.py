@@ -126,6 +126,22 @@ def find_checkpoint(path: str | Path) -> Path:
     )
 
 
+def find_restart_checkpoint(run_dir: str | Path) -> tuple[Path, list[str]]:
+    """For a launcher restart, where no person can choose: the checkpoint `latest` names
+    if its files are whole, else the newest older complete one, and why the latest was
+    skipped (a damaged checkpoint would otherwise fail every restart until the launcher
+    gives up). A first launch or --resume refuses the damage instead (find_checkpoint)."""
+    try:
+        return find_checkpoint(run_dir), []
+    except CheckpointError as exc:
+        root = checkpoint_root(run_dir)
+        name = _latest_name(root)
+        for step_dir in reversed(_step_dirs(root)):
+            if (name is None or step_dir.name < name) and not _problems(step_dir):
+                return step_dir, [str(exc).split("; resume from an earlier")[0]]  # no advice
+        raise
+
+
 def _newest_complete(root: Path) -> Path:
     """`latest` is lost: the newest step directory whose files are all there."""
     skipped = []

@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ptdp.data.dataset import stack_samples
 from ptdp.errors import ConfigError
 
 RESOLUTION = 1 << 16
@@ -135,6 +136,8 @@ class Samples(Protocol):
 
     def sample(self, k: int) -> np.ndarray: ...
 
+    def documents(self, k: int) -> np.ndarray: ...
+
 
 class BlendedDataset:
     """Samples of several datasets in proportion to their weights (see the module docstring).
@@ -163,9 +166,15 @@ class BlendedDataset:
         i, n = self.schedule.locate(k)
         return self.datasets[i].sample(n)
 
+    def documents(self, k: int) -> np.ndarray:
+        """int64[s]: the document of each input token of global sample ``k``."""
+        i, n = self.schedule.locate(k)
+        return self.datasets[i].documents(n)
+
     def batch(self, start: int, count: int) -> torch.Tensor:
         """Samples ``start .. start + count - 1`` as a LongTensor [count, s + 1]."""
-        out = np.empty((count, self.seq_length + 1), dtype=np.int64)
-        for j in range(count):
-            out[j] = self.sample(start + j)
-        return torch.from_numpy(out)
+        return stack_samples(self.sample, start, count, self.seq_length + 1)
+
+    def document_batch(self, start: int, count: int) -> torch.Tensor:
+        """Their ``documents`` as a LongTensor [count, s]."""
+        return stack_samples(self.documents, start, count, self.seq_length)

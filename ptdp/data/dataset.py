@@ -8,11 +8,13 @@ number of samples consumed and the seed: no sampler state to checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ptdp.data.documents import DocumentIndex
 from ptdp.data.indexed import IndexedDataset
 from ptdp.errors import DataError
 
@@ -67,6 +69,7 @@ class GPTDataset:
                 f"model.seq_length or add data"
             )
         self._tokens = indexed.tokens
+        self._documents = DocumentIndex.of(indexed)
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
 
@@ -99,14 +102,34 @@ class GPTDataset:
             return j
         return int(self._permutation(epoch)[j])
 
+    def _begin(self, k: int) -> int:
+        """Stream offset of global sample ``k``'s first token."""
+        return self.start + self.window_of(k) * self.seq_length
+
     def sample(self, k: int) -> np.ndarray:
         """Global sample ``k`` as int64[s + 1]."""
-        begin = self.start + self.window_of(k) * self.seq_length
+        begin = self._begin(k)
         return np.asarray(self._tokens[begin : begin + self.seq_length + 1], dtype=np.int64)
+
+    def documents(self, k: int) -> np.ndarray:
+        """int64[s]: the document of each input token of sample ``k``, from 0 for the first
+        (``ptdp.data.documents``)."""
+        return self._documents.window(self._begin(k), self.seq_length)
 
     def batch(self, start: int, count: int) -> torch.Tensor:
         """Samples ``start .. start + count - 1`` as a LongTensor [count, s + 1]."""
-        out = np.empty((count, self.seq_length + 1), dtype=np.int64)
-        for i in range(count):
-            out[i] = self.sample(start + i)
-        return torch.from_numpy(out)
+        return stack_samples(self.sample, start, count, self.seq_length + 1)
+
+    def document_batch(self, start: int, count: int) -> torch.Tensor:
+        """Their ``documents`` as a LongTensor [count, s]."""
+        return stack_samples(self.documents, start, count, self.seq_length)
+
+
+def stack_samples(
+    read: Callable[[int], np.ndarray], start: int, count: int, width: int
+) -> torch.Tensor:
+    """``read(start) .. read(start + count - 1)`` as the rows of a LongTensor [count, width]."""
+    out = np.empty((count, width), dtype=np.int64)
+    for i in range(count):
+        out[i] = read(start + i)
+    return torch.from_numpy(out)

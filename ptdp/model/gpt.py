@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from ptdp.config import Activation, ModelConfig, Normalization, PositionEmbedding, Recompute
 from ptdp.model.init import apply_init
 from ptdp.model.kv_cache import KVCache, LayerCache
+from ptdp.model.positions import TokenPositions
 from ptdp.model.rope import Rotary
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
@@ -101,10 +102,20 @@ class Attention(nn.Module):
         self.recompute_core = recompute_core
         self.tp = ctx.tp
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: TokenPositions | None = None,
+    ) -> torch.Tensor:
         s = q.shape[2]
-        # A window as long as the sequence is plain causal attention: keep the flash path.
-        mask = attention_mask(s, s, self.window, q.device) if 0 < self.window < s else None
+        if positions is not None:  # documents or a split window: the mask says who reads whom
+            mask = positions.allowed(positions, self.window)
+        elif 0 < self.window < s:
+            mask = attention_mask(s, s, self.window, q.device)
+        else:  # a window as long as the sequence is plain causal attention: the flash path
+            mask = None
         p = self.dropout if self.training else 0.0
         if p == 0.0:
             return F.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None)
@@ -125,10 +136,15 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def forward(
-        self, x: torch.Tensor, rotary: Rotary | None, cache: LayerCache | None = None
+        self,
+        x: torch.Tensor,
+        rotary: Rotary | None,
+        cache: LayerCache | None = None,
+        positions: TokenPositions | None = None,
     ) -> torch.Tensor:
         """x [s, b, h] -> [s, b, h]. With `cache` (inference), x holds the positions after
-        the cached ones, whose keys and values are appended to the cache."""
+        the cached ones, whose keys and values are appended to the cache; with `positions`,
+        the tokens' places in the window (documents, a context-parallel split)."""
         qkv = self.qkv(x)  # [s, b, local groups * (q_per_group + 2) * d], full sequence
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
@@ -137,7 +153,8 @@ class Attention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         offset = 0 if cache is None else cache.offset
         if rotary is not None:
-            q, k = rotary(q, offset), rotary(k, offset)
+            ids = None if positions is None else positions.ids()
+            q, k = rotary(q, offset, ids), rotary(k, offset, ids)
         if cache is not None:
             k, v = cache.update(k, v)  # [b, g, offset + s, d]
         if self.q_per_group > 1:  # each group's k/v serve q_per_group consecutive query heads
@@ -147,9 +164,9 @@ class Attention(nn.Module):
             out = self._cached_core(q, k, v)
         elif self.recompute_core and self.training:
             # Selective recomputation (Korthikanti et al. 2022): keep only q, k, v.
-            out = checkpoint(self._core, q, k, v, use_reentrant=False)
+            out = checkpoint(self._core, q, k, v, positions, use_reentrant=False)
         else:
-            out = self._core(q, k, v)  # [b, n, s, d]
+            out = self._core(q, k, v, positions)  # [b, n, s, d]
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.proj(out)
 
@@ -214,18 +231,26 @@ class TransformerLayer(nn.Module):
         return self.dropout(x)  # replicated: the shared stream keeps ranks identical
 
     def _forward(
-        self, x: torch.Tensor, rotary: Rotary | None, cache: LayerCache | None = None
+        self,
+        x: torch.Tensor,
+        rotary: Rotary | None,
+        cache: LayerCache | None = None,
+        positions: TokenPositions | None = None,
     ) -> torch.Tensor:
-        x = x + self._residual_dropout(self.attn(self.norm1(x), rotary, cache))
+        x = x + self._residual_dropout(self.attn(self.norm1(x), rotary, cache, positions))
         return x + self._residual_dropout(self.mlp(self.norm2(x)))
 
     def forward(
-        self, x: torch.Tensor, rotary: Rotary | None = None, cache: LayerCache | None = None
+        self,
+        x: torch.Tensor,
+        rotary: Rotary | None = None,
+        cache: LayerCache | None = None,
+        positions: TokenPositions | None = None,
     ) -> torch.Tensor:
         if self.recompute_full and self.training:
             # Full recomputation: store only the layer input, redo the layer in backward.
-            return checkpoint(self._forward, x, rotary, use_reentrant=False)
-        return self._forward(x, rotary, cache)
+            return checkpoint(self._forward, x, rotary, None, positions, use_reentrant=False)
+        return self._forward(x, rotary, cache, positions)
 
 
 class GPT(nn.Module):
@@ -328,14 +353,20 @@ class GPT(nn.Module):
         """[v/t, h]: the output layer's weight, the embedding's when they are tied."""
         return self.embedding.weight if not hasattr(self, "output") else self.output.weight
 
-    def embed(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """tokens [b, s] at positions offset.. -> hidden [s, b, h] ([s/t, b, h] under
-        sequence parallelism)."""
+    def embed(
+        self, tokens: torch.Tensor, offset: int = 0, positions: TokenPositions | None = None
+    ) -> torch.Tensor:
+        """tokens [b, s] at positions offset.. (or `positions`) -> hidden [s, b, h]
+        ([s/t, b, h] under sequence parallelism)."""
         x = self.embedding(tokens)
         if hasattr(self, "position"):
             s = x.shape[0]
-            first = self.ctx.tp.rank * s if self.ctx.sequence_parallel else offset
-            x = x + self.position(torch.arange(first, first + s, device=tokens.device))[:, None]
+            first = self.ctx.tp.rank * s if self.ctx.sequence_parallel else 0
+            if positions is None:
+                ids = torch.arange(first + offset, first + offset + s, device=tokens.device)
+                x = x + self.position(ids)[:, None]
+            else:  # this rank's slice of the ids, [b or 1, s] -> [s, b or 1, h]
+                x = x + self.position(positions.ids()[:, first : first + s]).transpose(0, 1)
         if self.training and self.embed_dropout.p and self.ctx.sequence_parallel:
             with rank_rng(self.ctx.tp, x.device):
                 return self.embed_dropout(x)
@@ -358,6 +389,7 @@ class GPT(nn.Module):
         labels: torch.Tensor | None = None,
         *,
         cache: KVCache | None = None,
+        positions: TokenPositions | None = None,
     ) -> torch.Tensor:
         """Tokens [b, s] (or hidden [s, b, h] for a later chunk) -> hidden, logits or loss.
 
@@ -367,10 +399,12 @@ class GPT(nn.Module):
         """
         if cache is None:
             if self.has_embedding:
-                x = self.embed(x)
+                x = self.embed(x, positions=positions)
             for layer in self.layers.values():
-                x = layer(x, self.rotary)
+                x = layer(x, self.rotary, positions=positions)
         else:
+            if positions is not None:
+                raise ValueError("a KV cache reads positions from the cache, not `positions`")
             if self.ctx.sequence_parallel:
                 raise ValueError("a KV cache needs a model built without sequence parallelism")
             cache.check_room(x.shape[1] if self.has_embedding else x.shape[0])

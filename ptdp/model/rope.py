@@ -78,11 +78,17 @@ class Rotary(nn.Module):
     def from_config(cls, cfg: ModelConfig) -> Rotary:
         return cls(cfg.head_dim, cfg.seq_length, cfg.rope_theta, inverse_frequencies(cfg))
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """x: [b, n, s, d] -> same, rotated by each position's angle."""
-        s = x.shape[-2]
-        cos = self.cos[offset : offset + s].to(x.dtype)
-        sin = self.sin[offset : offset + s].to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, offset: int = 0, ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: [b, n, s, d] -> same, rotated by each position's angle: positions offset..
+        offset+s-1, or the position ids `ids` [b or 1, s] (`TokenPositions.ids`)."""
+        if ids is not None:
+            cos, sin = self.cos[ids][:, None].to(x.dtype), self.sin[ids][:, None].to(x.dtype)
+        else:
+            s = x.shape[-2]
+            cos = self.cos[offset : offset + s].to(x.dtype)
+            sin = self.sin[offset : offset + s].to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin

@@ -118,12 +118,15 @@ def _link_rows(fit: LinkFit | None, base: Link | None, source: str) -> dict[str,
         bandwidth, efficiency, latency = base.bandwidth / GB, base.efficiency, base.latency * 1e6
     else:  # one process and no base: nothing to go on
         bandwidth, efficiency, latency = 1.0, 1.0, 100.0
-    return {
+    rows: dict[str, object] = {
         "link": source,
         "bandwidth_gb_s": float(bandwidth),
         "efficiency": float(efficiency),
         "latency_us": float(latency),
     }
+    if fit is None and base is not None and base.step_latency > 0:  # the base's ring steps
+        rows["step_latency_us"] = float(base.step_latency * 1e6)
+    return rows
 
 
 def _links(cal: Calibration) -> tuple[dict[str, object], dict[str, object]]:

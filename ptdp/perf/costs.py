@@ -26,8 +26,11 @@ B, selective recomputation the attention core's forward (ptdp checkpoints the fu
 kernel too, so it reruns there as well).
 
 Communication model. A ring all-reduce of N bytes over n GPUs moves 2 (n-1)/n N bytes per
-GPU, a reduce-scatter or all-gather (n-1)/n N, at the bus bandwidth of the group's
-slowest link, plus one latency per call. Tensor parallelism runs 2 all-reduces in forward
+GPU in 2 (n-1) steps, a reduce-scatter or all-gather (n-1)/n N in n - 1 steps, at the bus
+bandwidth of the group's slowest link, plus one latency per call and one step latency per
+step (the alpha-beta model of Thakur et al. 2005): small messages, as tensor parallelism
+at a small hidden size sends, pay mostly latency. Which link a group uses follows from
+its ranks and the node size (`group_link`). Tensor parallelism runs 2 all-reduces in forward
 and 2 in backward per layer (sequence parallelism: reduce-scatter + all-gather pairs of
 the same volume); they are not overlapped with compute, as in the runtime.
 
@@ -37,6 +40,9 @@ width, v = vocabulary, t = tensor-parallel size, e = bytes per element.
 
 from __future__ import annotations
 
+import functools
+import math
+from collections import Counter
 from dataclasses import dataclass
 
 from ptdp.config import Activation, ModelConfig, Precision, Recompute
@@ -73,6 +79,19 @@ class Software:
     split_backward: bool = True
     """The zero-bubble schedules (ZB-H1, ZB-H2: B and W apart) exist; Megatron-LM in 2021
     had none, so the planner does not search them for it."""
+    elementwise_kernels: int = 8
+    """Memory-bound kernels one layer launches in forward (two norms, two residual adds, the
+    activation, the copies around attention), each paying the device's kernel overhead;
+    backward launches `backward_traffic_ratio` times as many. A fixed cost per layer that
+    weighs most where the per-rank tensors are small (small h / t)."""
+    tp_comm_overlap: bool = False
+    """Tensor-parallel collectives run in chunks under the GEMMs that consume or produce
+    them (Megatron-Core's --tp-comm-overlap through Transformer Engine): only what outlasts
+    a pass's GEMMs is exposed. ptdp runs them between its GEMMs (False)."""
+    overlap_param_gather: bool = False
+    """The distributed optimizer's all-gather of updated weights runs under the next step's
+    first forward (Megatron-Core's --overlap-param-gather): only what outlasts that forward
+    is exposed. ptdp gathers after the step (False)."""
 
 
 PTDP = Software()
@@ -83,7 +102,16 @@ MEGATRON_2021 = Software(
 """The code of the paper's measurements: unfused attention, fp16 gradients all-reduced
 (its default for fp16 training), blocking pipeline transfers, no zero-bubble schedules."""
 
-SOFTWARE: dict[str, Software] = {"ptdp": PTDP, "megatron-2021": MEGATRON_2021}
+MEGATRON_CORE = Software(grad_reduce_bytes=2, tp_comm_overlap=True, overlap_param_gather=True)
+"""Megatron-Core as its published H100 weak-scaling runs used it (`ptdp.perf.published`):
+fused attention, overlapped tensor-parallel, gradient and parameter communication, and
+gradients reduced in bf16 (its default, grad_reduce_in_fp32 off)."""
+
+SOFTWARE: dict[str, Software] = {
+    "ptdp": PTDP,
+    "megatron-2021": MEGATRON_2021,
+    "megatron-core": MEGATRON_CORE,
+}
 """The runtimes by name, as `--software` of `ptdp simulate` and `ptdp plan` takes them."""
 
 
@@ -202,32 +230,57 @@ def attention_core(model: ModelConfig, micro_batch: int, tp: int, c: Compute) ->
 
 
 def all_reduce_seconds(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce over n GPUs at the link's achieved bus bandwidth."""
+    """Ring all-reduce over n GPUs: one call's latency, 2 (n-1) steps each paying the
+    link's step latency, and 2 (n-1)/n N bytes per GPU at the achieved bus bandwidth."""
     if n <= 1:
         return 0.0
-    return link.latency + 2 * (n - 1) / n * nbytes / link.achieved
+    steps = 2 * (n - 1)
+    return link.latency + steps * link.step_latency + steps / n * nbytes / link.achieved
 
 
 def gather_seconds(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-gather (or reduce-scatter) of a full tensor of `nbytes` over n GPUs."""
+    """Ring all-gather (or reduce-scatter) of a full tensor of `nbytes` over n GPUs: n - 1
+    steps, (n-1)/n N bytes per GPU."""
     if n <= 1:
         return 0.0
-    return link.latency + (n - 1) / n * nbytes / link.achieved
+    steps = n - 1
+    return link.latency + steps * link.step_latency + steps / n * nbytes / link.achieved
 
 
+def group_members(size: int, stride: int, period: int) -> list[list[int]]:
+    """Every group of `size` GPUs spaced `stride` apart in rank order whose first GPU lies
+    in [0, period) (tp groups: stride 1; dp groups: stride t, as `ptdp.parallel.mesh`
+    orders ranks)."""
+    bases = [r for r in range(period) if (r // stride) % size == 0]
+    return [[base + i * stride for i in range(size)] for base in bases]
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks again for every layout it weighs
 def group_link(system: System, size: int, stride: int) -> Link:
-    """The bottleneck link of a group of `size` GPUs spaced `stride` apart in rank order.
+    """The bottleneck link of the slowest group of `size` GPUs spaced `stride` apart.
 
-    Within a node it is the NVLink/NVSwitch link. Across nodes, each node's k members
-    drive k network cards in parallel (NCCL runs one ring per card), so the bus bandwidth
-    is k times one card's, capped by the in-node link.
+    Which nodes a group spans comes from its members' ranks and the node size, over one
+    period of the pattern (groups need not divide a node: t = 3 on 8-GPU nodes puts one
+    group across two). A group inside one node runs on the NVLink/NVSwitch link. A group
+    across nodes runs its ring through the network cards of its members: with k members
+    on the node that holds fewest (k cards there), its bus bandwidth is k times one
+    card's, capped by the in-node link, and every ring step waits for a network hop.
     """
     per_node = system.gpus_per_node
-    if size * stride <= per_node:
+    if size <= 1:
         return system.intra
-    k = max(1, min(size, per_node // stride))
-    bandwidth = min(system.intra.achieved, k * system.inter.achieved)
-    return Link(f"{k} x {system.inter.name}", bandwidth, 1.0, system.inter.latency)
+    period = math.lcm(size * stride, per_node)
+    cards = [
+        min(Counter(system.node_of(gpu) for gpu in group).values())
+        for group in group_members(size, stride, period)
+        if system.node_of(group[0]) != system.node_of(group[-1])
+    ]
+    if not cards:
+        return system.intra
+    k = min(cards)
+    inter = system.inter
+    bandwidth = min(system.intra.achieved, k * inter.achieved)
+    return Link(f"{k} x {inter.name}", bandwidth, 1.0, inter.latency, inter.step_latency)
 
 
 def layer_seconds(
@@ -247,12 +300,17 @@ def layer_seconds(
     stored = layer_activation_bytes(
         model, recompute=Recompute.NONE, precision=c.precision, fused_attention=fused, **kw
     )
+    fixed_f, fixed_b = c.system.device.layer_overhead  # measured: holds every launch
+    launches = 0.0 if fixed_f or fixed_b else c.software.elementwise_kernels
     traffic = c.stream(c.software.elementwise_traffic * stored)
+    traffic += launches * c.system.device.kernel_overhead
     boundary = micro_batch * model.seq_length * model.hidden_size * c.e
     comm = 2 * all_reduce_seconds(boundary, tp, group_link(c.system, tp, 1))
-    fixed_f, fixed_b = c.system.device.layer_overhead
-    forward = linears.f + core.f + traffic + comm + fixed_f
-    backward = linears.b + core.b + c.software.backward_traffic_ratio * traffic + comm + fixed_b
+    comm_f = comm_b = comm
+    if c.software.tp_comm_overlap:
+        comm_f, comm_b = max(0.0, comm - linears.f), max(0.0, comm - linears.b - linears.w)
+    forward = linears.f + core.f + traffic + comm_f + fixed_f
+    backward = linears.b + core.b + c.software.backward_traffic_ratio * traffic + comm_b + fixed_b
     passes = Passes(forward, backward, linears.w)
     if recompute is Recompute.FULL:
         passes += Passes(0.0, forward, 0.0)

@@ -8,10 +8,13 @@ kernel launch cost, reserved memory; from `ptdp calibrate` also a GEMM efficienc
 size, `gemm_curve_flops` and `gemm_curve_efficiency`, and the fused attention kernel's own
 efficiency and backward / forward ratio), `[node]` (GPUs per node and their NVLink/NVSwitch
 link) and `[network]` (the inter-node link per GPU, e.g. one InfiniBand HCA each).
-Bandwidths are per GPU and per direction, in GB/s (1e9 bytes); latencies per message.
+Bandwidths are per GPU and per direction, in GB/s (1e9 bytes); `latency_us` per message or
+collective call, `step_latency_us` per step of a ring collective.
 
 Built in: `a100-80gb` (the paper's Selene nodes: DGX A100 80GB, 8x 200 Gb/s HDR per
-node), `a100-40gb`, `h100-sxm` and `h200`.
+node), `a100-40gb`, `h100-sxm` and `h200` (their GEMM curve fitted to Megatron-Core's
+published H100 weak-scaling table, `ptdp.perf.published`), and `mi250x` (Frontier's nodes,
+from AMD's and HPE's specifications only).
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ class Link:
     efficiency: float
     """Fraction of `bandwidth` that collectives and transfers achieve."""
     latency: float
-    """Seconds per message (or per step of a ring collective)."""
+    """Seconds per message or collective call (launch and set-up)."""
+    step_latency: float = 0.0
+    """Seconds per step of a ring collective (a hop's synchronisation: an all-reduce over n
+    GPUs takes 2 (n-1) steps, an all-gather n-1), on top of `latency`."""
 
     @property
     def achieved(self) -> float:
@@ -163,6 +169,7 @@ NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
             ("bandwidth_gb_s", "positive"),
             ("efficiency", "fraction"),
             ("latency_us", "non-negative"),
+            ("step_latency_us", "non-negative"),
         )
     ),
 )
@@ -289,4 +296,5 @@ def _link(table: dict[str, Any]) -> Link:
         bandwidth=float(table["bandwidth_gb_s"]) * GB,
         efficiency=float(table.get("efficiency", 1.0)),
         latency=float(table.get("latency_us", 0.0)) * 1e-6,
+        step_latency=float(table.get("step_latency_us", 0.0)) * 1e-6,
     )

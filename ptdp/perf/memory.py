@@ -32,8 +32,16 @@ sequence parallelism, the all-gathered inputs of QKV and fc1 (the activation cou
 their [s/t] shard). Compiled layers (`train.compile`) compute every gradient in B, so W
 holds all of the chunk's parameter gradients instead.
 
-Known omissions: temporary buffers of a backward pass other than recomputation, p2p
-receive buffers, and grouped-query attention's smaller K and V (counted as full heads).
+At the peak, besides what is stored, a backward pass holds its transients (`working`): the
+layer being recomputed (full) or its attention core (selective), plus the gradients alive
+inside one layer's backward (`layer_backward_bytes`: the incoming and outgoing [s, b, h]
+gradients and the larger of the MLP's inner gradients and attention's dQ, dK, dV, dO);
+on the last stage the loss's backward instead, whose logit gradient is fp32 [s b, v/t]
+beside its 16-bit copy for the output layer (`head_backward_bytes`), often the largest
+single transient (vocabulary 131,072 at s = 4096: 3 GiB at t = 1).
+
+Known omissions: p2p receive buffers, allocator fragmentation beyond the device file's
+reserve, and grouped-query attention's smaller K and V (counted as full heads).
 
 Letters: s = sequence, b = micro-batch, h = hidden, f = MLP width, v = vocabulary,
 t = tensor-parallel size, e = bytes per activation element.
@@ -197,6 +205,35 @@ def head_activation_bytes(
     return 2 * n * model.hidden_size * element_bytes(precision) + n * logits
 
 
+def layer_backward_bytes(
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int = 1,
+    precision: Precision = Precision.BF16,
+) -> float:
+    """Gradients alive at once inside one layer's backward, per microbatch (module doc):
+    dY and dX [n, h], with the MLP's [n, f/t] output-of-activation and [n, parts f/t]
+    input-of-activation gradients or attention's dQ, dK, dV and dO, whichever is larger;
+    n = s b tokens."""
+    h, t, e = model.hidden_size, tp, element_bytes(precision)
+    n = model.seq_length * micro_batch
+    qkv = h + 2 * model.query_groups * model.head_dim
+    parts = 2 if model.activation is Activation.SWIGLU else 1
+    mlp = model.ffn_size * (1 + parts) // t
+    attention = (qkv + h) // t
+    return e * n * (2 * h + max(mlp, attention))
+
+
+def head_backward_bytes(
+    model: ModelConfig, *, micro_batch: int, tp: int = 1, precision: Precision = Precision.BF16
+) -> float:
+    """The loss's backward on the last stage: the fp32 gradient of the logits [s b, v/t] and
+    its copy in the model's precision that the output layer's backward reads."""
+    n = model.seq_length * micro_batch
+    return n * model.padded_vocab_size(tp) // tp * (4 + element_bytes(precision))
+
+
 def stash_bytes_per_layer(
     model: ModelConfig,
     *,
@@ -306,7 +343,8 @@ class MemoryEstimate:
     activations: float
     """Stored for backward: per-layer bytes x layers per chunk x forwards in flight."""
     working: float
-    """Transient: the layer being recomputed (full) or its attention core (selective)."""
+    """Transient: the layer being recomputed (full) or its attention core (selective), plus
+    one layer's backward gradients; on the last stage at least the loss's backward."""
     in_flight: int
     stash: float = 0.0
     """Split backward: held from B until W (module doc) x microbatches awaiting their W."""
@@ -374,6 +412,8 @@ def estimate_memory(
         model, recompute=Recompute.NONE, fused_attention=fused_attention, **kw
     )
     working = {Recompute.NONE: 0.0, Recompute.FULL: full}.get(par.recompute, full - layer)
+    working += layer_backward_bytes(model, micro_batch=b, tp=tp, precision=prec)
+    head_working = head_backward_bytes(model, micro_batch=b, tp=tp, precision=prec)
     head = head_activation_bytes(
         model, micro_batch=b, tp=tp, precision=prec, compiled=cfg.train.compile
     )
@@ -397,7 +437,7 @@ def estimate_memory(
                 count * state.grads,
                 count * state.optimizer,
                 acts,
-                working,
+                max(working, head_working) if with_head else working,
                 held[rank],
                 stash[rank],
                 buckets[rank],

@@ -99,22 +99,28 @@ def stage_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
 
 
 def transfer_seconds(cfg: RunConfig, layout: Layout, system: System, sender: int) -> float:
-    """Pipeline rank `sender` to its neighbour: network across nodes, NVLink within one.
-
-    With scatter/gather each of the t tensor ranks sends 1/t of the boundary tensor over
-    its own card and the receivers all-gather it over NVLink (the paper's section 4.1).
-    """
+    """Pipeline rank `sender` to its neighbour, on the wire: network across nodes, NVLink
+    within one. With scatter/gather (or sequence parallelism) each of the t tensor ranks
+    sends 1/t of the boundary tensor over its own card (the paper's section 4.1)."""
     t, span = layout.tp, layout.tp * layout.dp  # GPUs between neighbouring stages
     b, m = cfg.train.micro_batch_size, cfg.model
     nbytes = b * m.seq_length * m.hidden_size * (4 if cfg.train.precision is Precision.FP32 else 2)
     stages = layout.stages
     a, z = stages.rank(sender) * span, stages.rank(sender + 1) * span
     link = system.intra if system.node_of(a) == system.node_of(z) else system.inter
-    if cfg.parallel.sequence_parallel:
-        return link.transfer_seconds(nbytes / t)
-    if cfg.parallel.scatter_gather and t > 1:
-        return link.transfer_seconds(nbytes / t) + gather_seconds(nbytes, t, system.intra)
-    return link.transfer_seconds(nbytes)
+    split = t > 1 and (cfg.parallel.sequence_parallel or cfg.parallel.scatter_gather)
+    return link.transfer_seconds(nbytes / t if split else nbytes)
+
+
+def receive_seconds(cfg: RunConfig, layout: Layout, system: System) -> float:
+    """The receivers' all-gather of a scattered boundary tensor over NVLink (scatter/gather
+    without sequence parallelism): the receiving rank's work, not the sender's."""
+    t, m = layout.tp, cfg.model
+    if t == 1 or cfg.parallel.sequence_parallel or not cfg.parallel.scatter_gather:
+        return 0.0
+    e = 4 if cfg.train.precision is Precision.FP32 else 2
+    nbytes = cfg.train.micro_batch_size * m.seq_length * m.hidden_size * e
+    return gather_seconds(nbytes, t, group_link(system, t, 1))
 
 
 def pipeline_costs(cfg: RunConfig, layout: Layout, c: Compute) -> PipelineCosts:
@@ -126,12 +132,15 @@ def pipeline_costs(cfg: RunConfig, layout: Layout, c: Compute) -> PipelineCosts:
         passes = [Passes(p.f, p.b + p.w, 0.0) for p in passes]
     stages = len(passes)
     hop = [transfer_seconds(cfg, layout, c.system, s) for s in range(stages)]
+    gather = receive_seconds(cfg, layout, c.system)
     return PipelineCosts(
         tuple(p.f for p in passes),
         tuple(p.b for p in passes),
         tuple(p.w for p in passes),
         tuple(hop),
         tuple([0.0] + hop[: stages - 1]),  # gradient s -> s-1 crosses the same link as s-1 -> s
+        (gather,) * stages,
+        (0.0,) + (gather,) * (stages - 1),
     )
 
 
@@ -190,7 +199,9 @@ def _reduce_gradients(
     return ends, totals, events
 
 
-def optimizer_seconds(cfg: RunConfig, layout: Layout, c: Compute) -> float:
+def optimizer_seconds(
+    cfg: RunConfig, layout: Layout, c: Compute, hidden_under: float = 0.0
+) -> float:
     """AdamW step on the busiest rank: streaming its state once through HBM.
 
     Per local parameter 8 B (gradient-norm read, gradient zeroing) plus, per parameter of
@@ -213,7 +224,10 @@ def optimizer_seconds(cfg: RunConfig, layout: Layout, c: Compute) -> float:
     seconds = c.stream(per_rank * (8 + (28 if fp32 else 30) / shard))
     if layout.shards_optimizer:
         link = group_link(c.system, layout.dp, layout.tp)
-        seconds += gather_seconds(per_rank * (4 if fp32 else 2), layout.dp, link)
+        gather = gather_seconds(per_rank * (4 if fp32 else 2), layout.dp, link)
+        if c.software.overlap_param_gather:
+            gather = max(0.0, gather - hidden_under)
+        seconds += gather
     return seconds
 
 
@@ -251,7 +265,11 @@ def simulate(
     costs = pipeline_costs(cfg, layout, c)
     run = replay(layout.pipeline.lowered, layout.stages, costs, blocking=software.blocking_p2p)
     ends, dp_totals, dp_events = _reduce_gradients(cfg, layout, c, run)
-    step = optimizer_seconds(cfg, layout, c)
+    first_forward = min(  # the least forward work a pipeline rank does for one microbatch
+        sum(f for stage, f in enumerate(costs.forward) if layout.stages.rank(stage) == r)
+        for r in range(pp)
+    )
+    step = optimizer_seconds(cfg, layout, c, first_forward)
     iteration = max(ends) + step
     opt_events = [Event(r, 0, 0, "OPT", max(ends), iteration, "dp") for r in range(pp)]
     batch = cfg.train.global_batch_size
@@ -282,7 +300,11 @@ def simulate(
         memory=tuple(memory),
         busy=run.busy,
         layer=layer,
-        p2p_seconds=transfer_seconds(cfg, layout, system, 0) if pp > 1 else 0.0,
+        p2p_seconds=(
+            transfer_seconds(cfg, layout, system, 0) + receive_seconds(cfg, layout, system)
+            if pp > 1
+            else 0.0
+        ),
         dp_seconds=max(dp_totals),
         optimizer_seconds=step,
         events=run.events + tuple(dp_events) + tuple(opt_events),

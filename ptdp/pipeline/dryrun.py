@@ -11,12 +11,13 @@ A compute action starts when its rank is free and its inputs are there: F(s) nee
 output of stage s - 1, B or BW(s) its own F and the input gradient from stage s + 1, W its
 B. Between stages on the same rank (pp = 1, ZB-V's turn), or in a compute-only plan, the
 dependency is direct and free; otherwise the message travels from the SEND on one rank to
-the RECV on the other, and `CommModel` says how (contention between channels that share a
-network card is not modelled).
+the RECV on the other, and `CommModel` says how. A rank's messages leave (and arrive)
+through its own cards one at a time, whichever neighbour and direction they go to.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -31,7 +32,12 @@ Cost = Callable[[Action], float]
 class CommModel(str, Enum):
     """How a transfer between ranks occupies the two ranks and its channel.
 
-    A channel is (sending rank, receiving rank, direction); its messages leave one at a time.
+    A channel is (sending rank, receiving rank, direction); its messages leave one at a time,
+    in order. All channels of one rank share its cards (activations to the next stage and
+    gradients to the previous one leave through the same NIC or NVLink ports, and arrive
+    through them): a message takes the first gap at or after it may start in which both
+    the sender's outgoing and the receiver's incoming direction are free, so interleaving's
+    extra messages queue behind one another.
     """
 
     ASYNC = "async"
@@ -58,6 +64,11 @@ class PipelineCosts:
     """Stage s -> s + 1, activation, on the wire once the send is matched."""
     send_backward: tuple[float, ...]
     """Stage s -> s - 1, gradient."""
+    receive_forward: tuple[float, ...] = ()
+    """By sending stage: the receiver's work on an arrived activation before it is usable
+    (scatter/gather's all-gather over the tensor group); it holds neither the sender nor the
+    channel. Empty: none."""
+    receive_backward: tuple[float, ...] = ()
 
     @classmethod
     def unit(cls, stages: int) -> PipelineCosts:
@@ -82,6 +93,11 @@ class PipelineCosts:
         """Seconds on the wire of the message SEND_F or SEND_B action `send` carries."""
         table = self.send_forward if send.kind is Kind.SEND_F else self.send_backward
         return table[send.stage]
+
+    def receive(self, send: Action) -> float:
+        """Seconds the receiver spends on the message of `send` after it arrived."""
+        table = self.receive_forward if send.kind is Kind.SEND_F else self.receive_backward
+        return table[send.stage] if table else 0.0
 
 
 @dataclass(frozen=True)
@@ -188,8 +204,9 @@ class _Engine:
         self.plan, self.stages, self.comms = plan, stages, comms
         if isinstance(cost, PipelineCosts):
             self.compute_cost, self.transfer_cost = cost.duration, cost.transfer
+            self.receive_cost = cost.receive
         else:
-            self.compute_cost, self.transfer_cost = cost, _free
+            self.compute_cost, self.transfer_cost, self.receive_cost = cost, _free, _free
         self.present = {a for actions in plan.values() for a in actions}
         self.carried = {_message(a) for a in self.present if a.kind.is_comm}
         self.done: dict[tuple[Kind, int, int], float] = {}  # (F, B or W, stage, mb) -> end
@@ -197,6 +214,8 @@ class _Engine:
         self.posted: dict[_Message, float] = {}  # RECV posted at
         self.arrival: dict[_Message, float] = {}
         self.channel_free: dict[tuple[int, int, Kind], float] = {}
+        self.egress: dict[int, list[tuple[float, float]]] = {}  # rank -> busy, by start
+        self.ingress: dict[int, list[tuple[float, float]]] = {}
         ranks = range(stages.pp)
         self.step = [0 for _ in ranks]  # next action of each rank
         self.clock: list[float] = [0 for _ in ranks]  # when each rank is free
@@ -308,14 +327,26 @@ class _Engine:
         return True
 
     def _transfer(self, key: _Message, *not_before: float) -> float:
-        """Time message `key` once it may start; return its arrival."""
+        """Time message `key` once it may start; return when it has left the sender (it is
+        usable at `arrival`, after the receiver's own work on it)."""
         send = _sender(key)
         src, dst = self.stages.rank(send.stage), self.stages.rank(key[1])
         channel = (src, dst, key[0])
+        seconds = self.transfer_cost(send)
+        out, into = self.egress.setdefault(src, []), self.ingress.setdefault(dst, [])
         start = max(self.channel_free.get(channel, 0), *not_before)
-        self.arrival[key] = self.channel_free[channel] = start + self.transfer_cost(send)
+        while True:  # the first start at which both the sender's and receiver's cards are free
+            fits = _first_gap(into, _first_gap(out, start, seconds), seconds)
+            if fits == start:
+                break
+            start = fits
+        end = self.channel_free[channel] = start + seconds
+        if seconds > 0:
+            bisect.insort(out, (start, end))
+            bisect.insort(into, (start, end))
+        self.arrival[key] = end + self.receive_cost(send)
         self.events.append(Timed(src, send, start, self.arrival[key]))
-        return self.arrival[key]
+        return end
 
     # ------------------------------------------------------------------ deadlock
 
@@ -341,3 +372,17 @@ class _Engine:
 
 def _free(a: Action) -> float:
     return 0
+
+
+def _first_gap(busy: list[tuple[float, float]], ready: float, seconds: float) -> float:
+    """The earliest start >= `ready` at which `seconds` fit between the `busy` intervals
+    (sorted, disjoint, so their ends are sorted too)."""
+    start = ready
+    first = max(0, bisect.bisect_left(busy, (ready,)) - 1)
+    for begin, end in busy[first:]:
+        if end <= start:
+            continue
+        if begin >= start + seconds:
+            break
+        start = end
+    return start

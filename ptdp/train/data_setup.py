@@ -12,6 +12,7 @@ from pathlib import Path
 from ptdp.config import DataConfig, RunConfig
 from ptdp.data.blend import BlendedDataset, parse_blend
 from ptdp.data.dataset import GPTDataset
+from ptdp.data.documents import require_documents
 from ptdp.data.indexed import IndexedDataset, bin_path, idx_path
 from ptdp.data.preprocess import load_data_tokenizer, read_metadata, sidecar_path
 from ptdp.data.token_range import token_range
@@ -194,6 +195,9 @@ def open_data(cfg: RunConfig) -> RunData:
         return BlendedDataset(parts, [w for w, _ in blend])
 
     train = split("train")
+    if d.document_mask:  # every dataset's index must tell its documents apart
+        for part in train.datasets if isinstance(train, BlendedDataset) else [train]:
+            require_documents(part.indexed)
     valid = None
     if cfg.train.eval_interval:
         valid = split("valid")

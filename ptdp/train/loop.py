@@ -234,6 +234,11 @@ def _on_fault(trainer: Trainer, fault: NumericalFault, result: TrainResult) -> N
     for values in (result.losses, result.grad_norms):
         for step in [s for s in values if s > restored]:
             del values[step]
+    if trainer.is_main:  # events.jsonl names it beside the restarts
+        append_event(
+            trainer.run_dir, "rollback", step=fault.step, restored=restored,
+            checkpoint=str(good), steps_lost=fault.step - 1 - restored, error=str(fault),
+        )  # fmt: skip
     trainer.say(
         f"{fault}: rolled back to {good} (step {restored}) and skipped the batches of "
         f"steps {restored + 1}..{fault.step} (train.on_nan = rollback)"

@@ -20,6 +20,7 @@ from typing import Any
 
 from ptdp import checkpoint as ckpt
 from ptdp.checkpoint.recover import find_unpublished, publish_unpublished, verify_unpublished
+from ptdp.checkpoint.store import find_restart_checkpoint
 from ptdp.config import LAYOUT_ONLY_MODEL_KEYS, Resume, RunConfig, to_dict
 from ptdp.errors import CheckpointError, ConfigError
 from ptdp.layout import Layout
@@ -46,6 +47,8 @@ class ResumePlan:
     """A newer save, complete on every rank when the previous run failed (`step_X.tmp`)."""
     not_complete: list[str] = field(default_factory=list)
     """Why newer unpublished saves are not taken."""
+    skipped: list[str] = field(default_factory=list)
+    """A launcher restart: why the checkpoint `latest` names was not taken (damaged)."""
     saved: RunConfig | None = None
     """The config of the newest of the two."""
     ending: dict[str, Any] | None = None
@@ -57,8 +60,9 @@ class ResumePlan:
         return self.unpublished or self.step_dir
 
 
-def plan_resume(cfg: RunConfig, resume: bool) -> ResumePlan:
-    """The checkpoint a run continues from; refuses to overwrite or mix runs."""
+def plan_resume(cfg: RunConfig, resume: bool, restart: bool = False) -> ResumePlan:
+    """The checkpoint a run continues from; refuses to overwrite or mix runs. A launcher
+    `restart` continues from an older complete checkpoint when the latest is damaged."""
     run_dir = Path(cfg.train.run_dir)
     plan = ResumePlan(ending=previous_ending(read_events(run_dir)))
     has_checkpoint = ckpt.has_checkpoint(run_dir)
@@ -69,7 +73,10 @@ def plan_resume(cfg: RunConfig, resume: bool) -> ResumePlan:
         )
     if not resume:
         return plan
-    plan.step_dir = ckpt.find_checkpoint(run_dir) if has_checkpoint else None
+    if has_checkpoint and restart:
+        plan.step_dir, plan.skipped = find_restart_checkpoint(run_dir)
+    elif has_checkpoint:
+        plan.step_dir = ckpt.find_checkpoint(run_dir)
     plan.unpublished, plan.not_complete = find_unpublished(run_dir)
     if plan.newest is None:
         return plan
@@ -127,6 +134,9 @@ def publish_in_flight(
     """Collective, after the process group exists: verify the unpublished save's checksums
     (each rank a share), publish it (rank 0) and return it; else the published checkpoint."""
     tmp = plan.unpublished
+    for reason in plan.skipped:
+        name = plan.step_dir.name if plan.step_dir else "nothing"
+        say(f"the latest checkpoint is damaged: continuing from {name} instead ({reason})")
     for reason in plan.not_complete:
         say(f"an unfinished save is not published: {reason}")
     if tmp is None:
@@ -188,7 +198,7 @@ def record_continued(
     fault_time = end.get("fault_time") or end.get("time")
     interrupted = end.get("event") == "interrupted"
     step = end.get("step")
-    done = None if step is None else step if interrupted else step - 1
+    done = None if step is None else step if interrupted else end.get("done", step - 1)
     lost = None if done is None else max(0, done - resumed_step)
     cause = (
         f"interrupted by {end.get('signal')}"
@@ -212,6 +222,7 @@ def record_continued(
         start_to_first_step_s=_seconds(now, plan.started),
         layout_saved=layouts[0] or None,
         layout=layouts[1],
+        skipped=plan.skipped or None,
     )
     line = (
         f"{record['event']} ({env.restart_text()}): "

@@ -100,7 +100,7 @@ def train(
     env = env or LaunchEnv.from_environ()
     resume = wants_resume(cfg.train.resume, resume, env)
     cfg, layout, data, source = _prepare(cfg, env, given, resume)
-    plan = plan_resume(cfg, resume)
+    plan = plan_resume(cfg, resume, restart=env.is_restart)
     run_dir = Path(cfg.train.run_dir)
     make_output_dir(run_dir, "--train.run_dir")  # before any process group
     trainer = None
@@ -194,5 +194,5 @@ def _record_failure(trainer: Trainer, exc: Exception) -> None:
     text = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
     append_event(
         trainer.run_dir, "failure", rank=0, how="raised", error=text, step=trainer.step + 1,
-        fault_time=round(time.time(), 3),
+        done=trainer.step, fault_time=round(time.time(), 3),
     )  # fmt: skip

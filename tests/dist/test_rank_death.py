@@ -17,6 +17,7 @@ import pytest
 
 from benchmarks.failures import TIMEOUT_S, launch, train_args
 from ptdp.config import resolve
+from ptdp.train.faults.events import read_events
 from ptdp.train.run import train
 
 pytestmark = pytest.mark.dist
@@ -72,18 +73,21 @@ def test_exception_on_one_rank_stops_the_others(tiny_data: str, tmp_path: Path) 
 
 def test_frozen_rank_is_named_and_nobody_stays_blocked(tiny_data: str, tmp_path: Path) -> None:
     """Rank 2 freezes (SIGSTOP) mid-step: its peers stay blocked in collectives that never
-    fail on their own. The watchdog names rank 2 and every other rank exits within the
-    timeout."""
+    fail on their own. The watchdog names rank 2, a peer on its host SIGKILLs it (frozen,
+    it cannot exit by itself), and every rank exits within the timeout."""
     run = launch(tmp_path, train_args(tiny_data, 2, 2, 60), "stop:2:4")
     try:
-        exited = run.wait(limit_s=120, ignore=(2,))
-        assert len(exited) == 3, [run.output(i)[-2000:] for i in range(4)]
+        exited = run.wait(limit_s=120)
+        assert len(exited) == 4, [run.output(i)[-2000:] for i in range(4)]
         fault_at = run.fault_at()
-        for r in (0, 1, 3):
+        for r in range(4):
             assert run.procs[r].returncode != 0
             assert exited[r] - fault_at < TIMEOUT_S, (r, exited[r] - fault_at)
+        for r in (0, 1, 3):
             _assert_named(run.output(r), 2, "no heartbeat")
-        assert run.procs[2].poll() is None  # still frozen: kill_all ends it
+        assert run.procs[2].returncode == -9  # SIGKILLed by a peer
+        said = "".join(run.output(r) for r in (0, 1, 3))
+        assert "sent SIGKILL to rank 2 (pid" in said, said[-3000:]
     finally:
         run.kill_all()
 
@@ -115,7 +119,8 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def test_nan_on_one_rank_stop_and_rollback(tiny_data: str, tmp_path: Path) -> None:
     """A NaN in rank 1's copy of one gradient at step 4 (tp=2, pp=2): with on_nan = stop
     every rank stops with the error naming the last good checkpoint; with rollback every
-    rank reloads step 3's checkpoint, skips batch 4 and finishes."""
+    rank reloads step 3's checkpoint, skips batch 4, records it in events.jsonl and
+    finishes."""
     stop_args = train_args(tiny_data, 2, 2, 6, save_interval=3, on_nan="stop")
     stop = launch(tmp_path / "stop", stop_args, "nan:1:4")
     try:
@@ -131,6 +136,8 @@ def test_nan_on_one_rank_stop_and_rollback(tiny_data: str, tmp_path: Path) -> No
         assert len(back.wait(limit_s=120)) == 4
         assert [p.returncode for p in back.procs] == [0] * 4, back.output(0)[-3000:]
         assert "rolled back to" in back.output(0)
+        (rollback,) = [e for e in read_events(back.run_dir) if e["event"] == "rollback"]
+        assert (rollback["step"], rollback["restored"], rollback["steps_lost"]) == (4, 3, 0)
         losses = _losses(back.run_dir)
         assert sorted(losses) == [1, 2, 3, 5, 6]  # step 4's batch is skipped
         assert all(v == v for v in losses.values())  # no NaN logged

@@ -123,3 +123,49 @@ def test_blocking_sender_carries_its_transfer() -> None:
 def test_plan_ranks_must_match_the_stage_map() -> None:
     with pytest.raises(ValueError, match=r"plan has ranks \[0\]; pp = 2 needs 0..1"):
         dry_run({0: []}, StageMap(2), lambda a: 1.0)
+
+
+def test_messages_share_their_ranks_cards() -> None:
+    """A rank's outgoing messages leave, and its incoming ones arrive, one at a time, whatever
+    neighbour and direction. Interleaving (pp = 3, v = 2, m = 3, F = 1, B = 2) with transfers
+    of 3, longer than a chunk's forward: activations and gradients would overlap on a rank's
+    card; queued, the step takes 62 instead of 60 (two private channels per neighbour)."""
+    plan = build_plan("interleaved", 3, 3, 2)
+    costs = PipelineCosts((1.0,) * 6, (2.0,) * 6, (0.0,) * 6, (3.0,) * 6, (3.0,) * 6)
+    run = dry_run(plan.lowered, plan.stages, costs)
+    transfers = [t for t in run.events if t.is_transfer]
+    for rank in range(3):
+        for side in ("out", "in"):
+            mine = sorted(
+                (t.start, t.end)
+                for t in transfers
+                if (t.rank if side == "out" else _receiver(t, plan.stages)) == rank
+            )
+            assert all(end <= start for (_, end), (start, _) in zip(mine, mine[1:]))
+    assert run.makespan == 62.0
+
+
+def _receiver(t, stages: StageMap) -> int:  # noqa: ANN001 - a Timed transfer
+    step = 1 if t.action.kind is Kind.SEND_F else -1
+    return stages.rank(t.action.stage + step)
+
+
+def test_receiver_work_holds_neither_sender_nor_channel() -> None:
+    """Scatter/gather: the receivers all-gather the arrived pieces (0.25 here) after the
+    wire (0.5). Blocking, the sender is held for the wire only; the consumer waits for
+    both: 1 + .5 + .25 + 1 + 2 + .5 + .25 + 2 = 7.5."""
+    stages = StageMap(2)
+    plan = add_comms(one_f_one_b(2, 1), stages)
+    costs = PipelineCosts(
+        (1.0, 1.0), (2.0, 2.0), (0.0, 0.0), (0.5, 0.5), (0.5, 0.5), (0.25, 0.25), (0.0, 0.25)
+    )
+    for comms in (CommModel.BLOCKING, CommModel.ASYNC):
+        run = dry_run(plan, stages, costs, comms=comms)
+        assert run.makespan == 7.5
+        assert [t.start for t in run.events if t.action.kind is Kind.F] == [0.0, 1.75]
+    two = add_comms(one_f_one_b(2, 2), stages)
+    blocking = dry_run(two, stages, costs, comms=CommModel.BLOCKING)
+    forwards = [(t.rank, t.start) for t in blocking.events if t.action.kind is Kind.F]
+    assert (0, 1.5) in forwards  # rank 0's second forward: its send held it until 1.5
+    assert costs.receive(Action.parse("0SEND_F0")) == 0.25
+    assert PipelineCosts.unit(2).receive(Action.parse("1SEND_B0")) == 0.0

@@ -91,12 +91,47 @@ def test_group_links() -> None:
     assert thin.achieved == pytest.approx(s.inter.achieved)
 
 
+def test_groups_that_do_not_fit_a_node_span_nodes() -> None:
+    """Which link a group uses follows from its ranks: t = 3 on 8-GPU nodes puts the group
+    {6, 7, 8} across two nodes (one card on node 1), so every tp group waits for one card;
+    t = 16 and 32 run their rings through 8 cards per node and pay network steps."""
+    s = load_system("a100-80gb")
+    assert group_link(s, 4, 1) is s.intra and group_link(s, 2, 1) is s.intra
+    three = group_link(s, 3, 1)
+    assert three.achieved == pytest.approx(s.inter.achieved)
+    assert three.step_latency == s.inter.step_latency
+    for t in (16, 32):
+        wide = group_link(s, t, 1)
+        assert wide.achieved == pytest.approx(min(s.intra.achieved, 8 * s.inter.achieved))
+        assert wide.step_latency == pytest.approx(6.6e-6)
+    # dp groups of t = 3 (stride 3, size 4: ranks 0, 3, 6, 9 span nodes 0 and 1, with three
+    # members on node 0 and one on node 1): one card.
+    assert group_link(s, 4, 3).achieved == pytest.approx(s.inter.achieved)
+
+
+def test_tensor_parallel_latency_at_small_hidden_sizes() -> None:
+    """A ~6B model (h = 4096, s = 2048, b = 1) at t = 8: each all-reduce moves 16.8 MB, whose
+    14 ring steps add 35 us to the 10 us call and 126 us of bandwidth, a third more than
+    bandwidth alone; at t = 16 across two nodes the steps are network hops."""
+    s = load_system("a100-80gb")
+    nbytes = 2048 * 4096 * 2
+    bandwidth = 2 * 7 / 8 * nbytes / s.intra.achieved
+    t8 = all_reduce_seconds(nbytes, 8, group_link(s, 8, 1))
+    assert t8 == pytest.approx(10e-6 + 14 * 2.5e-6 + bandwidth)
+    assert t8 / bandwidth > 1.3
+    t16 = all_reduce_seconds(nbytes, 16, group_link(s, 16, 1))
+    link = min(s.intra.achieved, 8 * s.inter.achieved)
+    assert t16 == pytest.approx(10e-6 + 30 * 6.6e-6 + 2 * 15 / 16 * nbytes / link)
+    assert t16 > 2 * t8
+
+
 def test_ring_collectives_by_hand() -> None:
     s = load_system("a100-80gb")
     n, nbytes = 8, 1e9
     assert all_reduce_seconds(nbytes, 1, s.intra) == 0.0
-    expected = s.intra.latency + 2 * 7 / 8 * nbytes / (300e9 * s.intra.efficiency)
+    # One call's latency, 2 (n-1) ring steps of 2.5 us each, the bytes at the bus bandwidth.
+    expected = 10e-6 + 14 * 2.5e-6 + 2 * 7 / 8 * nbytes / (300e9 * s.intra.efficiency)
     assert all_reduce_seconds(nbytes, n, s.intra) == pytest.approx(expected)
     assert gather_seconds(nbytes, n, s.intra) == pytest.approx(
-        s.intra.latency + 7 / 8 * nbytes / s.intra.achieved
+        10e-6 + 7 * 2.5e-6 + 7 / 8 * nbytes / s.intra.achieved
     )

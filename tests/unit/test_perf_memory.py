@@ -11,8 +11,10 @@ from ptdp.parallel.comm import Group
 from ptdp.perf.memory import (
     bytes_per_parameter,
     estimate_memory,
+    head_backward_bytes,
     in_flight,
     layer_activation_bytes,
+    layer_backward_bytes,
     parameters_per_rank,
     stage_in_flight,
     stash_bytes_per_layer,
@@ -249,3 +251,33 @@ def test_stash_bytes_by_hand() -> None:
     # Full recompute also keeps the recomputed inputs: 2 [n, h], [n, h/t], [n, f/t].
     full = stash_bytes_per_layer(model, recompute=Recompute.FULL, **kw)
     assert full == 4 * (per_layer + 128 * (3 * 64 + 256))
+
+
+def test_backward_transients_at_the_peak() -> None:
+    """What is in flight at the peak besides what is stored: one layer's backward gradients
+    (dY, dX [n, h] and the larger of the MLP's [n, f/t] + [n, f/t] and attention's
+    dQ, dK, dV, dO [n, 4h/t]), and on the last stage the loss's fp32 logit gradient with its
+    16-bit copy, [n, v/t] (4 + 2) bytes, when that is larger."""
+    cfg = config(
+        model={
+            "num_layers": 4,
+            "hidden_size": 64,
+            "num_heads": 4,
+            "vocab_size": 1000,
+            "seq_length": 32,
+        },
+        parallel={"tp": 2, "pp": 2},
+        train={"precision": "bf16", "micro_batch_size": 2, "global_batch_size": 4},
+    )
+    n, h, f, t = 64, 64, 256, 2
+    layer = 2 * n * (2 * h + max(2 * f // t, 4 * h // t))
+    assert layer_backward_bytes(cfg.model, micro_batch=2, tp=2) == layer
+    vocab = cfg.model.padded_vocab_size(t)
+    head = n * vocab // t * 6
+    assert head_backward_bytes(cfg.model, micro_batch=2, tp=2) == head
+    first, last = estimate_memory(cfg, 4)
+    assert first.working == layer  # no recomputation: nothing else is transient
+    assert last.working == max(layer, head) == head
+    assert last.total - last.working == pytest.approx(
+        last.params + last.grads + last.optimizer + last.activations
+    )

@@ -242,3 +242,31 @@ def test_a_requeue_after_sigterm_resumes_and_loses_nothing(
     assert record["event"] == "restart" and record["launch"] == "SLURM requeue 1"
     assert record["cause"] == "interrupted by SIGTERM" and record["failed_rank"] is None
     assert record["steps_lost"] == 0
+
+
+def test_a_restart_continues_from_the_checkpoint_before_a_damaged_latest(
+    tiny_data: str, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Step 5 raises after step 4's checkpoint, whose shard is then cut short: --resume
+    refuses it naming the file, as before; a launcher restart (no person to choose)
+    continues from step 2, says why and records the skipped checkpoint; its losses are
+    those of an uninterrupted run, bit for bit."""
+    cfg = _config(tiny_data, tmp_path / "run")
+    full = train(_config(tiny_data, tmp_path / "full"))
+    with monkeypatch.context() as m:
+        _raise_at(m, 5)
+        with pytest.raises(RuntimeError, match="injected"):
+            train(cfg)
+    shard = next((tmp_path / "run/checkpoints/step_00000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=f"{shard} is truncated"):
+        train(cfg, resume=True)
+    capsys.readouterr()
+    resumed = train(cfg, env=LaunchEnv(0, 1, 0, restart=1))
+    assert resumed.start_step == 2
+    assert {s: resumed.losses[s] for s in range(3, 7)} == {s: full.losses[s] for s in range(3, 7)}
+    out = capsys.readouterr().out
+    assert "the latest checkpoint is damaged: continuing from step_00000002 instead" in out
+    record = read_events(tmp_path / "run")[-1]
+    assert record["event"] == "restart" and record["step"] == 2 and record["steps_lost"] == 2
+    assert f"{shard} is truncated (100 of" in record["skipped"][0]

@@ -222,3 +222,22 @@ def test_a_lost_store_hosted_by_rank0_names_rank0_as_failed() -> None:
     assert "This rank (1) stopped at step 5" in text
     assert [(r["rank"], r["how"], r["step"]) for r in records] == [(0, "store lost", 5)]
     assert records[0]["fault_time"] <= time.time()
+
+
+def test_a_failure_while_a_step_is_saved_counts_that_step_as_done() -> None:
+    """The record says how many steps were complete: a failure inside step 4 after step 3
+    ended, and one while step 3's checkpoint is written, both have done = 3 (the step in
+    progress reads 4 and 3), so a restart counts step 3 among the steps lost."""
+    records: list[dict] = []
+    dog = Watchdog(dist.HashStore(), 0, 1, 2.0, exit_process=lambda code: None)
+    dog.on_failure = records.append
+    dog.start()
+    try:
+        dog.begin_step(3)
+        dog.end_step()
+        with dog.doing("checkpoint save"):
+            dog.failed(RuntimeError("disk gone"))
+    finally:
+        dog.close()
+    assert (records[0]["step"], records[0]["done"]) == (3, 3), records
+    assert "checkpoint save" in records[0]["where"]

@@ -1,9 +1,12 @@
 """RUN_DIR/events.jsonl: what happened to a run besides its metrics, one JSON object a line.
 
 - `failure`: the rank that failed first, how (raised, no heartbeat, the store's host
-  gone), its error, the step in progress, `time` (when it was recorded) and `fault_time`
+  gone), its error, the step in progress, `done` (the steps completed: a failure during
+  the save of step k comes after k), `time` (when it was recorded) and `fault_time`
   (when it happened: for a silent rank, its last heartbeat);
 - `interrupted`: the run stopped for SIGINT/SIGTERM after saving (a preemption notice);
+- `rollback`: a non-finite step under `train.on_nan = rollback`: the bad step, the step
+  restored and the completed steps lost (their batches are skipped);
 - `resume` / `restart`: a run continued from a checkpoint, by `--resume` or by a launcher
   restart (torchrun --max-restarts, a SLURM requeue): the checkpoint and its step, the
   cause read from the previous failure, steps lost, the layout change, and the seconds

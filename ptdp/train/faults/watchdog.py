@@ -10,7 +10,8 @@ an error writes that error. The first failure written wins (`store.add` orders t
 
 Every rank's thread also reads the failure key. Once it is set, a rank whose main thread
 has not stopped within `grace_s` (blocked in a collective or a pipeline receive that will
-never complete) prints why and exits with status 1, so no rank is left blocked.
+never complete) prints why and exits with status 1, so no rank is left blocked. A silent
+rank on the same host is SIGKILLed, since a frozen process cannot exit by itself.
 
 A communication error is not a failure of its own: a rank whose collective breaks
 because a peer died waits (at most `stale_s`) for the failed rank to be named and reports
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -34,6 +36,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -121,6 +124,9 @@ class Watchdog:
         self._rank0_reported = False
         self.watcher = rank in (0, world_size - 1)
         self.step = 0
+        """The step in progress, or the last one while the rank saves or evaluates."""
+        self.done = 0
+        """Steps this rank completed (a failure during a save loses the step saved too)."""
         self.action: object = "starting"
         self.waiting = ""
         self.action_since = time.monotonic()
@@ -167,6 +173,7 @@ class Watchdog:
         self.step, self._step_started = step, time.monotonic()
 
     def end_step(self) -> None:
+        self.done = self.step
         if self._step_started is not None:
             self._step_times.append(time.monotonic() - self._step_started)
         self._step_started = None
@@ -282,6 +289,7 @@ class Watchdog:
             "error": f"{lost}: the process hosting it ({self.store_host}) was killed or its "
             "machine went away",
             "step": self.step,
+            "done": self.done,
             "fault_time": round(time.time() - (time.monotonic() - seen[1]), 3) if seen else None,
         }
         if self.rank == self.world_size - 1 and not self._rank0_reported:
@@ -334,7 +342,7 @@ class Watchdog:
     def _claim(self, record: dict, rank: int | None = None) -> None:
         """Write a failure; the first one written is the one every rank reports."""
         rank = self.rank if rank is None else rank
-        record = {"rank": rank, **self._who(rank), "step": self.step, **record}
+        record = {"rank": rank, **self._who(rank), "step": self.step, "done": self.done, **record}
         record.setdefault("fault_time", round(time.time(), 3))
         if self.store.add("failures", 1) == 1:
             self.store.set("first", json.dumps(record))
@@ -349,6 +357,7 @@ class Watchdog:
         now = time.monotonic()
         if self._failure_deadline is None:
             self._failure_deadline = now + self.times.grace_s
+            self._end_silent_rank(first)
         elif now > self._failure_deadline and not self._reporting:
             _stderr(
                 f"rank {self.rank}: {describe_failure(first)}. This rank was still blocked "
@@ -357,6 +366,28 @@ class Watchdog:
             )
             self._stopping()
             self.exit_process(1)
+
+    def _end_silent_rank(self, first: dict) -> None:
+        """A silent rank on this host is SIGKILLed: if it is frozen (SIGSTOP, a hung
+        process) it cannot act on its launcher's SIGTERM, and torchrun would wait 30 s
+        before its own SIGKILL and the restart. A rank that is gone is left alone."""
+        pid, mine = first.get("pid"), first.get("host") == socket.gethostname()
+        if first.get("how") != "no heartbeat" or not mine or pid in (None, os.getpid()):
+            return  # (several ranks in one process: tests)
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "?"  # no /proc: kill answers whether it exists
+        if state in ("Z", "X"):  # dead already, not yet reaped by its launcher
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        _stderr(
+            f"rank {self.rank}: sent SIGKILL to rank {first['rank']} (pid {pid}), silent on "
+            "this host, so that its launcher sees it exit"
+        )
 
     def _scan(self) -> None:
         """Watcher ranks: a rank whose heartbeat has not changed for stale_s has failed."""

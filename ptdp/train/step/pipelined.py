@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ptdp.config import ModelConfig, Recompute
 from ptdp.layout import Layout
 from ptdp.model.gpt import GPT
+from ptdp.model.positions import TokenPositions
 from ptdp.parallel.comm import Group
 from ptdp.parallel.mesh import ParallelMesh
 from ptdp.pipeline.actions import Action
@@ -25,8 +27,18 @@ from ptdp.pipeline.partition import layer_ranges
 from ptdp.pipeline.plan import PipelinePlan, build_forward_only
 from ptdp.pipeline.runtime import PipelineRuntime
 
-Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-"""mb -> (tokens, labels) of that microbatch."""
+
+class Microbatch(NamedTuple):
+    """One microbatch as this rank's chunks read it."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    positions: TokenPositions | None = None
+    """The tokens' places in the window, where not simply 0..s-1 (`ptdp.model.positions`)."""
+
+
+Batch = Callable[[int], Microbatch]
+"""mb -> that microbatch, loaded once."""
 
 
 def build_chunks(
@@ -134,13 +146,14 @@ class PipelineStep:
         dtype = self.p2p.dtype
 
         def forward_step(stage: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
-            chunk = self.chunks[stage]  # only the first and last stage read the data
+            chunk = self.chunks[stage]  # tokens for the first stage, labels for the last
+            data = batch(mb)
             with self.autocast():
                 if stage == 0:
-                    x = batch(mb)[0]
+                    x = data.tokens
                 if stage == self.last:
-                    return chunk(x, batch(mb)[1]) / num_microbatches
-                return chunk(x).to(dtype)
+                    return chunk(x, data.labels, positions=data.positions) / num_microbatches
+                return chunk(x, positions=data.positions).to(dtype)
 
         hooks = self.hooks if training else StepHooks(around_wait=self.hooks.around_wait)
         return PipelineRuntime(

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ptdp.checkpoint import CheckpointManager
 from ptdp.config import Precision, RunConfig
+from ptdp.data.documents import microbatch_positions
 from ptdp.layout import Layout
 from ptdp.model.compile import apply_compile
 from ptdp.model.gpt import count_parameters
@@ -42,6 +43,7 @@ from ptdp.train.faults.watchdog import Watchdog
 from ptdp.train.step.loss_scale import DynamicLossScaler
 from ptdp.train.step.optim import Optimizer, lr_at, set_lr
 from ptdp.train.step.pipelined import (
+    Microbatch,
     PipelineStep,
     StepHooks,
     boundary_shape,
@@ -185,10 +187,11 @@ class Trainer:
             stack.enter_context(self.watchdog.doing(action))
         return stack
 
-    def _microbatch(self, dataset, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = dataset.batch(first_sample, self.cfg.train.micro_batch_size)
-        batch = batch.to(self.device, non_blocking=True)
-        return batch[:, :-1], batch[:, 1:]
+    def _microbatch(self, dataset, first_sample: int) -> Microbatch:
+        size = self.cfg.train.micro_batch_size
+        batch = dataset.batch(first_sample, size).to(self.device, non_blocking=True)
+        positions = microbatch_positions(dataset, first_sample, size, self.cfg.data, self.device)
+        return Microbatch(batch[:, :-1], batch[:, 1:], positions)
 
     def _autocast(self):
         """16-bit training: the weights are 16-bit already; autocast keeps the ops that need
@@ -209,11 +212,11 @@ class Trainer:
         return int(total.item())
 
     def _batches(self, dataset, first: int):
-        """mb -> (tokens, labels), loaded once per microbatch."""
-        cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """mb -> that microbatch, loaded once."""
+        cache: dict[int, Microbatch] = {}
         size = self.cfg.train.micro_batch_size
 
-        def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def batch(mb: int) -> Microbatch:
             if mb not in cache:
                 cache[mb] = self._microbatch(dataset, first + mb * size)
             return cache[mb]
@@ -225,9 +228,9 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         timed = self.around
         for j in range(n):
-            tokens, labels = batch(j)
+            tokens, labels, positions = batch(j)
             with timed(Action(Kind.F, 0, j)), self._autocast():
-                loss = self.chunks[0](tokens, labels) / n
+                loss = self.chunks[0](tokens, labels, positions=positions) / n
             if j == n - 1:  # its buckets reduce while the rest of this backward runs
                 self.grads.start_final(0)
             with timed(Action(Kind.BW, 0, j)):
@@ -303,9 +306,10 @@ class Trainer:
         if self.pipeline is None:
             total = torch.zeros((), device=self.device)
             for j in range(per_rank):
-                tokens, labels = batch(j)
+                tokens, labels, positions = batch(j)
                 with self._autocast():
-                    total += self.chunks[0](tokens, labels).float() / per_rank
+                    loss = self.chunks[0](tokens, labels, positions=positions)
+                    total += loss.float() / per_rank
         else:
             total = self.pipeline.evaluate(batch, per_rank)
         all_reduce_sum_(total, self.pp)
