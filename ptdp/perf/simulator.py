@@ -3,8 +3,11 @@
 `simulate` builds the costs for a config on a `System` (`ptdp.perf.costs`), replays one
 pipeline (all data-parallel replicas and tensor ranks run the same timeline), adds the
 data-parallel gradient reduction (overlapped with each chunk's last backward, or after
-the step) and the optimizer step, and reports iteration time, the paper's bubble
-(bubble time / ideal time), TFLOP/s per device, memory and the per-rank timeline.
+the step; ZeRO-2 and 3 per microbatch, `ptdp.perf.zero`) and the optimizer step, and
+reports iteration time, the paper's bubble (bubble time / ideal time), TFLOP/s per
+device, memory and the per-rank timeline. Context parallelism (`ptdp.perf.context`): a
+rank computes its s/cp tokens and 1/cp of the causal attention, plus the exposed K/V
+transfers.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 from ptdp.config import Precision, Recompute, RunConfig
 from ptdp.errors import ConfigError
 from ptdp.layout import Layout, validate
+from ptdp.perf.context import local_model
+from ptdp.perf.context_costs import cp_layer_seconds
 from ptdp.perf.costs import (
     PTDP,
     Compute,
@@ -24,7 +29,6 @@ from ptdp.perf.costs import (
     gather_seconds,
     group_link,
     head_seconds,
-    layer_seconds,
 )
 from ptdp.perf.flops import flops_per_iteration, utilisation
 from ptdp.perf.hardware import System
@@ -36,6 +40,7 @@ from ptdp.perf.memory import (
 )
 from ptdp.perf.replay import PipelineCosts, PipelineRun, replay
 from ptdp.perf.timeline import Event
+from ptdp.perf.zero import sharded_passes
 from ptdp.pipeline.schedules import SCHEDULES
 
 __all__ = ["PipelineCosts", "PipelineRun", "Prediction", "replay", "simulate"]
@@ -66,7 +71,8 @@ class Prediction:
     p2p_seconds: float
     """One boundary transfer (forward direction, first stage's)."""
     dp_seconds: float
-    """Data-parallel gradient reduction per rank (all of it, exposed or not)."""
+    """Data-parallel communication per rank (all of it, exposed or not): the gradient
+    reduction, and ZeRO-2/3's per-microbatch reduce-scatters and ZeRO-3's gathers."""
     optimizer_seconds: float
     events: tuple[Event, ...]
 
@@ -79,17 +85,26 @@ class Prediction:
         return max(m.total for m in self.memory)
 
 
-def stage_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
-    """F, B, W seconds of one microbatch through each global stage."""
-    model, par, b, tp = cfg.model, cfg.parallel, cfg.train.micro_batch_size, layout.tp
-    layer = layer_seconds(
-        model,
-        micro_batch=b,
-        tp=tp,
+def layer_costs(cfg: RunConfig, layout: Layout, c: Compute) -> Passes:
+    """F, B, W seconds of one layer and microbatch on one rank (its s/cp tokens under cp)."""
+    par = cfg.parallel
+    return cp_layer_seconds(
+        cfg.model,
+        micro_batch=cfg.train.micro_batch_size,
+        tp=layout.tp,
         sequence_parallel=par.sequence_parallel,
         recompute=par.recompute,
         c=c,
+        cp=layout.cp,
+        comm=par.cp_comm,
     )
+
+
+def compute_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
+    """F, B, W seconds of one microbatch through each global stage, without ZeRO-2/3."""
+    b, tp = cfg.train.micro_batch_size, layout.tp
+    model = local_model(cfg.model, layout.cp)
+    layer = layer_costs(cfg, layout, c)
     stages = layout.pp * layout.vpp
     split = layout.stage_layers or (model.num_layers // stages,) * stages
     passes = [layer.times(n) for n in split]
@@ -98,14 +113,20 @@ def stage_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
     return passes
 
 
+def stage_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
+    """F, B, W seconds of one microbatch through each global stage, ZeRO-2/3's exposed
+    communication included."""
+    return sharded_passes(cfg, layout, c, compute_costs(cfg, layout, c))[0]
+
+
 def transfer_seconds(cfg: RunConfig, layout: Layout, system: System, sender: int) -> float:
     """Pipeline rank `sender` to its neighbour: network across nodes, NVLink within one.
 
     With scatter/gather each of the t tensor ranks sends 1/t of the boundary tensor over
     its own card and the receivers all-gather it over NVLink (the paper's section 4.1).
     """
-    t, span = layout.tp, layout.tp * layout.dp  # GPUs between neighbouring stages
-    b, m = cfg.train.micro_batch_size, cfg.model
+    t, span = layout.tp, layout.tp * layout.cp * layout.dp  # GPUs between neighbouring stages
+    b, m = cfg.train.micro_batch_size, local_model(cfg.model, layout.cp)
     nbytes = b * m.seq_length * m.hidden_size * (4 if cfg.train.precision is Precision.FP32 else 2)
     stages = layout.stages
     a, z = stages.rank(sender) * span, stages.rank(sender + 1) * span
@@ -159,8 +180,10 @@ def _reduce_gradients(
     With overlap each stage's buckets start reducing as its last backward starts and the
     last bucket leaves when that backward ends; without, all of it follows the step.
     Tied embeddings are first summed between the first and last stage (a deferred bucket).
+    The group is dp x cp ranks, tp apart; ZeRO-2 and 3 reduce-scatter per microbatch inside
+    the passes instead (`ptdp.perf.zero`), leaving only the tied embeddings here.
     """
-    model, par, d, t = cfg.model, cfg.parallel, layout.dp, layout.tp
+    model, par, d, t = cfg.model, cfg.parallel, layout.dp * layout.cp, layout.tp
     link = group_link(c.system, d, t)
     params = parameters_per_stage(model, t, layout.pp, layout.vpp, layout.stage_layers)
     bucket = par.bucket_mb * 2**20
@@ -170,7 +193,9 @@ def _reduce_gradients(
         free, total = (0.0 if par.overlap_grad_reduce else run.rank_end[rank]), 0.0
         for start, end, stage in finals:
             nbytes = float(c.software.grad_reduce_bytes * params[stage])
-            if layout.shards_optimizer:
+            if layout.shards_grads:
+                seconds = 0.0  # per microbatch, in the passes
+            elif layout.shards_optimizer:
                 seconds = gather_seconds(nbytes, d, link)  # reduce-scatter
             else:
                 seconds = all_reduce_seconds(nbytes, d, link)
@@ -196,7 +221,8 @@ def optimizer_seconds(cfg: RunConfig, layout: Layout, c: Compute) -> float:
     Per local parameter 8 B (gradient-norm read, gradient zeroing) plus, per parameter of
     this rank's optimizer shard, 28 B (fp32: read weight, gradient, 2 moments; write
     weight, 2 moments) or 30 B (16-bit: fp32 master in place of the weight, plus writing
-    the 16-bit copy); the distributed optimizer then all-gathers the updated weights.
+    the 16-bit copy); ZeRO-1 and 2 then all-gather the updated weights (ZeRO-3 gathers them
+    in the next forward). Shards are over the dp x cp ranks.
     """
     per_rank = max(
         parameters_per_rank(
@@ -209,11 +235,12 @@ def optimizer_seconds(cfg: RunConfig, layout: Layout, c: Compute) -> float:
         )
     )
     fp32 = cfg.train.precision is Precision.FP32
-    shard = layout.dp if layout.shards_optimizer else 1
+    group = layout.dp * layout.cp
+    shard = group if layout.shards_optimizer else 1
     seconds = c.stream(per_rank * (8 + (28 if fp32 else 30) / shard))
-    if layout.shards_optimizer:
-        link = group_link(c.system, layout.dp, layout.tp)
-        seconds += gather_seconds(per_rank * (4 if fp32 else 2), layout.dp, link)
+    if layout.shards_optimizer and layout.zero < 3:
+        link = group_link(c.system, group, layout.tp)
+        seconds += gather_seconds(per_rank * (4 if fp32 else 2), group, link)
     return seconds
 
 
@@ -227,9 +254,9 @@ def require_vocab(cfg: RunConfig) -> None:
 
 
 def default_world_size(cfg: RunConfig) -> int:
-    """tp * pp * dp, with dp = 1 where the config leaves it to the world size (dp = 0)."""
+    """tp * cp * pp * dp, with dp = 1 where the config leaves it to the world size (dp = 0)."""
     p = cfg.parallel
-    return p.tp * p.pp * max(p.dp, 1)
+    return p.tp * p.cp * p.pp * max(p.dp, 1)
 
 
 def simulate(
@@ -251,6 +278,7 @@ def simulate(
     costs = pipeline_costs(cfg, layout, c)
     run = replay(layout.pipeline.lowered, layout.stages, costs, blocking=software.blocking_p2p)
     ends, dp_totals, dp_events = _reduce_gradients(cfg, layout, c, run)
+    sharded = sharded_passes(cfg, layout, c, compute_costs(cfg, layout, c))[1]
     step = optimizer_seconds(cfg, layout, c)
     iteration = max(ends) + step
     opt_events = [Event(r, 0, 0, "OPT", max(ends), iteration, "dp") for r in range(pp)]
@@ -261,14 +289,7 @@ def simulate(
     memory = estimate_memory(
         cfg, world_size, fused_attention=software.fused_attention, layout=layout
     )
-    layer = layer_seconds(
-        cfg.model,
-        micro_batch=cfg.train.micro_batch_size,
-        tp=layout.tp,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        recompute=cfg.parallel.recompute,
-        c=c,
-    )
+    layer = layer_costs(cfg, layout, c)
     return Prediction(
         layout=layout,
         iteration_seconds=iteration,
@@ -283,7 +304,7 @@ def simulate(
         busy=run.busy,
         layer=layer,
         p2p_seconds=transfer_seconds(cfg, layout, system, 0) if pp > 1 else 0.0,
-        dp_seconds=max(dp_totals),
+        dp_seconds=max(dp_totals) + sharded,
         optimizer_seconds=step,
         events=run.events + tuple(dp_events) + tuple(opt_events),
     )
