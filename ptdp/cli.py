@@ -182,7 +182,7 @@ def _simulate_parser(sub: Subparsers) -> None:
         epilog=PERF_EPILOG,
     )
     p.set_defaults(run=_cmd_simulate, overrides_ok=True)
-    gpus = "world size (default: tp * pp * dp, with dp = 1 if it is 0)"
+    gpus = "world size (default: tp * cp * pp * dp, with dp = 1 if it is 0)"
     p.add_argument("--gpus", type=int, default=None, metavar="N", help=gpus)
     out = "where timeline.png and trace.json go (default: train.run_dir/simulation)"
     p.add_argument("--out", default="", metavar="DIR", help=out)

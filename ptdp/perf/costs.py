@@ -34,7 +34,7 @@ width, v = vocabulary, t = tensor-parallel size, e = bytes per element.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ptdp.config import Activation, ModelConfig, Precision, Recompute
 from ptdp.perf.hardware import Link, System
@@ -70,6 +70,9 @@ class Software:
     split_backward: bool = True
     """The zero-bubble schedules (ZB-H1, ZB-H2: B and W apart) exist; Megatron-LM in 2021
     had none, so the planner does not search them for it."""
+    sharded_comm_efficiency: float = 1.0
+    """Fraction of the ring model's bandwidth that ZeRO-2/3's per-layer gathers and
+    reduce-scatters reach (`ptdp.perf.zero`); 1 = NCCL on flat buckets."""
 
 
 PTDP = Software()
@@ -80,7 +83,17 @@ MEGATRON_2021 = Software(
 """The code of the paper's measurements: unfused attention, fp16 gradients all-reduced
 (its default for fp16 training), blocking pipeline transfers, no zero-bubble schedules."""
 
-SOFTWARE: dict[str, Software] = {"ptdp": PTDP, "megatron-2021": MEGATRON_2021}
+DEEPSPEED_2021 = replace(MEGATRON_2021, sharded_comm_efficiency=0.094)
+"""The paper's ZeRO-3 baseline (section 5.2: DeepSpeed on the same model code): its
+per-layer collectives reached 0.094 of the ring model's bandwidth, about one 16 GB/s per
+GPU where NCCL's rings over a node's 8 cards give 170; one constant fitted to the paper's
+GPT-3 175B row on 1536 GPUs and checked on its other five ZeRO-3 rows (BENCHMARKS.md)."""
+
+SOFTWARE: dict[str, Software] = {
+    "ptdp": PTDP,
+    "megatron-2021": MEGATRON_2021,
+    "deepspeed-2021": DEEPSPEED_2021,
+}
 """The runtimes by name, as `--software` of `ptdp simulate` and `ptdp plan` takes them."""
 
 

@@ -50,6 +50,7 @@ def prediction_dict(p: Prediction) -> dict:
             {
                 "pp_rank": m.rank,
                 "params": m.params / GIB,
+                "gathered": m.gathered / GIB,
                 "grads": m.grads / GIB,
                 "grad_buckets": m.grad_buckets / GIB,
                 "optimizer": m.optimizer / GIB,
@@ -82,7 +83,9 @@ def format_prediction(p: Prediction, system: System) -> str:
         " | total",
     ]
     if any(m.grad_buckets for m in p.memory):
-        lines.append("  (grads: ZeRO-2's 1/dp plus its full-size buckets in flight)")
+        lines.append("  (grads: ZeRO-2/3's 1/dp plus its full-size buckets in flight)")
+    if any(m.gathered for m in p.memory):
+        lines.append("  (params: ZeRO-3's 1/dp plus the layers gathered for compute and prefetch)")
     shown = list(p.memory)
     if len(shown) > 8:  # long pipelines: the first ranks (most in flight) and the last
         shown = shown[:3] + [None] + shown[-2:]
@@ -91,7 +94,8 @@ def format_prediction(p: Prediction, system: System) -> str:
             lines.append("      ... |")
             continue
         lines.append(
-            f"  {m.rank:7d} | {m.params / GIB:6.2f} | {(m.grads + m.grad_buckets) / GIB:5.2f} | "
+            f"  {m.rank:7d} | {(m.params + m.gathered) / GIB:6.2f} | "
+            f"{(m.grads + m.grad_buckets) / GIB:5.2f} | "
             f"{m.optimizer / GIB:9.2f} | {m.activations / GIB:11.2f} ({m.in_flight:3d}) | "
             f"{m.working / GIB:7.2f} | {m.stash / GIB:5.2f} | {m.total / GIB:5.2f}"
             + ("  DOES NOT FIT" if m.total / GIB > usable else "")
@@ -157,9 +161,11 @@ def plan_dict(result: PlanResult, top: int) -> dict:
 
 def overrides(o: Option) -> str:
     """The command-line overrides that select this layout in `ptdp train`."""
-    p, t = o.config.parallel, o.config.train
+    p, t, lay = o.config.parallel, o.config.train, o.prediction.layout
+    cp = f"--parallel.cp {p.cp} --parallel.cp_comm {p.cp_comm.value} " if p.cp > 1 else ""
     return (
-        f"--parallel.tp {p.tp} --parallel.pp {p.pp} --parallel.vpp {p.vpp} "
+        f"--parallel.tp {p.tp} {cp}--parallel.pp {p.pp} --parallel.vpp {p.vpp} "
+        f"--parallel.zero {lay.zero} "
         f"--parallel.schedule {p.schedule.value} --parallel.recompute {p.recompute.value} "
         f"--parallel.sequence_parallel {str(p.sequence_parallel).lower()} "
         f"--train.micro_batch_size {t.micro_batch_size} --train.global_batch_size "

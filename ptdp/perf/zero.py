@@ -26,8 +26,9 @@ pipeline replay places them per microbatch; levels 0 and 1 keep the simulator's 
 after the last backward.
 
 The ZeRO group is the dp cp ranks that reduce the gradients (tp apart; `perf.context`),
-on `costs.group_link`. Weights move in the training precision's element size, gradients
-at `Software.grad_reduce_bytes`.
+on `costs.group_link` (at `Software.sharded_comm_efficiency` of its bandwidth: the paper's
+DeepSpeed reached a tenth, `costs.DEEPSPEED_2021`). Weights move in the training
+precision's element size, gradients at `Software.grad_reduce_bytes`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 from ptdp.config import RunConfig
 from ptdp.layout import Layout
 from ptdp.perf.costs import Compute, Passes, gather_seconds, group_link
+from ptdp.perf.hardware import Link
 from ptdp.perf.memory import parameters_per_stage, reshard_after_forward
 
 
@@ -65,7 +67,9 @@ def sharded_passes(
     group = layout.dp * layout.cp
     if layout.zero < 2 or group == 1:
         return passes, 0.0
-    link = group_link(c.system, group, layout.tp)
+    ring = group_link(c.system, group, layout.tp)
+    efficiency = ring.efficiency * c.software.sharded_comm_efficiency
+    link = Link(ring.name, ring.bandwidth, efficiency, ring.latency)
     params = parameters_per_stage(cfg.model, layout.tp, layout.pp, layout.vpp, layout.stage_layers)
     regather = reshard_after_forward(cfg)
     m = layout.num_microbatches
