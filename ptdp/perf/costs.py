@@ -70,6 +70,9 @@ class Software:
     split_backward: bool = True
     """The zero-bubble schedules (ZB-H1, ZB-H2: B and W apart) exist; Megatron-LM in 2021
     had none, so the planner does not search them for it."""
+    max_zero: int = 3
+    """Highest ZeRO level the software has; the planner searches up to it (Megatron-LM in
+    2021 had none: 0)."""
     sharded_comm_efficiency: float = 1.0
     """Fraction of the ring model's bandwidth that ZeRO-2/3's per-layer gathers and
     reduce-scatters reach (`ptdp.perf.zero`); 1 = NCCL on flat buckets."""
@@ -78,12 +81,16 @@ class Software:
 PTDP = Software()
 """This runtime: SDPA (fused attention), non-blocking transfers, fp32 gradient buffers."""
 MEGATRON_2021 = Software(
-    fused_attention=False, grad_reduce_bytes=2, blocking_p2p=True, split_backward=False
+    fused_attention=False,
+    grad_reduce_bytes=2,
+    blocking_p2p=True,
+    split_backward=False,
+    max_zero=0,
 )
 """The code of the paper's measurements: unfused attention, fp16 gradients all-reduced
 (its default for fp16 training), blocking pipeline transfers, no zero-bubble schedules."""
 
-DEEPSPEED_2021 = replace(MEGATRON_2021, sharded_comm_efficiency=0.094)
+DEEPSPEED_2021 = replace(MEGATRON_2021, max_zero=3, sharded_comm_efficiency=0.094)
 """The paper's ZeRO-3 baseline (section 5.2: DeepSpeed on the same model code): its
 per-layer collectives reached 0.094 of the ring model's bandwidth, about one 16 GB/s per
 GPU where NCCL's rings over a node's 8 cards give 170; one constant fitted to the paper's

@@ -10,18 +10,20 @@ The search follows the paper's guidelines (Narayanan et al., section 3 and takea
    count, data parallel d = n / (t cp p) dividing the global batch B;
 2. for each (t, cp, p), the least recomputation whose model state and activations fit in
    memory (1F1B's in-flight bound), at ZeRO level 0, or a higher level (1, 2, 3: the
-   layouts of d) where it lets less recomputation fit; with cp > 1 the faster cp_comm
-   (ring or all-gather) that fits; then the micro-batch b that minimises the paper's
-   equation (1), (B/(d b) + p - 1) (t_f(b) + t_b(b)), with t_f, t_b one stage's times
-   from the cost model;
+   layouts of d, up to `Software.max_zero`) where it lets less recomputation fit, the
+   level whose best micro-batch equation (1) finds fastest; with
+   cp > 1 the faster cp_comm (ring or all-gather) that fits; then the micro-batch b that
+   minimises the paper's equation (1), (B/(d b) + p - 1) (t_f(b) + t_b(b)), with t_f,
+   t_b one stage's times from the cost model;
 3. for that b, the 1F1B schedule, every feasible interleaving v (layers divisible by
    p v, microbatches a multiple of p) and the zero-bubble ZB-H1 and ZB-H2 (where the
    software splits the backward, `Software.split_backward`), each simulated by replaying
    its action lists; layouts that do not fit (the verifier's in-flight count, and what a
    split backward holds for W) are dropped, the rest ranked by iteration time;
 4. the recommendation is the fastest layout unless others come within `tolerance` of it
-   (the model's error on the paper's Table 1, 6%): among those, the paper's takeaways
-   decide, the smallest model-parallel size t p first (#2), then the largest t (#1).
+   (the model's error on the paper's Table 1, 6%): among those, a layout without ZeRO-3
+   first (`recommend`), then the paper's takeaways, the smallest model-parallel size t p
+   (#2), then the largest t (#1).
 
 Every candidate goes through `ptdp.layout.validate`, so what the planner returns is a
 config the runtime accepts.
@@ -252,8 +254,9 @@ def plan(
             continue
         sp = (t > 1) if sequence_parallel is None else sequence_parallel
         lowest = 1 if base.optim.distributed else 0  # its old spelling of zero = 1
-        levels = [zero] if zero is not None else list(range(lowest, 4 if d * k > 1 else 1))
-        least, found = len(Recompute), False
+        top = software.max_zero if d * k > 1 else 0
+        levels = [zero] if zero is not None else list(range(lowest, max(lowest, top) + 1))
+        least, best = len(Recompute), None
         for level in levels:
             fitting, why = _fitting_micro_batches(
                 base,
@@ -270,12 +273,15 @@ def plan(
             mode = list(Recompute).index(fitting[0].parallel.recompute) if fitting else least
             if mode >= least:  # a higher level only where it lets less recomputation fit
                 continue
-            least, found = mode, True
+            least = mode
             costs = [(cfg.train.micro_batch_size, equation_1(cfg, gpus, c)) for cfg in fitting]
-            eq1[(t, k, p, level)] = costs
-            chosen = fitting[min(range(len(costs)), key=lambda i: costs[i][1])]
-            candidates += _schedules(chosen, gpus, vpp, schedules, rejected)
-        if not found:
+            i = min(range(len(costs)), key=lambda i: costs[i][1])
+            if best is None or costs[i][1] < best[0]:  # the level equation (1) finds faster
+                best = (costs[i][1], level, fitting[i], costs)
+        if best is not None:
+            eq1[(t, k, p, best[1])] = best[3]
+            candidates += _schedules(best[2], gpus, vpp, schedules, rejected)
+        else:
             rejected.append(Rejected(where, why))
     options = _simulate_all(candidates, gpus, system, software, usable, rejected, progress)
     options.sort(key=lambda o: o.prediction.iteration_seconds)
@@ -292,8 +298,10 @@ def recommend(options: list[Option], tolerance: float) -> int:
     """Index of the layout to recommend among `options` (sorted fastest first).
 
     Layouts within `tolerance` of the fastest are equal as far as the model can tell;
-    among them the paper's takeaways decide: the smallest t * p (#2), then the largest
-    t (#1), then the fastest.
+    among them ZeRO-3 only if nothing else is close (its step rests on per-microbatch
+    gathers reaching the ring model's bandwidth, which the paper's ZeRO-3 fell far short
+    of: Table 2, `costs.DEEPSPEED_2021`), then the paper's takeaways: the
+    smallest t * p (#2), then the largest t (#1), then the fastest.
     """
     fastest = options[0].prediction.iteration_seconds
     close = [
@@ -302,9 +310,9 @@ def recommend(options: list[Option], tolerance: float) -> int:
         if o.prediction.iteration_seconds <= fastest * (1 + tolerance)
     ]
 
-    def key(i: int) -> tuple[int, int, float]:
+    def key(i: int) -> tuple[bool, int, int, float]:
         lay = options[i].prediction.layout
-        return (lay.tp * lay.pp, -lay.tp, options[i].prediction.iteration_seconds)
+        return (lay.zero == 3, lay.tp * lay.pp, -lay.tp, options[i].prediction.iteration_seconds)
 
     return min(close, key=key)
 
