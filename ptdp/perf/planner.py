@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from ptdp.config import CpComm, Recompute, RunConfig, Schedule, parse_overrides
 from ptdp.errors import ConfigError
-from ptdp.layout import validate
+from ptdp.layout import ZERO_LEVELS, validate
 from ptdp.perf.context_costs import MIN_CP_TOKENS, best_comm
 from ptdp.perf.costs import PTDP, Compute, Software
 from ptdp.perf.hardware import GIB, System
@@ -540,6 +540,18 @@ def explain(
         f"predicted {pred.iteration_seconds:.3g} s per step, {pred.tflops_per_device:.1f} "
         f"TFLOP/s per GPU (MFU {100 * pred.mfu:.1f}%)"
     )
+    if lay.cp > 1:
+        where = "inside a node" if lay.tp * lay.cp <= node else "across nodes (ring on the network)"
+        lines.append(
+            f"context parallel cp={lay.cp} ({cfg.parallel.cp_comm.value}, the faster that fits), "
+            f"{where}: each rank holds {cfg.model.seq_length // lay.cp} tokens of a sequence "
+            f"and 1/{lay.cp} of its activations"
+        )
+    if lay.zero:
+        lines.append(
+            f"ZeRO-{lay.zero} over d*cp = {lay.dp * lay.cp} ranks ({ZERO_LEVELS[lay.zero]}): "
+            "a higher level only where it lets less recomputation fit"
+        )
     if chosen:
         fastest = options[0]
         gain = pred.iteration_seconds / fastest.prediction.iteration_seconds - 1
