@@ -43,6 +43,7 @@ def prediction_dict(p: Prediction) -> dict:
         "layer_ms": {"F": p.layer.f * 1e3, "B": p.layer.b * 1e3, "W": p.layer.w * 1e3},
         "p2p_ms": p.p2p_seconds * 1e3,
         "dp_reduce_seconds": p.dp_seconds,
+        "cp_layer_ms": {"wire": p.cp_seconds[0] * 1e3, "exposed": p.cp_seconds[1] * 1e3},
         "optimizer_seconds": p.optimizer_seconds,
         "busy_seconds": list(p.busy),
         "idle_seconds": list(p.idle),
@@ -78,6 +79,14 @@ def format_prediction(p: Prediction, system: System) -> str:
         f" | one layer F {1e3 * p.layer.f:.3g} ms B {1e3 * p.layer.b:.3g} ms"
         f" W {1e3 * p.layer.w:.3g} ms | p2p {1e3 * p.p2p_seconds:.3g} ms"
         f" | dp reduce {p.dp_seconds:.3g} s | optimizer {p.optimizer_seconds:.3g} s",
+        *(
+            [
+                f"context parallel K/V transfers per layer and microbatch (F + B): "
+                f"{1e3 * p.cp_seconds[0]:.3g} ms, {1e3 * p.cp_seconds[1]:.3g} ms exposed"
+            ]
+            if lay.cp > 1
+            else []
+        ),
         f"memory per GPU (GiB; {usable:.1f} usable on {system.device.name}):",
         "  pp rank | params | grads | optimizer | activations (in flight) | working | stash"
         " | total",

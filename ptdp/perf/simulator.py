@@ -18,7 +18,7 @@ from ptdp.config import Precision, Recompute, RunConfig
 from ptdp.errors import ConfigError
 from ptdp.layout import Layout, validate
 from ptdp.perf.context import local_model
-from ptdp.perf.context_costs import cp_layer_seconds
+from ptdp.perf.context_costs import cp_comm_seconds, cp_layer_seconds
 from ptdp.perf.costs import (
     PTDP,
     Compute,
@@ -75,6 +75,9 @@ class Prediction:
     reduction, and ZeRO-2/3's per-microbatch reduce-scatters and ZeRO-3's gathers."""
     optimizer_seconds: float
     events: tuple[Event, ...]
+    cp_seconds: tuple[float, float] = (0.0, 0.0)
+    """Context parallelism, one layer and microbatch, forward + backward: seconds of K/V
+    transfers on the wire and the part of them exposed (not hidden behind attention)."""
 
     @property
     def idle(self) -> tuple[float, ...]:
@@ -307,4 +310,18 @@ def simulate(
         dp_seconds=max(dp_totals) + sharded,
         optimizer_seconds=step,
         events=run.events + tuple(dp_events) + tuple(opt_events),
+        cp_seconds=_cp_seconds(cfg, layout, c),
     )
+
+
+def _cp_seconds(cfg: RunConfig, layout: Layout, c: Compute) -> tuple[float, float]:
+    """`Prediction.cp_seconds`: (on the wire, exposed) per layer and microbatch, F + B."""
+    wire, exposed = cp_comm_seconds(
+        cfg.model,
+        micro_batch=cfg.train.micro_batch_size,
+        tp=layout.tp,
+        cp=layout.cp,
+        comm=cfg.parallel.cp_comm,
+        c=c,
+    )
+    return wire.f + wire.b, exposed.f + exposed.b

@@ -150,6 +150,14 @@ def test_simulate_131072_tokens_llama_and_gpt3() -> None:
     assert a1 == pytest.approx(8 * a8)
     # 8 times the GPUs: nearly 8 times the tokens per second (the ring hides on NVLink/IB).
     assert 6.5 < runs[8].tokens_per_second / runs[1].tokens_per_second <= 8.0
+    wire, exposed = runs[8].cp_seconds
+    assert runs[1].cp_seconds == (0.0, 0.0) and 0 < exposed < 0.1 * wire
+    cfg = apply_updates(
+        llama, {"parallel": {**par, "cp": 8, "cp_comm": "allgather"}, "train": train}, "test"
+    )
+    gathered = simulate(cfg, h100, 64)
+    assert gathered.cp_seconds[0] == gathered.cp_seconds[1] > 0  # nothing hides
+    assert gathered.iteration_seconds > runs[8].iteration_seconds
     gpt3 = apply_updates(preset_config("gpt3-175b"), updates, "test")
     sections = {"parallel": {**par, "pp": 16, "cp": 16}, "train": train}
     gpt = simulate(apply_updates(gpt3, sections, "test"), h100, 8 * 16 * 16)
