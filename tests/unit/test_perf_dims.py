@@ -277,3 +277,25 @@ def test_table_2_ptd_p_beats_zero_3_at_scale() -> None:
     assert cfg.parallel.zero == 3 and cfg.parallel.tp == cfg.parallel.pp == 1
     fits = simulate(table2_run(TABLE_2[1]), A100, 768, software=DEEPSPEED_2021)
     assert fits.peak_memory < A100.device.usable_bytes < 80 * GIB
+
+
+def test_zero_3_kept_between_forward_and_backward(monkeypatch) -> None:
+    """parallel.zero3_reshard_after_forward = false (read where the config has it): one
+    gather per microbatch instead of two, the rank's whole chunk held gathered."""
+    train = {"precision": "bf16", "micro_batch_size": 1, "global_batch_size": 32}
+    cfg = apply_updates(
+        preset_config("gpt-1.7b"), {"parallel": {"zero": 3, "pp": 2}, "train": train}, "t"
+    )
+    lay, c = validate(cfg, 16), Compute(A100, Precision.BF16, PTDP)
+    base = compute_costs(cfg, lay, c)
+    _, regathered = sharded_passes(cfg, lay, c, base)
+    held = estimate_memory(cfg, 16, layout=lay)
+    for module in ("ptdp.perf.zero", "ptdp.perf.memory"):
+        monkeypatch.setattr(f"{module}.reshard_after_forward", lambda cfg: False)
+    _, kept = sharded_passes(cfg, lay, c, base)
+    link = group_link(A100, lay.dp, lay.tp)
+    n = max(parameters_per_stage(cfg.model, 1, 2))
+    assert regathered - kept == pytest.approx(lay.num_microbatches * gather_seconds(2 * n, 8, link))
+    whole = estimate_memory(cfg, 16, layout=lay)
+    assert [m.gathered for m in whole] == [2 * n for n in parameters_per_stage(cfg.model, 1, 2)]
+    assert all(w.gathered > h.gathered for w, h in zip(whole, held))
