@@ -162,7 +162,7 @@ def _perf_parser(sub: Subparsers, name: str, **kw: str) -> argparse.ArgumentPars
     p.add_argument("--config", metavar="FILE", help="TOML config file, applied over --model")
     systems = f"cluster: {', '.join(list_systems())} or a hardware TOML"
     _opt(p, "--device", "a100-80gb", systems, metavar="NAME|FILE")
-    software = "kernels and overlap of this runtime, or of Megatron-LM as the paper ran it"
+    software = "kernels and overlap of this runtime, or the paper's Megatron-LM/DeepSpeed runs"
     _opt(p, "--software", "ptdp", software, choices=list(SOFTWARE))
     p.add_argument("--json", action="store_true", help=f"print the {name} result as JSON")
     return p
