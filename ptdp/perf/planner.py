@@ -11,10 +11,10 @@ The search follows the paper's guidelines (Narayanan et al., section 3 and takea
 2. for each (t, cp, p), the least recomputation whose model state and activations fit in
    memory (1F1B's in-flight bound), at ZeRO level 0, or a higher level (1, 2, 3: the
    layouts of d, up to `Software.max_zero`) where it lets less recomputation fit, the
-   level whose best micro-batch equation (1) finds fastest; with
-   cp > 1 the faster cp_comm (ring or all-gather) that fits; then the micro-batch b that
-   minimises the paper's equation (1), (B/(d b) + p - 1) (t_f(b) + t_b(b)), with t_f,
-   t_b one stage's times from the cost model;
+   level whose best micro-batch equation (1) finds fastest; with cp > 1 the faster
+   cp_comm (ring or all-gather) that fits; then the micro-batch b that minimises the
+   paper's equation (1), (B/(d b) + p - 1) (t_f(b) + t_b(b)), with t_f, t_b one stage's
+   times from the cost model;
 3. for that b, the 1F1B schedule, every feasible interleaving v (layers divisible by
    p v, microbatches a multiple of p) and the zero-bubble ZB-H1 and ZB-H2 (where the
    software splits the backward, `Software.split_backward`), each simulated by replaying
@@ -221,9 +221,9 @@ def plan(
     """Rank the layouts of `base.model` for `gpus` devices and `base.train.global_batch_size`.
 
     Fixed arguments (tp, pp, cp, cp_comm, zero, vpp, micro_batch, recompute,
-    sequence_parallel) restrict the
-    search; precision, optimizer and the other parallel options come from `base`. Schedules
-    that split the backward are searched only if `software.split_backward`.
+    sequence_parallel) restrict the search; precision, optimizer and the other parallel
+    options come from `base`. Schedules that split the backward are searched only if
+    `software.split_backward`, ZeRO levels up to `software.max_zero`.
     """
     if not software.split_backward:
         schedules = tuple(s for s in schedules if not SCHEDULES[s].splits_backward)
@@ -300,8 +300,8 @@ def recommend(options: list[Option], tolerance: float) -> int:
     Layouts within `tolerance` of the fastest are equal as far as the model can tell;
     among them ZeRO-3 only if nothing else is close (its step rests on per-microbatch
     gathers reaching the ring model's bandwidth, which the paper's ZeRO-3 fell far short
-    of: Table 2, `costs.DEEPSPEED_2021`), then the paper's takeaways: the
-    smallest t * p (#2), then the largest t (#1), then the fastest.
+    of: Table 2, `costs.DEEPSPEED_2021`), then the paper's takeaways: the smallest t * p
+    (#2), then the largest t (#1), then the fastest.
     """
     fastest = options[0].prediction.iteration_seconds
     close = [
