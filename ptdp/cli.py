@@ -162,7 +162,7 @@ def _perf_parser(sub: Subparsers, name: str, **kw: str) -> argparse.ArgumentPars
     p.add_argument("--config", metavar="FILE", help="TOML config file, applied over --model")
     systems = f"cluster: {', '.join(list_systems())} or a hardware TOML"
     _opt(p, "--device", "a100-80gb", systems, metavar="NAME|FILE")
-    software = "kernels and overlap of this runtime, or of Megatron-LM as the paper ran it"
+    software = "kernels and overlap of this runtime, or the paper's Megatron-LM/DeepSpeed runs"
     _opt(p, "--software", "ptdp", software, choices=list(SOFTWARE))
     p.add_argument("--json", action="store_true", help=f"print the {name} result as JSON")
     return p
@@ -182,7 +182,7 @@ def _simulate_parser(sub: Subparsers) -> None:
         epilog=PERF_EPILOG,
     )
     p.set_defaults(run=_cmd_simulate, overrides_ok=True)
-    gpus = "world size (default: tp * pp * dp, with dp = 1 if it is 0)"
+    gpus = "world size (default: tp * cp * pp * dp, with dp = 1 if it is 0)"
     p.add_argument("--gpus", type=int, default=None, metavar="N", help=gpus)
     out = "where timeline.png and trace.json go (default: train.run_dir/simulation)"
     p.add_argument("--out", default="", metavar="DIR", help=out)

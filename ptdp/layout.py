@@ -79,7 +79,7 @@ ZERO_LEVELS = {
     2: "optimizer state and gradients sharded over dp",
     3: "optimizer state, gradients and parameters sharded over dp",
 }
-ZERO_BUILT = (0, 1, 2)
+ZERO_BUILT = (0, 1, 2, 3)
 
 
 def zero_level(cfg: RunConfig) -> int:
@@ -208,6 +208,7 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
                 "from the world size"
             )
     _tensor_parallel_rules(cfg, errors)
+    _context_parallel_rules(cfg, errors)
     spec = SCHEDULES[p.schedule.value]
     if p.vpp > 1 and spec.chunks == 1:
         errors.append(
@@ -303,6 +304,17 @@ def _tensor_parallel_rules(cfg: RunConfig, errors: list[str]) -> None:
         errors.append(
             f"model.seq_length = {m.seq_length} is not divisible by parallel.tp = {t}, which "
             "sequence parallelism needs; use a multiple of tp or turn sequence_parallel off"
+        )
+
+
+def _context_parallel_rules(cfg: RunConfig, errors: list[str]) -> None:
+    """The load-balanced causal split cuts each sequence into 2*cp equal chunks."""
+    s, cp = cfg.model.seq_length, cfg.parallel.cp
+    if cp > 1 and s > 0 and s % (2 * cp):
+        errors.append(
+            f"model.seq_length = {s} is not divisible by 2*parallel.cp = {2 * cp}; context "
+            f"parallelism cuts each sequence into 2*cp equal chunks: use a multiple of {2 * cp} "
+            "or a smaller parallel.cp"
         )
 
 

@@ -5,6 +5,9 @@ memory.py       bytes per device: model state, Korthikanti activations x in-flig
 activations.py  Korthikanti et al.'s per-layer activation bytes and what PyTorch really saves
 hardware.py     clusters as data (hardware/*.toml): device, NVLink, network
 costs.py        seconds of F, B, W per layer (GEMM efficiency curve, HBM traffic, collectives)
+context.py      context parallelism: s/cp tokens per rank, K/V bytes of the ring and all-gather
+context_costs.py  seconds of a cp rank's layer, its K/V transfers exposed or hidden
+zero.py         ZeRO levels' traffic per step, ZeRO-2/3's per-microbatch collectives
 replay.py       the schedules' own action lists replayed in simulated time (ptdp.pipeline.dryrun)
 simulator.py    one training step of a config on a cluster: time, bubble, TFLOP/s, memory
 planner.py      layouts that fit, ranked by simulated throughput, explained

@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ptdp.config import Activation, ModelConfig, Precision, Recompute
 from ptdp.perf.hardware import Link, System
@@ -92,12 +92,22 @@ class Software:
     """The distributed optimizer's all-gather of updated weights runs under the next step's
     first forward (Megatron-Core's --overlap-param-gather): only what outlasts that forward
     is exposed. ptdp gathers after the step (False)."""
+    max_zero: int = 3
+    """Highest ZeRO level the software has; the planner searches up to it (Megatron-LM in
+    2021 had none: 0)."""
+    sharded_comm_efficiency: float = 1.0
+    """Fraction of the ring model's bandwidth that ZeRO-2/3's per-layer gathers and
+    reduce-scatters reach (`ptdp.perf.zero`); 1 = NCCL on flat buckets."""
 
 
 PTDP = Software()
 """This runtime: SDPA (fused attention), non-blocking transfers, fp32 gradient buffers."""
 MEGATRON_2021 = Software(
-    fused_attention=False, grad_reduce_bytes=2, blocking_p2p=True, split_backward=False
+    fused_attention=False,
+    grad_reduce_bytes=2,
+    blocking_p2p=True,
+    split_backward=False,
+    max_zero=0,
 )
 """The code of the paper's measurements: unfused attention, fp16 gradients all-reduced
 (its default for fp16 training), blocking pipeline transfers, no zero-bubble schedules."""
@@ -106,11 +116,17 @@ MEGATRON_CORE = Software(grad_reduce_bytes=2, tp_comm_overlap=True, overlap_para
 """Megatron-Core as its published H100 weak-scaling runs used it (`ptdp.perf.published`):
 fused attention, overlapped tensor-parallel, gradient and parameter communication, and
 gradients reduced in bf16 (its default, grad_reduce_in_fp32 off)."""
+DEEPSPEED_2021 = replace(MEGATRON_2021, max_zero=3, sharded_comm_efficiency=0.094)
+"""The paper's ZeRO-3 baseline (section 5.2: DeepSpeed on the same model code): its
+per-layer collectives reached 0.094 of the ring model's bandwidth, about one 16 GB/s per
+GPU where NCCL's rings over a node's 8 cards give 170; one constant fitted to the paper's
+GPT-3 175B row on 1536 GPUs and checked on its other five ZeRO-3 rows (BENCHMARKS.md)."""
 
 SOFTWARE: dict[str, Software] = {
     "ptdp": PTDP,
     "megatron-2021": MEGATRON_2021,
     "megatron-core": MEGATRON_CORE,
+    "deepspeed-2021": DEEPSPEED_2021,
 }
 """The runtimes by name, as `--software` of `ptdp simulate` and `ptdp plan` takes them."""
 

@@ -10,7 +10,15 @@ of the buckets being filled or reduced (`grad_buckets`): two buckets per model c
 with overlapped reduction (one filling, the one before it reducing); the whole chunk
 without overlap or under a split backward (B leaves a gradient in every bucket holding
 a norm or bias until W fills the rest); and a tied embedding's bucket on the two stages
-holding it (reduced at the step's end).
+holding it (reduced at the step's end). ZeRO-3 divides the 16-bit weights by dp too and
+holds, gathered for the layer computing, the largest unit it gathers (a layer, or the
+embedding or output layer) twice, the next one being prefetched (`gathered_bytes`); kept
+between forward and backward (`parallel.zero3_reshard_after_forward = false`), the rank's
+whole chunk stays gathered. With context parallelism the state is sharded over the dp x cp
+ranks that reduce the gradients (`ptdp.perf.context`).
+
+Context parallelism (`ptdp.perf.context`): activations are those of the s/cp-token model,
+plus all-gather's gathered K/V; the K/V blocks in flight are working memory.
 
 Activations per layer are Korthikanti et al.'s (arXiv 2205.05198, `ptdp.perf.activations`)
 for the recompute mode and sequence parallelism; with fused attention (flash or
@@ -49,7 +57,7 @@ t = tensor-parallel size, e = bytes per activation element.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ptdp.config import (
     Activation,
@@ -61,6 +69,7 @@ from ptdp.config import (
     RunConfig,
 )
 from ptdp.layout import Layout, validate
+from ptdp.perf import context
 from ptdp.perf.activations import activation_bytes_per_layer
 from ptdp.pipeline.actions import RELEASE_KINDS, Kind
 from ptdp.pipeline.partition import layer_ranges
@@ -83,9 +92,10 @@ def bytes_per_parameter(precision: Precision, *, zero: int = 0, dp: int = 1) -> 
     at ZeRO level `zero` (persistent state; ZeRO-2's buckets in flight are apart)."""
     state = dp if zero >= 1 else 1
     grads = 4.0 / (dp if zero >= 2 else 1)
+    weights = 1 / (dp if zero >= 3 else 1)
     if precision is Precision.FP32:
-        return StateBytes(4.0, grads, 8.0 / state)
-    return StateBytes(2.0, grads, 12.0 / state)  # fp32 master (4) + AdamW moments (8)
+        return StateBytes(4.0 * weights, grads, 8.0 / state)
+    return StateBytes(2.0 * weights, grads, 12.0 / state)  # fp32 master (4) + AdamW moments (8)
 
 
 def element_bytes(precision: Precision) -> int:
@@ -350,6 +360,8 @@ class MemoryEstimate:
     """Split backward: held from B until W (module doc) x microbatches awaiting their W."""
     grad_buckets: float = 0.0
     """ZeRO-2: full-size fp32 gradients of the buckets being filled or reduced (module doc)."""
+    gathered: float = 0.0
+    """ZeRO-3: 16-bit weights gathered for the layers computing and prefetched (module doc)."""
 
     @property
     def total(self) -> float:
@@ -361,12 +373,13 @@ class MemoryEstimate:
             + self.working
             + self.stash
             + self.grad_buckets
+            + self.gathered
         )
 
 
 def grad_bucket_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
     """ZeRO-2's full-size gradients in flight on each pipeline rank (module doc); 0 below."""
-    if not layout.shards_grads or layout.dp == 1:
+    if not layout.shards_grads or layout.dp * layout.cp == 1:
         return [0.0] * layout.pp
     model, tp, pp, vpp, split = cfg.model, layout.tp, layout.pp, layout.vpp, layout.stage_layers
     per_stage = parameters_per_stage(model, tp, pp, vpp, split)
@@ -384,6 +397,27 @@ def grad_bucket_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
     return out
 
 
+def reshard_after_forward(cfg: RunConfig) -> bool:
+    """ZeRO-3 frees gathered weights after each forward and gathers them again for the backward
+    unless `parallel.zero3_reshard_after_forward` (when the runtime has it) says false."""
+    return bool(getattr(cfg.parallel, "zero3_reshard_after_forward", True))
+
+
+def gathered_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
+    """ZeRO-3's gathered 16-bit weights on each pipeline rank (module doc); 0 below level 3."""
+    if layout.zero < 3 or layout.dp * layout.cp == 1:
+        return [0.0] * layout.pp
+    model, tp, e = cfg.model, layout.tp, element_bytes(cfg.train.precision)
+    per_rank = parameters_per_rank(
+        model, tp, layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement
+    )
+    if not reshard_after_forward(cfg):
+        return [e * count for count in per_rank]
+    rows = model.padded_vocab_size(tp) // tp * model.hidden_size
+    unit = max(layer_parameters(model, tp), rows)
+    return [2.0 * e * min(unit, count) for count in per_rank]
+
+
 def estimate_memory(
     cfg: RunConfig,
     world_size: int,
@@ -398,24 +432,31 @@ def estimate_memory(
     layout = layout or validate(cfg, world_size)
     model, par, prec = cfg.model, cfg.parallel, cfg.train.precision
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp
-    b = cfg.train.micro_batch_size
+    b, cp = cfg.train.micro_batch_size, layout.cp
     held = in_flight(layout.pipeline)
     stages = layout.stages
     last_held = stage_in_flight(layout.pipeline, stages.last)
-    state = bytes_per_parameter(prec, zero=layout.zero, dp=layout.dp)
+    state = bytes_per_parameter(prec, zero=layout.zero, dp=layout.dp * cp)
     buckets = grad_bucket_bytes(cfg, layout)
+    gathered = gathered_bytes(cfg, layout)
+    local = context.local_model(model, cp)  # activations: the s/cp tokens of one cp rank
     kw = dict(micro_batch=b, tp=tp, sequence_parallel=par.sequence_parallel, precision=prec)
     layer = layer_activation_bytes(
-        model, recompute=par.recompute, fused_attention=fused_attention, **kw
+        local, recompute=par.recompute, fused_attention=fused_attention, **kw
     )
     full = layer_activation_bytes(
-        model, recompute=Recompute.NONE, fused_attention=fused_attention, **kw
+        local, recompute=Recompute.NONE, fused_attention=fused_attention, **kw
     )
     working = {Recompute.NONE: 0.0, Recompute.FULL: full}.get(par.recompute, full - layer)
-    working += layer_backward_bytes(model, micro_batch=b, tp=tp, precision=prec)
-    head_working = head_backward_bytes(model, micro_batch=b, tp=tp, precision=prec)
+    working += layer_backward_bytes(local, micro_batch=b, tp=tp, precision=prec)
+    head_working = head_backward_bytes(local, micro_batch=b, tp=tp, precision=prec)
+    e, comm = element_bytes(prec), par.cp_comm
+    layer += context.stored_bytes_per_layer(
+        model, micro_batch=b, tp=tp, cp=cp, comm=comm, recompute=par.recompute, e=e
+    )
+    working += context.working_bytes(model, micro_batch=b, tp=tp, cp=cp, comm=comm, e=e)
     head = head_activation_bytes(
-        model, micro_batch=b, tp=tp, precision=prec, compiled=cfg.train.compile
+        local, micro_batch=b, tp=tp, precision=prec, compiled=cfg.train.compile
     )
     # Layers of the rank's largest chunk (exact for vpp = 1 or an even split, else a bound).
     split = layout.stage_layers or (model.num_layers // (pp * vpp),) * (pp * vpp)
@@ -424,7 +465,8 @@ def estimate_memory(
     if SCHEDULES[layout.schedule].splits_backward:
         for stage in range(pp * vpp):
             waiting = stage_awaiting_w(layout.pipeline, stage)
-            stash[stages.rank(stage)] += waiting * stage_stash_bytes(cfg, tp, pp, vpp, stage)
+            per_mb = stage_stash_bytes(replace(cfg, model=local), tp, pp, vpp, stage)
+            stash[stages.rank(stage)] += waiting * per_mb
     out = []
     per_rank = parameters_per_rank(model, tp, pp, vpp, split, stages.placement)
     for rank, count in enumerate(per_rank):
@@ -441,6 +483,7 @@ def estimate_memory(
                 held[rank],
                 stash[rank],
                 buckets[rank],
+                gathered[rank],
             )
         )
     return out

@@ -5,8 +5,9 @@ Narayanan et al., SC21 (arXiv 2104.04473): Table 1 (weak scaling on DGX A100 80G
 interleaved schedule with scatter/gather, full activation recomputation, mixed precision,
 vocabulary 51,200, sequence 2048), the Megatron-LM README's GPT-3 175B example (1024
 GPUs, batch 1536, about 32 s per iteration, about 138 TFLOP/s per GPU), and the models of
-Korthikanti et al. 2022 (arXiv 2205.05198, Table 3). Copied here, with their source, so
-that the package does not depend on any file outside it.
+Korthikanti et al. 2022 (arXiv 2205.05198, Table 3), and the paper's Table 2 (section 5.2:
+PTD-P against ZeRO-3 without model parallelism on the same A100 cluster). Copied here,
+with their source, so that the package does not depend on any file outside it.
 """
 
 from __future__ import annotations
@@ -153,3 +154,63 @@ def paper_run(row: Table1Row, *, micro_batch: int, vpp: int) -> RunConfig:
         },
     }
     return apply_updates(RunConfig(), sections, f"Table 1 row {row.name}")
+
+
+@dataclass(frozen=True)
+class Table2Row:
+    """One row of the paper's Table 2 (section 5.2, Figure 10): PTD-P or ZeRO-3."""
+
+    scheme: str
+    """"ptd-p" (t = 8, p = model-parallel size / 8) or "zero-3" (t = p = 1, d = n)."""
+    model: str
+    """The preset (`PRESETS`): gpt3-175b (174.6B) or mt-nlg-530b (529.6B)."""
+    model_parallel: int
+    batch: int
+    gpus: int
+    micro_batch: int
+    tflops: float
+    """Published achieved TFLOP/s per GPU (equation (3), recomputation included)."""
+    days: int
+    """Published training time for 300B tokens."""
+
+
+TABLE_2: tuple[Table2Row, ...] = (
+    Table2Row("zero-3", "gpt3-175b", 1, 1536, 384, 4, 144, 90),
+    Table2Row("zero-3", "gpt3-175b", 1, 1536, 768, 2, 88, 74),
+    Table2Row("zero-3", "gpt3-175b", 1, 1536, 1536, 1, 44, 74),
+    # The paper's star: ZeRO-3 at b = 4 did not fit on 560 GPUs, so 640 and batch 2560.
+    Table2Row("zero-3", "mt-nlg-530b", 1, 2560, 640, 4, 138, 169),
+    Table2Row("zero-3", "mt-nlg-530b", 1, 2240, 1120, 2, 98, 137),
+    Table2Row("zero-3", "mt-nlg-530b", 1, 2240, 2240, 1, 48, 140),
+    Table2Row("ptd-p", "gpt3-175b", 96, 1536, 384, 1, 153, 84),
+    Table2Row("ptd-p", "gpt3-175b", 96, 1536, 768, 1, 149, 43),
+    Table2Row("ptd-p", "gpt3-175b", 96, 1536, 1536, 1, 141, 23),
+    Table2Row("ptd-p", "mt-nlg-530b", 280, 2240, 560, 1, 171, 156),
+    Table2Row("ptd-p", "mt-nlg-530b", 280, 2240, 1120, 1, 167, 80),
+    Table2Row("ptd-p", "mt-nlg-530b", 280, 2240, 2240, 1, 159, 42),
+)
+
+
+def table2_run(row: Table2Row, *, vpp: int = 1) -> RunConfig:
+    """A Table 2 row as a ptdp config: the paper's model in mixed precision with full
+    recomputation; PTD-P as `paper_run` sets it (t = 8, scatter/gather, interleaved when
+    v > 1), ZeRO-3 as parallel.zero = 3 over all n GPUs (t = p = 1)."""
+    mp = row.model_parallel
+    ptdp = row.scheme == "ptd-p"
+    parallel = {
+        "tp": 8 if ptdp else 1,
+        "pp": mp // 8 if ptdp else 1,
+        "vpp": vpp,
+        "schedule": "interleaved" if vpp > 1 else "1f1b",
+        "recompute": "full",
+        "sequence_parallel": False,
+        "overlap_grad_reduce": not ptdp,
+        "zero": 0 if ptdp else 3,
+    }
+    train = {
+        "precision": "bf16",
+        "micro_batch_size": row.micro_batch,
+        "global_batch_size": row.batch,
+    }
+    cfg = replace(RunConfig(), model=preset(row.model))
+    return apply_updates(cfg, {"parallel": parallel, "train": train}, f"Table 2 row {row}")

@@ -4,20 +4,26 @@ The search follows the paper's guidelines (Narayanan et al., section 3 and takea
 1-3) rather than brute force:
 
 1. tensor parallel size t among the divisors of the GPUs per node (its all-reduces then
-   stay on NVLink; larger t would cross the network), pipeline size p among the divisors
-   of the layer count, data parallel d = n / (t p) dividing the global batch B;
-2. for each (t, p), the least recomputation whose model state and activations fit in
-   memory (1F1B's in-flight bound), then the micro-batch b that minimises the paper's
-   equation (1), (B/(d b) + p - 1) (t_f(b) + t_b(b)), with t_f, t_b one stage's times
-   from the cost model;
+   stay on NVLink; larger t would cross the network), context parallel size cp among the
+   powers of 2 that leave each rank at least `MIN_CP_TOKENS` tokens of a sequence divisible
+   by 2 cp (cp = 1 for short sequences), pipeline size p among the divisors of the layer
+   count, data parallel d = n / (t cp p) dividing the global batch B;
+2. for each (t, cp, p), the least recomputation whose model state and activations fit in
+   memory (1F1B's in-flight bound), at ZeRO level 0, or a higher level (1, 2, 3: the
+   layouts of d, up to `Software.max_zero`) where it lets less recomputation fit, the
+   level whose best micro-batch equation (1) finds fastest; with cp > 1 the faster
+   cp_comm (ring or all-gather) that fits; then the micro-batch b that minimises the
+   paper's equation (1), (B/(d b) + p - 1) (t_f(b) + t_b(b)), with t_f, t_b one stage's
+   times from the cost model;
 3. for that b, the 1F1B schedule, every feasible interleaving v (layers divisible by
    p v, microbatches a multiple of p) and the zero-bubble ZB-H1 and ZB-H2 (where the
    software splits the backward, `Software.split_backward`), each simulated by replaying
    its action lists; layouts that do not fit (the verifier's in-flight count, and what a
    split backward holds for W) are dropped, the rest ranked by iteration time;
 4. the recommendation is the fastest layout unless others come within `tolerance` of it
-   (the model's error on the paper's Table 1, 6%): among those, the paper's takeaways
-   decide, the smallest model-parallel size t p first (#2), then the largest t (#1).
+   (the model's error on the paper's Table 1, 6%): among those, a layout without ZeRO-3
+   first (`recommend`), then the paper's takeaways, the smallest model-parallel size t p
+   (#2), then the largest t (#1).
 
 Every candidate goes through `ptdp.layout.validate`, so what the planner returns is a
 config the runtime accepts.
@@ -28,9 +34,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ptdp.config import Recompute, RunConfig, Schedule, parse_overrides
+from ptdp.config import CpComm, Recompute, RunConfig, Schedule, parse_overrides
 from ptdp.errors import ConfigError
-from ptdp.layout import validate
+from ptdp.layout import ZERO_LEVELS, validate
+from ptdp.perf.context_costs import MIN_CP_TOKENS, best_comm
 from ptdp.perf.costs import PTDP, Compute, Software
 from ptdp.perf.hardware import GIB, System
 from ptdp.perf.memory import estimate_memory
@@ -53,8 +60,10 @@ class Option:
         p, lay = self.config.parallel, self.prediction.layout
         sp = " sp" if p.sequence_parallel else ""
         b = self.config.train.micro_batch_size
+        cp = f" cp={lay.cp} {p.cp_comm.value}" if lay.cp > 1 else ""
+        zero = f" zero={lay.zero}" if lay.zero else ""
         return (
-            f"t={lay.tp}{sp} p={lay.pp} d={lay.dp} v={lay.vpp} b={b} "
+            f"t={lay.tp}{sp}{cp} p={lay.pp} d={lay.dp}{zero} v={lay.vpp} b={b} "
             f"m={lay.num_microbatches} {p.schedule.value} recompute={p.recompute.value}"
         )
 
@@ -96,10 +105,13 @@ def layout_config(
     recompute: Recompute,
     sequence_parallel: bool,
     schedule: Schedule | None = None,
+    cp: int = 1,
+    zero: int | None = None,
+    cp_comm: CpComm | None = None,
 ) -> RunConfig:
     """`base` with a layout filled in (dp derived from the world size). A given split of
     layers (parallel.pipeline_layers) is kept where it has pp*vpp stages; every other layout
-    gets the even split."""
+    gets the even split. cp, zero and cp_comm default to `base`'s."""
     if schedule is None:
         schedule = Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B
     split = base.parallel.pipeline_layers
@@ -113,6 +125,9 @@ def layout_config(
         recompute=recompute,
         sequence_parallel=sequence_parallel,
         pipeline_layers=split if len(split) == pp * vpp else (),
+        cp=cp,
+        zero=base.parallel.zero if zero is None else zero,
+        cp_comm=cp_comm or base.parallel.cp_comm,
     )
     return replace(base, parallel=parallel, train=replace(base.train, micro_batch_size=micro_batch))
 
@@ -132,6 +147,9 @@ def equation_1(cfg: RunConfig, gpus: int, c: Compute) -> float:
 SEARCHED: dict[str, str] = {
     "parallel.tp": "tp",
     "parallel.pp": "pp",
+    "parallel.cp": "cp",
+    "parallel.cp_comm": "cp_comm",
+    "parallel.zero": "zero",
     "parallel.vpp": "vpp",
     "parallel.schedule": "schedules",
     "parallel.recompute": "recompute",
@@ -174,8 +192,8 @@ def pinned(cfg: RunConfig, given: dict[str, dict[str, str]]) -> dict[str, object
         value = getattr(getattr(cfg, section), name)
         if isinstance(value, Schedule):
             value = (value.value,)
-        elif type(value) is int and value == 0:
-            value = None
+        elif type(value) is int and (value < 0 or value == 0 and name != "zero"):
+            value = None  # 0 sizes and zero = -1 (follow optim.distributed) are searched
         values[arg] = value
     return values
 
@@ -188,6 +206,9 @@ def plan(
     software: Software = PTDP,
     tp: int | None = None,
     pp: int | None = None,
+    cp: int | None = None,
+    cp_comm: CpComm | None = None,
+    zero: int | None = None,
     vpp: int | None = None,
     micro_batch: int | None = None,
     recompute: Recompute | None = None,
@@ -199,9 +220,10 @@ def plan(
 ) -> PlanResult:
     """Rank the layouts of `base.model` for `gpus` devices and `base.train.global_batch_size`.
 
-    Fixed arguments (tp, pp, vpp, micro_batch, recompute, sequence_parallel) restrict the
-    search; precision, optimizer and the other parallel options come from `base`. Schedules
-    that split the backward are searched only if `software.split_backward`.
+    Fixed arguments (tp, pp, cp, cp_comm, zero, vpp, micro_batch, recompute,
+    sequence_parallel) restrict the search; precision, optimizer and the other parallel
+    options come from `base`. Schedules that split the backward are searched only if
+    `software.split_backward`, ZeRO levels up to `software.max_zero`.
     """
     if not software.split_backward:
         schedules = tuple(s for s in schedules if not SCHEDULES[s].splits_backward)
@@ -217,39 +239,57 @@ def plan(
     usable = system.device.usable_bytes
     rejected: list[Rejected] = []
     candidates: list[RunConfig] = []
-    eq1: dict[tuple[int, int], list[tuple[int, float]]] = {}
+    eq1: dict[tuple[int, int, int, int], list[tuple[int, float]]] = {}
     model, batch = base.model, base.train.global_batch_size
     node = system.gpus_per_node
     tps = [tp] if tp else [t for t in divisors(node) if gpus % t == 0]
-    for t in tps:
-        pps = [pp] if pp else [p for p in divisors(model.num_layers) if gpus % (t * p) == 0]
-        for p in pps:
-            where = f"t={t} p={p}"
-            if gpus % (t * p):
-                rejected.append(Rejected(where, f"t*p = {t * p} does not divide {gpus} GPUs"))
-                continue
-            d = gpus // (t * p)
-            if batch % d:
-                rejected.append(Rejected(where, f"batch {batch} not divisible by d = {d}"))
-                continue
-            sp = (t > 1) if sequence_parallel is None else sequence_parallel
+    for t, k, p in _sizes(model.num_layers, model.seq_length, gpus, tps, cp, pp):
+        where = f"t={t} cp={k} p={p}" if k > 1 else f"t={t} p={p}"
+        if gpus % (t * k * p):
+            rejected.append(Rejected(where, f"t*cp*p = {t * k * p} does not divide {gpus} GPUs"))
+            continue
+        d = gpus // (t * k * p)
+        if batch % d:
+            rejected.append(Rejected(where, f"batch {batch} not divisible by d = {d}"))
+            continue
+        sp = (t > 1) if sequence_parallel is None else sequence_parallel
+        lowest = 1 if base.optim.distributed else 0  # its old spelling of zero = 1
+        top = software.max_zero if d * k > 1 else 0
+        levels = [zero] if zero is not None else list(range(lowest, max(lowest, top) + 1))
+        least, best = len(Recompute), None
+        for level in levels:
             fitting, why = _fitting_micro_batches(
-                base, gpus, t, p, sp, recompute, micro_batch, max_micro_batch, c, usable
+                base,
+                gpus,
+                (t, k, p, level),
+                sp,
+                recompute,
+                micro_batch,
+                max_micro_batch,
+                c,
+                usable,
+                cp_comm,
             )
-            if not fitting:
-                rejected.append(Rejected(where, why))
+            mode = list(Recompute).index(fitting[0].parallel.recompute) if fitting else least
+            if mode >= least:  # a higher level only where it lets less recomputation fit
                 continue
+            least = mode
             costs = [(cfg.train.micro_batch_size, equation_1(cfg, gpus, c)) for cfg in fitting]
-            eq1[(t, p)] = costs
-            chosen = fitting[min(range(len(costs)), key=lambda i: costs[i][1])]
-            candidates += _schedules(chosen, gpus, vpp, schedules, rejected)
+            i = min(range(len(costs)), key=lambda i: costs[i][1])
+            if best is None or costs[i][1] < best[0]:  # the level equation (1) finds faster
+                best = (costs[i][1], level, fitting[i], costs)
+        if best is not None:
+            eq1[(t, k, p, best[1])] = best[3]
+            candidates += _schedules(best[2], gpus, vpp, schedules, rejected)
+        else:
+            rejected.append(Rejected(where, why))
     options = _simulate_all(candidates, gpus, system, software, usable, rejected, progress)
     options.sort(key=lambda o: o.prediction.iteration_seconds)
     if not options:
         return PlanResult((), 0, tuple(rejected), (), ("no layout fits",))
     chosen = recommend(options, tolerance)
     lay = options[chosen].prediction.layout
-    table = tuple(eq1.get((lay.tp, lay.pp), ()))
+    table = tuple(eq1.get((lay.tp, lay.cp, lay.pp, lay.zero), ()))
     lines = explain(options, chosen, table, system, tolerance)
     return PlanResult(tuple(options), chosen, tuple(rejected), table, tuple(lines))
 
@@ -258,8 +298,10 @@ def recommend(options: list[Option], tolerance: float) -> int:
     """Index of the layout to recommend among `options` (sorted fastest first).
 
     Layouts within `tolerance` of the fastest are equal as far as the model can tell;
-    among them the paper's takeaways decide: the smallest t * p (#2), then the largest
-    t (#1), then the fastest.
+    among them ZeRO-3 only if nothing else is close (its step rests on per-microbatch
+    gathers reaching the ring model's bandwidth, which the paper's ZeRO-3 fell far short
+    of: Table 2, `costs.DEEPSPEED_2021`), then the paper's takeaways: the smallest t * p
+    (#2), then the largest t (#1), then the fastest.
     """
     fastest = options[0].prediction.iteration_seconds
     close = [
@@ -268,48 +310,83 @@ def recommend(options: list[Option], tolerance: float) -> int:
         if o.prediction.iteration_seconds <= fastest * (1 + tolerance)
     ]
 
-    def key(i: int) -> tuple[int, int, float]:
+    def key(i: int) -> tuple[bool, int, int, float]:
         lay = options[i].prediction.layout
-        return (lay.tp * lay.pp, -lay.tp, options[i].prediction.iteration_seconds)
+        return (lay.zero == 3, lay.tp * lay.pp, -lay.tp, options[i].prediction.iteration_seconds)
 
     return min(close, key=key)
+
+
+def context_sizes(seq_length: int, most: int) -> list[int]:
+    """cp sizes to search: 1, and the powers of 2 up to `most` that split a sequence into 2 cp
+    equal chunks leaving each rank at least `MIN_CP_TOKENS` tokens."""
+    sizes, k = [1], 2
+    while k <= most and seq_length % (2 * k) == 0 and seq_length // k >= MIN_CP_TOKENS:
+        sizes.append(k)
+        k *= 2
+    return sizes
+
+
+def _sizes(
+    layers: int, seq_length: int, gpus: int, tps: list[int], cp: int | None, pp: int | None
+) -> list[tuple[int, int, int]]:
+    """(t, cp, p) to search: cp (`context_sizes`) and p among the divisors of the layers."""
+    out = []
+    for t in tps:
+        for k in [cp] if cp else context_sizes(seq_length, gpus // t):
+            pps = [pp] if pp else [p for p in divisors(layers) if gpus % (t * k * p) == 0]
+            out += [(t, k, p) for p in pps]
+    return out
 
 
 def _fitting_micro_batches(
     base: RunConfig,
     gpus: int,
-    t: int,
-    p: int,
+    sizes: tuple[int, int, int, int],
     sp: bool,
     recompute: Recompute | None,
     micro_batch: int | None,
     max_micro_batch: int,
     c: Compute,
     usable: float,
+    cp_comm: CpComm | None = None,
 ) -> tuple[list[RunConfig], str]:
-    """1F1B configs of each micro-batch that fits, at the least recomputation that fits any."""
-    d = gpus // (t * p)
+    """1F1B configs of each micro-batch that fits, at the least recomputation that fits any,
+    for (t, cp, p, zero) = `sizes`; under cp > 1 each at the faster cp_comm that fits."""
+    t, k, p, zero = sizes
+    d = gpus // (t * k * p)
     per_rank = base.train.global_batch_size // d
-    sizes = (
+    batches = (
         [micro_batch] if micro_batch else [b for b in divisors(per_rank) if b <= max_micro_batch]
     )
     modes = [recompute] if recompute else list(Recompute)
     why = "no micro-batch size divides the batch"
     for mode in modes:
         fitting = []
-        for b in sizes:
+        for b in batches:
             cfg = layout_config(
-                base, tp=t, pp=p, vpp=1, micro_batch=b, recompute=mode, sequence_parallel=sp
+                base,
+                tp=t,
+                pp=p,
+                vpp=1,
+                micro_batch=b,
+                recompute=mode,
+                sequence_parallel=sp,
+                cp=k,
+                zero=zero,
             )
+            comms = [cp_comm] if cp_comm or k == 1 else _comm_order(cfg, c)
+            variants = [replace_comm(cfg, comm) for comm in comms]
             try:
-                memory = estimate_memory(cfg, gpus, fused_attention=c.software.fused_attention)
+                needs = [_need(x, gpus, c) for x in variants]
             except ConfigError as exc:
                 why = str(exc).replace("invalid configuration:\n  - ", "").split("\n")[0]
                 continue
-            need = max(m.total for m in memory)
-            if need <= usable:
-                fitting.append(cfg)
-            elif b == sizes[0]:
+            fit = [x for x, need in zip(variants, needs) if need <= usable]
+            need = min(needs)
+            if fit:
+                fitting.append(fit[0])
+            elif b == batches[0]:
                 why = (
                     f"needs {need / GIB:.1f} GiB per GPU with recompute={mode.value} at b={b}, "
                     f"{usable / GIB:.1f} GiB usable"
@@ -317,6 +394,32 @@ def _fitting_micro_batches(
         if fitting:
             return fitting, ""
     return [], why
+
+
+def replace_comm(cfg: RunConfig, comm: CpComm | None) -> RunConfig:
+    """`cfg` with parallel.cp_comm = `comm` (None: as it is)."""
+    return cfg if comm is None else replace(cfg, parallel=replace(cfg.parallel, cp_comm=comm))
+
+
+def _need(cfg: RunConfig, gpus: int, c: Compute) -> float:
+    """Peak predicted bytes per GPU of `cfg` (raises ConfigError for an invalid layout)."""
+    memory = estimate_memory(cfg, gpus, fused_attention=c.software.fused_attention)
+    return max(m.total for m in memory)
+
+
+def _comm_order(cfg: RunConfig, c: Compute) -> list[CpComm]:
+    """Both cp_comm variants, the faster layer first (`context_costs.best_comm`)."""
+    par = cfg.parallel
+    first = best_comm(
+        cfg.model,
+        micro_batch=cfg.train.micro_batch_size,
+        tp=par.tp,
+        sequence_parallel=par.sequence_parallel,
+        recompute=par.recompute,
+        c=c,
+        cp=par.cp,
+    )
+    return [first] + [x for x in CpComm if x is not first]
 
 
 def _schedules(
@@ -437,6 +540,18 @@ def explain(
         f"predicted {pred.iteration_seconds:.3g} s per step, {pred.tflops_per_device:.1f} "
         f"TFLOP/s per GPU (MFU {100 * pred.mfu:.1f}%)"
     )
+    if lay.cp > 1:
+        where = "inside a node" if lay.tp * lay.cp <= node else "across nodes (ring on the network)"
+        lines.append(
+            f"context parallel cp={lay.cp} ({cfg.parallel.cp_comm.value}, the faster that fits), "
+            f"{where}: each rank holds {cfg.model.seq_length // lay.cp} tokens of a sequence "
+            f"and 1/{lay.cp} of its activations"
+        )
+    if lay.zero:
+        lines.append(
+            f"ZeRO-{lay.zero} over d*cp = {lay.dp * lay.cp} ranks ({ZERO_LEVELS[lay.zero]}): "
+            "a higher level only where it lets less recomputation fit"
+        )
     if chosen:
         fastest = options[0]
         gain = pred.iteration_seconds / fastest.prediction.iteration_seconds - 1

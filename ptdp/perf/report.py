@@ -43,6 +43,7 @@ def prediction_dict(p: Prediction) -> dict:
         "layer_ms": {"F": p.layer.f * 1e3, "B": p.layer.b * 1e3, "W": p.layer.w * 1e3},
         "p2p_ms": p.p2p_seconds * 1e3,
         "dp_reduce_seconds": p.dp_seconds,
+        "cp_layer_ms": {"wire": p.cp_seconds[0] * 1e3, "exposed": p.cp_seconds[1] * 1e3},
         "optimizer_seconds": p.optimizer_seconds,
         "busy_seconds": list(p.busy),
         "idle_seconds": list(p.idle),
@@ -50,6 +51,7 @@ def prediction_dict(p: Prediction) -> dict:
             {
                 "pp_rank": m.rank,
                 "params": m.params / GIB,
+                "gathered": m.gathered / GIB,
                 "grads": m.grads / GIB,
                 "grad_buckets": m.grad_buckets / GIB,
                 "optimizer": m.optimizer / GIB,
@@ -77,12 +79,22 @@ def format_prediction(p: Prediction, system: System) -> str:
         f" | one layer F {1e3 * p.layer.f:.3g} ms B {1e3 * p.layer.b:.3g} ms"
         f" W {1e3 * p.layer.w:.3g} ms | p2p {1e3 * p.p2p_seconds:.3g} ms"
         f" | dp reduce {p.dp_seconds:.3g} s | optimizer {p.optimizer_seconds:.3g} s",
+        *(
+            [
+                f"context parallel K/V transfers per layer and microbatch (F + B): "
+                f"{1e3 * p.cp_seconds[0]:.3g} ms, {1e3 * p.cp_seconds[1]:.3g} ms exposed"
+            ]
+            if lay.cp > 1
+            else []
+        ),
         f"memory per GPU (GiB; {usable:.1f} usable on {system.device.name}):",
         "  pp rank | params | grads | optimizer | activations (in flight) | working | stash"
         " | total",
     ]
     if any(m.grad_buckets for m in p.memory):
-        lines.append("  (grads: ZeRO-2's 1/dp plus its full-size buckets in flight)")
+        lines.append("  (grads: ZeRO-2/3's 1/dp plus its full-size buckets in flight)")
+    if any(m.gathered for m in p.memory):
+        lines.append("  (params: ZeRO-3's 1/dp plus the layers gathered for compute and prefetch)")
     shown = list(p.memory)
     if len(shown) > 8:  # long pipelines: the first ranks (most in flight) and the last
         shown = shown[:3] + [None] + shown[-2:]
@@ -91,7 +103,8 @@ def format_prediction(p: Prediction, system: System) -> str:
             lines.append("      ... |")
             continue
         lines.append(
-            f"  {m.rank:7d} | {m.params / GIB:6.2f} | {(m.grads + m.grad_buckets) / GIB:5.2f} | "
+            f"  {m.rank:7d} | {(m.params + m.gathered) / GIB:6.2f} | "
+            f"{(m.grads + m.grad_buckets) / GIB:5.2f} | "
             f"{m.optimizer / GIB:9.2f} | {m.activations / GIB:11.2f} ({m.in_flight:3d}) | "
             f"{m.working / GIB:7.2f} | {m.stash / GIB:5.2f} | {m.total / GIB:5.2f}"
             + ("  DOES NOT FIT" if m.total / GIB > usable else "")
@@ -157,9 +170,11 @@ def plan_dict(result: PlanResult, top: int) -> dict:
 
 def overrides(o: Option) -> str:
     """The command-line overrides that select this layout in `ptdp train`."""
-    p, t = o.config.parallel, o.config.train
+    p, t, lay = o.config.parallel, o.config.train, o.prediction.layout
+    cp = f"--parallel.cp {p.cp} --parallel.cp_comm {p.cp_comm.value} " if p.cp > 1 else ""
     return (
-        f"--parallel.tp {p.tp} --parallel.pp {p.pp} --parallel.vpp {p.vpp} "
+        f"--parallel.tp {p.tp} {cp}--parallel.pp {p.pp} --parallel.vpp {p.vpp} "
+        f"--parallel.zero {lay.zero} "
         f"--parallel.schedule {p.schedule.value} --parallel.recompute {p.recompute.value} "
         f"--parallel.sequence_parallel {str(p.sequence_parallel).lower()} "
         f"--train.micro_batch_size {t.micro_batch_size} --train.global_batch_size "

@@ -3,8 +3,11 @@
 `simulate` builds the costs for a config on a `System` (`ptdp.perf.costs`), replays one
 pipeline (all data-parallel replicas and tensor ranks run the same timeline), adds the
 data-parallel gradient reduction (overlapped with each chunk's last backward, or after
-the step) and the optimizer step, and reports iteration time, the paper's bubble
-(bubble time / ideal time), TFLOP/s per device, memory and the per-rank timeline.
+the step; ZeRO-2 and 3 per microbatch, `ptdp.perf.zero`) and the optimizer step, and
+reports iteration time, the paper's bubble (bubble time / ideal time), TFLOP/s per
+device, memory and the per-rank timeline. Context parallelism (`ptdp.perf.context`): a
+rank computes its s/cp tokens and 1/cp of the causal attention, plus the exposed K/V
+transfers.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 from ptdp.config import Precision, Recompute, RunConfig
 from ptdp.errors import ConfigError
 from ptdp.layout import Layout, validate
+from ptdp.perf.context import local_model
+from ptdp.perf.context_costs import cp_comm_seconds, cp_layer_seconds
 from ptdp.perf.costs import (
     PTDP,
     Compute,
@@ -24,7 +29,6 @@ from ptdp.perf.costs import (
     gather_seconds,
     group_link,
     head_seconds,
-    layer_seconds,
 )
 from ptdp.perf.flops import flops_per_iteration, utilisation
 from ptdp.perf.hardware import System
@@ -36,6 +40,7 @@ from ptdp.perf.memory import (
 )
 from ptdp.perf.replay import PipelineCosts, PipelineRun, replay
 from ptdp.perf.timeline import Event
+from ptdp.perf.zero import sharded_passes
 from ptdp.pipeline.schedules import SCHEDULES
 
 __all__ = ["PipelineCosts", "PipelineRun", "Prediction", "replay", "simulate"]
@@ -66,9 +71,13 @@ class Prediction:
     p2p_seconds: float
     """One boundary transfer (forward direction, first stage's)."""
     dp_seconds: float
-    """Data-parallel gradient reduction per rank (all of it, exposed or not)."""
+    """Data-parallel communication per rank (all of it, exposed or not): the gradient
+    reduction, and ZeRO-2/3's per-microbatch reduce-scatters and ZeRO-3's gathers."""
     optimizer_seconds: float
     events: tuple[Event, ...]
+    cp_seconds: tuple[float, float] = (0.0, 0.0)
+    """Context parallelism, one layer and microbatch, forward + backward: seconds of K/V
+    transfers on the wire and the part of them exposed (not hidden behind attention)."""
 
     @property
     def idle(self) -> tuple[float, ...]:
@@ -79,17 +88,26 @@ class Prediction:
         return max(m.total for m in self.memory)
 
 
-def stage_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
-    """F, B, W seconds of one microbatch through each global stage."""
-    model, par, b, tp = cfg.model, cfg.parallel, cfg.train.micro_batch_size, layout.tp
-    layer = layer_seconds(
-        model,
-        micro_batch=b,
-        tp=tp,
+def layer_costs(cfg: RunConfig, layout: Layout, c: Compute) -> Passes:
+    """F, B, W seconds of one layer and microbatch on one rank (its s/cp tokens under cp)."""
+    par = cfg.parallel
+    return cp_layer_seconds(
+        cfg.model,
+        micro_batch=cfg.train.micro_batch_size,
+        tp=layout.tp,
         sequence_parallel=par.sequence_parallel,
         recompute=par.recompute,
         c=c,
+        cp=layout.cp,
+        comm=par.cp_comm,
     )
+
+
+def compute_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
+    """F, B, W seconds of one microbatch through each global stage, without ZeRO-2/3."""
+    b, tp = cfg.train.micro_batch_size, layout.tp
+    model = local_model(cfg.model, layout.cp)
+    layer = layer_costs(cfg, layout, c)
     stages = layout.pp * layout.vpp
     split = layout.stage_layers or (model.num_layers // stages,) * stages
     passes = [layer.times(n) for n in split]
@@ -98,12 +116,18 @@ def stage_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
     return passes
 
 
+def stage_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
+    """F, B, W seconds of one microbatch through each global stage, ZeRO-2/3's exposed
+    communication included."""
+    return sharded_passes(cfg, layout, c, compute_costs(cfg, layout, c))[0]
+
+
 def transfer_seconds(cfg: RunConfig, layout: Layout, system: System, sender: int) -> float:
     """Pipeline rank `sender` to its neighbour, on the wire: network across nodes, NVLink
     within one. With scatter/gather (or sequence parallelism) each of the t tensor ranks
     sends 1/t of the boundary tensor over its own card (the paper's section 4.1)."""
-    t, span = layout.tp, layout.tp * layout.dp  # GPUs between neighbouring stages
-    b, m = cfg.train.micro_batch_size, cfg.model
+    t, span = layout.tp, layout.tp * layout.cp * layout.dp  # GPUs between neighbouring stages
+    b, m = cfg.train.micro_batch_size, local_model(cfg.model, layout.cp)
     nbytes = b * m.seq_length * m.hidden_size * (4 if cfg.train.precision is Precision.FP32 else 2)
     stages = layout.stages
     a, z = stages.rank(sender) * span, stages.rank(sender + 1) * span
@@ -115,7 +139,7 @@ def transfer_seconds(cfg: RunConfig, layout: Layout, system: System, sender: int
 def receive_seconds(cfg: RunConfig, layout: Layout, system: System) -> float:
     """The receivers' all-gather of a scattered boundary tensor over NVLink (scatter/gather
     without sequence parallelism): the receiving rank's work, not the sender's."""
-    t, m = layout.tp, cfg.model
+    t, m = layout.tp, local_model(cfg.model, layout.cp)
     if t == 1 or cfg.parallel.sequence_parallel or not cfg.parallel.scatter_gather:
         return 0.0
     e = 4 if cfg.train.precision is Precision.FP32 else 2
@@ -168,8 +192,10 @@ def _reduce_gradients(
     With overlap each stage's buckets start reducing as its last backward starts and the
     last bucket leaves when that backward ends; without, all of it follows the step.
     Tied embeddings are first summed between the first and last stage (a deferred bucket).
+    The group is dp x cp ranks, tp apart; ZeRO-2 and 3 reduce-scatter per microbatch inside
+    the passes instead (`ptdp.perf.zero`), leaving only the tied embeddings here.
     """
-    model, par, d, t = cfg.model, cfg.parallel, layout.dp, layout.tp
+    model, par, d, t = cfg.model, cfg.parallel, layout.dp * layout.cp, layout.tp
     link = group_link(c.system, d, t)
     params = parameters_per_stage(model, t, layout.pp, layout.vpp, layout.stage_layers)
     bucket = par.bucket_mb * 2**20
@@ -179,7 +205,9 @@ def _reduce_gradients(
         free, total = (0.0 if par.overlap_grad_reduce else run.rank_end[rank]), 0.0
         for start, end, stage in finals:
             nbytes = float(c.software.grad_reduce_bytes * params[stage])
-            if layout.shards_optimizer:
+            if layout.shards_grads:
+                seconds = 0.0  # per microbatch, in the passes
+            elif layout.shards_optimizer:
                 seconds = gather_seconds(nbytes, d, link)  # reduce-scatter
             else:
                 seconds = all_reduce_seconds(nbytes, d, link)
@@ -207,7 +235,8 @@ def optimizer_seconds(
     Per local parameter 8 B (gradient-norm read, gradient zeroing) plus, per parameter of
     this rank's optimizer shard, 28 B (fp32: read weight, gradient, 2 moments; write
     weight, 2 moments) or 30 B (16-bit: fp32 master in place of the weight, plus writing
-    the 16-bit copy); the distributed optimizer then all-gathers the updated weights.
+    the 16-bit copy); ZeRO-1 and 2 then all-gather the updated weights (ZeRO-3 gathers them
+    in the next forward). Shards are over the dp x cp ranks.
     """
     per_rank = max(
         parameters_per_rank(
@@ -220,11 +249,12 @@ def optimizer_seconds(
         )
     )
     fp32 = cfg.train.precision is Precision.FP32
-    shard = layout.dp if layout.shards_optimizer else 1
+    group = layout.dp * layout.cp
+    shard = group if layout.shards_optimizer else 1
     seconds = c.stream(per_rank * (8 + (28 if fp32 else 30) / shard))
-    if layout.shards_optimizer:
-        link = group_link(c.system, layout.dp, layout.tp)
-        gather = gather_seconds(per_rank * (4 if fp32 else 2), layout.dp, link)
+    if layout.shards_optimizer and layout.zero < 3:
+        link = group_link(c.system, group, layout.tp)
+        gather = gather_seconds(per_rank * (4 if fp32 else 2), group, link)
         if c.software.overlap_param_gather:
             gather = max(0.0, gather - hidden_under)
         seconds += gather
@@ -241,9 +271,9 @@ def require_vocab(cfg: RunConfig) -> None:
 
 
 def default_world_size(cfg: RunConfig) -> int:
-    """tp * pp * dp, with dp = 1 where the config leaves it to the world size (dp = 0)."""
+    """tp * cp * pp * dp, with dp = 1 where the config leaves it to the world size (dp = 0)."""
     p = cfg.parallel
-    return p.tp * p.pp * max(p.dp, 1)
+    return p.tp * p.cp * p.pp * max(p.dp, 1)
 
 
 def simulate(
@@ -270,6 +300,7 @@ def simulate(
         for r in range(pp)
     )
     step = optimizer_seconds(cfg, layout, c, first_forward)
+    sharded = sharded_passes(cfg, layout, c, compute_costs(cfg, layout, c))[1]
     iteration = max(ends) + step
     opt_events = [Event(r, 0, 0, "OPT", max(ends), iteration, "dp") for r in range(pp)]
     batch = cfg.train.global_batch_size
@@ -279,14 +310,7 @@ def simulate(
     memory = estimate_memory(
         cfg, world_size, fused_attention=software.fused_attention, layout=layout
     )
-    layer = layer_seconds(
-        cfg.model,
-        micro_batch=cfg.train.micro_batch_size,
-        tp=layout.tp,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        recompute=cfg.parallel.recompute,
-        c=c,
-    )
+    layer = layer_costs(cfg, layout, c)
     return Prediction(
         layout=layout,
         iteration_seconds=iteration,
@@ -305,7 +329,21 @@ def simulate(
             if pp > 1
             else 0.0
         ),
-        dp_seconds=max(dp_totals),
+        dp_seconds=max(dp_totals) + sharded,
         optimizer_seconds=step,
         events=run.events + tuple(dp_events) + tuple(opt_events),
+        cp_seconds=_cp_seconds(cfg, layout, c),
     )
+
+
+def _cp_seconds(cfg: RunConfig, layout: Layout, c: Compute) -> tuple[float, float]:
+    """`Prediction.cp_seconds`: (on the wire, exposed) per layer and microbatch, F + B."""
+    wire, exposed = cp_comm_seconds(
+        cfg.model,
+        micro_batch=cfg.train.micro_batch_size,
+        tp=layout.tp,
+        cp=layout.cp,
+        comm=cfg.parallel.cp_comm,
+        c=c,
+    )
+    return wire.f + wire.b, exposed.f + exposed.b

@@ -16,9 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config import Recompute, RunConfig
-from ptdp.perf.costs import MEGATRON_2021
+from ptdp.perf.costs import DEEPSPEED_2021, MEGATRON_2021
 from ptdp.perf.hardware import System, load_system
-from ptdp.perf.paper import README_GPT3, TABLE_1, Table1Row, paper_run
+from ptdp.perf.paper import (
+    README_GPT3,
+    TABLE_1,
+    TABLE_2,
+    Table1Row,
+    Table2Row,
+    paper_run,
+    table2_run,
+)
 from ptdp.perf.planner import Option, plan
 from ptdp.perf.simulator import Prediction, simulate
 
@@ -51,10 +59,39 @@ def check_row(row: Table1Row, system: System | None = None) -> Check:
         pp=row.pp,
         recompute=Recompute.FULL,
         sequence_parallel=False,
+        zero=0,
     )
     if result.best is None:
         raise ValueError(f"{row.name}: no layout fits: {result.rejected}")
     return Check(row, result.best)
+
+
+def check_table_2_row(row: Table2Row, system: System | None = None) -> Prediction:
+    """The paper's section 5.2 row: ZeRO-3 simulated as DeepSpeed ran it (`DEEPSPEED_2021`),
+    PTD-P with the paper's software, b = 1 and the interleaving v the planner picks."""
+    system = system or load_system("a100-80gb")
+    cfg = table2_run(row)
+    if row.scheme == "zero-3":
+        return simulate(cfg, system, row.gpus, software=DEEPSPEED_2021)
+    result = plan(
+        cfg,
+        gpus=row.gpus,
+        system=system,
+        software=MEGATRON_2021,
+        tp=cfg.parallel.tp,
+        pp=cfg.parallel.pp,
+        micro_batch=row.micro_batch,
+        recompute=Recompute.FULL,
+        sequence_parallel=False,
+        zero=0,
+    )
+    if result.best is None:
+        raise ValueError(f"{row}: no layout fits: {result.rejected}")
+    return result.best.prediction
+
+
+def check_table_2(system: System | None = None) -> list[tuple[Table2Row, Prediction]]:
+    return [(row, check_table_2_row(row, system)) for row in TABLE_2]
 
 
 def check_table_1(system: System | None = None) -> list[Check]:

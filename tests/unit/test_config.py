@@ -172,8 +172,11 @@ INVALID = [
     ({"train": {"global_batch_size": 8, "micro_batch_size": 4}}, 4, "micro_batch_size*dp = 4*4"),
     ({"parallel": {"bucket_mb": 0}}, 1, "parallel.bucket_mb = 0"),
     ({"parallel": {"zero": 4}}, 1, "parallel.zero = 4 is not a ZeRO level"),
-    ({"parallel": {"zero": 3}}, 1, "parallel.zero = 3 (optimizer state, gradients and param"),
-    ({"parallel": {"zero": 3}}, 1, "is not built yet; use --parallel.zero 2"),
+    (
+        {"parallel": {"cp": 4}, "model": {"seq_length": 36}},
+        4,
+        "model.seq_length = 36 is not divisible by 2*parallel.cp = 8",
+    ),
     (
         {"parallel": {"zero": 0}, "optim": {"distributed": True}},
         1,

@@ -111,12 +111,12 @@ def test_simulate_starts_from_a_preset(tmp_path: Path, capsys) -> None:
 
 
 def test_simulate_zero_levels(tmp_path: Path, capsys) -> None:
-    """--parallel.zero N: ZeRO-2 keeps 1/d of the gradients (and ZeRO-1's optimizer share);
-    zero 3 is refused before anything runs."""
+    """--parallel.zero N: ZeRO-2 keeps 1/d of the gradients (and ZeRO-1's optimizer share),
+    ZeRO-3 1/d of the weights too, plus the layers it gathers."""
     base = ["simulate", "--model", "gpt-7.5b", "--parallel.tp", "8", "--gpus", "32"]
     base += ["--train.global_batch_size", "64"]
     memory = {}
-    for zero in (0, 1, 2):
+    for zero in (0, 1, 2, 3):
         args = [*base, "--parallel.zero", str(zero), "--out", str(tmp_path), "--json"]
         assert main(args) == 0
         out = json.loads(capsys.readouterr().out)
@@ -127,8 +127,9 @@ def test_simulate_zero_levels(tmp_path: Path, capsys) -> None:
     assert z1["grads"] == z0["grads"] == pytest.approx(4 * z2["grads"])
     assert z2["grad_buckets"] > 0 == z1["grad_buckets"]
     assert z2["total"] < z1["total"] < z0["total"]
-    assert main([*base, "--parallel.zero", "3", "--out", str(tmp_path)]) == 2
-    assert "parallel.zero = 3" in capsys.readouterr().err
+    z3 = memory[3]
+    assert z3["params"] == pytest.approx(z2["params"] / 4) and z3["gathered"] > 0 == z2["gathered"]
+    assert z3["optimizer"] == z2["optimizer"] and z3["grads"] == z2["grads"]
 
 
 @pytest.mark.parametrize(

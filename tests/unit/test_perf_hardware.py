@@ -81,8 +81,8 @@ def test_torch_device_names() -> None:
 
 def test_group_links() -> None:
     s = load_system("a100-80gb")
-    assert group_link(s, 8, 1) is s.intra  # tensor parallel within a node
-    assert group_link(s, 2, 4) is s.intra
+    assert group_link(s, 8, 1) == s.intra  # tensor parallel within a node
+    assert group_link(s, 2, 4) == s.intra
     # Data parallel over 32 GPUs with t = 1: 8 per node drive 8 cards, capped by NVLink.
     wide = group_link(s, 32, 1)
     assert wide.achieved == pytest.approx(min(s.intra.achieved, 8 * s.inter.achieved))
@@ -96,7 +96,7 @@ def test_groups_that_do_not_fit_a_node_span_nodes() -> None:
     {6, 7, 8} across two nodes (one card on node 1), so every tp group waits for one card;
     t = 16 and 32 run their rings through 8 cards per node and pay network steps."""
     s = load_system("a100-80gb")
-    assert group_link(s, 4, 1) is s.intra and group_link(s, 2, 1) is s.intra
+    assert group_link(s, 4, 1) == s.intra and group_link(s, 2, 1) == s.intra
     three = group_link(s, 3, 1)
     assert three.achieved == pytest.approx(s.inter.achieved)
     assert three.step_latency == s.inter.step_latency
