@@ -155,9 +155,16 @@ def accepted(case: Case, cfg: RunConfig) -> str:
         layout = validate(cfg, case.world)
     except ConfigError as exc:
         return str(exc)
+    # Validation and the performance model may take a dimension before the runtime does
+    # (built by others, in parts): a run that would silently train something else is skipped.
     missing = [axis for axis in ("cp",) if getattr(layout, axis, 1) > 1 and axis not in ORDER]
-    if missing:  # validated before the runtime has the axis (built by others, in parts)
+    if missing:
         return f"not built: the mesh has no {', '.join(missing)} axis yet (ptdp/parallel/mesh.py)"
+    if layout.zero >= 3 and not hasattr(layout, "shards_params"):
+        return (
+            "not built: validate takes zero = 3, but the runtime shards no parameters yet "
+            "(no Layout.shards_params)"
+        )
     return ""
 
 
