@@ -75,9 +75,10 @@ def bytes_per_parameter(precision: Precision, *, zero: int = 0, dp: int = 1) -> 
     at ZeRO level `zero` (persistent state; ZeRO-2's buckets in flight are apart)."""
     state = dp if zero >= 1 else 1
     grads = 4.0 / (dp if zero >= 2 else 1)
+    params = 1 / (dp if zero >= 3 else 1)  # ZeRO-3's gathered layers are apart, as buckets
     if precision is Precision.FP32:
-        return StateBytes(4.0, grads, 8.0 / state)
-    return StateBytes(2.0, grads, 12.0 / state)  # fp32 master (4) + AdamW moments (8)
+        return StateBytes(4.0 * params, grads, 8.0 / state)
+    return StateBytes(2.0 * params, grads, 12.0 / state)  # fp32 master (4) + moments (8)
 
 
 def element_bytes(precision: Precision) -> int:
