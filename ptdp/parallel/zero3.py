@@ -62,6 +62,8 @@ class ParamGather:
         """Start the next unit's gather early; off only to measure the gathers' total time."""
         self.wait_s = 0.0
         """Seconds spent blocked on gathers (exposed communication)."""
+        self.peak_bytes = 0
+        """The most bytes of gathered (full) parameters allocated at once."""
         self.buckets = [b for buf in buffers for b in buf.buckets]
         self._hooks = []
         for chunk, buf in zip(chunks, buffers):
@@ -113,6 +115,7 @@ class ParamGather:
             whole.untyped_storage().resize_(whole.numel() * whole.element_size())
             b.gather = all_gather_flat_async(whole, b.shard, self.dp)
             self.count("all_gather", whole)
+            self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
 
     def acquire(self, buckets) -> None:
         """Hold the buckets' full parameters: gather them (or wait for the prefetch)."""
