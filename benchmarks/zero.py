@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import tempfile
 import time
@@ -99,7 +98,6 @@ def _measure(args: argparse.Namespace, trainer: Trainer, world: int) -> dict:
         "reductions": (grads.launches - launches) / args.steps,
         "traffic": moved,
         "gather_wait_s": ((gather.wait_s - waited) / args.steps) if gather else 0.0,
-        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
@@ -150,19 +148,16 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
     )
     print(
         "| zero | params | grads | optimizer | full buckets (peak) | gathered params (peak) "
-        "| model state (peak) | max RSS |"
+        "| model state (peak) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if not r["prefetch"]:
             continue
         got = [r["params"], r["grads"], r["optimizer"], r["peak_full"]]
         cells = " | ".join(f"{g / MIB:.2f} / {e / MIB:.2f}" for g, e in zip(got, r["model"]))
         peak = (sum(got) + r["peak_gathered"]) / MIB
-        print(
-            f"| {r['zero']} | {cells} | {r['peak_gathered'] / MIB:.2f} | {peak:.2f} "
-            f"| {r['max_rss_mib']:.0f} |"
-        )
+        print(f"| {r['zero']} | {cells} | {r['peak_gathered'] / MIB:.2f} | {peak:.2f} |")
     print(
         "\n| zero | all-reduce | reduce-scatter | all-gather | total (Psi) | paper (Psi) "
         "| MiB/step on the wire | ms/step | tokens/s | gather wait s/step |"

@@ -22,9 +22,13 @@ When a bucket is in use, counted per bucket in `Bucket.users`:
   backward runs (and a recomputed forward, which runs inside it) and prefetches the unit
   before it; the bucket is released when each of its parameters has received its gradient
   (`GradBuffers`: with a split backward, at W).
-`reset` (end of step) frees whatever is left. Bytes moved per rank per step: the forward
-and backward gathers, 2 x (dp-1)/dp x parameters per microbatch (1 x when kept), plus
-ZeRO-2's reduce-scatter of the gradients: the paper's 3 Psi at one microbatch.
+`reset` (end of step) frees whatever is left. Outside these windows a parameter's storage is
+empty: code that reads weights between steps must read the optimizer's masters or the
+shards (`GradBuffers.owned_params`), as checkpoints do, never the parameters.
+
+Bytes moved per rank per step: the forward and backward gathers, 2 x (dp-1)/dp x the
+parameters per microbatch (1 x when kept), plus ZeRO-2's reduce-scatter of the gradients:
+the paper's 3 Psi at one microbatch.
 """
 
 from __future__ import annotations
