@@ -110,6 +110,7 @@ GRID = [
     Layout(tp=2, pp=4, vpp=2, schedule=I, recompute="selective", zero=1),
     Layout(tp=2, pp=4, schedule="zb-h1", sp=True, recompute="full"),
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule="zb-v", zero=1, recompute="full"),
+    Layout(tp=2, pp=2, dp=2, vpp=2, schedule=I, sp=True, zero=3, recompute="full"),
 ]
 
 
