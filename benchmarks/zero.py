@@ -189,10 +189,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = corpus(Path(tmp) / "data")
         rows = spawn(worker, args.dp, args, data, str(Path(tmp) / "runs"))
-    report(args, rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     args.out.write_text(json.dumps(record, indent=1))
+    report(args, rows)
 
 
 if __name__ == "__main__":
