@@ -1,7 +1,7 @@
 """ZeRO levels over dp = 2: the model state each rank measurably holds equals the memory
-model's figure at every level, and checkpoints move between levels with the optimizer
-state intact (moments compared tensor by tensor), a resume at the same level bit for bit. Equivalence with one process is in
-the grid (tests/dist/test_grid.py)."""
+model's figure at every level, and checkpoints move between levels (and to tp = 2 and back)
+with the optimizer state intact (moments compared tensor by tensor), a resume at the same
+level bit for bit. Equivalence with one process is in the grid (tests/dist/test_grid.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ptdp import checkpoint as ckpt
 from ptdp.parallel.env import LaunchEnv
+from ptdp.parallel.init import ShardSpec, shard_spec
 from ptdp.perf.memory import estimate_memory
 from ptdp.train.run import prepare
 from ptdp.train.step.trainer import Trainer
@@ -23,14 +24,14 @@ from tests.helpers import tiny_config
 pytestmark = pytest.mark.dist
 
 
-def _config(data: str, run_dir: Path, zero: int, **train):
+def _config(data: str, run_dir: Path, zero: int, tp: int = 1, **train):
     # Even sizes everywhere: no bucket padding, so the bytes are the formula's exactly.
     # Four layers: ZeRO-3 holds at most the root and two layers (module doc of zero3.py).
     return tiny_config(
         data,
         run_dir,
         model={"num_layers": 4},
-        parallel={"zero": zero},
+        parallel={"zero": zero, "tp": tp},
         optim={"eps": 1e-6, "grad_clip": 0.5},
         train={"micro_batch_size": 2, "global_batch_size": 8, "steps": 3, **train},
     )
@@ -104,32 +105,51 @@ def _moments(trainer: Trainer) -> dict[str, dict[str, torch.Tensor]]:
     return {names[p]: {"master": masters[p], **moments[p], "step": step} for p in moments}
 
 
+def _specs(trainer: Trainer) -> dict[str, ShardSpec | None]:
+    """Each parameter's tensor-parallel split, None when the layout has no tp."""
+    params = [(n, p) for chunk in trainer.chunks for n, p in chunk.named_parameters()]
+    return {n: shard_spec(p) if trainer.layout.tp > 1 else None for n, p in params}
+
+
+def _same(saved: dict, saved_specs: dict, loaded: dict, loaded_specs: dict, rank: int) -> None:
+    """Every master and moment equal, the tp = 1 side sliced as the tp = 2 side holds it."""
+    assert loaded.keys() == saved.keys()
+    for name, state in saved.items():
+        spec = saved_specs[name] or loaded_specs[name]
+        for key, value in state.items():
+            other = loaded[name][key]
+            if key == "step":
+                assert other == value, name
+                continue
+            if spec is not None:  # one of the two layouts splits it over tp (rank = tp rank)
+                value = value if saved_specs[name] else spec.shard(value, rank)
+                other = other if loaded_specs[name] else spec.shard(other, rank)
+            assert torch.equal(other, value), (name, key)
+
+
 def _check_checkpoints(rank: int, world: int, data: str, root: str) -> None:
     """Save at one level, restore at the others: the same masters and moments, and the next
-    step's loss as the saving level reaches it."""
+    step's loss as the saving level reaches it. "tp": the same ranks as tp = 2 instead."""
     env, root_ = LaunchEnv(rank, world, rank), Path(root)
-    for source, targets in ((2, (0, 1)), (0, (2,)), (3, (0, 2, 3)), (1, (3,))):
-        saver = _trainer(_config(data, root_ / f"save{source}", source), env)
+    levels = {0: (0, 1), 1: (1, 1), 2: (2, 1), 3: (3, 1), "tp": (0, 2)}
+    for source, targets in ((2, (0, 1)), (0, (2,)), (3, (0, 2, 3, "tp")), (1, (3,)), ("tp", (3,))):
+        saver = _trainer(_config(data, root_ / f"save{source}", *levels[source]), env)
         for _ in range(2):
             saver.train_step()
         path = saver.save()
         saver.finish_save()
-        saved = _moments(saver)
+        saved, saved_specs = _moments(saver), _specs(saver)
         next_loss = saver.train_step()[0].item()
         _close(saver)
         for target in targets:
-            loader = _trainer(_config(data, root_ / f"load{source}-{target}", target), env)
+            cfg = _config(data, root_ / f"load{source}-{target}", *levels[target])
+            loader = _trainer(cfg, env)
             loader.restore(path)
-            assert loader.step == 2 and loader.layout.zero == target
-            loaded = _moments(loader)
-            assert loaded.keys() == saved.keys()
-            for name, state in saved.items():
-                for key, value in state.items():
-                    other = loaded[name][key]
-                    same = other == value if key == "step" else torch.equal(other, value)
-                    assert same, (source, target, name, key)
+            assert loader.step == 2 and loader.layout.zero == levels[target][0]
+            _same(saved, saved_specs, _moments(loader), _specs(loader), rank)
             loss = loader.train_step()[0].item()
-            assert loss == pytest.approx(next_loss, rel=1e-6), (source, target)
+            rel = 1e-5 if "tp" in (source, target) else 1e-6  # tp sums in another order
+            assert loss == pytest.approx(next_loss, rel=rel), (source, target)
             if source == target:  # a resume in the same layout continues bit for bit
                 assert loss == next_loss and torch.equal(
                     torch.cat([x.master.detach() for x in loader.optimizer.pieces]),
