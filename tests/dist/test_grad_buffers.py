@@ -30,8 +30,8 @@ def _check(rank: int, world_size: int, shard: bool, overlap: bool) -> None:
     dp = Group(dist.group.WORLD, world_size, rank)
     single = Group.single()
     buffers = GradBuffers(
-        [model], roles=NO_ROLES, dp=dp, tp=single, embedding=single, bucket_mb=BUCKET_MB, shard=shard,
-        overlap=overlap,
+        [model], roles=NO_ROLES, dp=dp, tp=single, embedding=single, bucket_mb=BUCKET_MB,
+        shard=shard, overlap=overlap,
     )  # fmt: skip
     buckets = buffers.chunks[0].buckets
     assert len(buckets) == 2
