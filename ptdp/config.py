@@ -207,7 +207,13 @@ class ParallelConfig:
     """Sharding of the model state over the data-parallel group (ZeRO level): 0 = none
     (replicated), 1 = fp32 master weights and AdamW moments, 2 = also the gradients
     (reduce-scattered per microbatch, full buffers freed after), 3 = also the parameters
-    (not built yet); -1 = from optim.distributed (1 if true, else 0)."""
+    (all-gathered per layer just before use, the next layer's gather prefetched); -1 = from
+    optim.distributed (1 if true, else 0)."""
+    zero3_reshard_after_forward: bool = True
+    """ZeRO-3: free a layer's gathered parameters after its forward and gather them again
+    for its backward (false: keep them from forward to backward, one gather per microbatch
+    instead of two, for more memory; under pipelining every microbatch in flight holds
+    them)."""
 
 
 @dataclass(kw_only=True, frozen=True)

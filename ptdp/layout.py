@@ -72,6 +72,11 @@ class Layout:
         """Gradients kept as each rank's 1/dp, full buckets freed after reduction (ZeRO-2)."""
         return self.zero >= 2
 
+    @property
+    def shards_params(self) -> bool:
+        """Parameters kept as each rank's 1/dp, all-gathered per layer when used (ZeRO-3)."""
+        return self.zero >= 3
+
 
 ZERO_LEVELS = {
     0: "replicated model state",
@@ -102,6 +107,12 @@ def _zero_rules(cfg: RunConfig, errors: list[str]) -> None:
             f"parallel.zero = {zero} ({ZERO_LEVELS[zero]}) is not built yet; use "
             "--parallel.zero 2 (optimizer state and gradients sharded) or tensor and pipeline "
             "parallelism to fit the parameters"
+        )
+    elif zero == 3 and cfg.train.compile:
+        errors.append(
+            "parallel.zero = 3 gathers each layer's parameters in module hooks, which "
+            "train.compile's regional compilation does not trace; set --train.compile false "
+            "or use --parallel.zero 2"
         )
     elif zero == 0 and cfg.optim.distributed:
         errors.append(

@@ -37,6 +37,11 @@ bucket is started when each of its parameters has had one gradient since the buc
 last allocated; which microbatch a gradient belongs to does not matter for the sum (a split
 backward's B and W may interleave). A tied embedding's bucket (deferred) and, without
 overlap, every bucket stay full over the step and are reduced in `finish`.
+
+ZeRO-3 (`shard_params`) also keeps only each rank's 1/dp of the parameters: `params` holds
+the shards, buckets never span two units (a transformer layer, or a chunk's other
+parameters) and `ParamGather` (`ptdp.parallel.zero3`) all-gathers a unit's buckets around
+its forward and its backward. `traffic` counts what the data-parallel collectives move.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from ptdp.parallel.comm import (
 )
 from ptdp.parallel.grads import sum_tied_
 from ptdp.parallel.roles import ParamRoles
+from ptdp.parallel.zero3 import ParamGather, unit_of
 
 
 @dataclass
@@ -78,6 +84,14 @@ class Bucket:
     launched: bool = False
     full: torch.Tensor | None = None
     """ZeRO-2: the bucket's full-size fp32 gradient while it is being filled."""
+    whole: torch.Tensor | None = None
+    """ZeRO-3: the bucket's full parameters (their views' storage), freed when unused."""
+    shard: torch.Tensor | None = None
+    """ZeRO-3: this rank's 1/dp of the parameters, a view of the chunk's `params`."""
+    users: int = 0
+    """ZeRO-3: forwards and backwards holding `whole` now (`ParamGather`)."""
+    gather: dist.Work | None = None
+    """ZeRO-3: the all-gather filling `whole`, while in flight."""
 
     @property
     def size(self) -> int:
@@ -89,6 +103,7 @@ class ChunkBuffer:
     """One chunk's parameter and gradient buffers and their buckets."""
 
     params: torch.Tensor
+    """The parameters of every bucket, or (ZeRO-3) this rank's 1/dp of each."""
     grads: torch.Tensor
     """fp32; every bucket in full, or (ZeRO-2) this rank's 1/dp of each, in bucket order."""
     buckets: list[Bucket] = field(default_factory=list)
@@ -100,15 +115,21 @@ def _split_into_buckets(
     params: list[tuple[str, nn.Parameter]],
     bucket_elems: int,
     separate: Callable[[str], bool],
+    unit: Callable[[str], str] = lambda name: "",
 ) -> list[list[nn.Parameter]]:
-    """Consecutive parameters of about bucket_elems elements; `separate` ones (by name) alone."""
+    """Consecutive parameters of about bucket_elems elements; `separate` ones (by name) alone;
+    a bucket holds parameters of one `unit` only."""
     groups: list[list[nn.Parameter]] = []
     current: list[nn.Parameter] = []
-    size = 0
+    size, last = 0, None
     for name, p in params:
         if separate(name):
             groups.append([p])
             continue
+        if current and unit(name) != last:
+            groups.append(current)
+            current, size = [], 0
+        last = unit(name)
         current.append(p)
         size += p.numel()
         if size >= bucket_elems:
@@ -125,7 +146,9 @@ class GradBuffers:
     `roles`: the chunks' merged record (`ptdp.parallel.roles.rank_roles`; `NO_ROLES` for
     plain modules), naming the tied copy and the sequence-parallel parameters. `shard`:
     reduce-scatter so that each rank owns 1/dp of every bucket (ZeRO-1); `shard_grads`:
-    also keep only that 1/dp of the gradients (ZeRO-2, module doc; implies `shard`).
+    also keep only that 1/dp of the gradients (ZeRO-2, module doc; implies `shard`);
+    `shard_params`: and of the parameters (ZeRO-3, `ptdp.parallel.zero3`; implies both),
+    re-gathered before each backward unless `reshard_after_forward` is off.
     """
 
     def __init__(
@@ -139,11 +162,17 @@ class GradBuffers:
         bucket_mb: float = 25.0,
         shard: bool = False,
         shard_grads: bool = False,
+        shard_params: bool = False,
+        reshard_after_forward: bool = True,
         overlap: bool = True,
     ) -> None:
         self.dp, self.tp, self.embedding, self.roles = dp, tp, embedding, roles
-        self.shard = (shard or shard_grads) and dp.size > 1
-        self.shard_grads = shard_grads and self.shard
+        self.shard = (shard or shard_grads or shard_params) and dp.size > 1
+        self.shard_grads = (shard_grads or shard_params) and self.shard
+        self.shard_params = shard_params and self.shard
+        self.traffic: dict[str, list[int]] = {}
+        """Data-parallel collectives so far: kind -> [elements, bytes] of the full buffers
+        (an all-gather or reduce-scatter of n elements counts n, an all-reduce 2n)."""
         self.full_bytes = 0
         """ZeRO-2: bytes of full bucket gradients alive now; `peak_full_bytes` the most."""
         self.peak_full_bytes = 0
@@ -162,9 +191,26 @@ class GradBuffers:
         align = dp.size if self.shard else 1
         for chunk in chunks:
             named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad][::-1]
-            groups = _split_into_buckets(named, bucket_elems, self._is_tied)
+            unit = unit_of if self.shard_params else (lambda name: "")
+            groups = _split_into_buckets(named, bucket_elems, self._is_tied, unit)
             self.chunks.append(self._allocate(groups, align, named))
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
+        self.gather = None
+        if self.shard_params:
+            names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}
+            self.gather = ParamGather(
+                chunks,
+                self.chunks,
+                names,
+                dp,
+                reshard_after_forward=reshard_after_forward,
+                count=self._count,
+            )
+
+    def _count(self, kind: str, tensor: torch.Tensor, times: int = 1) -> None:
+        counts = self.traffic.setdefault(kind, [0, 0])
+        counts[0] += times * tensor.numel()
+        counts[1] += times * tensor.nbytes
 
     def _allocate(self, groups, align: int, named) -> ChunkBuffer:
         tied = {p for n, p in named if self._is_tied(n)}
@@ -178,7 +224,9 @@ class GradBuffers:
         device, dtype = named[0][1].device, named[0][1].dtype
         kept = offset // align if self.shard_grads else offset
         buf = ChunkBuffer(
-            params=torch.zeros(offset, dtype=dtype, device=device),
+            params=torch.zeros(
+                offset // align if self.shard_params else offset, dtype=dtype, device=device
+            ),
             grads=torch.zeros(kept, dtype=torch.float32, device=device),
         )
         for start, end, params in ranges:
@@ -190,16 +238,30 @@ class GradBuffers:
                 sequence_parallel=[p for p in params if p in sequence_parallel],
             )
             buf.buckets.append(bucket)
+            whole, base = buf.params, 0
+            if self.shard_params:  # the bucket's own full parameters, freed when unused
+                whole, base = torch.zeros(end - start, dtype=dtype, device=device), start
             at = start
             for p in params:
                 n = p.numel()
-                buf.params[at : at + n].copy_(p.data.view(-1))
-                p.data = buf.params[at : at + n].view_as(p)
+                whole[at - base : at - base + n].copy_(p.data.view(-1))
+                p.data = whole[at - base : at - base + n].view_as(p)
                 if not self.shard_grads:  # else a view of the bucket's `full`, when it exists
                     p.main_grad = buf.grads[at : at + n].view_as(p)
                 self._bucket_of[p] = (buf, bucket)
                 at += n
+            if self.shard_params:
+                self._keep_shard(buf, bucket, whole)
         return buf
+
+    def _keep_shard(self, buf: ChunkBuffer, bucket: Bucket, whole: torch.Tensor) -> None:
+        """ZeRO-3: keep this rank's 1/dp of `whole` (views of the bucket's parameters)."""
+        part = bucket.size // self.dp.size
+        at = bucket.start // self.dp.size
+        bucket.shard = buf.params[at : at + part]
+        bucket.shard.copy_(whole[self.dp.rank * part : (self.dp.rank + 1) * part])
+        bucket.whole = whole
+        whole.untyped_storage().resize_(0)
 
     def _is_tied(self, name: str) -> bool:
         """The embedding that the first and last pipeline stages both hold (pp > 1, tied)."""
@@ -216,11 +278,18 @@ class GradBuffers:
                 continue
             buf.params = buf.params.to(dtype)
             for bucket in buf.buckets:
-                at = bucket.start
+                whole, at = buf.params, bucket.start
+                if self.shard_params:  # views are made while the storage is there
+                    whole, at = torch.empty(bucket.size, dtype=dtype, device=whole.device), 0
                 for p in bucket.params:
                     n = p.numel()
-                    p.data = buf.params[at : at + n].view(p.shape)
+                    p.data = whole[at : at + n].view(p.shape)
                     at += n
+                if self.shard_params:
+                    part = bucket.size // self.dp.size
+                    at = bucket.start // self.dp.size
+                    bucket.shard, bucket.whole = buf.params[at : at + part], whole
+                    whole.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------ the step
 
@@ -232,6 +301,13 @@ class GradBuffers:
         first = bucket.start + self.dp.rank * part
         return first, first + part
 
+    def owned_params(self, buf: ChunkBuffer, bucket: Bucket) -> torch.Tensor:
+        """The parameters of `shard_range(bucket)` as stored: where the optimizer writes."""
+        if self.shard_params:
+            return bucket.shard
+        first, last = self.shard_range(bucket)
+        return buf.params[first:last]
+
     def owned_grads(self, buf: ChunkBuffer, bucket: Bucket) -> torch.Tensor:
         """The reduced fp32 gradient of `shard_range(bucket)`, where the optimizer reads it."""
         first, last = self.shard_range(bucket)
@@ -239,6 +315,11 @@ class GradBuffers:
             return buf.grads[first:last]
         at = bucket.start // self.dp.size  # buckets are padded to multiples of dp
         return buf.grads[at : at + last - first]
+
+    def param_bytes(self) -> int:
+        """Bytes of parameters this rank holds now: its buffers and any gathered buckets."""
+        gathered = self.gather.gathered_bytes() if self.gather else 0
+        return sum(buf.params.nbytes for buf in self.chunks) + gathered
 
     def grad_bytes(self) -> int:
         """Bytes of fp32 gradient this rank holds now: its buffers and any full buckets."""
@@ -276,6 +357,8 @@ class GradBuffers:
         bucket.pending -= 1
         if bucket.pending > 0:
             return
+        if self.gather is not None:  # every parameter has its gradient: one use done
+            self.gather.release([bucket])
         if self.overlap and not bucket.deferred:
             self.early_launches += 1
             self._launch(buf, bucket)
@@ -300,6 +383,7 @@ class GradBuffers:
         for p in bucket.params:
             p.main_grad = None
         full.div_(self.dp.size)
+        self._count("reduce_scatter", full)
         out = full[self.dp.rank * part : (self.dp.rank + 1) * part]
         self._inflight.append((buf, bucket, reduce_scatter_flat_async(out, full, self.dp), full))
 
@@ -335,8 +419,10 @@ class GradBuffers:
             first, last = self.shard_range(bucket)
             out = buf.grads[first:last]
             bucket.work = reduce_scatter_flat_async(out, grads, self.dp)
+            self._count("reduce_scatter", grads)
         else:
             bucket.work = all_reduce_async(grads, self.dp)
+            self._count("all_reduce", grads, times=2)
 
     def finish(self) -> None:
         """Complete the step's reduction: deferred and not yet started buckets, then wait."""
@@ -356,6 +442,8 @@ class GradBuffers:
                     self._launch(buf, bucket)
         if self.shard_grads:
             self._retire(keep=0)
+        if self.gather is not None:
+            self.gather.reset()
         for buf in self.chunks:
             buf.final = False
             for bucket in buf.buckets:
@@ -365,6 +453,8 @@ class GradBuffers:
 
     def zero_grad(self) -> None:
         self._retire(keep=0)  # ZeRO-2: reductions a failed step left running
+        if self.gather is not None:  # ZeRO-3: gathers a failed step left held
+            self.gather.reset()
         for buf in self.chunks:
             buf.grads.zero_()
             for bucket in buf.buckets:  # ZeRO-2: a step's leftovers would be stale
@@ -375,8 +465,9 @@ class GradBuffers:
                         p.main_grad = None
 
     def gather_params(self) -> None:
-        """All-gather each rank's updated shard of the parameters (distributed optimizer)."""
-        if not self.shard:
+        """All-gather each rank's updated shard of the parameters (distributed optimizer);
+        under ZeRO-3 the shards are the parameters, gathered when next used."""
+        if not self.shard or self.shard_params:
             return
         works = []
         for buf in self.chunks:
@@ -385,5 +476,6 @@ class GradBuffers:
                 whole = buf.params[bucket.start : bucket.end]
                 shard = buf.params[first:last]
                 works.append(all_gather_flat_async(whole, shard, self.dp))
+                self._count("all_gather", whole)
         for work in works:
             work.wait()

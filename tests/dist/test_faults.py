@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -57,24 +58,28 @@ def _nan_grad_on_rank1(rank: int, world: int, data: str, root: str) -> None:
     def forward_backward(self):
         loss = original(self)
         if rank == 1 and self.step + 1 == 3:  # after the reduction: rank 1's copy only
-            next(iter(self.model.parameters())).main_grad.view(-1)[0] = float("nan")
+            self.optimizer.pieces[0].master.grad.view(-1)[0] = float("nan")
         return loss
 
     Trainer.forward_backward = forward_backward
-    cfg = _config(data, Path(root) / "run", on_nan="skip")
-    result = train(cfg, env=LaunchEnv(rank, world, rank))
-    Path(root, f"rank{rank}.json").write_text(
-        json.dumps({"final": result.final_step, "skipped": result.nonfinite_skipped})
-    )
+    for zero in (0, 3):  # ZeRO-3: the NaN in rank 1's shard, its parameters gathered next
+        cfg = _config(data, Path(root) / f"run{zero}", on_nan="skip")
+        cfg = replace(cfg, parallel=replace(cfg.parallel, zero=zero))
+        result = train(cfg, env=LaunchEnv(rank, world, rank))
+        Path(root, f"rank{rank}-zero{zero}.json").write_text(
+            json.dumps({"final": result.final_step, "skipped": result.nonfinite_skipped})
+        )
 
 
 def test_nan_on_one_rank_is_skipped_by_both(tiny_data: str, tmp_path: Path) -> None:
     run_ranks(_nan_grad_on_rank1, 2, tiny_data, str(tmp_path))
     for rank in (0, 1):
-        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert seen == {"final": 6, "skipped": 1}, rank
-    step_dir = ckpt.find_checkpoint(tmp_path / "run")
-    assert step_dir.name == "step_00000006"
+        for zero in (0, 3):
+            seen = json.loads((tmp_path / f"rank{rank}-zero{zero}.json").read_text())
+            assert seen == {"final": 6, "skipped": 1}, (rank, zero)
+    for zero in (0, 3):
+        step_dir = ckpt.find_checkpoint(tmp_path / f"run{zero}")
+        assert step_dir.name == "step_00000006"
 
 
 def _resume_from_different_dirs(rank: int, world: int, data: str, root: str) -> None:

@@ -30,8 +30,8 @@ def _check(rank: int, world_size: int, shard: bool, overlap: bool) -> None:
     dp = Group(dist.group.WORLD, world_size, rank)
     single = Group.single()
     buffers = GradBuffers(
-        [model], roles=NO_ROLES, dp=dp, tp=single, embedding=single, bucket_mb=BUCKET_MB, shard=shard,
-        overlap=overlap,
+        [model], roles=NO_ROLES, dp=dp, tp=single, embedding=single, bucket_mb=BUCKET_MB,
+        shard=shard, overlap=overlap,
     )  # fmt: skip
     buckets = buffers.chunks[0].buckets
     assert len(buckets) == 2
@@ -126,3 +126,81 @@ def _check_sharded_grads(rank: int, world_size: int) -> None:
 
 def test_sharded_gradients() -> None:
     run_ranks(_check_sharded_grads, 2)
+
+
+class _Stack(nn.Module):
+    """Units for ZeRO-3: the root (input and output layers) and three `layers`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.layers = nn.ModuleDict(
+            {str(i): nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for i in range(3)}
+        )
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.head(x)
+
+
+def _check_sharded_params(rank: int, world_size: int) -> None:
+    """ZeRO-3: each rank stores 1/dp of the parameters; a layer's are gathered around its
+    forward and its backward (the next layer's already in flight while it runs), freed after;
+    kept from forward to backward, one gather per microbatch instead of two. Outputs and
+    gradient shards equal the replicated model's."""
+    for keep in (False, True):
+        torch.manual_seed(0)
+        model = _Stack()
+        ref = copy.deepcopy(model)
+        xs = torch.randn(world_size, 2, 5, 8)
+        dp, single = Group(dist.group.WORLD, world_size, rank), Group.single()
+        buffers = GradBuffers(
+            [model], roles=NO_ROLES, dp=dp, tp=single, embedding=single, bucket_mb=1.0,
+            shard_params=True, reshard_after_forward=not keep,
+        )  # fmt: skip
+        buf, gather = buffers.chunks[0], buffers.gather
+        full = sum(b.size for b in buf.buckets)
+        assert len(buf.buckets) == 5  # head, layers 2..0, embed: units never share a bucket
+        assert buf.params.numel() * world_size == full and buffers.param_bytes() == 4 * full // 2
+        second = [b for b in buf.buckets if b.params[0] is model.layers["1"][0].bias]
+        seen: list[bool] = []
+
+        def prefetched(*_, bucket=second[0], seen=seen) -> None:
+            seen.append(bucket.gather is not None or bucket.users > 0)
+
+        # Layer 0's own hook, after ParamGather's: layer 1 is prefetched, not yet held.
+        model.layers["0"].register_forward_hook(prefetched)
+        m = xs.shape[1]
+        for j in range(m):
+            if j == m - 1:
+                buffers.start_final(0)
+            out = model(xs[rank, j])
+            torch.testing.assert_close(out, ref(xs[rank, j]))
+            out.pow(2).mean().div(m).backward()
+            assert gather.gathered_bytes() == 0  # every unit freed after its backward
+        buffers.finish()
+        assert seen == [True] * m, "layer 1 was not being gathered while layer 0 ran"
+        # Reshard: at most the root and two layers at once; kept: every layer by the loss.
+        assert gather.peak_bytes == 4 * full if keep else 0 < gather.peak_bytes < 4 * full
+        gathers, scatters = buffers.traffic["all_gather"][0], buffers.traffic["reduce_scatter"][0]
+        assert (gathers, scatters) == ((1 if keep else 2) * m * full, m * full)
+        for r in range(world_size):
+            for j in range(m):
+                ref(xs[r, j]).pow(2).mean().div(m * world_size).backward()
+        ref_params = dict(zip(model.parameters(), ref.parameters()))
+        for bucket in buf.buckets:
+            expected = torch.cat([ref_params[p].grad.reshape(-1) for p in bucket.params])
+            expected = torch.cat([expected, expected.new_zeros(bucket.size - len(expected))])
+            first, last = buffers.shard_range(bucket)
+            want = expected[first - bucket.start : last - bucket.start]
+            torch.testing.assert_close(buffers.owned_grads(buf, bucket), want)
+            weights = torch.cat([ref_params[p].detach().reshape(-1) for p in bucket.params])
+            weights = torch.cat([weights, weights.new_zeros(bucket.size - len(weights))])
+            assert torch.equal(bucket.shard, weights[first - bucket.start : last - bucket.start])
+
+
+def test_sharded_parameters() -> None:
+    run_ranks(_check_sharded_params, 2)

@@ -37,6 +37,8 @@ class Layout:
     zero: int = 0
     recompute: str = "none"
     llama: bool = False
+    keep: bool = False
+    """ZeRO-3: parameters kept gathered from forward to backward."""
 
     @property
     def world(self) -> int:
@@ -49,6 +51,7 @@ class Layout:
             parts += [self.schedule] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
         parts += ["sp"] * self.sp + [f"zero{self.zero}"] * (self.zero > 0)
         parts += [f"rc-{self.recompute}"] * (self.recompute != "none") + ["llama"] * self.llama
+        parts += ["keep"] * self.keep
         return "-".join(parts)
 
 
@@ -69,6 +72,7 @@ GRID = [
     Layout(pp=2, schedule="zb-h2", llama=True),
     Layout(pp=2, vpp=2, schedule="zb-v"),  # tied: embedding and output layer on rank 0
     Layout(dp=2, zero=2),
+    Layout(dp=2, zero=3, recompute="full"),
     # world 4
     Layout(tp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, dp=2, recompute="selective", llama=True),
@@ -91,6 +95,11 @@ GRID = [
     Layout(tp=2, dp=2, zero=2, sp=True),
     Layout(pp=2, dp=2, zero=2),  # tied embedding: a deferred bucket on both stages
     Layout(pp=2, dp=2, vpp=2, schedule=I, zero=2, recompute="selective"),
+    Layout(dp=4, zero=3, llama=True),
+    Layout(tp=2, dp=2, zero=3, sp=True, recompute="selective"),
+    Layout(pp=2, dp=2, zero=3),  # tied embedding: a deferred bucket on both stages
+    Layout(pp=2, dp=2, vpp=2, schedule=I, zero=3, keep=True),
+    Layout(pp=2, dp=2, schedule="zb-h1", zero=3, recompute="full", llama=True),
     # world 8
     Layout(tp=2, pp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule=I, sp=True, zero=1, recompute="full"),
@@ -101,6 +110,7 @@ GRID = [
     Layout(tp=2, pp=4, vpp=2, schedule=I, recompute="selective", zero=1),
     Layout(tp=2, pp=4, schedule="zb-h1", sp=True, recompute="full"),
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule="zb-v", zero=1, recompute="full"),
+    Layout(tp=2, pp=2, dp=2, vpp=2, schedule=I, sp=True, zero=3, recompute="full"),
 ]
 
 
@@ -117,6 +127,7 @@ def _config(data: str, run_dir: Path, layout: Layout | None, llama: bool) -> Run
             "sequence_parallel": layout.sp,
             "recompute": layout.recompute,
             "zero": layout.zero,
+            "zero3_reshard_after_forward": not layout.keep,
         }
     return tiny_config(
         data,
@@ -161,7 +172,7 @@ def test_grid_covers_the_issue() -> None:
     for attr, values in {
         "tp": {1, 2}, "pp": {1, 2, 4}, "dp": {1, 2}, "vpp": {1, 2},
         "schedule": {"1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"}, "sp": {True, False},
-        "zero": {0, 1, 2}, "recompute": {"none", "selective", "full"},
+        "zero": {0, 1, 2, 3}, "recompute": {"none", "selective", "full"},
     }.items():  # fmt: skip
         assert values <= {getattr(x, attr) for x in GRID}, attr
 

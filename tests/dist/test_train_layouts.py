@@ -194,7 +194,8 @@ def _check_bf16_sharded(rank: int, world_size: int, data: str, root: str) -> Non
     if trainer.owns_process_group:
         dist.destroy_process_group()
     out = {}
-    for precision, zero in (("bf16", 0), ("bf16", 1), ("bf16", 2), ("fp16", 0), ("fp16", 2)):
+    runs = [("bf16", z) for z in (0, 1, 2, 3)] + [("fp16", z) for z in (0, 2, 3)]
+    for precision, zero in runs:
         cfg = _bf16_config(data, Path(root) / f"{precision}-zero{zero}", zero, precision)
         result = train(cfg, env=env)
         out[f"{precision}-zero{zero}"] = [result.losses, result.optimizer_bytes]
@@ -209,7 +210,9 @@ def test_bf16_distributed_optimizer(tiny_data: str, tmp_path: Path) -> None:
     two fp32 gradients and apply the same elementwise AdamW: they agree bit for bit, and
     with one process (which accumulates its microbatches' bf16 gradients) to bf16 rounding.
     ZeRO-2 reduces each microbatch's gradients apart and sums the reduced ones: to fp32
-    rounding of ZeRO-1's sums. fp16 (loss scaling, unscaled and checked on the shards) too."""
+    rounding of ZeRO-1's sums. fp16 (loss scaling, unscaled and checked on the shards) too.
+    ZeRO-3 (16-bit gathers of the shards, fp32 masters) computes what ZeRO-2 does: the same
+    losses, bit for bit, in bf16 and fp16."""
     run_ranks(_check_bf16_sharded, 2, tiny_data, str(tmp_path))
     got = json.loads((tmp_path / "losses.json").read_text())
     (replicated, full_bytes), (sharded, shard_bytes) = got["bf16-zero0"], got["bf16-zero1"]
@@ -224,6 +227,8 @@ def test_bf16_distributed_optimizer(tiny_data: str, tmp_path: Path) -> None:
         assert state_bytes == shard_bytes
         for step, loss in other.items():
             assert losses[step] == pytest.approx(loss, rel=1e-4), (zero2, step)
+    for precision in ("bf16", "fp16"):
+        assert got[f"{precision}-zero3"] == got[f"{precision}-zero2"], precision
     single = train(_bf16_config(tiny_data, tmp_path / "single"))
     for step, loss in single.losses.items():
         assert sharded[str(step)] == pytest.approx(loss, rel=1e-4), step

@@ -178,6 +178,12 @@ INVALID = [
         "model.seq_length = 36 is not divisible by 2*parallel.cp = 8",
     ),
     (
+        {"parallel": {"zero": 3}, "train": {"compile": True}},
+        1,
+        "parallel.zero = 3 gathers each layer's parameters in module hooks",
+    ),
+    ({"parallel": {"zero": 3}, "train": {"compile": True}}, 1, "set --train.compile false"),
+    (
         {"parallel": {"zero": 0}, "optim": {"distributed": True}},
         1,
         "optim.distributed = true (the old spelling of parallel.zero = 1) disagrees with "
@@ -221,7 +227,10 @@ def test_valid_layouts_derive_dp_and_microbatches() -> None:
 
 @pytest.mark.parametrize(
     ("zero", "distributed", "level"),
-    [(-1, False, 0), (-1, True, 1), (0, False, 0), (1, False, 1), (2, False, 2), (2, True, 2)],
+    [
+        *((-1, False, 0), (-1, True, 1), (0, False, 0), (1, False, 1), (2, False, 2)),
+        *((2, True, 2), (3, False, 3), (3, True, 3)),
+    ],
 )
 def test_zero_level_and_its_old_spelling(zero: int, distributed: bool, level: int) -> None:
     updates = {"parallel": {"zero": zero}, "optim": {"distributed": distributed}}
@@ -230,6 +239,7 @@ def test_zero_level_and_its_old_spelling(zero: int, distributed: bool, level: in
     assert layout.zero == level
     assert (f" zero={level} " in layout.describe()) == (level > 0)
     assert (layout.shards_optimizer, layout.shards_grads) == (level >= 1, level >= 2)
+    assert layout.shards_params == (level >= 3)
 
 
 def test_explicit_pipeline_layers() -> None:

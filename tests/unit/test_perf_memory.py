@@ -41,6 +41,8 @@ def test_model_state_bytes_per_parameter() -> None:
     assert (full.params, full.grads, full.optimizer) == (4, 4, 2)
     zero2 = bytes_per_parameter(Precision.BF16, zero=2, dp=8)  # 2 + 16 / d (ZeRO paper)
     assert (zero2.params, zero2.grads, zero2.optimizer) == (2, 0.5, 1.5)
+    zero3 = bytes_per_parameter(Precision.BF16, zero=3, dp=8)  # every part / d
+    assert (zero3.params, zero3.grads, zero3.optimizer) == (0.25, 0.5, 1.5)
     assert bytes_per_parameter(Precision.FP32, zero=2, dp=1) == bytes_per_parameter(Precision.FP32)
 
 

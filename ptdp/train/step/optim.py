@@ -9,7 +9,8 @@ full buffer, or under ZeRO-2 the rank's persistent 1/dp of it). In fp32 training
 is a view of the parameter itself (no copy); with 16-bit parameters it is an fp32 copy,
 written back after each step. With the distributed optimizer, masters and AdamW state
 exist only for the rank's shard, so their memory falls by dp, and the updated shards
-are all-gathered into every replica's parameters.
+are all-gathered into every replica's parameters. Under ZeRO-3 what the model stores is
+the rank's shard (`GradBuffers.owned_params`), all-gathered when a layer next runs.
 
 Weight decay applies to matrices and embeddings only (GPT-2 practice). The global
 gradient norm counts every element of the single-process model once: replicated tensor
@@ -46,6 +47,13 @@ class Piece:
     hi: int
     master: torch.Tensor
     """fp32, 1-D; its .grad is the slice [lo, hi) of the parameter's reduced gradient."""
+    where: tuple[Any, Any, int]
+    """(chunk buffer, bucket, offset in `owned_params`): where the slice is stored."""
+
+    def stored(self, buffers: GradBuffers) -> torch.Tensor:
+        """The slice as the model stores it (16-bit under bf16/fp16; ZeRO-3: the shard)."""
+        buf, bucket, at = self.where
+        return buffers.owned_params(buf, bucket)[at : at + self.hi - self.lo]
 
 
 class Optimizer:
@@ -70,12 +78,15 @@ class Optimizer:
             for bucket in buf.buckets:
                 first, last = buffers.shard_range(bucket)
                 owned = buffers.owned_grads(buf, bucket)
+                stored = buffers.owned_params(buf, bucket)
                 mine, at = [], bucket.start
                 for p in bucket.params:
                     lo, hi = max(first, at) - at, min(last, at + p.numel()) - at
                     if lo < hi:
-                        flat = p.data.view(-1)[lo:hi]
-                        piece = Piece(names[p], p, lo, hi, flat.clone() if self.copies else flat)
+                        flat = stored[at + lo - first : at + hi - first]
+                        master = flat.clone() if self.copies else flat
+                        where = (buf, bucket, at + lo - first)
+                        piece = Piece(names[p], p, lo, hi, master, where)
                         piece.master.grad = owned[at + lo - first : at + hi - first]
                         mine.append(piece)
                     at += p.numel()
@@ -145,7 +156,7 @@ class Optimizer:
             self.inner.found_inf = None
         if self.copies and self.pieces:  # one multi-tensor kernel, not a copy per parameter
             torch._foreach_copy_(
-                [x.param.data.view(-1)[x.lo : x.hi] for x in self.pieces],
+                [x.stored(self.buffers) for x in self.pieces],
                 [x.master for x in self.pieces],
             )
         self.buffers.gather_params()
@@ -209,7 +220,7 @@ class Optimizer:
         """Set master weights (and parameters) and AdamW state from tensor-local tensors."""
         for x in self.pieces:
             x.master.copy_(masters[x.param].reshape(-1)[x.lo : x.hi])
-            x.param.data.view(-1)[x.lo : x.hi].copy_(x.master)
+            x.stored(self.buffers).copy_(x.master)
             if x.param in moments:
                 self.inner.state[x.master] = {
                     # The fused kernel keeps the step count on the parameters' device.

@@ -109,6 +109,8 @@ class Trainer:
             bucket_mb=cfg.parallel.bucket_mb,
             shard=layout.shards_optimizer,
             shard_grads=layout.shards_grads,
+            shard_params=layout.shards_params,
+            reshard_after_forward=cfg.parallel.zero3_reshard_after_forward,
             overlap=cfg.parallel.overlap_grad_reduce,
         )
         dtype = PARAM_DTYPES[cfg.train.precision]
