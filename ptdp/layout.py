@@ -208,6 +208,7 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
                 "from the world size"
             )
     _tensor_parallel_rules(cfg, errors)
+    _context_parallel_rules(cfg, errors)
     spec = SCHEDULES[p.schedule.value]
     if p.vpp > 1 and spec.chunks == 1:
         errors.append(
@@ -273,6 +274,36 @@ def _torchrun(processes: int) -> str:
         f"`torchrun --nproc-per-node {processes} -m ptdp train ...` "
         f"(SLURM: `srun --ntasks {processes} ptdp train ...`)"
     )
+
+
+def _context_parallel_rules(cfg: RunConfig, errors: list[str]) -> None:
+    """The sequence splits into 2*cp chunks (two per rank, load-balanced causal work)."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return
+    if m.seq_length % (2 * p.cp):
+        errors.append(
+            f"model.seq_length = {m.seq_length} is not divisible by 2*parallel.cp = {2 * p.cp}: "
+            "context parallelism cuts each sequence into 2*cp equal chunks; choose a sequence "
+            f"length that is a multiple of {2 * p.cp} or a smaller parallel.cp"
+        )
+    elif p.sequence_parallel and (m.seq_length // p.cp) % p.tp:
+        errors.append(
+            f"model.seq_length / parallel.cp = {m.seq_length // p.cp} (a rank's part of the "
+            f"sequence) is not divisible by parallel.tp = {p.tp}, which sequence parallelism "
+            "needs; use a sequence length that is a multiple of 2*cp*tp or turn "
+            "sequence_parallel off"
+        )
+    if m.dropout > 0:
+        errors.append(
+            f"model.dropout = {m.dropout} with parallel.cp = {p.cp}: context-parallel attention "
+            "has no dropout; set --model.dropout 0 or --parallel.cp 1"
+        )
+    if cfg.train.compile:
+        errors.append(
+            f"train.compile with parallel.cp = {p.cp} is not built (ring attention's transfers "
+            "are not compiled); set --train.compile false or --parallel.cp 1"
+        )
 
 
 def _tensor_parallel_rules(cfg: RunConfig, errors: list[str]) -> None:
