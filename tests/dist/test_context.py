@@ -4,12 +4,13 @@ One spawn of 4 ranks checks cp = 4 and cp = 2 (two cp groups side by side), ring
 all-gather, with and without synthetic documents (straddling chunks and ranks), a sliding
 window, grouped-query heads and window lengths whose chunks are odd-sized: the output and
 the gradients of q, k and v (each rank's part, taken from the full-window run) to fp32
-rounding.
+rounding. Then checkpoints saved at cp = 2 restore in one process and back.
 """
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +19,11 @@ import torch.nn.functional as F
 from ptdp.config import CpComm
 from ptdp.model.positions import TokenPositions
 from ptdp.parallel.context import context_attention, local_index
+from ptdp.parallel.env import LaunchEnv
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
+from ptdp.train.run import train
 from tests.dist.harness import run_ranks
+from tests.dist.test_checkpoint_sharded import _config, _copy_saved, _read, _resume_in, _write
 
 pytestmark = pytest.mark.dist
 
@@ -74,3 +78,31 @@ def _ranks(rank: int, world_size: int) -> None:
 
 def test_ring_and_allgather_equal_full_attention() -> None:
     run_ranks(_ranks, 4, timeout_s=120)
+
+
+def _cp2_runs(rank: int, world: int, data: str, root: str) -> None:
+    """At cp = 2 (ZeRO-1 over the cp pair): a run saving step 3, and a resume of the
+    one-process checkpoint."""
+    env, tmp = LaunchEnv(rank, world, rank), Path(root)
+    cfg = _config(data, tmp / "cp2", 4, CP2, SMALL, train={"save_interval": 3})
+    _write(root, "cp2", rank, train(cfg, env=env).losses)
+    _resume_in(rank, world, data, root, "cp2-from-one", CP2, SMALL)
+
+
+CP2 = {"cp": 2, "zero": 1}
+SMALL = {"num_layers": 2, "seq_length": 16}
+
+
+def test_checkpoints_move_between_cp2_and_one_process(tiny_data: str, tmp_path: Path) -> None:
+    """Parameters are replicated over cp, so a cp = 2 checkpoint restores in one process and
+    a one-process checkpoint at cp = 2, each to the loss the other run reaches at step 4."""
+    one = train(_config(tiny_data, tmp_path / "one", 4, {}, SMALL, train={"save_interval": 3}))
+    _copy_saved(tmp_path / "one", tmp_path / "cp2-from-one")
+    run_ranks(_cp2_runs, 2, tiny_data, str(tmp_path))
+    cp2 = _read(tmp_path, "cp2")
+    for step, loss in one.losses.items():  # and cp = 2 trains like one process
+        assert cp2[step] == pytest.approx(loss, rel=1e-5), step
+    assert _read(tmp_path, "cp2-from-one") == {4: pytest.approx(one.losses[4], rel=1e-5)}
+    _copy_saved(tmp_path / "cp2", tmp_path / "one-from-cp2")
+    resumed = train(_config(tiny_data, tmp_path / "one-from-cp2", 4, {}, SMALL), resume=True)
+    assert resumed.losses == {4: pytest.approx(cp2[4], rel=1e-5)}
