@@ -187,7 +187,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, blocks, cp: Group, scale: float):
         b, n, s, d = q.shape
-        out = torch.zeros(b, n, s, d, dtype=torch.float32, device=q.device)
+        # Laid out [b, s, n, d] as the fused kernels lay theirs: the layer's [s, b, n*d]
+        # view of it then needs no copy (b = 1).
+        out = torch.zeros(b, s, n, d, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full((b, n, s), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         for step in range(cp.size):
