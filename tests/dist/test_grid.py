@@ -103,6 +103,8 @@ GRID = [
     Layout(cp=2, pp=2),
     Layout(cp=2, pp=2, vpp=2, schedule=I, llama=True),
     Layout(cp=2, dp=2, zero=1),  # optimizer state sharded over the 4 replicas of dp*cp
+    Layout(cp=2, pp=2, schedule="zb-h1", llama=True),
+    Layout(cp=2, dp=2, zero=2, recompute="full"),
     # world 8
     Layout(tp=2, pp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule=I, sp=True, zero=1, recompute="full"),
@@ -113,6 +115,8 @@ GRID = [
     Layout(tp=2, pp=4, vpp=2, schedule=I, recompute="selective", zero=1),
     Layout(tp=2, pp=4, schedule="zb-h1", sp=True, recompute="full"),
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule="zb-v", zero=1, recompute="full"),
+    Layout(tp=2, cp=2, pp=2, schedule="zb-h1", sp=True, llama=True, zero=1),
+    Layout(cp=2, pp=2, dp=2, vpp=2, schedule="zb-v", cp_comm="allgather"),
 ]
 
 
