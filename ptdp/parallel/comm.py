@@ -189,6 +189,9 @@ def gather_from_cp(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
 def ring_shift_async(send: torch.Tensor, recv: torch.Tensor, g: Group) -> list[dist.Work]:
     """Start sending `send` to the next member of the ring and receiving the previous
     member's into `recv` (ring attention's key/value rotation); wait on the works."""
+    if g.size == 1:  # a ring of one: the tensor comes back to itself
+        recv.copy_(send)
+        return []
     nxt = dist.get_global_rank(g.group, (g.rank + 1) % g.size)
     prev = dist.get_global_rank(g.group, (g.rank - 1) % g.size)
     ops = [
