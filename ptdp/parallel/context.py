@@ -89,8 +89,30 @@ class Block:
     """Bool [b or 1, 1, rows, cols] for MASKED."""
 
 
+def _sorted(index: torch.Tensor) -> bool:
+    return bool((index[1:] > index[:-1]).all())
+
+
+def _plan_causal(q: torch.Tensor, k: torch.Tensor) -> Block | None:
+    """Causal order only, both indices increasing: the rows reading anything are a suffix,
+    the keys read a prefix, found from the indices alone (no s x s mask at long context)."""
+    r0 = int(torch.searchsorted(q, k[0]))  # first query at or after the first key
+    c1 = int(torch.searchsorted(k, q[-1], right=True))  # keys up to the last query
+    if r0 == len(q) or c1 == 0:
+        return None
+    r, c = slice(r0, len(q)), slice(0, c1)
+    if k[c1 - 1] <= q[r0]:  # every such query reads every such key
+        return Block(r, c, Kind.FULL)
+    if len(q) - r0 == c1 and bool((q[r] == k[c]).all()):  # the same tokens: lower triangle
+        return Block(r, c, Kind.CAUSAL)
+    return Block(r, c, Kind.MASKED, (k[None, None, c] <= q[None, r, None])[:, None])
+
+
 def plan_block(queries: TokenPositions, keys: TokenPositions, window: int) -> Block | None:
     """The trimmed block of `keys` read by `queries`; None if no query reads any key."""
+    plain = not window and queries.document is None and keys.document is None
+    if plain and _sorted(queries.index) and _sorted(keys.index):
+        return _plan_causal(queries.index, keys.index)
     mask = queries.allowed(keys, window)
     rows = mask.any(dim=3).any(dim=0)[0].nonzero()
     if rows.numel() == 0:

@@ -60,6 +60,22 @@ def test_balanced_split_gives_equal_work_and_no_masks(cp: int) -> None:
     assert len(set(work)) == 1
 
 
+def test_plan_from_sorted_indices_equals_the_plan_from_the_mask() -> None:
+    """Causal order alone is planned from the indices (no s x s mask); one document over
+    the window takes the mask path: both give the same blocks."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        q, k = (torch.randperm(40, generator=gen)[:12].sort().values for _ in range(2))
+        fast = plan_block(TokenPositions(q), TokenPositions(k), 0)
+        one_doc = torch.zeros(1, 12, dtype=torch.long)
+        slow = plan_block(TokenPositions(q, None, one_doc), TokenPositions(k, None, one_doc), 0)
+        assert (fast is None) == (slow is None)
+        if fast is not None:
+            assert (fast.kind, fast.rows, fast.cols) == (slow.kind, slow.rows, slow.cols)
+            if fast.kind is Kind.MASKED:
+                assert torch.equal(fast.mask, slow.mask)
+
+
 def test_documents_and_windows_make_masked_or_skipped_blocks() -> None:
     index = torch.arange(16)
     docs = torch.stack([index >= 6, index >= 10]).long()  # a document break per sample
