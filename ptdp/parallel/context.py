@@ -51,7 +51,7 @@ def split_sequence(
     if cp.size == 1:
         return tokens, labels, positions
     seq = tokens.shape[1]
-    full = positions or TokenPositions.contiguous(seq, tokens.device)
+    full = TokenPositions.contiguous(seq, tokens.device) if positions is None else positions
     local = local_index(seq, cp.size, cp.rank).to(tokens.device)
     return tokens[:, local], labels[:, local], full.select(local)
 
