@@ -240,13 +240,15 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(out)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        incoming: list = []  # the accumulator of this step's keys, on its way from rank i-1
         for step in range(cp.size):
             works, nxt = [], None
             if step < cp.size - 1:
                 nxt = torch.empty_like(kv)
                 works = ring_shift_async(kv, nxt, cp)
             block = ctx.blocks[(cp.rank - step) % cp.size]
-            if block is not None:
+            grads = None
+            if block is not None:  # computed while both transfers run
                 r, c = block.rows, block.cols
                 kb, vb = (_repeat(x[:, :, c], n) for x in kv)
                 grads = block_backward(
@@ -254,12 +256,20 @@ class _RingAttention(torch.autograd.Function):
                     delta[:, :, r], block, ctx.scale,
                 )  # fmt: skip
                 dq[:, :, r] += grads[0]
+            for work in incoming:
+                work.wait()
+            if grads is not None:
                 dkv[0, :, :, c] += _fold(grads[1], g)
                 dkv[1, :, :, c] += _fold(grads[2], g)
-            arrived = torch.empty_like(dkv)  # the accumulator of the next step's keys
-            for work in ring_shift_async(dkv, arrived, cp) + works:
+            arrived = torch.empty_like(dkv)
+            incoming = ring_shift_async(dkv, arrived, cp)  # on to the next rank
+            for work in works:
                 work.wait()
+            sending = dkv  # kept alive until `incoming` (its send too) is waited on
             dkv, kv = arrived, (nxt if nxt is not None else kv)
+        for work in incoming:  # after c shifts: this rank's own keys' gradients
+            work.wait()
+        del sending
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
