@@ -45,6 +45,7 @@ from ptdp.perf.timeline import Event, from_dicts, plot_timelines, to_dicts
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.plan import PipelinePlan
 from ptdp.train.step.pipelined import (
+    Microbatch,
     PipelineStep,
     StepHooks,
     boundary_shape,
@@ -135,9 +136,9 @@ class Case:
         self.times: list[float] = []
         self.steps: list[list[Event]] = []  # per measured step, this rank's compute actions
 
-    def batch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, mb: int) -> Microbatch:
         rows = self.tokens[mb * self.mbs : (mb + 1) * self.mbs]
-        return rows[:, :-1], rows[:, 1:]
+        return Microbatch(rows[:, :-1], rows[:, 1:])
 
     def run(self, measured: bool) -> None:
         for chunk in self.chunks.values():

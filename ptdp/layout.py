@@ -287,6 +287,36 @@ def _torchrun(processes: int) -> str:
     )
 
 
+def _context_parallel_rules(cfg: RunConfig, errors: list[str]) -> None:
+    """The sequence splits into 2*cp chunks (two per rank, load-balanced causal work)."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return
+    if m.seq_length % (2 * p.cp):
+        errors.append(
+            f"model.seq_length = {m.seq_length} is not divisible by 2*parallel.cp = {2 * p.cp}: "
+            "context parallelism cuts each sequence into 2*cp equal chunks; choose a sequence "
+            f"length that is a multiple of {2 * p.cp} or a smaller parallel.cp"
+        )
+    elif p.sequence_parallel and (m.seq_length // p.cp) % p.tp:
+        errors.append(
+            f"model.seq_length / parallel.cp = {m.seq_length // p.cp} (a rank's part of the "
+            f"sequence) is not divisible by parallel.tp = {p.tp}, which sequence parallelism "
+            "needs; use a sequence length that is a multiple of 2*cp*tp or turn "
+            "sequence_parallel off"
+        )
+    if m.dropout > 0:
+        errors.append(
+            f"model.dropout = {m.dropout} with parallel.cp = {p.cp}: context-parallel attention "
+            "has no dropout; set --model.dropout 0 or --parallel.cp 1"
+        )
+    if cfg.train.compile:
+        errors.append(
+            f"train.compile with parallel.cp = {p.cp} is not built (ring attention's transfers "
+            "are not compiled); set --train.compile false or --parallel.cp 1"
+        )
+
+
 def _tensor_parallel_rules(cfg: RunConfig, errors: list[str]) -> None:
     m, t = cfg.model, cfg.parallel.tp
     if cfg.parallel.sequence_parallel and t == 1:

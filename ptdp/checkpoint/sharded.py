@@ -40,12 +40,14 @@ def stage_mesh(mesh: ParallelMesh, device: torch.device) -> DeviceMesh | None:
     """The ("dp", "tp") device mesh of this rank's pipeline stage; None in one process.
 
     Collective: every rank must call it. The torch mesh has ptdp's rank layout
-    (rank = tp + t*(dp + d*pp) is arange(world).reshape(pp, dp, tp)).
+    (rank = tp + t*(cp + c*(dp + d*pp)) is arange(world).reshape(pp, dp*cp, tp)): its "dp"
+    dimension spans the data- and context-parallel replicas, which hold the same tensors.
     """
     s = mesh.shape
     if s.world_size == 1 or not has_process_group():
         return None
-    full = init_device_mesh(device.type, (s.pp, s.dp, s.tp), mesh_dim_names=("pp", "dp", "tp"))
+    shape = (s.pp, s.dp * s.cp, s.tp)
+    full = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
     return full["dp", "tp"]
 
 

@@ -26,13 +26,21 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ptdp.config import Activation, ModelConfig, Normalization, PositionEmbedding, Recompute
+from ptdp.config import (
+    Activation,
+    CpComm,
+    ModelConfig,
+    Normalization,
+    PositionEmbedding,
+    Recompute,
+)
 from ptdp.model.init import apply_init
 from ptdp.model.kv_cache import KVCache, LayerCache
 from ptdp.model.positions import TokenPositions
 from ptdp.model.rope import Rotary
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
+from ptdp.parallel.context import context_attention
 from ptdp.parallel.init import ShardSpec, rank_rng, shard_spec
 from ptdp.parallel.loss import vocab_parallel_cross_entropy
 from ptdp.parallel.roles import ParamRoles
@@ -48,6 +56,9 @@ class TPContext:
     sequence_parallel: bool = False
     wgrad: WeightGradStore | None = None
     """The chunk's store of deferred weight-gradient GEMMs (zero-bubble B/W split)."""
+    cp: Group = Group(None, 1, 0)
+    """The context-parallel group: each member holds part of every sequence."""
+    cp_comm: CpComm = CpComm.RING
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -100,7 +111,9 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.window = cfg.sliding_window
         self.recompute_core = recompute_core
-        self.tp = ctx.tp
+        self.tp, self.cp, self.cp_comm = ctx.tp, ctx.cp, ctx.cp_comm
+        if self.cp.size > 1 and self.dropout:
+            raise ValueError("context parallelism has no attention dropout; set model.dropout 0")
 
     def _core(
         self,
@@ -123,6 +136,18 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(
                 q, k, v, mask, dropout_p=p, is_causal=mask is None
             )
+
+    def _recomputable(self, core, q, k, v, positions: TokenPositions | None) -> torch.Tensor:
+        if self.recompute_core and self.training:
+            # Selective recomputation (Korthikanti et al. 2022): keep only q, k, v.
+            return checkpoint(core, q, k, v, positions, use_reentrant=False)
+        return core(q, k, v, positions)
+
+    def _context_core(self, q, k, v, positions: TokenPositions | None) -> torch.Tensor:
+        """This rank's part of the window against all of it (`ptdp.parallel.context`)."""
+        if positions is None:
+            raise ValueError("context-parallel attention needs the tokens' positions")
+        return context_attention(q, k, v, positions, self.cp, comm=self.cp_comm, window=self.window)
 
     def _cached_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [b, n, s, d] for the last s of the k/v positions [b, n, offset + s, d]."""
@@ -157,16 +182,16 @@ class Attention(nn.Module):
             q, k = rotary(q, offset, ids), rotary(k, offset, ids)
         if cache is not None:
             k, v = cache.update(k, v)  # [b, g, offset + s, d]
-        if self.q_per_group > 1:  # each group's k/v serve q_per_group consecutive query heads
-            k = k.repeat_interleave(self.q_per_group, dim=1)
-            v = v.repeat_interleave(self.q_per_group, dim=1)
-        if offset:
-            out = self._cached_core(q, k, v)
-        elif self.recompute_core and self.training:
-            # Selective recomputation (Korthikanti et al. 2022): keep only q, k, v.
-            out = checkpoint(self._core, q, k, v, positions, use_reentrant=False)
+        if self.cp.size > 1:  # k/v cross the cp group with their g heads (fewer bytes, GQA)
+            out = self._recomputable(self._context_core, q, k, v, positions)
         else:
-            out = self._core(q, k, v, positions)  # [b, n, s, d]
+            if self.q_per_group > 1:  # each group's k/v serve q_per_group query heads
+                k = k.repeat_interleave(self.q_per_group, dim=1)
+                v = v.repeat_interleave(self.q_per_group, dim=1)
+            if offset:
+                out = self._cached_core(q, k, v)
+            else:
+                out = self._recomputable(self._core, q, k, v, positions)  # [b, n, s, d]
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.proj(out)
 
@@ -261,6 +286,8 @@ class GPT(nn.Module):
         seed: initialisation seed; weights depend only on it and parameter names.
         recompute: activation recomputation mode.
         tp: this rank's tensor-parallel group (default: none, the reference model).
+        cp, cp_comm: this rank's context-parallel group (it holds part of each sequence;
+            `ptdp.parallel.context`) and how attention exchanges keys and values.
         sequence_parallel: split norm/dropout activations along the sequence over `tp`.
         layers: the global indices of the layers this chunk holds (default: all).
         has_embedding / has_head: whether this chunk holds the input embedding /
@@ -274,6 +301,8 @@ class GPT(nn.Module):
         seed: int = 1234,
         recompute: Recompute = Recompute.NONE,
         tp: Group | None = None,
+        cp: Group | None = None,
+        cp_comm: CpComm = CpComm.RING,
         sequence_parallel: bool = False,
         layers: range | None = None,
         has_embedding: bool = True,
@@ -287,7 +316,11 @@ class GPT(nn.Module):
         """Weight-gradient GEMMs its linear layers put off in a split backward (the pipeline
         runtime's B and W actions; `ptdp.parallel.wgrad`)."""
         self.ctx = ctx = TPContext(
-            tp or Group.single(), sequence_parallel and tp is not None, self.wgrad
+            tp or Group.single(),
+            sequence_parallel and tp is not None,
+            self.wgrad,
+            cp or Group.single(),
+            cp_comm,
         )
         self.has_embedding, self.has_head = has_embedding, has_head
         layers = range(cfg.num_layers) if layers is None else layers

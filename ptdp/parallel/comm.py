@@ -164,6 +164,43 @@ class _ScatterToSP(torch.autograd.Function):
         return _all_gather(grad, ctx.g, dim=0), None
 
 
+# ----------------------------------------------------------------------------- context parallel
+
+
+class _GatherFromCP(torch.autograd.Function):
+    """All-gather along `dim` forward (every rank's keys/values); reduce-scatter backward
+    (each rank's keys were read by every rank's queries: their gradients sum)."""
+
+    @staticmethod
+    def forward(ctx, x, g, dim):
+        ctx.g, ctx.dim = g, dim
+        return _all_gather(x, g, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.g, dim=ctx.dim), None, None
+
+
+def gather_from_cp(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
+    """Concatenate the group's `x` along `dim` in rank order, with the conjugate backward."""
+    return x if g.size == 1 else _GatherFromCP.apply(x, g, dim)
+
+
+def ring_shift_async(send: torch.Tensor, recv: torch.Tensor, g: Group) -> list[dist.Work]:
+    """Start sending `send` to the next member of the ring and receiving the previous
+    member's into `recv` (ring attention's key/value rotation); wait on the works."""
+    if g.size == 1:  # a ring of one: the tensor comes back to itself
+        recv.copy_(send)
+        return []
+    nxt = dist.get_global_rank(g.group, (g.rank + 1) % g.size)
+    prev = dist.get_global_rank(g.group, (g.rank - 1) % g.size)
+    ops = [
+        dist.P2POp(dist.isend, send, nxt, group=g.group),
+        dist.P2POp(dist.irecv, recv, prev, group=g.group),
+    ]
+    return dist.batch_isend_irecv(ops)
+
+
 def copy_to_tp(x: torch.Tensor, g: Group) -> torch.Tensor:
     return x if g.size == 1 else _CopyToTP.apply(x, g)
 

@@ -1,14 +1,18 @@
-"""The process mesh: rank <-> (tp, dp, pp) coordinates and one process group per axis.
+"""The process mesh: rank <-> (tp, cp, dp, pp) coordinates and one process group per axis.
 
-Ranks are laid out tensor-parallel fastest, then data-parallel, then pipeline
-(rank = tp + t*(dp + d*pp)), so a tensor-parallel group shares a node and pipeline
+Ranks are laid out tensor-parallel fastest, then context-parallel, then data-parallel,
+then pipeline (rank = tp + t*(cp + c*(dp + d*pp))), so a tensor-parallel group shares a
+node, the context-parallel ring (heavy key/value traffic) sits next to it, and pipeline
 stages cross nodes, as the paper recommends. `ORDER` is the one place that says so.
+`COMBINED` names groups spanning several adjacent axes: "dp_cp" reduces the gradients of
+the parameters replicated over both (context-parallel ranks hold the same weights).
 The coordinate logic is pure; `ParallelMesh.build` creates the groups once, and the
 mesh is passed explicitly to whatever needs a group (no module-level state).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from itertools import product
 
@@ -16,7 +20,9 @@ import torch.distributed as dist
 
 from ptdp.parallel.comm import Group
 
-ORDER = ("tp", "dp", "pp")  # fastest-varying first
+ORDER = ("tp", "cp", "dp", "pp")  # fastest-varying first
+COMBINED = {"dp_cp": ("cp", "dp")}
+"""Groups over several axes (fastest first); a member's index is its rank in the group."""
 
 
 @dataclass(frozen=True)
@@ -24,10 +30,11 @@ class MeshShape:
     tp: int = 1
     dp: int = 1
     pp: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
 
     def sizes(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in ORDER}
@@ -49,13 +56,20 @@ class MeshShape:
             stride *= getattr(self, axis)
         return rank
 
+    def size_of(self, axis: str) -> int:
+        """Ranks in one group along `axis` (a mesh axis or a `COMBINED` one)."""
+        return math.prod(getattr(self, a) for a in COMBINED.get(axis, (axis,)))
+
     def group_ranks(self, axis: str) -> list[list[int]]:
-        """Every group along `axis`: ranks that differ only in that coordinate."""
-        others = [a for a in ORDER if a != axis]
+        """Every group along `axis`: ranks that differ only in that coordinate (in those
+        coordinates for a `COMBINED` axis, ordered by global rank)."""
+        inner = COMBINED.get(axis, (axis,))
+        others = [a for a in ORDER if a not in inner]
         groups = []
         for fixed in product(*(range(getattr(self, a)) for a in others)):
             base = dict(zip(others, fixed))
-            groups.append([self.rank_of(**base, **{axis: i}) for i in range(getattr(self, axis))])
+            members = product(*(range(getattr(self, a)) for a in inner))
+            groups.append(sorted(self.rank_of(**base, **dict(zip(inner, c))) for c in members))
         return sorted(groups)
 
     def embedding_group_ranks(self) -> list[list[int]]:
@@ -77,15 +91,18 @@ class ParallelMesh:
     @classmethod
     def single(cls) -> ParallelMesh:
         """The one-process mesh (no process group needed)."""
-        return cls(MeshShape(), 0, {axis: None for axis in (*ORDER, "embedding")})
+        return cls(MeshShape(), 0, {axis: None for axis in (*ORDER, *COMBINED, "embedding")})
 
     @classmethod
     def build(cls, shape: MeshShape, rank: int) -> ParallelMesh:
         """Create every axis group; all ranks must call this in the same order."""
         groups: dict[str, dist.ProcessGroup | None] = {}
-        axes = {axis: shape.group_ranks(axis) for axis in ORDER}
+        axes = {axis: shape.group_ranks(axis) for axis in (*ORDER, *COMBINED)}
         axes["embedding"] = shape.embedding_group_ranks()
         for axis, all_ranks in axes.items():
+            if axis == "dp_cp" and shape.cp == 1:  # the same ranks as dp: no second group
+                groups[axis] = groups["dp"]
+                continue
             groups[axis] = None
             for ranks in all_ranks:
                 # new_group is collective over the world: every rank creates every group.
@@ -97,13 +114,15 @@ class ParallelMesh:
     def coord(self, axis: str) -> int:
         if axis == "embedding":  # 0 on the first stage, 1 on the last
             return 0 if self.shape.coords(self.rank)["pp"] == 0 else min(self.size(axis) - 1, 1)
+        if axis in COMBINED:
+            return next(g.index(self.rank) for g in self.shape.group_ranks(axis) if self.rank in g)
         return self.shape.coords(self.rank)[axis]
 
     def size(self, axis: str) -> int:
         if axis == "embedding":  # 2 on the first and last stage of a pipeline, else 1
             pp = self.shape.coords(self.rank)["pp"]
             return 2 if self.shape.pp > 1 and pp in (0, self.shape.pp - 1) else 1
-        return getattr(self.shape, axis)
+        return self.shape.size_of(axis)
 
     def axis(self, axis: str) -> Group:
         """This rank's group along `axis`, with its size and rank, for the comm ops."""

@@ -39,14 +39,18 @@ class Layout:
     llama: bool = False
     keep: bool = False
     """ZeRO-3: parameters kept gathered from forward to backward."""
+    cp: int = 1
+    cp_comm: str = "ring"
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def name(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        if self.cp > 1:
+            parts.insert(1, f"cp{self.cp}" + (f"-{self.cp_comm}" if self.cp_comm != "ring" else ""))
         if self.pp > 1:
             parts += [self.schedule] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
         parts += ["sp"] * self.sp + [f"zero{self.zero}"] * (self.zero > 0)
@@ -73,6 +77,9 @@ GRID = [
     Layout(pp=2, vpp=2, schedule="zb-v"),  # tied: embedding and output layer on rank 0
     Layout(dp=2, zero=2),
     Layout(dp=2, zero=3, recompute="full"),
+    Layout(cp=2),
+    Layout(cp=2, cp_comm="allgather", llama=True),
+    Layout(cp=2, recompute="selective", llama=True),  # GQA, RoPE, a window across chunks
     # world 4
     Layout(tp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, dp=2, recompute="selective", llama=True),
@@ -100,6 +107,13 @@ GRID = [
     Layout(pp=2, dp=2, zero=3),  # tied embedding: a deferred bucket on both stages
     Layout(pp=2, dp=2, vpp=2, schedule=I, zero=3, keep=True),
     Layout(pp=2, dp=2, schedule="zb-h1", zero=3, recompute="full", llama=True),
+    Layout(cp=4, recompute="full"),
+    Layout(tp=2, cp=2, sp=True, llama=True),
+    Layout(cp=2, pp=2),
+    Layout(cp=2, pp=2, vpp=2, schedule=I, llama=True),
+    Layout(cp=2, dp=2, zero=3),  # parameters and state sharded over the 4 replicas of dp*cp
+    Layout(cp=2, pp=2, schedule="zb-h1", llama=True),
+    Layout(cp=2, dp=2, zero=2, recompute="full"),
     # world 8
     Layout(tp=2, pp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule=I, sp=True, zero=1, recompute="full"),
@@ -111,6 +125,8 @@ GRID = [
     Layout(tp=2, pp=4, schedule="zb-h1", sp=True, recompute="full"),
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule="zb-v", zero=1, recompute="full"),
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule=I, sp=True, zero=3, recompute="full"),
+    Layout(tp=2, cp=2, pp=2, schedule="zb-h1", sp=True, llama=True, zero=1),
+    Layout(cp=2, pp=2, dp=2, vpp=2, schedule="zb-v", cp_comm="allgather"),
 ]
 
 
@@ -128,6 +144,8 @@ def _config(data: str, run_dir: Path, layout: Layout | None, llama: bool) -> Run
             "recompute": layout.recompute,
             "zero": layout.zero,
             "zero3_reshard_after_forward": not layout.keep,
+            "cp": layout.cp,
+            "cp_comm": layout.cp_comm,
         }
     return tiny_config(
         data,
@@ -172,7 +190,8 @@ def test_grid_covers_the_issue() -> None:
     for attr, values in {
         "tp": {1, 2}, "pp": {1, 2, 4}, "dp": {1, 2}, "vpp": {1, 2},
         "schedule": {"1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"}, "sp": {True, False},
-        "zero": {0, 1, 2, 3}, "recompute": {"none", "selective", "full"},
+        "zero": {0, 1, 2, 3}, "recompute": {"none", "selective", "full"}, "cp": {1, 2, 4},
+        "cp_comm": {"ring", "allgather"},
     }.items():  # fmt: skip
         assert values <= {getattr(x, attr) for x in GRID}, attr
 
@@ -200,5 +219,5 @@ def test_every_layout_matches_one_process(tiny_data: str, tmp_path: Path, world:
         if layout.zero and layout.dp > 1:
             full = results.get(replace(layout, zero=0))
             if full is not None:
-                per_rank = full["optimizer_bytes"] / layout.dp
+                per_rank = full["optimizer_bytes"] / (layout.dp * layout.cp)
                 assert got["optimizer_bytes"] == pytest.approx(per_rank, rel=0.05), layout.name

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from ptdp.config import ModelConfig, Recompute
+from ptdp.config import CpComm, ModelConfig, Recompute
 from ptdp.layout import Layout
 from ptdp.model.gpt import GPT
 from ptdp.model.positions import TokenPositions
@@ -42,7 +42,13 @@ Batch = Callable[[int], Microbatch]
 
 
 def build_chunks(
-    model: ModelConfig, layout: Layout, mesh: ParallelMesh, *, seed: int, recompute: Recompute
+    model: ModelConfig,
+    layout: Layout,
+    mesh: ParallelMesh,
+    *,
+    seed: int,
+    recompute: Recompute,
+    cp_comm: CpComm = CpComm.RING,
 ) -> dict[int, GPT]:
     """This rank's model chunks by global stage, each initialised as its slice of the
     single-process model."""
@@ -56,6 +62,8 @@ def build_chunks(
             seed=seed,
             recompute=recompute,
             tp=tp,
+            cp=mesh.axis("cp") if layout.cp > 1 else None,
+            cp_comm=cp_comm,
             sequence_parallel=layout.sequence_parallel,
             layers=ranges[stage],
             has_embedding=stage == 0,
@@ -85,9 +93,9 @@ def build_p2p(
     scatter_gather: bool,
 ) -> P2P:
     """Transfers of boundary tensors `shape` ([s or s/t, b, h]) to this rank's pipeline peers
-    (same tp and dp coordinates), set up once (NCCL communicators exist before step 1)."""
+    (same tp, cp and dp coordinates), set up once (NCCL communicators exist before step 1)."""
     coords = mesh.shape.coords(mesh.rank)
-    ranks = [mesh.shape.rank_of(tp=coords["tp"], dp=coords["dp"], pp=i) for i in range(layout.pp)]
+    ranks = [mesh.shape.rank_of(**{**coords, "pp": i}) for i in range(layout.pp)]
     sp = layout.sequence_parallel and layout.tp > 1
     p2p = P2P(
         ranks=ranks,
@@ -104,8 +112,9 @@ def build_p2p(
 def boundary_shape(
     model: ModelConfig, layout: Layout, micro_batch_size: int
 ) -> tuple[int, int, int]:
-    """[s, b, h] of what crosses between stages; [s/t, b, h] under sequence parallelism."""
-    s, t = model.seq_length, layout.tp
+    """[s, b, h] of what crosses between stages, s being this rank's part of the window
+    (S/cp); [s/t, b, h] under sequence parallelism."""
+    s, t = model.seq_length // layout.cp, layout.tp
     sp = layout.sequence_parallel and t > 1
     return (s // t if sp else s, micro_batch_size, model.hidden_size)
 

@@ -29,6 +29,7 @@ from ptdp.layout import Layout
 from ptdp.model.compile import apply_compile
 from ptdp.model.gpt import count_parameters
 from ptdp.parallel.comm import Group, all_reduce_mean_, all_reduce_sum_
+from ptdp.parallel.context import split_sequence
 from ptdp.parallel.data import GradBuffers
 from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
@@ -70,7 +71,7 @@ class Trainer:
         store = init_process_group(env, self.device, t.collective_timeout_s)
         self.owns_process_group = store is not None
         self.mesh = (
-            ParallelMesh.build(MeshShape(layout.tp, layout.dp, layout.pp), env.rank)
+            ParallelMesh.build(MeshShape(layout.tp, layout.dp, layout.pp, layout.cp), env.rank)
             if env.world_size > 1
             else ParallelMesh.single()
         )
@@ -94,7 +95,12 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         self.tp, self.pp = self.mesh.axis("tp"), self.mesh.axis("pp")
         by_stage = build_chunks(  # this rank's model chunks
-            cfg.model, layout, self.mesh, seed=t.seed, recompute=cfg.parallel.recompute
+            cfg.model,
+            layout,
+            self.mesh,
+            seed=t.seed,
+            recompute=cfg.parallel.recompute,
+            cp_comm=cfg.parallel.cp_comm,
         )
         if cfg.train.compile:  # regional: each transformer layer (ptdp/model/compile.py)
             apply_compile(by_stage.values())
@@ -103,7 +109,7 @@ class Trainer:
         self.grads = GradBuffers(
             self.chunks,
             roles=rank_roles(self.chunks),
-            dp=self.mesh.axis("dp"),
+            dp=self.mesh.axis("dp_cp"),  # replicas over dp and cp: one reduction (README)
             tp=self.tp,
             embedding=tied_embedding_group(self.mesh, layout, tied=cfg.model.tie_embeddings),
             bucket_mb=cfg.parallel.bucket_mb,
@@ -193,7 +199,9 @@ class Trainer:
         size = self.cfg.train.micro_batch_size
         batch = dataset.batch(first_sample, size).to(self.device, non_blocking=True)
         positions = microbatch_positions(dataset, first_sample, size, self.cfg.data, self.device)
-        return Microbatch(batch[:, :-1], batch[:, 1:], positions)
+        # Under context parallelism each rank keeps its part of the window (and its positions).
+        cp = self.mesh.axis("cp")
+        return Microbatch(*split_sequence(batch[:, :-1], batch[:, 1:], positions, cp))
 
     def _autocast(self):
         """16-bit training: the weights are 16-bit already; autocast keeps the ops that need
@@ -257,7 +265,7 @@ class Trainer:
         else:  # the runtime starts and finishes the gradient reduction
             total = self.pipeline.train(batch, scale)
         all_reduce_sum_(total, self.pp)  # the loss lives on the last stage
-        all_reduce_mean_(total, self.mesh.axis("dp"))
+        all_reduce_mean_(total, self.mesh.axis("dp_cp"))  # equal token counts: the mean
         return total
 
     def optimizer_step(self, loss: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
@@ -315,7 +323,7 @@ class Trainer:
         else:
             total = self.pipeline.evaluate(batch, per_rank)
         all_reduce_sum_(total, self.pp)
-        all_reduce_mean_(total, self.mesh.axis("dp"))
+        all_reduce_mean_(total, self.mesh.axis("dp_cp"))
         return total.item()
 
     # ------------------------------------------------------------------ checkpoints
