@@ -1,7 +1,9 @@
-"""Document masking under tensor (and sequence) and pipeline parallelism trains like one
+"""Document masking under tensor (and sequence), pipeline and context parallelism trains like
+one
 process with masking on: losses (training and validation), gradient norms and final
 weights within 1e-5 relative, after 3 fp32 steps on a corpus of short documents (most
-16-token windows hold several). Four layouts share one 2-rank spawn."""
+16-token windows hold several, so documents straddle the context-parallel chunks). Six
+layouts share one 2-rank spawn."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ LAYOUTS = [
     Layout("tp2-rope", {"tp": 2}, rope=True),
     Layout("pp2-1f1b-rope", {"pp": 2}, rope=True),
     Layout("pp2-interleaved", {"pp": 2, "vpp": 2, "schedule": "interleaved"}, rope=False),
+    Layout("cp2-ring-rope", {"cp": 2}, rope=True),
+    Layout("cp2-allgather", {"cp": 2, "cp_comm": "allgather"}, rope=False),
 ]
 
 
