@@ -1,6 +1,5 @@
 """Document masking under tensor (and sequence), pipeline and context parallelism trains like
-one
-process with masking on: losses (training and validation), gradient norms and final
+one process with masking on: losses (training and validation), gradient norms and final
 weights within 1e-5 relative, after 3 fp32 steps on a corpus of short documents (most
 16-token windows hold several, so documents straddle the context-parallel chunks). Six
 layouts share one 2-rank spawn."""
