@@ -168,11 +168,11 @@ def test_scatter_gather_on_and_off_are_identical(tiny_data: str, tmp_path: Path)
     assert_same_run(tmp_path / "single", tmp_path / "sgTrue", single.losses, single.losses)
 
 
-def _bf16_config(data: str, run_dir: Path, zero: int = 0, precision: str = "bf16"):
+def _bf16_config(data: str, run_dir: Path, zero: int = 0, precision: str = "bf16", cp: int = 1):
     # No clipping: the norm's summation order differs between layouts, the update does not.
     optim = {"eps": 1e-6, "grad_clip": 0.0}
     train_ = {"precision": precision, "steps": 4}
-    parallel = {"bucket_mb": 0.01, "zero": zero}
+    parallel = {"bucket_mb": 0.01, "zero": zero, "cp": cp}
     return tiny_config(data, run_dir, optim=optim, train=train_, parallel=parallel)
 
 
@@ -199,6 +199,9 @@ def _check_bf16_sharded(rank: int, world_size: int, data: str, root: str) -> Non
         cfg = _bf16_config(data, Path(root) / f"{precision}-zero{zero}", zero, precision)
         result = train(cfg, env=env)
         out[f"{precision}-zero{zero}"] = [result.losses, result.optimizer_bytes]
+    for precision in ("bf16", "fp16"):  # context parallelism in 16 bits: fp32 merges
+        cfg = _bf16_config(data, Path(root) / f"{precision}-cp2", 0, precision, cp=2)
+        out[f"{precision}-cp2"] = [train(cfg, env=env).losses, 0]
     if rank == 0:
         (Path(root) / "losses.json").write_text(json.dumps(out))
 
@@ -212,7 +215,8 @@ def test_bf16_distributed_optimizer(tiny_data: str, tmp_path: Path) -> None:
     ZeRO-2 reduces each microbatch's gradients apart and sums the reduced ones: to fp32
     rounding of ZeRO-1's sums. fp16 (loss scaling, unscaled and checked on the shards) too.
     ZeRO-3 (16-bit gathers of the shards, fp32 masters) computes what ZeRO-2 does: the same
-    losses, bit for bit, in bf16 and fp16."""
+    losses, bit for bit, in bf16 and fp16. Context parallelism (cp = 2, ring attention with
+    its partial results merged in fp32) matches one process to 16-bit rounding."""
     run_ranks(_check_bf16_sharded, 2, tiny_data, str(tmp_path))
     got = json.loads((tmp_path / "losses.json").read_text())
     (replicated, full_bytes), (sharded, shard_bytes) = got["bf16-zero0"], got["bf16-zero1"]
@@ -232,3 +236,7 @@ def test_bf16_distributed_optimizer(tiny_data: str, tmp_path: Path) -> None:
     single = train(_bf16_config(tiny_data, tmp_path / "single"))
     for step, loss in single.losses.items():
         assert sharded[str(step)] == pytest.approx(loss, rel=1e-4), step
+        assert got["bf16-cp2"][0][str(step)] == pytest.approx(loss, rel=2e-3), step
+    fp16 = train(_bf16_config(tiny_data, tmp_path / "single-fp16", precision="fp16"))
+    for step, loss in fp16.losses.items():
+        assert got["fp16-cp2"][0][str(step)] == pytest.approx(loss, rel=2e-3), step
