@@ -70,15 +70,27 @@ class Software:
     split_backward: bool = True
     """The zero-bubble schedules (ZB-H1, ZB-H2: B and W apart) exist; Megatron-LM in 2021
     had none, so the planner does not search them for it."""
+    overlap_grad_reduce: bool = True
+    """The data-parallel reduction can overlap the backward pass (`parallel.overlap_grad_reduce`);
+    Megatron-LM in 2021 reduced all gradients after it, whatever the config says."""
+    sequence_parallel: bool = True
+    """Sequence parallelism exists (Korthikanti et al. 2022 added it, and selective
+    recomputation with it); the 2021 code had neither."""
 
 
 PTDP = Software()
 """This runtime: SDPA (fused attention), non-blocking transfers, fp32 gradient buffers."""
 MEGATRON_2021 = Software(
-    fused_attention=False, grad_reduce_bytes=2, blocking_p2p=True, split_backward=False
+    fused_attention=False,
+    grad_reduce_bytes=2,
+    blocking_p2p=True,
+    split_backward=False,
+    overlap_grad_reduce=False,
+    sequence_parallel=False,
 )
 """The code of the paper's measurements: unfused attention, fp16 gradients all-reduced
-(its default for fp16 training), blocking pipeline transfers, no zero-bubble schedules."""
+(its default for fp16 training) after the backward pass, blocking pipeline transfers, no
+zero-bubble schedules, no sequence parallelism or selective recomputation."""
 
 SOFTWARE: dict[str, Software] = {"ptdp": PTDP, "megatron-2021": MEGATRON_2021}
 """The runtimes by name, as `--software` of `ptdp simulate` and `ptdp plan` takes them."""

@@ -30,12 +30,18 @@ from dataclasses import dataclass, replace
 
 from ptdp.config import Recompute, RunConfig, Schedule, parse_overrides
 from ptdp.errors import ConfigError
-from ptdp.layout import validate
+from ptdp.layout import Layout, validate
 from ptdp.perf.costs import PTDP, Compute, Software
 from ptdp.perf.hardware import GIB, System
 from ptdp.perf.memory import estimate_memory
-from ptdp.perf.paper import perf_config
-from ptdp.perf.simulator import Prediction, require_vocab, simulate, stage_costs
+from ptdp.perf.simulator import (
+    Prediction,
+    require_software,
+    require_vocab,
+    simulate,
+    stage_costs,
+)
+from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES
 
 Progress = Callable[[int, int, str], None]
@@ -82,6 +88,28 @@ class PlanResult:
         return self.options[self.recommended] if self.options else None
 
 
+class Plans:
+    """The pipeline plans of one search: each (schedule, pp, m, vpp) built once, for the
+    memory model of every micro-batch and recomputation tried and the replays (DESIGN
+    invariant 1 holds: a layout's plan is still `build_plan`'s)."""
+
+    def __init__(self) -> None:
+        self._built: dict[tuple[str, int, int, int], PipelinePlan] = {}
+
+    def __call__(self, schedule: str, pp: int, m: int, vpp: int) -> PipelinePlan:
+        key = (schedule, pp, m, vpp)
+        if key not in self._built:
+            self._built[key] = build_plan(schedule, pp, m, vpp)
+        return self._built[key]
+
+    def layout(self, cfg: RunConfig, gpus: int) -> Layout:
+        """`validate(cfg, gpus)` with its `pipeline` taken from here."""
+        lay = validate(cfg, gpus, gpus=True)
+        # Layout.pipeline is a cached_property: its cache is the instance's __dict__.
+        lay.__dict__["pipeline"] = self(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
+        return lay
+
+
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -124,7 +152,7 @@ def equation_1(cfg: RunConfig, gpus: int, c: Compute) -> float:
     communication between stages and the data-parallel reduction are left out, as in
     the paper.
     """
-    layout = validate(cfg, gpus)
+    layout = validate(cfg, gpus, gpus=True)
     slowest = max(p.f + p.b + p.w for p in stage_costs(cfg, layout, c))
     return (layout.num_microbatches + layout.pp - 1) * slowest
 
@@ -142,16 +170,16 @@ SEARCHED: dict[str, str] = {
 
 
 def plan_request(
-    model: str, config: str | None, overrides: list[str], top: int = 1
+    base: RunConfig, overrides: list[str], top: int = 1
 ) -> tuple[RunConfig, dict[str, object]]:
-    """`ptdp plan`'s base config (`--model`, `--config`, `--section.key`) and the keys it pins;
-    `top`, the layouts to list, checked before the search."""
+    """`ptdp plan`'s base config (resolved from `--model`, `--config` and `overrides`, its
+    `--section.key` options) and the keys it pins; `top`, the layouts to list, checked before
+    the search."""
     if top < 1:
         raise ConfigError(f"--top {top}: the number of layouts to list must be 1 or more")
     given = parse_overrides(overrides)
     if "global_batch_size" not in given.get("train", {}):
         raise ConfigError("the planner needs --train.global_batch_size B (or --global-batch B)")
-    base = perf_config(model, config, overrides)
     return base, pinned(base, given)
 
 
@@ -206,6 +234,15 @@ def plan(
     if not software.split_backward:
         schedules = tuple(s for s in schedules if not SCHEDULES[s].splits_backward)
     require_vocab(base)
+    pins = replace(base.parallel, sequence_parallel=bool(sequence_parallel), recompute=recompute)
+    require_software(replace(base, parallel=pins), software)  # pinned sp / selective: refused
+    if not software.sequence_parallel:  # the 2021 code: neither sp nor selective to search
+        sequence_parallel = False
+    modes = (
+        [recompute]
+        if recompute
+        else [r for r in Recompute if software.sequence_parallel or r is not Recompute.SELECTIVE]
+    )
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: the number of GPUs to plan for must be 1 or more")
     if base.train.global_batch_size < 1:
@@ -214,6 +251,7 @@ def plan(
             "(samples per step); e.g. --train.global_batch_size 512"
         )
     c = Compute(system, base.train.precision, software)
+    plans = Plans()
     usable = system.device.usable_bytes
     rejected: list[Rejected] = []
     candidates: list[RunConfig] = []
@@ -234,7 +272,7 @@ def plan(
                 continue
             sp = (t > 1) if sequence_parallel is None else sequence_parallel
             fitting, why = _fitting_micro_batches(
-                base, gpus, t, p, sp, recompute, micro_batch, max_micro_batch, c, usable
+                base, gpus, t, p, sp, modes, micro_batch, max_micro_batch, c, usable, plans
             )
             if not fitting:
                 rejected.append(Rejected(where, why))
@@ -243,7 +281,7 @@ def plan(
             eq1[(t, p)] = costs
             chosen = fitting[min(range(len(costs)), key=lambda i: costs[i][1])]
             candidates += _schedules(chosen, gpus, vpp, schedules, rejected)
-    options = _simulate_all(candidates, gpus, system, software, usable, rejected, progress)
+    options = _simulate_all(candidates, gpus, system, software, usable, rejected, progress, plans)
     options.sort(key=lambda o: o.prediction.iteration_seconds)
     if not options:
         return PlanResult((), 0, tuple(rejected), (), ("no layout fits",))
@@ -281,11 +319,12 @@ def _fitting_micro_batches(
     t: int,
     p: int,
     sp: bool,
-    recompute: Recompute | None,
+    modes: list[Recompute],
     micro_batch: int | None,
     max_micro_batch: int,
     c: Compute,
     usable: float,
+    plans: Plans,
 ) -> tuple[list[RunConfig], str]:
     """1F1B configs of each micro-batch that fits, at the least recomputation that fits any."""
     d = gpus // (t * p)
@@ -293,7 +332,6 @@ def _fitting_micro_batches(
     sizes = (
         [micro_batch] if micro_batch else [b for b in divisors(per_rank) if b <= max_micro_batch]
     )
-    modes = [recompute] if recompute else list(Recompute)
     why = "no micro-batch size divides the batch"
     for mode in modes:
         fitting = []
@@ -302,7 +340,9 @@ def _fitting_micro_batches(
                 base, tp=t, pp=p, vpp=1, micro_batch=b, recompute=mode, sequence_parallel=sp
             )
             try:
-                memory = estimate_memory(cfg, gpus, fused_attention=c.software.fused_attention)
+                layout = plans.layout(cfg, gpus)
+                fused = c.software.fused_attention
+                memory = estimate_memory(cfg, gpus, fused_attention=fused, layout=layout)
             except ConfigError as exc:
                 why = str(exc).replace("invalid configuration:\n  - ", "").split("\n")[0]
                 continue
@@ -343,7 +383,7 @@ def _schedules(
             par = replace(cfg.parallel, vpp=v, schedule=Schedule(name), pipeline_layers=split)
             candidate = replace(cfg, parallel=par)
             try:
-                validate(candidate, gpus)
+                validate(candidate, gpus, gpus=True)
             except ConfigError as exc:
                 reason = str(exc).replace("invalid configuration:\n  - ", "").split("\n")[0]
                 rejected.append(Rejected(f"t={cfg.parallel.tp} p={p} v={v} {name}", reason))
@@ -360,14 +400,17 @@ def _simulate_all(
     usable: float,
     rejected: list[Rejected],
     progress: Progress | None,
+    plans: Plans,
 ) -> list[Option]:
     options = []
     for i, cfg in enumerate(candidates):
-        layout = validate(cfg, gpus)
+        layout = plans.layout(cfg, gpus)
         what = f"t={layout.tp} p={layout.pp} v={layout.vpp} b={cfg.train.micro_batch_size}"
         if progress is not None:
             progress(i, len(candidates), what)
-        prediction = simulate(cfg, system, gpus, software=software, layout=layout)
+        prediction = simulate(
+            cfg, system, gpus, software=software, layout=layout, timeline=False, plans=plans
+        )
         if prediction.peak_memory > usable:
             need = prediction.peak_memory / GIB
             rejected.append(Rejected(what, f"needs {need:.1f} GiB, {usable / GIB:.1f} usable"))
@@ -394,7 +437,7 @@ def explain(
     for o in options:
         by_t.setdefault(o.prediction.layout.tp, o)
     others = ", ".join(
-        f"t={t}: {o.prediction.tflops_per_device:.0f}"
+        f"t={t}: {o.prediction.model_tflops_per_device:.0f}"
         for t, o in sorted(by_t.items())
         if t != lay.tp
     )
@@ -405,7 +448,7 @@ def explain(
         if lay.tp > 1
         else "no tensor parallelism (t=1): no all-reduces inside the layers"
     )
-    lines.append(what + (f"; best TFLOP/s per GPU with other t: {others}" if others else ""))
+    lines.append(what + (f"; best model TFLOP/s per GPU with other t: {others}" if others else ""))
     span = lay.tp * lay.dp
     crosses = lay.pp > 1 and span >= node
     smallest = min(o.prediction.layout.tp * o.prediction.layout.pp for o in options)
@@ -434,8 +477,9 @@ def explain(
     )
     lines.append(
         f"data parallel d={lay.dp}: {pred.dp_seconds:.3g} s of gradient reduction per step; "
-        f"predicted {pred.iteration_seconds:.3g} s per step, {pred.tflops_per_device:.1f} "
-        f"TFLOP/s per GPU (MFU {100 * pred.mfu:.1f}%)"
+        f"predicted {pred.iteration_seconds:.3g} s per step, {pred.model_tflops_per_device:.1f} "
+        f"model TFLOP/s per GPU (MFU {100 * pred.mfu:.1f}%; executed with recomputation "
+        f"{pred.tflops_per_device:.1f})"
     )
     if chosen:
         fastest = options[0]
