@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ptdp.perf.timeline import Event
-from ptdp.pipeline.actions import Plan
-from ptdp.pipeline.dryrun import CommModel, PipelineCosts, Timed, dry_run
+from ptdp.pipeline.actions import Kind, Plan
+from ptdp.pipeline.dryrun import CommModel, DryRun, PipelineCosts, Timed, dry_run
 from ptdp.pipeline.placement import StageMap
 
 __all__ = ["PipelineCosts", "PipelineRun", "replay", "replay_steady"]
@@ -77,19 +77,23 @@ def replay(
     return PipelineRun(events, run.makespan, run.busy, run.end)
 
 
-def _gradient_finals(run: PipelineRun) -> dict[int, Event]:
+def _gradient_finals(events: tuple[Timed, ...]) -> dict[int, Event]:
     """Per stage, its last gradient-producing action (BW or W): when its reduction can end."""
-    final: dict[int, Event] = {}
-    for e in run.events:
-        if e.lane == "compute" and e.kind in ("BW", "W"):
-            if e.stage not in final or e.end > final[e.stage].end:
-                final[e.stage] = e
-    return final
+    final: dict[int, Timed] = {}
+    for t in events:
+        if t.action.kind in _GRADIENT and (
+            t.action.stage not in final or t.end > final[t.action.stage].end
+        ):
+            final[t.action.stage] = t
+    return {stage: _event(t) for stage, t in final.items()}
 
 
-def _numbers(run: PipelineRun, finals: dict[int, Event]) -> list[float]:
+_GRADIENT = (Kind.BW, Kind.W)
+
+
+def _numbers(run: DryRun, finals: dict[int, Event]) -> list[float]:
     times = [t for s in sorted(finals) for t in (finals[s].start, finals[s].end)]
-    return [run.makespan, *run.rank_end, *run.busy, *times]
+    return [run.makespan, *run.end, *run.busy, *times]
 
 
 def replay_steady(
@@ -109,13 +113,16 @@ def replay_steady(
     last backward. The plans for m0, m0 + period and m0 + 2 period are replayed; where all
     these numbers grow by equal steps (to 1e-9 of the makespan) they are extended linearly
     to m. The warm-up lasts about pp to 4 pp microbatches, so m0 is tried at 1, 2 and 4
-    times 2 pp (with the period) until a steady state shows or m0 is too close to m to save
-    time (None: the caller replays in full). The events returned are only each stage's last
-    gradient action (what the data-parallel reduction needs), as `complete` says.
+    times 2 pp (with the period) until a steady state shows, while the short replays add up
+    to at most 2/3 of m (else None: the caller replays in full). The events returned are
+    only each stage's last gradient action (what the data-parallel reduction needs), as
+    `complete` says.
     """
+    spent = 0  # microbatches replayed so far: the short replays must cost less than m
     for lo in (2 * stages.pp, 4 * stages.pp, 8 * stages.pp):
         m0 = lo + (m - lo) % period
-        if m < m0 + 4 * period:
+        spent += 3 * (m0 + period)
+        if 3 * spent > 2 * m:
             return None
         run = _extended(plan_for, stages, m, m0, costs, period, blocking)
         if run is not None:
@@ -133,8 +140,11 @@ def _extended(
     blocking: bool,
 ) -> PipelineRun | None:
     """`replay_steady` from m0, or None where the three replays do not grow in equal steps."""
-    runs = [replay(plan_for(m0 + i * period), stages, costs, blocking=blocking) for i in range(3)]
-    finals = [_gradient_finals(r) for r in runs]
+    comms = CommModel.BLOCKING if blocking else CommModel.ASYNC
+    runs = [dry_run(plan_for(m0 + i * period), stages, costs, comms=comms) for i in range(3)]
+    if any(r.stuck for r in runs):
+        return None
+    finals = [_gradient_finals(r.events) for r in runs]
     if len({tuple(sorted(f)) for f in finals}) != 1:
         return None
     a, b, c = (_numbers(r, f) for r, f in zip(runs, finals, strict=True))
