@@ -192,3 +192,12 @@ def test_no_benchmark_defaults_to_a_tracked_file() -> None:
                 assert not re.search(r"BENCHMARKS\.md|results/|\.png\"|docs/", line), (
                     f"{path.name}: {line.strip()}"
                 )
+
+
+def test_zb_v_at_many_microbatches_is_named_not_simulated() -> None:
+    # m = 128 > 16 p on p = 2: zb-v has no short replay; it is listed as not simulated.
+    result = plan(tiny(global_batch_size=128), gpus=2, system=A100, tp=1, pp=2, micro_batch=1)
+    names = {o.config.parallel.schedule.value for o in result.options}
+    assert "zb-v" not in names and {"1f1b", "zb-h1"} <= names
+    skipped = [r for r in result.rejected if r.layout.endswith("zb-v")]
+    assert skipped and "not simulated: m = 128 > 16 p" in skipped[0].reason
