@@ -59,20 +59,30 @@ def _lane(t: Timed) -> str:
 
 
 def replay(
-    plan: Plan, stages: StageMap, costs: PipelineCosts, *, blocking: bool = False
+    plan: Plan,
+    stages: StageMap,
+    costs: PipelineCosts,
+    *,
+    blocking: bool = False,
+    timeline: bool = True,
 ) -> PipelineRun:
     """Run every rank's actions in simulated time (see the module docstring).
 
     `blocking`: the rank itself carries each transfer: a SEND occupies it until the
     message has left, a RECV holds it until the message is in (Megatron-LM in 2021, which
     synchronised after each batch of point-to-point operations), instead of ptdp's
-    asynchronous sends and receives waited on when their tensor is needed.
+    asynchronous sends and receives waited on when their tensor is needed. `timeline=False`:
+    the events are only each stage's last gradient action (`complete` False).
     """
     comms = CommModel.BLOCKING if blocking else CommModel.ASYNC
     run = dry_run(plan, stages, costs, comms=comms)
     if run.stuck:
         waits = "; ".join(str(w) for w in run.stuck)
         raise ValueError(f"replay deadlocked: {waits}; run ptdp.pipeline.verify on the plan")
+    if not timeline:  # only what the data-parallel reduction needs
+        finals = _gradient_finals(run.events)
+        events = tuple(e for _, e in sorted(finals.items()))
+        return PipelineRun(events, run.makespan, run.busy, run.end, complete=False)
     events = tuple(_event(t) for t in run.events)
     return PipelineRun(events, run.makespan, run.busy, run.end)
 

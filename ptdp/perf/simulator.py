@@ -242,7 +242,8 @@ def _replay(
         )
         if run is not None:
             return run
-    return replay(layout.pipeline.lowered, layout.stages, costs, blocking=blocking)
+    plan = layout.pipeline.lowered
+    return replay(plan, layout.stages, costs, blocking=blocking, timeline=timeline)
 
 
 def require_vocab(cfg: RunConfig) -> None:

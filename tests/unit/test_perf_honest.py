@@ -47,6 +47,11 @@ def test_planner_predictions_equal_full_simulations() -> None:
         assert o.prediction.iteration_seconds == pytest.approx(full.iteration_seconds, rel=1e-9)
         assert o.prediction.bubble_fraction == pytest.approx(full.bubble_fraction, rel=1e-6)
         assert o.prediction.dp_seconds == pytest.approx(full.dp_seconds, rel=1e-9)
+    # Few microbatches: replayed in full, without the timeline's events; the same numbers.
+    for o in plan(tiny(global_batch_size=32), gpus=8, system=A100).options:
+        full = simulate(o.config, A100, 8)
+        assert o.prediction.iteration_seconds == pytest.approx(full.iteration_seconds, rel=1e-12)
+        assert len(o.prediction.events) < len(full.events)
 
 
 def test_model_tflops_is_the_headline(tmp_path: Path, capsys) -> None:
