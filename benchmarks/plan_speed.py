@@ -2,10 +2,10 @@
 
 Each count runs `python -m ptdp plan --model gpt3-175b --gpus N --global-batch 1536 --json`
 in a fresh process and records its wall and CPU time (user + system: on a shared, loaded
-machine the wall time mostly measures the load), the layouts simulated and the recommended
-one. With `--baseline DIR` (another ptdp tree, e.g. `git archive <commit> | tar -x -C /tmp/old`)
-the same command runs from that tree too, alternating with this one at each count, so that
-both see the same load on a shared machine.
+machine the wall time mostly measures the load) and the recommended layout. With
+`--baseline DIR` (another ptdp tree, e.g. `git archive <commit> | tar -x -C /tmp/old`) the
+same command runs from that tree too, alternating with this one at each count, so that both
+see the same load on a shared machine.
 
     python benchmarks/plan_speed.py [--gpus 384 1024 3072] [--baseline DIR]
 
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def time_plan(tree: Path, gpus: int, batch: int, device: str) -> dict:
-    """One `ptdp plan` from `tree`: seconds, layouts that fit, the recommended layout."""
+    """One `ptdp plan` from `tree`: wall and CPU seconds, the recommended layout."""
     args = ["plan", "--model", "gpt3-175b", "--gpus", str(gpus), "--global-batch", str(batch)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", "ptdp", *args, "--device", device, "--json"]
@@ -47,7 +47,7 @@ def time_plan(tree: Path, gpus: int, batch: int, device: str) -> dict:
         "gpus": gpus,
         "seconds": seconds,
         "cpu_seconds": cpu,
-        "layouts": len(out["options"]),
+        "listed": len(out["options"]),
         "recommended": best["summary"] if best else None,
         "iteration_seconds": best["iteration_seconds"] if best else None,
     }
