@@ -122,15 +122,18 @@ def replay_steady(
     in groups of pp) add the same time to every rank's end, its busy time and each stage's
     last backward. The plans for m0, m0 + period and m0 + 2 period are replayed; where all
     these numbers grow by equal steps (to 1e-9 of the makespan) they are extended linearly
-    to m. The warm-up lasts about pp to 4 pp microbatches, so m0 is tried at 1, 2 and 4
-    times 2 pp (with the period) until a steady state shows, while the short replays add up
+    to m. The warm-up lasts about pp to 4 pp microbatches, so m0 is tried at pp + 2, 2 pp,
+    4 pp and 8 pp (with the period) until a steady state shows, while the short replays add up
     to at most 2/3 of m (else None: the caller replays in full). The events returned are
     only each stage's last gradient action (what the data-parallel reduction needs), as
     `complete` says.
     """
-    spent = 0  # microbatches replayed so far: the short replays must cost less than m
-    for lo in (2 * stages.pp, 4 * stages.pp, 8 * stages.pp):
+    spent, tried = 0, set()  # microbatches replayed so far: they must cost less than m
+    for lo in (stages.pp + 2, 2 * stages.pp, 4 * stages.pp, 8 * stages.pp):
         m0 = lo + (m - lo) % period
+        if m0 in tried:
+            continue
+        tried.add(m0)
         spent += 3 * (m0 + period)
         if 3 * spent > 2 * m:
             return None
