@@ -207,6 +207,8 @@ def _plan_parser(sub: Subparsers) -> None:
     p.set_defaults(run=_cmd_plan, overrides_ok=True)
     p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
     _opt(p, "--top", 5, "layouts to list")
+    mine = "rank this layout too (a TOML file; alone: --config's and the overrides') with the gain"
+    p.add_argument("--compare", nargs="?", const="", metavar="CONFIG", help=mine)
     old = p.add_argument_group("old spellings, each of a config key (0 or auto: searched)")
     for flag, key in OLD_PLAN_FLAGS.items():
         old.add_argument(flag, dest=key, metavar="V", help=f"--{key} V")
@@ -359,41 +361,15 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from ptdp.perf.costs import SOFTWARE
-    from ptdp.perf.hardware import load_system
-    from ptdp.perf.paper import perf_config
-    from ptdp.perf.report import simulation_output
-    from ptdp.perf.simulator import default_world_size, simulate
+    from ptdp.perf.commands import run_simulate
 
-    cfg = perf_config(args.model, args.config, args.overrides)
-    system = load_system(args.device)
-    gpus = default_world_size(cfg) if args.gpus is None else args.gpus
-    prediction = simulate(cfg, system, gpus, software=SOFTWARE[args.software])
-    out = Path(args.out or Path(cfg.train.run_dir) / "simulation")
-    print(simulation_output(prediction, system, out, args.json))
-    return 0
+    return run_simulate(args)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    import json
+    from ptdp.perf.commands import run_plan
 
-    from ptdp.perf.costs import SOFTWARE
-    from ptdp.perf.hardware import load_system
-    from ptdp.perf.planner import plan, plan_request
-    from ptdp.perf.report import format_plan, plan_dict, progress_bar
-
-    # `--tp 8` and the other old flags of `plan` as overrides; the explicit keys win.
-    old = {k: v for k, v in vars(args).items() if "." in k and v not in (None, "0", "auto")}
-    overrides = [text for key, value in old.items() for text in (f"--{key}", str(value))]
-    base, pins = plan_request(args.model, args.config, overrides + args.overrides, args.top)
-    system, software = load_system(args.device), SOFTWARE[args.software]
-    with progress_bar("simulating layouts") as progress:
-        result = plan(
-            base, gpus=args.gpus, system=system, software=software, progress=progress, **pins
-        )
-    top = args.top
-    print(json.dumps(plan_dict(result, top)) if args.json else format_plan(result, system, top))
-    return 0 if result.best else 1
+    return run_plan(args)
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:

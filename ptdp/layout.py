@@ -181,8 +181,11 @@ def _divisor(n: int) -> int:
     return next(d for d in (8, 4, 2, 1) if n % d == 0)
 
 
-def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
-    """Check the layout; return the data-parallel size (0 if it could not be derived)."""
+def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str], gpus: bool) -> int:
+    """Check the layout; return the data-parallel size (0 if it could not be derived).
+
+    `gpus`: the world size is a GPU count to model (`ptdp simulate|plan --gpus N`), not a
+    launch, so the fixes name --gpus instead of a launch command."""
     p, before = cfg.parallel, len(errors)
     for name in ("tp", "cp", "pp", "vpp"):
         _positive(errors, f"parallel.{name}", getattr(p, name))
@@ -191,7 +194,7 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
         return 0
     model_ranks = p.tp * p.cp * p.pp
     need = model_ranks * max(p.dp, 1)
-    if world_size == 1 and need > 1:  # a plain `ptdp train`, not under torchrun or srun
+    if world_size == 1 and need > 1 and not gpus:  # a plain `ptdp train`, not launched
         errors.append(
             f"this layout needs {need} processes (tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*"
             f"{max(p.dp, 1)}) "
@@ -203,8 +206,7 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
         if world_size % model_ranks:
             errors.append(
                 f"world size {world_size} is not divisible by tp*cp*pp = {p.tp}*{p.cp}*{p.pp} = "
-                f"{model_ranks}; launch a multiple of {model_ranks} processes, e.g. "
-                f"{_torchrun(model_ranks)}"
+                f"{model_ranks}; {_launch(model_ranks, gpus, 'a multiple of ')}"
             )
             return 0
         dp = world_size // model_ranks
@@ -214,9 +216,8 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str]) -> int:
             errors.append(
                 f"tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{dp} = {model_ranks * dp} does not match "
                 "the world "
-                f"size {world_size}; launch {model_ranks * dp} processes "
-                f"({_torchrun(model_ranks * dp)}) or set --parallel.dp 0 to derive dp "
-                "from the world size"
+                f"size {world_size}; {_launch(model_ranks * dp, gpus)} or set --parallel.dp 0 to "
+                "derive dp from the world size"
             )
     _tensor_parallel_rules(cfg, errors)
     _context_parallel_rules(cfg, errors)
@@ -277,6 +278,14 @@ def _stage_layers(cfg: RunConfig) -> tuple[int, ...]:
     """The validated split: `parallel.pipeline_layers`, or the even one."""
     stages = cfg.parallel.pp * cfg.parallel.vpp
     return cfg.parallel.pipeline_layers or (cfg.model.num_layers // stages,) * stages
+
+
+def _launch(processes: int, gpus: bool, some: str = "") -> str:
+    """The fix for a world size: a launch of `processes` ranks, or for a modelled run
+    (`gpus`) that GPU count."""
+    if gpus:
+        return f"model {some}{processes} GPUs (--gpus {processes})"
+    return f"launch {some}{processes} processes, e.g. {_torchrun(processes)}"
 
 
 def _torchrun(processes: int) -> str:
@@ -446,8 +455,10 @@ def _data_rules(cfg: RunConfig, errors: list[str]) -> None:
         )
 
 
-def validate(cfg: RunConfig, world_size: int = 1) -> Layout:
-    """Check every cross-field rule; raise one ConfigError listing all problems."""
+def validate(cfg: RunConfig, world_size: int = 1, *, gpus: bool = False) -> Layout:
+    """Check every cross-field rule; raise one ConfigError listing all problems.
+
+    `gpus`: `world_size` is the GPU count `ptdp simulate|plan` model, not this launch's."""
     if world_size < 1:
         raise ConfigError(
             f"world size {world_size} must be >= 1 (the number of processes; --gpus N for "
@@ -455,7 +466,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> Layout:
         )
     errors: list[str] = []
     _model_rules(cfg, errors)
-    dp = _parallel_rules(cfg, world_size, errors)
+    dp = _parallel_rules(cfg, world_size, errors, gpus)
     microbatches = _train_rules(cfg, dp, errors)
     _data_rules(cfg, errors)
     p = cfg.parallel

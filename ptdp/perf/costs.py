@@ -98,6 +98,12 @@ class Software:
     sharded_comm_efficiency: float = 1.0
     """Fraction of the ring model's bandwidth that ZeRO-2/3's per-layer gathers and
     reduce-scatters reach (`ptdp.perf.zero`); 1 = NCCL on flat buckets."""
+    overlap_grad_reduce: bool = True
+    """The data-parallel reduction can overlap the backward pass (`parallel.overlap_grad_reduce`);
+    Megatron-LM in 2021 reduced all gradients after it, whatever the config says."""
+    sequence_parallel: bool = True
+    """Sequence parallelism exists (Korthikanti et al. 2022 added it, and selective
+    recomputation with it); the 2021 code had neither."""
 
 
 PTDP = Software()
@@ -108,9 +114,12 @@ MEGATRON_2021 = Software(
     blocking_p2p=True,
     split_backward=False,
     max_zero=0,
+    overlap_grad_reduce=False,
+    sequence_parallel=False,
 )
 """The code of the paper's measurements: unfused attention, fp16 gradients all-reduced
-(its default for fp16 training), blocking pipeline transfers, no zero-bubble schedules."""
+(its default for fp16 training) after the backward pass, blocking pipeline transfers, no
+zero-bubble schedules, no sequence parallelism or selective recomputation."""
 
 MEGATRON_CORE = Software(grad_reduce_bytes=2, tp_comm_overlap=True, overlap_param_gather=True)
 """Megatron-Core as its published H100 weak-scaling runs used it (`ptdp.perf.published`):

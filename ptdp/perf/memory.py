@@ -323,13 +323,13 @@ def in_flight(plan: PipelinePlan) -> tuple[int, ...]:
 
     Counted as `verify` counts: from a forward until its BW, or its W when the backward is
     split. Where the schedule declares a bound that `verify` enforces (GPipe m, 1F1B
-    pp - rank, ZB-H1 pp, ZB-H2 2 pp - 1) the peak is that bound capped at m, without the
-    dry run; otherwise (interleaved) it is what `verify` counts on the plan.
+    pp - rank, ZB-H1 pp, ZB-H2 2 pp - 1) the peak is that bound capped at m; otherwise
+    (interleaved) it is what `verify` counts on the plan's lists, without its dry run.
     """
     bound = plan.in_flight_bound
     if bound is not None:
         return tuple(min(held, plan.num_microbatches * plan.vpp) for held in bound)
-    return plan.report.peak_in_flight
+    return plan.peak_in_flight
 
 
 def stage_in_flight(plan: PipelinePlan, stage: int) -> int:

@@ -36,13 +36,19 @@ from dataclasses import dataclass, replace
 
 from ptdp.config import CpComm, Recompute, RunConfig, Schedule, parse_overrides
 from ptdp.errors import ConfigError
-from ptdp.layout import ZERO_LEVELS, validate
+from ptdp.layout import ZERO_LEVELS, Layout, validate
 from ptdp.perf.context_costs import MIN_CP_TOKENS, best_comm
 from ptdp.perf.costs import PTDP, Compute, Software
 from ptdp.perf.hardware import GIB, System
 from ptdp.perf.memory import estimate_memory
-from ptdp.perf.paper import perf_config
-from ptdp.perf.simulator import Prediction, require_vocab, simulate, stage_costs
+from ptdp.perf.simulator import (
+    Prediction,
+    require_software,
+    require_vocab,
+    simulate,
+    stage_costs,
+)
+from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES
 
 Progress = Callable[[int, int, str], None]
@@ -89,6 +95,28 @@ class PlanResult:
     def best(self) -> Option | None:
         """The recommended layout."""
         return self.options[self.recommended] if self.options else None
+
+
+class Plans:
+    """The pipeline plans of one search: each (schedule, pp, m, vpp) built once, for the
+    memory model of every micro-batch and recomputation tried and the replays (DESIGN
+    invariant 1 holds: a layout's plan is still `build_plan`'s)."""
+
+    def __init__(self) -> None:
+        self._built: dict[tuple[str, int, int, int], PipelinePlan] = {}
+
+    def __call__(self, schedule: str, pp: int, m: int, vpp: int) -> PipelinePlan:
+        key = (schedule, pp, m, vpp)
+        if key not in self._built:
+            self._built[key] = build_plan(schedule, pp, m, vpp)
+        return self._built[key]
+
+    def layout(self, cfg: RunConfig, gpus: int) -> Layout:
+        """`validate(cfg, gpus)` with its `pipeline` taken from here."""
+        lay = validate(cfg, gpus, gpus=True)
+        # Layout.pipeline is a cached_property: its cache is the instance's __dict__.
+        lay.__dict__["pipeline"] = self(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
+        return lay
 
 
 def divisors(n: int) -> list[int]:
@@ -139,7 +167,7 @@ def equation_1(cfg: RunConfig, gpus: int, c: Compute) -> float:
     communication between stages and the data-parallel reduction are left out, as in
     the paper.
     """
-    layout = validate(cfg, gpus)
+    layout = validate(cfg, gpus, gpus=True)
     slowest = max(p.f + p.b + p.w for p in stage_costs(cfg, layout, c))
     return (layout.num_microbatches + layout.pp - 1) * slowest
 
@@ -160,16 +188,16 @@ SEARCHED: dict[str, str] = {
 
 
 def plan_request(
-    model: str, config: str | None, overrides: list[str], top: int = 1
+    base: RunConfig, overrides: list[str], top: int = 1
 ) -> tuple[RunConfig, dict[str, object]]:
-    """`ptdp plan`'s base config (`--model`, `--config`, `--section.key`) and the keys it pins;
-    `top`, the layouts to list, checked before the search."""
+    """`ptdp plan`'s base config (resolved from `--model`, `--config` and `overrides`, its
+    `--section.key` options) and the keys it pins; `top`, the layouts to list, checked before
+    the search."""
     if top < 1:
         raise ConfigError(f"--top {top}: the number of layouts to list must be 1 or more")
     given = parse_overrides(overrides)
     if "global_batch_size" not in given.get("train", {}):
         raise ConfigError("the planner needs --train.global_batch_size B (or --global-batch B)")
-    base = perf_config(model, config, overrides)
     return base, pinned(base, given)
 
 
@@ -228,6 +256,15 @@ def plan(
     if not software.split_backward:
         schedules = tuple(s for s in schedules if not SCHEDULES[s].splits_backward)
     require_vocab(base)
+    pins = replace(base.parallel, sequence_parallel=bool(sequence_parallel), recompute=recompute)
+    require_software(replace(base, parallel=pins), software)  # pinned sp / selective: refused
+    if not software.sequence_parallel:  # the 2021 code: neither sp nor selective to search
+        sequence_parallel = False
+    modes = (
+        [recompute]
+        if recompute
+        else [r for r in Recompute if software.sequence_parallel or r is not Recompute.SELECTIVE]
+    )
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: the number of GPUs to plan for must be 1 or more")
     if base.train.global_batch_size < 1:
@@ -236,6 +273,7 @@ def plan(
             "(samples per step); e.g. --train.global_batch_size 512"
         )
     c = Compute(system, base.train.precision, software)
+    plans = Plans()
     usable = system.device.usable_bytes
     rejected: list[Rejected] = []
     candidates: list[RunConfig] = []
@@ -263,11 +301,12 @@ def plan(
                 gpus,
                 (t, k, p, level),
                 sp,
-                recompute,
+                modes,
                 micro_batch,
                 max_micro_batch,
                 c,
                 usable,
+                plans,
                 cp_comm,
             )
             mode = list(Recompute).index(fitting[0].parallel.recompute) if fitting else least
@@ -283,7 +322,9 @@ def plan(
             candidates += _schedules(best[2], gpus, vpp, schedules, rejected)
         else:
             rejected.append(Rejected(where, why))
-    options = _simulate_all(candidates, gpus, system, software, usable, rejected, progress)
+    options = _simulate_all(
+        candidates, gpus, system, software, usable, rejected, progress, plans
+    )
     options.sort(key=lambda o: o.prediction.iteration_seconds)
     if not options:
         return PlanResult((), 0, tuple(rejected), (), ("no layout fits",))
@@ -344,11 +385,12 @@ def _fitting_micro_batches(
     gpus: int,
     sizes: tuple[int, int, int, int],
     sp: bool,
-    recompute: Recompute | None,
+    modes: list[Recompute],
     micro_batch: int | None,
     max_micro_batch: int,
     c: Compute,
     usable: float,
+    plans: Plans,
     cp_comm: CpComm | None = None,
 ) -> tuple[list[RunConfig], str]:
     """1F1B configs of each micro-batch that fits, at the least recomputation that fits any,
@@ -359,7 +401,6 @@ def _fitting_micro_batches(
     batches = (
         [micro_batch] if micro_batch else [b for b in divisors(per_rank) if b <= max_micro_batch]
     )
-    modes = [recompute] if recompute else list(Recompute)
     why = "no micro-batch size divides the batch"
     for mode in modes:
         fitting = []
@@ -378,7 +419,7 @@ def _fitting_micro_batches(
             comms = [cp_comm] if cp_comm or k == 1 else _comm_order(cfg, c)
             variants = [replace_comm(cfg, comm) for comm in comms]
             try:
-                needs = [_need(x, gpus, c) for x in variants]
+                needs = [_need(x, gpus, c, plans) for x in variants]
             except ConfigError as exc:
                 why = str(exc).replace("invalid configuration:\n  - ", "").split("\n")[0]
                 continue
@@ -401,9 +442,12 @@ def replace_comm(cfg: RunConfig, comm: CpComm | None) -> RunConfig:
     return cfg if comm is None else replace(cfg, parallel=replace(cfg.parallel, cp_comm=comm))
 
 
-def _need(cfg: RunConfig, gpus: int, c: Compute) -> float:
+def _need(cfg: RunConfig, gpus: int, c: Compute, plans: Plans) -> float:
     """Peak predicted bytes per GPU of `cfg` (raises ConfigError for an invalid layout)."""
-    memory = estimate_memory(cfg, gpus, fused_attention=c.software.fused_attention)
+    layout = plans.layout(cfg, gpus)
+    memory = estimate_memory(
+        cfg, gpus, fused_attention=c.software.fused_attention, layout=layout
+    )
     return max(m.total for m in memory)
 
 
@@ -445,14 +489,32 @@ def _schedules(
             split = split if len(split) == p * v else ()
             par = replace(cfg.parallel, vpp=v, schedule=Schedule(name), pipeline_layers=split)
             candidate = replace(cfg, parallel=par)
+            where = f"t={cfg.parallel.tp} p={p} v={v} {name}"
             try:
-                validate(candidate, gpus)
+                m = validate(candidate, gpus, gpus=True).num_microbatches
             except ConfigError as exc:
                 reason = str(exc).replace("invalid configuration:\n  - ", "").split("\n")[0]
-                rejected.append(Rejected(f"t={cfg.parallel.tp} p={p} v={v} {name}", reason))
+                rejected.append(Rejected(where, reason))
+                continue
+            if name == "zb-v" and m > ZB_V_MAX * p:
+                rejected.append(Rejected(where, _zb_v_skipped(p, m)))
                 continue
             out.append(candidate)
     return out
+
+
+ZB_V_MAX = 16
+"""ZB-V is simulated up to this many microbatches per pipeline rank: its list schedule has no
+steady state to replay in short (`ptdp.perf.replay.replay_steady`), and a full replay costs
+m p; past it ZB-H1, replayed in short, is within 1% of it (its bubble is at most twice)."""
+
+
+def _zb_v_skipped(p: int, m: int) -> str:
+    bubble = (p - 1) / (6 * m)
+    return (
+        f"not simulated: m = {m} > {ZB_V_MAX} p microbatches, where zb-v's bubble (p-1)/(6m) = "
+        f"{100 * bubble:.2f}% is within {100 * bubble:.2f}% of zb-h1's (p-1)/(3m)"
+    )
 
 
 def _simulate_all(
@@ -463,14 +525,17 @@ def _simulate_all(
     usable: float,
     rejected: list[Rejected],
     progress: Progress | None,
+    plans: Plans,
 ) -> list[Option]:
     options = []
     for i, cfg in enumerate(candidates):
-        layout = validate(cfg, gpus)
+        layout = plans.layout(cfg, gpus)
         what = f"t={layout.tp} p={layout.pp} v={layout.vpp} b={cfg.train.micro_batch_size}"
         if progress is not None:
             progress(i, len(candidates), what)
-        prediction = simulate(cfg, system, gpus, software=software, layout=layout)
+        prediction = simulate(
+            cfg, system, gpus, software=software, layout=layout, timeline=False, plans=plans
+        )
         if prediction.peak_memory > usable:
             need = prediction.peak_memory / GIB
             rejected.append(Rejected(what, f"needs {need:.1f} GiB, {usable / GIB:.1f} usable"))
@@ -497,7 +562,7 @@ def explain(
     for o in options:
         by_t.setdefault(o.prediction.layout.tp, o)
     others = ", ".join(
-        f"t={t}: {o.prediction.tflops_per_device:.0f}"
+        f"t={t}: {o.prediction.model_tflops_per_device:.0f}"
         for t, o in sorted(by_t.items())
         if t != lay.tp
     )
@@ -508,7 +573,7 @@ def explain(
         if lay.tp > 1
         else "no tensor parallelism (t=1): no all-reduces inside the layers"
     )
-    lines.append(what + (f"; best TFLOP/s per GPU with other t: {others}" if others else ""))
+    lines.append(what + (f"; best model TFLOP/s per GPU with other t: {others}" if others else ""))
     span = lay.tp * lay.dp
     crosses = lay.pp > 1 and span >= node
     smallest = min(o.prediction.layout.tp * o.prediction.layout.pp for o in options)
@@ -537,8 +602,9 @@ def explain(
     )
     lines.append(
         f"data parallel d={lay.dp}: {pred.dp_seconds:.3g} s of gradient reduction per step; "
-        f"predicted {pred.iteration_seconds:.3g} s per step, {pred.tflops_per_device:.1f} "
-        f"TFLOP/s per GPU (MFU {100 * pred.mfu:.1f}%)"
+        f"predicted {pred.iteration_seconds:.3g} s per step, {pred.model_tflops_per_device:.1f} "
+        f"model TFLOP/s per GPU (MFU {100 * pred.mfu:.1f}%; executed with recomputation "
+        f"{pred.tflops_per_device:.1f})"
     )
     if lay.cp > 1:
         where = "inside a node" if lay.tp * lay.cp <= node else "across nodes (ring on the network)"

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ptdp.config import to_dict
+from ptdp.config import Precision, RunConfig, to_dict
 from ptdp.outputs import make_output_dir
+from ptdp.perf.compare import Comparison
 from ptdp.perf.hardware import GIB, System
 from ptdp.perf.planner import Option, PlanResult, Progress
 from ptdp.perf.simulator import Prediction
@@ -66,15 +67,20 @@ def prediction_dict(p: Prediction) -> dict:
     }
 
 
-def format_prediction(p: Prediction, system: System) -> str:
-    """A human summary: time, throughput, bubble, per-pass costs and memory per rank."""
+def format_prediction(
+    p: Prediction, system: System, precision: Precision, software: str = "ptdp"
+) -> str:
+    """A human summary: time, model TFLOP/s and MFU first (what a layout achieves), executed
+    FLOPs apart, bubble, per-pass costs and memory per rank."""
     lay, usable = p.layout, system.device.usable_bytes / GIB
     lines = [
         f"system: {system.name} ({system.description})",
         f"layout: {lay.describe()}",
+        f"precision: {precision.value} | software: {software}",
         f"predicted iteration: {p.iteration_seconds:.4g} s | {p.tokens_per_second:,.0f} tokens/s"
-        f" | {p.tflops_per_device:.1f} TFLOP/s per GPU executed ({p.model_tflops_per_device:.1f}"
-        f" model) | MFU {100 * p.mfu:.1f}% HFU {100 * p.hfu:.1f}%",
+        f" | {p.model_tflops_per_device:.1f} model TFLOP/s per GPU | MFU {100 * p.mfu:.1f}%",
+        f"executed with recomputation: {p.tflops_per_device:.1f} TFLOP/s per GPU | HFU "
+        f"{100 * p.hfu:.1f}% (counts recomputed FLOPs, so compare layouts by model TFLOP/s)",
         f"pipeline: {p.pipeline_seconds:.4g} s, bubble {p.bubble_fraction:.3f} of the ideal time"
         f" | one layer F {1e3 * p.layer.f:.3g} ms B {1e3 * p.layer.b:.3g} ms"
         f" W {1e3 * p.layer.w:.3g} ms | p2p {1e3 * p.p2p_seconds:.3g} ms"
@@ -124,15 +130,26 @@ def write_timeline(p: Prediction, out: Path, title: str) -> tuple[Path | None, P
     return png, trace
 
 
-def simulation_output(p: Prediction, system: System, out: Path, as_json: bool) -> str:
+def simulation_output(
+    p: Prediction, system: System, out: Path, as_json: bool, cfg: RunConfig, software: str
+) -> str:
     """Write the timeline under `out`; the prediction as text (or JSON) naming the files."""
     title = f"{system.name}: {p.layout.describe()} ({p.layout.schedule})"
     png, trace = write_timeline(p, out, title)
+    precision = cfg.train.precision
     if as_json:
-        return json.dumps({**prediction_dict(p), "png": png and str(png), "trace": str(trace)})
+        return json.dumps(
+            {
+                **prediction_dict(p),
+                "precision": precision.value,
+                "software": software,
+                "png": png and str(png),
+                "trace": str(trace),
+            }
+        )
     png_text = str(png) if png else "not drawn (pip install matplotlib)"
     return (
-        f"{format_prediction(p, system)}\n"
+        f"{format_prediction(p, system, precision, software)}\n"
         f"timeline: {png_text} | trace: {trace} (open in https://ui.perfetto.dev)"
     )
 
@@ -157,8 +174,21 @@ def option_dict(o: Option) -> dict:
     return {"summary": o.describe(), "config": to_dict(o.config), **prediction_dict(o.prediction)}
 
 
-def plan_dict(result: PlanResult, top: int) -> dict:
+def compare_dict(c: Comparison) -> dict:
+    option = option_dict(c.option) if c.option else None
     return {
+        "source": c.source,
+        "rank": c.rank,
+        "of": c.total,
+        "gain": c.gain,
+        "problem": c.problem,
+        "option": option,
+    }
+
+
+def plan_dict(result: PlanResult, top: int, mine: Comparison | None = None) -> dict:
+    return {
+        "compare": compare_dict(mine) if mine else None,
         "best": option_dict(result.best) if result.best else None,
         "recommended": result.recommended,
         "options": [option_dict(o) for o in result.options[:top]],
@@ -182,26 +212,69 @@ def overrides(o: Option) -> str:
     )
 
 
-def format_plan(result: PlanResult, system: System, top: int) -> str:
+def _row(mark: str, o: Option) -> str:
+    p = o.prediction
+    return (
+        f" {mark} | {o.describe()} | {p.iteration_seconds:.4g} | {p.model_tflops_per_device:.1f}"
+        f" | {100 * p.mfu:.1f}% | {p.tflops_per_device:.1f} | {p.bubble_fraction:.3f} | "
+        f"{p.peak_memory / GIB:.1f}"
+    )
+
+
+def format_comparison(c: Comparison, result: PlanResult) -> str:
+    """One line: where the user's layout ranks and what the recommended one gains on it."""
+    head = f"your layout ({c.source})"
+    if c.option is None:
+        return f"{head} {c.problem}"
+    p = c.option.prediction
+    what = (
+        f"{head}: {c.option.describe()}: {p.iteration_seconds:.4g} s/step, "
+        f"{p.model_tflops_per_device:.1f} model TFLOP/s per GPU, MFU {100 * p.mfu:.1f}%"
+    )
+    if c.problem:
+        return f"{what}; it {c.problem}"
+    count, best = c.total, result.recommended + 1
+    if c.gain <= 0:
+        return f"{what}: rank {c.rank} of {count}, as fast as the recommended layout (#{best})"
+    return (
+        f"{what}: rank {c.rank} of {count}; the recommended layout (#{best}) is predicted "
+        f"{100 * c.gain:.1f}% faster ({1 + c.gain:.3f}x your throughput)"
+    )
+
+
+def format_plan(
+    result: PlanResult, system: System, top: int, mine: Comparison | None = None
+) -> str:
+    """The ranking (model TFLOP/s and MFU first; executed FLOPs, which count recomputation,
+    apart), the user's layout where compared, and why the recommended one."""
     if result.best is None:
         reasons = "\n".join(f"  {r.layout}: {r.reason}" for r in result.rejected[:20])
-        return f"no layout fits on {system.name}:\n{reasons}"
+        text = f"no layout fits on {system.name}:\n{reasons}"
+        return text + (f"\n\n{format_comparison(mine, result)}" if mine else "")
     count = len(result.options)
+    precision = result.best.config.train.precision.value
     lines = [
-        f"{count} layouts fit on {system.name}; the fastest {min(top, count)}:",
-        "  # | layout | s/step | TFLOP/s/GPU | MFU | bubble | GiB/GPU   (* recommended)",
+        f"{count} layouts fit on {system.name} ({precision}); the fastest {min(top, count)}:",
+        "    # | layout | s/step | model TFLOP/s/GPU | MFU | executed TFLOP/s/GPU | bubble | "
+        "GiB/GPU   (* recommended, > yours)",
     ]
-    shown = list(enumerate(result.options))[:top]
+    shown = [
+        (f"{'*' if i == result.recommended else ' '}{i + 1:2d}", o)
+        for i, o in enumerate(result.options[:top])
+    ]
     if result.recommended >= top:
-        shown.append((result.recommended, result.best))
-    for i, o in shown:
-        p = o.prediction
-        mark = "*" if i == result.recommended else " "
-        lines.append(
-            f" {mark}{i + 1} | {o.describe()} | {p.iteration_seconds:.4g} | "
-            f"{p.tflops_per_device:.1f} | {100 * p.mfu:.1f}% | {p.bubble_fraction:.3f} | "
-            f"{p.peak_memory / GIB:.1f}"
+        shown.append((f"*{result.recommended + 1:2d}", result.best))
+    if mine is not None and mine.rank:
+        at = sum(
+            1
+            for _, o in shown
+            if o.prediction.iteration_seconds
+            < mine.option.prediction.iteration_seconds * (1 - 1e-9)
         )
+        shown.insert(at, (f">{mine.rank:2d}", mine.option))
+    lines += [_row(mark, o) for mark, o in shown]
+    if mine is not None:
+        lines += ["", format_comparison(mine, result)]
     lines += ["", "why:"] + [f"  - {line}" for line in result.explanation]
     lines += ["", f"train with: {overrides(result.best)}"]
     return "\n".join(lines)

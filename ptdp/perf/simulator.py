@@ -12,6 +12,7 @@ transfers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ptdp.config import Precision, Recompute, RunConfig
@@ -38,9 +39,10 @@ from ptdp.perf.memory import (
     parameters_per_rank,
     parameters_per_stage,
 )
-from ptdp.perf.replay import PipelineCosts, PipelineRun, replay
+from ptdp.perf.replay import PipelineCosts, PipelineRun, replay, replay_steady
 from ptdp.perf.timeline import Event
 from ptdp.perf.zero import sharded_passes
+from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES
 
 __all__ = ["PipelineCosts", "PipelineRun", "Prediction", "replay", "simulate"]
@@ -189,8 +191,9 @@ def _reduce_gradients(
 ) -> tuple[list[float], list[float], list[Event]]:
     """Data-parallel gradient reduction per rank: (end time, seconds, events).
 
-    With overlap each stage's buckets start reducing as its last backward starts and the
-    last bucket leaves when that backward ends; without, all of it follows the step.
+    With overlap (the config's, where the software has it) each stage's buckets start
+    reducing as its last backward starts and the last bucket leaves when that backward
+    ends; without, all of it follows the step.
     Tied embeddings are first summed between the first and last stage (a deferred bucket).
     The group is dp x cp ranks, tp apart; ZeRO-2 and 3 reduce-scatter per microbatch inside
     the passes instead (`ptdp.perf.zero`), leaving only the tied embeddings here.
@@ -199,10 +202,11 @@ def _reduce_gradients(
     link = group_link(c.system, d, t)
     params = parameters_per_stage(model, t, layout.pp, layout.vpp, layout.stage_layers)
     bucket = par.bucket_mb * 2**20
+    overlap = par.overlap_grad_reduce and c.software.overlap_grad_reduce
     tied_copies = model.tie_embeddings and layout.pp * layout.vpp > 1
     ends, totals, events = [], [], []
     for rank, finals in enumerate(_final_gradients(run, layout.pp)):
-        free, total = (0.0 if par.overlap_grad_reduce else run.rank_end[rank]), 0.0
+        free, total = (0.0 if overlap else run.rank_end[rank]), 0.0
         for start, end, stage in finals:
             nbytes = float(c.software.grad_reduce_bytes * params[stage])
             if layout.shards_grads:
@@ -216,9 +220,9 @@ def _reduce_gradients(
                 seconds += all_reduce_seconds(tied, 2, c.system.inter)
             if seconds == 0.0:
                 continue
-            begin = max(free, start) if par.overlap_grad_reduce else free
+            begin = max(free, start) if overlap else free
             finish = begin + seconds
-            if par.overlap_grad_reduce:
+            if overlap:
                 finish = max(finish, end + seconds * min(1.0, bucket / max(nbytes, 1.0)))
             events.append(Event(rank, stage, 0, "DP", finish - seconds, finish, "dp"))
             free, total = finish, total + seconds
@@ -261,12 +265,50 @@ def optimizer_seconds(
     return seconds
 
 
+PlanSource = Callable[[str, int, int, int], PipelinePlan]
+"""(schedule, pp, m, vpp) -> the plan: `build_plan`, or the planner's cache of it."""
+
+
+def _replay(
+    layout: Layout, costs: PipelineCosts, blocking: bool, timeline: bool, plans: PlanSource
+) -> PipelineRun:
+    """The replay of the layout's plan; without `timeline`, from its steady state where the
+    schedule has one (ZB-V's list schedule is replayed in full)."""
+    spec, pp, vpp = SCHEDULES[layout.schedule], layout.pp, layout.vpp
+    if not timeline and layout.schedule != "zb-v":
+        run = replay_steady(
+            lambda m: plans(layout.schedule, pp, m, vpp).lowered,
+            layout.stages,
+            layout.num_microbatches,
+            costs,
+            period=pp if spec.interleaved else 1,
+            blocking=blocking,
+        )
+        if run is not None:
+            return run
+    plan = layout.pipeline.lowered
+    return replay(plan, layout.stages, costs, blocking=blocking, timeline=timeline)
+
+
 def require_vocab(cfg: RunConfig) -> None:
     """The performance model needs the vocabulary size, which training may take from the data."""
     if cfg.model.vocab_size <= 0:
         raise ConfigError(
             "model.vocab_size = 0 (taken from the data when training); the performance model "
             "needs it: pass --model.vocab_size N"
+        )
+
+
+def require_software(cfg: RunConfig, software: Software) -> None:
+    """Refuse what the modelled software did not have (`--software megatron-2021`)."""
+    if software.sequence_parallel:
+        return
+    why = "the modelled software (--software megatron-2021) had no {} (added in 2022); set {}"
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError(why.format("sequence parallelism", "--parallel.sequence_parallel false"))
+    if cfg.parallel.recompute is Recompute.SELECTIVE:
+        raise ConfigError(
+            why.format("selective recomputation", "--parallel.recompute full or none")
         )
 
 
@@ -283,17 +325,23 @@ def simulate(
     *,
     software: Software = PTDP,
     layout: Layout | None = None,
+    timeline: bool = True,
+    plans: PlanSource = build_plan,
 ) -> Prediction:
     """Predict one training step of `cfg` on `world_size` devices of `system`.
 
     `layout` is `validate(cfg, world_size)` if the caller has it (with its built plan).
+    `timeline=False` (the planner) replays the steady state in short (`replay_steady`) where
+    the schedule allows: the same numbers, but `events` only each stage's last gradient
+    action and the reduction; `plans` builds (or looks up) the shorter plans it replays.
     """
     require_vocab(cfg)
-    layout = layout or validate(cfg, world_size)
+    require_software(cfg, software)
+    layout = layout or validate(cfg, world_size, gpus=True)
     c = Compute(system, cfg.train.precision, software)
     pp = layout.pp
     costs = pipeline_costs(cfg, layout, c)
-    run = replay(layout.pipeline.lowered, layout.stages, costs, blocking=software.blocking_p2p)
+    run = _replay(layout, costs, software.blocking_p2p, timeline, plans)
     ends, dp_totals, dp_events = _reduce_gradients(cfg, layout, c, run)
     first_forward = min(  # the least forward work a pipeline rank does for one microbatch
         sum(f for stage, f in enumerate(costs.forward) if layout.stages.rank(stage) == r)

@@ -35,7 +35,7 @@ class Kind(str, Enum):
 
     @property
     def is_comm(self) -> bool:
-        return not self.is_compute
+        return self not in COMPUTE_KINDS
 
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW})

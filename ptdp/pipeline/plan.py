@@ -24,7 +24,7 @@ from ptdp.pipeline.schedules import (
     in_flight_bound,
     theory_bubble,
 )
-from ptdp.pipeline.verify import ScheduleReport, verify
+from ptdp.pipeline.verify import ScheduleReport, peak_in_flight, verify
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,11 @@ class PipelinePlan:
     def in_flight_bound(self) -> list[int] | None:
         """Most activations each rank may stash; None where the schedule has no closed form."""
         return in_flight_bound(self.schedule, self.pp, self.num_microbatches, self.vpp)
+
+    @cached_property
+    def peak_in_flight(self) -> tuple[int, ...]:
+        """`report.peak_in_flight` without the verifier's dry run (the memory model's count)."""
+        return peak_in_flight(self.compute)
 
     @cached_property
     def report(self) -> ScheduleReport:

@@ -316,6 +316,12 @@ def _dry_run(
     return int(run.makespan), tuple(map(int, run.busy)), tuple(map(int, run.span))
 
 
+def peak_in_flight(plan: Plan) -> tuple[int, ...]:
+    """Per rank, the most forwards whose BW (or W) has not run: what `verify` reports, read
+    off each rank's list in order (no dry run; the count does not depend on timing)."""
+    return _check_in_flight(plan, None)
+
+
 def _check_in_flight(plan: Plan, bound: Sequence[int] | None) -> tuple[int, ...]:
     """Peak forwards per rank whose BW, or W when split, has not run, checked against `bound`."""
     if bound is not None and len(bound) != len(plan):
