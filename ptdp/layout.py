@@ -220,7 +220,7 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str], gpus: bo
                 "derive dp from the world size"
             )
     _tensor_parallel_rules(cfg, errors)
-    _context_parallel_rules(cfg, errors)
+    _context_parallel_rules(cfg, errors, runtime=not gpus)
     spec = SCHEDULES[p.schedule.value]
     if p.vpp > 1 and spec.chunks == 1:
         errors.append(
@@ -296,8 +296,10 @@ def _torchrun(processes: int) -> str:
     )
 
 
-def _context_parallel_rules(cfg: RunConfig, errors: list[str]) -> None:
-    """The sequence splits into 2*cp chunks (two per rank, load-balanced causal work)."""
+def _context_parallel_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
+    """The sequence splits into 2*cp chunks (two per rank, load-balanced causal work).
+    `runtime`: also what ptdp's own cp layers lack (dropout, compile), which a modelled
+    run (`ptdp simulate|plan`) need not."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return
@@ -314,12 +316,12 @@ def _context_parallel_rules(cfg: RunConfig, errors: list[str]) -> None:
             "needs; use a sequence length that is a multiple of 2*cp*tp or turn "
             "sequence_parallel off"
         )
-    if m.dropout > 0:
+    if runtime and m.dropout > 0:
         errors.append(
             f"model.dropout = {m.dropout} with parallel.cp = {p.cp}: context-parallel attention "
             "has no dropout; set --model.dropout 0 or --parallel.cp 1"
         )
-    if cfg.train.compile:
+    if runtime and cfg.train.compile:
         errors.append(
             f"train.compile with parallel.cp = {p.cp} is not built (ring attention's transfers "
             "are not compiled); set --train.compile false or --parallel.cp 1"
@@ -354,17 +356,6 @@ def _tensor_parallel_rules(cfg: RunConfig, errors: list[str]) -> None:
         errors.append(
             f"model.seq_length = {m.seq_length} is not divisible by parallel.tp = {t}, which "
             "sequence parallelism needs; use a multiple of tp or turn sequence_parallel off"
-        )
-
-
-def _context_parallel_rules(cfg: RunConfig, errors: list[str]) -> None:
-    """The load-balanced causal split cuts each sequence into 2*cp equal chunks."""
-    s, cp = cfg.model.seq_length, cfg.parallel.cp
-    if cp > 1 and s > 0 and s % (2 * cp):
-        errors.append(
-            f"model.seq_length = {s} is not divisible by 2*parallel.cp = {2 * cp}; context "
-            f"parallelism cuts each sequence into 2*cp equal chunks: use a multiple of {2 * cp} "
-            "or a smaller parallel.cp"
         )
 
 
