@@ -322,9 +322,7 @@ def plan(
             candidates += _schedules(best[2], gpus, vpp, schedules, rejected)
         else:
             rejected.append(Rejected(where, why))
-    options = _simulate_all(
-        candidates, gpus, system, software, usable, rejected, progress, plans
-    )
+    options = _simulate_all(candidates, gpus, system, software, usable, rejected, progress, plans)
     options.sort(key=lambda o: o.prediction.iteration_seconds)
     if not options:
         return PlanResult((), 0, tuple(rejected), (), ("no layout fits",))
@@ -445,9 +443,7 @@ def replace_comm(cfg: RunConfig, comm: CpComm | None) -> RunConfig:
 def _need(cfg: RunConfig, gpus: int, c: Compute, plans: Plans) -> float:
     """Peak predicted bytes per GPU of `cfg` (raises ConfigError for an invalid layout)."""
     layout = plans.layout(cfg, gpus)
-    memory = estimate_memory(
-        cfg, gpus, fused_attention=c.software.fused_attention, layout=layout
-    )
+    memory = estimate_memory(cfg, gpus, fused_attention=c.software.fused_attention, layout=layout)
     return max(m.total for m in memory)
 
 
