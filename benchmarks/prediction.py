@@ -1,7 +1,7 @@
 """The performance model against ptdp's own measured step times on this machine.
 
 Issue 22, item 2. With a cluster file calibrated here (`--calibration FILE`; default: run
-`torchrun --nproc-per-node 2 -m ptdp calibrate --quick` now, into runs/benchmarks/), each
+`torchrun --nproc-per-node 2 -m ptdp calibrate` now, into runs/benchmarks/), each
 configuration of `CASES` trains for a few steps on CPU (gloo, one thread per rank), its
 median step time after the warm-up steps is measured (ptdp's `Trainer.train_step`: the
 forward-backward of the global batch, the gradient reduction and the optimizer step,
@@ -218,13 +218,15 @@ def predict(cfg: RunConfig, world: int, system: System) -> Prediction:
 
 
 def calibrate_now(out: Path) -> Path:
-    """A quick two-rank calibration, made now (the ranks' collectives measured too)."""
+    """A two-rank calibration at `ptdp calibrate`'s defaults, made now (the ranks' collectives
+    measured too): about 30 s here, where --quick's coarser pass left every one-process
+    configuration 12-26% under its measured step."""
     path = out / "calibration.toml"
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["-m", "ptdp", "calibrate", "--quick", "--out", str(path)]
+    command += ["-m", "ptdp", "calibrate", "--out", str(path)]
     print("calibrating:", " ".join(command[2:]), flush=True)
     subprocess.run(command, check=True, env=env, cwd=ROOT)
     return path
