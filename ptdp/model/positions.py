@@ -26,6 +26,9 @@ class TokenPositions:
     """[b, s] long: position ids for learned or rotary embeddings; None = `index`."""
     document: torch.Tensor | None = None
     """[b, s] long: document number within the window; None = the window is one document."""
+    keys: tuple[TokenPositions, ...] = ()
+    """Under context parallelism, every cp rank's part of the window in rank order (who the
+    keys of each ring step are), derived once per microbatch by the split; else empty."""
 
     @classmethod
     def contiguous(cls, seq_length: int, device: torch.device | str = "cpu") -> TokenPositions:

@@ -24,7 +24,7 @@ log-sum-exp: out = sum_j exp(lse_j - lse) out_j with lse = log sum_j exp(lse_j).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ptdp.config import CpComm
 from ptdp.model.positions import TokenPositions
-from ptdp.parallel.comm import Group, gather_from_cp, gather_full, ring_shift_async
+from ptdp.parallel.comm import Group, gather_from_cp, ring_shift_async
 
 
 def local_index(seq_length: int, cp: int, rank: int) -> torch.Tensor:
@@ -52,21 +52,12 @@ def split_sequence(
         return tokens, labels, positions
     seq = tokens.shape[1]
     full = TokenPositions.contiguous(seq, tokens.device) if positions is None else positions
+    # Every rank loads the whole window, so each knows every rank's part: no gather needed.
+    parts = tuple(
+        full.select(local_index(seq, cp.size, r).to(tokens.device)) for r in range(cp.size)
+    )
     local = local_index(seq, cp.size, cp.rank).to(tokens.device)
-    return tokens[:, local], labels[:, local], full.select(local)
-
-
-def key_positions(positions: TokenPositions, cp: Group) -> list[TokenPositions]:
-    """Every cp rank's token facts (index and documents), in rank order: who the keys are."""
-    rows = [positions.index[None]]
-    if positions.document is not None:
-        rows.append(positions.document)
-    everyone = gather_full(torch.cat(rows), cp, dim=1)  # [1 (+ b), c * s]
-    out = []
-    for part in everyone.chunk(cp.size, dim=1):
-        documents = part[1:] if positions.document is not None else None
-        out.append(TokenPositions(part[0], None, documents))
-    return out
+    return tokens[:, local], labels[:, local], replace(parts[cp.rank], keys=parts)
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -288,9 +279,12 @@ def context_attention(
 ) -> torch.Tensor:
     """Attention of this rank's queries q [b, n, s, d] over the keys and values of the
     whole window, k, v [b, g, s, d] being this rank's (g divides n: GQA). `positions`
-    are this rank's tokens' (index, documents); returns [b, n, s, d]."""
+    are this rank's tokens' facts from `split_sequence`, with every rank's part as `keys`;
+    returns [b, n, s, d]."""
     scale = 1.0 / q.shape[-1] ** 0.5
-    keys = key_positions(positions, cp)
+    keys = positions.keys
+    if len(keys) != cp.size:
+        raise ValueError("context attention needs the positions of `split_sequence` (their keys)")
     if comm is CpComm.ALLGATHER:
         k_all, v_all = (_repeat(gather_from_cp(x, cp, dim=2), q.shape[1]) for x in (k, v))
         every = TokenPositions(

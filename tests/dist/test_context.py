@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ptdp.config import CpComm
 from ptdp.model.positions import TokenPositions
-from ptdp.parallel.context import context_attention, local_index
+from ptdp.parallel.context import context_attention, local_index, split_sequence
 from ptdp.parallel.env import LaunchEnv
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.train.run import train
@@ -54,8 +54,10 @@ def _check(mesh: ParallelMesh, seq: int, comm: CpComm, documents: bool, window: 
     cp = mesh.axis("cp")
     (q, k, v, dout), pos, ref_out, ref_grads = _full(seq, documents, window)
     local = local_index(seq, cp.size, cp.rank)
+    ids = torch.zeros(B, seq, dtype=torch.long)  # only the positions' split is used
+    mine = split_sequence(ids, ids, pos, cp)[2]
     leaves = [x[:, :, local].clone().requires_grad_() for x in (q, k, v)]
-    out = context_attention(*leaves, pos.select(local), cp, comm=comm, window=window)
+    out = context_attention(*leaves, mine, cp, comm=comm, window=window)
     out.backward(dout[:, :, local])
     case = (cp.size, seq, comm.value, documents, window)
     torch.testing.assert_close(out, ref_out[:, :, local], rtol=1e-5, atol=1e-6, msg=str(case))
