@@ -120,6 +120,12 @@ def _zero_rules(cfg: RunConfig, errors: list[str]) -> None:
             "parallel.zero = 0; drop optim.distributed and set --parallel.zero 1 (or 2), or "
             "set --optim.distributed false to keep the state replicated"
         )
+    if not cfg.parallel.zero3_reshard_after_forward and zero_level(cfg) != 3:
+        errors.append(
+            "parallel.zero3_reshard_after_forward = false keeps ZeRO-3's gathered parameters "
+            f"between forward and backward, but parallel.zero is {zero_level(cfg)}: nothing "
+            "is gathered; set --parallel.zero 3, or drop the option"
+        )
 
 
 def _positive(errors: list[str], name: str, value: int | float, zero_ok: bool = False) -> None:

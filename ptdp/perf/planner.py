@@ -143,6 +143,7 @@ def layout_config(
     if schedule is None:
         schedule = Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B
     split = base.parallel.pipeline_layers
+    level = base.parallel.zero if zero is None else zero
     parallel = replace(
         base.parallel,
         tp=tp,
@@ -154,8 +155,10 @@ def layout_config(
         sequence_parallel=sequence_parallel,
         pipeline_layers=split if len(split) == pp * vpp else (),
         cp=cp,
-        zero=base.parallel.zero if zero is None else zero,
+        zero=level,
         cp_comm=cp_comm or base.parallel.cp_comm,
+        # keeping gathered parameters is ZeRO-3's option; other levels are refused with it
+        zero3_reshard_after_forward=base.parallel.zero3_reshard_after_forward or level != 3,
     )
     return replace(base, parallel=parallel, train=replace(base.train, micro_batch_size=micro_batch))
 

@@ -189,6 +189,11 @@ INVALID = [
         "optim.distributed = true (the old spelling of parallel.zero = 1) disagrees with "
         "parallel.zero = 0",
     ),
+    (
+        {"parallel": {"zero": 2, "zero3_reshard_after_forward": False}},
+        2,
+        "parallel.zero3_reshard_after_forward = false keeps ZeRO-3's gathered parameters",
+    ),
     ({"optim": {"loss_scale_window": 0}}, 1, "optim.loss_scale_window = 0"),
     ({"optim": {"lr": 1e-4, "min_lr": 1e-3}}, 1, "optim.min_lr = 0.001 must be in [0"),
     ({"optim": {"warmup_steps": 50, "decay_steps": 10}}, 1, "exceeds optim.decay_steps = 10"),
