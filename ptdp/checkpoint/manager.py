@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ptdp.checkpoint.full import load_checkpoint, local_model_state, local_optimizer_state
 from ptdp.checkpoint.keys import MODEL, RNG, named_parameters
-from ptdp.checkpoint.sharded import load_plan, sharded_state, stage_mesh, unpack
+from ptdp.checkpoint.sharded import Slice, load_plan, sharded_state, stage_mesh, unpack
 from ptdp.checkpoint.store import STATE_FILE, load_entries, read_metadata, verify_files
 from ptdp.checkpoint.writer import PendingCheckpoint, start_checkpoint
 from ptdp.config import RunConfig, to_dict
@@ -42,9 +42,9 @@ class TrainOptimizer(Protocol):
     @property
     def param_groups(self) -> list[dict]: ...
 
-    def master_weights(self) -> dict[nn.Parameter, torch.Tensor]: ...
+    def owned_slices(self) -> dict[nn.Parameter, Slice]: ...
 
-    def moments(self) -> tuple[Moments, int]: ...
+    def step_count(self) -> int: ...
 
     def load(
         self, masters: dict[nn.Parameter, torch.Tensor], moments: Moments, step: int
@@ -94,9 +94,9 @@ class CheckpointManager:
         """This rank's checkpoint entries at `step`: its shards of the fp32 master weights
         and AdamW moments as DCP tensors, its random state, and the run's scalars (the same
         on every rank; DCP writes them once)."""
-        masters = self.optimizer.master_weights()  # fp32, also under 16-bit training
-        moments, opt_step = self.optimizer.moments()
-        state = sharded_state(self.chunks, masters, moments, self._stage_mesh(), self.tp_rank)
+        slices = self.optimizer.owned_slices()  # fp32, also under 16-bit training
+        state = sharded_state(self.chunks, slices, self._stage_mesh(), self.tp_rank)
+        opt_step = self.optimizer.step_count()
         rng = f"{RNG}rank{self.world.rank}/"
         state[rng + "cpu"] = torch.get_rng_state()
         if self.device.type == "cuda":

@@ -1,21 +1,20 @@
 """A rank's model and optimizer state as `torch.distributed.checkpoint` (DCP) entries,
 and the plan that loads a checkpoint of any layout back into them (resharding).
 
-Every rank describes the tensors it holds as DTensors over the ("dp", "tp") sub-mesh of
-its pipeline stage: a tensor-parallel shard is `Shard(dim)` of the unpadded global
-tensor (padding a dimension to a multiple of tp makes the unpadded shards exactly
-torch.chunk's, empty last shards included), everything else is replicated. DCP writes
-each distinct chunk once (spreading the data-parallel replicas' writes over ranks), and
-on load it reads, for the current layout, whatever overlapping chunks a checkpoint
-holds, so a checkpoint saved in one layout restores in any other.
+A save writes what each rank's optimizer owns where it lives: the flat range of every
+parameter's tensor-local elements (all of it, or 1/dp of a bucket under ZeRO) as the boxes
+of the global tensor it consists of (`Boxes`, ptdp/checkpoint/boxes.py), nothing gathered
+over dp or tp. The global tensor is the unpadded single-process one: a tensor-parallel
+shard sits at its `torch.chunk` offset (padding a dimension to a multiple of tp makes the
+unpadded shards exactly torch.chunk's, empty last shards included). DCP writes each
+distinct box once (replicas' identical boxes deduplicated), and on load it reads, for
+the current layout, whatever stored boxes overlap each rank's tensors, described as
+DTensors over the ("dp", "tp") sub-mesh of its pipeline stage, so a checkpoint saved in one
+layout or ZeRO level restores in any other (tests/dist/test_zero.py compares the moments
+tensor by tensor).
 
 Keys are layout-free (ptdp/checkpoint/keys.py). The last pipeline stage's copy of a tied
 embedding is not saved; it loads from `embedding.weight`.
-
-The ZeRO level (`parallel.zero`) is not part of the format: the optimizer hands over its
-masters and moments per tensor slice (all-gathered over dp from its 1/dp pieces at
-levels 1 and 2) and loads back only its own pieces, so any level restores any other
-(tests/dist/test_zero.py compares the moments tensor by tensor).
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ptdp.checkpoint.boxes import Boxes, Placement, placed_boxes
 from ptdp.checkpoint.keys import MODEL, MOMENTS, STATE_KEYS, named_parameters, parts_dim, parts_key
 from ptdp.errors import CheckpointError
 from ptdp.parallel.comm import has_process_group
@@ -84,34 +84,57 @@ def _dtensor(local: torch.Tensor, spec: ShardSpec, sub: DeviceMesh, tp_rank: int
     )
 
 
-def _entry(key: str, local: torch.Tensor, p: torch.Tensor, sub, tp_rank: int) -> tuple:
-    spec = shard_spec(p)
+def placement(p: torch.Tensor, sub: DeviceMesh | None, tp_rank: int) -> tuple[str, Placement]:
+    """The key suffix ("" or `@parts...`) and the place in the global tensor of this
+    rank's tensor-local `p`, for the boxes a save writes."""
+    spec, shape = shard_spec(p), tuple(p.shape)
+    if _sharded(spec, sub) and spec.parts > 1:
+        rows = shape[spec.dim] // spec.parts
+        view = shape[: spec.dim] + (spec.parts, rows) + shape[spec.dim + 1 :]
+        size, dim = _global(p, spec, parts=True)
+        offsets = [0] * len(view)
+        offsets[dim] = tp_rank * rows
+        return parts_key("", spec), Placement(view, view, tuple(offsets), tuple(size))
     if _sharded(spec, sub):
-        if spec.parts > 1:
-            key = parts_key(key, spec)
-        return key, _dtensor(local.float(), spec, sub, tp_rank)
-    if spec is not None and spec.padded_size != spec.full_size:
-        local = local.narrow(spec.dim, 0, spec.full_size)
-    return key, local.float()
+        valid, offsets = list(shape), [0] * len(shape)
+        valid[spec.dim], offsets[spec.dim] = spec.rows(tp_rank), spec.start(tp_rank)
+        return "", Placement(shape, tuple(valid), tuple(offsets), spec.full_shape(p.shape))
+    full = spec.full_shape(p.shape) if spec is not None else shape
+    return "", Placement(shape, full, (0,) * len(shape), full)
+
+
+@dataclass
+class Slice:
+    """The flat range of a parameter's tensor-local elements this rank's optimizer owns,
+    from `lo`: its fp32 master and AdamW moments (none before the first step)."""
+
+    lo: int
+    master: torch.Tensor
+    moments: dict[str, torch.Tensor]
 
 
 def sharded_state(
     chunks: list[nn.Module],
-    masters: dict[nn.Parameter, torch.Tensor],
-    moments: dict[nn.Parameter, dict[str, torch.Tensor]],
+    slices: dict[nn.Parameter, Slice],
     sub: DeviceMesh | None,
     tp_rank: int,
 ) -> dict[str, torch.Tensor]:
-    """This rank's tensors under their DCP keys (fp32 masters and AdamW moments)."""
+    """This rank's tensors under their DCP keys: the boxes of the masters and moments its
+    optimizer owns (`slices`; a parameter it owns nothing of gets no boxes), as they are
+    stored, with no gather (ptdp/checkpoint/boxes.py)."""
     out, roles = {}, rank_roles(chunks)
+    moments = sorted({k for s in slices.values() for k in s.moments})
     for name, p in named_parameters(chunks):
         if roles.is_tied_copy(name):
             continue
-        key, value = _entry(MODEL + name, masters[p], p, sub, tp_rank)
-        out[key] = value
-        for k, v in moments.get(p, {}).items():
-            key, value = _entry(f"{MOMENTS}{name}/{k}", v, p, sub, tp_rank)
-            out[key] = value
+        suffix, place = placement(p, sub, tp_rank)
+        mine = slices.get(p)
+        values = {MODEL + name: mine.master if mine else None}
+        for k in moments:
+            values[f"{MOMENTS}{name}/{k}"] = mine.moments[k] if mine else None
+        for key, v in values.items():
+            boxes = placed_boxes(place, v.detach().reshape(-1), mine.lo) if v is not None else []
+            out[key + suffix] = Boxes(place.size, boxes)
     return out
 
 

@@ -30,7 +30,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
+from ptdp.checkpoint.boxes import Boxes
 from ptdp.checkpoint.store import CHECKSUMS, LATEST, checkpoint_root, checksum, step_dir_name
 from ptdp.config import RunConfig, to_toml
 from ptdp.errors import CheckpointError
@@ -105,12 +107,25 @@ def start_checkpoint(
     with warnings.catch_warnings(), _write_errors(pending):
         warnings.simplefilter("ignore", UserWarning)
         if asynchronous:
-            written = dcp.async_save(state, process_group=process_group, **kwargs)
+            stager = BoxesStager()
+            written = dcp.async_save(
+                state, process_group=process_group, async_stager=stager, **kwargs
+            )
             pending.future = _then_record(written, pending.tmp, world.rank, world.size)
         else:
             dcp.save(state, **kwargs)
             record_written(pending.tmp, world.rank, world.size)
     return pending
+
+
+class BoxesStager(BlockingAsyncStager):
+    """Stages an asynchronous save in CPU memory as torch's blocking stager does, and the
+    optimizer's `Boxes` (which it cannot copy) by copying each box."""
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        boxes = {k: v.to_cpu() for k, v in state_dict.items() if isinstance(v, Boxes)}
+        rest = {k: v for k, v in state_dict.items() if k not in boxes}
+        return super().stage(rest) | boxes
 
 
 def _write_beside(tmp: Path, cfg: RunConfig, tokenizer_file: Path | bytes | None) -> None:

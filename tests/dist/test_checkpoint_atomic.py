@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ptdp import checkpoint as ckpt
+from ptdp.checkpoint.boxes import Boxes, Placement, placed_boxes
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.run import train
 from tests.dist.harness import RankError, run_ranks
@@ -62,10 +63,14 @@ def test_async_save_is_a_snapshot(tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held_write)
     weight = torch.arange(6.0).reshape(2, 3)
-    state = {"model/w": weight, "step": 5}
+    place = Placement((4,), (4,), (0,), (4,))  # an optimizer's boxes are staged too
+    boxes = Boxes((4,), placed_boxes(place, torch.arange(4.0), 0))
+    state = {"model/w": weight, "model/b": boxes, "step": 5}
     cfg = tiny_config("unused", tmp_path)
     pending = ckpt.start_checkpoint(tmp_path, 5, state, cfg, None, asynchronous=True)
     weight.fill_(-1.0)  # training goes on
+    for _, data in boxes.boxes:
+        data.fill_(-1.0)
     assert not pending.future.done()
     assert not (tmp_path / "checkpoints" / ckpt.LATEST).exists()
     release.set()
@@ -73,6 +78,7 @@ def test_async_save_is_a_snapshot(tmp_path: Path, monkeypatch) -> None:
     assert ckpt.find_checkpoint(tmp_path) == step_dir
     saved = ckpt.load_checkpoint(step_dir)
     assert torch.equal(saved["model"]["w"], torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(saved["model"]["b"], torch.arange(4.0))
     assert saved["step"] == 5
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ptdp.checkpoint.keys import STATE_KEYS
+from ptdp.checkpoint.sharded import Slice
 from ptdp.config import OptimConfig
 from ptdp.parallel.comm import Group, all_gather_flat, all_reduce_sum_
 from ptdp.parallel.data import GradBuffers
@@ -196,15 +197,35 @@ class Optimizer:
                 at += p.numel()
         return out
 
+    def owned_slices(self) -> dict[nn.Parameter, Slice]:
+        """The master and moments of each parameter slice this rank updates, as stored:
+        what a checkpoint writes, with no gather."""
+        state = self.inner.state
+        return {
+            x.param: Slice(
+                x.lo,
+                x.master,
+                {k: state[x.master][k] for k in STATE_KEYS} if x.master in state else {},
+            )
+            for x in self.pieces
+        }
+
+    def step_count(self) -> int:
+        """AdamW's step count (0 before the first step)."""
+        if not self.inner.state:
+            return 0
+        return int(next(iter(self.inner.state.values()))["step"])
+
     def master_weights(self) -> dict[nn.Parameter, torch.Tensor]:
-        """fp32 master weights by parameter, tensor-local shape (for checkpoints)."""
+        """fp32 master weights by parameter, tensor-local shape, all-gathered over the dp
+        shards (for tests and one-process views; checkpoints write `owned_slices`)."""
         return self._gather(lambda x: x.master)
 
     def moments(self) -> tuple[dict[nn.Parameter, dict], int]:
         """AdamW moments by parameter (tensor-local shape), and the step count."""
         if not self.inner.state:
             return {}, 0
-        step = int(next(iter(self.inner.state.values()))["step"])
+        step = self.step_count()
         gathered = {
             k: self._gather(lambda x, k=k: self.inner.state[x.master][k]) for k in STATE_KEYS
         }
