@@ -64,6 +64,12 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
 
 
+def _rows_outer(x: torch.Tensor) -> torch.Tensor:
+    """x [b, n, r, d] stored [b, r, n, d], as the CUDA kernels lay out their output: the
+    memory-efficient backward reads `out` with the row stride that layout implies."""
+    return _dense(x.transpose(1, 2)).transpose(1, 2)
+
+
 def _cuda_accepts(kernel: Kernel, q, k, v, bias: torch.Tensor | None, causal: bool) -> bool:
     """PyTorch's own checks for a CUDA kernel (dtype, head size, GPU, alignment), and the
     user's switches (`torch.backends.cuda.enable_flash_sdp`, `sdpa_kernel`)."""
@@ -82,7 +88,8 @@ def choose_kernel(block: Block, q, k, v, bias: torch.Tensor | None = None) -> Ke
     - CUDA: FlashAttention-2 for 16-bit unmasked and causal blocks (the fastest; it has no
       fp32 and no mask input); the memory-efficient kernel for fp32 blocks and for masked
       blocks, the mask as an additive `bias`; the reference where PyTorch refuses both
-      (dtype, head size, GPU) or they are switched off.
+      (dtype, head size, GPU), they are switched off, or the head size is not a multiple
+      of 8.
     - elsewhere the reference.
 
     The kernels' causal flag aligns the diagonal top-left; CAUSAL blocks are square
@@ -91,6 +98,8 @@ def choose_kernel(block: Block, q, k, v, bias: torch.Tensor | None = None) -> Ke
     if q.device.type == "cpu":
         return Kernel.REFERENCE if masked else Kernel.CPU_FLASH
     if q.device.type != "cuda":
+        return Kernel.REFERENCE
+    if q.shape[-1] % 8:  # PyTorch's own entry pads such head sizes before these kernels
         return Kernel.REFERENCE
     half = q.dtype in (torch.float16, torch.bfloat16)
     if half and not masked and _cuda_accepts(Kernel.FLASH, q, k, v, None, causal):
@@ -164,10 +173,10 @@ def block_backward(dout, q, k, v, out, lse, delta, block: Block, scale: float, r
     """(dq, dk, dv) fp32 of one block, given the merged `out`, `lse` and delta =
     rowsum(dout * out) of its rows, by the kernel that ran its forward (`run`)."""
     causal, kernel = block.kind is Kind.CAUSAL, run.kernel
-    if kernel is not Kernel.REFERENCE:  # the kernels take 16-bit tensors in q's dtype
-        q, k, v, dout, out, lse = (
-            _dense(x) for x in (q, k, v, dout.to(q.dtype), out.to(q.dtype), lse)
-        )
+    if kernel is not Kernel.REFERENCE:  # the kernels take out and dout in q's dtype
+        q, k, v, lse = (_dense(x) for x in (q, k, v, lse))
+        layout = _dense if kernel is Kernel.CPU_FLASH else _rows_outer
+        dout, out = layout(dout.to(q.dtype)), layout(out.to(q.dtype))
     if kernel is Kernel.CPU_FLASH:
         grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale

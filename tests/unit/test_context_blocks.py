@@ -160,6 +160,14 @@ def test_cuda_kernel_calls_trace_with_fake_cuda_tensors(dtype, kind, kernel) -> 
         assert run.saved[2] == (64 if rows == 40 else 32)
 
 
+def test_cuda_backward_gets_out_in_the_kernels_own_layout() -> None:
+    """The memory-efficient backward derives out's row stride from a [b, r, n, d] layout."""
+    out = torch.randn(B, N, 40, D)[:, :, 3:27]  # rows of the merged output, any layout
+    laid = blocks_module._rows_outer(out)
+    assert torch.equal(laid, out) and laid.transpose(1, 2).is_contiguous()
+    assert laid.stride(2) == N * D
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("kind", list(Kind))
