@@ -53,10 +53,12 @@ def _shapes(kind: Kind) -> tuple[int, int]:
 
 
 def _run(q, k, v, dout, block: Block, kernel: Kernel | None):
-    """Forward and backward of one block on its own (its merged statistics are its own)."""
+    """Forward and backward of one block on its own (its merged statistics are its own; a
+    row reading nothing gets a finite lse, as a ring's own block gives every row)."""
     out, lse, run = block_forward(q, k, v, block, SCALE, kernel)
     delta = (dout * out).sum(-1)
-    grads = block_backward(dout, q, k, v, out, lse, delta, block, SCALE, run)
+    merged = lse.nan_to_num(neginf=0.0)
+    grads = block_backward(dout, q, k, v, out, merged, delta, block, SCALE, run)
     return out, lse, run, grads
 
 
@@ -158,6 +160,19 @@ def test_cuda_kernel_calls_trace_with_fake_cuda_tensors(dtype, kind, kernel) -> 
         assert isinstance(accepted, bool)  # PyTorch's checks take these arguments
     if kernel is Kernel.EFFICIENT:  # its lse comes padded to 32 rows, and is cut back
         assert run.saved[2] == (64 if rows == 40 else 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+def test_masks_become_aligned_additive_biases(dtype: torch.dtype) -> None:
+    """0 where allowed, -inf not, every head and sample; rows 16-element aligned."""
+    for samples in (1, B):
+        mask = torch.rand(samples, 1, 40, 23, generator=torch.Generator().manual_seed(0)) > 0.5
+        q = torch.empty(B, N, 40, D, dtype=dtype)
+        bias = blocks_module.efficient_bias(mask, q)
+        assert bias.shape == (B, N, 40, 23) and bias.dtype == dtype
+        assert bias.stride(-1) == 1 and bias.stride(2) % 16 == 0 and bias.stride(1) == 0
+        want = torch.zeros(()).masked_fill(~mask.expand(B, N, 40, 23), float("-inf"))
+        assert torch.equal(bias.float(), want)
 
 
 def test_cuda_backward_gets_out_in_the_kernels_own_layout() -> None:
