@@ -11,7 +11,7 @@ never from a received tensor).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,10 @@ class TokenPositions:
     keys: tuple[TokenPositions, ...] = ()
     """Under context parallelism, every cp rank's part of the window in rank order (who the
     keys of each ring step are), derived once per microbatch by the split; else empty."""
+    plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """What attention plans from these facts, made once per microbatch by its first layer and
+    read by the rest (context parallelism's blocks, by window). Only this object's: `replace`
+    and `select` start empty, and equality and hashing ignore it."""
 
     @classmethod
     def contiguous(cls, seq_length: int, device: torch.device | str = "cpu") -> TokenPositions:

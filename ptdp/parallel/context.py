@@ -12,8 +12,10 @@ Attention over the whole window is assembled from blocks, one per source rank of
 keys. A block's mask (`TokenPositions.allowed`) is trimmed to its rows and columns that
 have any allowed pair: a block with none is skipped, and under the balanced split with
 no documents every other block becomes a full (unmasked) half-block and the own block a
-plain causal one, which PyTorch's fused kernels take. Partial results merge through the
-log-sum-exp: out = sum_j exp(lse_j - lse) out_j with lse = log sum_j exp(lse_j).
+plain causal one, which PyTorch's fused kernels take (`ptdp.parallel.blocks` computes a
+block and says which kernel runs it). Partial results merge through the log-sum-exp:
+out = sum_j exp(lse_j - lse) out_j with lse = log sum_j exp(lse_j). The blocks (or the
+all-gather's mask) are planned once per microbatch, by its first attention layer.
 
 - ring (`parallel.cp_comm = ring`): keys/values rotate around the group, the transfer of
   the next block posted before the current one is computed; the backward rotates them
@@ -24,14 +26,16 @@ log-sum-exp: out = sum_j exp(lse_j - lse) out_j with lse = log sum_j exp(lse_j).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from enum import Enum
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ptdp.config import CpComm
 from ptdp.model.positions import TokenPositions
+from ptdp.parallel.blocks import Block, Kind, block_backward, block_forward
 from ptdp.parallel.comm import Group, gather_from_cp, ring_shift_async
 
 
@@ -61,23 +65,6 @@ def split_sequence(
 
 
 # ----------------------------------------------------------------------------- blocks
-
-
-class Kind(Enum):
-    FULL = "full"
-    CAUSAL = "causal"
-    MASKED = "masked"
-
-
-@dataclass(frozen=True)
-class Block:
-    """The part of one source's keys that this rank's queries read."""
-
-    rows: slice
-    cols: slice
-    kind: Kind
-    mask: torch.Tensor | None = None
-    """Bool [b or 1, 1, rows, cols] for MASKED."""
 
 
 def _sorted(index: torch.Tensor) -> bool:
@@ -130,55 +117,6 @@ def _fold(grad: torch.Tensor, g: int) -> torch.Tensor:
     return grad if n == g else grad.view(b, g, n // g, s, d).sum(2)
 
 
-def _fused(block: Block, q: torch.Tensor) -> bool:
-    """PyTorch's CPU flash kernel returns the log-sum-exp and takes it back in backward;
-    it serves unmasked and causal blocks. Elsewhere (masks, CUDA) the reference path."""
-    return block.kind is not Kind.MASKED and q.device.type == "cpu"
-
-
-def _scores(q, k, block: Block, scale: float) -> torch.Tensor:
-    """fp32 [b, n, r, c] scaled scores, -inf where the block's mask forbids."""
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale
-    if block.kind is Kind.CAUSAL:
-        forbid = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(forbid, float("-inf"))
-    elif block.kind is Kind.MASKED:
-        s = s.masked_fill(~block.mask, float("-inf"))
-    return s
-
-
-def block_forward(q, k, v, block: Block, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out fp32 [b, n, r, d], lse fp32 [b, n, r]) of q [b, n, r, d] against k, v [b, n, c, d];
-    rows that read nothing get out 0 and lse -inf."""
-    if _fused(block, q):
-        q, k, v = (x.contiguous() for x in (q, k, v))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, block.kind is Kind.CAUSAL, scale=scale
-        )
-        return out.float(), lse.float()
-    s = _scores(q, k, block, scale)
-    lse = s.logsumexp(-1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    return p @ v.float(), lse
-
-
-def block_backward(dout, q, k, v, out, lse, delta, block: Block, scale: float):
-    """(dq, dk, dv) fp32 of one block, given the merged `out`, `lse` and delta =
-    rowsum(dout * out) of its rows: the block's softmax is exp(scores - lse)."""
-    if _fused(block, q):
-        q, k, v, dout, out, lse = (
-            x.contiguous() for x in (q, k, v, dout.to(q.dtype), out.to(q.dtype), lse)
-        )
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, block.kind is Kind.CAUSAL, scale=scale
-        )
-        return tuple(g.float() for g in grads)
-    p = torch.exp(_scores(q, k, block, scale) - lse[..., None])  # masked -> 0
-    dv = p.transpose(-1, -2) @ dout
-    ds = p * (dout @ v.float().transpose(-1, -2) - delta[..., None])
-    return (ds @ k.float()) * scale, (ds.transpose(-1, -2) @ q.float()) * scale, dv
-
-
 def _merge(out, lse, part_out, part_lse, rows: slice) -> None:
     """Fold a block's partial result into the running (out, lse) rows, in place."""
     old = lse[..., rows]
@@ -205,21 +143,25 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(b, s, n, d, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full((b, n, s), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
+        runs: list = [None] * cp.size  # per source: the kernel and what its backward needs
         for step in range(cp.size):
             works, nxt = [], None
             if step < cp.size - 1:  # posted before computing: the transfer overlaps
                 nxt = torch.empty_like(kv)
                 works = ring_shift_async(kv, nxt, cp)
-            block = blocks[(cp.rank - step) % cp.size]
+            source = (cp.rank - step) % cp.size
+            block = blocks[source]
             if block is not None:
                 kb, vb = (_repeat(x[:, :, block.cols], n) for x in kv)
-                part = block_forward(q[:, :, block.rows], kb, vb, block, scale)
-                _merge(out, lse, *part, block.rows)
+                part_out, part_lse, runs[source] = block_forward(
+                    q[:, :, block.rows], kb, vb, block, scale
+                )
+                _merge(out, lse, part_out, part_lse, block.rows)
             for work in works:
                 work.wait()
             kv = nxt if nxt is not None else kv
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.blocks, ctx.cp, ctx.scale = blocks, cp, scale
+        ctx.blocks, ctx.runs, ctx.cp, ctx.scale = blocks, runs, cp, scale
         return out.to(q.dtype)
 
     @staticmethod
@@ -237,14 +179,15 @@ class _RingAttention(torch.autograd.Function):
             if step < cp.size - 1:
                 nxt = torch.empty_like(kv)
                 works = ring_shift_async(kv, nxt, cp)
-            block = ctx.blocks[(cp.rank - step) % cp.size]
+            source = (cp.rank - step) % cp.size
+            block = ctx.blocks[source]
             grads = None
             if block is not None:  # computed while both transfers run
                 r, c = block.rows, block.cols
                 kb, vb = (_repeat(x[:, :, c], n) for x in kv)
                 grads = block_backward(
                     dout[:, :, r], q[:, :, r], kb, vb, out[:, :, r], lse[:, :, r],
-                    delta[:, :, r], block, ctx.scale,
+                    delta[:, :, r], block, ctx.scale, ctx.runs[source],
                 )  # fmt: skip
                 dq[:, :, r] += grads[0]
             for work in incoming:
@@ -267,6 +210,25 @@ class _RingAttention(torch.autograd.Function):
 # ----------------------------------------------------------------------------- entry point
 
 
+def _planned(positions: TokenPositions, key: tuple, plan: Callable[[], Any]) -> Any:
+    """`plan()` made once per microbatch, kept on its positions: every attention layer (and
+    a recomputed forward) reads the same blocks or mask, which depend on positions alone."""
+    if key not in positions.plans:
+        positions.plans[key] = plan()
+    return positions.plans[key]
+
+
+def _window_mask(positions: TokenPositions, window: int) -> torch.Tensor:
+    """Bool [b or 1, 1, s, S]: what this rank's queries may read of the whole window."""
+    keys = positions.keys
+    every = TokenPositions(
+        torch.cat([p.index for p in keys]),
+        None,
+        None if positions.document is None else torch.cat([p.document for p in keys], 1),
+    )
+    return positions.allowed(every, window)
+
+
 def context_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -287,13 +249,10 @@ def context_attention(
         raise ValueError("context attention needs the positions of `split_sequence` (their keys)")
     if comm is CpComm.ALLGATHER:
         k_all, v_all = (_repeat(gather_from_cp(x, cp, dim=2), q.shape[1]) for x in (k, v))
-        every = TokenPositions(
-            torch.cat([p.index for p in keys]),
-            None,
-            None if positions.document is None else torch.cat([p.document for p in keys], 1),
-        )
-        mask = positions.allowed(every, window)
+        mask = _planned(positions, (comm, window), lambda: _window_mask(positions, window))
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale)
-    blocks = [plan_block(positions, key, window) for key in keys]
+    blocks = _planned(
+        positions, (comm, window), lambda: [plan_block(positions, key, window) for key in keys]
+    )
     with torch.autocast(q.device.type, enabled=False):  # blocks keep fp32 statistics
         return _RingAttention.apply(q, k, v, blocks, cp, scale)

@@ -3,15 +3,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import partial
+
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from ptdp.config import RunConfig, apply_updates
+from ptdp.config import CpComm, RunConfig, apply_updates
 from ptdp.errors import ConfigError
 from ptdp.layout import validate
 from ptdp.model.positions import TokenPositions
+from ptdp.parallel import context
 from ptdp.parallel.comm import Group
-from ptdp.parallel.context import Kind, local_index, plan_block, split_sequence
+from ptdp.parallel.context import Kind, context_attention, local_index, plan_block, split_sequence
 
 
 def test_rank_i_holds_chunks_i_and_2cp_minus_1_minus_i() -> None:
@@ -88,6 +93,32 @@ def test_documents_and_windows_make_masked_or_skipped_blocks() -> None:
     late = TokenPositions(torch.arange(12, 16))
     assert plan_block(early, late, 0) is None  # the future: skipped
     assert plan_block(late, early, 4) is None  # out of the window: skipped
+
+
+@pytest.mark.parametrize("comm", list(CpComm))
+def test_a_microbatch_is_planned_once_for_all_its_layers(monkeypatch, comm: CpComm) -> None:
+    """Two attention layers, forward, recomputed forward and backward, plan the ring's blocks
+    (or the all-gather's mask) once; the next microbatch's split plans anew. A ring of one
+    rank runs the same code with no transfers."""
+    planned = []
+    for name in ("plan_block", "_window_mask"):
+        real = getattr(context, name)
+        monkeypatch.setattr(context, name, lambda *a, f=real: planned.append(1) or f(*a))
+    docs = (torch.arange(16) >= 6).long().expand(2, 16)
+    window = TokenPositions(torch.arange(16), None, docs)
+    gen = torch.Generator().manual_seed(0)
+    for microbatch in (1, 2):
+        mine = replace(window, keys=(window.select(torch.arange(16)),))  # what a split makes
+        leaves = [torch.randn(2, 4, 16, 8, generator=gen, requires_grad=True) for _ in range(3)]
+        x = leaves[0]
+        for _ in range(2):  # layers
+            attend = partial(context_attention, cp=Group.single(), comm=comm, window=5)
+            x = checkpoint(attend, x, *leaves[1:], mine, use_reentrant=False)
+        x.sum().backward()
+        assert len(planned) == microbatch, comm
+        assert all(leaf.grad.abs().sum() > 0 for leaf in leaves)
+    assert "plans" not in repr(mine) and mine == mine and replace(mine).plans == {}
+    assert len(mine.plans) == 1 and hash(mine) == hash(replace(mine))
 
 
 def _cfg(updates: dict, **parallel) -> RunConfig:
