@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from ptdp.config import Precision, RunConfig, apply_updates
+from ptdp.layout import validate
+from ptdp.perf.costs import MEGATRON_2021, Compute
+from ptdp.perf.hardware import load_system
 from ptdp.perf.megatron2021 import megatron_2021_interleaved
+from ptdp.perf.simulator import pipeline_costs, simulate
 from ptdp.pipeline.actions import Kind
 from ptdp.pipeline.dryrun import CommModel, PipelineCosts, dry_run
 from ptdp.pipeline.placement import StageMap
@@ -77,3 +82,43 @@ def test_the_2021_order_exposes_more_of_each_transfer() -> None:
 def test_refuses_what_the_2021_code_refused() -> None:
     with pytest.raises(ValueError, match="multiple of pp"):
         megatron_2021_interleaved(StageMap(4, 2), 6)
+
+
+def test_simulate_replays_the_2021_order_for_megatron_2021() -> None:
+    """`simulate` under `--software megatron-2021` replays these lists (its pipeline time is
+    their dry run's makespan with the model's costs), not ptdp's order."""
+    cfg = apply_updates(
+        RunConfig(),
+        {
+            "model": {
+                "num_layers": 8,
+                "hidden_size": 4096,
+                "num_heads": 32,
+                "seq_length": 2048,
+                "vocab_size": 32000,
+            },
+            "parallel": {
+                "tp": 8,
+                "pp": 4,
+                "vpp": 2,
+                "schedule": "interleaved",
+                "recompute": "full",
+                "sequence_parallel": False,
+                "scatter_gather": False,
+                "overlap_grad_reduce": False,
+            },
+            "train": {"precision": "bf16", "micro_batch_size": 1, "global_batch_size": 8},
+        },
+        "test",
+    )
+    system = load_system("a100-80gb")
+    layout = validate(cfg, 32, gpus=True)
+    costs = pipeline_costs(cfg, layout, Compute(system, Precision.BF16, MEGATRON_2021))
+    theirs = dry_run(
+        megatron_2021_interleaved(layout.stages, 8), layout.stages, costs, comms=CommModel.BLOCKING
+    )
+    ours = dry_run(layout.pipeline.lowered, layout.stages, costs, comms=CommModel.BLOCKING)
+    assert theirs.makespan > ours.makespan
+    for timeline in (True, False):
+        p = simulate(cfg, system, 32, software=MEGATRON_2021, timeline=timeline)
+        assert p.pipeline_seconds == pytest.approx(theirs.makespan, rel=1e-12)
