@@ -24,6 +24,8 @@ order (send after the pass, receive before it), so it needs nothing here.
 
 from __future__ import annotations
 
+import functools
+
 from ptdp.pipeline.actions import Action, Kind, Plan
 from ptdp.pipeline.placement import Placement, StageMap
 
@@ -38,8 +40,10 @@ def _microbatch(k: int, pp: int, vpp: int) -> int:
     return (k // (pp * vpp)) * pp + k % pp
 
 
+@functools.lru_cache(maxsize=64)  # the planner replays each (pp, vpp, m) for many layouts
 def megatron_2021_interleaved(stages: StageMap, m: int) -> Plan:
-    """Per rank: the 2021 code's interleaved passes and exchanges (module doc).
+    """Per rank: the 2021 code's interleaved passes and exchanges (module doc); shared
+    between callers, so read-only.
 
     Needs the looped placement, vpp > 1 and m a multiple of pp (the 2021 code asserted it).
     """
@@ -56,15 +60,18 @@ def _rank_actions(stages: StageMap, m: int, rank: int) -> list[Action]:
     pp, vpp, last = stages.pp, stages.vpp, stages.last
     total = m * vpp
 
-    def fwd(k: int) -> Action:
-        return Action(Kind.F, _chunk(k, pp, vpp, True) * pp + rank, _microbatch(k, pp, vpp))
-
-    def bwd(k: int) -> Action:
-        return Action(Kind.BW, _chunk(k, pp, vpp, False) * pp + rank, _microbatch(k, pp, vpp))
-
+    forwards = [
+        Action(Kind.F, _chunk(k, pp, vpp, True) * pp + rank, _microbatch(k, pp, vpp))
+        for k in range(total)
+    ]
+    backwards = [
+        Action(Kind.BW, _chunk(k, pp, vpp, False) * pp + rank, _microbatch(k, pp, vpp))
+        for k in range(total)
+    ]
+    fwd, bwd = forwards.__getitem__, backwards.__getitem__
     # What this rank receives from each neighbour, in the order NCCL matches it.
-    inputs = [Action(Kind.RECV_F, a.stage, a.mb) for a in map(fwd, range(total)) if a.stage > 0]
-    grads = [Action(Kind.RECV_B, a.stage, a.mb) for a in map(bwd, range(total)) if a.stage < last]
+    inputs = [Action(Kind.RECV_F, a.stage, a.mb) for a in forwards if a.stage > 0]
+    grads = [Action(Kind.RECV_B, a.stage, a.mb) for a in backwards if a.stage < last]
     inputs.reverse()
     grads.reverse()
 
