@@ -12,6 +12,7 @@ transfers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from ptdp.perf.costs import (
 )
 from ptdp.perf.flops import flops_per_iteration, utilisation
 from ptdp.perf.hardware import System
+from ptdp.perf.megatron2021 import megatron_2021_interleaved
 from ptdp.perf.memory import (
     MemoryEstimate,
     estimate_memory,
@@ -42,6 +44,7 @@ from ptdp.perf.memory import (
 from ptdp.perf.replay import PipelineCosts, PipelineRun, replay, replay_steady
 from ptdp.perf.timeline import Event
 from ptdp.perf.zero import sharded_passes
+from ptdp.pipeline.placement import Placement
 from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES
 
@@ -272,12 +275,17 @@ PlanSource = Callable[[str, int, int, int], PipelinePlan]
 def _replay(
     layout: Layout, costs: PipelineCosts, blocking: bool, timeline: bool, plans: PlanSource
 ) -> PipelineRun:
-    """The replay of the layout's plan; without `timeline`, from its steady state where the
-    schedule has one (ZB-V's list schedule is replayed in full)."""
+    """The replay of the layout's plan (under blocking transfers an interleaved one in the
+    2021 code's order, `megatron_order`); without `timeline`, from its steady state where
+    the schedule has one (ZB-V's list schedule is replayed in full)."""
     spec, pp, vpp = SCHEDULES[layout.schedule], layout.pp, layout.vpp
+    megatron = blocking and megatron_order(layout)
+    lowered = lambda m: plans(layout.schedule, pp, m, vpp).lowered  # noqa: E731
+    if megatron:
+        lowered = functools.partial(megatron_2021_interleaved, layout.stages)
     if not timeline and layout.schedule != "zb-v":
         run = replay_steady(
-            lambda m: plans(layout.schedule, pp, m, vpp).lowered,
+            lowered,
             layout.stages,
             layout.num_microbatches,
             costs,
@@ -286,8 +294,20 @@ def _replay(
         )
         if run is not None:
             return run
-    plan = layout.pipeline.lowered
+    plan = lowered(layout.num_microbatches) if megatron else layout.pipeline.lowered
     return replay(plan, layout.stages, costs, blocking=blocking, timeline=timeline)
+
+
+def megatron_order(layout: Layout) -> bool:
+    """Under blocking transfers (the 2021 code) an interleaved layout replays the 2021 code's
+    own order of passes and exchanges (`ptdp.perf.megatron2021`), which differs from ptdp's."""
+    return (
+        layout.schedule == "interleaved"
+        and layout.pp > 1
+        and layout.stages.placement is Placement.LOOPED
+        and layout.vpp > 1
+        and layout.num_microbatches % layout.pp == 0
+    )
 
 
 def require_vocab(cfg: RunConfig) -> None:
