@@ -15,6 +15,10 @@ What is measured (ptdp/perf/microbench.py) and what it becomes in the cluster TO
 - on a CPU, ptdp's own model at a negligible size (0 and 2 layers, forward and backward)
   -> `layer_overhead_us` and `head_overhead_us`: what Python, module calls and autograd
   cost per layer and per embedding + head + loss, beyond the kernels timed above;
+- on CPUs under torchrun, the same model at tp = 2 over two ranks against tp = 1 ->
+  `collective_sync_us`: what each blocking collective between compute costs beyond its
+  transfer (the later rank's wake-up after the earlier went back to compute, the
+  tensor-parallel autograd functions), per call (microbench.collective_sync);
 - under torchrun, all-reduce, all-gather, reduce-scatter and point-to-point over message
   sizes and group sizes -> the `[node]` link (groups inside a node) and the `[network]`
   link (one rank per node, when there are several nodes) as latency + bandwidth, a least
@@ -190,7 +194,7 @@ def planned_figures(sweep: Sweep, world: int, per_node: int) -> int:
     plans = collective_plans(world, per_node) if world > 1 else []
     comms = sum(len(ops) for *_, ops in plans) * len(sweep.message_bytes)
     compute = 5 * len(sweep.hidden) + len(sweep.attention_seq) + len(mb.STREAM_KERNELS) + 2
-    return compute + comms
+    return compute + comms + (world > 1)  # the collectives' resynchronisation (CPUs)
 
 
 def _link_fits(fits: list[CollectiveFit]) -> dict[str, tuple[LinkFit | None, str]]:
@@ -263,6 +267,11 @@ def calibrate(
         collectives = (
             measure_collectives(device, dtype, sweep, per_node, step) if world.size > 1 else []
         )
+        sync = None
+        if world.size > 1 and device.type == "cpu":
+            step("collective sync")
+            pair = mb.build_groups(world.size, 2, 1)
+            sync = mb.collective_sync(dtype, device, sweep.timing, pair)
     finally:
         bar.close()
     kind = device_kind(name) if device.type == "cuda" else None
@@ -303,6 +312,7 @@ def calibrate(
             "sweep": _sweep_name(sweep, device.type),
         },
         framework=framework,
+        sync=sync,
     )
 
 

@@ -70,6 +70,9 @@ class Calibration:
     """(forward, backward) seconds per layer and for the embedding + head + loss that no
     kernel runs (microbench.framework_overhead); measured on CPUs only, where nothing hides
     it (on a GPU the host runs ahead of the kernels)."""
+    sync: tuple[float, float] | None = None
+    """(per blocking collective beyond its transfer, per tp = 2 layer forward and backward
+    against tp = 1) seconds (microbench.collective_sync); on CPUs under torchrun only."""
 
     @property
     def achieved_bandwidth(self) -> float:
@@ -180,6 +183,8 @@ def render_toml(cal: Calibration, name: str) -> str:
         layer, head = cal.framework
         achieved["layer_overhead_us"] = [layer[0] * 1e6, layer[1] * 1e6]
         achieved["head_overhead_us"] = [head[0] * 1e6, head[1] * 1e6]
+    if cal.sync is not None:
+        achieved["collective_sync_us"] = cal.sync[0] * 1e6
     node, network = _links(cal)
     peak = "best GEMM measured (no datasheet peak)" if cal.peak_measured else "datasheet"
     described = f"calibrated {cal.device_name} on {cal.info.get('host', '?')}"
@@ -217,6 +222,9 @@ def _calibration_tables(cal: Calibration) -> list[str]:
         *_table("calibration.attention", attention, "causal SDPA"),
         *_table("calibration.memory_gb_s", memory),
     ]
+    if cal.sync is not None:
+        rows = {"per_call_us": cal.sync[0] * 1e6, "tp2_layer_us": cal.sync[1] * 1e6}
+        lines += _table("calibration.collective_sync", rows, "tp = 2 against tp = 1, h 32")
     for c in cal.collectives:
         rows: dict[str, object] = {"op": c.op, "ranks": c.ranks, "span": c.span}
         if c.fit is not None:
@@ -257,6 +265,12 @@ def summary(cal: Calibration) -> str:
         lines.append(
             f"  framework (Python, autograd) per layer F {lf * 1e6:.3g} us B {lb * 1e6:.3g} us;"
             f" embedding + head + loss F {hf * 1e6:.3g} us B {hb * 1e6:.3g} us"
+        )
+    if cal.sync is not None:
+        call, layer = cal.sync
+        lines.append(
+            f"  each blocking collective between compute: {call * 1e6:.3g} us beyond its "
+            f"transfer (a tp = 2 layer, forward and backward, adds {layer * 1e6:.3g} us)"
         )
     for c in cal.collectives:
         fit = c.fit

@@ -5,11 +5,13 @@ the path of their own): `[device]` (peak rates by `kind` from
 `ptdp.perf.flops.DENSE_PEAK_TFLOPS` or an explicit `peak_tflops` table, memory, HBM
 bandwidth), `[device.achieved]` (the calibration: achieved GEMM and memory efficiency, a
 kernel launch cost, reserved memory; from `ptdp calibrate` also a GEMM efficiency curve over
-size, `gemm_curve_flops` and `gemm_curve_efficiency`, and the fused attention kernel's own
-efficiency and backward / forward ratio), `[node]` (GPUs per node and their NVLink/NVSwitch
-link) and `[network]` (the inter-node link per GPU, e.g. one InfiniBand HCA each).
-Bandwidths are per GPU and per direction, in GB/s (1e9 bytes); `latency_us` per message or
-collective call, `step_latency_us` per step of a ring collective.
+size, `gemm_curve_flops` and `gemm_curve_efficiency`, the fused attention kernel's own
+efficiency and backward / forward ratio, and on CPUs the per-layer framework cost and
+`collective_sync_us`, what each blocking collective costs beyond its bytes), `[node]`
+(GPUs per node and their NVLink/NVSwitch link) and `[network]` (the inter-node link per
+GPU, e.g. one InfiniBand HCA each). Bandwidths are per GPU and per direction, in GB/s
+(1e9 bytes); `latency_us` per message or collective call, `step_latency_us` per step of a
+ring collective.
 
 Built in: `a100-80gb` (the paper's Selene nodes: DGX A100 80GB, 8x 200 Gb/s HDR per
 node), `a100-40gb`, `h100-sxm` and `h200` (their GEMM curve fitted to Megatron-Core's
@@ -94,6 +96,11 @@ class Device:
     runs: Python, the dispatcher, autograd (`ptdp calibrate` on a CPU measures it)."""
     head_overhead: tuple[float, float] = (0.0, 0.0)
     """The same for the embedding, output layer and loss of one microbatch."""
+    collective_sync: float = 0.0
+    """Seconds each blocking collective between compute costs beyond moving its bytes: the
+    ranks' resynchronisation (the later rank woken only after the earlier one went back to
+    compute) and the tensor-parallel autograd functions' Python (`ptdp calibrate` measures
+    it on CPUs, where the host runs the collective; 0: none, as on GPUs)."""
 
     def gemm_efficiency_at(self, flops: float) -> float:
         """Efficiency of a GEMM of `flops`: the measured curve (log-linear between its knots,
@@ -161,6 +168,7 @@ NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
     ("device.achieved", "memory_efficiency", "positive", False),  # caches may beat HBM
     ("device.achieved", "kernel_overhead_us", "non-negative", False),
     ("device.achieved", "reserved_gib", "non-negative", False),
+    ("device.achieved", "collective_sync_us", "non-negative", False),
     ("node", "gpus", "count", True),
     *(
         (link, key, kind, key == "bandwidth_gb_s")
@@ -256,6 +264,7 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         attention_backward_ratio=float(achieved.get("attention_backward_ratio", 0.0)),
         layer_overhead=_pair(achieved, "layer_overhead_us"),
         head_overhead=_pair(achieved, "head_overhead_us"),
+        collective_sync=float(achieved.get("collective_sync_us", 0.0)) * 1e-6,
     )
     return System(
         name=str(data.get("name", default_name)),

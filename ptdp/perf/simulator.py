@@ -114,7 +114,14 @@ def compute_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
     split = layout.stage_layers or (model.num_layers // stages,) * stages
     passes = [layer.times(n) for n in split]
     passes[0] += embedding_seconds(model, micro_batch=b, tp=tp, c=c)
-    passes[-1] += head_seconds(model, micro_batch=b, tp=tp, c=c, compiled=cfg.train.compile)
+    passes[-1] += head_seconds(
+        model,
+        micro_batch=b,
+        tp=tp,
+        c=c,
+        compiled=cfg.train.compile,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+    )
     return passes
 
 
