@@ -71,8 +71,9 @@ class Calibration:
     kernel runs (microbench.framework_overhead); measured on CPUs only, where nothing hides
     it (on a GPU the host runs ahead of the kernels)."""
     sync: tuple[float, float] | None = None
-    """(per blocking collective beyond its transfer, per tp = 2 layer forward and backward
-    against tp = 1) seconds (microbench.collective_sync); on CPUs under torchrun only."""
+    """(per blocking collective beyond what the fitted link charges it, per tp = 2 layer
+    forward and backward against tp = 1) seconds (microbench.collective_sync); on CPUs
+    under torchrun only."""
 
     @property
     def achieved_bandwidth(self) -> float:
@@ -269,8 +270,8 @@ def summary(cal: Calibration) -> str:
     if cal.sync is not None:
         call, layer = cal.sync
         lines.append(
-            f"  each blocking collective between compute: {call * 1e6:.3g} us beyond its "
-            f"transfer (a tp = 2 layer, forward and backward, adds {layer * 1e6:.3g} us)"
+            f"  each blocking collective between compute: {call * 1e6:.3g} us beyond the "
+            f"link's cost (a tp = 2 layer, forward and backward, adds {layer * 1e6:.3g} us)"
         )
     for c in cal.collectives:
         fit = c.fit

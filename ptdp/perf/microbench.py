@@ -373,23 +373,22 @@ def _lockstep_trials(
 
 def collective_sync(
     dtype: torch.dtype, device: torch.device, timing: Timing, pair: comm.Group
-) -> tuple[float, float]:
-    """(per call, per layer) seconds: what each blocking collective costs a step beyond
-    moving its bytes, and what tensor parallelism over `pair` adds to a layer's forward and
-    backward at a negligible size.
+) -> tuple[float, float, int]:
+    """(per call, per layer, bytes per call): what each blocking collective of a tensor-
+    parallel layer costs a step in place, what tensor parallelism over `pair` adds to a
+    layer's forward and backward at a negligible size, and the bytes each call reduces.
 
     Timed on ptdp's own GPT at `framework_overhead`'s size with 0 and 2 layers, forward and
     backward, at tp = 1 and at tp = 2 over `pair`: a layer at tp = 2 waits on two
     all-reduces forward and two backward (Shoeybi et al.'s f and g), each between the
-    ranks' compute. Beyond its transfer (one all-reduce of the layer's output, timed back to
-    back as `collective_seconds` does) each call then costs the ranks' resynchronisation:
-    the rank that finishes later is woken and scheduled only after the other went back to
-    compute (on CPUs the host threads run the collective), and the tensor-parallel autograd
-    functions' own Python. The figure is the median over rounds of each round's estimate
-    (its five batches back to back), not the fastest: a wait's cost varies from call to
-    call and a step pays its typical value on every call, and pairing the batches of one
-    round keeps a neighbour's job from landing on one side of the difference only.
-    Collective: every rank calls it (each with its own pair).
+    ranks' compute, so a quarter of its extra time is one such call in place: its transfer,
+    the ranks' resynchronisation (the rank that finishes later is woken and scheduled only
+    after the other went back to compute; on CPUs the host threads run the collective) and
+    the tensor-parallel autograd functions' own Python. The figure is the median over
+    rounds of each round's difference (its four batches back to back), not the fastest: a
+    wait's cost varies from call to call and a step pays its typical value on every call,
+    and pairing the batches of one round keeps a neighbour's job from landing on one side of
+    the difference only. Collective: every rank calls it (each with its own pair).
     """
     from ptdp.config import ModelConfig
     from ptdp.model.gpt import GPT
@@ -403,12 +402,11 @@ def collective_sync(
         for layers in (0, 2):
             model = GPT(cfg, layers=range(layers), tp=tp).to(device=device, dtype=dtype)
             fns.append(lambda m=model: m(tokens, tokens).backward())
-    boundary = torch.zeros(8 * 32, dtype=dtype, device=device)  # [s, b, h] of one layer
-    fns.append(lambda: comm.all_reduce_sum_(boundary, pair))
     timing = Timing(timing.min_seconds, max(timing.trials, 15), timing.max_calls)
-    layers, calls = [], []
-    for one0, one2, two0, two2, transfer in _lockstep_trials(fns, device, timing):
-        extra = ((two2 - two0) - (one2 - one0)) / 2  # per layer: 4 collectives
-        layers.append(extra)
-        calls.append(extra / 4 - transfer)
-    return max(0.0, statistics.median(calls)), max(0.0, statistics.median(layers))
+    layers = [
+        ((two2 - two0) - (one2 - one0)) / 2  # per layer: 4 all-reduces
+        for one0, one2, two0, two2 in _lockstep_trials(fns, device, timing)
+    ]
+    layer = max(0.0, statistics.median(layers))
+    nbytes = cfg.seq_length * cfg.hidden_size * torch.empty((), dtype=dtype).element_size()
+    return layer / 4, layer, nbytes
