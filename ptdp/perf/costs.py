@@ -32,11 +32,12 @@ step (the alpha-beta model of Thakur et al. 2005): small messages, as tensor par
 at a small hidden size sends, pay mostly latency. Which link a group uses follows from
 its ranks and the node size (`group_link`). Tensor parallelism runs 2 all-reduces in forward
 and 2 in backward per layer (sequence parallelism: reduce-scatter + all-gather pairs of
-the same volume, in twice the calls); they are not overlapped with compute, as in the
-runtime. On a CPU, where the host threads run the collective, each blocking call between
-compute also costs the ranks' resynchronisation (`sync_seconds`, measured by `ptdp
-calibrate`), and so does each of the head's (the vocabulary-parallel loss's three
-all-reduces, its input's conjugate collective), whose bytes are not counted.
+the same volume, costed as the all-reduces); they are not overlapped with compute, as in
+the runtime. On a CPU, where the host threads run the collective, each blocking call
+between compute also costs the ranks' resynchronisation (`sync_seconds`, measured by
+`ptdp calibrate`): 2 calls a pass, 4 with sequence parallelism, and the head's (the
+vocabulary-parallel loss's three all-reduces, its input's conjugate collective), whose
+bytes are not counted.
 
 Letters: b = micro-batch, s = sequence, h = hidden, a = heads, d = head size, f = MLP
 width, v = vocabulary, t = tensor-parallel size, e = bytes per element.
