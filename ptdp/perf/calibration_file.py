@@ -133,6 +133,14 @@ def _link_rows(fit: LinkFit | None, base: Link | None, source: str) -> dict[str,
     return rows
 
 
+def _p2p_rows(cal: Calibration, span: str) -> dict[str, object]:
+    """The span's point-to-point fit as the link's p2p keys (none if not fitted)."""
+    fit = next((c.fit for c in cal.collectives if c.op == "p2p" and c.span == span), None)
+    if fit is None:
+        return {}
+    return {"p2p_latency_us": fit.latency * 1e6, "p2p_bandwidth_gb_s": fit.bandwidth / GB}
+
+
 def _links(cal: Calibration) -> tuple[dict[str, object], dict[str, object]]:
     base = cal.base
     unmeasured = "not measured: run `torchrun --nproc-per-node N -m ptdp calibrate`"
@@ -140,6 +148,8 @@ def _links(cal: Calibration) -> tuple[dict[str, object], dict[str, object]]:
     if node_fit is None:
         node_src = f"{base.intra.name} (from {base.name}, not measured)" if base else unmeasured
     node = _link_rows(node_fit, base.intra if base else None, node_src)
+    if node_fit is not None:
+        node |= _p2p_rows(cal, "node")
     net_fit, net_src = cal.links.get("network", (None, ""))
     if net_fit is None and base is not None:
         net_src = f"{base.inter.name} (from {base.name}, not measured)"
@@ -147,7 +157,7 @@ def _links(cal: Calibration) -> tuple[dict[str, object], dict[str, object]]:
     elif net_fit is None and node_fit is not None:  # one node: its own link stands in
         network = dict(node, link="one node measured: the in-node link, not a network")
     else:
-        network = _link_rows(net_fit, None, net_src or unmeasured)
+        network = _link_rows(net_fit, None, net_src or unmeasured) | _p2p_rows(cal, "network")
     return node, network
 
 

@@ -11,7 +11,8 @@ efficiency and backward / forward ratio, and on CPUs the per-layer framework cos
 (GPUs per node and their NVLink/NVSwitch link) and `[network]` (the inter-node link per
 GPU, e.g. one InfiniBand HCA each). Bandwidths are per GPU and per direction, in GB/s
 (1e9 bytes); `latency_us` per message or collective call, `step_latency_us` per step of a
-ring collective.
+ring collective; `p2p_latency_us` and `p2p_bandwidth_gb_s` (from `ptdp calibrate`) price
+point-to-point messages apart from the collectives.
 
 Built in: `a100-80gb` (the paper's Selene nodes: DGX A100 80GB, 8x 200 Gb/s HDR per
 node), `a100-40gb`, `h100-sxm` and `h200` (their GEMM curve fitted to Megatron-Core's
@@ -54,13 +55,20 @@ class Link:
     step_latency: float = 0.0
     """Seconds per step of a ring collective (a hop's synchronisation: an all-reduce over n
     GPUs takes 2 (n-1) steps, an all-gather n-1), on top of `latency`."""
+    p2p: tuple[float, float] | None = None
+    """(latency seconds, achieved bytes/s) of a point-to-point message where measured apart
+    from the ring collectives (`ptdp calibrate`: on gloo a send costs a third of an
+    all-reduce's latency); None: as the collectives."""
 
     @property
     def achieved(self) -> float:
         return self.bandwidth * self.efficiency
 
     def transfer_seconds(self, nbytes: float) -> float:
-        """One point-to-point message of `nbytes`."""
+        """One point-to-point message of `nbytes` (a pipeline transfer, a cp ring shift)."""
+        if self.p2p is not None:
+            latency, bandwidth = self.p2p
+            return latency + nbytes / bandwidth
         return self.latency + nbytes / self.achieved
 
 
@@ -178,6 +186,8 @@ NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
             ("efficiency", "fraction"),
             ("latency_us", "non-negative"),
             ("step_latency_us", "non-negative"),
+            ("p2p_latency_us", "non-negative"),
+            ("p2p_bandwidth_gb_s", "positive"),
         )
     ),
 )
@@ -300,10 +310,15 @@ def _curve(achieved: dict[str, Any]) -> tuple[tuple[float, float], ...]:
 
 
 def _link(table: dict[str, Any]) -> Link:
+    keys = ("p2p_latency_us", "p2p_bandwidth_gb_s")
+    given = [k in table for k in keys]
+    if any(given) and not all(given):
+        raise ValueError("p2p_latency_us and p2p_bandwidth_gb_s go together: give both or neither")
     return Link(
         name=str(table.get("link", "")),
         bandwidth=float(table["bandwidth_gb_s"]) * GB,
         efficiency=float(table.get("efficiency", 1.0)),
         latency=float(table.get("latency_us", 0.0)) * 1e-6,
         step_latency=float(table.get("step_latency_us", 0.0)) * 1e-6,
+        p2p=(float(table[keys[0]]) * 1e-6, float(table[keys[1]]) * GB) if all(given) else None,
     )

@@ -59,6 +59,11 @@ def test_two_rank_calibration_fits_every_collective(tmp_path: Path) -> None:
         system.intra.achieved
     )
     assert all_reduce_seconds(nbytes, 2, system.intra) == pytest.approx(expected)
+    # Point-to-point keeps its own fit in the link: pipeline transfers and cp shifts.
+    p2p = fits["p2p"]
+    assert system.intra.p2p == pytest.approx(
+        (p2p["latency_us"] * 1e-6, p2p["bandwidth_gb_s"] * 1e9)
+    )
     # Each blocking collective's resynchronisation, from ptdp's tiny model at tp = 2
     # against tp = 1 (CPUs under torchrun): written, loaded, and its raw figures kept.
     sync = raw["calibration"]["collective_sync"]

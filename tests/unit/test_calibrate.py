@@ -247,3 +247,44 @@ def test_zero3_pays_the_sync_per_layer_gather_and_reduce_scatter() -> None:
         for new, old in zip(got, without):
             assert new.f - old.f == pytest.approx(waits[0] * sync)
             assert (new.b + new.w) - (old.b + old.w) == pytest.approx(waits[1] * sync)
+
+
+def test_point_to_point_keys_price_transfers_apart(tmp_path: Path) -> None:
+    """`p2p_latency_us` / `p2p_bandwidth_gb_s` in a link table (written by `ptdp calibrate`
+    from its point-to-point fit) price pipeline transfers and cp ring shifts instead of the
+    ring collectives' latency and bandwidth; given alone or impossible, they are refused;
+    each pipeline hop also pays the sync of the wait on it."""
+    from dataclasses import replace
+
+    from ptdp.config import apply_updates
+    from ptdp.errors import ConfigError
+    from ptdp.layout import validate
+    from ptdp.perf.paper import preset_config
+    from ptdp.perf.simulator import pipeline_costs
+
+    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
+    assert load_system("a100-80gb").intra.p2p is None  # absent: as the collectives
+    path = tmp_path / "p2p.toml"
+    keys = "[node]\np2p_latency_us = 100\np2p_bandwidth_gb_s = 4"
+    path.write_text(text.replace("[node]", keys))
+    link = load_system(path).intra
+    assert link.p2p == pytest.approx((100e-6, 4e9))
+    assert link.transfer_seconds(8e6) == pytest.approx(100e-6 + 8e6 / 4e9)
+    for bad, why in (
+        ("[node]\np2p_latency_us = 100", "go together"),
+        ("[node]\np2p_latency_us = 100\np2p_bandwidth_gb_s = 0", "must be > 0"),
+    ):
+        path.write_text(text.replace("[node]", bad))
+        with pytest.raises(ConfigError, match=why):
+            load_system(path)
+
+    base = load_system("a100-80gb")
+    synced = replace(base, device=replace(base.device, collective_sync=1e-3))
+    train = {"precision": "bf16", "micro_batch_size": 1, "global_batch_size": 8}
+    cfg = apply_updates(preset_config("gpt-1.7b"), {"parallel": {"pp": 2}, "train": train}, "t")
+    lay = validate(cfg, 2)
+    got, without = (
+        pipeline_costs(cfg, lay, Compute(s, Precision.BF16, PTDP)) for s in (synced, base)
+    )
+    sent = [a - b for a, b in zip(got.send_forward, without.send_forward)]
+    assert sent == pytest.approx([1e-3, 1e-3])
