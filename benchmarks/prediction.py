@@ -249,18 +249,20 @@ def file_date(source: str) -> str:
 def table(rows: list[dict]) -> list[str]:
     lines = [
         "| config | world | tests | predicted ms | measured ms | error | best ms | CPU ms "
-        "| predicted without framework term |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| predicted without framework term | without collective sync |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['name']} | {r['world']} | {r['tests']} | skipped: "
-                         f"{r['skipped'].splitlines()[-1].strip()[:120]} | | | | | |")  # fmt: skip
+            why = r["skipped"].splitlines()[-1].strip()[:120]
+            cells = f"| {r['name']} | {r['world']} | {r['tests']} | skipped: {why} |"
+            lines.append(cells + " |" * 6)
             continue
         lines.append(
             f"| {r['name']} | {r['world']} | {r['tests']} | {r['predicted_ms']:.1f} | "
             f"{r['measured_ms']:.1f} | {100 * r['error']:+.1f}% | {r['best_ms']:.1f} | "
-            f"{r['cpu_ms']:.1f} | {r['predicted_without_framework_ms']:.1f} |"
+            f"{r['cpu_ms']:.1f} | {r['predicted_without_framework_ms']:.1f} | "
+            f"{r['predicted_without_sync_ms']:.1f} |"
         )
     return lines
 
@@ -312,6 +314,7 @@ def run(args: argparse.Namespace) -> dict:
     system = load_system(source)
     zero = (0.0, 0.0)  # the same file without its framework term, to show what that adds
     bare = replace(system, device=replace(system.device, layer_overhead=zero, head_overhead=zero))
+    unsynced = replace(system, device=replace(system.device, collective_sync=0.0))
     cases = [c for c in CASES if not args.only or c.name in args.only]
     cases = [c for c in cases if c.name not in args.skip]
     rows, by_world = [], {}
@@ -346,6 +349,8 @@ def run(args: argparse.Namespace) -> dict:
             row["error"] = (row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
             without = predict(configs[row["name"]], row["world"], bare).iteration_seconds
             row["predicted_without_framework_ms"] = 1e3 * without
+            without = predict(configs[row["name"]], row["world"], unsynced).iteration_seconds
+            row["predicted_without_sync_ms"] = 1e3 * without
             row["events"] = m["events"]
     result = {
         "command": " ".join(["python", "benchmarks/prediction.py", *args.argv]),
@@ -404,7 +409,8 @@ def markdown(result: dict) -> str:
         "step; CPU: process CPU time of the busiest rank per step (median), which a loaded "
         "machine does not stretch as it stretches wall time (for one process, about the step "
         "a quiet machine would take; with two ranks it leaves out the waits); without "
-        "framework term: the same file with layer_overhead_us and head_overhead_us at 0.",
+        "framework term: the same file with layer_overhead_us and head_overhead_us at 0; without "
+        "collective sync: the same file with collective_sync_us at 0.",
     ]
     if "timeline" in result:
         lines.append(f"timeline ({TIMELINE_CASE}): {result['timeline']['png']}")

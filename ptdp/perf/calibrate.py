@@ -15,6 +15,10 @@ What is measured (ptdp/perf/microbench.py) and what it becomes in the cluster TO
 - on a CPU, ptdp's own model at a negligible size (0 and 2 layers, forward and backward)
   -> `layer_overhead_us` and `head_overhead_us`: what Python, module calls and autograd
   cost per layer and per embedding + head + loss, beyond the kernels timed above;
+- on CPUs under torchrun, the same model at tp = 2 over two ranks against tp = 1 ->
+  `collective_sync_us`: what each blocking collective between compute costs in place
+  beyond what the fitted link charges it (the later rank's wake-up after the earlier
+  went back to compute, the tensor-parallel autograd functions; microbench.collective_sync);
 - under torchrun, all-reduce, all-gather, reduce-scatter and point-to-point over message
   sizes and group sizes -> the `[node]` link (groups inside a node) and the `[network]`
   link (one rank per node, when there are several nodes) as latency + bandwidth, a least
@@ -190,7 +194,7 @@ def planned_figures(sweep: Sweep, world: int, per_node: int) -> int:
     plans = collective_plans(world, per_node) if world > 1 else []
     comms = sum(len(ops) for *_, ops in plans) * len(sweep.message_bytes)
     compute = 5 * len(sweep.hidden) + len(sweep.attention_seq) + len(mb.STREAM_KERNELS) + 2
-    return compute + comms
+    return compute + comms + (world > 1)  # the collectives' resynchronisation (CPUs)
 
 
 def _link_fits(fits: list[CollectiveFit]) -> dict[str, tuple[LinkFit | None, str]]:
@@ -263,8 +267,14 @@ def calibrate(
         collectives = (
             measure_collectives(device, dtype, sweep, per_node, step) if world.size > 1 else []
         )
+        in_place = None
+        if world.size > 1 and device.type == "cpu":
+            step("collective sync")
+            pair = mb.build_groups(world.size, 2, 1)
+            in_place = mb.collective_sync(dtype, device, sweep.timing, pair)
     finally:
         bar.close()
+    links = _link_fits(collectives)
     kind = device_kind(name) if device.type == "cuda" else None
     table_peak = DENSE_PEAK_TFLOPS.get(kind or "", {}).get(precision, 0.0) * 1e12
     peak = table_peak or max(s.flops / t for s, t in gemms)
@@ -293,7 +303,7 @@ def calibrate(
         ranks=world.size,
         gpus_per_node=per_node if world.size > 1 else (base.gpus_per_node if base else 1),
         collectives=tuple(collectives),
-        links=_link_fits(collectives),
+        links=links,
         base=base,
         info={
             "date": datetime.date.today().isoformat(),
@@ -303,7 +313,25 @@ def calibrate(
             "sweep": _sweep_name(sweep, device.type),
         },
         framework=framework,
+        sync=_sync(in_place, links, collectives),
     )
+
+
+def _sync(
+    in_place: tuple[float, float, int] | None,
+    links: dict[str, tuple[LinkFit | None, str]],
+    fits: list[CollectiveFit],
+) -> tuple[float, float] | None:
+    """(per call, per tp = 2 layer) seconds: a tensor-parallel all-reduce in place less what
+    the model already charges it (the fitted in-node link's latency and bytes; the
+    all-reduce's own fit if the link has none), so that link + sync is the call in place."""
+    if in_place is None:
+        return None
+    call, layer, nbytes = in_place
+    fit = links.get("node", (None, ""))[0]
+    fit = fit or next((f.fit for f in fits if f.op == "all_reduce" and f.ranks == 2), None)
+    charged = fit.seconds(collective_bytes("all_reduce", nbytes, 2)) if fit else 0.0
+    return max(0.0, call - charged), layer
 
 
 def _sweep_name(sweep: Sweep, device_type: str) -> str:

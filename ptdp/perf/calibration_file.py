@@ -70,6 +70,10 @@ class Calibration:
     """(forward, backward) seconds per layer and for the embedding + head + loss that no
     kernel runs (microbench.framework_overhead); measured on CPUs only, where nothing hides
     it (on a GPU the host runs ahead of the kernels)."""
+    sync: tuple[float, float] | None = None
+    """(per blocking collective beyond what the fitted link charges it, per tp = 2 layer
+    forward and backward against tp = 1) seconds (microbench.collective_sync); on CPUs
+    under torchrun only."""
 
     @property
     def achieved_bandwidth(self) -> float:
@@ -129,6 +133,14 @@ def _link_rows(fit: LinkFit | None, base: Link | None, source: str) -> dict[str,
     return rows
 
 
+def _p2p_rows(cal: Calibration, span: str) -> dict[str, object]:
+    """The span's point-to-point fit as the link's p2p keys (none if not fitted)."""
+    fit = next((c.fit for c in cal.collectives if c.op == "p2p" and c.span == span), None)
+    if fit is None:
+        return {}
+    return {"p2p_latency_us": fit.latency * 1e6, "p2p_bandwidth_gb_s": fit.bandwidth / GB}
+
+
 def _links(cal: Calibration) -> tuple[dict[str, object], dict[str, object]]:
     base = cal.base
     unmeasured = "not measured: run `torchrun --nproc-per-node N -m ptdp calibrate`"
@@ -136,6 +148,8 @@ def _links(cal: Calibration) -> tuple[dict[str, object], dict[str, object]]:
     if node_fit is None:
         node_src = f"{base.intra.name} (from {base.name}, not measured)" if base else unmeasured
     node = _link_rows(node_fit, base.intra if base else None, node_src)
+    if node_fit is not None:
+        node |= _p2p_rows(cal, "node")
     net_fit, net_src = cal.links.get("network", (None, ""))
     if net_fit is None and base is not None:
         net_src = f"{base.inter.name} (from {base.name}, not measured)"
@@ -143,7 +157,7 @@ def _links(cal: Calibration) -> tuple[dict[str, object], dict[str, object]]:
     elif net_fit is None and node_fit is not None:  # one node: its own link stands in
         network = dict(node, link="one node measured: the in-node link, not a network")
     else:
-        network = _link_rows(net_fit, None, net_src or unmeasured)
+        network = _link_rows(net_fit, None, net_src or unmeasured) | _p2p_rows(cal, "network")
     return node, network
 
 
@@ -180,6 +194,8 @@ def render_toml(cal: Calibration, name: str) -> str:
         layer, head = cal.framework
         achieved["layer_overhead_us"] = [layer[0] * 1e6, layer[1] * 1e6]
         achieved["head_overhead_us"] = [head[0] * 1e6, head[1] * 1e6]
+    if cal.sync is not None:
+        achieved["collective_sync_us"] = cal.sync[0] * 1e6
     node, network = _links(cal)
     peak = "best GEMM measured (no datasheet peak)" if cal.peak_measured else "datasheet"
     described = f"calibrated {cal.device_name} on {cal.info.get('host', '?')}"
@@ -217,6 +233,9 @@ def _calibration_tables(cal: Calibration) -> list[str]:
         *_table("calibration.attention", attention, "causal SDPA"),
         *_table("calibration.memory_gb_s", memory),
     ]
+    if cal.sync is not None:
+        rows = {"per_call_us": cal.sync[0] * 1e6, "tp2_layer_us": cal.sync[1] * 1e6}
+        lines += _table("calibration.collective_sync", rows, "tp = 2 against tp = 1, h 32")
     for c in cal.collectives:
         rows: dict[str, object] = {"op": c.op, "ranks": c.ranks, "span": c.span}
         if c.fit is not None:
@@ -257,6 +276,12 @@ def summary(cal: Calibration) -> str:
         lines.append(
             f"  framework (Python, autograd) per layer F {lf * 1e6:.3g} us B {lb * 1e6:.3g} us;"
             f" embedding + head + loss F {hf * 1e6:.3g} us B {hb * 1e6:.3g} us"
+        )
+    if cal.sync is not None:
+        call, layer = cal.sync
+        lines.append(
+            f"  each blocking collective between compute: {call * 1e6:.3g} us beyond the "
+            f"link's cost (a tp = 2 layer, forward and backward, adds {layer * 1e6:.3g} us)"
         )
     for c in cal.collectives:
         fit = c.fit

@@ -12,6 +12,7 @@ from ptdp.perf.costs import (
     gather_seconds,
     group_link,
     layer_seconds,
+    sync_seconds,
 )
 from ptdp.perf.hardware import Link, System
 
@@ -38,7 +39,7 @@ def cp_comm_seconds(
         link = group_link(c.system, cp, tp)
         seconds = gather_seconds(cp * kv, cp, link)  # all-gather, then reduce-scatter
         wire = Passes(seconds, seconds, 0.0)
-        return wire, wire
+        return wire, wire + Passes(sync_seconds(1, c), sync_seconds(1, c), 0.0)
     link = ring_link(c.system, tp, cp)
     core = attention_core(model, micro_batch, tp, c).times(1.0 / cp)
     one, two = link.transfer_seconds(kv), link.transfer_seconds(2 * kv)
@@ -47,7 +48,10 @@ def cp_comm_seconds(
     exposed = Passes(
         steps * max(0.0, one - core.f / cp), steps * max(0.0, two - core.b / cp) + one, 0.0
     )
-    return wire, exposed
+    # Every shift is waited on by both ends: steps forward; backward, the key/value blocks
+    # and the gradient accumulator each step, and the accumulator's last hop home.
+    waits = Passes(sync_seconds(steps, c), sync_seconds(2 * steps + 1, c), 0.0)
+    return wire, exposed + waits
 
 
 def cp_layer_seconds(

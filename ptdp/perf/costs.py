@@ -32,7 +32,13 @@ step (the alpha-beta model of Thakur et al. 2005): small messages, as tensor par
 at a small hidden size sends, pay mostly latency. Which link a group uses follows from
 its ranks and the node size (`group_link`). Tensor parallelism runs 2 all-reduces in forward
 and 2 in backward per layer (sequence parallelism: reduce-scatter + all-gather pairs of
-the same volume); they are not overlapped with compute, as in the runtime.
+the same volume, costed as the all-reduces); they are not overlapped with compute, as in
+the runtime. On a CPU, where the host threads run the collective, each blocking call
+between compute also costs the ranks' resynchronisation (`sync_seconds`, measured by
+`ptdp calibrate`): 2 calls a pass, 4 with sequence parallelism, and the head's (the
+vocabulary-parallel loss's three all-reduces, its input's conjugate collective), whose
+bytes are not counted; cp ring shifts, ZeRO-3's per-layer collectives and pipeline
+transfers (`ptdp.perf.simulator`) pay it per wait too.
 
 Letters: b = micro-batch, s = sequence, h = hidden, a = heads, d = head size, f = MLP
 width, v = vocabulary, t = tensor-parallel size, e = bytes per element.
@@ -272,6 +278,13 @@ def gather_seconds(nbytes: float, n: int, link: Link) -> float:
     return link.latency + steps * link.step_latency + steps / n * nbytes / link.achieved
 
 
+def sync_seconds(calls: int, c: Compute) -> float:
+    """What `calls` blocking collectives between compute cost beyond their bytes: the
+    device's measured resynchronisation per call (`Device.collective_sync`; 0 on GPUs,
+    where the host queues the collective and runs ahead)."""
+    return calls * c.system.device.collective_sync
+
+
 def group_members(size: int, stride: int, period: int) -> list[list[int]]:
     """Every group of `size` GPUs spaced `stride` apart in rank order whose first GPU lies
     in [0, period) (tp groups: stride 1; dp groups: stride t, as `ptdp.parallel.mesh`
@@ -334,6 +347,8 @@ def layer_seconds(
     comm_f = comm_b = comm
     if c.software.tp_comm_overlap:
         comm_f, comm_b = max(0.0, comm - linears.f), max(0.0, comm - linears.b - linears.w)
+    elif tp > 1:  # each pass waits on 2 all-reduces, or 2 all-gather + reduce-scatter pairs
+        comm_f = comm_b = comm + sync_seconds(4 if sequence_parallel else 2, c)
     forward = linears.f + core.f + traffic + comm_f + fixed_f
     backward = linears.b + core.b + c.software.backward_traffic_ratio * traffic + comm_b + fixed_b
     passes = Passes(forward, backward, linears.w)
@@ -349,7 +364,13 @@ def layer_seconds(
 
 
 def head_seconds(
-    model: ModelConfig, *, micro_batch: int, tp: int, c: Compute, compiled: bool = False
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int,
+    c: Compute,
+    compiled: bool = False,
+    sequence_parallel: bool = False,
 ) -> Passes:
     """Final norm, output layer and vocabulary-parallel loss, one microbatch; compiled,
     the padding slice or mask, upcast and softmax are fused, so the memory-bound passes
@@ -362,11 +383,25 @@ def head_seconds(
     traffic = c.stream(c.software.elementwise_traffic * stored)
     fixed_f, fixed_b = c.system.device.head_overhead  # the embedding's too (it is small)
     backward = c.software.backward_traffic_ratio * traffic + fixed_b
-    return logits + Passes(traffic + fixed_f, backward, 0.0)
+    comm = head_sync(tp, sequence_parallel, c)
+    return logits + Passes(traffic + fixed_f, backward, 0.0) + comm
+
+
+def head_sync(tp: int, sequence_parallel: bool, c: Compute) -> Passes:
+    """The resynchronisation of the head's blocking tensor-parallel collectives, one
+    microbatch: the vocabulary-parallel loss's 3 all-reduces forward (maximum, target logit,
+    sum of exponentials) and its input's conjugate collective (an all-reduce backward; with
+    sequence parallelism an all-gather forward and a reduce-scatter backward). Their bytes
+    are not counted: a few per token for the loss, one boundary tensor for the input."""
+    if tp <= 1:
+        return Passes()
+    return Passes(sync_seconds(3 + sequence_parallel, c), sync_seconds(1, c), 0.0)
 
 
 def embedding_seconds(model: ModelConfig, *, micro_batch: int, tp: int, c: Compute) -> Passes:
     """Token (and position) lookup, its tensor-parallel all-reduce, its gradient scatter."""
     nbytes = micro_batch * model.seq_length * model.hidden_size * c.e
     comm = all_reduce_seconds(nbytes, tp, group_link(c.system, tp, 1))
+    if tp > 1 and not c.software.tp_comm_overlap:
+        comm += sync_seconds(1, c)
     return Passes(c.stream(3 * nbytes) + comm, 0.0, c.stream(2 * nbytes))

@@ -5,11 +5,14 @@ the path of their own): `[device]` (peak rates by `kind` from
 `ptdp.perf.flops.DENSE_PEAK_TFLOPS` or an explicit `peak_tflops` table, memory, HBM
 bandwidth), `[device.achieved]` (the calibration: achieved GEMM and memory efficiency, a
 kernel launch cost, reserved memory; from `ptdp calibrate` also a GEMM efficiency curve over
-size, `gemm_curve_flops` and `gemm_curve_efficiency`, and the fused attention kernel's own
-efficiency and backward / forward ratio), `[node]` (GPUs per node and their NVLink/NVSwitch
-link) and `[network]` (the inter-node link per GPU, e.g. one InfiniBand HCA each).
-Bandwidths are per GPU and per direction, in GB/s (1e9 bytes); `latency_us` per message or
-collective call, `step_latency_us` per step of a ring collective.
+size, `gemm_curve_flops` and `gemm_curve_efficiency`, the fused attention kernel's own
+efficiency and backward / forward ratio, and on CPUs the per-layer framework cost and
+`collective_sync_us`, what each blocking collective costs beyond its bytes), `[node]`
+(GPUs per node and their NVLink/NVSwitch link) and `[network]` (the inter-node link per
+GPU, e.g. one InfiniBand HCA each). Bandwidths are per GPU and per direction, in GB/s
+(1e9 bytes); `latency_us` per message or collective call, `step_latency_us` per step of a
+ring collective; `p2p_latency_us` and `p2p_bandwidth_gb_s` (from `ptdp calibrate`) price
+point-to-point messages apart from the collectives.
 
 Built in: `a100-80gb` (the paper's Selene nodes: DGX A100 80GB, 8x 200 Gb/s HDR per
 node), `a100-40gb`, `h100-sxm` and `h200` (their GEMM curve fitted to Megatron-Core's
@@ -52,13 +55,20 @@ class Link:
     step_latency: float = 0.0
     """Seconds per step of a ring collective (a hop's synchronisation: an all-reduce over n
     GPUs takes 2 (n-1) steps, an all-gather n-1), on top of `latency`."""
+    p2p: tuple[float, float] | None = None
+    """(latency seconds, achieved bytes/s) of a point-to-point message where measured apart
+    from the ring collectives (`ptdp calibrate`: on gloo a send costs a third of an
+    all-reduce's latency); None: as the collectives."""
 
     @property
     def achieved(self) -> float:
         return self.bandwidth * self.efficiency
 
     def transfer_seconds(self, nbytes: float) -> float:
-        """One point-to-point message of `nbytes`."""
+        """One point-to-point message of `nbytes` (a pipeline transfer, a cp ring shift)."""
+        if self.p2p is not None:
+            latency, bandwidth = self.p2p
+            return latency + nbytes / bandwidth
         return self.latency + nbytes / self.achieved
 
 
@@ -94,6 +104,11 @@ class Device:
     runs: Python, the dispatcher, autograd (`ptdp calibrate` on a CPU measures it)."""
     head_overhead: tuple[float, float] = (0.0, 0.0)
     """The same for the embedding, output layer and loss of one microbatch."""
+    collective_sync: float = 0.0
+    """Seconds each blocking collective between compute costs beyond moving its bytes: the
+    ranks' resynchronisation (the later rank woken only after the earlier one went back to
+    compute) and the tensor-parallel autograd functions' Python (`ptdp calibrate` measures
+    it on CPUs, where the host runs the collective; 0: none, as on GPUs)."""
 
     def gemm_efficiency_at(self, flops: float) -> float:
         """Efficiency of a GEMM of `flops`: the measured curve (log-linear between its knots,
@@ -161,6 +176,7 @@ NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
     ("device.achieved", "memory_efficiency", "positive", False),  # caches may beat HBM
     ("device.achieved", "kernel_overhead_us", "non-negative", False),
     ("device.achieved", "reserved_gib", "non-negative", False),
+    ("device.achieved", "collective_sync_us", "non-negative", False),
     ("node", "gpus", "count", True),
     *(
         (link, key, kind, key == "bandwidth_gb_s")
@@ -170,6 +186,8 @@ NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
             ("efficiency", "fraction"),
             ("latency_us", "non-negative"),
             ("step_latency_us", "non-negative"),
+            ("p2p_latency_us", "non-negative"),
+            ("p2p_bandwidth_gb_s", "positive"),
         )
     ),
 )
@@ -256,6 +274,7 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         attention_backward_ratio=float(achieved.get("attention_backward_ratio", 0.0)),
         layer_overhead=_pair(achieved, "layer_overhead_us"),
         head_overhead=_pair(achieved, "head_overhead_us"),
+        collective_sync=float(achieved.get("collective_sync_us", 0.0)) * 1e-6,
     )
     return System(
         name=str(data.get("name", default_name)),
@@ -291,10 +310,15 @@ def _curve(achieved: dict[str, Any]) -> tuple[tuple[float, float], ...]:
 
 
 def _link(table: dict[str, Any]) -> Link:
+    keys = ("p2p_latency_us", "p2p_bandwidth_gb_s")
+    given = [k in table for k in keys]
+    if any(given) and not all(given):
+        raise ValueError("p2p_latency_us and p2p_bandwidth_gb_s go together: give both or neither")
     return Link(
         name=str(table.get("link", "")),
         bandwidth=float(table["bandwidth_gb_s"]) * GB,
         efficiency=float(table.get("efficiency", 1.0)),
         latency=float(table.get("latency_us", 0.0)) * 1e-6,
         step_latency=float(table.get("step_latency_us", 0.0)) * 1e-6,
+        p2p=(float(table[keys[0]]) * 1e-6, float(table[keys[1]]) * GB) if all(given) else None,
     )

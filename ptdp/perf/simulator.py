@@ -31,6 +31,7 @@ from ptdp.perf.costs import (
     gather_seconds,
     group_link,
     head_seconds,
+    sync_seconds,
 )
 from ptdp.perf.flops import flops_per_iteration, utilisation
 from ptdp.perf.hardware import System
@@ -117,7 +118,14 @@ def compute_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
     split = layout.stage_layers or (model.num_layers // stages,) * stages
     passes = [layer.times(n) for n in split]
     passes[0] += embedding_seconds(model, micro_batch=b, tp=tp, c=c)
-    passes[-1] += head_seconds(model, micro_batch=b, tp=tp, c=c, compiled=cfg.train.compile)
+    passes[-1] += head_seconds(
+        model,
+        micro_batch=b,
+        tp=tp,
+        c=c,
+        compiled=cfg.train.compile,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+    )
     return passes
 
 
@@ -160,7 +168,8 @@ def pipeline_costs(cfg: RunConfig, layout: Layout, c: Compute) -> PipelineCosts:
         # their weight-gradient GEMMs run in B, and W only adds the gradients in.
         passes = [Passes(p.f, p.b + p.w, 0.0) for p in passes]
     stages = len(passes)
-    hop = [transfer_seconds(cfg, layout, c.system, s) for s in range(stages)]
+    # The receiver waits on each transfer: the wire, then its resynchronisation (CPUs).
+    hop = [transfer_seconds(cfg, layout, c.system, s) + sync_seconds(1, c) for s in range(stages)]
     gather = receive_seconds(cfg, layout, c.system)
     return PipelineCosts(
         tuple(p.f for p in passes),

@@ -37,7 +37,7 @@ from dataclasses import replace
 
 from ptdp.config import RunConfig
 from ptdp.layout import Layout
-from ptdp.perf.costs import Compute, Passes, gather_seconds, group_link
+from ptdp.perf.costs import Compute, Passes, gather_seconds, group_link, sync_seconds
 from ptdp.perf.memory import parameters_per_stage, reshard_after_forward
 
 
@@ -81,6 +81,11 @@ def sharded_passes(
         again = gather if regather else 0.0
         forward = exposed_seconds(gather, p.f, layers)
         backward = exposed_seconds(again + reduce, p.b + p.w, layers)
+        if layout.zero >= 3:  # each layer's gathers and reduce-scatter are waited on
+            forward += sync_seconds(layers, c)
+            backward += sync_seconds((2 if regather else 1) * layers, c)
+        else:  # ZeRO-2: the microbatch's gradients, reduce-scattered at once
+            backward += sync_seconds(1, c)
         share = again / (again + reduce) if again + reduce else 0.0
         out.append(p + Passes(forward, backward * share, backward * (1 - share)))
         wire[layout.stages.rank(stage)] += m * (gather + again + reduce)

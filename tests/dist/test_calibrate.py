@@ -1,5 +1,6 @@
 """`ptdp calibrate` over two gloo ranks: every collective the runtime uses, timed over
-message sizes and fitted to latency + bandwidth, and the in-node link written from them."""
+message sizes and fitted to latency + bandwidth, the in-node link written from them, and
+what each blocking collective costs beyond its transfer."""
 
 from __future__ import annotations
 
@@ -58,5 +59,16 @@ def test_two_rank_calibration_fits_every_collective(tmp_path: Path) -> None:
         system.intra.achieved
     )
     assert all_reduce_seconds(nbytes, 2, system.intra) == pytest.approx(expected)
+    # Point-to-point keeps its own fit in the link: pipeline transfers and cp shifts.
+    p2p = fits["p2p"]
+    assert system.intra.p2p == pytest.approx(
+        (p2p["latency_us"] * 1e-6, p2p["bandwidth_gb_s"] * 1e9)
+    )
+    # Each blocking collective's resynchronisation, from ptdp's tiny model at tp = 2
+    # against tp = 1 (CPUs under torchrun): written, loaded, and its raw figures kept.
+    sync = raw["calibration"]["collective_sync"]
+    assert sync["per_call_us"] >= 0 and sync["tp2_layer_us"] >= 0
+    assert raw["device"]["achieved"]["collective_sync_us"] == pytest.approx(sync["per_call_us"])
+    assert system.device.collective_sync == pytest.approx(sync["per_call_us"] * 1e-6)
     # Timings on this shared machine swing several-fold, so the fit's accuracy is not
     # asserted here; BENCHMARKS.md records a calibration and its errors.

@@ -152,3 +152,139 @@ def test_overheads_in_a_hardware_file_are_checked(tmp_path: Path) -> None:
     bad.write_text(text.replace("[device.achieved]", "[device.achieved]\nlayer_overhead_us = [5]"))
     with pytest.raises(ConfigError, match=r"layer_overhead_us must be \[forward, backward\]"):
         load_system(bad)
+
+
+def test_collective_sync_is_loaded_checked_and_paid_per_blocking_call(tmp_path: Path) -> None:
+    """`collective_sync_us` (what `ptdp calibrate` measures on CPUs under torchrun) loads,
+    is refused when negative or not a number, and the model pays it once per blocking
+    collective a rank waits on: 2 per tensor-parallel layer pass (4 with sequence
+    parallelism: all-gather + reduce-scatter pairs), 1 in the embedding, 3 for the
+    vocabulary-parallel loss and 1 for the head's input gradient, every key/value shift of
+    a cp ring (1 forward, 3 backward at cp = 2) and ZeRO-3's per-layer gathers and
+    reduce-scatters; nothing at tp = 1 or where the collectives overlap the GEMMs."""
+    from dataclasses import replace
+
+    from ptdp.config import CpComm, ModelConfig, Recompute
+    from ptdp.errors import ConfigError
+    from ptdp.perf.context_costs import cp_comm_seconds
+    from ptdp.perf.costs import MEGATRON_CORE, embedding_seconds, head_seconds, layer_seconds
+
+    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
+    assert load_system("a100-80gb").device.collective_sync == 0.0  # absent: none
+    path = tmp_path / "sync.toml"
+    path.write_text(
+        text.replace("[device.achieved]", "[device.achieved]\ncollective_sync_us = 750")
+    )
+    assert load_system(path).device.collective_sync == pytest.approx(750e-6)
+    for value, why in (("-1", "must be >= 0"), ('"fast"', "is not a number")):
+        path.write_text(
+            text.replace("[device.achieved]", f"[device.achieved]\ncollective_sync_us = {value}")
+        )
+        with pytest.raises(ConfigError, match=f"collective_sync_us = .* {why}"):
+            load_system(path)
+
+    sync = 1e-3
+    base = load_system("a100-80gb")
+    synced = replace(base, device=replace(base.device, collective_sync=sync))
+    model = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_length=32, vocab_size=64)
+
+    def diff(fn, software=PTDP, **kw):
+        got = fn(model, c=Compute(synced, Precision.FP32, software), **kw)
+        without = fn(model, c=Compute(base, Precision.FP32, software), **kw)
+        return (got.f - without.f, got.b - without.b, got.w - without.w)
+
+    layer = dict(micro_batch=2, recompute=Recompute.NONE)
+    assert diff(layer_seconds, tp=1, sequence_parallel=False, **layer) == (0, 0, 0)
+    assert diff(layer_seconds, tp=2, sequence_parallel=False, **layer) == pytest.approx(
+        (2 * sync, 2 * sync, 0)
+    )
+    assert diff(layer_seconds, tp=2, sequence_parallel=True, **layer) == pytest.approx(
+        (4 * sync, 4 * sync, 0)
+    )
+    assert diff(
+        layer_seconds, MEGATRON_CORE, tp=2, sequence_parallel=True, **layer
+    ) == pytest.approx((0, 0, 0))
+    assert diff(embedding_seconds, micro_batch=2, tp=2) == pytest.approx((sync, 0, 0))
+    assert diff(head_seconds, micro_batch=2, tp=2) == pytest.approx((3 * sync, sync, 0))
+    assert diff(head_seconds, micro_batch=2, tp=2, sequence_parallel=True) == pytest.approx(
+        (4 * sync, sync, 0)
+    )
+    assert diff(head_seconds, micro_batch=2, tp=1) == (0, 0, 0)
+
+    def cp_exposed(system, comm):
+        c = Compute(system, Precision.FP32, PTDP)
+        return cp_comm_seconds(model, micro_batch=2, tp=1, cp=2, comm=comm, c=c)[1]
+
+    for comm, waits in ((CpComm.RING, (1, 3)), (CpComm.ALLGATHER, (1, 1))):
+        got, without = cp_exposed(synced, comm), cp_exposed(base, comm)
+        assert (got.f - without.f, got.b - without.b) == pytest.approx(
+            (waits[0] * sync, waits[1] * sync)
+        )
+
+
+def test_zero3_pays_the_sync_per_layer_gather_and_reduce_scatter() -> None:
+    from dataclasses import replace
+
+    from ptdp.config import apply_updates
+    from ptdp.layout import validate
+    from ptdp.perf.paper import preset_config
+    from ptdp.perf.simulator import compute_costs
+    from ptdp.perf.zero import sharded_passes
+
+    sync = 1e-3
+    base = load_system("a100-80gb")
+    synced = replace(base, device=replace(base.device, collective_sync=sync))
+    train = {"precision": "bf16", "micro_batch_size": 1, "global_batch_size": 32}
+    for zero, waits in ((3, (12, 24)), (2, (0, 1))):  # 12 layers a stage (pp = 2)
+        cfg = apply_updates(
+            preset_config("gpt-1.7b"), {"parallel": {"zero": zero, "pp": 2}, "train": train}, "t"
+        )
+        lay = validate(cfg, 16)
+        got, without = (
+            sharded_passes(cfg, lay, c, compute_costs(cfg, lay, c))[0]
+            for c in (Compute(s, Precision.BF16, PTDP) for s in (synced, base))
+        )
+        for new, old in zip(got, without):
+            assert new.f - old.f == pytest.approx(waits[0] * sync)
+            assert (new.b + new.w) - (old.b + old.w) == pytest.approx(waits[1] * sync)
+
+
+def test_point_to_point_keys_price_transfers_apart(tmp_path: Path) -> None:
+    """`p2p_latency_us` / `p2p_bandwidth_gb_s` in a link table (written by `ptdp calibrate`
+    from its point-to-point fit) price pipeline transfers and cp ring shifts instead of the
+    ring collectives' latency and bandwidth; given alone or impossible, they are refused;
+    each pipeline hop also pays the sync of the wait on it."""
+    from dataclasses import replace
+
+    from ptdp.config import apply_updates
+    from ptdp.errors import ConfigError
+    from ptdp.layout import validate
+    from ptdp.perf.paper import preset_config
+    from ptdp.perf.simulator import pipeline_costs
+
+    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
+    assert load_system("a100-80gb").intra.p2p is None  # absent: as the collectives
+    path = tmp_path / "p2p.toml"
+    keys = "[node]\np2p_latency_us = 100\np2p_bandwidth_gb_s = 4"
+    path.write_text(text.replace("[node]", keys))
+    link = load_system(path).intra
+    assert link.p2p == pytest.approx((100e-6, 4e9))
+    assert link.transfer_seconds(8e6) == pytest.approx(100e-6 + 8e6 / 4e9)
+    for bad, why in (
+        ("[node]\np2p_latency_us = 100", "go together"),
+        ("[node]\np2p_latency_us = 100\np2p_bandwidth_gb_s = 0", "must be > 0"),
+    ):
+        path.write_text(text.replace("[node]", bad))
+        with pytest.raises(ConfigError, match=why):
+            load_system(path)
+
+    base = load_system("a100-80gb")
+    synced = replace(base, device=replace(base.device, collective_sync=1e-3))
+    train = {"precision": "bf16", "micro_batch_size": 1, "global_batch_size": 8}
+    cfg = apply_updates(preset_config("gpt-1.7b"), {"parallel": {"pp": 2}, "train": train}, "t")
+    lay = validate(cfg, 2)
+    got, without = (
+        pipeline_costs(cfg, lay, Compute(s, Precision.BF16, PTDP)) for s in (synced, base)
+    )
+    sent = [a - b for a, b in zip(got.send_forward, without.send_forward)]
+    assert sent == pytest.approx([1e-3, 1e-3])
