@@ -277,7 +277,7 @@ def _replay(
     spec, pp, vpp = SCHEDULES[layout.schedule], layout.pp, layout.vpp
     if not timeline and layout.schedule != "zb-v":
         run = replay_steady(
-            lambda m: plans(layout.schedule, pp, m, vpp).lowered,
+            lambda m: plans(layout.schedule, pp, m, vpp).program,
             layout.stages,
             layout.num_microbatches,
             costs,
@@ -286,7 +286,7 @@ def _replay(
         )
         if run is not None:
             return run
-    plan = layout.pipeline.lowered
+    plan = layout.pipeline.program  # `lowered`, compiled once for the dry-run engine
     return replay(plan, layout.stages, costs, blocking=blocking, timeline=timeline)
 
 

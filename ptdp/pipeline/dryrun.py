@@ -21,6 +21,7 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 from ptdp.pipeline.actions import Action, Kind, Plan
 from ptdp.pipeline.placement import StageMap
@@ -147,6 +148,9 @@ class DryRun:
     blocking transfer holds it)."""
     stuck: tuple[Wait, ...] = ()
     """Per rank that could not finish (deadlock): its next action and what it waits for."""
+    finals: tuple[Timed, ...] = ()
+    """Per stage, in stage order: its last gradient-producing action (BW or W; of those
+    ending last, the first timed), when the stage's data-parallel reduction can end."""
 
 
 _Message = tuple[Kind, int, int]  # (RECV_F or RECV_B, receiving stage, mb)
@@ -173,68 +177,200 @@ def _sender(key: _Message) -> Action:
 
 
 def dry_run(
-    plan: Plan,
+    plan: Plan | Program,
     stages: StageMap,
     cost: PipelineCosts | Cost,
     *,
     comms: CommModel = CommModel.ASYNC,
+    events: bool = True,
 ) -> DryRun:
     """Run every rank of `plan` (ranks 0..pp-1) in simulated time (see the module docstring).
 
     Args:
-        plan: rank -> actions, with or without transfer actions.
+        plan: rank -> actions, with or without transfer actions; or its `Program` (`program`),
+            which a caller replaying one plan under many costs compiles once.
         stages: which rank holds each stage.
         cost: a `PipelineCosts`, or a function giving each compute action's duration (then
             every transfer is free), e.g. `lambda a: UNIT_COST[a.kind]`.
         comms: how transfers occupy the ranks.
+        events: False: `DryRun.events` is empty (the totals and `finals` are the same).
     """
-    if sorted(plan) != list(range(stages.pp)):
-        raise ValueError(
-            f"plan has ranks {sorted(plan)}; pp = {stages.pp} needs 0..{stages.pp - 1}"
-        )
-    return _Engine(plan, stages, cost, comms).run()
+    code = plan if isinstance(plan, Program) else program(plan, stages)
+    if code.stages != stages:
+        raise ValueError(f"program compiled for {code.stages}, run with {stages}")
+    return _Engine(code, cost, comms, events).run()
+
+
+_COMPUTE, _SEND, _RECV = 0, 1, 2  # op codes
+
+
+class Program:
+    """A plan compiled for the engine: each rank's actions as tuples of small integers, every
+    completion (a compute result or a message's arrival) a slot in one list, every message and
+    channel an index. Built once per plan (`program`), run under any costs; the engine's
+    results are those of interpreting the actions directly (tests/unit/test_dryrun_fast.py)."""
+
+    def __init__(self, plan: Plan, stages: StageMap) -> None:
+        if sorted(plan) != list(range(stages.pp)):
+            raise ValueError(
+                f"plan has ranks {sorted(plan)}; pp = {stages.pp} needs 0..{stages.pp - 1}"
+            )
+        self.plan, self.stages = plan, stages
+        F, B, W, BW = Kind.F, Kind.B, Kind.W, Kind.BW  # noqa: N806
+        SEND_F, SEND_B, RECV_F, RECV_B = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B  # noqa: N806
+        carried = self.carried = set()  # messages some transfer action names
+        for actions in plan.values():
+            for a in actions:
+                k = a.kind
+                if k is SEND_F:
+                    carried.add((RECV_F, a.stage + 1, a.mb))
+                elif k is SEND_B:
+                    carried.add((RECV_B, a.stage - 1, a.mb))
+                elif k is RECV_F or k is RECV_B:
+                    carried.add((k, a.stage, a.mb))
+        slots: dict[tuple[Kind, int, int], int] = {}
+        """A result (F, B or W, stage, mb) or a message (as its RECV names it) -> its slot;
+        a message's slot also indexes its SEND and RECV times."""
+        slot = slots.setdefault
+        links: dict[int, tuple[int, int, int, int, Action]] = {}
+        channels: dict[tuple[int, int, Kind], int] = {}
+        computes: list[Action] = []
+        n, last = stages.stages, stages.last
+        rank_of = [stages.rank(x) for x in range(n)]
+        self.ops: list[list[tuple]] = []
+        for r in range(stages.pp):
+            ops = []
+            for a in plan[r]:
+                k, s, mb = a.kind, a.stage, a.mb
+                if k is SEND_F or k is SEND_B:
+                    key = (RECV_F, s + 1, mb) if k is SEND_F else (RECV_B, s - 1, mb)
+                    i = slot(key, len(slots))
+                    if i not in links:
+                        dst = rank_of[key[1]] if 0 <= key[1] < n else stages.rank(key[1])
+                        channel = channels.setdefault((rank_of[s], dst, key[0]), len(channels))
+                        index = (0 if k is SEND_F else n) + s
+                        links[i] = (rank_of[s], dst, channel, index, _sender(key))
+                    payload = slot((F if k is SEND_F else B, s, mb), len(slots))
+                    ops.append((_SEND, payload, i))
+                    continue
+                if k is RECV_F or k is RECV_B:
+                    ops.append((_RECV, slot((k, s, mb), len(slots))))
+                    continue
+                if k is F:
+                    key = (RECV_F, s, mb)
+                    needs = () if s == 0 else (key if key in carried else (F, s - 1, mb),)
+                    index, done = s, (F, s, mb)
+                elif k is W:
+                    needs, index, done = ((B, s, mb),), 2 * n + s, (W, s, mb)
+                else:  # B or BW
+                    key = (RECV_B, s, mb)
+                    needs = ((F, s, mb),)
+                    if s < last:
+                        needs += (key if key in carried else (B, s + 1, mb),)
+                    index, done = (n if k is B else 3 * n) + s, (B, s, mb)
+                ops.append(
+                    (
+                        _COMPUTE,
+                        tuple(slot(x, len(slots)) for x in needs),
+                        slot(done, len(slots)),
+                        index,
+                        len(computes),
+                        k is BW or k is W,
+                    )
+                )
+                computes.append(a)
+            self.ops.append(ops)
+        self.slots, self.computes, self.channels = slots, computes, len(channels)
+        self.links: list[tuple[int, int, int, int, Action] | None] = [
+            links.get(i) for i in range(len(slots))
+        ]
+        """Per message slot: (sender rank, receiver rank, channel, cost index, SEND action);
+        None for results, and for messages no SEND in the plan carries."""
+
+    @cached_property
+    def present(self) -> set[Action]:
+        return {a for actions in self.plan.values() for a in actions}
+
+
+def program(plan: Plan, stages: StageMap) -> Program:
+    """`plan` compiled for `dry_run` (raises ValueError if its ranks are not 0..pp-1)."""
+    return Program(plan, stages)
+
+
+def _input_keys(
+    kind: Kind, s: int, mb: int, carried: set[_Message], last: int
+) -> list[tuple[Kind, int, int]]:
+    """What compute action (kind, s, mb) needs: earlier results (kind F, B or W) or messages
+    in transit (RECV_F, RECV_B), as slot keys. A fused BW's result is its B's."""
+    if kind is Kind.F:
+        if s == 0:
+            return []
+        key = (Kind.RECV_F, s, mb)
+        return [key if key in carried else (Kind.F, s - 1, mb)]
+    if kind is Kind.W:
+        return [(Kind.B, s, mb)]
+    needs = [(Kind.F, s, mb)]  # B or BW
+    if s < last:
+        key = (Kind.RECV_B, s, mb)
+        needs.append(key if key in carried else (Kind.B, s + 1, mb))
+    return needs
 
 
 class _Engine:
-    """The state of one dry run; `run` moves each rank as far as it can until none can."""
+    """The state of one dry run of a `Program`; `run` moves each rank as far as it can until
+    none can."""
 
     def __init__(
-        self, plan: Plan, stages: StageMap, cost: PipelineCosts | Cost, comms: CommModel
+        self, code: Program, cost: PipelineCosts | Cost, comms: CommModel, record: bool
     ) -> None:
-        self.plan, self.stages, self.comms = plan, stages, comms
+        self.code, self.comms, self.record = code, comms, record
+        stages = code.stages
+        n = stages.stages
         if isinstance(cost, PipelineCosts):
-            self.compute_cost, self.transfer_cost = cost.duration, cost.transfer
-            self.receive_cost = cost.receive
+            by_kind = [
+                [cost.duration(Action(kind, s, 0)) for s in range(n)]
+                for kind in (Kind.F, Kind.B, Kind.W, Kind.BW)
+            ]
+            self.durations = [x for row in by_kind for x in row]
+            self.by_action = False
+            sends = [Action(k, s, 0) for k in (Kind.SEND_F, Kind.SEND_B) for s in range(n)]
+            self.wire = [cost.transfer(a) for a in sends]
+            self.after = [cost.receive(a) for a in sends]
         else:
-            self.compute_cost, self.transfer_cost, self.receive_cost = cost, _free, _free
-        self.present = {a for actions in plan.values() for a in actions}
-        self.carried = {_message(a) for a in self.present if a.kind.is_comm}
-        self.done: dict[tuple[Kind, int, int], float] = {}  # (F, B or W, stage, mb) -> end
-        self.sent: dict[_Message, float] = {}  # SEND posted at
-        self.posted: dict[_Message, float] = {}  # RECV posted at
-        self.arrival: dict[_Message, float] = {}
-        self.channel_free: dict[tuple[int, int, Kind], float] = {}
-        self.egress: dict[int, list[tuple[float, float]]] = {}  # rank -> busy, by start
-        self.ingress: dict[int, list[tuple[float, float]]] = {}
+            self.durations = [cost(a) for a in code.computes]
+            self.by_action = True
+            self.wire = self.after = [0] * (2 * n)  # _free's
+        self.ready: list[float | None] = [None] * len(code.slots)
+        self.sent: list[float | None] = [None] * len(code.slots)  # by message: SEND posted at
+        self.posted: list[float | None] = [None] * len(code.slots)  # RECV posted at
+        self.channel_free: list[float] = [0] * code.channels
         ranks = range(stages.pp)
+        self.egress: list[list[tuple[float, float]]] = [[] for _ in ranks]  # busy, by start
+        self.ingress: list[list[tuple[float, float]]] = [[] for _ in ranks]
         self.step = [0 for _ in ranks]  # next action of each rank
         self.clock: list[float] = [0 for _ in ranks]  # when each rank is free
         self.busy: list[float] = [0 for _ in ranks]
         self.first: list[float | None] = [None for _ in ranks]
         self.last_end: list[float | None] = [None for _ in ranks]
         self.events: list[Timed] = []
+        self.finals: dict[int, tuple[int, int, float, float]] = {}  # stage -> its last BW/W
 
     def run(self) -> DryRun:
-        ranks = range(self.stages.pp)
+        code = self.code
+        ranks = range(code.stages.pp)
         while any([self._advance(rank) for rank in ranks]):  # every rank, each pass
             pass
         stuck = tuple(
-            Wait(r, self.step[r], self.plan[r][self.step[r]], self._blocker(r))
+            Wait(r, self.step[r], code.plan[r][self.step[r]], self._blocker(r))
             for r in ranks
-            if self.step[r] < len(self.plan[r])
+            if self.step[r] < len(code.ops[r])
         )
         span = tuple(
             0 if self.first[r] is None else self.last_end[r] - self.first[r] for r in ranks
+        )
+        finals = tuple(
+            Timed(r, code.computes[i], start, end)
+            for _, (r, i, start, end) in sorted(self.finals.items())
         )
         return DryRun(
             tuple(self.events),
@@ -243,98 +379,100 @@ class _Engine:
             span,
             tuple(self.clock),
             stuck,
+            finals,
         )
 
     def _advance(self, rank: int) -> bool:
         """Run `rank` as far as it can go; True if it moved."""
-        actions, moved = self.plan[rank], False
-        while self.step[rank] < len(actions):
-            a = actions[self.step[rank]]
-            ran = self._transfer_action(rank, a) if a.kind.is_comm else self._compute(rank, a)
-            if not ran:
+        code = self.code
+        ops, ready, sent, posted = code.ops[rank], self.ready, self.sent, self.posted
+        durations, by_action = self.durations, self.by_action
+        record, events, finals = self.record, self.events, self.finals
+        comms = self.comms
+        blocking, recv_blocks = comms is CommModel.BLOCKING, comms is CommModel.RECV_BLOCKS
+        step = start_step = self.step[rank]
+        clock, busy, first = self.clock[rank], self.busy[rank], self.first[rank]
+        last_end = self.last_end[rank]
+        n = len(ops)
+        while step < n:
+            op = ops[step]
+            if op[0] == _COMPUTE:
+                start = clock
+                for slot in op[1]:
+                    t = ready[slot]
+                    if t is None:
+                        break
+                    if t > start:
+                        start = t
+                else:
+                    seconds = durations[op[4] if by_action else op[3]]
+                    end = clock = start + seconds
+                    busy += seconds
+                    if first is None:
+                        first = start
+                    last_end = end
+                    ready[op[2]] = end
+                    if record:
+                        events.append(Timed(rank, code.computes[op[4]], start, end))
+                    if op[5]:
+                        stage = code.computes[op[4]].stage
+                        final = finals.get(stage)
+                        if final is None or end > final[3]:
+                            finals[stage] = (rank, op[4], start, end)
+                    step += 1
+                    continue
                 break
-            self.step[rank] += 1
-            moved = True
-        return moved
-
-    # ------------------------------------------------------------------ compute
-
-    def _inputs(self, a: Action) -> list[Action | _Message]:
-        """What compute action `a` needs: earlier compute actions, or messages in transit."""
-        s, mb = a.stage, a.mb
-        if a.kind is Kind.F:
-            if s == 0:
-                return []
-            key = (Kind.RECV_F, s, mb)
-            return [key if key in self.carried else Action(Kind.F, s - 1, mb)]
-        if a.kind is Kind.W:
-            return [Action(Kind.B, s, mb)]
-        needs: list[Action | _Message] = [Action(Kind.F, s, mb)]  # B or BW
-        if s < self.stages.last:
-            key = (Kind.RECV_B, s, mb)
-            needs.append(key if key in self.carried else Action(Kind.B, s + 1, mb))
-        return needs
-
-    def _ready(self, need: Action | _Message) -> float | None:
-        """When `need` is met, or None if not yet."""
-        if isinstance(need, Action):
-            return self.done.get((need.kind, need.stage, need.mb))
-        return self.arrival.get(need)
-
-    def _compute(self, rank: int, a: Action) -> bool:
-        times = [self._ready(need) for need in self._inputs(a)]
-        if any(t is None for t in times):
-            return False
-        start = max([self.clock[rank], *times])
-        seconds = self.compute_cost(a)
-        end = self.clock[rank] = start + seconds
-        self.busy[rank] += seconds
-        if self.first[rank] is None:
-            self.first[rank] = start
-        self.last_end[rank] = end
-        self.done[(Kind.B if a.kind is Kind.BW else a.kind, a.stage, a.mb)] = end
-        self.events.append(Timed(rank, a, start, end))
-        return True
+            if op[0] == _SEND:
+                made = ready[op[1]]
+                if made is None:
+                    break
+                if made > clock:
+                    clock = made
+                i = op[2]
+                if blocking:
+                    clock = self._transfer(i, clock)
+                else:
+                    sent[i] = clock
+                    if posted[i] is not None and ready[i] is None:
+                        self._transfer(i, clock, posted[i])
+                step += 1
+                continue
+            i = arrival_slot = op[1]  # a RECV
+            if blocking:
+                arrived = ready[arrival_slot]
+                if arrived is None:
+                    break
+                if arrived > clock:
+                    clock = arrived
+                step += 1
+                continue
+            if posted[i] is None:
+                posted[i] = clock
+            if sent[i] is not None and ready[arrival_slot] is None:
+                self._transfer(i, sent[i], posted[i])
+            if recv_blocks:
+                arrived = ready[arrival_slot]
+                if arrived is None:
+                    break
+                if arrived > clock:
+                    clock = arrived
+            step += 1
+        self.step[rank], self.clock[rank], self.busy[rank] = step, clock, busy
+        self.first[rank], self.last_end[rank] = first, last_end
+        return step > start_step
 
     # ------------------------------------------------------------------ transfers
 
-    def _transfer_action(self, rank: int, a: Action) -> bool:
-        """Post, or carry, transfer action `a`; False if `rank` must wait."""
-        key, is_send = _message(a), a.kind in (Kind.SEND_F, Kind.SEND_B)
-        if is_send:  # after the pass whose result it carries
-            made = self._ready(_payload(a))
-            if made is None:
-                return False
-            self.clock[rank] = max(self.clock[rank], made)
-        if self.comms is CommModel.BLOCKING:
-            if is_send:
-                self.clock[rank] = self._transfer(key, self.clock[rank])
-                return True
-            if key not in self.arrival:
-                return False
-            self.clock[rank] = max(self.clock[rank], self.arrival[key])
-            return True
-        if is_send:
-            self.sent[key] = self.clock[rank]
-        else:
-            self.posted.setdefault(key, self.clock[rank])  # a blocked RECV's clock stands
-        if key in self.sent and key in self.posted and key not in self.arrival:
-            self._transfer(key, self.sent[key], self.posted[key])
-        if self.comms is CommModel.RECV_BLOCKS and not is_send:
-            if key not in self.arrival:
-                return False
-            self.clock[rank] = max(self.clock[rank], self.arrival[key])
-        return True
-
-    def _transfer(self, key: _Message, *not_before: float) -> float:
-        """Time message `key` once it may start; return when it has left the sender (it is
-        usable at `arrival`, after the receiver's own work on it)."""
-        send = _sender(key)
-        src, dst = self.stages.rank(send.stage), self.stages.rank(key[1])
-        channel = (src, dst, key[0])
-        seconds = self.transfer_cost(send)
-        out, into = self.egress.setdefault(src, []), self.ingress.setdefault(dst, [])
-        start = max(self.channel_free.get(channel, 0), *not_before)
+    def _transfer(self, i: int, *not_before: float) -> float:
+        """Time message `i` once it may start; return when it has left the sender (it is
+        usable at its arrival, after the receiver's own work on it)."""
+        src, dst, channel, index, send = self.code.links[i]
+        seconds = self.wire[index]
+        out, into = self.egress[src], self.ingress[dst]
+        start = self.channel_free[channel]
+        for t in not_before:
+            if t > start:
+                start = t
         while True:  # the first start at which both the sender's and receiver's cards are free
             fits = _first_gap(into, _first_gap(out, start, seconds), seconds)
             if fits == start:
@@ -344,30 +482,33 @@ class _Engine:
         if seconds > 0:
             bisect.insort(out, (start, end))
             bisect.insort(into, (start, end))
-        self.arrival[key] = end + self.receive_cost(send)
-        self.events.append(Timed(src, send, start, self.arrival[key]))
+        arrival = self.ready[i] = end + self.after[index]
+        if self.record:
+            self.events.append(Timed(src, send, start, arrival))
         return end
 
     # ------------------------------------------------------------------ deadlock
 
     def _blocker(self, rank: int) -> Action:
         """What the next action of stuck `rank` waits for, as the plan names it."""
-        a = self.plan[rank][self.step[rank]]
+        code = self.code
+        a = code.plan[rank][self.step[rank]]
         if a.kind in (Kind.SEND_F, Kind.SEND_B):
             return self._named(_payload(a))
         if a.kind.is_comm:  # a blocking RECV: on its SEND
             return _sender(_message(a))
-        need = next(n for n in self._inputs(a) if self._ready(n) is None)
-        if isinstance(need, Action):
-            return self._named(need)
-        if need not in self.posted:  # its RECV has not been posted
+        keys = _input_keys(a.kind, a.stage, a.mb, code.carried, code.stages.last)
+        need = next(k for k in keys if self.ready[code.slots[k]] is None)
+        if need[0] in (Kind.F, Kind.B, Kind.W):
+            return self._named(Action(*need))
+        if self.posted[code.slots[need]] is None:  # its RECV has not been posted
             return Action(*need)
         return _sender(need)
 
     def _named(self, a: Action) -> Action:
         """`a` as the plan has it: a B that the plan runs fused is its BW."""
         fused = Action(Kind.BW, a.stage, a.mb)
-        return fused if a.kind is Kind.B and a not in self.present else a
+        return fused if a.kind is Kind.B and a not in self.code.present else a
 
 
 def _free(a: Action) -> float:
@@ -376,7 +517,9 @@ def _free(a: Action) -> float:
 
 def _first_gap(busy: list[tuple[float, float]], ready: float, seconds: float) -> float:
     """The earliest start >= `ready` at which `seconds` fit between the `busy` intervals
-    (sorted, disjoint, so their ends are sorted too)."""
+    (sorted, disjoint, so their ends are sorted too: past the last end, `ready` itself)."""
+    if not busy or busy[-1][1] <= ready:
+        return ready
     start = ready
     first = max(0, bisect.bisect_left(busy, (ready,)) - 1)
     for begin, end in busy[first:]:
