@@ -249,7 +249,7 @@ class Program:
                         dst = rank_of[key[1]] if 0 <= key[1] < n else stages.rank(key[1])
                         channel = channels.setdefault((rank_of[s], dst, key[0]), len(channels))
                         index = (0 if k is SEND_F else n) + s
-                        links[i] = (rank_of[s], dst, channel, index, _sender(key))
+                        links[i] = (rank_of[s], dst, channel, index, a)  # a == _sender(key)
                     payload = slot((F if k is SEND_F else B, s, mb), len(slots))
                     ops.append((_SEND, payload, i))
                     continue
@@ -258,26 +258,21 @@ class Program:
                     continue
                 if k is F:
                     key = (RECV_F, s, mb)
-                    needs = () if s == 0 else (key if key in carried else (F, s - 1, mb),)
-                    index, done = s, (F, s, mb)
+                    if s == 0:
+                        needs: tuple[int, ...] = ()
+                    else:
+                        needs = (slot(key if key in carried else (F, s - 1, mb), len(slots)),)
+                    index, done, grad = s, (F, s, mb), False
                 elif k is W:
-                    needs, index, done = ((B, s, mb),), 2 * n + s, (W, s, mb)
+                    needs = (slot((B, s, mb), len(slots)),)
+                    index, done, grad = 2 * n + s, (W, s, mb), True
                 else:  # B or BW
-                    key = (RECV_B, s, mb)
-                    needs = ((F, s, mb),)
+                    needs = (slot((F, s, mb), len(slots)),)
                     if s < last:
-                        needs += (key if key in carried else (B, s + 1, mb),)
-                    index, done = (n if k is B else 3 * n) + s, (B, s, mb)
-                ops.append(
-                    (
-                        _COMPUTE,
-                        tuple(slot(x, len(slots)) for x in needs),
-                        slot(done, len(slots)),
-                        index,
-                        len(computes),
-                        k is BW or k is W,
-                    )
-                )
+                        key = (RECV_B, s, mb)
+                        needs += (slot(key if key in carried else (B, s + 1, mb), len(slots)),)
+                    index, done, grad = (n if k is B else 3 * n) + s, (B, s, mb), k is BW
+                ops.append((_COMPUTE, needs, slot(done, len(slots)), index, len(computes), grad))
                 computes.append(a)
             self.ops.append(ops)
         self.slots, self.computes, self.channels = slots, computes, len(channels)
@@ -358,7 +353,7 @@ class _Engine:
     def run(self) -> DryRun:
         code = self.code
         ranks = range(code.stages.pp)
-        while any([self._advance(rank) for rank in ranks]):  # every rank, each pass
+        while self._pass():
             pass
         stuck = tuple(
             Wait(r, self.step[r], code.plan[r][self.step[r]], self._blocker(r))
@@ -382,84 +377,92 @@ class _Engine:
             finals,
         )
 
-    def _advance(self, rank: int) -> bool:
-        """Run `rank` as far as it can go; True if it moved."""
+    def _pass(self) -> bool:
+        """Run every rank in turn as far as it can go; True if any moved."""
         code = self.code
-        ops, ready, sent, posted = code.ops[rank], self.ready, self.sent, self.posted
-        durations, by_action = self.durations, self.by_action
+        ready, sent, posted, transfer = self.ready, self.sent, self.posted, self._transfer
+        durations, computes = self.durations, code.computes
+        at = 4 if self.by_action else 3  # where a compute op holds its duration's index
         record, events, finals = self.record, self.events, self.finals
-        comms = self.comms
-        blocking, recv_blocks = comms is CommModel.BLOCKING, comms is CommModel.RECV_BLOCKS
-        step = start_step = self.step[rank]
-        clock, busy, first = self.clock[rank], self.busy[rank], self.first[rank]
-        last_end = self.last_end[rank]
-        n = len(ops)
-        while step < n:
-            op = ops[step]
-            if op[0] == _COMPUTE:
-                start = clock
-                for slot in op[1]:
-                    t = ready[slot]
-                    if t is None:
+        blocking = self.comms is CommModel.BLOCKING
+        recv_blocks = self.comms is CommModel.RECV_BLOCKS
+        steps, clocks, busies = self.step, self.clock, self.busy
+        moved = False
+        for rank, ops in enumerate(code.ops):
+            step = steps[rank]
+            n = len(ops)
+            if step == n:
+                continue
+            clock, busy = clocks[rank], busies[rank]
+            first, last_end = self.first[rank], self.last_end[rank]
+            while step < n:
+                op = ops[step]
+                if op[0] == _COMPUTE:
+                    start = clock
+                    for slot in op[1]:
+                        t = ready[slot]
+                        if t is None:
+                            break
+                        if t > start:
+                            start = t
+                    else:
+                        seconds = durations[op[at]]
+                        end = clock = start + seconds
+                        busy += seconds
+                        if first is None:
+                            first = start
+                        last_end = end
+                        ready[op[2]] = end
+                        if record:
+                            events.append(Timed(rank, computes[op[4]], start, end))
+                        if op[5]:
+                            stage = computes[op[4]].stage
+                            final = finals.get(stage)
+                            if final is None or end > final[3]:
+                                finals[stage] = (rank, op[4], start, end)
+                        step += 1
+                        continue
+                    break
+                if op[0] == _SEND:
+                    made = ready[op[1]]
+                    if made is None:
                         break
-                    if t > start:
-                        start = t
-                else:
-                    seconds = durations[op[4] if by_action else op[3]]
-                    end = clock = start + seconds
-                    busy += seconds
-                    if first is None:
-                        first = start
-                    last_end = end
-                    ready[op[2]] = end
-                    if record:
-                        events.append(Timed(rank, code.computes[op[4]], start, end))
-                    if op[5]:
-                        stage = code.computes[op[4]].stage
-                        final = finals.get(stage)
-                        if final is None or end > final[3]:
-                            finals[stage] = (rank, op[4], start, end)
+                    if made > clock:
+                        clock = made
+                    i = op[2]
+                    if blocking:
+                        clock = transfer(i, clock)
+                    else:
+                        sent[i] = clock
+                        if posted[i] is not None and ready[i] is None:
+                            transfer(i, clock, posted[i])
                     step += 1
                     continue
-                break
-            if op[0] == _SEND:
-                made = ready[op[1]]
-                if made is None:
-                    break
-                if made > clock:
-                    clock = made
-                i = op[2]
+                i = op[1]  # a RECV: its message's slot
                 if blocking:
-                    clock = self._transfer(i, clock)
-                else:
-                    sent[i] = clock
-                    if posted[i] is not None and ready[i] is None:
-                        self._transfer(i, clock, posted[i])
+                    arrived = ready[i]
+                    if arrived is None:
+                        break
+                    if arrived > clock:
+                        clock = arrived
+                    step += 1
+                    continue
+                if posted[i] is None:
+                    posted[i] = clock
+                if sent[i] is not None and ready[i] is None:
+                    transfer(i, sent[i], posted[i])
+                if recv_blocks:
+                    arrived = ready[i]
+                    if arrived is None:
+                        break
+                    if arrived > clock:
+                        clock = arrived
                 step += 1
-                continue
-            i = arrival_slot = op[1]  # a RECV
-            if blocking:
-                arrived = ready[arrival_slot]
-                if arrived is None:
-                    break
-                if arrived > clock:
-                    clock = arrived
-                step += 1
-                continue
-            if posted[i] is None:
-                posted[i] = clock
-            if sent[i] is not None and ready[arrival_slot] is None:
-                self._transfer(i, sent[i], posted[i])
-            if recv_blocks:
-                arrived = ready[arrival_slot]
-                if arrived is None:
-                    break
-                if arrived > clock:
-                    clock = arrived
-            step += 1
-        self.step[rank], self.clock[rank], self.busy[rank] = step, clock, busy
-        self.first[rank], self.last_end[rank] = first, last_end
-        return step > start_step
+            if step != steps[rank]:
+                moved = True
+                steps[rank], clocks[rank], busies[rank] = step, clock, busy
+                self.first[rank], self.last_end[rank] = first, last_end
+        return moved
 
     # ------------------------------------------------------------------ transfers
 
