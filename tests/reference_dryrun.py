@@ -215,3 +215,29 @@ def _first_gap(busy: list[tuple[float, float]], ready: float, seconds: float) ->
             break
         start = end
     return start
+
+
+def reference_add_comms(plan: Plan, stages: StageMap) -> Plan:
+    """`ptdp.pipeline.schedules.add_comms` as it was before it read the ranks from a table."""
+    last = stages.last
+    lowered: Plan = {}
+    for rank, actions in plan.items():
+        out: list[Action] = []
+        for a in actions:
+            if a.kind is Kind.F:
+                before = _comm(Kind.RECV_F, a, a.stage - 1, stages, a.stage > 0)
+                after = _comm(Kind.SEND_F, a, a.stage + 1, stages, a.stage < last)
+            elif a.kind in (Kind.B, Kind.BW):
+                before = _comm(Kind.RECV_B, a, a.stage + 1, stages, a.stage < last)
+                after = _comm(Kind.SEND_B, a, a.stage - 1, stages, a.stage > 0)
+            else:
+                before = after = []
+            out += [*before, a, *after]
+        lowered[rank] = out
+    return lowered
+
+
+def _comm(kind: Kind, a: Action, peer: int, stages: StageMap, exists: bool) -> list[Action]:
+    if not exists or stages.same_rank(peer, a.stage):
+        return []
+    return [Action(kind, a.stage, a.mb)]

@@ -468,28 +468,32 @@ def add_comms(plan: Plan, stages: StageMap) -> Plan:
     blocks only when it must.
     """
     last = stages.last
+    rank = [stages.rank(s) for s in range(stages.stages)]
+    # Per stage: does its input come from, and its output go to, another rank?
+    apart_below = [s > 0 and rank[s - 1] != rank[s] for s in range(stages.stages)]
+    apart_above = [s < last and rank[s + 1] != rank[s] for s in range(stages.stages)]
     lowered: Plan = {}
-    for rank, actions in plan.items():
+    for r, actions in plan.items():
         out: list[Action] = []
+        append = out.append
         for a in actions:
-            if a.kind is Kind.F:
-                before = _comm(Kind.RECV_F, a, a.stage - 1, stages, a.stage > 0)
-                after = _comm(Kind.SEND_F, a, a.stage + 1, stages, a.stage < last)
-            elif a.kind in (Kind.B, Kind.BW):
-                before = _comm(Kind.RECV_B, a, a.stage + 1, stages, a.stage < last)
-                after = _comm(Kind.SEND_B, a, a.stage - 1, stages, a.stage > 0)
+            kind, s = a.kind, a.stage
+            if kind is Kind.F:
+                if apart_below[s]:
+                    append(Action(Kind.RECV_F, s, a.mb))
+                append(a)
+                if apart_above[s]:
+                    append(Action(Kind.SEND_F, s, a.mb))
+            elif kind is Kind.B or kind is Kind.BW:
+                if apart_above[s]:
+                    append(Action(Kind.RECV_B, s, a.mb))
+                append(a)
+                if apart_below[s]:
+                    append(Action(Kind.SEND_B, s, a.mb))
             else:
-                before = after = []
-            out += [*before, a, *after]
-        lowered[rank] = out
+                append(a)
+        lowered[r] = out
     return lowered
-
-
-def _comm(kind: Kind, a: Action, peer: int, stages: StageMap, exists: bool) -> list[Action]:
-    """The transfer of `kind` for compute action `a`, if the peer stage exists on another rank."""
-    if not exists or stages.same_rank(peer, a.stage):
-        return []
-    return [Action(kind, a.stage, a.mb)]
 
 
 def forward_only(stages: StageMap, m: int) -> Plan:

@@ -1,9 +1,9 @@
 """The compiled dry-run engine against the interpreter it replaced (tests/reference_dryrun.py).
 
 Every schedule, random costs and link mixes, each comm model, compute-only and lowered plans,
-and plans that deadlock: the same events in the same order with the same times (exactly, not
-to a tolerance), makespan, busy, span, ends and stuck ranks; a program compiled once gives
-the same under other costs; `events=False` keeps everything else, and `finals` are each
+and plans that deadlock (lowered by `add_comms`, itself checked against its old form): the
+same events in the same order with the same times (exactly, not to a tolerance), makespan,
+busy, span, ends and stuck ranks; a program compiled once gives the same under other costs; `events=False` keeps everything else, and `finals` are each
 stage's last gradient action of the full event list.
 """
 
@@ -19,7 +19,7 @@ from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import build_plan
 from ptdp.pipeline.schedules import SCHEDULES, add_comms, one_f_one_b
 from ptdp.pipeline.verify import UNIT_COST
-from tests.reference_dryrun import reference_dry_run
+from tests.reference_dryrun import reference_add_comms, reference_dry_run
 
 
 def random_costs(rng: random.Random, stages: int) -> PipelineCosts:
@@ -77,6 +77,7 @@ def test_compiled_engine_equals_the_interpreter(case) -> None:
     rng = random.Random(seed)
     plan = build_plan(name, pp, m, vpp)
     stages = plan.stages
+    assert plan.lowered == reference_add_comms(plan.compute, stages)
     compiled = program(plan.lowered, stages)
     for comms in CommModel:
         for actions in (plan.compute, plan.lowered):
