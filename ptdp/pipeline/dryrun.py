@@ -25,6 +25,7 @@ from functools import cached_property
 
 from ptdp.pipeline.actions import Action, Kind, Plan
 from ptdp.pipeline.placement import StageMap
+from ptdp.pipeline.schedules import apart
 
 Cost = Callable[[Action], float]
 """Seconds of a compute action (F, B, W, BW); with it alone every transfer is free."""
@@ -204,18 +205,60 @@ def dry_run(
 _COMPUTE, _SEND, _RECV = 0, 1, 2  # op codes
 
 
+_Link = tuple[int, int, int, int, tuple[Kind, int, int]]
+"""A message's (sender rank, receiver rank, channel, cost index, its SEND as kind, stage, mb)."""
+
+
 class Program:
     """A plan compiled for the engine: each rank's actions as tuples of small integers, every
     completion (a compute result or a message's arrival) a slot in one list, every message and
     channel an index. Built once per plan (`program`), run under any costs; the engine's
-    results are those of interpreting the actions directly (tests/unit/test_dryrun_fast.py)."""
+    results are those of interpreting the actions directly (tests/unit/test_dryrun_fast.py).
 
-    def __init__(self, plan: Plan, stages: StageMap) -> None:
+    With `lowering`, `plan` is compute-only and is compiled as its lowering by `add_comms`
+    (the transfers where `schedules.apart` puts them), which `lowering()` builds only to name
+    the actions of a deadlock.
+    """
+
+    def __init__(
+        self, plan: Plan, stages: StageMap, lowering: Callable[[], Plan] | None = None
+    ) -> None:
         if sorted(plan) != list(range(stages.pp)):
             raise ValueError(
                 f"plan has ranks {sorted(plan)}; pp = {stages.pp} needs 0..{stages.pp - 1}"
             )
-        self.plan, self.stages = plan, stages
+        self.stages = stages
+        self._lowering = lowering or (lambda: plan)
+        if lowering is None:
+            self._lowered(plan, stages)
+        else:
+            self._compute(plan, stages)
+
+    @cached_property
+    def plan(self) -> Plan:
+        """The lowered plan (or the compute-only one given without transfers), by rank."""
+        return self._lowering()
+
+    @cached_property
+    def carried(self) -> set[_Message]:
+        """Messages some transfer action of the plan names."""
+        return {_message(a) for actions in self.plan.values() for a in actions if a.kind.is_comm}
+
+    def _done(
+        self,
+        slots: dict[tuple[Kind, int, int], int],
+        links: dict[int, _Link],
+        channels: dict[tuple[int, int, Kind], int],
+        computes: list[Action],
+    ) -> None:
+        self.slots, self.computes, self.channels = slots, computes, len(channels)
+        """A result (F, B or W, stage, mb) or a message (as its RECV names it) -> its slot;
+        a message's slot also indexes its SEND and RECV times."""
+        self.links: list[_Link | None] = [links.get(i) for i in range(len(slots))]
+        """Per slot: the message's link; None for results, and for messages no SEND carries."""
+
+    def _lowered(self, plan: Plan, stages: StageMap) -> None:
+        """Compile a plan as given (with or without transfer actions)."""
         F, B, W, BW = Kind.F, Kind.B, Kind.W, Kind.BW  # noqa: N806
         SEND_F, SEND_B, RECV_F, RECV_B = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B  # noqa: N806
         carried = self.carried = set()  # messages some transfer action names
@@ -232,7 +275,7 @@ class Program:
         """A result (F, B or W, stage, mb) or a message (as its RECV names it) -> its slot;
         a message's slot also indexes its SEND and RECV times."""
         slot = slots.setdefault
-        links: dict[int, tuple[int, int, int, int, Action]] = {}
+        links: dict[int, _Link] = {}
         channels: dict[tuple[int, int, Kind], int] = {}
         computes: list[Action] = []
         n, last = stages.stages, stages.last
@@ -249,7 +292,7 @@ class Program:
                         dst = rank_of[key[1]] if 0 <= key[1] < n else stages.rank(key[1])
                         channel = channels.setdefault((rank_of[s], dst, key[0]), len(channels))
                         index = (0 if k is SEND_F else n) + s
-                        links[i] = (rank_of[s], dst, channel, index, a)  # a == _sender(key)
+                        links[i] = (rank_of[s], dst, channel, index, (k, s, mb))
                     payload = slot((F if k is SEND_F else B, s, mb), len(slots))
                     ops.append((_SEND, payload, i))
                     continue
@@ -275,21 +318,87 @@ class Program:
                 ops.append((_COMPUTE, needs, slot(done, len(slots)), index, len(computes), grad))
                 computes.append(a)
             self.ops.append(ops)
-        self.slots, self.computes, self.channels = slots, computes, len(channels)
-        self.links: list[tuple[int, int, int, int, Action] | None] = [
-            links.get(i) for i in range(len(slots))
-        ]
-        """Per message slot: (sender rank, receiver rank, channel, cost index, SEND action);
-        None for results, and for messages no SEND in the plan carries."""
+        self._done(slots, links, channels, computes)
+
+    def _compute(self, compute: Plan, stages: StageMap) -> None:
+        """Compile a compute-only plan as `add_comms` lowers it."""
+        F, B, W, BW = Kind.F, Kind.B, Kind.W, Kind.BW  # noqa: N806
+        RECV_F, RECV_B, SEND_F, SEND_B = Kind.RECV_F, Kind.RECV_B, Kind.SEND_F, Kind.SEND_B  # noqa: N806
+        below, above = apart(stages)
+        slots: dict[tuple[Kind, int, int], int] = {}
+        slot = slots.setdefault
+        links: dict[int, _Link] = {}
+        channels: dict[tuple[int, int, Kind], int] = {}
+        computes: list[Action] = []
+        n, last = stages.stages, stages.last
+        rank_of = [stages.rank(x) for x in range(n)]
+        self.ops: list[list[tuple]] = []
+        for r in range(stages.pp):
+            ops: list[tuple] = []
+            append = ops.append
+            for a in compute[r]:
+                k, s, mb = a.kind, a.stage, a.mb
+                if k is F:
+                    if below[s]:
+                        i = slot((RECV_F, s, mb), len(slots))
+                        append((_RECV, i))
+                        needs: tuple[int, ...] = (i,)
+                    else:
+                        needs = () if s == 0 else (slot((F, s - 1, mb), len(slots)),)
+                    done = slot((F, s, mb), len(slots))
+                    append((_COMPUTE, needs, done, s, len(computes), False))
+                    computes.append(a)
+                    if above[s]:
+                        i = slot((RECV_F, s + 1, mb), len(slots))
+                        if i not in links:
+                            src, dst = rank_of[s], rank_of[s + 1]
+                            channel = channels.setdefault((src, dst, RECV_F), len(channels))
+                            links[i] = (src, dst, channel, s, (SEND_F, s, mb))
+                        append((_SEND, done, i))
+                elif k is W:
+                    needs = (slot((B, s, mb), len(slots)),)
+                    append(
+                        (
+                            _COMPUTE,
+                            needs,
+                            slot((W, s, mb), len(slots)),
+                            2 * n + s,
+                            len(computes),
+                            True,
+                        )
+                    )
+                    computes.append(a)
+                else:  # B or BW
+                    needs = (slot((F, s, mb), len(slots)),)
+                    if above[s]:
+                        i = slot((RECV_B, s, mb), len(slots))
+                        append((_RECV, i))
+                        needs += (i,)
+                    elif s < last:
+                        needs += (slot((B, s + 1, mb), len(slots)),)
+                    done = slot((B, s, mb), len(slots))
+                    index = (n if k is B else 3 * n) + s
+                    append((_COMPUTE, needs, done, index, len(computes), k is BW))
+                    computes.append(a)
+                    if below[s]:
+                        i = slot((RECV_B, s - 1, mb), len(slots))
+                        if i not in links:
+                            src, dst = rank_of[s], rank_of[s - 1]
+                            channel = channels.setdefault((src, dst, RECV_B), len(channels))
+                            links[i] = (src, dst, channel, n + s, (SEND_B, s, mb))
+                        append((_SEND, done, i))
+            self.ops.append(ops)
+        self._done(slots, links, channels, computes)
 
     @cached_property
     def present(self) -> set[Action]:
         return {a for actions in self.plan.values() for a in actions}
 
 
-def program(plan: Plan, stages: StageMap) -> Program:
-    """`plan` compiled for `dry_run` (raises ValueError if its ranks are not 0..pp-1)."""
-    return Program(plan, stages)
+def program(plan: Plan, stages: StageMap, lowering: Callable[[], Plan] | None = None) -> Program:
+    """`plan` compiled for `dry_run` (raises ValueError if its ranks are not 0..pp-1); with
+    `lowering`, `plan` is compute-only and runs as its `add_comms` lowering (`Program`)."""
+    return Program(plan, stages, lowering)
 
 
 def _input_keys(
@@ -469,7 +578,7 @@ class _Engine:
     def _transfer(self, i: int, *not_before: float) -> float:
         """Time message `i` once it may start; return when it has left the sender (it is
         usable at its arrival, after the receiver's own work on it)."""
-        src, dst, channel, index, send = self.code.links[i]
+        src, dst, channel, index, send = self.code.links[i]  # type: ignore[misc]
         seconds = self.wire[index]
         out, into = self.egress[src], self.ingress[dst]
         start = self.channel_free[channel]
@@ -487,7 +596,7 @@ class _Engine:
             bisect.insort(into, (start, end))
         arrival = self.ready[i] = end + self.after[index]
         if self.record:
-            self.events.append(Timed(src, send, start, arrival))
+            self.events.append(Timed(src, Action(*send), start, arrival))
         return end
 
     # ------------------------------------------------------------------ deadlock

@@ -12,7 +12,7 @@ per pipeline per step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 
 from ptdp.pipeline.actions import Action, Plan
 from ptdp.pipeline.dryrun import Program, program
@@ -64,8 +64,9 @@ class PipelinePlan:
 
     @cached_property
     def program(self) -> Program:
-        """`lowered` compiled for the dry-run engine, once for every replay of this plan."""
-        return program(self.lowered, self.stages)
+        """`lowered` compiled for the dry-run engine, once for every replay of this plan (from
+        `compute`, as `add_comms` lowers it: `lowered` itself is built only for a deadlock)."""
+        return program(self.compute, self.stages, partial(add_comms, self.compute, self.stages))
 
     @cached_property
     def peak_in_flight(self) -> tuple[int, ...]:

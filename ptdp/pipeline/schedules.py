@@ -467,11 +467,7 @@ def add_comms(plan: Plan, stages: StageMap) -> Plan:
     action. Receives are placed as late as possible and sends as early as possible, so a rank
     blocks only when it must.
     """
-    last = stages.last
-    rank = [stages.rank(s) for s in range(stages.stages)]
-    # Per stage: does its input come from, and its output go to, another rank?
-    apart_below = [s > 0 and rank[s - 1] != rank[s] for s in range(stages.stages)]
-    apart_above = [s < last and rank[s + 1] != rank[s] for s in range(stages.stages)]
+    apart_below, apart_above = apart(stages)
     lowered: Plan = {}
     for r, actions in plan.items():
         out: list[Action] = []
@@ -494,6 +490,16 @@ def add_comms(plan: Plan, stages: StageMap) -> Plan:
                 append(a)
         lowered[r] = out
     return lowered
+
+
+def apart(stages: StageMap) -> tuple[list[bool], list[bool]]:
+    """Per stage: whether its input comes from another rank (`add_comms` puts a RECV_F before
+    its F and a SEND_B after its B), and whether its output goes to another rank (SEND_F after
+    F, RECV_B before B). Neighbours on one rank (pp == 1, ZB-V's turn) pass in memory."""
+    last, rank = stages.last, [stages.rank(s) for s in range(stages.stages)]
+    below = [s > 0 and rank[s - 1] != rank[s] for s in range(stages.stages)]
+    above = [s < last and rank[s + 1] != rank[s] for s in range(stages.stages)]
+    return below, above
 
 
 def forward_only(stages: StageMap, m: int) -> Plan:

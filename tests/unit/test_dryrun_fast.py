@@ -3,7 +3,9 @@
 Every schedule, random costs and link mixes, each comm model, compute-only and lowered plans,
 and plans that deadlock (lowered by `add_comms`, itself checked against its old form): the
 same events in the same order with the same times (exactly, not to a tolerance), makespan,
-busy, span, ends and stuck ranks; a program compiled once gives the same under other costs; `events=False` keeps everything else, and `finals` are each
+busy, span, ends and stuck ranks. A program compiled once gives the same under other costs,
+and so does one compiled from the compute-only plan as `add_comms` lowers it
+(`PipelinePlan.program`); `events=False` keeps everything else, and `finals` are each
 stage's last gradient action of the full event list.
 """
 
@@ -80,6 +82,10 @@ def test_compiled_engine_equals_the_interpreter(case) -> None:
     assert plan.lowered == reference_add_comms(plan.compute, stages)
     compiled = program(plan.lowered, stages)
     for comms in CommModel:
+        costs = random_costs(rng, pp * vpp)  # compiled from the compute plan, as add_comms lowers
+        assert dry_run(plan.program, stages, costs, comms=comms) == dry_run(
+            compiled, stages, costs, comms=comms
+        )
         for actions in (plan.compute, plan.lowered):
             unit = lambda a: UNIT_COST[a.kind]  # noqa: E731
             same(
