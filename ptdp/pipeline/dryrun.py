@@ -506,7 +506,7 @@ class _Engine:
             first, last_end = self.first[rank], self.last_end[rank]
             while step < n:
                 op = ops[step]
-                if op[0] == _COMPUTE:
+                if op[0] == 0:  # _COMPUTE
                     start = clock
                     for slot in op[1]:
                         t = ready[slot]
@@ -532,7 +532,7 @@ class _Engine:
                         step += 1
                         continue
                     break
-                if op[0] == _SEND:
+                if op[0] == 1:  # _SEND
                     made = ready[op[1]]
                     if made is None:
                         break
@@ -585,15 +585,23 @@ class _Engine:
         for t in not_before:
             if t > start:
                 start = t
-        while True:  # the first start at which both the sender's and receiver's cards are free
-            fits = _first_gap(into, _first_gap(out, start, seconds), seconds)
-            if fits == start:
-                break
-            start = fits
-        end = self.channel_free[channel] = start + seconds
-        if seconds > 0:
-            bisect.insort(out, (start, end))
-            bisect.insort(into, (start, end))
+        if (not out or out[-1][1] <= start) and (not into or into[-1][1] <= start):
+            # Both cards free from `start` on (their intervals all end by then): the loop
+            # below would keep `start`, and the insorts append.
+            end = self.channel_free[channel] = start + seconds
+            if seconds > 0:
+                out.append((start, end))
+                into.append((start, end))
+        else:
+            while True:  # the first start at which both the sender's and receiver's cards are free
+                fits = _first_gap(into, _first_gap(out, start, seconds), seconds)
+                if fits == start:
+                    break
+                start = fits
+            end = self.channel_free[channel] = start + seconds
+            if seconds > 0:
+                bisect.insort(out, (start, end))
+                bisect.insort(into, (start, end))
         arrival = self.ready[i] = end + self.after[index]
         if self.record:
             self.events.append(Timed(src, Action(*send), start, arrival))
