@@ -205,8 +205,9 @@ def dry_run(
 _COMPUTE, _SEND, _RECV = 0, 1, 2  # op codes
 
 
-_Link = tuple[int, int, int, int, tuple[Kind, int, int]]
-"""A message's (sender rank, receiver rank, channel, cost index, its SEND as kind, stage, mb)."""
+_Link = tuple[int, int, int, int, Action]
+"""A message's (sender rank, receiver rank, channel, cost index, its SEND action or, compiled
+from a compute plan, the F, B or BW whose result it carries)."""
 
 
 class Program:
@@ -221,18 +222,32 @@ class Program:
     """
 
     def __init__(
-        self, plan: Plan, stages: StageMap, lowering: Callable[[], Plan] | None = None
+        self,
+        plan: Plan,
+        stages: StageMap,
+        lowering: Callable[[], Plan] | None = None,
+        *,
+        keep_slots: bool = False,
     ) -> None:
         if sorted(plan) != list(range(stages.pp)):
             raise ValueError(
                 f"plan has ranks {sorted(plan)}; pp = {stages.pp} needs 0..{stages.pp - 1}"
             )
         self.stages = stages
+        self._given, self._lower = plan, lowering
         self._lowering = lowering or (lambda: plan)
         if lowering is None:
-            self._lowered(plan, stages)
+            self._lowered(plan, stages, keep_slots)
         else:
-            self._compute(plan, stages)
+            self._compute(plan, stages, keep_slots)
+
+    @cached_property
+    def slots(self) -> dict[tuple[Kind, int, int], int]:
+        """A result (F, B or W, stage, mb) or a message (as its RECV names it) -> its slot; a
+        message's slot also indexes its SEND and RECV times. Not kept by the compiler (it
+        is a third of a program's memory): compiled again for a deadlock report."""
+        again = Program(self._given, self.stages, self._lower, keep_slots=True)
+        return again.slots
 
     @cached_property
     def plan(self) -> Plan:
@@ -250,14 +265,15 @@ class Program:
         links: dict[int, _Link],
         channels: dict[tuple[int, int, Kind], int],
         computes: list[Action],
+        keep_slots: bool,
     ) -> None:
-        self.slots, self.computes, self.channels = slots, computes, len(channels)
-        """A result (F, B or W, stage, mb) or a message (as its RECV names it) -> its slot;
-        a message's slot also indexes its SEND and RECV times."""
+        self.size, self.computes, self.channels = len(slots), computes, len(channels)
+        if keep_slots:
+            self.slots = slots
         self.links: list[_Link | None] = [links.get(i) for i in range(len(slots))]
         """Per slot: the message's link; None for results, and for messages no SEND carries."""
 
-    def _lowered(self, plan: Plan, stages: StageMap) -> None:
+    def _lowered(self, plan: Plan, stages: StageMap, keep_slots: bool) -> None:
         """Compile a plan as given (with or without transfer actions)."""
         F, B, W, BW = Kind.F, Kind.B, Kind.W, Kind.BW  # noqa: N806
         SEND_F, SEND_B, RECV_F, RECV_B = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B  # noqa: N806
@@ -292,7 +308,7 @@ class Program:
                         dst = rank_of[key[1]] if 0 <= key[1] < n else stages.rank(key[1])
                         channel = channels.setdefault((rank_of[s], dst, key[0]), len(channels))
                         index = (0 if k is SEND_F else n) + s
-                        links[i] = (rank_of[s], dst, channel, index, (k, s, mb))
+                        links[i] = (rank_of[s], dst, channel, index, a)
                     payload = slot((F if k is SEND_F else B, s, mb), len(slots))
                     ops.append((_SEND, payload, i))
                     continue
@@ -318,12 +334,12 @@ class Program:
                 ops.append((_COMPUTE, needs, slot(done, len(slots)), index, len(computes), grad))
                 computes.append(a)
             self.ops.append(ops)
-        self._done(slots, links, channels, computes)
+        self._done(slots, links, channels, computes, keep_slots)
 
-    def _compute(self, compute: Plan, stages: StageMap) -> None:
+    def _compute(self, compute: Plan, stages: StageMap, keep_slots: bool) -> None:
         """Compile a compute-only plan as `add_comms` lowers it."""
         F, B, W, BW = Kind.F, Kind.B, Kind.W, Kind.BW  # noqa: N806
-        RECV_F, RECV_B, SEND_F, SEND_B = Kind.RECV_F, Kind.RECV_B, Kind.SEND_F, Kind.SEND_B  # noqa: N806
+        RECV_F, RECV_B = Kind.RECV_F, Kind.RECV_B  # noqa: N806
         below, above = apart(stages)
         slots: dict[tuple[Kind, int, int], int] = {}
         slot = slots.setdefault
@@ -353,7 +369,7 @@ class Program:
                         if i not in links:
                             src, dst = rank_of[s], rank_of[s + 1]
                             channel = channels.setdefault((src, dst, RECV_F), len(channels))
-                            links[i] = (src, dst, channel, s, (SEND_F, s, mb))
+                            links[i] = (src, dst, channel, s, a)
                         append((_SEND, done, i))
                 elif k is W:
                     needs = (slot((B, s, mb), len(slots)),)
@@ -385,10 +401,10 @@ class Program:
                         if i not in links:
                             src, dst = rank_of[s], rank_of[s - 1]
                             channel = channels.setdefault((src, dst, RECV_B), len(channels))
-                            links[i] = (src, dst, channel, n + s, (SEND_B, s, mb))
+                            links[i] = (src, dst, channel, n + s, a)
                         append((_SEND, done, i))
             self.ops.append(ops)
-        self._done(slots, links, channels, computes)
+        self._done(slots, links, channels, computes, keep_slots)
 
     @cached_property
     def present(self) -> set[Action]:
@@ -444,9 +460,9 @@ class _Engine:
             self.durations = [cost(a) for a in code.computes]
             self.by_action = True
             self.wire = self.after = [0] * (2 * n)  # _free's
-        self.ready: list[float | None] = [None] * len(code.slots)
-        self.sent: list[float | None] = [None] * len(code.slots)  # by message: SEND posted at
-        self.posted: list[float | None] = [None] * len(code.slots)  # RECV posted at
+        self.ready: list[float | None] = [None] * code.size
+        self.sent: list[float | None] = [None] * code.size  # by message: SEND posted at
+        self.posted: list[float | None] = [None] * code.size  # RECV posted at
         self.channel_free: list[float] = [0] * code.channels
         ranks = range(stages.pp)
         self.egress: list[list[tuple[float, float]]] = [[] for _ in ranks]  # busy, by start
@@ -604,7 +620,10 @@ class _Engine:
                 bisect.insort(into, (start, end))
         arrival = self.ready[i] = end + self.after[index]
         if self.record:
-            self.events.append(Timed(src, Action(*send), start, arrival))
+            if not send.kind.is_comm:  # the pass whose result it carries
+                kind = Kind.SEND_F if send.kind is Kind.F else Kind.SEND_B
+                send = Action(kind, send.stage, send.mb)
+            self.events.append(Timed(src, send, start, arrival))
         return end
 
     # ------------------------------------------------------------------ deadlock
