@@ -31,8 +31,11 @@ config the runtime accepts.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import wraps
+from typing import TypeVar
 
 from ptdp.config import CpComm, Recompute, RunConfig, Schedule, parse_overrides
 from ptdp.errors import ConfigError
@@ -51,6 +54,7 @@ from ptdp.perf.simulator import (
 from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES
 
+T = TypeVar("T")
 Progress = Callable[[int, int, str], None]
 """progress(done, total, what): called before each simulation."""
 
@@ -229,6 +233,29 @@ def pinned(cfg: RunConfig, given: dict[str, dict[str, str]]) -> dict[str, object
     return values
 
 
+def collector_paused(search: Callable[..., T]) -> Callable[..., T]:
+    """Run `search` with Python's cycle collector paused (then restored as it was).
+
+    A search keeps its plans, millions of small action tuples, alive until it ends; the
+    collector traverses them again at every full collection (half of `plan`'s CPU time at
+    384 GPUs for GPT-3) and finds nothing: a search makes no reference cycles, so reference
+    counting frees everything as before.
+    """
+
+    @wraps(search)
+    def paused(*args: object, **kwargs: object) -> T:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return search(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    return paused
+
+
+@collector_paused
 def plan(
     base: RunConfig,
     *,

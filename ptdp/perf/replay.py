@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ptdp.perf.timeline import Event
-from ptdp.pipeline.actions import Kind, Plan
-from ptdp.pipeline.dryrun import CommModel, DryRun, PipelineCosts, Timed, dry_run
+from ptdp.pipeline.actions import Plan
+from ptdp.pipeline.dryrun import CommModel, DryRun, PipelineCosts, Program, Timed, dry_run
 from ptdp.pipeline.placement import StageMap
 
 __all__ = ["PipelineCosts", "PipelineRun", "replay", "replay_steady"]
@@ -59,7 +59,7 @@ def _lane(t: Timed) -> str:
 
 
 def replay(
-    plan: Plan,
+    plan: Plan | Program,
     stages: StageMap,
     costs: PipelineCosts,
     *,
@@ -75,30 +75,20 @@ def replay(
     the events are only each stage's last gradient action (`complete` False).
     """
     comms = CommModel.BLOCKING if blocking else CommModel.ASYNC
-    run = dry_run(plan, stages, costs, comms=comms)
+    run = dry_run(plan, stages, costs, comms=comms, events=timeline)
     if run.stuck:
         waits = "; ".join(str(w) for w in run.stuck)
         raise ValueError(f"replay deadlocked: {waits}; run ptdp.pipeline.verify on the plan")
     if not timeline:  # only what the data-parallel reduction needs
-        finals = _gradient_finals(run.events)
-        events = tuple(e for _, e in sorted(finals.items()))
+        events = tuple(_event(t) for t in run.finals)
         return PipelineRun(events, run.makespan, run.busy, run.end, complete=False)
     events = tuple(_event(t) for t in run.events)
     return PipelineRun(events, run.makespan, run.busy, run.end)
 
 
-def _gradient_finals(events: tuple[Timed, ...]) -> dict[int, Event]:
+def _gradient_finals(run: DryRun) -> dict[int, Event]:
     """Per stage, its last gradient-producing action (BW or W): when its reduction can end."""
-    final: dict[int, Timed] = {}
-    for t in events:
-        if t.action.kind in _GRADIENT and (
-            t.action.stage not in final or t.end > final[t.action.stage].end
-        ):
-            final[t.action.stage] = t
-    return {stage: _event(t) for stage, t in final.items()}
-
-
-_GRADIENT = (Kind.BW, Kind.W)
+    return {t.action.stage: _event(t) for t in run.finals}
 
 
 def _numbers(run: DryRun, finals: dict[int, Event]) -> list[float]:
@@ -107,7 +97,7 @@ def _numbers(run: DryRun, finals: dict[int, Event]) -> list[float]:
 
 
 def replay_steady(
-    plan_for: Callable[[int], Plan],
+    plan_for: Callable[[int], Plan | Program],
     stages: StageMap,
     m: int,
     costs: PipelineCosts,
@@ -144,7 +134,7 @@ def replay_steady(
 
 
 def _extended(
-    plan_for: Callable[[int], Plan],
+    plan_for: Callable[[int], Plan | Program],
     stages: StageMap,
     m: int,
     m0: int,
@@ -154,10 +144,13 @@ def _extended(
 ) -> PipelineRun | None:
     """`replay_steady` from m0, or None where the three replays do not grow in equal steps."""
     comms = CommModel.BLOCKING if blocking else CommModel.ASYNC
-    runs = [dry_run(plan_for(m0 + i * period), stages, costs, comms=comms) for i in range(3)]
+    runs = [
+        dry_run(plan_for(m0 + i * period), stages, costs, comms=comms, events=False)
+        for i in range(3)
+    ]
     if any(r.stuck for r in runs):
         return None
-    finals = [_gradient_finals(r.events) for r in runs]
+    finals = [_gradient_finals(r) for r in runs]
     if len({tuple(sorted(f)) for f in finals}) != 1:
         return None
     a, b, c = (_numbers(r, f) for r, f in zip(runs, finals, strict=True))

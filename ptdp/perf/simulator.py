@@ -289,12 +289,13 @@ def _replay(
     the schedule has one (ZB-V's list schedule is replayed in full)."""
     spec, pp, vpp = SCHEDULES[layout.schedule], layout.pp, layout.vpp
     megatron = blocking and megatron_order(layout)
-    lowered = lambda m: plans(layout.schedule, pp, m, vpp).lowered  # noqa: E731
+    # each m's plan compiled once for the dry-run engine, or the 2021 code's own order
+    source = lambda m: plans(layout.schedule, pp, m, vpp).program  # noqa: E731
     if megatron:
-        lowered = functools.partial(megatron_2021_interleaved, layout.stages)
+        source = functools.partial(megatron_2021_interleaved, layout.stages)
     if not timeline and layout.schedule != "zb-v":
         run = replay_steady(
-            lowered,
+            source,
             layout.stages,
             layout.num_microbatches,
             costs,
@@ -303,7 +304,7 @@ def _replay(
         )
         if run is not None:
             return run
-    plan = lowered(layout.num_microbatches) if megatron else layout.pipeline.lowered
+    plan = source(layout.num_microbatches) if megatron else layout.pipeline.program
     return replay(plan, layout.stages, costs, blocking=blocking, timeline=timeline)
 
 

@@ -21,9 +21,11 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 from ptdp.pipeline.actions import Action, Kind, Plan
 from ptdp.pipeline.placement import StageMap
+from ptdp.pipeline.schedules import apart
 
 Cost = Callable[[Action], float]
 """Seconds of a compute action (F, B, W, BW); with it alone every transfer is free."""
@@ -147,6 +149,9 @@ class DryRun:
     blocking transfer holds it)."""
     stuck: tuple[Wait, ...] = ()
     """Per rank that could not finish (deadlock): its next action and what it waits for."""
+    finals: tuple[Timed, ...] = ()
+    """Per stage, in stage order: its last gradient-producing action (BW or W; of those
+    ending last, the first timed), when the stage's data-parallel reduction can end."""
 
 
 _Message = tuple[Kind, int, int]  # (RECV_F or RECV_B, receiving stage, mb)
@@ -173,68 +178,319 @@ def _sender(key: _Message) -> Action:
 
 
 def dry_run(
-    plan: Plan,
+    plan: Plan | Program,
     stages: StageMap,
     cost: PipelineCosts | Cost,
     *,
     comms: CommModel = CommModel.ASYNC,
+    events: bool = True,
 ) -> DryRun:
     """Run every rank of `plan` (ranks 0..pp-1) in simulated time (see the module docstring).
 
     Args:
-        plan: rank -> actions, with or without transfer actions.
+        plan: rank -> actions, with or without transfer actions; or its `Program` (`program`),
+            which a caller replaying one plan under many costs compiles once.
         stages: which rank holds each stage.
         cost: a `PipelineCosts`, or a function giving each compute action's duration (then
             every transfer is free), e.g. `lambda a: UNIT_COST[a.kind]`.
         comms: how transfers occupy the ranks.
+        events: False: `DryRun.events` is empty (the totals and `finals` are the same).
     """
-    if sorted(plan) != list(range(stages.pp)):
-        raise ValueError(
-            f"plan has ranks {sorted(plan)}; pp = {stages.pp} needs 0..{stages.pp - 1}"
-        )
-    return _Engine(plan, stages, cost, comms).run()
+    code = plan if isinstance(plan, Program) else program(plan, stages)
+    if code.stages != stages:
+        raise ValueError(f"program compiled for {code.stages}, run with {stages}")
+    return _Engine(code, cost, comms, events).run()
+
+
+_COMPUTE, _SEND, _RECV = 0, 1, 2  # op codes
+
+
+_Link = tuple[int, int, int, int, Action]
+"""A message's (sender rank, receiver rank, channel, cost index, its SEND action or, compiled
+from a compute plan, the F, B or BW whose result it carries)."""
+
+
+class Program:
+    """A plan compiled for the engine: each rank's actions as tuples of small integers, every
+    completion (a compute result or a message's arrival) a slot in one list, every message and
+    channel an index. Built once per plan (`program`), run under any costs; the engine's
+    results are those of interpreting the actions directly (tests/unit/test_dryrun_fast.py).
+
+    With `lowering`, `plan` is compute-only and is compiled as its lowering by `add_comms`
+    (the transfers where `schedules.apart` puts them), which `lowering()` builds only to name
+    the actions of a deadlock.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        stages: StageMap,
+        lowering: Callable[[], Plan] | None = None,
+        *,
+        keep_slots: bool = False,
+    ) -> None:
+        if sorted(plan) != list(range(stages.pp)):
+            raise ValueError(
+                f"plan has ranks {sorted(plan)}; pp = {stages.pp} needs 0..{stages.pp - 1}"
+            )
+        self.stages = stages
+        self._given, self._lower = plan, lowering
+        self._lowering = lowering or (lambda: plan)
+        if lowering is None:
+            self._lowered(plan, stages, keep_slots)
+        else:
+            self._compute(plan, stages, keep_slots)
+
+    @cached_property
+    def slots(self) -> dict[tuple[Kind, int, int], int]:
+        """A result (F, B or W, stage, mb) or a message (as its RECV names it) -> its slot; a
+        message's slot also indexes its SEND and RECV times. Not kept by the compiler (it
+        is a third of a program's memory): compiled again for a deadlock report."""
+        again = Program(self._given, self.stages, self._lower, keep_slots=True)
+        return again.slots
+
+    @cached_property
+    def plan(self) -> Plan:
+        """The lowered plan (or the compute-only one given without transfers), by rank."""
+        return self._lowering()
+
+    @cached_property
+    def carried(self) -> set[_Message]:
+        """Messages some transfer action of the plan names."""
+        return {_message(a) for actions in self.plan.values() for a in actions if a.kind.is_comm}
+
+    def _done(
+        self,
+        slots: dict[tuple[Kind, int, int], int],
+        links: dict[int, _Link],
+        channels: dict[tuple[int, int, Kind], int],
+        computes: list[Action],
+        keep_slots: bool,
+    ) -> None:
+        self.size, self.computes, self.channels = len(slots), computes, len(channels)
+        if keep_slots:
+            self.slots = slots
+        self.links: list[_Link | None] = [links.get(i) for i in range(len(slots))]
+        """Per slot: the message's link; None for results, and for messages no SEND carries."""
+
+    def _lowered(self, plan: Plan, stages: StageMap, keep_slots: bool) -> None:
+        """Compile a plan as given (with or without transfer actions)."""
+        F, B, W, BW = Kind.F, Kind.B, Kind.W, Kind.BW  # noqa: N806
+        SEND_F, SEND_B, RECV_F, RECV_B = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B  # noqa: N806
+        carried = self.carried = set()  # messages some transfer action names
+        for actions in plan.values():
+            for a in actions:
+                k = a.kind
+                if k is SEND_F:
+                    carried.add((RECV_F, a.stage + 1, a.mb))
+                elif k is SEND_B:
+                    carried.add((RECV_B, a.stage - 1, a.mb))
+                elif k is RECV_F or k is RECV_B:
+                    carried.add((k, a.stage, a.mb))
+        slots: dict[tuple[Kind, int, int], int] = {}
+        """A result (F, B or W, stage, mb) or a message (as its RECV names it) -> its slot;
+        a message's slot also indexes its SEND and RECV times."""
+        slot = slots.setdefault
+        links: dict[int, _Link] = {}
+        channels: dict[tuple[int, int, Kind], int] = {}
+        computes: list[Action] = []
+        n, last = stages.stages, stages.last
+        rank_of = [stages.rank(x) for x in range(n)]
+        self.ops: list[list[tuple]] = []
+        for r in range(stages.pp):
+            ops = []
+            for a in plan[r]:
+                k, s, mb = a.kind, a.stage, a.mb
+                if k is SEND_F or k is SEND_B:
+                    key = (RECV_F, s + 1, mb) if k is SEND_F else (RECV_B, s - 1, mb)
+                    i = slot(key, len(slots))
+                    if i not in links:
+                        dst = rank_of[key[1]] if 0 <= key[1] < n else stages.rank(key[1])
+                        channel = channels.setdefault((rank_of[s], dst, key[0]), len(channels))
+                        index = (0 if k is SEND_F else n) + s
+                        links[i] = (rank_of[s], dst, channel, index, a)
+                    payload = slot((F if k is SEND_F else B, s, mb), len(slots))
+                    ops.append((_SEND, payload, i))
+                    continue
+                if k is RECV_F or k is RECV_B:
+                    ops.append((_RECV, slot((k, s, mb), len(slots))))
+                    continue
+                if k is F:
+                    key = (RECV_F, s, mb)
+                    if s == 0:
+                        needs: tuple[int, ...] = ()
+                    else:
+                        needs = (slot(key if key in carried else (F, s - 1, mb), len(slots)),)
+                    index, done, grad = s, (F, s, mb), False
+                elif k is W:
+                    needs = (slot((B, s, mb), len(slots)),)
+                    index, done, grad = 2 * n + s, (W, s, mb), True
+                else:  # B or BW
+                    needs = (slot((F, s, mb), len(slots)),)
+                    if s < last:
+                        key = (RECV_B, s, mb)
+                        needs += (slot(key if key in carried else (B, s + 1, mb), len(slots)),)
+                    index, done, grad = (n if k is B else 3 * n) + s, (B, s, mb), k is BW
+                ops.append((_COMPUTE, needs, slot(done, len(slots)), index, len(computes), grad))
+                computes.append(a)
+            self.ops.append(ops)
+        self._done(slots, links, channels, computes, keep_slots)
+
+    def _compute(self, compute: Plan, stages: StageMap, keep_slots: bool) -> None:
+        """Compile a compute-only plan as `add_comms` lowers it."""
+        F, B, W, BW = Kind.F, Kind.B, Kind.W, Kind.BW  # noqa: N806
+        RECV_F, RECV_B = Kind.RECV_F, Kind.RECV_B  # noqa: N806
+        below, above = apart(stages)
+        slots: dict[tuple[Kind, int, int], int] = {}
+        slot = slots.setdefault
+        links: dict[int, _Link] = {}
+        channels: dict[tuple[int, int, Kind], int] = {}
+        computes: list[Action] = []
+        n, last = stages.stages, stages.last
+        rank_of = [stages.rank(x) for x in range(n)]
+        self.ops: list[list[tuple]] = []
+        for r in range(stages.pp):
+            ops: list[tuple] = []
+            append = ops.append
+            for a in compute[r]:
+                k, s, mb = a.kind, a.stage, a.mb
+                if k is F:
+                    if below[s]:
+                        i = slot((RECV_F, s, mb), len(slots))
+                        append((_RECV, i))
+                        needs: tuple[int, ...] = (i,)
+                    else:
+                        needs = () if s == 0 else (slot((F, s - 1, mb), len(slots)),)
+                    done = slot((F, s, mb), len(slots))
+                    append((_COMPUTE, needs, done, s, len(computes), False))
+                    computes.append(a)
+                    if above[s]:
+                        i = slot((RECV_F, s + 1, mb), len(slots))
+                        if i not in links:
+                            src, dst = rank_of[s], rank_of[s + 1]
+                            channel = channels.setdefault((src, dst, RECV_F), len(channels))
+                            links[i] = (src, dst, channel, s, a)
+                        append((_SEND, done, i))
+                elif k is W:
+                    needs = (slot((B, s, mb), len(slots)),)
+                    append(
+                        (
+                            _COMPUTE,
+                            needs,
+                            slot((W, s, mb), len(slots)),
+                            2 * n + s,
+                            len(computes),
+                            True,
+                        )
+                    )
+                    computes.append(a)
+                else:  # B or BW
+                    needs = (slot((F, s, mb), len(slots)),)
+                    if above[s]:
+                        i = slot((RECV_B, s, mb), len(slots))
+                        append((_RECV, i))
+                        needs += (i,)
+                    elif s < last:
+                        needs += (slot((B, s + 1, mb), len(slots)),)
+                    done = slot((B, s, mb), len(slots))
+                    index = (n if k is B else 3 * n) + s
+                    append((_COMPUTE, needs, done, index, len(computes), k is BW))
+                    computes.append(a)
+                    if below[s]:
+                        i = slot((RECV_B, s - 1, mb), len(slots))
+                        if i not in links:
+                            src, dst = rank_of[s], rank_of[s - 1]
+                            channel = channels.setdefault((src, dst, RECV_B), len(channels))
+                            links[i] = (src, dst, channel, n + s, a)
+                        append((_SEND, done, i))
+            self.ops.append(ops)
+        self._done(slots, links, channels, computes, keep_slots)
+
+    @cached_property
+    def present(self) -> set[Action]:
+        return {a for actions in self.plan.values() for a in actions}
+
+
+def program(plan: Plan, stages: StageMap, lowering: Callable[[], Plan] | None = None) -> Program:
+    """`plan` compiled for `dry_run` (raises ValueError if its ranks are not 0..pp-1); with
+    `lowering`, `plan` is compute-only and runs as its `add_comms` lowering (`Program`)."""
+    return Program(plan, stages, lowering)
+
+
+def _input_keys(
+    kind: Kind, s: int, mb: int, carried: set[_Message], last: int
+) -> list[tuple[Kind, int, int]]:
+    """What compute action (kind, s, mb) needs: earlier results (kind F, B or W) or messages
+    in transit (RECV_F, RECV_B), as slot keys. A fused BW's result is its B's."""
+    if kind is Kind.F:
+        if s == 0:
+            return []
+        key = (Kind.RECV_F, s, mb)
+        return [key if key in carried else (Kind.F, s - 1, mb)]
+    if kind is Kind.W:
+        return [(Kind.B, s, mb)]
+    needs = [(Kind.F, s, mb)]  # B or BW
+    if s < last:
+        key = (Kind.RECV_B, s, mb)
+        needs.append(key if key in carried else (Kind.B, s + 1, mb))
+    return needs
 
 
 class _Engine:
-    """The state of one dry run; `run` moves each rank as far as it can until none can."""
+    """The state of one dry run of a `Program`; `run` moves each rank as far as it can until
+    none can."""
 
     def __init__(
-        self, plan: Plan, stages: StageMap, cost: PipelineCosts | Cost, comms: CommModel
+        self, code: Program, cost: PipelineCosts | Cost, comms: CommModel, record: bool
     ) -> None:
-        self.plan, self.stages, self.comms = plan, stages, comms
+        self.code, self.comms, self.record = code, comms, record
+        stages = code.stages
+        n = stages.stages
         if isinstance(cost, PipelineCosts):
-            self.compute_cost, self.transfer_cost = cost.duration, cost.transfer
-            self.receive_cost = cost.receive
+            by_kind = [
+                [cost.duration(Action(kind, s, 0)) for s in range(n)]
+                for kind in (Kind.F, Kind.B, Kind.W, Kind.BW)
+            ]
+            self.durations = [x for row in by_kind for x in row]
+            self.by_action = False
+            sends = [Action(k, s, 0) for k in (Kind.SEND_F, Kind.SEND_B) for s in range(n)]
+            self.wire = [cost.transfer(a) for a in sends]
+            self.after = [cost.receive(a) for a in sends]
         else:
-            self.compute_cost, self.transfer_cost, self.receive_cost = cost, _free, _free
-        self.present = {a for actions in plan.values() for a in actions}
-        self.carried = {_message(a) for a in self.present if a.kind.is_comm}
-        self.done: dict[tuple[Kind, int, int], float] = {}  # (F, B or W, stage, mb) -> end
-        self.sent: dict[_Message, float] = {}  # SEND posted at
-        self.posted: dict[_Message, float] = {}  # RECV posted at
-        self.arrival: dict[_Message, float] = {}
-        self.channel_free: dict[tuple[int, int, Kind], float] = {}
-        self.egress: dict[int, list[tuple[float, float]]] = {}  # rank -> busy, by start
-        self.ingress: dict[int, list[tuple[float, float]]] = {}
+            self.durations = [cost(a) for a in code.computes]
+            self.by_action = True
+            self.wire = self.after = [0] * (2 * n)  # _free's
+        self.ready: list[float | None] = [None] * code.size
+        self.sent: list[float | None] = [None] * code.size  # by message: SEND posted at
+        self.posted: list[float | None] = [None] * code.size  # RECV posted at
+        self.channel_free: list[float] = [0] * code.channels
         ranks = range(stages.pp)
+        self.egress: list[list[tuple[float, float]]] = [[] for _ in ranks]  # busy, by start
+        self.ingress: list[list[tuple[float, float]]] = [[] for _ in ranks]
         self.step = [0 for _ in ranks]  # next action of each rank
         self.clock: list[float] = [0 for _ in ranks]  # when each rank is free
         self.busy: list[float] = [0 for _ in ranks]
         self.first: list[float | None] = [None for _ in ranks]
         self.last_end: list[float | None] = [None for _ in ranks]
         self.events: list[Timed] = []
+        self.finals: dict[int, tuple[int, int, float, float]] = {}  # stage -> its last BW/W
 
     def run(self) -> DryRun:
-        ranks = range(self.stages.pp)
-        while any([self._advance(rank) for rank in ranks]):  # every rank, each pass
+        code = self.code
+        ranks = range(code.stages.pp)
+        while self._pass():
             pass
         stuck = tuple(
-            Wait(r, self.step[r], self.plan[r][self.step[r]], self._blocker(r))
+            Wait(r, self.step[r], code.plan[r][self.step[r]], self._blocker(r))
             for r in ranks
-            if self.step[r] < len(self.plan[r])
+            if self.step[r] < len(code.ops[r])
         )
         span = tuple(
             0 if self.first[r] is None else self.last_end[r] - self.first[r] for r in ranks
+        )
+        finals = tuple(
+            Timed(r, code.computes[i], start, end)
+            for _, (r, i, start, end) in sorted(self.finals.items())
         )
         return DryRun(
             tuple(self.events),
@@ -243,131 +499,155 @@ class _Engine:
             span,
             tuple(self.clock),
             stuck,
+            finals,
         )
 
-    def _advance(self, rank: int) -> bool:
-        """Run `rank` as far as it can go; True if it moved."""
-        actions, moved = self.plan[rank], False
-        while self.step[rank] < len(actions):
-            a = actions[self.step[rank]]
-            ran = self._transfer_action(rank, a) if a.kind.is_comm else self._compute(rank, a)
-            if not ran:
-                break
-            self.step[rank] += 1
-            moved = True
+    def _pass(self) -> bool:
+        """Run every rank in turn as far as it can go; True if any moved."""
+        code = self.code
+        ready, sent, posted, transfer = self.ready, self.sent, self.posted, self._transfer
+        durations, computes = self.durations, code.computes
+        at = 4 if self.by_action else 3  # where a compute op holds its duration's index
+        record, events, finals = self.record, self.events, self.finals
+        blocking = self.comms is CommModel.BLOCKING
+        recv_blocks = self.comms is CommModel.RECV_BLOCKS
+        steps, clocks, busies = self.step, self.clock, self.busy
+        moved = False
+        for rank, ops in enumerate(code.ops):
+            step = steps[rank]
+            n = len(ops)
+            if step == n:
+                continue
+            clock, busy = clocks[rank], busies[rank]
+            first, last_end = self.first[rank], self.last_end[rank]
+            while step < n:
+                op = ops[step]
+                if op[0] == 0:  # _COMPUTE
+                    start = clock
+                    for slot in op[1]:
+                        t = ready[slot]
+                        if t is None:
+                            break
+                        if t > start:
+                            start = t
+                    else:
+                        seconds = durations[op[at]]
+                        end = clock = start + seconds
+                        busy += seconds
+                        if first is None:
+                            first = start
+                        last_end = end
+                        ready[op[2]] = end
+                        if record:
+                            events.append(Timed(rank, computes[op[4]], start, end))
+                        if op[5]:
+                            stage = computes[op[4]].stage
+                            final = finals.get(stage)
+                            if final is None or end > final[3]:
+                                finals[stage] = (rank, op[4], start, end)
+                        step += 1
+                        continue
+                    break
+                if op[0] == 1:  # _SEND
+                    made = ready[op[1]]
+                    if made is None:
+                        break
+                    if made > clock:
+                        clock = made
+                    i = op[2]
+                    if blocking:
+                        clock = transfer(i, clock)
+                    else:
+                        sent[i] = clock
+                        if posted[i] is not None and ready[i] is None:
+                            transfer(i, clock, posted[i])
+                    step += 1
+                    continue
+                i = op[1]  # a RECV: its message's slot
+                if blocking:
+                    arrived = ready[i]
+                    if arrived is None:
+                        break
+                    if arrived > clock:
+                        clock = arrived
+                    step += 1
+                    continue
+                if posted[i] is None:
+                    posted[i] = clock
+                if sent[i] is not None and ready[i] is None:
+                    transfer(i, sent[i], posted[i])
+                if recv_blocks:
+                    arrived = ready[i]
+                    if arrived is None:
+                        break
+                    if arrived > clock:
+                        clock = arrived
+                step += 1
+            if step != steps[rank]:
+                moved = True
+                steps[rank], clocks[rank], busies[rank] = step, clock, busy
+                self.first[rank], self.last_end[rank] = first, last_end
         return moved
-
-    # ------------------------------------------------------------------ compute
-
-    def _inputs(self, a: Action) -> list[Action | _Message]:
-        """What compute action `a` needs: earlier compute actions, or messages in transit."""
-        s, mb = a.stage, a.mb
-        if a.kind is Kind.F:
-            if s == 0:
-                return []
-            key = (Kind.RECV_F, s, mb)
-            return [key if key in self.carried else Action(Kind.F, s - 1, mb)]
-        if a.kind is Kind.W:
-            return [Action(Kind.B, s, mb)]
-        needs: list[Action | _Message] = [Action(Kind.F, s, mb)]  # B or BW
-        if s < self.stages.last:
-            key = (Kind.RECV_B, s, mb)
-            needs.append(key if key in self.carried else Action(Kind.B, s + 1, mb))
-        return needs
-
-    def _ready(self, need: Action | _Message) -> float | None:
-        """When `need` is met, or None if not yet."""
-        if isinstance(need, Action):
-            return self.done.get((need.kind, need.stage, need.mb))
-        return self.arrival.get(need)
-
-    def _compute(self, rank: int, a: Action) -> bool:
-        times = [self._ready(need) for need in self._inputs(a)]
-        if any(t is None for t in times):
-            return False
-        start = max([self.clock[rank], *times])
-        seconds = self.compute_cost(a)
-        end = self.clock[rank] = start + seconds
-        self.busy[rank] += seconds
-        if self.first[rank] is None:
-            self.first[rank] = start
-        self.last_end[rank] = end
-        self.done[(Kind.B if a.kind is Kind.BW else a.kind, a.stage, a.mb)] = end
-        self.events.append(Timed(rank, a, start, end))
-        return True
 
     # ------------------------------------------------------------------ transfers
 
-    def _transfer_action(self, rank: int, a: Action) -> bool:
-        """Post, or carry, transfer action `a`; False if `rank` must wait."""
-        key, is_send = _message(a), a.kind in (Kind.SEND_F, Kind.SEND_B)
-        if is_send:  # after the pass whose result it carries
-            made = self._ready(_payload(a))
-            if made is None:
-                return False
-            self.clock[rank] = max(self.clock[rank], made)
-        if self.comms is CommModel.BLOCKING:
-            if is_send:
-                self.clock[rank] = self._transfer(key, self.clock[rank])
-                return True
-            if key not in self.arrival:
-                return False
-            self.clock[rank] = max(self.clock[rank], self.arrival[key])
-            return True
-        if is_send:
-            self.sent[key] = self.clock[rank]
+    def _transfer(self, i: int, *not_before: float) -> float:
+        """Time message `i` once it may start; return when it has left the sender (it is
+        usable at its arrival, after the receiver's own work on it)."""
+        src, dst, channel, index, send = self.code.links[i]  # type: ignore[misc]
+        seconds = self.wire[index]
+        out, into = self.egress[src], self.ingress[dst]
+        start = self.channel_free[channel]
+        for t in not_before:
+            if t > start:
+                start = t
+        if (not out or out[-1][1] <= start) and (not into or into[-1][1] <= start):
+            # Both cards free from `start` on (their intervals all end by then): the loop
+            # below would keep `start`, and the insorts append.
+            end = self.channel_free[channel] = start + seconds
+            if seconds > 0:
+                out.append((start, end))
+                into.append((start, end))
         else:
-            self.posted.setdefault(key, self.clock[rank])  # a blocked RECV's clock stands
-        if key in self.sent and key in self.posted and key not in self.arrival:
-            self._transfer(key, self.sent[key], self.posted[key])
-        if self.comms is CommModel.RECV_BLOCKS and not is_send:
-            if key not in self.arrival:
-                return False
-            self.clock[rank] = max(self.clock[rank], self.arrival[key])
-        return True
-
-    def _transfer(self, key: _Message, *not_before: float) -> float:
-        """Time message `key` once it may start; return when it has left the sender (it is
-        usable at `arrival`, after the receiver's own work on it)."""
-        send = _sender(key)
-        src, dst = self.stages.rank(send.stage), self.stages.rank(key[1])
-        channel = (src, dst, key[0])
-        seconds = self.transfer_cost(send)
-        out, into = self.egress.setdefault(src, []), self.ingress.setdefault(dst, [])
-        start = max(self.channel_free.get(channel, 0), *not_before)
-        while True:  # the first start at which both the sender's and receiver's cards are free
-            fits = _first_gap(into, _first_gap(out, start, seconds), seconds)
-            if fits == start:
-                break
-            start = fits
-        end = self.channel_free[channel] = start + seconds
-        if seconds > 0:
-            bisect.insort(out, (start, end))
-            bisect.insort(into, (start, end))
-        self.arrival[key] = end + self.receive_cost(send)
-        self.events.append(Timed(src, send, start, self.arrival[key]))
+            while True:  # the first start at which both the sender's and receiver's cards are free
+                fits = _first_gap(into, _first_gap(out, start, seconds), seconds)
+                if fits == start:
+                    break
+                start = fits
+            end = self.channel_free[channel] = start + seconds
+            if seconds > 0:
+                bisect.insort(out, (start, end))
+                bisect.insort(into, (start, end))
+        arrival = self.ready[i] = end + self.after[index]
+        if self.record:
+            if not send.kind.is_comm:  # the pass whose result it carries
+                kind = Kind.SEND_F if send.kind is Kind.F else Kind.SEND_B
+                send = Action(kind, send.stage, send.mb)
+            self.events.append(Timed(src, send, start, arrival))
         return end
 
     # ------------------------------------------------------------------ deadlock
 
     def _blocker(self, rank: int) -> Action:
         """What the next action of stuck `rank` waits for, as the plan names it."""
-        a = self.plan[rank][self.step[rank]]
+        code = self.code
+        a = code.plan[rank][self.step[rank]]
         if a.kind in (Kind.SEND_F, Kind.SEND_B):
             return self._named(_payload(a))
         if a.kind.is_comm:  # a blocking RECV: on its SEND
             return _sender(_message(a))
-        need = next(n for n in self._inputs(a) if self._ready(n) is None)
-        if isinstance(need, Action):
-            return self._named(need)
-        if need not in self.posted:  # its RECV has not been posted
+        keys = _input_keys(a.kind, a.stage, a.mb, code.carried, code.stages.last)
+        need = next(k for k in keys if self.ready[code.slots[k]] is None)
+        if need[0] in (Kind.F, Kind.B, Kind.W):
+            return self._named(Action(*need))
+        if self.posted[code.slots[need]] is None:  # its RECV has not been posted
             return Action(*need)
         return _sender(need)
 
     def _named(self, a: Action) -> Action:
         """`a` as the plan has it: a B that the plan runs fused is its BW."""
         fused = Action(Kind.BW, a.stage, a.mb)
-        return fused if a.kind is Kind.B and a not in self.present else a
+        return fused if a.kind is Kind.B and a not in self.code.present else a
 
 
 def _free(a: Action) -> float:
@@ -376,7 +656,9 @@ def _free(a: Action) -> float:
 
 def _first_gap(busy: list[tuple[float, float]], ready: float, seconds: float) -> float:
     """The earliest start >= `ready` at which `seconds` fit between the `busy` intervals
-    (sorted, disjoint, so their ends are sorted too)."""
+    (sorted, disjoint, so their ends are sorted too: past the last end, `ready` itself)."""
+    if not busy or busy[-1][1] <= ready:
+        return ready
     start = ready
     first = max(0, bisect.bisect_left(busy, (ready,)) - 1)
     for begin, end in busy[first:]:

@@ -12,9 +12,10 @@ per pipeline per step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 
 from ptdp.pipeline.actions import Action, Plan
+from ptdp.pipeline.dryrun import Program, program
 from ptdp.pipeline.placement import Placement, StageMap
 from ptdp.pipeline.schedules import (
     SCHEDULES,
@@ -40,8 +41,12 @@ class PipelinePlan:
     """Which rank holds each stage (`SCHEDULES[schedule].placement`)."""
     compute: Plan = field(repr=False, compare=False)
     """Compute actions only (F, B, W, BW) per rank."""
-    lowered: Plan = field(repr=False, compare=False)
-    """`compute` with the sends and receives between stages: what the runtime executes."""
+
+    @cached_property
+    def lowered(self) -> Plan:
+        """`compute` with the sends and receives between stages: what the runtime executes.
+        Lowered on first use: the memory model reads only `compute`."""
+        return add_comms(self.compute, self.stages)
 
     @property
     def stages(self) -> StageMap:
@@ -56,6 +61,12 @@ class PipelinePlan:
     def in_flight_bound(self) -> list[int] | None:
         """Most activations each rank may stash; None where the schedule has no closed form."""
         return in_flight_bound(self.schedule, self.pp, self.num_microbatches, self.vpp)
+
+    @cached_property
+    def program(self) -> Program:
+        """`lowered` compiled for the dry-run engine, once for every replay of this plan (from
+        `compute`, as `add_comms` lowers it: `lowered` itself is built only for a deadlock)."""
+        return program(self.compute, self.stages, partial(add_comms, self.compute, self.stages))
 
     @cached_property
     def peak_in_flight(self) -> tuple[int, ...]:
@@ -91,16 +102,15 @@ class PipelinePlan:
 
 
 def build_plan(schedule: str, pp: int, num_microbatches: int, vpp: int = 1) -> PipelinePlan:
-    """Build schedule `schedule` and lower it; raises ValueError naming the fix on bad sizes."""
+    """Build schedule `schedule` (lowered on first use); raises ValueError naming the fix on
+    bad sizes."""
     compute = build(schedule, pp, num_microbatches, vpp)
     stages = SCHEDULES[schedule].stage_map(pp, vpp)
-    lowered = add_comms(compute, stages)
-    return PipelinePlan(schedule, pp, vpp, num_microbatches, stages.placement, compute, lowered)
+    return PipelinePlan(schedule, pp, vpp, num_microbatches, stages.placement, compute)
 
 
 def build_forward_only(stages: StageMap, num_microbatches: int) -> PipelinePlan:
     """Forwards only, lowered (evaluation); not for `verify`, which needs backwards."""
     compute = forward_only(stages, num_microbatches)
     pp, vpp, m = stages.pp, stages.vpp, num_microbatches
-    lowered = add_comms(compute, stages)
-    return PipelinePlan("forward-only", pp, vpp, m, stages.placement, compute, lowered)
+    return PipelinePlan("forward-only", pp, vpp, m, stages.placement, compute)

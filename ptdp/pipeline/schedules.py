@@ -172,10 +172,11 @@ def zb_h2(pp: int, m: int) -> Plan:
     b_done = [[-1] * m for _ in range(pp)]
     done = {kind: [0] * pp for kind in (Kind.F, Kind.B, Kind.W)}  # passes run per rank
     t = 0
-    while any(w < m for w in done[Kind.W]):
+    done_f, done_b, done_w = done[Kind.F], done[Kind.B], done[Kind.W]
+    while any(w < m for w in done_w):
         ran = []  # decided on the state at time t, applied after every rank has chosen
         for r in range(pp):
-            f, b, w = (done[k][r] for k in (Kind.F, Kind.B, Kind.W))
+            f, b, w = done_f[r], done_b[r], done_w[r]
             if b < f and 0 <= f_done[r][b] <= t and (r == pp - 1 or 0 <= b_done[r + 1][b] <= t):
                 ran.append(Action(Kind.B, r, b))
             elif f < m and f - w < limit and (r == 0 or 0 <= f_done[r - 1][f] <= t):
@@ -230,22 +231,24 @@ def _zb_v_list_schedule(pp: int, m: int, order: list[str], slack: int) -> tuple[
     held = [0] * pp
     plan: Plan = {r: [] for r in range(pp)}
     never = 1 << 30
+    held_by = [stages.stages_of(r) for r in range(pp)]  # rank -> its stages, chunk order
+    last, runs_f, runs_b = stages.last, runs[Kind.F], runs[Kind.B]
+    passes = [(name[0], 0 if name == "W" else int(name[1])) for name in order]
 
     def next_pass(r: int, t: int) -> Action | None:
-        for name in order:
-            if name == "W":
+        for kind, chunk in passes:
+            if kind == "W":
                 if pending[r]:
                     return pending[r][0]
                 continue
-            chunk = int(name[1])
-            s = stages.stages_of(r)[chunk]
-            if name[0] == "B":
-                b = runs[Kind.B][s]
-                after_next = s == stages.last or b_done.get((s + 1, b), never) <= t
-                if b < runs[Kind.F][s] and f_done[(s, b)] <= t and after_next:
+            s = held_by[r][chunk]
+            if kind == "B":
+                b = runs_b[s]
+                after_next = s == last or b_done.get((s + 1, b), never) <= t
+                if b < runs_f[s] and f_done[(s, b)] <= t and after_next:
                     return Action(Kind.B, s, b)
             else:
-                f = runs[Kind.F][s]
+                f = runs_f[s]
                 room = held[r] + (slack if chunk == 0 else 0) < limit
                 if f < m and room and (s == 0 or f_done.get((s - 1, f), never) <= t):
                     return Action(Kind.F, s, f)
@@ -467,29 +470,39 @@ def add_comms(plan: Plan, stages: StageMap) -> Plan:
     action. Receives are placed as late as possible and sends as early as possible, so a rank
     blocks only when it must.
     """
-    last = stages.last
+    apart_below, apart_above = apart(stages)
     lowered: Plan = {}
-    for rank, actions in plan.items():
+    for r, actions in plan.items():
         out: list[Action] = []
+        append = out.append
         for a in actions:
-            if a.kind is Kind.F:
-                before = _comm(Kind.RECV_F, a, a.stage - 1, stages, a.stage > 0)
-                after = _comm(Kind.SEND_F, a, a.stage + 1, stages, a.stage < last)
-            elif a.kind in (Kind.B, Kind.BW):
-                before = _comm(Kind.RECV_B, a, a.stage + 1, stages, a.stage < last)
-                after = _comm(Kind.SEND_B, a, a.stage - 1, stages, a.stage > 0)
+            kind, s = a.kind, a.stage
+            if kind is Kind.F:
+                if apart_below[s]:
+                    append(Action(Kind.RECV_F, s, a.mb))
+                append(a)
+                if apart_above[s]:
+                    append(Action(Kind.SEND_F, s, a.mb))
+            elif kind is Kind.B or kind is Kind.BW:
+                if apart_above[s]:
+                    append(Action(Kind.RECV_B, s, a.mb))
+                append(a)
+                if apart_below[s]:
+                    append(Action(Kind.SEND_B, s, a.mb))
             else:
-                before = after = []
-            out += [*before, a, *after]
-        lowered[rank] = out
+                append(a)
+        lowered[r] = out
     return lowered
 
 
-def _comm(kind: Kind, a: Action, peer: int, stages: StageMap, exists: bool) -> list[Action]:
-    """The transfer of `kind` for compute action `a`, if the peer stage exists on another rank."""
-    if not exists or stages.same_rank(peer, a.stage):
-        return []
-    return [Action(kind, a.stage, a.mb)]
+def apart(stages: StageMap) -> tuple[list[bool], list[bool]]:
+    """Per stage: whether its input comes from another rank (`add_comms` puts a RECV_F before
+    its F and a SEND_B after its B), and whether its output goes to another rank (SEND_F after
+    F, RECV_B before B). Neighbours on one rank (pp == 1, ZB-V's turn) pass in memory."""
+    last, rank = stages.last, [stages.rank(s) for s in range(stages.stages)]
+    below = [s > 0 and rank[s - 1] != rank[s] for s in range(stages.stages)]
+    above = [s < last and rank[s + 1] != rank[s] for s in range(stages.stages)]
+    return below, above
 
 
 def forward_only(stages: StageMap, m: int) -> Plan:
