@@ -19,6 +19,7 @@ d = head size; e = bytes per element.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -256,6 +257,18 @@ def _slowest(seconds: float, device: torch.device) -> float:
     return float(comm.all_reduce_max_value(value, comm.world_group()).item())
 
 
+def _lockstep_batch(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """Seconds per call of `calls` calls of `fn` started together after a barrier, timed by
+    the slowest rank. Collective: every rank calls it."""
+    comm.barrier(None, comm.world_group().size)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    synchronize(device)
+    return _slowest(time.perf_counter() - start, device) / calls
+
+
 def collective_seconds(
     op: str,
     nbytes: int,
@@ -267,16 +280,9 @@ def collective_seconds(
     """Seconds per call of `op` over `g` in the fastest batch, each batch timed by its slowest
     rank, every rank in step."""
     fn = _collective_call(op, nbytes, g, dtype, device)
-    world = comm.world_group()
 
     def batch(calls: int) -> float:
-        comm.barrier(None, world.size)
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        synchronize(device)
-        return _slowest(time.perf_counter() - start, device) / calls
+        return _lockstep_batch(fn, calls, device)
 
     batch(1)  # warm-up: NCCL builds the group's communicator on its first call
     one = batch(1)
@@ -352,17 +358,7 @@ def _lockstep_trials(
     """Seconds per call of each of `fns` in each of `timing.trials` rounds (one batch of each
     in turn per round), for calls that may wait on other ranks: every batch starts after a
     barrier and is timed by its slowest rank. Collective: every rank calls it."""
-    world = comm.world_group()
-
-    def batch(fn: Callable[[], object], calls: int) -> float:
-        comm.barrier(None, world.size)
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        synchronize(device)
-        return _slowest(time.perf_counter() - start, device) / calls
-
+    batch = functools.partial(_lockstep_batch, device=device)
     calls = []
     for fn in fns:
         batch(fn, 1)  # warm-up
