@@ -7,7 +7,6 @@ names the rank that failed first.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from ptdp.outputs import make_output_dir
 from ptdp.parallel.comm import all_gather_objects, barrier
 from ptdp.parallel.env import LaunchEnv, destroy_process_group
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
-from ptdp.train.faults.events import append_event
+from ptdp.train.faults.events import append_event, wall_ms
 from ptdp.train.init_from import InitSource, load_initial_weights, resolve_init
 from ptdp.train.loop import TrainResult, run_loop
 from ptdp.train.metrics import check_wandb
@@ -194,5 +193,5 @@ def _record_failure(trainer: Trainer, exc: Exception) -> None:
     text = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
     append_event(
         trainer.run_dir, "failure", rank=0, how="raised", error=text, step=trainer.step + 1,
-        done=trainer.step, fault_time=round(time.time(), 3),
+        done=trainer.step, fault_time=wall_ms(),
     )  # fmt: skip

@@ -20,6 +20,7 @@ restart why it happened.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,12 @@ ENDINGS = ("failure", "interrupted")
 """Events that end a run."""
 BEGINNINGS = ("resume", "restart")
 """Events a continued run writes after its first step."""
+
+
+def wall_ms(seconds: float | None = None) -> float:
+    """A wall-clock time (now by default) in ms, rounded down: a recorded fault time never
+    lies after the moment it is recorded."""
+    return math.floor(1000 * (time.time() if seconds is None else seconds)) / 1000
 
 
 def append_event(run_dir: str | Path, event: str, **fields: Any) -> dict[str, Any]:

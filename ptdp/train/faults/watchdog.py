@@ -41,6 +41,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ptdp.errors import PtdpError
+from ptdp.train.faults.events import wall_ms
 from ptdp.train.faults.numerical import StopRequest
 
 STEP_WINDOW = 20
@@ -290,7 +291,7 @@ class Watchdog:
             "machine went away",
             "step": self.step,
             "done": self.done,
-            "fault_time": round(time.time() - (time.monotonic() - seen[1]), 3) if seen else None,
+            "fault_time": wall_ms(time.time() - (time.monotonic() - seen[1])) if seen else None,
         }
         if self.rank == self.world_size - 1 and not self._rank0_reported:
             self._rank0_reported = True
@@ -343,7 +344,7 @@ class Watchdog:
         """Write a failure; the first one written is the one every rank reports."""
         rank = self.rank if rank is None else rank
         record = {"rank": rank, **self._who(rank), "step": self.step, "done": self.done, **record}
-        record.setdefault("fault_time", round(time.time(), 3))
+        record.setdefault("fault_time", wall_ms())
         if self.store.add("failures", 1) == 1:
             self.store.set("first", json.dumps(record))
             self._report(record)
@@ -415,7 +416,7 @@ class Watchdog:
                             "(SIGKILL, out of host memory), froze, or its machine went away"
                         ),
                         "where": f"last heard from at step {last['step']} in {last['action']}",
-                        "fault_time": round(time.time() - (now - changed), 3),
+                        "fault_time": wall_ms(time.time() - (now - changed)),
                     },
                     rank=r,
                 )
