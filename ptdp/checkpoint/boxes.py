@@ -66,7 +66,7 @@ def _shift(box: Box, row: int, at: int) -> Box:
 
 
 @dataclass(frozen=True)
-class Placement:
+class TensorPlace:
     """Where a rank's tensor-local tensor sits in the global (checkpoint) tensor: viewed
     as `shape` (a `@parts` tensor unflattened), its first `valid` elements per dimension
     (the rest is padding) start at `offsets` of a global tensor of `size`."""
@@ -77,7 +77,9 @@ class Placement:
     size: tuple[int, ...]
 
 
-def placed_boxes(place: Placement, values: torch.Tensor, lo: int) -> list[tuple[Box, torch.Tensor]]:
+def placed_boxes(
+    place: TensorPlace, values: torch.Tensor, lo: int
+) -> list[tuple[Box, torch.Tensor]]:
     """(global box, its values as a new contiguous fp32 tensor) for the flat slice
     `values` of the tensor-local elements starting at `lo`, padding left out."""
     out = []

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ptdp.checkpoint.boxes import Boxes, Placement, placed_boxes
+from ptdp.checkpoint.boxes import Boxes, TensorPlace, placed_boxes
 from ptdp.checkpoint.keys import MODEL, MOMENTS, STATE_KEYS, named_parameters, parts_dim, parts_key
 from ptdp.errors import CheckpointError
 from ptdp.parallel.comm import has_process_group
@@ -84,7 +84,7 @@ def _dtensor(local: torch.Tensor, spec: ShardSpec, sub: DeviceMesh, tp_rank: int
     )
 
 
-def placement(p: torch.Tensor, sub: DeviceMesh | None, tp_rank: int) -> tuple[str, Placement]:
+def tensor_place(p: torch.Tensor, sub: DeviceMesh | None, tp_rank: int) -> tuple[str, TensorPlace]:
     """The key suffix ("" or `@parts...`) and the place in the global tensor of this
     rank's tensor-local `p`, for the boxes a save writes."""
     spec, shape = shard_spec(p), tuple(p.shape)
@@ -94,13 +94,13 @@ def placement(p: torch.Tensor, sub: DeviceMesh | None, tp_rank: int) -> tuple[st
         size, dim = _global(p, spec, parts=True)
         offsets = [0] * len(view)
         offsets[dim] = tp_rank * rows
-        return parts_key("", spec), Placement(view, view, tuple(offsets), tuple(size))
+        return parts_key("", spec), TensorPlace(view, view, tuple(offsets), tuple(size))
     if _sharded(spec, sub):
         valid, offsets = list(shape), [0] * len(shape)
         valid[spec.dim], offsets[spec.dim] = spec.rows(tp_rank), spec.start(tp_rank)
-        return "", Placement(shape, tuple(valid), tuple(offsets), spec.full_shape(p.shape))
+        return "", TensorPlace(shape, tuple(valid), tuple(offsets), spec.full_shape(p.shape))
     full = spec.full_shape(p.shape) if spec is not None else shape
-    return "", Placement(shape, full, (0,) * len(shape), full)
+    return "", TensorPlace(shape, full, (0,) * len(shape), full)
 
 
 @dataclass
@@ -127,7 +127,7 @@ def sharded_state(
     for name, p in named_parameters(chunks):
         if roles.is_tied_copy(name):
             continue
-        suffix, place = placement(p, sub, tp_rank)
+        suffix, place = tensor_place(p, sub, tp_rank)
         mine = slices.get(p)
         values = {MODEL + name: mine.master if mine else None}
         for k in moments:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ptdp import checkpoint as ckpt
-from ptdp.checkpoint.boxes import Boxes, Placement, placed_boxes
+from ptdp.checkpoint.boxes import Boxes, TensorPlace, placed_boxes
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.run import train
 from tests.dist.harness import RankError, run_ranks
@@ -63,7 +63,7 @@ def test_async_save_is_a_snapshot(tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held_write)
     weight = torch.arange(6.0).reshape(2, 3)
-    place = Placement((4,), (4,), (0,), (4,))  # an optimizer's boxes are staged too
+    place = TensorPlace((4,), (4,), (0,), (4,))  # an optimizer's boxes are staged too
     boxes = Boxes((4,), placed_boxes(place, torch.arange(4.0), 0))
     state = {"model/w": weight, "model/b": boxes, "step": 5}
     cfg = tiny_config("unused", tmp_path)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ptdp.checkpoint.boxes import Boxes, Placement, flat_boxes, placed_boxes
+from ptdp.checkpoint.boxes import Boxes, TensorPlace, flat_boxes, placed_boxes
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 4), (2, 3, 4), (4, 1, 3)])
@@ -34,7 +34,7 @@ def test_flat_boxes_cover_exactly_the_range_in_order(shape: tuple[int, ...]) -> 
 def test_placed_boxes_leave_padding_out_and_move_to_the_shard() -> None:
     """A [4, 3] tensor-local shard whose last row is padding, rows 6..8 of a [9, 3] tensor."""
     local = torch.arange(12, dtype=torch.float32).view(4, 3)
-    place = Placement(shape=(4, 3), valid=(3, 3), offsets=(6, 0), size=(9, 3))
+    place = TensorPlace(shape=(4, 3), valid=(3, 3), offsets=(6, 0), size=(9, 3))
     full = torch.full((9, 3), -1.0)
     for lo, hi in [(0, 12), (2, 11), (4, 5), (9, 12)]:
         full.fill_(-1.0)
@@ -53,7 +53,7 @@ def test_boxes_save_and_load_as_the_tensor(tmp_path: Path) -> None:
     """Two slices of one tensor (as two dp ranks would own them), saved as boxes in one
     process, load back as the whole tensor and as any part of it."""
     value = torch.randn(5, 6)
-    place = Placement((5, 6), (5, 6), (0, 0), (5, 6))
+    place = TensorPlace((5, 6), (5, 6), (0, 0), (5, 6))
     flat = value.reshape(-1)
     boxes = placed_boxes(place, flat[:13], 0) + placed_boxes(place, flat[13:], 13)
     dcp.save({"w": Boxes((5, 6), boxes)}, checkpoint_id=tmp_path, no_dist=True)
