@@ -6,11 +6,16 @@ What is measured (ptdp/perf/microbench.py) and what it becomes in the cluster TO
 - the GEMMs of a transformer layer (QKV, projection, MLP in and out, a weight gradient)
   over hidden sizes -> `gemm_curve_flops` / `gemm_curve_efficiency`, a non-decreasing
   efficiency curve over GEMM FLOPs (ptdp/perf/fit.py), and `gemm_efficiency`, its top;
-- causal fused attention (torch SDPA) -> `attention_efficiency` (forward, at the longest
-  sequence measured) and `attention_backward_ratio`;
-- norms, activations, softmax, a residual add and the AdamW step -> achieved bandwidth,
-  `memory_efficiency` (their bytes over their time, against the nominal bandwidth of the
-  base cluster, or as the bandwidth itself where there is none, on CPUs);
+- causal fused attention (torch SDPA) over sequence lengths and head sizes ->
+  `attention_curve_*`, forward efficiency (non-decreasing) and backward / forward ratio
+  over the causal FLOPs per sequence and head, and `attention_efficiency` /
+  `attention_backward_ratio` at the longest sequence;
+- norms, activations, softmax, a residual add and the AdamW step, and the input gradients
+  of the first five, from inside the caches to past them -> `[device.achieved.memory_kernels]`,
+  each kernel's bandwidth over the bytes a call moves (ptdp/perf/kernels.py prices a layer's
+  kernels one by one with it), and `memory_efficiency`, the median forward kernel past the
+  caches (against the nominal bandwidth of the base cluster, or as the bandwidth itself
+  where there is none, on CPUs);
 - a one-element kernel -> `kernel_overhead_us`;
 - on a CPU, ptdp's own model at a negligible size (0 and 2 layers, forward and backward)
   -> `layer_overhead_us` and `head_overhead_us`: what Python, module calls and autograd
@@ -64,8 +69,12 @@ class Sweep:
     """Sequence lengths of the attention timings (batch = tokens // s, at least 1)."""
     heads: int
     head_dim: int
-    stream_bytes: int
-    """Bytes of each memory-bound kernel's input (well past the last-level cache)."""
+    attention_dims: tuple[int, ...]
+    """Smaller head sizes, timed at the two shortest sequences as well."""
+    stream_bytes: tuple[int, ...]
+    """Input sizes of the memory-bound kernels, growing from inside the caches to well past
+    the last level (a layer's tensors may fit in them); the largest gives
+    `memory_efficiency`."""
     message_bytes: tuple[int, ...]
     max_call_s: float
     """Skip any GEMM or attention call predicted to take longer than this."""
@@ -80,7 +89,8 @@ SWEEPS: dict[tuple[str, bool], Sweep] = {
         attention_seq=(512, 1024, 2048, 4096, 8192),
         heads=16,
         head_dim=128,
-        stream_bytes=512 * MIB,  # past an H100's 50 MB L2
+        attention_dims=(64,),
+        stream_bytes=(4 * MIB, 32 * MIB, 512 * MIB),  # to past an H100's 50 MB L2
         message_bytes=tuple(64 * KIB * 4**i for i in range(7)),  # to 256 MiB
         max_call_s=0.5,
         timing=mb.Timing(0.05, 5),
@@ -91,7 +101,8 @@ SWEEPS: dict[tuple[str, bool], Sweep] = {
         attention_seq=(1024, 4096),
         heads=16,
         head_dim=128,
-        stream_bytes=128 * MIB,
+        attention_dims=(),
+        stream_bytes=(8 * MIB, 128 * MIB),
         message_bytes=(64 * KIB, 4 * MIB, 64 * MIB),
         max_call_s=0.2,
         timing=mb.Timing(0.01, 3),
@@ -102,7 +113,8 @@ SWEEPS: dict[tuple[str, bool], Sweep] = {
         attention_seq=(128, 256, 512, 1024, 2048),
         heads=8,
         head_dim=64,
-        stream_bytes=64 * MIB,  # past a server CPU's last-level cache
+        attention_dims=(16, 32),
+        stream_bytes=(256 * KIB, 2 * MIB, 16 * MIB, 64 * MIB),  # to past a server CPU's LLC
         message_bytes=tuple(4 * KIB * 4**i for i in range(7)),  # to 16 MiB
         max_call_s=0.25,
         timing=mb.Timing(0.03, 7),  # short batches, many: some miss a neighbour's job
@@ -113,7 +125,8 @@ SWEEPS: dict[tuple[str, bool], Sweep] = {
         attention_seq=(128, 512),
         heads=4,
         head_dim=32,
-        stream_bytes=2 * MIB,
+        attention_dims=(16,),
+        stream_bytes=(256 * KIB, 2 * MIB),
         message_bytes=(4 * KIB, 64 * KIB, 1 * MIB),
         max_call_s=0.02,
         timing=mb.Timing(0.005, 7),  # as the default: many short batches on a shared CPU
@@ -128,7 +141,8 @@ Progress = Callable[[str], None]
 def measure_compute(
     device: torch.device, dtype: torch.dtype, sweep: Sweep, step: Progress
 ) -> tuple[list[tuple[mb.GemmShape, float]], list[tuple[mb.AttentionShape, float, float]]]:
-    """GEMMs by growing hidden size, then attention by growing sequence, each skipped once
+    """GEMMs by growing hidden size, then attention by growing sequence (and at the smaller
+    head sizes of `sweep.attention_dims` at the two shortest sequences), each skipped once
     the best rate so far predicts a call longer than `sweep.max_call_s`. The two smallest
     hidden sizes are always timed, so that one call slowed by a neighbour's job (the best
     rate of a single figure) cannot cut the sweep short."""
@@ -142,13 +156,34 @@ def measure_compute(
             gemms.append((shape, mb.gemm_seconds(shape, dtype, device, sweep.timing)))
     attention: list[tuple[mb.AttentionShape, float, float]] = []
     rate = max(s.flops / t for s, t in gemms)
-    for seq in sweep.attention_seq:
-        shape = mb.AttentionShape(max(1, sweep.tokens // seq), sweep.heads, seq, sweep.head_dim)
-        step(f"attention s={seq}")
+    shortest = sorted(sweep.attention_seq)[:2]
+    plan = [(s, sweep.head_dim) for s in sweep.attention_seq]
+    plan += [(s, d) for d in sweep.attention_dims for s in shortest]
+    for seq, dim in plan:
+        shape = mb.AttentionShape(max(1, sweep.tokens // seq), sweep.heads, seq, dim)
+        step(f"attention s={seq} d={dim}")
         if attention and 3.5 * shape.causal_flops / rate > sweep.max_call_s:
             continue
         attention.append((shape, *mb.attention_seconds(shape, dtype, device, sweep.timing)))
     return gemms, attention
+
+
+def measure_stream(
+    device: torch.device, dtype: torch.dtype, sweep: Sweep, step: Progress
+) -> list[tuple[str, float, float]]:
+    """(kernel, bytes moved, seconds) of every memory-bound kernel, and of its backward as
+    `<kernel>_backward`, at every size of the sweep."""
+    rows = []
+    for nbytes in sweep.stream_bytes:
+        for kernel in mb.STREAM_KERNELS:
+            for backward in (False, True)[: 1 + (kernel in mb.WITH_BACKWARD)]:
+                name = kernel + "_backward" * backward
+                step(name)
+                timed = mb.stream_seconds(
+                    kernel, nbytes, dtype, device, sweep.timing, backward=backward
+                )
+                rows.append((name, *timed))
+    return rows
 
 
 def collective_plans(world: int, per_node: int) -> list[tuple[int, int, str, tuple[str, ...]]]:
@@ -193,7 +228,10 @@ def planned_figures(sweep: Sweep, world: int, per_node: int) -> int:
     """How many figures `calibrate` times (the progress bar's total)."""
     plans = collective_plans(world, per_node) if world > 1 else []
     comms = sum(len(ops) for *_, ops in plans) * len(sweep.message_bytes)
-    compute = 5 * len(sweep.hidden) + len(sweep.attention_seq) + len(mb.STREAM_KERNELS) + 2
+    kernels = len(mb.STREAM_KERNELS) + len(mb.WITH_BACKWARD)
+    seqs = len(sweep.attention_seq)
+    attention = seqs + len(sweep.attention_dims) * min(2, seqs)
+    compute = 5 * len(sweep.hidden) + attention + kernels * len(sweep.stream_bytes) + 2
     return compute + comms + (world > 1)  # the collectives' resynchronisation (CPUs)
 
 
@@ -249,15 +287,7 @@ def calibrate(
 
     try:
         gemms, attention = measure_compute(device, dtype, sweep, step)
-        stream = []
-        for kernel in mb.STREAM_KERNELS:
-            step(kernel)
-            stream.append(
-                (
-                    kernel,
-                    *mb.stream_seconds(kernel, sweep.stream_bytes, dtype, device, sweep.timing),
-                )
-            )
+        stream = measure_stream(device, dtype, sweep, step)
         step("kernel launch")
         launch = mb.launch_seconds(device, sweep.timing)
         step("framework overhead")

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ptdp.perf.fit import LinkFit
+from ptdp.perf.fit import LinkFit, monotone_curve
 from ptdp.perf.hardware import GB, GIB, Link, System
 
 DESCRIPTION = (
@@ -54,7 +54,8 @@ class Calibration:
     curve: tuple[tuple[float, float], ...]
     attention: tuple[tuple[mb.AttentionShape, float, float], ...]
     stream: tuple[tuple[str, float, float], ...]
-    """(kernel, bytes, seconds)."""
+    """(kernel, bytes moved, seconds), each kernel at growing sizes; `<kernel>_backward` for
+    its input gradient."""
     launch_seconds: float
     memory_bytes: float
     reserved_bytes: float
@@ -76,21 +77,54 @@ class Calibration:
     under torchrun only."""
 
     @property
+    def kernel_curves(self) -> dict[str, tuple[tuple[float, float], ...]]:
+        """Each kernel's (bytes moved per call, bytes/s), sizes increasing."""
+        curves: dict[str, list[tuple[float, float]]] = {}
+        for kernel, nbytes, seconds in self.stream:
+            curves.setdefault(kernel, []).append((nbytes, nbytes / seconds))
+        return {k: tuple(sorted(v)) for k, v in curves.items()}
+
+    @property
+    def largest_bandwidths(self) -> dict[str, float]:
+        """Each kernel's bytes/s at the largest size measured (past the caches)."""
+        return {k: curve[-1][1] for k, curve in self.kernel_curves.items()}
+
+    @property
     def achieved_bandwidth(self) -> float:
-        """The median kernel's bandwidth: a typical memory-bound kernel, which one slow kernel
-        the model's layer may not even run (RMS norm, unfused on CPUs, in a LayerNorm model)
-        or one batch hit by a neighbour's job cannot drag down as it drags a total."""
-        return statistics.median(b / s for _, b, s in self.stream)
+        """The median forward kernel's bandwidth past the caches: a typical memory-bound
+        kernel, which one slow kernel the model's layer may not even run (RMS norm, unfused
+        on CPUs, in a LayerNorm model) or one batch hit by a neighbour's job cannot drag down
+        as it drags a total. What a layer's kernels cost when priced one by one is
+        `kernel_curves` (ptdp/perf/kernels.py)."""
+        forward = [bw for k, bw in self.largest_bandwidths.items() if not k.endswith("_backward")]
+        return statistics.median(forward)
 
     @property
     def attention_efficiency(self) -> float:
-        shape, fwd, _ = max(self.attention, key=lambda r: r[0].s)
+        shape, fwd, _ = max(self.attention, key=lambda r: (r[0].s, r[0].d))
         return shape.causal_flops / (fwd * self.peak)
 
     @property
     def attention_backward_ratio(self) -> float:
-        _, fwd, bwd = max(self.attention, key=lambda r: r[0].s)
+        _, fwd, bwd = max(self.attention, key=lambda r: (r[0].s, r[0].d))
         return bwd / fwd
+
+    @property
+    def attention_curve(self) -> tuple[tuple[float, float, float], ...]:
+        """(causal FLOPs per sequence and head, forward efficiency, backward / forward) knots:
+        the efficiency fitted non-decreasing (as the GEMM curve), the ratio averaged per
+        size. Short sequences and small heads give the kernel less work per program (on a
+        CPU, whose flash kernel takes keys in blocks of 512, a causal sequence shorter than
+        that skips nothing), so one efficiency at the longest sequence over-credits them."""
+        points = [
+            (2.0 * a.s * a.s * a.d, a.causal_flops / (fwd * self.peak), bwd / fwd)
+            for a, fwd, bwd in self.attention
+        ]
+        ratios: dict[float, list[float]] = {}
+        for x, _, ratio in points:
+            ratios.setdefault(x, []).append(ratio)
+        curve = monotone_curve([(x, y) for x, y, _ in points])
+        return tuple((x, y, statistics.mean(ratios[x])) for x, y in curve)
 
 
 def _value(v: object) -> str:
@@ -186,6 +220,9 @@ def render_toml(cal: Calibration, name: str) -> str:
         "gemm_curve_efficiency": [y for _, y in curve],
         "attention_efficiency": cal.attention_efficiency,
         "attention_backward_ratio": cal.attention_backward_ratio,
+        "attention_curve_flops": [x for x, _, _ in cal.attention_curve],
+        "attention_curve_efficiency": [y for _, y, _ in cal.attention_curve],
+        "attention_curve_backward_ratio": [r for _, _, r in cal.attention_curve],
         "memory_efficiency": achieved_bw / nominal,
         "kernel_overhead_us": cal.launch_seconds * 1e6,
         "reserved_gib": cal.reserved_bytes / GIB,
@@ -207,6 +244,11 @@ def render_toml(cal: Calibration, name: str) -> str:
         "",
         *_table("device", device),
         *_table("device.achieved", achieved, "fitted by ptdp/perf/fit.py"),
+        *_table(
+            "device.achieved.memory_kernels",
+            {k: [[b, bw / GB] for b, bw in c] for k, c in cal.kernel_curves.items()},
+            "[bytes moved per call, GB/s], growing sizes (ptdp/perf/kernels.py)",
+        ),
         *_table("node", {"gpus": cal.gpus_per_node, **node}),
         *_table("network", network),
         *_calibration_tables(cal),
@@ -226,12 +268,12 @@ def _calibration_tables(cal: Calibration) -> list[str]:
         "backward_ms": [b * 1e3 for _, _, b in cal.attention],
         "forward_tflops": [a.causal_flops / f / 1e12 for a, f, _ in cal.attention],
     }
-    memory = {k: b / s / GB for k, b, s in cal.stream}
+    memory = {k: bw / GB for k, bw in cal.largest_bandwidths.items()}
     lines = [
         *_table("calibration", dict(cal.info), "what was measured; the loader skips it"),
         *_table("calibration.gemm", gemm),
         *_table("calibration.attention", attention, "causal SDPA"),
-        *_table("calibration.memory_gb_s", memory),
+        *_table("calibration.memory_gb_s", memory, "at the largest size"),
     ]
     if cal.sync is not None:
         rows = {"per_call_us": cal.sync[0] * 1e6, "tp2_layer_us": cal.sync[1] * 1e6}
@@ -266,9 +308,9 @@ def summary(cal: Calibration) -> str:
         f"efficiency {small[1]:.2f} at {small[0]:.2g} FLOPs .. {top[1]:.2f} at {top[0]:.2g}",
         f"  attention (causal SDPA) forward efficiency {cal.attention_efficiency:.2f}, "
         f"backward / forward {cal.attention_backward_ratio:.2f}",
-        "  memory-bound kernels: "
-        + ", ".join(f"{k} {b / s / GB:.3g}" for k, b, s in cal.stream)
-        + f" GB/s (median: {cal.achieved_bandwidth / GB:.3g})",
+        "  memory-bound kernels past the caches: "
+        + ", ".join(f"{k} {bw / GB:.3g}" for k, bw in cal.largest_bandwidths.items())
+        + f" GB/s (median forward: {cal.achieved_bandwidth / GB:.3g})",
         f"  kernel launch {cal.launch_seconds * 1e6:.3g} us",
     ]
     if cal.framework is not None:

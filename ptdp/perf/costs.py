@@ -13,11 +13,13 @@ the backward pass.
 
 Calibrated devices (`ptdp calibrate`) carry an efficiency curve over GEMM size measured
 on these same layer shapes instead: a GEMM takes 2 m n k / (peak * curve(2 m n k)), which
-holds operand traffic and launch costs as measured. Their fused attention runs at its own
-measured efficiency and backward / forward ratio. A calibrated CPU also carries the fixed
-cost of a layer pass that no kernel timing holds (Python, module calls, autograd: ptdp's
-own model timed at a negligible size), added per layer and microbatch, and the same for
-the embedding, head and loss.
+holds operand traffic and launch costs as measured. Their fused attention runs at the
+measured efficiency and backward / forward ratio for its work per sequence and head, and
+their memory-bound kernels are priced one by one, each at its own measured bandwidth for
+the bytes it moves (ptdp/perf/kernels.py), in place of the `elementwise_traffic` term.
+A calibrated CPU also carries the fixed cost of a layer pass that no kernel timing holds
+(Python, module calls, autograd: ptdp's own model timed at a negligible size), added per
+layer and microbatch, and the same for the embedding, head and loss.
 
 Backward of a linear layer: the input gradient (dgrad, [m, n] x [n, k]) goes to B and the
 weight gradient (wgrad, [k, m] x [m, n]) to W; everything else of a backward goes to B
@@ -53,6 +55,7 @@ from dataclasses import dataclass, replace
 
 from ptdp.config import Activation, ModelConfig, Precision, Recompute
 from ptdp.perf.hardware import Link, System
+from ptdp.perf.kernels import layer_traffic
 from ptdp.perf.memory import element_bytes, head_activation_bytes, layer_activation_bytes
 
 
@@ -251,10 +254,9 @@ def attention_core(model: ModelConfig, micro_batch: int, tp: int, c: Compute) ->
         masked = 0 < model.sliding_window < s
         flops = (scores.flops + values.flops) * (1.0 if masked else c.software.causal_fraction)
         dev = c.system.device
-        efficiency = dev.attention_efficiency or dev.gemm_efficiency
-        forward = flops / (c.peak * efficiency) + dev.kernel_overhead
-        ratio = dev.attention_backward_ratio or c.software.fused_backward_ratio
-        return Passes(forward, forward * ratio, 0.0)
+        efficiency, ratio = dev.attention_at(flops / heads)
+        forward = flops / (c.peak * (efficiency or dev.gemm_efficiency)) + dev.kernel_overhead
+        return Passes(forward, forward * (ratio or c.software.fused_backward_ratio), 0.0)
     forward = c.gemm(scores) + c.gemm(values)
     backward = sum(c.gemm(g.dgrad()) + c.gemm(g.wgrad()) for g in (scores, values))
     return Passes(forward, backward, 0.0)
@@ -340,8 +342,13 @@ def layer_seconds(
     )
     fixed_f, fixed_b = c.system.device.layer_overhead  # measured: holds every launch
     launches = 0.0 if fixed_f or fixed_b else c.software.elementwise_kernels
-    traffic = c.stream(c.software.elementwise_traffic * stored)
-    traffic += launches * c.system.device.kernel_overhead
+    launch = launches * c.system.device.kernel_overhead
+    if c.system.device.memory_kernels:  # each kernel at its own measured bandwidth
+        f, b = layer_traffic(model, e=c.e, device=c.system.device, **kw)
+        traffic, traffic_b = f + launch, b + c.software.backward_traffic_ratio * launch
+    else:
+        traffic = c.stream(c.software.elementwise_traffic * stored) + launch
+        traffic_b = c.software.backward_traffic_ratio * traffic
     boundary = micro_batch * model.seq_length * model.hidden_size * c.e
     comm = 2 * all_reduce_seconds(boundary, tp, group_link(c.system, tp, 1))
     comm_f = comm_b = comm
@@ -350,7 +357,7 @@ def layer_seconds(
     elif tp > 1:  # each pass waits on 2 all-reduces, or 2 all-gather + reduce-scatter pairs
         comm_f = comm_b = comm + sync_seconds(4 if sequence_parallel else 2, c)
     forward = linears.f + core.f + traffic + comm_f + fixed_f
-    backward = linears.b + core.b + c.software.backward_traffic_ratio * traffic + comm_b + fixed_b
+    backward = linears.b + core.b + traffic_b + comm_b + fixed_b
     passes = Passes(forward, backward, linears.w)
     if recompute is Recompute.FULL:
         passes += Passes(0.0, forward, 0.0)

@@ -99,6 +99,12 @@ class Device:
     """Fraction of the peak the fused attention forward sustains (0: `gemm_efficiency`)."""
     attention_backward_ratio: float = 0.0
     """Fused attention backward / forward time as measured (0: the software's figure)."""
+    attention_curve: tuple[tuple[float, float, float], ...] = ()
+    """Measured (causal FLOPs per sequence and head, forward efficiency, backward / forward)
+    knots; when given, they replace the two figures above (see `attention_at`)."""
+    memory_kernels: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    """Measured (kernel, ((bytes moved per call, bytes/s), ...)): each memory-bound kernel's
+    bandwidth from inside the caches to past them (see `kernel_bandwidth`)."""
     layer_overhead: tuple[float, float] = (0.0, 0.0)
     """Seconds per transformer layer and microbatch, (forward, backward), that no kernel
     runs: Python, the dispatcher, autograd (`ptdp calibrate` on a CPU measures it)."""
@@ -114,6 +120,26 @@ class Device:
         """Efficiency of a GEMM of `flops`: the measured curve (log-linear between its knots,
         flat beyond them) if there is one, else the single `gemm_efficiency`."""
         return interpolate_log(self.gemm_curve, flops) if self.gemm_curve else self.gemm_efficiency
+
+    def attention_at(self, flops_per_head: float) -> tuple[float, float]:
+        """(forward efficiency, backward / forward) of fused attention doing `flops_per_head`
+        per sequence and head: the measured curve (log-linear between knots, flat beyond)
+        if there is one, else the two single figures (0: not measured)."""
+        curve = self.attention_curve
+        if not curve:
+            return self.attention_efficiency, self.attention_backward_ratio
+        return (
+            interpolate_log([(x, y) for x, y, _ in curve], flops_per_head),
+            interpolate_log([(x, r) for x, _, r in curve], flops_per_head),
+        )
+
+    def kernel_bandwidth(self, kernel: str, nbytes: float) -> float:
+        """Bytes/s of memory-bound `kernel` moving `nbytes` in one call: its measured curve
+        if there is one, else what streaming kernels reach."""
+        for name, curve in self.memory_kernels:
+            if name == kernel:
+                return interpolate_log(curve, nbytes)
+        return self.memory_bandwidth * self.memory_efficiency
 
     def peak_flops(self, precision: str) -> float:
         """Dense FLOP/s at `precision` (fp32, tf32, bf16 or fp16)."""
@@ -272,6 +298,8 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         gemm_curve=_curve(achieved),
         attention_efficiency=float(achieved.get("attention_efficiency", 0.0)),
         attention_backward_ratio=float(achieved.get("attention_backward_ratio", 0.0)),
+        attention_curve=_attention_curve(achieved),
+        memory_kernels=_memory_kernels(achieved),
         layer_overhead=_pair(achieved, "layer_overhead_us"),
         head_overhead=_pair(achieved, "head_overhead_us"),
         collective_sync=float(achieved.get("collective_sync_us", 0.0)) * 1e-6,
@@ -307,6 +335,40 @@ def _curve(achieved: dict[str, Any]) -> tuple[tuple[float, float], ...]:
             "never decrease (as `ptdp calibrate` writes it)"
         )
     return tuple(zip(sizes, values))
+
+
+def _attention_curve(achieved: dict[str, Any]) -> tuple[tuple[float, float, float], ...]:
+    keys = ("attention_curve_flops", "attention_curve_efficiency", "attention_curve_backward_ratio")
+    columns = [[float(v) for v in achieved.get(k, [])] for k in keys]
+    sizes, values, ratios = columns
+    if not len(sizes) == len(values) == len(ratios):
+        raise ValueError(f"{', '.join(keys)} differ in length")
+    increasing = all(a < b for a, b in zip(sizes, sizes[1:]))
+    monotone = all(a <= b for a, b in zip(values, values[1:]))
+    if not (increasing and monotone and min(sizes + values + ratios, default=1) > 0):
+        raise ValueError(
+            "the attention curve needs positive sizes, increasing, with positive efficiencies "
+            "that never decrease and positive ratios (as `ptdp calibrate` writes it)"
+        )
+    return tuple(zip(sizes, values, ratios))
+
+
+def _memory_kernels(
+    achieved: dict[str, Any],
+) -> tuple[tuple[str, tuple[tuple[float, float], ...]], ...]:
+    """[device.achieved.memory_kernels] kernel = [[bytes, GB/s], ...] -> (kernel, ((bytes,
+    bytes/s), ...)), each checked: positive figures, sizes increasing."""
+    kernels = []
+    for name, pairs in achieved.get("memory_kernels", {}).items():
+        curve = tuple((float(b), float(bw) * GB) for b, bw in pairs)
+        sizes = [b for b, _ in curve]
+        if not curve or min(min(p) for p in curve) <= 0 or sizes != sorted(set(sizes)):
+            raise ValueError(
+                f"memory_kernels.{name} must be [[bytes, GB/s], ...] pairs, both positive, "
+                "bytes increasing (as `ptdp calibrate` writes it)"
+            )
+        kernels.append((str(name), curve))
+    return tuple(kernels)
 
 
 def _link(table: dict[str, Any]) -> Link:

@@ -154,19 +154,29 @@ def attention_seconds(
 # ------------------------------------------------------------------------- memory-bound
 
 
-STREAM_KERNELS = ("layer_norm", "rms_norm", "gelu", "softmax", "add", "adamw")
-"""Memory-bound kernels of a training step: norms, activations, residual adds, optimizer."""
+STREAM_KERNELS = ("layer_norm", "rms_norm", "gelu", "silu", "softmax", "add", "adamw")
+"""Memory-bound kernels of a training step: norms, activations, residual adds (and the
+copies, fills and sums priced like them), the optimizer step."""
+WITH_BACKWARD = ("layer_norm", "rms_norm", "gelu", "silu", "softmax")
+"""Those whose input gradient is a kernel of its own (timed as `<kernel>_backward`)."""
 
 
 def stream_seconds(
-    kernel: str, nbytes: int, dtype: torch.dtype, device: torch.device, timing: Timing
+    kernel: str,
+    nbytes: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    timing: Timing,
+    *,
+    backward: bool = False,
 ) -> tuple[float, float]:
     """(bytes moved, seconds) of one call of `kernel` on tensors of about `nbytes`.
 
     Bytes are the least each kernel must move: a read and a write per element for norms,
     activations and softmax, two reads and a write for an add, and for the AdamW step on fp32
     state 28 bytes a parameter (read weight, gradient, two moments; write weight and
-    moments), the count of ptdp/perf/simulator.py.
+    moments), the count of ptdp/perf/simulator.py. A backward (autograd's input gradient)
+    reads the saved tensor and the incoming gradient and writes the outgoing one: 3 passes.
     """
     hidden = 1024
     if kernel == "adamw":
@@ -179,22 +189,29 @@ def stream_seconds(
         return 28.0 * numel, time_call(opt.step, device, timing)
     e = torch.empty((), dtype=dtype).element_size()
     rows = max(1, nbytes // (e * hidden))
-    x = torch.randn(rows, hidden, dtype=dtype, device=device)
+    x = torch.randn(rows, hidden, dtype=dtype, device=device, requires_grad=backward)
     weight = torch.ones(hidden, dtype=dtype, device=device)
     bias = torch.zeros(hidden, dtype=dtype, device=device)
     y, out = torch.randn_like(x), torch.empty_like(x)
-    kernels: dict[str, tuple[int, Callable[[], object]]] = {
-        "layer_norm": (2, lambda: F.layer_norm(x, (hidden,), weight, bias)),
-        "rms_norm": (2, lambda: F.rms_norm(x, (hidden,), weight)),
-        "gelu": (2, lambda: F.gelu(x, approximate="tanh")),
-        "softmax": (2, lambda: torch.softmax(x, dim=-1)),
-        "add": (3, lambda: torch.add(x, y, out=out)),
+    kernels: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {
+        "layer_norm": (2, lambda t: F.layer_norm(t, (hidden,), weight, bias)),
+        "rms_norm": (2, lambda t: F.rms_norm(t, (hidden,), weight)),
+        "gelu": (2, lambda t: F.gelu(t, approximate="tanh")),
+        "silu": (2, F.silu),
+        "softmax": (2, lambda t: torch.softmax(t, dim=-1)),
+        "add": (3, lambda t: torch.add(t, y, out=out)),
     }
-    if kernel not in kernels:
-        raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(STREAM_KERNELS)}")
+    if kernel not in kernels or (backward and kernel not in WITH_BACKWARD):
+        known = ", ".join(WITH_BACKWARD if backward else STREAM_KERNELS)
+        raise ValueError(f"unknown kernel {kernel!r}{' backward' * backward}; known: {known}")
     passes, fn = kernels[kernel]
+    if backward:
+        result = fn(x)
+        grad = torch.randn_like(result)
+        call = functools.partial(torch.autograd.grad, result, x, grad, retain_graph=True)
+        return float(3 * x.numel() * e), time_call(call, device, timing)
     with torch.no_grad():
-        return float(passes * x.numel() * e), time_call(fn, device, timing)
+        return float(passes * x.numel() * e), time_call(lambda: fn(x), device, timing)
 
 
 def launch_seconds(device: torch.device, timing: Timing) -> float:

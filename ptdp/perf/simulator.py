@@ -35,6 +35,7 @@ from ptdp.perf.costs import (
 )
 from ptdp.perf.flops import flops_per_iteration, utilisation
 from ptdp.perf.hardware import System
+from ptdp.perf.kernels import Call
 from ptdp.perf.megatron2021 import megatron_2021_interleaved
 from ptdp.perf.memory import (
     MemoryEstimate,
@@ -267,7 +268,8 @@ def optimizer_seconds(
     fp32 = cfg.train.precision is Precision.FP32
     group = layout.dp * layout.cp
     shard = group if layout.shards_optimizer else 1
-    seconds = c.stream(per_rank * (8 + (28 if fp32 else 30) / shard))
+    step = Call("adamw", per_rank * (28 if fp32 else 30) / shard)
+    seconds = step.seconds(c.system.device) + Call("add", 8 * per_rank).seconds(c.system.device)
     if layout.shards_optimizer and layout.zero < 3:
         link = group_link(c.system, group, layout.tp)
         gather = gather_seconds(per_rank * (4 if fp32 else 2), group, link)

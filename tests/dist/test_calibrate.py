@@ -28,7 +28,8 @@ def _calibrate(rank: int, world_size: int, out: str) -> None:
         SWEEPS[("cpu", True)],
         hidden=(32, 64),
         attention_seq=(32,),
-        stream_bytes=256 * KIB,
+        stream_bytes=(256 * KIB,),
+        attention_dims=(),
         message_bytes=(4 * KIB, 256 * KIB, 4096 * KIB, 16384 * KIB),
         timing=mb.Timing(0.01, 5),
     )

@@ -54,8 +54,23 @@ def test_the_file_loads_and_holds_what_was_measured(calibrated: Path) -> None:
     # Relative to a measured peak, so not bounded by 1 on a machine this noisy.
     assert dev.attention_efficiency > 0 and dev.attention_backward_ratio > 0
     memory = raw["calibration"]["memory_gb_s"]
-    assert set(memory) == {"layer_norm", "rms_norm", "gelu", "softmax", "add", "adamw"}
+    forward = {"layer_norm", "rms_norm", "gelu", "silu", "softmax", "add", "adamw"}
+    backward = {f"{k}_backward" for k in forward - {"add", "adamw"}}
+    assert set(memory) == forward | backward
     assert all(v > 0 for v in memory.values())
+    # Each kernel's curve over the sizes of the quick sweep (256 KiB and 2 MiB inputs), and
+    # its last knot is the figure past the caches.
+    curves = dict(dev.memory_kernels)
+    assert set(curves) == set(memory)
+    for name, curve in curves.items():
+        assert len(curve) == 2 and curve[0][0] < curve[1][0]
+        assert curve[-1][1] == pytest.approx(memory[name] * 1e9, rel=1e-6)
+    assert dev.kernel_bandwidth("gelu", 1.0) == curves["gelu"][0][1]
+    # Attention over the work per head: head size 16 and 32 at the quick sweep's sequences.
+    knots = dev.attention_curve
+    assert len(knots) == 4 and [x for x, _, _ in knots] == sorted(x for x, _, _ in knots)
+    assert all(a[1] <= b[1] for a, b in zip(knots, knots[1:])) and knots[0][1] > 0
+    assert {x for x, _, _ in knots} == {2.0 * s * s * d for s in (128, 512) for d in (16, 32)}
     assert dev.memory_bandwidth * dev.memory_efficiency > 0 and dev.kernel_overhead > 0
     assert "not measured" in system.intra.name  # one process: no link was timed
 
