@@ -279,6 +279,22 @@ def optimizer_seconds(
     return seconds
 
 
+def step_reductions(layout: Layout, c: Compute) -> float:
+    """The step's scalar all-reduces, one after another between the last gradient and the
+    update: the loss over pp and over dp x cp (ptdp/train/step/trainer.py), the gradient
+    norm over tp, pp and, with a sharded optimizer, dp (ptdp/train/step/optim.py), and the
+    fault flags over the world (ptdp/train/faults/numerical.py). A few bytes each (a tree
+    or a low-latency protocol, not the ring's steps): each pays its group's latency and, on
+    CPUs, the ranks' resynchronisation."""
+    t, cp, dp, pp = layout.tp, layout.cp, layout.dp, layout.pp
+    groups = [(pp, t * cp * dp), (dp * cp, t), (t, 1), (pp, t * cp * dp), (t * cp * dp * pp, 1)]
+    if layout.shards_optimizer:
+        groups.append((dp, t * cp))
+    calls = [(n, stride) for n, stride in groups if n > 1]
+    wire = sum(group_link(c.system, n, stride).latency for n, stride in calls)
+    return wire + sync_seconds(len(calls), c)
+
+
 PlanSource = Callable[[str, int, int, int], PipelinePlan]
 """(schedule, pp, m, vpp) -> the plan: `build_plan`, or the planner's cache of it."""
 
@@ -379,7 +395,7 @@ def simulate(
         sum(f for stage, f in enumerate(costs.forward) if layout.stages.rank(stage) == r)
         for r in range(pp)
     )
-    step = optimizer_seconds(cfg, layout, c, first_forward)
+    step = step_reductions(layout, c) + optimizer_seconds(cfg, layout, c, first_forward)
     sharded = sharded_passes(cfg, layout, c, compute_costs(cfg, layout, c))[1]
     iteration = max(ends) + step
     opt_events = [Event(r, 0, 0, "OPT", max(ends), iteration, "dp") for r in range(pp)]

@@ -21,7 +21,7 @@ from ptdp.perf.flops import flops_per_iteration
 from ptdp.perf.hardware import load_system
 from ptdp.perf.paper import preset
 from ptdp.perf.replay import PipelineCosts, replay
-from ptdp.perf.simulator import pipeline_costs, simulate, stage_costs
+from ptdp.perf.simulator import pipeline_costs, simulate, stage_costs, step_reductions
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.schedules import SCHEDULES, add_comms, build
 from ptdp.pipeline.verify import verify
@@ -215,3 +215,37 @@ def test_uneven_stages_cost_in_proportion_to_their_layers() -> None:
     )
     assert uneven[1].b == pytest.approx(even[1].b * 3 / 2)
     assert simulate(uneven_cfg, A100, 16).iteration_seconds > 0
+
+
+@pytest.mark.parametrize(
+    "parallel,world,calls",
+    [
+        ({}, 1, 0),  # one process: nothing to reduce
+        ({"tp": 2}, 2, 2),  # gradient norm over tp, fault flags over the world
+        ({"pp": 2}, 2, 3),  # loss and norm over pp, flags
+        ({"zero": 0}, 2, 2),  # loss over dp, flags (the norm needs no dp reduction)
+        ({"zero": 1}, 2, 3),  # ... and the sharded optimizer's norm over dp
+        ({"tp": 2, "pp": 2, "zero": 1}, 8, 6),  # every one of them
+    ],
+)
+def test_the_steps_scalar_reductions_each_pay_a_latency_and_a_resync(
+    parallel: dict, world: int, calls: int
+) -> None:
+    cfg = apply_updates(
+        RunConfig(),
+        {
+            "model": {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "vocab_size": 256},
+            "parallel": parallel,
+            "train": {"micro_batch_size": 1, "global_batch_size": 8},
+        },
+        "test",
+    )
+    node = replace(A100.intra, latency=1e-3)
+    device = replace(A100.device, collective_sync=2e-3)
+    system = replace(A100, device=device, intra=node, inter=node)
+    c = Compute(system, Precision.FP32, PTDP)
+    assert step_reductions(validate(cfg, world), c) == pytest.approx(calls * 3e-3)
+    # They lie between the last gradient and the update, in the step's time.
+    quiet = replace(system, device=replace(device, collective_sync=0.0))
+    pay = simulate(cfg, system, world).iteration_seconds
+    assert pay - simulate(cfg, quiet, world).iteration_seconds >= calls * 2e-3 - 1e-12
