@@ -19,6 +19,7 @@ width / t, f the MLP width / t, e bytes per element; a read or a write of x elem
 forward   2 norms                  n'h in, n'h out                       norm
           2 residual adds          2 n'h in, n'h out                     add
           2 bias adds (with bias)  after the row-parallel linears        add
+          bias broadcasts          the column-parallel linears' (addmm) outputs written: n q, n f
           2 copies of n h/t        q to heads, the attention output back add
           activation               GeLU n f in and out; SwiGLU: SiLU on n f, product 3 n f
           2 dropouts (p > 0)       n'h in, n'h out, a byte mask          add
@@ -84,8 +85,9 @@ def layer_calls(
         forward.append(Call("add", 2 * x + mask, 2))
         backward.append(Call("add", 2 * x + mask, 2))
     if model.bias:
-        forward.append(Call("add", 2 * x, 2))
         parts = 2 if model.activation is Activation.SWIGLU else 1
+        forward.append(Call("add", 2 * x, 2))
+        forward.append(Call("add", qkv + parts * f))  # addmm's bias broadcast into QKV, MLP in
         outputs = qkv + 2 * (n * h * e) + parts * f  # QKV, projection, MLP in and out
         backward.append(Call("add", outputs))
     return forward, backward

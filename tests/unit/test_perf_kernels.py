@@ -46,8 +46,9 @@ def test_the_calls_of_a_gelu_layer_move_what_the_runtime_moves() -> None:
     x = n * h * e
     assert _bytes(forward, "layer_norm") == 2 * 2 * x  # two norms, a read and a write
     assert _bytes(forward, "gelu") == 2 * n * f * e
-    # residual adds (2 x 3), bias adds (2 x 2), the copies to heads and back (2 x 2)
-    assert _bytes(forward, "add") == (6 + 4 + 4) * x
+    # residual adds (2 x 3), bias adds (2 x 2), the copies to heads and back (2 x 2), and
+    # addmm's bias broadcast into the QKV and MLP-in outputs (written once)
+    assert _bytes(forward, "add") == (6 + 4 + 4) * x + 3 * x + n * f * e
     assert _bytes(backward, "layer_norm_backward") == 2 * 3 * x
     assert _bytes(backward, "gelu_backward") == 3 * n * f * e
     qkv = 3 * x
