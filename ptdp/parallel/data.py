@@ -1,10 +1,10 @@
-"""Data-parallel gradient reduction over contiguous, bucketed buffers.
+"""Data-parallel gradient reduction over contiguous, bucketed buffers: when each bucket is
+reduced, over which groups, and the all-gather of updated parameter shards. The buffers'
+layout (flat buffers, buckets, `main_grad` views, shards) is `ptdp.parallel.buckets`.
 
-Each model chunk's parameters live in one flat buffer (in the parameters' dtype) and
-their gradients in a second, fp32 one: `param.main_grad` is a view into it. A hook on
-every parameter adds its gradient into `main_grad` and drops `param.grad`, so 16-bit
-gradients accumulate over microbatches in fp32. The buffers are cut into buckets of
-about `bucket_mb` MiB, in reverse registration order (the order backward produces them).
+A hook on every parameter adds its gradient into `main_grad` (a view of the chunk's fp32
+gradient buffer) and drops `param.grad`, so 16-bit gradients accumulate over microbatches
+in fp32.
 
 During the last microbatch's backward of a chunk (`start_final`), a bucket whose
 parameters have all received their gradient starts its reduction at once, as an
@@ -46,13 +46,17 @@ its forward and its backward. `traffic` counts what the data-parallel collective
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ptdp.parallel.buckets import (
+    Bucket,
+    ChunkBuffer,
+    allocate_chunk,
+    cast_chunk,
+    split_into_buckets,
+)
 from ptdp.parallel.comm import (
     Group,
     all_gather_flat_async,
@@ -63,81 +67,6 @@ from ptdp.parallel.comm import (
 from ptdp.parallel.grads import sum_tied_
 from ptdp.parallel.roles import ParamRoles
 from ptdp.parallel.zero3 import ParamGather, unit_of
-
-
-@dataclass
-class Bucket:
-    """A contiguous range [start, end) of one chunk's buffers and the parameters in it."""
-
-    start: int
-    end: int
-    params: list[nn.Parameter]
-    deferred: bool = False
-    """Reduced in `finish` only, after a reduction over another group (tied embedding)."""
-    sequence_parallel: list[nn.Parameter] = field(default_factory=list)
-    """The parameters (in `params` order) whose gradients are summed over the tensor group
-    first: partial sums under sequence parallelism."""
-    pending: int = 0
-    """Parameters still to receive their final gradient in this step (ZeRO-2: their next
-    gradient since the bucket's full buffer was allocated)."""
-    work: dist.Work | None = None
-    launched: bool = False
-    full: torch.Tensor | None = None
-    """ZeRO-2: the bucket's full-size fp32 gradient while it is being filled."""
-    whole: torch.Tensor | None = None
-    """ZeRO-3: the bucket's full parameters (their views' storage), freed when unused."""
-    shard: torch.Tensor | None = None
-    """ZeRO-3: this rank's 1/dp of the parameters, a view of the chunk's `params`."""
-    users: int = 0
-    """ZeRO-3: forwards and backwards holding `whole` now (`ParamGather`)."""
-    gather: dist.Work | None = None
-    """ZeRO-3: the all-gather filling `whole`, while in flight."""
-
-    @property
-    def size(self) -> int:
-        return self.end - self.start
-
-
-@dataclass
-class ChunkBuffer:
-    """One chunk's parameter and gradient buffers and their buckets."""
-
-    params: torch.Tensor
-    """The parameters of every bucket, or (ZeRO-3) this rank's 1/dp of each."""
-    grads: torch.Tensor
-    """fp32; every bucket in full, or (ZeRO-2) this rank's 1/dp of each, in bucket order."""
-    buckets: list[Bucket] = field(default_factory=list)
-    final: bool = False
-    """True during the chunk's last backward of the step."""
-
-
-def _split_into_buckets(
-    params: list[tuple[str, nn.Parameter]],
-    bucket_elems: int,
-    separate: Callable[[str], bool],
-    unit: Callable[[str], str] = lambda name: "",
-) -> list[list[nn.Parameter]]:
-    """Consecutive parameters of about bucket_elems elements; `separate` ones (by name) alone;
-    a bucket holds parameters of one `unit` only."""
-    groups: list[list[nn.Parameter]] = []
-    current: list[nn.Parameter] = []
-    size, last = 0, None
-    for name, p in params:
-        if separate(name):
-            groups.append([p])
-            continue
-        if current and unit(name) != last:
-            groups.append(current)
-            current, size = [], 0
-        last = unit(name)
-        current.append(p)
-        size += p.numel()
-        if size >= bucket_elems:
-            groups.append(current)
-            current, size = [], 0
-    if current:
-        groups.append(current)
-    return groups
 
 
 class GradBuffers:
@@ -192,8 +121,19 @@ class GradBuffers:
         for chunk in chunks:
             named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad][::-1]
             unit = unit_of if self.shard_params else (lambda name: "")
-            groups = _split_into_buckets(named, bucket_elems, self._is_tied, unit)
-            self.chunks.append(self._allocate(groups, align, named))
+            groups = split_into_buckets(named, bucket_elems, self._is_tied, unit)
+            buf = allocate_chunk(
+                groups,
+                named,
+                dp=dp,
+                align=align,
+                is_tied=self._is_tied,
+                is_sequence_parallel=roles.is_sequence_parallel,
+                shard_grads=self.shard_grads,
+                shard_params=self.shard_params,
+            )
+            self.chunks.append(buf)
+            self._bucket_of.update({p: (buf, b) for b in buf.buckets for p in b.params})
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
         self.gather = None
         if self.shard_params:
@@ -212,57 +152,6 @@ class GradBuffers:
         counts[0] += times * tensor.numel()
         counts[1] += times * tensor.nbytes
 
-    def _allocate(self, groups, align: int, named) -> ChunkBuffer:
-        tied = {p for n, p in named if self._is_tied(n)}
-        sequence_parallel = {p for n, p in named if self.roles.is_sequence_parallel(n)}
-        ranges, offset = [], 0
-        for params in groups:
-            size = sum(p.numel() for p in params)
-            padded = -(-size // align) * align
-            ranges.append((offset, offset + padded, params))
-            offset += padded
-        device, dtype = named[0][1].device, named[0][1].dtype
-        kept = offset // align if self.shard_grads else offset
-        buf = ChunkBuffer(
-            params=torch.zeros(
-                offset // align if self.shard_params else offset, dtype=dtype, device=device
-            ),
-            grads=torch.zeros(kept, dtype=torch.float32, device=device),
-        )
-        for start, end, params in ranges:
-            bucket = Bucket(
-                start,
-                end,
-                params,
-                deferred=bool(tied & set(params)),
-                sequence_parallel=[p for p in params if p in sequence_parallel],
-            )
-            buf.buckets.append(bucket)
-            whole, base = buf.params, 0
-            if self.shard_params:  # the bucket's own full parameters, freed when unused
-                whole, base = torch.zeros(end - start, dtype=dtype, device=device), start
-            at = start
-            for p in params:
-                n = p.numel()
-                whole[at - base : at - base + n].copy_(p.data.view(-1))
-                p.data = whole[at - base : at - base + n].view_as(p)
-                if not self.shard_grads:  # else a view of the bucket's `full`, when it exists
-                    p.main_grad = buf.grads[at : at + n].view_as(p)
-                self._bucket_of[p] = (buf, bucket)
-                at += n
-            if self.shard_params:
-                self._keep_shard(buf, bucket, whole)
-        return buf
-
-    def _keep_shard(self, buf: ChunkBuffer, bucket: Bucket, whole: torch.Tensor) -> None:
-        """ZeRO-3: keep this rank's 1/dp of `whole` (views of the bucket's parameters)."""
-        part = bucket.size // self.dp.size
-        at = bucket.start // self.dp.size
-        bucket.shard = buf.params[at : at + part]
-        bucket.shard.copy_(whole[self.dp.rank * part : (self.dp.rank + 1) * part])
-        bucket.whole = whole
-        whole.untyped_storage().resize_(0)
-
     def _is_tied(self, name: str) -> bool:
         """The embedding that the first and last pipeline stages both hold (pp > 1, tied)."""
         return (self.embedding.size > 1 or self._both_ends) and (
@@ -274,22 +163,7 @@ class GradBuffers:
     def cast_params(self, dtype: torch.dtype) -> None:
         """Store the parameters in `dtype` (16-bit training); gradients stay fp32."""
         for buf in self.chunks:
-            if buf.params.dtype == dtype:
-                continue
-            buf.params = buf.params.to(dtype)
-            for bucket in buf.buckets:
-                whole, at = buf.params, bucket.start
-                if self.shard_params:  # views are made while the storage is there
-                    whole, at = torch.empty(bucket.size, dtype=dtype, device=whole.device), 0
-                for p in bucket.params:
-                    n = p.numel()
-                    p.data = whole[at : at + n].view(p.shape)
-                    at += n
-                if self.shard_params:
-                    part = bucket.size // self.dp.size
-                    at = bucket.start // self.dp.size
-                    bucket.shard, bucket.whole = buf.params[at : at + part], whole
-                    whole.untyped_storage().resize_(0)
+            cast_chunk(buf, dtype, dp=self.dp, shard_params=self.shard_params)
 
     # ------------------------------------------------------------------ the step
 

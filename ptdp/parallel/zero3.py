@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ptdp.parallel.buckets import ChunkBuffer
 from ptdp.parallel.comm import Group, all_gather_flat_async
 
 
@@ -54,7 +55,7 @@ class ParamGather:
     def __init__(
         self,
         chunks: list[nn.Module],
-        buffers: list,  # ptdp.parallel.data.ChunkBuffer (which imports this module)
+        buffers: list[ChunkBuffer],
         names: dict[nn.Parameter, str],
         dp: Group,
         *,

@@ -9,13 +9,9 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.parallel.env import LaunchEnv
-from ptdp.train.faults.watchdog import (
-    PeerFailure,
-    Watchdog,
-    WatchdogTimes,
-    is_communication_error,
-    straggler_report,
-)
+from ptdp.train.faults.failures import PeerFailure, is_communication_error
+from ptdp.train.faults.straggler import straggler_report
+from ptdp.train.faults.watchdog import Watchdog, WatchdogTimes
 
 LAUNCH_VARS = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",

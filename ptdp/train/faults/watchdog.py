@@ -19,40 +19,36 @@ that. Timings all derive from `train.collective_timeout_s` (T): heartbeat every 
 (0.1 to 5 s), a silent rank is failed after T/4, a blocked rank exits T/10 later, so every
 rank stops within T of a death. Rank 0's thread also watches the step time: a step longer
 than `train.straggler_factor` times the median logs where every rank is.
+
+This module holds the policy: the thread, what it concludes and when a rank exits. The
+store's keys are `heartbeats.py`, the judgements on errors and failure records
+`failures.py`, the straggler check `straggler.py`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import statistics
-import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 
 import torch.distributed as dist
 
-from ptdp.errors import PtdpError
+from ptdp.train.faults import heartbeats
 from ptdp.train.faults.events import wall_ms
+from ptdp.train.faults.failures import (
+    PeerFailure,
+    describe_failure,
+    end_silent_rank,
+    is_communication_error,
+    summary,
+    to_stderr,
+)
 from ptdp.train.faults.numerical import StopRequest
-
-STEP_WINDOW = 20
-"""Completed steps whose median a running step is compared with."""
-MIN_STEPS = 3
-"""Steps timed before the straggler check starts (the first ones compile and warm up)."""
-_COMM_ERROR_MARKS = ("gloo/", "Connection reset", "Connection closed", "Timed out", "NCCL")
-
-
-class PeerFailure(PtdpError):
-    """Another rank failed first; this rank stopped because of it."""
+from ptdp.train.faults.straggler import StragglerCheck
 
 
 @dataclass(frozen=True)
@@ -68,23 +64,6 @@ class WatchdogTimes:
             stale_s=timeout_s / 4,
             grace_s=min(30.0, max(1.0, timeout_s / 10)),
         )
-
-
-def is_communication_error(exc: BaseException) -> bool:
-    """A collective or receive that broke (a peer died, a timeout), not a fault of here."""
-    if isinstance(exc, dist.DistError):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_ERROR_MARKS)
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _summary(exc: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(exc).split()) or "(no message)"
-    text = text if len(text) <= limit else text[: limit - 3] + "..."
-    return f"{type(exc).__name__}: {text}"
 
 
 class Watchdog:
@@ -109,14 +88,11 @@ class Watchdog:
         torchrun's restart count; `store_on_rank0`: rank 0 hosts the store (launched without
         torchrun), so a lost store means rank 0 died. `on_failure` receives the failure
         record this rank wrote first (for RUN_DIR/events.jsonl)."""
-        # Keys of their own for each run in this process group (the n-th on every rank)
-        # and each torchrun restart, so that an earlier run's failure is not read again.
-        run = store.add(f"ptdp/watchdog/{restart}/runs/{rank}", 1)
-        self.store = dist.PrefixStore(f"ptdp/watchdog/{restart}/{run}/", store)
+        self.store = heartbeats.run_store(store, rank, restart)
         self.rank, self.world_size = rank, world_size
         self.times = WatchdogTimes.from_timeout(timeout_s)
-        self.straggler_factor = straggler_factor
-        self.say = say or _stderr
+        self.stragglers = StragglerCheck(straggler_factor, self.times.stale_s)
+        self.say = say or to_stderr
         self.exit_process = exit_process
         self.store_host = store_host
         self.store_on_rank0 = store_on_rank0
@@ -131,10 +107,6 @@ class Watchdog:
         self.action: object = "starting"
         self.waiting = ""
         self.action_since = time.monotonic()
-        self._step_started: float | None = None
-        self._step_times: deque[float] = deque(maxlen=STEP_WINDOW)
-        self._straggler_reported = -1
-        self._straggler_marks: tuple[int, list[int], float] | None = None
         self._beat = 0
         self._seen: dict[int, tuple[str, float]] = {}  # rank -> (heartbeat, when it changed)
         self._failure_deadline: float | None = None
@@ -148,12 +120,10 @@ class Watchdog:
     # ------------------------------------------------------------------ main thread
 
     def start(self) -> Watchdog:
-        who = {"host": socket.gethostname(), "pid": os.getpid()}
-        self.store.set(f"who/{self.rank}", json.dumps(who))
+        heartbeats.write_who(self.store, self.rank)
         if self.store_on_rank0 and self.rank:  # rank 0 is named by pid and host if it dies
             try:  # it starts its watchdog at the same point of the run as this rank
-                self.store.wait(["who/0"], timedelta(seconds=self.times.stale_s))
-                self._rank0 = self._who(0)
+                self._rank0 = heartbeats.wait_who(self.store, 0, self.times.stale_s)
             except Exception:  # not there in time: named without them
                 pass
         self._write_heartbeat()
@@ -166,18 +136,17 @@ class Watchdog:
         self._stop.set()
         self._thread.join(timeout=2 * self.times.interval_s + 1)
         try:
-            self.store.set(f"hb/{self.rank}", json.dumps({"done": True}))
+            heartbeats.write_done(self.store, self.rank)
         except Exception:  # the store's host is gone; nobody is watching
             pass
 
     def begin_step(self, step: int) -> None:
-        self.step, self._step_started = step, time.monotonic()
+        self.step = step
+        self.stragglers.begin()
 
     def end_step(self) -> None:
         self.done = self.step
-        if self._step_started is not None:
-            self._step_times.append(time.monotonic() - self._step_started)
-        self._step_started = None
+        self.stragglers.end()
 
     @contextmanager
     def doing(self, action: object) -> Iterator[None]:
@@ -207,14 +176,14 @@ class Watchdog:
         except Exception as store_error:
             return PeerFailure(
                 f"{self._store_gone(store_error, 120)}. This rank ({self.rank}) stopped "
-                f"{where}: {_summary(exc, 160)}"
+                f"{where}: {summary(exc, 160)}"
             )
         finally:
             self._reporting = False
 
     def _failed(self, exc: BaseException, where: str) -> BaseException:
         if not is_communication_error(exc):
-            self._claim({"how": "raised", "error": _summary(exc), "where": where})
+            self._claim({"how": "raised", "error": summary(exc), "where": where})
             self._stopping()
             return exc
         deadline = time.monotonic() + self.times.stale_s + 4 * self.times.interval_s
@@ -227,12 +196,12 @@ class Watchdog:
                 self._stopping()
                 return PeerFailure(
                     f"{describe_failure(first)}. This rank ({self.rank}) stopped {where}: "
-                    f"{_summary(exc, 160)}"
+                    f"{summary(exc, 160)}"
                 )
             if first is not None or time.monotonic() > deadline:
                 break
             time.sleep(self.times.interval_s)
-        self._claim({"how": "communication error", "error": _summary(exc), "where": where})
+        self._claim({"how": "communication error", "error": summary(exc), "where": where})
         self._stopping()
         return exc
 
@@ -245,7 +214,7 @@ class Watchdog:
         first = self._first_failure() or {}
         expected = self.world_size - (first.get("how") == "no heartbeat")
         deadline = time.monotonic() + self.times.stale_s
-        while self.store.add("released", 0) < expected and time.monotonic() < deadline:
+        while heartbeats.released(self.store) < expected and time.monotonic() < deadline:
             time.sleep(self.times.interval_s)
 
     # ------------------------------------------------------------------ the thread
@@ -260,19 +229,23 @@ class Watchdog:
     def _tick(self) -> None:
         self._write_heartbeat()
         if self.store_on_rank0 and not self._rank0 and self.rank:
-            self._rank0 = self._who(0)
+            self._rank0 = heartbeats.read_who(self.store, 0)
         first = self._first_failure()
         if first is not None:
             self._failure_seen(first)
         if self.watcher:
             self._scan()
-        if self.rank == 0 and self.straggler_factor > 0:
-            self._check_straggler()
+        if self.rank == 0 and self.stragglers.factor > 0:
+            report = self.stragglers.check(
+                self.step, lambda: heartbeats.read_all_beats(self.store, self.world_size)
+            )
+            if report is not None:
+                self.say(report)
 
     def _store_gone(self, error: Exception, limit: int = 160) -> str:
         """Why the store is unreachable. Launched without torchrun, rank 0 hosts it: rank 0
         has failed, and is named as any failed rank is (the last rank records it)."""
-        lost = f"the launcher's key-value store is unreachable ({_summary(error, limit)})"
+        lost = f"the launcher's key-value store is unreachable ({summary(error, limit)})"
         if not self.store_on_rank0 or self.rank == 0:
             return f"{lost}; {self.store_host}, which hosts it, has probably failed"
         seen = self._seen.get(0)
@@ -305,7 +278,7 @@ class Watchdog:
         try:
             self.on_failure(record)
         except Exception as exc:  # the report matters less than the exit
-            _stderr(f"rank {self.rank}: could not record the failure: {_summary(exc)}")
+            to_stderr(f"rank {self.rank}: could not record the failure: {summary(exc)}")
 
     def _write_heartbeat(self) -> None:
         self._beat += 1
@@ -316,7 +289,7 @@ class Watchdog:
             "waiting": self.waiting,
             "for_s": round(time.monotonic() - self.action_since, 1),
         }
-        self.store.set(f"hb/{self.rank}", json.dumps(beat))
+        heartbeats.write_beat(self.store, self.rank, beat)
 
     def _where(self) -> str:
         return self._action_text() + (f" (waiting for {self.waiting})" if self.waiting else "")
@@ -328,9 +301,10 @@ class Watchdog:
     def _first_failure(self) -> dict | None:
         """The first failure recorded, kept once read (the store may go away after)."""
         with self._scan_lock:
-            if self._first is None and self.store.check(["first"]):
-                self._first = json.loads(self.store.get("first"))
-                self._release()
+            if self._first is None:
+                self._first = heartbeats.read_first(self.store)
+                if self._first is not None:
+                    self._release()
             return self._first
 
     def _release(self) -> None:
@@ -338,57 +312,31 @@ class Watchdog:
         first failure, or have reported their own): rank 0 waits for them in _stopping."""
         if not self._released:
             self._released = True
-            self.store.add("released", 1)
+            heartbeats.release(self.store)
 
     def _claim(self, record: dict, rank: int | None = None) -> None:
         """Write a failure; the first one written is the one every rank reports."""
         rank = self.rank if rank is None else rank
-        record = {"rank": rank, **self._who(rank), "step": self.step, "done": self.done, **record}
+        who = heartbeats.read_who(self.store, rank)
+        record = {"rank": rank, **who, "step": self.step, "done": self.done, **record}
         record.setdefault("fault_time", wall_ms())
-        if self.store.add("failures", 1) == 1:
-            self.store.set("first", json.dumps(record))
+        if heartbeats.claim_first(self.store, record):
             self._report(record)
         self._first_failure()  # counted as seen (it may be another rank's, written first)
-
-    def _who(self, rank: int) -> dict:
-        key = f"who/{rank}"
-        return json.loads(self.store.get(key)) if self.store.check([key]) else {}
 
     def _failure_seen(self, first: dict) -> None:
         now = time.monotonic()
         if self._failure_deadline is None:
             self._failure_deadline = now + self.times.grace_s
-            self._end_silent_rank(first)
+            end_silent_rank(first, self.rank)
         elif now > self._failure_deadline and not self._reporting:
-            _stderr(
+            to_stderr(
                 f"rank {self.rank}: {describe_failure(first)}. This rank was still blocked "
                 f"{self.times.grace_s:.0f} s later at step {self.step} in {self._where()}; "
                 "exiting"
             )
             self._stopping()
             self.exit_process(1)
-
-    def _end_silent_rank(self, first: dict) -> None:
-        """A silent rank on this host is SIGKILLed: if it is frozen (SIGSTOP, a hung
-        process) it cannot act on its launcher's SIGTERM, and torchrun would wait 30 s
-        before its own SIGKILL and the restart. A rank that is gone is left alone."""
-        pid, mine = first.get("pid"), first.get("host") == socket.gethostname()
-        if first.get("how") != "no heartbeat" or not mine or pid in (None, os.getpid()):
-            return  # (several ranks in one process: tests)
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            state = "?"  # no /proc: kill answers whether it exists
-        if state in ("Z", "X"):  # dead already, not yet reaped by its launcher
-            return
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            return
-        _stderr(
-            f"rank {self.rank}: sent SIGKILL to rank {first['rank']} (pid {pid}), silent on "
-            "this host, so that its launcher sees it exit"
-        )
 
     def _scan(self) -> None:
         """Watcher ranks: a rank whose heartbeat has not changed for stale_s has failed."""
@@ -397,10 +345,7 @@ class Watchdog:
 
     def _scan_locked(self) -> None:
         now = time.monotonic()
-        keys = [f"hb/{r}" for r in range(self.world_size)]
-        present = [r for r, k in enumerate(keys) if r in self._seen or self.store.check([k])]
-        for r, raw in zip(present, self.store.multi_get([keys[r] for r in present])):
-            beat = raw.decode()
+        for r, beat in heartbeats.read_beats(self.store, self.world_size, self._seen):
             if r not in self._seen or self._seen[r][0] != beat:
                 self._seen[r] = (beat, now)
         for r, (beat, changed) in self._seen.items():
@@ -422,62 +367,12 @@ class Watchdog:
                 )
             return
 
-    def _check_straggler(self) -> None:
-        """Once a step has run straggler_factor x the median, note every rank's heartbeat
-        counter; report on the first tick at which every live rank has written a newer one
-        (so no rank is described as it was before the slow step), or after stale_s."""
-        started, step = self._step_started, self.step
-        if started is None or len(self._step_times) < MIN_STEPS:
-            return
-        if self._straggler_reported == step:
-            return
-        median = statistics.median(self._step_times)
-        elapsed = time.monotonic() - started
-        if elapsed < self.straggler_factor * median:
-            return
-        keys = [f"hb/{r}" for r in range(self.world_size)]
-        beats = [json.loads(b) for b in self.store.multi_get(keys)]
-        if self._straggler_marks is None or self._straggler_marks[0] != step:
-            self._straggler_marks = (step, [b.get("beat", 0) for b in beats], elapsed)
-            return
-        _, marks, crossed = self._straggler_marks
-        fresh = all(b.get("done") or b["beat"] > m for b, m in zip(beats, marks))
-        if fresh or elapsed - crossed > self.times.stale_s:
-            self._straggler_reported = step
-            self.say(straggler_report(step, elapsed, median, beats))
-
     def _store_lost(self, exc: Exception) -> None:
         if self._stop.is_set():
             return
         if self._first is not None:  # rank 0 left after the failure was known: expected
-            _stderr(f"rank {self.rank}: {describe_failure(self._first)}; exiting")
+            to_stderr(f"rank {self.rank}: {describe_failure(self._first)}; exiting")
             self.exit_process(1)
             return
-        _stderr(f"rank {self.rank}: {self._store_gone(exc)}. Exiting")
+        to_stderr(f"rank {self.rank}: {self._store_gone(exc)}. Exiting")
         self.exit_process(1)
-
-
-def describe_failure(first: dict) -> str:
-    """One line naming the rank that failed first, where it was and its error."""
-    who = f" (pid {first['pid']} on {first['host']})" if "pid" in first else ""
-    return f"rank {first['rank']}{who} failed first, {first['where']}: {first['error']}"
-
-
-def straggler_report(step: int, elapsed: float, median: float, beats: list[dict]) -> str:
-    """Where each rank is during a slow step, and which ranks are behind: those at the
-    lowest step, and among them the ones not waiting for a peer (the others wait on them)."""
-    live = {r: b for r, b in enumerate(beats) if not b.get("done")}
-    low = min(b["step"] for b in live.values())
-    behind = [r for r, b in live.items() if b["step"] == low]
-    busy = [r for r in behind if not live[r]["waiting"]]
-    if busy and len(busy) < len(live):
-        behind = busy
-    lines = [
-        f"watchdog: step {step} has run {elapsed:.1f} s, {elapsed / median:.1f} x the median "
-        f"{median:.2f} s; behind: rank{'s' if len(behind) > 1 else ''} "
-        + ", ".join(str(r) for r in behind)
-    ]
-    for r, b in live.items():
-        waiting = f", waiting for {b['waiting']}" if b["waiting"] else ""
-        lines.append(f"  rank {r}: step {b['step']}, {b['action']} for {b['for_s']:.1f} s{waiting}")
-    return "\n".join(lines)
