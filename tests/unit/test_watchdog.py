@@ -9,8 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.parallel.env import LaunchEnv
-from ptdp.train.faults.failures import PeerFailure, is_communication_error
-from ptdp.train.faults.straggler import straggler_report
+from ptdp.train.faults.failures import PeerFailure
 from ptdp.train.faults.watchdog import Watchdog, WatchdogTimes
 
 LAUNCH_VARS = (
@@ -46,13 +45,6 @@ def test_times_follow_the_collective_timeout() -> None:
     assert WatchdogTimes.from_timeout(300) == WatchdogTimes(5.0, 75.0, 30.0)
     assert WatchdogTimes.from_timeout(12) == WatchdogTimes(0.2, 3.0, 1.2)
     assert WatchdogTimes.from_timeout(1) == WatchdogTimes(0.1, 0.25, 1.0)
-
-
-def test_communication_errors_are_told_apart() -> None:
-    assert is_communication_error(GLOO_ERROR)
-    assert is_communication_error(dist.DistBackendError("NCCL watchdog timeout"))
-    assert not is_communication_error(RuntimeError("CUDA out of memory"))
-    assert not is_communication_error(ValueError("Connection closed"))
 
 
 def test_a_silent_rank_is_named_and_blocked_ranks_are_forced_out() -> None:
@@ -109,36 +101,6 @@ def test_a_finished_rank_is_not_a_failure() -> None:
     assert zero._first_failure() is None
     zero.close()
     assert exits == []
-
-
-def test_straggler_report_names_the_rank_that_is_computing() -> None:
-    beats = [
-        {"step": 6, "action": "action 0BW0", "waiting": "the gradient of mb 0", "for_s": 3.9},
-        {"step": 6, "action": "action 1BW0", "waiting": "the gradient of mb 0", "for_s": 3.8},
-        {"step": 6, "action": "action 2BW0", "waiting": "", "for_s": 3.8},
-        {"step": 6, "action": "action 3BW1", "waiting": "the activation of mb 2", "for_s": 3.0},
-    ]
-    text = straggler_report(6, 4.0, 0.2, beats)
-    assert text.splitlines()[0] == (
-        "watchdog: step 6 has run 4.0 s, 20.0 x the median 0.20 s; behind: rank 2"
-    )
-    assert "  rank 2: step 6, action 2BW0 for 3.8 s" in text
-    beats[2]["step"] = 5
-    assert "behind: rank 2" in straggler_report(6, 4.0, 0.2, beats)
-    for b in beats:  # all in the same collective: no rank stands out
-        b.update(step=6, waiting="")
-    assert "behind: ranks 0, 1, 2, 3" in straggler_report(6, 4.0, 0.2, beats)
-
-
-@pytest.mark.parametrize("factor", [0.5, 1.0])
-def test_straggler_factor_must_exceed_one(factor: float, tmp_path) -> None:
-    from ptdp.config import RunConfig, apply_updates
-    from ptdp.errors import ConfigError
-    from ptdp.layout import validate
-
-    cfg = apply_updates(RunConfig(), {"train": {"straggler_factor": factor}}, "a test")
-    with pytest.raises(ConfigError, match="straggler_factor"):
-        validate(cfg, 1)
 
 
 class _GoneStore:
