@@ -7,8 +7,8 @@ What is measured (ptdp/perf/microbench.py) and what it becomes in the cluster TO
   over hidden sizes -> `gemm_curve_flops` / `gemm_curve_efficiency`, a non-decreasing
   efficiency curve over GEMM FLOPs (ptdp/perf/fit.py), and `gemm_efficiency`, its top;
 - causal fused attention (torch SDPA) over sequence lengths and head sizes ->
-  `attention_curve_*`, forward efficiency (non-decreasing) and backward / forward ratio
-  over the causal FLOPs per sequence and head, and `attention_efficiency` /
+  `attention_curve_*`, forward and backward efficiency (each non-decreasing) over the
+  causal FLOPs per sequence and head, and `attention_efficiency` /
   `attention_backward_ratio` at the longest sequence;
 - norms, activations, softmax, a residual add and the AdamW step, and the input gradients
   of the first five, from inside the caches to past them -> `[device.achieved.memory_kernels]`,
@@ -143,7 +143,8 @@ def measure_compute(
 ) -> tuple[list[tuple[mb.GemmShape, float]], list[tuple[mb.AttentionShape, float, float]]]:
     """GEMMs by growing hidden size, then attention by growing sequence (and at the smaller
     head sizes of `sweep.attention_dims` at the two shortest sequences), each skipped once
-    the best rate so far predicts a call longer than `sweep.max_call_s`. The two smallest
+    the best rate so far predicts a call longer than `sweep.max_call_s` (attention at the
+    shortest sequence never is). The two smallest
     hidden sizes are always timed, so that one call slowed by a neighbour's job (the best
     rate of a single figure) cannot cut the sweep short."""
     gemms: list[tuple[mb.GemmShape, float]] = []
@@ -159,12 +160,16 @@ def measure_compute(
     shortest = sorted(sweep.attention_seq)[:2]
     plan = [(s, sweep.head_dim) for s in sweep.attention_seq]
     plan += [(s, d) for d in sweep.attention_dims for s in shortest]
+    shapes = []
     for seq, dim in plan:
         shape = mb.AttentionShape(max(1, sweep.tokens // seq), sweep.heads, seq, dim)
-        step(f"attention s={seq} d={dim}")
-        if attention and 3.5 * shape.causal_flops / rate > sweep.max_call_s:
-            continue
-        attention.append((shape, *mb.attention_seconds(shape, dtype, device, sweep.timing)))
+        if seq == shortest[0] or 3.5 * shape.causal_flops / rate <= sweep.max_call_s:
+            shapes.append(shape)  # the shortest sequence's always: cheapest of all
+    step(f"attention, {len(shapes)} shapes in rounds")
+    for _ in plan[1:]:  # the bar counts every planned shape
+        step("attention")
+    timed = mb.attention_seconds(shapes, dtype, device, sweep.timing)
+    attention = [(shape, f, b) for shape, (f, b) in zip(shapes, timed)]
     return gemms, attention
 
 
@@ -174,15 +179,16 @@ def measure_stream(
     """(kernel, bytes moved, seconds) of every memory-bound kernel, and of its backward as
     `<kernel>_backward`, at every size of the sweep."""
     rows = []
-    for nbytes in sweep.stream_bytes:
-        for kernel in mb.STREAM_KERNELS:
-            for backward in (False, True)[: 1 + (kernel in mb.WITH_BACKWARD)]:
-                name = kernel + "_backward" * backward
-                step(name)
-                timed = mb.stream_seconds(
-                    kernel, nbytes, dtype, device, sweep.timing, backward=backward
-                )
-                rows.append((name, *timed))
+    for nbytes in sweep.stream_bytes:  # the kernels of one size in rounds, then freed
+        calls = [
+            (kernel, nbytes, backward)
+            for kernel in mb.STREAM_KERNELS
+            for backward in (False, True)[: 1 + (kernel in mb.WITH_BACKWARD)]
+        ]
+        timed = mb.stream_seconds(calls, dtype, device, sweep.timing)
+        for (kernel, _, backward), (moved, seconds) in zip(calls, timed):
+            step(kernel + "_backward" * backward)
+            rows.append((kernel + "_backward" * backward, moved, seconds))
     return rows
 
 

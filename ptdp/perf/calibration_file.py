@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ptdp.perf.fit import LinkFit, monotone_curve
-from ptdp.perf.hardware import GB, GIB, Link, System
+from ptdp.perf.hardware import BACKWARD_FLOPS, GB, GIB, Link, System
 
 DESCRIPTION = (
     "Time GEMMs over the shapes of a transformer layer, fused attention, memory-bound kernels "
@@ -111,20 +111,27 @@ class Calibration:
 
     @property
     def attention_curve(self) -> tuple[tuple[float, float, float], ...]:
-        """(causal FLOPs per sequence and head, forward efficiency, backward / forward) knots:
-        the efficiency fitted non-decreasing (as the GEMM curve), the ratio averaged per
-        size. Short sequences and small heads give the kernel less work per program (on a
-        CPU, whose flash kernel takes keys in blocks of 512, a causal sequence shorter than
-        that skips nothing), so one efficiency at the longest sequence over-credits them."""
-        points = [
-            (2.0 * a.s * a.s * a.d, a.causal_flops / (fwd * self.peak), bwd / fwd)
-            for a, fwd, bwd in self.attention
-        ]
-        ratios: dict[float, list[float]] = {}
-        for x, _, ratio in points:
-            ratios.setdefault(x, []).append(ratio)
-        curve = monotone_curve([(x, y) for x, y, _ in points])
-        return tuple((x, y, statistics.mean(ratios[x])) for x, y in curve)
+        """(causal FLOPs per sequence and head, forward efficiency, backward efficiency)
+        knots, each efficiency fitted non-decreasing (as the GEMM curve); the backward's
+        FLOPs are counted as `BACKWARD_FLOPS` times the forward's. Short sequences and small
+        heads give the kernel less work per program (on a CPU, whose flash kernel takes keys
+        in blocks of 512, a causal sequence shorter than that skips nothing), so one
+        efficiency at the longest sequence over-credits them. Fitted rather than taken knot
+        by knot: a backward is timed as (forward + backward) - forward, and one knot's
+        ratio of two such figures can be off by 2 (5.6 and 0.9 beside 2-3 in one run)."""
+        forward = monotone_curve(
+            [
+                (2.0 * a.s * a.s * a.d, a.causal_flops / (f * self.peak))
+                for a, f, _ in self.attention
+            ]
+        )
+        backward = monotone_curve(
+            [
+                (2.0 * a.s * a.s * a.d, BACKWARD_FLOPS * a.causal_flops / (b * self.peak))
+                for a, _, b in self.attention
+            ]
+        )
+        return tuple((x, y, by) for (x, y), (_, by) in zip(forward, backward))
 
 
 def _value(v: object) -> str:
@@ -222,7 +229,7 @@ def render_toml(cal: Calibration, name: str) -> str:
         "attention_backward_ratio": cal.attention_backward_ratio,
         "attention_curve_flops": [x for x, _, _ in cal.attention_curve],
         "attention_curve_efficiency": [y for _, y, _ in cal.attention_curve],
-        "attention_curve_backward_ratio": [r for _, _, r in cal.attention_curve],
+        "attention_curve_backward_efficiency": [b for _, _, b in cal.attention_curve],
         "memory_efficiency": achieved_bw / nominal,
         "kernel_overhead_us": cal.launch_seconds * 1e6,
         "reserved_gib": cal.reserved_bytes / GIB,

@@ -39,6 +39,9 @@ from ptdp.perf.flops import DENSE_PEAK_TFLOPS
 BUILTIN_DIR = Path(__file__).with_name("hardware")
 GB = 1e9
 GIB = 2**30
+BACKWARD_FLOPS = 2.5
+"""Fused attention's backward FLOPs per forward FLOP: 5 GEMMs against 2 (FlashAttention-2),
+the count a measured backward efficiency is relative to."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,9 @@ class Device:
     attention_backward_ratio: float = 0.0
     """Fused attention backward / forward time as measured (0: the software's figure)."""
     attention_curve: tuple[tuple[float, float, float], ...] = ()
-    """Measured (causal FLOPs per sequence and head, forward efficiency, backward / forward)
-    knots; when given, they replace the two figures above (see `attention_at`)."""
+    """Measured (causal FLOPs per sequence and head, forward efficiency, backward efficiency
+    of `BACKWARD_FLOPS` times those FLOPs) knots; when given, they replace the two figures
+    above (see `attention_at`)."""
     memory_kernels: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
     """Measured (kernel, ((bytes moved per call, bytes/s), ...)): each memory-bound kernel's
     bandwidth from inside the caches to past them (see `kernel_bandwidth`)."""
@@ -128,10 +132,9 @@ class Device:
         curve = self.attention_curve
         if not curve:
             return self.attention_efficiency, self.attention_backward_ratio
-        return (
-            interpolate_log([(x, y) for x, y, _ in curve], flops_per_head),
-            interpolate_log([(x, r) for x, _, r in curve], flops_per_head),
-        )
+        forward = interpolate_log([(x, y) for x, y, _ in curve], flops_per_head)
+        backward = interpolate_log([(x, b) for x, _, b in curve], flops_per_head)
+        return forward, BACKWARD_FLOPS * forward / backward
 
     def kernel_bandwidth(self, kernel: str, nbytes: float) -> float:
         """Bytes/s of memory-bound `kernel` moving `nbytes` in one call: its measured curve
@@ -338,19 +341,19 @@ def _curve(achieved: dict[str, Any]) -> tuple[tuple[float, float], ...]:
 
 
 def _attention_curve(achieved: dict[str, Any]) -> tuple[tuple[float, float, float], ...]:
-    keys = ("attention_curve_flops", "attention_curve_efficiency", "attention_curve_backward_ratio")
-    columns = [[float(v) for v in achieved.get(k, [])] for k in keys]
-    sizes, values, ratios = columns
-    if not len(sizes) == len(values) == len(ratios):
+    keys = ("attention_curve_flops", "attention_curve_efficiency")
+    keys += ("attention_curve_backward_efficiency",)
+    sizes, forward, backward = [[float(v) for v in achieved.get(k, [])] for k in keys]
+    if not len(sizes) == len(forward) == len(backward):
         raise ValueError(f"{', '.join(keys)} differ in length")
     increasing = all(a < b for a, b in zip(sizes, sizes[1:]))
-    monotone = all(a <= b for a, b in zip(values, values[1:]))
-    if not (increasing and monotone and min(sizes + values + ratios, default=1) > 0):
+    monotone = all(a <= b for ys in (forward, backward) for a, b in zip(ys, ys[1:]))
+    if not (increasing and monotone and min(sizes + forward + backward, default=1) > 0):
         raise ValueError(
             "the attention curve needs positive sizes, increasing, with positive efficiencies "
-            "that never decrease and positive ratios (as `ptdp calibrate` writes it)"
+            "that never decrease (as `ptdp calibrate` writes it)"
         )
-    return tuple(zip(sizes, values, ratios))
+    return tuple(zip(sizes, forward, backward))
 
 
 def _memory_kernels(

@@ -129,13 +129,12 @@ class AttentionShape:
         return 0.5 * 4.0 * self.b * self.a * self.s * self.s * self.d
 
 
-def attention_seconds(
-    shape: AttentionShape, dtype: torch.dtype, device: torch.device, timing: Timing
-) -> tuple[float, float]:
-    """(forward, backward) seconds of one causal SDPA call; backward = (forward + backward)
-    - forward, timed apart. The forward runs with autograd on, as in training: without it
-    a CPU takes a cheaper path (no log-sum-exp kept for backward), which would credit the
-    difference to the backward."""
+def attention_calls(
+    shape: AttentionShape, dtype: torch.dtype, device: torch.device
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(forward, forward + backward) of one causal SDPA call. The forward runs with
+    autograd on, as in training: without it a CPU takes a cheaper path (no log-sum-exp kept
+    for backward), which would credit the difference to the backward."""
     size = (shape.b, shape.a, shape.s, shape.d)
     q, k, v = (torch.randn(size, dtype=dtype, device=device, requires_grad=True) for _ in "qkv")
     grad = torch.randn(size, dtype=dtype, device=device)
@@ -147,8 +146,20 @@ def attention_seconds(
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return torch.autograd.grad(out, (q, k, v), grad)
 
-    fwd = time_call(forward, device, timing)
-    return fwd, max(0.0, time_call(both, device, timing) - fwd)
+    return forward, both
+
+
+def attention_seconds(
+    shapes: list[AttentionShape], dtype: torch.dtype, device: torch.device, timing: Timing
+) -> list[tuple[float, float]]:
+    """(forward, backward) seconds of one causal SDPA call of each shape; backward =
+    (forward + backward) - forward. Every call is timed in interleaved rounds: a busy spell
+    of a shared machine lasting seconds then slows one round of every shape, which the
+    fastest round leaves out, instead of every batch of one shape (a backward 2.6 times
+    its value in the calibrations before and after, timed shape by shape)."""
+    fns = [fn for shape in shapes for fn in attention_calls(shape, dtype, device)]
+    times = interleaved_seconds(fns, device, timing)
+    return [(fwd, max(0.0, both - fwd)) for fwd, both in zip(times[::2], times[1::2])]
 
 
 # ------------------------------------------------------------------------- memory-bound
@@ -161,16 +172,10 @@ WITH_BACKWARD = ("layer_norm", "rms_norm", "gelu", "silu", "softmax")
 """Those whose input gradient is a kernel of its own (timed as `<kernel>_backward`)."""
 
 
-def stream_seconds(
-    kernel: str,
-    nbytes: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    timing: Timing,
-    *,
-    backward: bool = False,
-) -> tuple[float, float]:
-    """(bytes moved, seconds) of one call of `kernel` on tensors of about `nbytes`.
+def stream_call(
+    kernel: str, nbytes: int, dtype: torch.dtype, device: torch.device, *, backward: bool = False
+) -> tuple[float, Callable[[], object]]:
+    """(bytes moved, a call) of `kernel` on tensors of about `nbytes`.
 
     Bytes are the least each kernel must move: a read and a write per element for norms,
     activations and softmax, two reads and a write for an add, and for the AdamW step on fp32
@@ -186,7 +191,7 @@ def stream_seconds(
         # As ptdp.train.step.optim.adamw_kernel picks: fused on CUDA, foreach on CPU.
         kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
         opt = torch.optim.AdamW([param], lr=1e-4, **kind)
-        return 28.0 * numel, time_call(opt.step, device, timing)
+        return 28.0 * numel, opt.step
     e = torch.empty((), dtype=dtype).element_size()
     rows = max(1, nbytes // (e * hidden))
     x = torch.randn(rows, hidden, dtype=dtype, device=device, requires_grad=backward)
@@ -209,9 +214,23 @@ def stream_seconds(
         result = fn(x)
         grad = torch.randn_like(result)
         call = functools.partial(torch.autograd.grad, result, x, grad, retain_graph=True)
-        return float(3 * x.numel() * e), time_call(call, device, timing)
-    with torch.no_grad():
-        return float(passes * x.numel() * e), time_call(lambda: fn(x), device, timing)
+        return float(3 * x.numel() * e), call
+
+    def forward() -> object:
+        with torch.no_grad():
+            return fn(x)
+
+    return float(passes * x.numel() * e), forward
+
+
+def stream_seconds(
+    calls: list[tuple[str, int, bool]], dtype: torch.dtype, device: torch.device, timing: Timing
+) -> list[tuple[float, float]]:
+    """(bytes moved, seconds) of one call of each (kernel, input bytes, backward), timed in
+    interleaved rounds (as `attention_seconds`, for the same reason)."""
+    made = [stream_call(k, n, dtype, device, backward=b) for k, n, b in calls]
+    times = interleaved_seconds([fn for _, fn in made], device, timing)
+    return [(nbytes, seconds) for (nbytes, _), seconds in zip(made, times)]
 
 
 def launch_seconds(device: torch.device, timing: Timing) -> float:

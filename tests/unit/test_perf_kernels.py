@@ -127,16 +127,17 @@ def _attention_file(tmp_path: Path) -> Path:
         "attention_efficiency = 0.6\nattention_backward_ratio = 2.0\n"
         "attention_curve_flops = [1e6, 1e8]\n"
         "attention_curve_efficiency = [0.2, 0.6]\n"
-        "attention_curve_backward_ratio = [3.0, 2.0]\n"
+        "attention_curve_backward_efficiency = [0.1, 0.6]\n"
     )
     return _file(tmp_path, "", curve)
 
 
 def test_attention_runs_on_the_measured_curve_of_work_per_head(tmp_path: Path) -> None:
     device = load_system(_attention_file(tmp_path)).device
-    assert device.attention_at(1e5) == pytest.approx((0.2, 3.0))
-    assert device.attention_at(1e7) == pytest.approx((0.4, 2.5))
-    assert device.attention_at(1e9) == pytest.approx((0.6, 2.0))
+    # backward / forward time = 2.5 x forward efficiency / backward efficiency
+    assert device.attention_at(1e5) == pytest.approx((0.2, 5.0))
+    assert device.attention_at(1e7) == pytest.approx((0.4, 2.5 * 0.4 / 0.35))
+    assert device.attention_at(1e9) == pytest.approx((0.6, 2.5))
     c = Compute(load_system(_attention_file(tmp_path)), Precision.BF16, PTDP)
     for seq in (64, 512, 4096):
         model = replace(MODEL, seq_length=seq)
@@ -160,13 +161,13 @@ def test_attention_runs_on_the_measured_curve_of_work_per_head(tmp_path: Path) -
         (
             "",
             "attention_curve_flops = [1e6, 1e8]\nattention_curve_efficiency = [0.2]\n"
-            "attention_curve_backward_ratio = [2.0, 2.0]\n",
+            "attention_curve_backward_efficiency = [0.2, 0.2]\n",
             "attention_curve",
         ),
         (
             "",
             "attention_curve_flops = [1e6, 1e8]\nattention_curve_efficiency = [0.6, 0.2]\n"
-            "attention_curve_backward_ratio = [2.0, 2.0]\n",
+            "attention_curve_backward_efficiency = [0.2, 0.2]\n",
             "attention curve",
         ),
     ],
