@@ -4,8 +4,9 @@ A system is one TOML file (the shipped ones are in `ptdp/perf/hardware/`; a user
 the path of their own): `[device]` (peak rates by `kind` from
 `ptdp.perf.flops.DENSE_PEAK_TFLOPS` or an explicit `peak_tflops` table, memory, HBM
 bandwidth), `[device.achieved]` (the calibration: achieved GEMM and memory efficiency, a
-kernel launch cost, reserved memory; from `ptdp calibrate` also a GEMM efficiency curve over
-size, `gemm_curve_flops` and `gemm_curve_efficiency`, the fused attention kernel's own
+kernel launch cost, and optionally `reserved_gib`, memory held beside the model's count
+(absent: `ptdp.perf.reserve` prices it per layout and rank); from `ptdp calibrate` also a
+GEMM efficiency curve over size, `gemm_curve_flops` and `gemm_curve_efficiency`, the fused attention kernel's own
 efficiency and backward / forward ratio, and on CPUs the per-layer framework cost and
 `collective_sync_us`, what each blocking collective costs beyond its bytes), `[node]`
 (GPUs per node and their NVLink/NVSwitch link) and `[network]` (the inter-node link per
@@ -35,6 +36,7 @@ else:  # pragma: no cover - Python 3.10 only
 from ptdp.errors import ConfigError
 from ptdp.perf.fit import interpolate_log
 from ptdp.perf.flops import DENSE_PEAK_TFLOPS
+from ptdp.perf.reserve import CUDA_CONTEXT_BYTES
 
 BUILTIN_DIR = Path(__file__).with_name("hardware")
 GB = 1e9
@@ -89,8 +91,9 @@ class Device:
     """Fraction of `memory_bandwidth` that streaming (element-wise) kernels reach."""
     kernel_overhead: float
     """Seconds of fixed cost per kernel (launch, tail)."""
-    reserved_bytes: float
-    """Memory the framework cannot use: CUDA context, communication buffers, fragmentation."""
+    reserved_bytes: float | None
+    """Memory the framework holds beside the model's count, as the file fixes it
+    (`reserved_gib`); None: per layout and rank by `ptdp.perf.reserve`'s formula."""
     match: tuple[str, ...] = ()
     gemm_curve: tuple[tuple[float, float], ...] = ()
     """Measured (GEMM FLOPs, efficiency) knots, sizes increasing, efficiency non-decreasing;
@@ -150,6 +153,10 @@ class Device:
 
     @property
     def usable_bytes(self) -> float:
+        """The most any layout can use: memory less the file's reserve, or less the CUDA
+        context when the formula prices the rest per layout (`ptdp.perf.reserve.fit`)."""
+        if self.reserved_bytes is None:
+            return self.memory_bytes - CUDA_CONTEXT_BYTES
         return self.memory_bytes - self.reserved_bytes
 
 
@@ -293,7 +300,7 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         gemm_efficiency=float(achieved.get("gemm_efficiency", 0.75)),
         memory_efficiency=float(achieved.get("memory_efficiency", 0.85)),
         kernel_overhead=float(achieved.get("kernel_overhead_us", 5)) * 1e-6,
-        reserved_bytes=float(achieved.get("reserved_gib", 4)) * GIB,
+        reserved_bytes=float(achieved["reserved_gib"]) * GIB if "reserved_gib" in achieved else None,
         match=tuple(dev.get("match", ())),
         gemm_curve=_curve(achieved),
         attention_efficiency=float(achieved.get("attention_efficiency", 0.0)),

@@ -37,6 +37,7 @@ from ptdp.perf.flops import flops_per_iteration, utilisation
 from ptdp.perf.hardware import System
 from ptdp.perf.kernels import Call
 from ptdp.perf.megatron2021 import megatron_2021_interleaved
+from ptdp.perf.reserve import with_reserve
 from ptdp.perf.memory import (
     MemoryEstimate,
     estimate_memory,
@@ -390,6 +391,7 @@ def simulate(
     memory = estimate_memory(
         cfg, world_size, fused_attention=software.fused_attention, layout=layout
     )
+    memory = with_reserve(memory, cfg, layout, system)
     layer = layer_costs(cfg, layout, c)
     return Prediction(
         layout=layout,

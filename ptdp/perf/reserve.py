@@ -1,0 +1,191 @@
+"""Memory a rank's framework holds beside the model's count: CUDA context, NCCL buffers, allocator.
+
+A fixed reserve per device file is wrong both ways: a one-GPU run holds a context and no
+communicator, a PTD-P rank sits in five or six communicators, and the caching allocator's
+waste grows with the transients, not with nothing. So the reserve of one pipeline rank is
+
+    context + sum over its communicators (collective rings/trees + point-to-point) + allocator
+
+with each term from a documented default or the source that sets it (no constant is fitted
+to a training result). A device file's `[device.achieved] reserved_gib`, when given,
+replaces the whole formula (a user who measured theirs; CPU calibration files keep 1 GiB).
+
+Sources (NCCL `src/` read at NVIDIA/nccl 5067397, June 2026; figures also in older releases):
+- CUDA context with the libraries' kernels: 287 MB under lazy module loading
+  (`CUDA_MODULE_LOADING=LAZY`, PyTorch's default since 1.13 / CUDA 11.7), 667 MB eager:
+  PyTorch PR #86509's measurement (https://github.com/pytorch/pytorch/pull/86509).
+- One NCCL connection's buffers, per protocol (`src/init.cc` `computeBuffSizes`): LL
+  `NCCL_LL_LINES_PER_THREAD x NCCL_LL_MAX_NTHREADS x NCCL_STEPS x 16 B` = 8 x 512 x 8 x 16 =
+  512 KiB; LL128 `NCCL_LL128_ELEMS_PER_THREAD x NCCL_LL128_MAX_NTHREADS x NCCL_STEPS x 8 B` =
+  120 x 640 x 8 x 8 = 4.69 MiB; Simple `NCCL_BUFFSIZE` = 4 MiB (1 << 22; constants in
+  `src/include/device.h`): 9.19 MiB, allocated in 2 MiB granules, so 10 MiB at the
+  receiving end plus a 2 MiB send-side allocation. NVIDIA/nccl issue #1685 (8x H100,
+  `NCCL_DEBUG_SUBSYS=ALLOC`) logs exactly these two sizes, 10485760 and 2097152 B, per
+  connection and channel: `CONNECTION_BYTES` = 12 MiB.
+- A point-to-point connection across nodes uses the Simple protocol only, of
+  `NCCL_P2P_NET_CHUNKSIZE x NCCL_STEPS` = 128 KiB x 8 = 1 MiB (`src/init.cc`; LL buffers only
+  with `NCCL_ALLOC_P2P_NET_LL_BUFFERS=1`), in a 2 MiB granule, plus the 2 MiB send side.
+- Channels: a collective communicator inside one NVSwitch node runs 32 (NCCL's logs on
+  8-GPU A100/H100 nodes: "32 coll channels, ..., 32 p2p channels, 32 p2p channels per
+  peer"); one spanning nodes runs 2 per NIC (the graph search finds one ring per NIC and
+  `src/graph/connect.cc` duplicates them, `nChannels * 2`; issue #1453's 3-node H100 log:
+  "Channel 00/16"). A point-to-point peer gets 32 channels inside a node and 2 in a
+  communicator that spans nodes (`src/graph/paths.cc` `ncclTopoComputeP2pChannelsPerPeer`
+  takes the minimum over every peer, and a network peer gets `NCCL_NCHANNELS_PER_NET_PEER`,
+  2 by default, logged as "2 p2p channels per peer").
+- Connections per channel: a ring receives from one neighbour ("Ring uses a limited amount
+  of memory as it only has 2 connections regardless of the scale", NCCL maintainer in
+  issue #864/#986); a communicator spanning nodes also connects its tree (up and down), so
+  three. `NCCL_RUNTIME_CONNECT=1` (default since 2.22) connects only the algorithms a
+  communicator runs: counting ring and tree for every spanning communicator is the upper end.
+- Check against a measurement: #1685's intra-node all-to-all connects 7 peers x 32 channels,
+  7 x 32 x 12 MiB = 2.82 GB by this formula against 3.28 GB measured (the formula is 14% low).
+
+Not sourced (named terms, kept conservative):
+- The caching allocator's fragmentation. Its documented rules (c10/cuda/CUDACachingAllocator:
+  requests over 1 MiB come from the large pool, 1-10 MiB out of 20 MiB segments, larger ones
+  cudaMalloc'ed rounded up to 2 MiB; a free block is split for smaller requests and merges
+  only with free neighbours in its segment) bound the rounding at 2 MiB a segment, but no
+  source gives how much of a training step's churn stays unreusable. `FRAGMENTED_TRANSIENTS`
+  reserves the transient working set once more: the stored activations of the next forward
+  may split the blocks the last backward freed, so the next backward's transients need new
+  segments. It grows with the activations (b, s, h), as fragmentation does.
+- The communicators a rank does not run anything on are still counted (PyTorch creates a
+  group's NCCL communicator at its first collective; ptdp uses every group it builds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ptdp.config import CpComm, RunConfig
+from ptdp.layout import Layout
+from ptdp.parallel.mesh import COMBINED, MeshShape
+
+if TYPE_CHECKING:
+    from ptdp.perf.hardware import Device, System
+    from ptdp.perf.memory import MemoryEstimate
+
+MIB = 2**20
+CUDA_CONTEXT_BYTES = 287e6
+"""Lazy module loading (PyTorch PR #86509); 667e6 eager."""
+CONNECTION_BYTES = 12 * MIB
+"""One NVLink or collective connection and channel: LL + LL128 + Simple = 9.19 MiB in 2 MiB
+granules at the receiver (10 MiB) and 2 MiB at the sender (NVIDIA/nccl #1685)."""
+NET_P2P_CONNECTION_BYTES = 4 * MIB
+"""A point-to-point connection over the network: Simple only, 1 MiB in a 2 MiB granule, and
+the 2 MiB send side."""
+NODE_CHANNELS = 32
+"""Collective channels, and point-to-point channels per peer, inside one NVSwitch node."""
+P2P_CHANNELS_PER_NET_PEER = 2
+"""`NCCL_NCHANNELS_PER_NET_PEER`'s default: per peer in a communicator spanning nodes."""
+MAX_CHANNELS = 32
+"""The channels NCCL logs at most on these systems ("32 coll channels")."""
+FRAGMENTED_TRANSIENTS = 1.0
+"""Not sourced: the transient working set reserved once more for the allocator (module doc)."""
+
+
+@dataclass(frozen=True)
+class Communicator:
+    """One NCCL communicator a rank belongs to and what it runs."""
+
+    name: str
+    ranks: tuple[int, ...]
+    collectives: bool
+    """Runs collectives (ring channels, and a tree if it spans nodes)."""
+    peers: tuple[int, ...] = ()
+    """Ranks this one exchanges point-to-point messages with on it."""
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Bytes one rank holds beside the model's count, by term."""
+
+    context: float
+    nccl: float
+    allocator: float
+    fixed: float | None = None
+    """The device file's `reserved_gib` in bytes, replacing the formula when given."""
+
+    @property
+    def total(self) -> float:
+        return self.fixed if self.fixed is not None else self.context + self.nccl + self.allocator
+
+
+def communicators(cfg: RunConfig, layout: Layout, rank: int) -> list[Communicator]:
+    """The NCCL communicators of global `rank` (`ptdp.parallel.mesh`): each axis group of more
+    than one rank, dp_cp under cp, the tied embedding's pair, and the world, on which the
+    pipeline's sends and receives run (`comm.send_recv_async` names global peers)."""
+    shape = MeshShape(tp=layout.tp, cp=layout.cp, dp=layout.dp, pp=layout.pp)
+    world = tuple(range(shape.world_size))
+    if len(world) == 1:
+        return []
+    out = []
+    for axis in ("tp", "cp", "dp", *COMBINED, "pp"):
+        if axis == "dp_cp" and layout.cp == 1:  # the same group as dp
+            continue
+        ranks = next(tuple(g) for g in shape.group_ranks(axis) if rank in g)
+        if len(ranks) < 2:
+            continue
+        ring_p2p = axis == "cp" and cfg.parallel.cp_comm is CpComm.RING
+        peers = _neighbours(ranks, rank) if ring_p2p else ()
+        out.append(Communicator(axis, ranks, collectives=not ring_p2p, peers=peers))
+    if layout.pp > 1 and cfg.model.tie_embeddings:
+        pair = next((tuple(g) for g in shape.embedding_group_ranks() if rank in g), ())
+        if len(pair) > 1:
+            out.append(Communicator("embedding", pair, collectives=True))
+    stage = _neighbours(next(tuple(g) for g in shape.group_ranks("pp") if rank in g), rank)
+    out.append(Communicator("world", world, collectives=True, peers=stage))
+    return out
+
+
+def _neighbours(ring: tuple[int, ...], rank: int) -> tuple[int, ...]:
+    """The previous and next member of a ring (one peer for a ring of two)."""
+    i, n = ring.index(rank), len(ring)
+    return tuple(sorted({ring[(i - 1) % n], ring[(i + 1) % n]} - {rank}))
+
+
+def nccl_bytes(comm: Communicator, rank: int, gpus_per_node: int) -> float:
+    """Buffers one rank holds for `comm`: collective channels x connections x 12 MiB, plus
+    point-to-point peers x channels per peer x the connection's buffers (module doc)."""
+    node = rank // gpus_per_node
+    spans = any(r // gpus_per_node != node for r in comm.ranks)
+    total = 0.0
+    if comm.collectives:
+        channels = min(MAX_CHANNELS, 2 * gpus_per_node) if spans else NODE_CHANNELS
+        total += channels * (3 if spans else 1) * CONNECTION_BYTES
+    per_peer = P2P_CHANNELS_PER_NET_PEER if spans else NODE_CHANNELS
+    for peer in comm.peers:
+        remote = peer // gpus_per_node != node
+        total += per_peer * (NET_P2P_CONNECTION_BYTES if remote else CONNECTION_BYTES)
+    return total
+
+
+def rank_reserve(
+    cfg: RunConfig, layout: Layout, system: System, memory: MemoryEstimate
+) -> Reserve:
+    """The reserve of pipeline rank `memory.rank` (its tp = cp = dp = 0 member; the others
+    sit in groups of the same sizes and spans on the built-in nodes)."""
+    device = system.device
+    if device.reserved_bytes is not None:
+        return Reserve(0.0, 0.0, 0.0, fixed=device.reserved_bytes)
+    rank = memory.rank * layout.tp * layout.cp * layout.dp
+    nccl = sum(
+        nccl_bytes(c, rank, system.gpus_per_node) for c in communicators(cfg, layout, rank)
+    )
+    return Reserve(CUDA_CONTEXT_BYTES, nccl, FRAGMENTED_TRANSIENTS * memory.working)
+
+
+def with_reserve(
+    memory: list[MemoryEstimate], cfg: RunConfig, layout: Layout, system: System
+) -> list[MemoryEstimate]:
+    """`memory` with each pipeline rank's `reserved` set (`rank_reserve`)."""
+    return [replace(m, reserved=rank_reserve(cfg, layout, system, m).total) for m in memory]
+
+
+def fit(memory: tuple[MemoryEstimate, ...] | list[MemoryEstimate], device: Device):
+    """(need, usable) at the rank nearest its limit: the model's count there and the device's
+    memory less that rank's reserve. The layout fits if need <= usable."""
+    worst = max(memory, key=lambda m: m.total + m.reserved)
+    return worst.total, device.memory_bytes - worst.reserved
