@@ -45,7 +45,9 @@ def cases() -> list[tuple[str, RunConfig, int, str]]:
     out.append(("gpt3-175b t=8 p=16 (384)", gpt3, 384, "a100-80gb"))
     one = _gpt(24, 2048, 16, 4096)
     out.append(("1.3B one GPU, s=4096", one, 1, "h100-sxm"))
-    four = _gpt(32, 4096, 32, 16384, tp=8, cp=2, pp=4, recompute="selective", sequence_parallel=True)
+    four = _gpt(
+        32, 4096, 32, 16384, tp=8, cp=2, pp=4, recompute="selective", sequence_parallel=True
+    )
     out.append(("7B 4D t=8 cp=2 p=4 d=2, s=16k", four, 128, "h100-sxm"))
     return out
 

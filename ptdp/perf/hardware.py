@@ -6,14 +6,14 @@ the path of their own): `[device]` (peak rates by `kind` from
 bandwidth), `[device.achieved]` (the calibration: achieved GEMM and memory efficiency, a
 kernel launch cost, and optionally `reserved_gib`, memory held beside the model's count
 (absent: `ptdp.perf.reserve` prices it per layout and rank); from `ptdp calibrate` also a
-GEMM efficiency curve over size, `gemm_curve_flops` and `gemm_curve_efficiency`, the fused attention kernel's own
-efficiency and backward / forward ratio, and on CPUs the per-layer framework cost and
-`collective_sync_us`, what each blocking collective costs beyond its bytes), `[node]`
-(GPUs per node and their NVLink/NVSwitch link) and `[network]` (the inter-node link per
-GPU, e.g. one InfiniBand HCA each). Bandwidths are per GPU and per direction, in GB/s
-(1e9 bytes); `latency_us` per message or collective call, `step_latency_us` per step of a
-ring collective; `p2p_latency_us` and `p2p_bandwidth_gb_s` (from `ptdp calibrate`) price
-point-to-point messages apart from the collectives.
+GEMM efficiency curve over size, `gemm_curve_flops` and `gemm_curve_efficiency`, the fused
+attention kernel's own efficiency and backward / forward ratio, and on CPUs the per-layer
+framework cost and `collective_sync_us`, what each blocking collective costs beyond its
+bytes), `[node]` (GPUs per node and their NVLink/NVSwitch link) and `[network]` (the
+inter-node link per GPU, e.g. one InfiniBand HCA each). Bandwidths are per GPU and per
+direction, in GB/s (1e9 bytes); `latency_us` per message or collective call,
+`step_latency_us` per step of a ring collective; `p2p_latency_us` and `p2p_bandwidth_gb_s`
+(from `ptdp calibrate`) price point-to-point messages apart from the collectives.
 
 Built in: `a100-80gb` (the paper's Selene nodes: DGX A100 80GB, 8x 200 Gb/s HDR per
 node), `a100-40gb`, `h100-sxm` and `h200` (their GEMM curve fitted to Megatron-Core's
@@ -36,11 +36,13 @@ else:  # pragma: no cover - Python 3.10 only
 from ptdp.errors import ConfigError
 from ptdp.perf.fit import interpolate_log
 from ptdp.perf.flops import DENSE_PEAK_TFLOPS
-from ptdp.perf.reserve import CUDA_CONTEXT_BYTES
 
 BUILTIN_DIR = Path(__file__).with_name("hardware")
 GB = 1e9
 GIB = 2**30
+CUDA_CONTEXT_BYTES = 287e6
+"""The CUDA context with the libraries' kernels under lazy module loading, PyTorch's default
+since 1.13 (667e6 eager): PyTorch PR #86509's measurement. Part of `ptdp.perf.reserve`."""
 
 
 @dataclass(frozen=True)
@@ -300,7 +302,9 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         gemm_efficiency=float(achieved.get("gemm_efficiency", 0.75)),
         memory_efficiency=float(achieved.get("memory_efficiency", 0.85)),
         kernel_overhead=float(achieved.get("kernel_overhead_us", 5)) * 1e-6,
-        reserved_bytes=float(achieved["reserved_gib"]) * GIB if "reserved_gib" in achieved else None,
+        reserved_bytes=float(achieved["reserved_gib"]) * GIB
+        if "reserved_gib" in achieved
+        else None,
         match=tuple(dev.get("match", ())),
         gemm_curve=_curve(achieved),
         attention_efficiency=float(achieved.get("attention_efficiency", 0.0)),

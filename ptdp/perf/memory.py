@@ -49,10 +49,10 @@ beside its 16-bit copy for the output layer (`head_backward_bytes`), often the l
 single transient (vocabulary 131,072 at s = 4096: 3 GiB at t = 1).
 
 Known omissions: p2p receive buffers and grouped-query attention's smaller K and V
-(counted as full heads); the CUDA context, NCCL buffers and allocator waste are the reserve (`ptdp.perf.reserve`). The
-in-flight count is ptdp's plan's: Megatron-LM 2021's interleaved code (`--software
-megatron-2021`, `ptdp.perf.megatron2021`) at m = p ran all forwards first, so its ranks past
-the middle held m v forwards, more than counted here.
+(counted as full heads); the CUDA context, NCCL buffers and allocator waste are the
+reserve (`ptdp.perf.reserve`). The in-flight count is ptdp's plan's: Megatron-LM 2021's
+interleaved code (`--software megatron-2021`, `ptdp.perf.megatron2021`) at m = p ran all
+forwards first, so its ranks past the middle held m v forwards, more than counted here.
 
 Letters: s = sequence, b = micro-batch, h = hidden, f = MLP width, v = vocabulary,
 t = tensor-parallel size, e = bytes per activation element.

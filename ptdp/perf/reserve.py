@@ -57,19 +57,14 @@ Not sourced (named terms, kept conservative):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from ptdp.config import CpComm, RunConfig
 from ptdp.layout import Layout
 from ptdp.parallel.mesh import COMBINED, MeshShape
-
-if TYPE_CHECKING:
-    from ptdp.perf.hardware import Device, System
-    from ptdp.perf.memory import MemoryEstimate
+from ptdp.perf.hardware import CUDA_CONTEXT_BYTES, Device, System
+from ptdp.perf.memory import MemoryEstimate
 
 MIB = 2**20
-CUDA_CONTEXT_BYTES = 287e6
-"""Lazy module loading (PyTorch PR #86509); 667e6 eager."""
 CONNECTION_BYTES = 12 * MIB
 """One NVLink or collective connection and channel: LL + LL128 + Simple = 9.19 MiB in 2 MiB
 granules at the receiver (10 MiB) and 2 MiB at the sender (NVIDIA/nccl #1685)."""
@@ -162,18 +157,14 @@ def nccl_bytes(comm: Communicator, rank: int, gpus_per_node: int) -> float:
     return total
 
 
-def rank_reserve(
-    cfg: RunConfig, layout: Layout, system: System, memory: MemoryEstimate
-) -> Reserve:
+def rank_reserve(cfg: RunConfig, layout: Layout, system: System, memory: MemoryEstimate) -> Reserve:
     """The reserve of pipeline rank `memory.rank` (its tp = cp = dp = 0 member; the others
     sit in groups of the same sizes and spans on the built-in nodes)."""
     device = system.device
     if device.reserved_bytes is not None:
         return Reserve(0.0, 0.0, 0.0, fixed=device.reserved_bytes)
     rank = memory.rank * layout.tp * layout.cp * layout.dp
-    nccl = sum(
-        nccl_bytes(c, rank, system.gpus_per_node) for c in communicators(cfg, layout, rank)
-    )
+    nccl = sum(nccl_bytes(c, rank, system.gpus_per_node) for c in communicators(cfg, layout, rank))
     return Reserve(CUDA_CONTEXT_BYTES, nccl, FRAGMENTED_TRANSIENTS * memory.working)
 
 
@@ -184,7 +175,9 @@ def with_reserve(
     return [replace(m, reserved=rank_reserve(cfg, layout, system, m).total) for m in memory]
 
 
-def fit(memory: tuple[MemoryEstimate, ...] | list[MemoryEstimate], device: Device):
+def fit(
+    memory: tuple[MemoryEstimate, ...] | list[MemoryEstimate], device: Device
+) -> tuple[float, float]:
     """(need, usable) at the rank nearest its limit: the model's count there and the device's
     memory less that rank's reserve. The layout fits if need <= usable."""
     worst = max(memory, key=lambda m: m.total + m.reserved)

@@ -37,7 +37,6 @@ from ptdp.perf.flops import flops_per_iteration, utilisation
 from ptdp.perf.hardware import System
 from ptdp.perf.kernels import Call
 from ptdp.perf.megatron2021 import megatron_2021_interleaved
-from ptdp.perf.reserve import with_reserve
 from ptdp.perf.memory import (
     MemoryEstimate,
     estimate_memory,
@@ -45,6 +44,7 @@ from ptdp.perf.memory import (
     parameters_per_stage,
 )
 from ptdp.perf.replay import PipelineCosts, PipelineRun, replay, replay_steady
+from ptdp.perf.reserve import with_reserve
 from ptdp.perf.timeline import Event
 from ptdp.perf.zero import sharded_passes
 from ptdp.pipeline.placement import Placement
