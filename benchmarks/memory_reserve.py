@@ -3,7 +3,8 @@
 For the paper's Table 1 rows (b = 1, v = 1 as the paper ran them), GPT-3 175B at 384 and
 1024 GPUs, a one-GPU run and a 4D layout with context parallelism, print each term of the
 formula at the rank nearest its limit, the old fixed reserve (4 GiB on the 80 GB GPUs),
-and whether the fit decision (model count + reserve <= device memory) changes. Nothing is
+and whether the fit decision (model count + reserve <= device memory) changes, at b = 1 and
+for the largest micro-batch (1-16) the planner could pick. Nothing is
 measured (no GPU here) and no tracked file is written:
 
     PYTHONPATH=. python benchmarks/memory_reserve.py
@@ -12,6 +13,7 @@ measured (no GPU here) and no tracked file is written:
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from ptdp.config import RunConfig, apply_updates
 from ptdp.layout import validate
@@ -52,23 +54,44 @@ def cases() -> list[tuple[str, RunConfig, int, str]]:
     return out
 
 
+def fits(cfg: RunConfig, gpus: int, system: System) -> tuple[bool, bool]:
+    """(fits under the old fixed reserve, fits under the formula)."""
+    layout = validate(cfg, gpus)
+    memory = estimate_memory(cfg, gpus, layout=layout)
+    new = max(m.total + rank_reserve(cfg, layout, system, m).total for m in memory)
+    cap = system.device.memory_bytes
+    return max(m.total for m in memory) <= cap - OLD_GIB * GIB, new <= cap
+
+
+def largest_b(cfg: RunConfig, gpus: int, system: System) -> tuple[int, int]:
+    """The largest micro-batch (1, 2, 4, ... 16) that fits, old and new (0: none)."""
+    out = [0, 0]
+    layout = validate(cfg, gpus)
+    per_rank = cfg.train.global_batch_size // layout.dp
+    for b in (1, 2, 4, 8, 16):
+        if per_rank % b:
+            break
+        train = replace(cfg.train, micro_batch_size=b)
+        for i, ok in enumerate(fits(replace(cfg, train=train), gpus, system)):
+            out[i] = b if ok else out[i]
+    return out[0], out[1]
+
+
 def row(name: str, cfg: RunConfig, gpus: int, system: System) -> str:
     layout = validate(cfg, gpus)
     memory = estimate_memory(cfg, gpus, layout=layout)
     reserves = [rank_reserve(cfg, layout, system, m) for m in memory]
     worst = max(range(len(memory)), key=lambda i: memory[i].total + reserves[i].total)
     m, r = memory[worst], reserves[worst]
-    cap = system.device.memory_bytes
-    old = OLD_GIB * GIB
-    fits_old = max(x.total for x in memory) <= cap - old
-    fits_new = m.total + r.total <= cap
+    fit_old, fit_new = fits(cfg, gpus, system)
+    b_old, b_new = largest_b(cfg, gpus, system)
     comms = len(communicators(cfg, layout, worst * layout.tp * layout.cp * layout.dp))
-    change = "" if fits_old == fits_new else " **changes**"
+    change = "" if (fit_old, b_old) == (fit_new, b_new) else " **changes**"
     return (
         f"| {name} | {system.name} | {worst} | {comms} | {m.total / GIB:.1f} | "
         f"{r.context / GIB:.2f} | {r.nccl / GIB:.2f} | {r.allocator / GIB:.2f} | "
-        f"{r.total / GIB:.2f} | {OLD_GIB:.0f} | {'yes' if fits_old else 'no'} -> "
-        f"{'yes' if fits_new else 'no'}{change} |"
+        f"{r.total / GIB:.2f} | {OLD_GIB:.0f} | {'yes' if fit_old else 'no'} -> "
+        f"{'yes' if fit_new else 'no'} | {b_old} -> {b_new}{change} |"
     )
 
 
@@ -76,9 +99,9 @@ def main() -> None:
     argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     print(
         "| layout | system | pp rank | communicators | model count GiB | context | NCCL | "
-        "allocator | reserve GiB | old GiB | fits (old -> new) |"
+        "allocator | reserve GiB | old GiB | fits at b=1 (old -> new) | largest b (old -> new) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, cfg, gpus, system in cases():
         print(row(name, cfg, gpus, load_system(system)))
 
