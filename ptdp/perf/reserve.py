@@ -38,6 +38,14 @@ Sources (NCCL `src/` read at NVIDIA/nccl 5067397, June 2026; figures also in old
   issue #864/#986); a communicator spanning nodes also connects its tree (up and down), so
   three. `NCCL_RUNTIME_CONNECT=1` (default since 2.22) connects only the algorithms a
   communicator runs: counting ring and tree for every spanning communicator is the upper end.
+- NVLink SHARP (NVLS) on H100/H200 NVSwitch nodes (`NCCL_NVLS_ENABLE=2`, on where the GPU
+  reports multicast support; `src/transport/nvls.cc`): `NVLS_NCHANNELS_SM90` = 16 channels x
+  2 x (`NCCL_NVLS_CHUNKSIZE` 128 KiB x `NCCL_STEPS` 8) x one head per local rank of the
+  communicator (`ncclNvlsBufferSetup`): 32 MiB per local rank, 256 MiB for a group of 8.
+- PyTorch's `batch_isend_irecv`, which ptdp's pipeline and cp ring use, runs on the group's
+  own communicator (a lone send/recv would make a 2-rank one): ProcessGroupNCCL.cpp
+  `pointToPoint`, "For batch P2P, we need to treat it like a collective when selecting
+  communicator".
 - Check against a measurement: #1685's intra-node all-to-all connects 7 peers x 32 channels,
   7 x 32 x 12 MiB = 2.82 GB by this formula against 3.28 GB measured (the formula is 14% low).
 
@@ -77,6 +85,10 @@ P2P_CHANNELS_PER_NET_PEER = 2
 """`NCCL_NCHANNELS_PER_NET_PEER`'s default: per peer in a communicator spanning nodes."""
 MAX_CHANNELS = 32
 """The channels NCCL logs at most on these systems ("32 coll channels")."""
+NVLS_BYTES_PER_LOCAL_RANK = 16 * 2 * 128 * 1024 * 8
+"""NVLS buffers per head (one head per local rank of the communicator) on H100/H200."""
+NVLS_KINDS = ("h100-sxm", "h200")
+"""Device kinds whose built-in nodes (HGX/DGX, NVSwitch) support NVLink multicast."""
 FRAGMENTED_TRANSIENTS = 1.0
 """Not sourced: the transient working set reserved once more for the allocator (module doc)."""
 
@@ -141,15 +153,19 @@ def _neighbours(ring: tuple[int, ...], rank: int) -> tuple[int, ...]:
     return tuple(sorted({ring[(i - 1) % n], ring[(i + 1) % n]} - {rank}))
 
 
-def nccl_bytes(comm: Communicator, rank: int, gpus_per_node: int) -> float:
-    """Buffers one rank holds for `comm`: collective channels x connections x 12 MiB, plus
-    point-to-point peers x channels per peer x the connection's buffers (module doc)."""
+def nccl_bytes(comm: Communicator, rank: int, gpus_per_node: int, nvls: bool = False) -> float:
+    """Buffers one rank holds for `comm`: collective channels x connections x 12 MiB (and
+    NVLS's per local rank where `nvls`), plus point-to-point peers x channels per peer x the
+    connection's buffers (module doc)."""
     node = rank // gpus_per_node
     spans = any(r // gpus_per_node != node for r in comm.ranks)
+    local = sum(r // gpus_per_node == node for r in comm.ranks)
     total = 0.0
     if comm.collectives:
         channels = min(MAX_CHANNELS, 2 * gpus_per_node) if spans else NODE_CHANNELS
         total += channels * (3 if spans else 1) * CONNECTION_BYTES
+        if nvls and local > 1:
+            total += local * NVLS_BYTES_PER_LOCAL_RANK
     per_peer = P2P_CHANNELS_PER_NET_PEER if spans else NODE_CHANNELS
     for peer in comm.peers:
         remote = peer // gpus_per_node != node
@@ -164,7 +180,9 @@ def rank_reserve(cfg: RunConfig, layout: Layout, system: System, memory: MemoryE
     if device.reserved_bytes is not None:
         return Reserve(0.0, 0.0, 0.0, fixed=device.reserved_bytes)
     rank = memory.rank * layout.tp * layout.cp * layout.dp
-    nccl = sum(nccl_bytes(c, rank, system.gpus_per_node) for c in communicators(cfg, layout, rank))
+    nvls = device.kind in NVLS_KINDS
+    comms = communicators(cfg, layout, rank)
+    nccl = sum(nccl_bytes(c, rank, system.gpus_per_node, nvls) for c in comms)
     return Reserve(CUDA_CONTEXT_BYTES, nccl, FRAGMENTED_TRANSIENTS * memory.working)
 
 

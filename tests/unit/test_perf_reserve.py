@@ -3,6 +3,7 @@ file's fixed `reserved_gib` overriding the formula, and the same reserve in simu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,10 @@ def test_one_gpu_holds_the_context_and_its_transients_only() -> None:
     assert (r.context, r.nccl) == (CUDA_CONTEXT_BYTES, 0.0)
     assert r.allocator == m.working > 0  # the transients once more, growing with b, s, h
     assert r.total < 1.5 * GIB < 4 * GIB  # the old fixed figure over-reserved here
+    bigger = gpt(1)
+    bigger = replace(bigger, train=replace(bigger.train, micro_batch_size=4))
+    r4, m4, _ = reserve_of(bigger, 1)
+    assert r4.allocator == m4.working == pytest.approx(4 * m.working, rel=0.01)
 
 
 def test_pure_data_parallel_across_nodes_hand_computed() -> None:
@@ -66,6 +71,12 @@ def test_tensor_parallel_inside_one_node_hand_computed() -> None:
     r, _, layout = reserve_of(cfg, 8)
     assert [c.name for c in communicators(cfg, layout, 0)] == ["tp", "world"]
     assert r.nccl == 2 * IN_NODE  # 768 MiB: 32 channels of one connection each, twice
+
+
+def test_nvls_buffers_on_h100_nodes_hand_computed() -> None:
+    cfg = gpt(8, tp=8)  # 16 NVLS channels x 2 x 128 KiB x 8 steps, one head per local rank
+    r, _, _ = reserve_of(cfg, 8, load_system("h100-sxm"))
+    assert r.nccl == 2 * (IN_NODE + 8 * 32 * MIB)
 
 
 def test_pipeline_peers_across_nodes_hand_computed() -> None:
