@@ -53,11 +53,14 @@ Not sourced (named terms, kept conservative):
 - The caching allocator's fragmentation. Its documented rules (c10/cuda/CUDACachingAllocator:
   requests over 1 MiB come from the large pool, 1-10 MiB out of 20 MiB segments, larger ones
   cudaMalloc'ed rounded up to 2 MiB; a free block is split for smaller requests and merges
-  only with free neighbours in its segment) bound the rounding at 2 MiB a segment, but no
-  source gives how much of a training step's churn stays unreusable. `FRAGMENTED_TRANSIENTS`
-  reserves the transient working set once more: the stored activations of the next forward
-  may split the blocks the last backward freed, so the next backward's transients need new
-  segments. It grows with the activations (b, s, h), as fragmentation does.
+  only with free neighbours in its segment) bound the rounding at 2 MiB a segment (0 for
+  ptdp's [s b, h]-shaped tensors of the paper's sizes, whole multiples of 2 MiB), but no
+  source gives how much of a step's churn stays unreusable. `FRAGMENTED_TRANSIENTS` reserves
+  the largest transient tensor once more (`largest_transient`: the fp32 logit gradient
+  [s b, v/t] on the last stage, else the MLP's [s b, parts f/t] input-of-activation
+  gradient): a smaller request may split that block while it is free, so the next request
+  of its size needs a new segment. It grows with the activations (b, s), as fragmentation
+  does; a GPU run should replace it (BENCHMARKS.md says what to measure).
 - The communicators a rank does not run anything on are still counted (PyTorch creates a
   group's NCCL communicator at its first collective; ptdp uses every group it builds).
 """
@@ -66,11 +69,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ptdp.config import CpComm, RunConfig
+from ptdp.config import Activation, CpComm, RunConfig
 from ptdp.layout import Layout
 from ptdp.parallel.mesh import COMBINED, MeshShape
 from ptdp.perf.hardware import CUDA_CONTEXT_BYTES, Device, System
-from ptdp.perf.memory import MemoryEstimate
+from ptdp.perf.memory import MemoryEstimate, element_bytes
 
 MIB = 2**20
 CONNECTION_BYTES = 12 * MIB
@@ -90,7 +93,7 @@ NVLS_BYTES_PER_LOCAL_RANK = 16 * 2 * 128 * 1024 * 8
 NVLS_KINDS = ("h100-sxm", "h200")
 """Device kinds whose built-in nodes (HGX/DGX, NVSwitch) support NVLink multicast."""
 FRAGMENTED_TRANSIENTS = 1.0
-"""Not sourced: the transient working set reserved once more for the allocator (module doc)."""
+"""Not sourced: copies of the largest transient tensor the allocator may hold unreusable."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,21 @@ def rank_reserve(cfg: RunConfig, layout: Layout, system: System, memory: MemoryE
     nvls = device.kind in NVLS_KINDS
     comms = communicators(cfg, layout, rank)
     nccl = sum(nccl_bytes(c, rank, system.gpus_per_node, nvls) for c in comms)
-    return Reserve(CUDA_CONTEXT_BYTES, nccl, FRAGMENTED_TRANSIENTS * memory.working)
+    last = memory.rank == layout.stages.rank(layout.stages.last)
+    allocator = FRAGMENTED_TRANSIENTS * largest_transient(cfg, layout, last)
+    return Reserve(CUDA_CONTEXT_BYTES, nccl, allocator)
+
+
+def largest_transient(cfg: RunConfig, layout: Layout, last_stage: bool) -> float:
+    """Bytes of the largest tensor a backward allocates and frees on one rank: the MLP's
+    input-of-activation gradient [s b, parts f/t], or on the last stage the loss's fp32
+    logit gradient [s b, v/t] (`ptdp.perf.memory`'s transients; s/cp tokens under cp)."""
+    model, t = cfg.model, layout.tp
+    tokens = model.seq_length // layout.cp * cfg.train.micro_batch_size
+    parts = 2 if model.activation is Activation.SWIGLU else 1
+    mlp = element_bytes(cfg.train.precision) * parts * model.ffn_size // t
+    logits = 4 * (model.padded_vocab_size(t) // t) if last_stage else 0
+    return float(tokens * max(mlp, logits))
 
 
 def with_reserve(
