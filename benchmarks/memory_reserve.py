@@ -1,7 +1,8 @@
 """The memory reserve per rank: the old fixed figure against `ptdp.perf.reserve`'s formula.
 
 For the paper's Table 1 rows (b = 1, v = 1 as the paper ran them), GPT-3 175B at 384 and
-1024 GPUs, a one-GPU run and a 4D layout with context parallelism, print each term of the
+1024 GPUs, a one-GPU run, a 4D layout with context parallelism and two Llama 3 layouts
+(s = 8192, vocabulary 128,256) on H100s, print each term of the
 formula at the rank nearest its limit, the old fixed reserve (4 GiB on the 80 GB GPUs),
 and whether the fit decision (model count + reserve <= device memory) changes, at b = 1 and
 for the largest micro-batch (1-16) the planner could pick. Nothing is
@@ -19,7 +20,7 @@ from ptdp.config import RunConfig, apply_updates
 from ptdp.layout import validate
 from ptdp.perf.hardware import GIB, System, load_system
 from ptdp.perf.memory import estimate_memory
-from ptdp.perf.paper import README_GPT3, TABLE_1, paper_run
+from ptdp.perf.paper import README_GPT3, TABLE_1, model_config, paper_run
 from ptdp.perf.reserve import communicators, rank_reserve
 
 OLD_GIB = 4.0
@@ -28,7 +29,12 @@ OLD_GIB = 4.0
 
 def _gpt(layers: int, hidden: int, heads: int, seq: int, **parallel: object) -> RunConfig:
     sections = {
-        "model": {"num_layers": layers, "hidden_size": hidden, "num_heads": heads},
+        "model": {
+            "num_layers": layers,
+            "hidden_size": hidden,
+            "num_heads": heads,
+            "vocab_size": 50304,
+        },
         "parallel": parallel,
         "train": {"precision": "bf16", "micro_batch_size": 1, "global_batch_size": 64},
     }
@@ -51,6 +57,15 @@ def cases() -> list[tuple[str, RunConfig, int, str]]:
         32, 4096, 32, 16384, tp=8, cp=2, pp=4, recompute="selective", sequence_parallel=True
     )
     out.append(("7B 4D t=8 cp=2 p=4 d=2, s=16k", four, 128, "h100-sxm"))
+    for name, gpus, parallel in (
+        ("llama3-8b", 64, {"tp": 2, "pp": 4, "recompute": "full"}),
+        ("llama3-70b", 512, {"tp": 8, "pp": 8, "recompute": "selective"}),
+    ):
+        train = {"precision": "bf16", "micro_batch_size": 1, "global_batch_size": 512}
+        sections = {"parallel": {**parallel, "sequence_parallel": True}, "train": train}
+        cfg = apply_updates(model_config(name), sections, "memory_reserve")
+        what = f"t={parallel['tp']} p={parallel['pp']} {parallel['recompute']}"
+        out.append((f"{name} {what} ({gpus})", cfg, gpus, "h100-sxm"))
     return out
 
 

@@ -96,8 +96,8 @@ def format_prediction(
             if lay.cp > 1
             else []
         ),
-        f"memory per GPU (GiB; {usable:.1f} usable on {system.device.name} at the fullest rank;"
-        " reserve: CUDA context, NCCL buffers, allocator, ptdp.perf.reserve):",
+        f"memory per GPU (GiB; {usable:.1f} usable on {system.device.name} at the fullest rank,"
+        " after its reserve: CUDA context, NCCL buffers, allocator):",
         "  pp rank | params | grads | optimizer | activations (in flight) | working | stash"
         " | total | reserve",
     ]
