@@ -18,10 +18,10 @@ Sources (NCCL `src/` read at NVIDIA/nccl 5067397, June 2026; figures also in old
   `NCCL_LL_LINES_PER_THREAD x NCCL_LL_MAX_NTHREADS x NCCL_STEPS x 16 B` = 8 x 512 x 8 x 16 =
   512 KiB; LL128 `NCCL_LL128_ELEMS_PER_THREAD x NCCL_LL128_MAX_NTHREADS x NCCL_STEPS x 8 B` =
   120 x 640 x 8 x 8 = 4.69 MiB; Simple `NCCL_BUFFSIZE` = 4 MiB (1 << 22; constants in
-  `src/include/device.h`): 9.19 MiB, allocated in 2 MiB granules, so 10 MiB at the
-  receiving end plus a 2 MiB send-side allocation. NVIDIA/nccl issue #1685 (8x H100,
-  `NCCL_DEBUG_SUBSYS=ALLOC`) logs exactly these two sizes, 10485760 and 2097152 B, per
-  connection and channel: `CONNECTION_BYTES` = 12 MiB.
+  `src/include/device.h`): 9.19 MiB. NVIDIA/nccl issue #1685 (8x H100,
+  `NCCL_DEBUG_SUBSYS=ALLOC`) logs two allocations per connection and channel, 10485760 B
+  (those 9.19 MiB in 2 MiB granules) and 2097152 B (read here as the other end's share):
+  `CONNECTION_BYTES` = 12 MiB.
 - A point-to-point connection across nodes uses the Simple protocol only, of
   `NCCL_P2P_NET_CHUNKSIZE x NCCL_STEPS` = 128 KiB x 8 = 1 MiB (`src/init.cc`; LL buffers only
   with `NCCL_ALLOC_P2P_NET_LL_BUFFERS=1`), in a 2 MiB granule, plus the 2 MiB send side.
@@ -53,14 +53,15 @@ Not sourced (named terms, kept conservative):
 - The caching allocator's fragmentation. Its documented rules (c10/cuda/CUDACachingAllocator:
   requests over 1 MiB come from the large pool, 1-10 MiB out of 20 MiB segments, larger ones
   cudaMalloc'ed rounded up to 2 MiB; a free block is split for smaller requests and merges
-  only with free neighbours in its segment) bound the rounding at 2 MiB a segment (0 for
-  ptdp's [s b, h]-shaped tensors of the paper's sizes, whole multiples of 2 MiB), but no
-  source gives how much of a step's churn stays unreusable. `FRAGMENTED_TRANSIENTS` reserves
-  the largest transient tensor once more (`largest_transient`: the fp32 logit gradient
-  [s b, v/t] on the last stage, else the MLP's [s b, parts f/t] input-of-activation
-  gradient): a smaller request may split that block while it is free, so the next request
-  of its size needs a new segment. It grows with the activations (b, s), as fragmentation
-  does; a GPU run should replace it (BENCHMARKS.md says what to measure).
+  only with free neighbours in its segment) bound the rounding at 2 MiB a segment (none for
+  an [s b, h] tensor whose bytes are a multiple of 2 MiB, e.g. s = 2048 with h a multiple of
+  512; not counted), but no source gives how much of a step's churn stays unreusable.
+  `FRAGMENTED_TRANSIENTS` reserves the largest transient tensor once more
+  (`largest_transient`: the fp32 logit gradient [s b, v/t] on the last stage, else the
+  MLP's [s b, parts f/t] input-of-activation gradient): a smaller request may split that
+  block while it is free, so the next request of its size needs a new segment. It grows
+  with the activations (b, s), as fragmentation does; a GPU run should replace it
+  (BENCHMARKS.md says what to measure).
 - The communicators a rank does not run anything on are still counted (PyTorch creates a
   group's NCCL communicator at its first collective; ptdp uses every group it builds).
 """
