@@ -68,14 +68,20 @@ Not sourced (named terms, kept conservative):
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ptdp.config import Activation, CpComm, RunConfig
 from ptdp.layout import Layout
-from ptdp.parallel.mesh import COMBINED, MeshShape
 from ptdp.perf.hardware import CUDA_CONTEXT_BYTES, Device, System
 from ptdp.perf.memory import MemoryEstimate, element_bytes
+from ptdp.pipeline.placement import Placement
 
+ORDER = ("tp", "cp", "dp", "pp")
+"""How `ptdp.parallel.mesh` lays ranks out, fastest first, and its combined groups (kept here
+so the planner need not import torch.distributed; test_perf_reserve checks they agree)."""
+COMBINED = {"dp_cp": ("cp", "dp")}
 MIB = 2**20
 CONNECTION_BYTES = 12 * MIB
 """One NVLink or collective connection and channel: LL + LL128 + Simple = 9.19 MiB in 2 MiB
@@ -102,7 +108,7 @@ class Communicator:
     """One NCCL communicator a rank belongs to and what it runs."""
 
     name: str
-    ranks: tuple[int, ...]
+    ranks: Sequence[int]
     collectives: bool
     """Runs collectives (ring channels, and a tree if it spans nodes)."""
     peers: tuple[int, ...] = ()
@@ -127,34 +133,56 @@ class Reserve:
 def communicators(cfg: RunConfig, layout: Layout, rank: int) -> list[Communicator]:
     """The NCCL communicators of global `rank` (`ptdp.parallel.mesh`): each axis group of more
     than one rank, dp_cp under cp, the tied embedding's pair, and the world, on which the
-    pipeline's sends and receives run (`comm.send_recv_async` names global peers)."""
-    shape = MeshShape(tp=layout.tp, cp=layout.cp, dp=layout.dp, pp=layout.pp)
-    world = tuple(range(shape.world_size))
-    if len(world) == 1:
+    pipeline's sends and receives run (`comm.send_recv_async` names global peers). Only this
+    rank's groups are built, by arithmetic (the planner asks for thousands of ranks)."""
+    sizes = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp}
+    world = math.prod(sizes.values())
+    if world == 1:
         return []
     out = []
-    for axis in ("tp", "cp", "dp", *COMBINED, "pp"):
+    for axis in (*ORDER[:3], *COMBINED, "pp"):
         if axis == "dp_cp" and layout.cp == 1:  # the same group as dp
             continue
-        ranks = next(tuple(g) for g in shape.group_ranks(axis) if rank in g)
+        ranks = _group(sizes, rank, axis)
         if len(ranks) < 2:
             continue
         ring_p2p = axis == "cp" and cfg.parallel.cp_comm is CpComm.RING
-        peers = _neighbours(ranks, rank) if ring_p2p else ()
+        peers = _neighbours(ranks, rank, wrap=True) if ring_p2p else ()
         out.append(Communicator(axis, ranks, collectives=not ring_p2p, peers=peers))
-    if layout.pp > 1 and cfg.model.tie_embeddings:
-        pair = next((tuple(g) for g in shape.embedding_group_ranks() if rank in g), ())
-        if len(pair) > 1:
-            out.append(Communicator("embedding", pair, collectives=True))
-    stage = _neighbours(next(tuple(g) for g in shape.group_ranks("pp") if rank in g), rank)
-    out.append(Communicator("world", world, collectives=True, peers=stage))
+    stages = _group(sizes, rank, "pp")
+    if layout.pp > 1 and cfg.model.tie_embeddings and rank in (stages[0], stages[-1]):
+        out.append(Communicator("embedding", (stages[0], stages[-1]), collectives=True))
+    # An interleaved (looped) pipeline also sends from the last stage to the first.
+    looped = layout.vpp > 1 and layout.stages.placement is Placement.LOOPED
+    out.append(Communicator("world", range(world), True, _neighbours(stages, rank, looped)))
     return out
 
 
-def _neighbours(ring: tuple[int, ...], rank: int) -> tuple[int, ...]:
-    """The previous and next member of a ring (one peer for a ring of two)."""
+def _group(sizes: dict[str, int], rank: int, axis: str) -> range:
+    """The ranks of `rank`'s group along `axis` (a mesh axis or a `COMBINED` one, whose axes
+    are adjacent in `ORDER`): evenly spaced, the stride of its fastest axis."""
+    inner = COMBINED.get(axis, (axis,))
+    stride = math.prod(sizes[a] for a in ORDER[: ORDER.index(inner[0])])
+    span = stride * math.prod(sizes[a] for a in inner)
+    start = rank % stride + rank // span * span
+    return range(start, start + span, stride)
+
+
+def _neighbours(ring: Sequence[int], rank: int, wrap: bool) -> tuple[int, ...]:
+    """The previous and next member (of a ring if `wrap`; one peer for two members)."""
     i, n = ring.index(rank), len(ring)
-    return tuple(sorted({ring[(i - 1) % n], ring[(i + 1) % n]} - {rank}))
+    near = {ring[(i - 1) % n], ring[(i + 1) % n]} if wrap else set(ring[max(0, i - 1) : i + 2])
+    return tuple(sorted(near - {rank}))
+
+
+def _in_node(ranks: Sequence[int], node: int, gpus_per_node: int) -> int:
+    """How many of `ranks` sit on `node` (a range counted without walking it)."""
+    if not isinstance(ranks, range):
+        return sum(r // gpus_per_node == node for r in ranks)
+    lo, hi, step = node * gpus_per_node, (node + 1) * gpus_per_node, ranks.step
+    first = max(0, -(-(lo - ranks.start) // step))  # members k with lo <= start + k step < hi
+    last = min(len(ranks), -(-(hi - ranks.start) // step))
+    return max(0, last - first)
 
 
 def nccl_bytes(comm: Communicator, rank: int, gpus_per_node: int, nvls: bool = False) -> float:
@@ -162,8 +190,8 @@ def nccl_bytes(comm: Communicator, rank: int, gpus_per_node: int, nvls: bool = F
     NVLS's per local rank where `nvls`), plus point-to-point peers x channels per peer x the
     connection's buffers (module doc)."""
     node = rank // gpus_per_node
-    spans = any(r // gpus_per_node != node for r in comm.ranks)
-    local = sum(r // gpus_per_node == node for r in comm.ranks)
+    local = _in_node(comm.ranks, node, gpus_per_node)
+    spans = local < len(comm.ranks)
     total = 0.0
     if comm.collectives:
         channels = min(MAX_CHANNELS, 2 * gpus_per_node) if spans else NODE_CHANNELS

@@ -11,11 +11,13 @@ import pytest
 from ptdp.config import RunConfig, apply_updates
 from ptdp.errors import ConfigError
 from ptdp.layout import validate
+from ptdp.parallel.mesh import COMBINED, ORDER, MeshShape
+from ptdp.perf import reserve
 from ptdp.perf.costs import PTDP, Compute
 from ptdp.perf.hardware import BUILTIN_DIR, CUDA_CONTEXT_BYTES, GIB, load_system
 from ptdp.perf.memory import estimate_memory
 from ptdp.perf.planner import Plans, _need
-from ptdp.perf.reserve import communicators, fit, nccl_bytes, rank_reserve
+from ptdp.perf.reserve import _group, _in_node, communicators, fit, nccl_bytes, rank_reserve
 from ptdp.perf.simulator import simulate
 
 MIB = 2**20
@@ -169,3 +171,18 @@ def test_plan_and_simulate_apply_the_same_reserve_and_it_decides_the_fit(tmp_pat
     fixed = load_system(tmp_path / "fixed.toml")
     need, usable = fit(simulate(cfg, fixed, 16, timeline=False).memory, fixed.device)
     assert need > usable
+
+
+def test_the_groups_counted_are_the_meshs_own() -> None:
+    """`communicators` builds one rank's groups by arithmetic (the planner asks for thousands);
+    they are the groups `ptdp.parallel.mesh` creates, and the node counts match walking them."""
+    for tp, cp, dp, pp in [(1, 1, 4, 1), (2, 3, 1, 2), (4, 2, 3, 5), (2, 1, 2, 3)]:
+        shape = MeshShape(tp=tp, cp=cp, dp=dp, pp=pp)
+        assert (ORDER, COMBINED) == (reserve.ORDER, reserve.COMBINED)
+        for axis in (*ORDER, *COMBINED):
+            for rank in range(shape.world_size):
+                want = next(g for g in shape.group_ranks(axis) if rank in g)
+                got = _group(shape.sizes(), rank, axis)
+                assert list(got) == want
+                for node in range(shape.world_size // 4 + 1):
+                    assert _in_node(got, node, 4) == sum(r // 4 == node for r in want)
