@@ -205,19 +205,47 @@ def nccl_bytes(comm: Communicator, rank: int, gpus_per_node: int, nvls: bool = F
     return total
 
 
-def rank_reserve(cfg: RunConfig, layout: Layout, system: System, memory: MemoryEstimate) -> Reserve:
+def rank_reserve(
+    cfg: RunConfig,
+    layout: Layout,
+    system: System,
+    memory: MemoryEstimate,
+    seen: dict[tuple, float] | None = None,
+) -> Reserve:
     """The reserve of pipeline rank `memory.rank` (its tp = cp = dp = 0 member; the others
-    sit in groups of the same sizes and spans on the built-in nodes)."""
+    sit in groups of the same sizes and spans on the built-in nodes). `seen` keeps the NCCL
+    term by `_position`, and the allocator's by stage kind, for the other ranks of the same
+    layout."""
     device = system.device
     if device.reserved_bytes is not None:
         return Reserve(0.0, 0.0, 0.0, fixed=device.reserved_bytes)
-    rank = memory.rank * layout.tp * layout.cp * layout.dp
-    nvls = device.kind in NVLS_KINDS
-    comms = communicators(cfg, layout, rank)
-    nccl = sum(nccl_bytes(c, rank, system.gpus_per_node, nvls) for c in comms)
-    last = memory.rank == layout.stages.rank(layout.stages.last)
-    allocator = FRAGMENTED_TRANSIENTS * largest_transient(cfg, layout, last)
-    return Reserve(CUDA_CONTEXT_BYTES, nccl, allocator)
+    seen = {} if seen is None else seen
+    key = _position(layout, memory.rank, system.gpus_per_node)
+    if key not in seen:
+        rank = memory.rank * layout.tp * layout.cp * layout.dp
+        nvls = device.kind in NVLS_KINDS
+        comms = communicators(cfg, layout, rank)
+        seen[key] = sum(nccl_bytes(c, rank, system.gpus_per_node, nvls) for c in comms)
+    last = (memory.rank == layout.stages.rank(layout.stages.last),)
+    if last not in seen:
+        seen[last] = FRAGMENTED_TRANSIENTS * largest_transient(cfg, layout, last[0])
+    return Reserve(CUDA_CONTEXT_BYTES, seen[key], seen[last])
+
+
+def _position(layout: Layout, stage_rank: int, gpus_per_node: int) -> tuple[int, ...]:
+    """What a pipeline rank's communicators depend on: its offset in its node (its tp, cp,
+    dp groups are the first rank's shifted by whole stages), first or last stage (embedding
+    pair, pipeline neighbours), the stages and ranks its node holds."""
+    step = layout.tp * layout.cp * layout.dp
+    rank, world = stage_rank * step, step * layout.pp
+    node = rank // gpus_per_node
+    return (
+        rank % gpus_per_node,
+        stage_rank == 0,
+        stage_rank == layout.pp - 1,
+        _in_node(range(0, world, step), node, gpus_per_node),
+        _in_node(range(world), node, gpus_per_node),
+    )
 
 
 def largest_transient(cfg: RunConfig, layout: Layout, last_stage: bool) -> float:
@@ -236,7 +264,8 @@ def with_reserve(
     memory: list[MemoryEstimate], cfg: RunConfig, layout: Layout, system: System
 ) -> list[MemoryEstimate]:
     """`memory` with each pipeline rank's `reserved` set (`rank_reserve`)."""
-    return [replace(m, reserved=rank_reserve(cfg, layout, system, m).total) for m in memory]
+    seen: dict[tuple, float] = {}
+    return [replace(m, reserved=rank_reserve(cfg, layout, system, m, seen).total) for m in memory]
 
 
 def fit(

@@ -17,7 +17,15 @@ from ptdp.perf.costs import PTDP, Compute
 from ptdp.perf.hardware import BUILTIN_DIR, CUDA_CONTEXT_BYTES, GIB, load_system
 from ptdp.perf.memory import estimate_memory
 from ptdp.perf.planner import Plans, _need
-from ptdp.perf.reserve import _group, _in_node, communicators, fit, nccl_bytes, rank_reserve
+from ptdp.perf.reserve import (
+    _group,
+    _in_node,
+    communicators,
+    fit,
+    nccl_bytes,
+    rank_reserve,
+    with_reserve,
+)
 from ptdp.perf.simulator import simulate
 
 MIB = 2**20
@@ -91,6 +99,10 @@ def test_pipeline_peers_across_nodes_hand_computed() -> None:
     assert world.peers == (8,)  # pp = 2: one neighbour, both directions on one connection
     assert nccl_bytes(world, 0, 8) == SPANNING + 2 * 4 * MIB  # 2 channels per net peer
     assert r.nccl == IN_NODE + 3 * SPANNING + 2 * 4 * MIB
+    looped = gpt(32, tp=8, pp=4, vpp=2, schedule="interleaved")  # the last stage feeds the first
+    assert communicators(looped, validate(looped, 32), 0)[-1].peers == (8, 24)
+    plain = gpt(32, tp=8, pp=4)
+    assert communicators(plain, validate(plain, 32), 0)[-1].peers == (8,)
 
 
 def test_a_4d_rank_sits_in_more_communicators_than_pure_dp_and_reserves_more() -> None:
@@ -186,3 +198,23 @@ def test_the_groups_counted_are_the_meshs_own() -> None:
                 assert list(got) == want
                 for node in range(shape.world_size // 4 + 1):
                     assert _in_node(got, node, 4) == sum(r // 4 == node for r in want)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "parallel"),
+    [
+        (12, {"tp": 2, "pp": 3, "pipeline_layers": [3, 3, 2]}),  # d = 2: half a second node
+        (
+            32,
+            {"tp": 2, "pp": 4, "vpp": 2, "schedule": "interleaved"},
+        ),  # interleaved: the last stage sends to the first
+        (32, {"tp": 1, "cp": 2, "pp": 8, "cp_comm": "ring"}),
+    ],
+)
+def test_ranks_sharing_a_position_share_the_nccl_term(gpus: int, parallel: dict) -> None:
+    cfg = gpt(gpus, **parallel)
+    layout = validate(cfg, gpus)
+    for system in (A100, load_system("h100-sxm")):
+        memory = estimate_memory(cfg, gpus, layout=layout)
+        alone = [rank_reserve(cfg, layout, system, m).total for m in memory]
+        assert [m.reserved for m in with_reserve(memory, cfg, layout, system)] == alone
