@@ -58,11 +58,14 @@ def cases() -> list[tuple[str, RunConfig, int, str]]:
     )
     out.append(("7B 4D t=8 cp=2 p=4 d=2, s=16k", four, 128, "h100-sxm"))
     for name, gpus, parallel in (
-        ("llama3-8b", 64, {"tp": 2, "pp": 4, "recompute": "full"}),
+        ("llama3-8b", 64, {"tp": 1, "pp": 8, "recompute": "full"}),
         ("llama3-70b", 512, {"tp": 8, "pp": 8, "recompute": "selective"}),
     ):
         train = {"precision": "bf16", "micro_batch_size": 1, "global_batch_size": 512}
-        sections = {"parallel": {**parallel, "sequence_parallel": True}, "train": train}
+        sections = {
+            "parallel": {**parallel, "sequence_parallel": parallel["tp"] > 1},
+            "train": train,
+        }
         cfg = apply_updates(model_config(name), sections, "memory_reserve")
         what = f"t={parallel['tp']} p={parallel['pp']} {parallel['recompute']}"
         out.append((f"{name} {what} ({gpus})", cfg, gpus, "h100-sxm"))
