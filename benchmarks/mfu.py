@@ -47,6 +47,7 @@ from ptdp.data.indexed import IndexedWriter
 from ptdp.parallel.env import LaunchEnv
 from ptdp.perf.flops import dense_peak_flops, device_kind, model_flops_per_iteration
 from ptdp.perf.hardware import System, load_system, system_for_device_name
+from ptdp.perf.reserve import fit
 from ptdp.perf.simulator import simulate
 from ptdp.train.run import prepare
 from ptdp.train.step.optim import adamw_kernel
@@ -179,13 +180,14 @@ def predict(args, shape: Shape, micro_batch: int, recompute: str) -> dict:
     cfg = ptdp_config(args, shape, micro_batch, "unused", recompute)
     p = simulate(cfg, args.system, 1)
     gib = p.memory[0].total / 2**30
+    need, usable = fit(p.memory, args.system.device)  # the model's count and the reserve
     return {
         "system": args.system.name,
         "tokens_per_s": p.tokens_per_second,
         "mfu": p.mfu,
         "seconds_per_step": p.iteration_seconds,
         "memory_gib": gib,
-        "fits": p.memory[0].total <= args.system.device.usable_bytes,
+        "fits": need <= usable,
     }
 
 

@@ -332,9 +332,10 @@ def calibrate(
         stream=tuple(stream),
         launch_seconds=launch,
         memory_bytes=memory,
+        # CUDA without a base file: None, the per-layout formula (`ptdp.perf.reserve`).
         reserved_bytes=base.device.reserved_bytes
         if base
-        else (4 if device.type == "cuda" else 1) * GIB,
+        else (None if device.type == "cuda" else 1 * GIB),
         nominal_bandwidth=base.device.memory_bandwidth if base else 0.0,
         ranks=world.size,
         gpus_per_node=per_node if world.size > 1 else (base.gpus_per_node if base else 1),

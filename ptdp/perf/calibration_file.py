@@ -58,7 +58,8 @@ class Calibration:
     its input gradient."""
     launch_seconds: float
     memory_bytes: float
-    reserved_bytes: float
+    reserved_bytes: float | None
+    """None: no `reserved_gib` written; `ptdp.perf.reserve` prices it per layout."""
     nominal_bandwidth: float
     ranks: int
     gpus_per_node: int
@@ -232,8 +233,9 @@ def render_toml(cal: Calibration, name: str) -> str:
         "attention_curve_backward_efficiency": [b for _, _, b in cal.attention_curve],
         "memory_efficiency": achieved_bw / nominal,
         "kernel_overhead_us": cal.launch_seconds * 1e6,
-        "reserved_gib": cal.reserved_bytes / GIB,
     }
+    if cal.reserved_bytes is not None:
+        achieved["reserved_gib"] = cal.reserved_bytes / GIB
     if cal.framework is not None:
         layer, head = cal.framework
         achieved["layer_overhead_us"] = [layer[0] * 1e6, layer[1] * 1e6]

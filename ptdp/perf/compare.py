@@ -9,6 +9,7 @@ from ptdp.errors import ConfigError
 from ptdp.perf.costs import Software
 from ptdp.perf.hardware import GIB, System
 from ptdp.perf.planner import Option, PlanResult, Plans
+from ptdp.perf.reserve import fit
 from ptdp.perf.simulator import simulate
 
 
@@ -60,11 +61,10 @@ def compare(
         why = str(exc).replace("invalid configuration:\n  - ", "").replace("\n  - ", "; ")
         return Comparison(source, None, f"cannot run on {gpus} GPUs: {why}", 0, 0, 0.0)
     option = Option(cfg, prediction)
-    usable = system.device.usable_bytes
-    if prediction.peak_memory > usable:
-        need = prediction.peak_memory / GIB
+    need, usable = fit(prediction.memory, system.device)
+    if need > usable:
         problem = (
-            f"does not fit: needs {need:.1f} GiB per GPU, {usable / GIB:.1f} GiB usable on "
+            f"does not fit: needs {need / GIB:.1f} GiB per GPU, {usable / GIB:.1f} GiB usable on "
             f"{system.device.name}"
         )
         return Comparison(source, option, problem, 0, 0, 0.0)

@@ -4,15 +4,16 @@ A system is one TOML file (the shipped ones are in `ptdp/perf/hardware/`; a user
 the path of their own): `[device]` (peak rates by `kind` from
 `ptdp.perf.flops.DENSE_PEAK_TFLOPS` or an explicit `peak_tflops` table, memory, HBM
 bandwidth), `[device.achieved]` (the calibration: achieved GEMM and memory efficiency, a
-kernel launch cost, reserved memory; from `ptdp calibrate` also a GEMM efficiency curve over
-size, `gemm_curve_flops` and `gemm_curve_efficiency`, the fused attention kernel's own
-efficiency and backward / forward ratio, and on CPUs the per-layer framework cost and
-`collective_sync_us`, what each blocking collective costs beyond its bytes), `[node]`
-(GPUs per node and their NVLink/NVSwitch link) and `[network]` (the inter-node link per
-GPU, e.g. one InfiniBand HCA each). Bandwidths are per GPU and per direction, in GB/s
-(1e9 bytes); `latency_us` per message or collective call, `step_latency_us` per step of a
-ring collective; `p2p_latency_us` and `p2p_bandwidth_gb_s` (from `ptdp calibrate`) price
-point-to-point messages apart from the collectives.
+kernel launch cost, and optionally `reserved_gib`, memory held beside the model's count
+(absent: `ptdp.perf.reserve` prices it per layout and rank); from `ptdp calibrate` also a
+GEMM efficiency curve over size, `gemm_curve_flops` and `gemm_curve_efficiency`, the fused
+attention kernel's own efficiency and backward / forward ratio, and on CPUs the per-layer
+framework cost and `collective_sync_us`, what each blocking collective costs beyond its
+bytes), `[node]` (GPUs per node and their NVLink/NVSwitch link) and `[network]` (the
+inter-node link per GPU, e.g. one InfiniBand HCA each). Bandwidths are per GPU and per
+direction, in GB/s (1e9 bytes); `latency_us` per message or collective call,
+`step_latency_us` per step of a ring collective; `p2p_latency_us` and `p2p_bandwidth_gb_s`
+(from `ptdp calibrate`) price point-to-point messages apart from the collectives.
 
 Built in: `a100-80gb` (the paper's Selene nodes: DGX A100 80GB, 8x 200 Gb/s HDR per
 node), `a100-40gb`, `h100-sxm` and `h200` (their GEMM curve fitted to Megatron-Core's
@@ -42,6 +43,9 @@ GIB = 2**30
 BACKWARD_FLOPS = 2.5
 """Fused attention's backward FLOPs per forward FLOP: 5 GEMMs against 2 (FlashAttention-2),
 the count a measured backward efficiency is relative to."""
+CUDA_CONTEXT_BYTES = 287e6
+"""The CUDA context with the libraries' kernels under lazy module loading, PyTorch's default
+since 1.13 (667e6 eager): PyTorch PR #86509's measurement. Part of `ptdp.perf.reserve`."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +96,9 @@ class Device:
     """Fraction of `memory_bandwidth` that streaming (element-wise) kernels reach."""
     kernel_overhead: float
     """Seconds of fixed cost per kernel (launch, tail)."""
-    reserved_bytes: float
-    """Memory the framework cannot use: CUDA context, communication buffers, fragmentation."""
+    reserved_bytes: float | None
+    """Memory the framework holds beside the model's count, as the file fixes it
+    (`reserved_gib`); None: per layout and rank by `ptdp.perf.reserve`'s formula."""
     match: tuple[str, ...] = ()
     gemm_curve: tuple[tuple[float, float], ...] = ()
     """Measured (GEMM FLOPs, efficiency) knots, sizes increasing, efficiency non-decreasing;
@@ -153,6 +158,10 @@ class Device:
 
     @property
     def usable_bytes(self) -> float:
+        """The most any layout can use: memory less the file's reserve, or less the CUDA
+        context when the formula prices the rest per layout (`ptdp.perf.reserve.fit`)."""
+        if self.reserved_bytes is None:
+            return self.memory_bytes - CUDA_CONTEXT_BYTES
         return self.memory_bytes - self.reserved_bytes
 
 
@@ -296,7 +305,9 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         gemm_efficiency=float(achieved.get("gemm_efficiency", 0.75)),
         memory_efficiency=float(achieved.get("memory_efficiency", 0.85)),
         kernel_overhead=float(achieved.get("kernel_overhead_us", 5)) * 1e-6,
-        reserved_bytes=float(achieved.get("reserved_gib", 4)) * GIB,
+        reserved_bytes=float(achieved["reserved_gib"]) * GIB
+        if "reserved_gib" in achieved
+        else None,
         match=tuple(dev.get("match", ())),
         gemm_curve=_curve(achieved),
         attention_efficiency=float(achieved.get("attention_efficiency", 0.0)),

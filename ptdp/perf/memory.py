@@ -48,11 +48,11 @@ on the last stage the loss's backward instead, whose logit gradient is fp32 [s b
 beside its 16-bit copy for the output layer (`head_backward_bytes`), often the largest
 single transient (vocabulary 131,072 at s = 4096: 3 GiB at t = 1).
 
-Known omissions: p2p receive buffers, allocator fragmentation beyond the device file's
-reserve, and grouped-query attention's smaller K and V (counted as full heads). The
-in-flight count is ptdp's plan's: Megatron-LM 2021's interleaved code (`--software
-megatron-2021`, `ptdp.perf.megatron2021`) at m = p ran all forwards first, so its ranks past
-the middle held m v forwards, more than counted here.
+Known omissions: p2p receive buffers and grouped-query attention's smaller K and V
+(counted as full heads); the CUDA context, NCCL buffers and allocator waste are the
+reserve (`ptdp.perf.reserve`). The in-flight count is ptdp's plan's: Megatron-LM 2021's
+interleaved code (`--software megatron-2021`, `ptdp.perf.megatron2021`) at m = p ran all
+forwards first, so its ranks past the middle held m v forwards, more than counted here.
 
 Letters: s = sequence, b = micro-batch, h = hidden, f = MLP width, v = vocabulary,
 t = tensor-parallel size, e = bytes per activation element.
@@ -365,6 +365,8 @@ class MemoryEstimate:
     """ZeRO-2: full-size fp32 gradients of the buckets being filled or reduced (module doc)."""
     gathered: float = 0.0
     """ZeRO-3: 16-bit weights gathered for the layers computing and prefetched (module doc)."""
+    reserved: float = 0.0
+    """Held beside `total`: CUDA context, NCCL buffers, allocator (`ptdp.perf.reserve`)."""
 
     @property
     def total(self) -> float:

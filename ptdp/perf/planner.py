@@ -44,6 +44,7 @@ from ptdp.perf.context_costs import MIN_CP_TOKENS, best_comm
 from ptdp.perf.costs import PTDP, Compute, Software
 from ptdp.perf.hardware import GIB, System
 from ptdp.perf.memory import estimate_memory
+from ptdp.perf.reserve import fit, with_reserve
 from ptdp.perf.simulator import (
     Prediction,
     require_software,
@@ -304,7 +305,6 @@ def plan(
         )
     c = Compute(system, base.train.precision, software)
     plans = Plans()
-    usable = system.device.usable_bytes
     rejected: list[Rejected] = []
     candidates: list[RunConfig] = []
     eq1: dict[tuple[int, int, int, int], list[tuple[int, float]]] = {}
@@ -335,7 +335,6 @@ def plan(
                 micro_batch,
                 max_micro_batch,
                 c,
-                usable,
                 plans,
                 cp_comm,
             )
@@ -352,7 +351,7 @@ def plan(
             candidates += _schedules(best[2], gpus, vpp, schedules, rejected)
         else:
             rejected.append(Rejected(where, why))
-    options = _simulate_all(candidates, gpus, system, software, usable, rejected, progress, plans)
+    options = _simulate_all(candidates, gpus, system, software, rejected, progress, plans)
     options.sort(key=lambda o: o.prediction.iteration_seconds)
     if not options:
         return PlanResult((), 0, tuple(rejected), (), ("no layout fits",))
@@ -417,7 +416,6 @@ def _fitting_micro_batches(
     micro_batch: int | None,
     max_micro_batch: int,
     c: Compute,
-    usable: float,
     plans: Plans,
     cp_comm: CpComm | None = None,
 ) -> tuple[list[RunConfig], str]:
@@ -451,14 +449,14 @@ def _fitting_micro_batches(
             except ConfigError as exc:
                 why = str(exc).replace("invalid configuration:\n  - ", "").split("\n")[0]
                 continue
-            fit = [x for x, need in zip(variants, needs) if need <= usable]
-            need = min(needs)
-            if fit:
-                fitting.append(fit[0])
+            fits = [x for x, (need, room) in zip(variants, needs) if need <= room]
+            need, room = min(needs, key=lambda n: n[0] - n[1])
+            if fits:
+                fitting.append(fits[0])
             elif b == batches[0]:
                 why = (
                     f"needs {need / GIB:.1f} GiB per GPU with recompute={mode.value} at b={b}, "
-                    f"{usable / GIB:.1f} GiB usable"
+                    f"{room / GIB:.1f} GiB usable"
                 )
         if fitting:
             return fitting, ""
@@ -470,11 +468,12 @@ def replace_comm(cfg: RunConfig, comm: CpComm | None) -> RunConfig:
     return cfg if comm is None else replace(cfg, parallel=replace(cfg.parallel, cp_comm=comm))
 
 
-def _need(cfg: RunConfig, gpus: int, c: Compute, plans: Plans) -> float:
-    """Peak predicted bytes per GPU of `cfg` (raises ConfigError for an invalid layout)."""
+def _need(cfg: RunConfig, gpus: int, c: Compute, plans: Plans) -> tuple[float, float]:
+    """(need, usable) per GPU of `cfg` at its rank nearest the limit (`reserve.fit`; raises
+    ConfigError for an invalid layout)."""
     layout = plans.layout(cfg, gpus)
     memory = estimate_memory(cfg, gpus, fused_attention=c.software.fused_attention, layout=layout)
-    return max(m.total for m in memory)
+    return fit(with_reserve(memory, cfg, layout, c.system), c.system.device)
 
 
 def _comm_order(cfg: RunConfig, c: Compute) -> list[CpComm]:
@@ -548,7 +547,6 @@ def _simulate_all(
     gpus: int,
     system: System,
     software: Software,
-    usable: float,
     rejected: list[Rejected],
     progress: Progress | None,
     plans: Plans,
@@ -562,9 +560,9 @@ def _simulate_all(
         prediction = simulate(
             cfg, system, gpus, software=software, layout=layout, timeline=False, plans=plans
         )
-        if prediction.peak_memory > usable:
-            need = prediction.peak_memory / GIB
-            rejected.append(Rejected(what, f"needs {need:.1f} GiB, {usable / GIB:.1f} usable"))
+        need, room = fit(prediction.memory, system.device)
+        if need > room:
+            rejected.append(Rejected(what, f"needs {need / GIB:.1f} GiB, {room / GIB:.1f} usable"))
             continue
         options.append(Option(cfg, prediction))
     if progress is not None:
@@ -582,7 +580,8 @@ def explain(
     """Why this layout: each choice against the paper's guidelines and the runners-up."""
     best = options[chosen]
     lay, cfg, pred = best.prediction.layout, best.config, best.prediction
-    node, usable = system.gpus_per_node, system.device.usable_bytes / GIB
+    node = system.gpus_per_node
+    need, usable = (x / GIB for x in fit(pred.memory, system.device))
     lines = []
     by_t: dict[int, Option] = {}
     for o in options:
@@ -611,7 +610,7 @@ def explain(
             else ""
         )
         + f": model-parallel size t*p = {lay.tp * lay.pp} (smallest that fits: {smallest}); "
-        f"peak memory {pred.peak_memory / GIB:.1f} GiB of {usable:.1f} GiB usable"
+        f"peak memory {need:.1f} GiB of {usable:.1f} GiB usable after the reserve"
     )
     if eq1:
         table = ", ".join(f"b={b}: {s:.3g} s" for b, s in eq1)

@@ -15,6 +15,7 @@ from ptdp.outputs import make_output_dir
 from ptdp.perf.compare import Comparison
 from ptdp.perf.hardware import GIB, System
 from ptdp.perf.planner import Option, PlanResult, Progress
+from ptdp.perf.reserve import fit
 from ptdp.perf.simulator import Prediction
 from ptdp.perf.timeline import plot_timelines, write_chrome_trace
 
@@ -60,6 +61,7 @@ def prediction_dict(p: Prediction) -> dict:
                 "working": m.working / GIB,
                 "stash": m.stash / GIB,
                 "total": m.total / GIB,
+                "reserved": m.reserved / GIB,
                 "in_flight": m.in_flight,
             }
             for m in p.memory
@@ -72,7 +74,8 @@ def format_prediction(
 ) -> str:
     """A human summary: time, model TFLOP/s and MFU first (what a layout achieves), executed
     FLOPs apart, bubble, per-pass costs and memory per rank."""
-    lay, usable = p.layout, system.device.usable_bytes / GIB
+    lay, mem = p.layout, system.device.memory_bytes / GIB
+    usable = fit(p.memory, system.device)[1] / GIB
     lines = [
         f"system: {system.name} ({system.description})",
         f"layout: {lay.describe()}",
@@ -93,9 +96,10 @@ def format_prediction(
             if lay.cp > 1
             else []
         ),
-        f"memory per GPU (GiB; {usable:.1f} usable on {system.device.name}):",
+        f"memory per GPU (GiB; {usable:.1f} usable on {system.device.name} at the fullest rank,"
+        " after its reserve: CUDA context, NCCL buffers, allocator):",
         "  pp rank | params | grads | optimizer | activations (in flight) | working | stash"
-        " | total",
+        " | total | reserve",
     ]
     if any(m.grad_buckets for m in p.memory):
         lines.append("  (grads: ZeRO-2/3's 1/dp plus its full-size buckets in flight)")
@@ -112,8 +116,9 @@ def format_prediction(
             f"  {m.rank:7d} | {(m.params + m.gathered) / GIB:6.2f} | "
             f"{(m.grads + m.grad_buckets) / GIB:5.2f} | "
             f"{m.optimizer / GIB:9.2f} | {m.activations / GIB:11.2f} ({m.in_flight:3d}) | "
-            f"{m.working / GIB:7.2f} | {m.stash / GIB:5.2f} | {m.total / GIB:5.2f}"
-            + ("  DOES NOT FIT" if m.total / GIB > usable else "")
+            f"{m.working / GIB:7.2f} | {m.stash / GIB:5.2f} | {m.total / GIB:5.2f} | "
+            f"{m.reserved / GIB:7.2f}"
+            + ("  DOES NOT FIT" if (m.total + m.reserved) / GIB > mem else "")
         )
     return "\n".join(lines)
 

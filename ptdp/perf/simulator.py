@@ -44,6 +44,7 @@ from ptdp.perf.memory import (
     parameters_per_stage,
 )
 from ptdp.perf.replay import PipelineCosts, PipelineRun, replay, replay_steady
+from ptdp.perf.reserve import with_reserve
 from ptdp.perf.timeline import Event
 from ptdp.perf.zero import sharded_passes
 from ptdp.pipeline.placement import Placement
@@ -406,6 +407,7 @@ def simulate(
     memory = estimate_memory(
         cfg, world_size, fused_attention=software.fused_attention, layout=layout
     )
+    memory = with_reserve(memory, cfg, layout, system)
     layer = layer_costs(cfg, layout, c)
     return Prediction(
         layout=layout,

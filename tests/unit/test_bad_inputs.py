@@ -673,7 +673,10 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
     ),
     (
         "hardware-reserves-all-memory",
-        lambda c: _hardware(c, "reserved_gib = 4", "reserved_gib = 80"),
+        # a100-80gb has no reserved_gib since the per-layout formula (ptdp.perf.reserve): add one
+        lambda c: _hardware(
+            c, "kernel_overhead_us = 5\n", "kernel_overhead_us = 5\nreserved_gib = 80\n"
+        ),
         ConfigError,
         ("reserved_gib = 80 leaves nothing of [device] memory_gib = 80",),
     ),
