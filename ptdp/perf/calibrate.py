@@ -4,7 +4,9 @@ What is measured (ptdp/perf/microbench.py) and what it becomes in the cluster TO
 `ptdp simulate --device FILE` and `ptdp plan --device FILE` read (ptdp/perf/hardware.py):
 
 - the GEMMs of a transformer layer (QKV, projection, MLP in and out, a weight gradient)
-  over hidden sizes -> `gemm_curve_flops` / `gemm_curve_efficiency`, a non-decreasing
+  over hidden sizes, their operands rotating through sets past the last-level cache (in a
+  step a weight was last touched a layer pass ago) -> `gemm_curve_flops` /
+  `gemm_curve_efficiency`, a non-decreasing
   efficiency curve over GEMM FLOPs (ptdp/perf/fit.py), and `gemm_efficiency`, its top;
 - causal fused attention (torch SDPA) over sequence lengths and head sizes ->
   `attention_curve_*`, forward and backward efficiency (each non-decreasing) over the
@@ -71,6 +73,8 @@ class Sweep:
     head_dim: int
     attention_dims: tuple[int, ...]
     """Smaller head sizes, timed at the two shortest sequences as well."""
+    cold_bytes: int
+    """GEMM operands rotate through sets filling this much (past the last-level cache)."""
     stream_bytes: tuple[int, ...]
     """Input sizes of the memory-bound kernels, growing from inside the caches to well past
     the last level (a layer's tensors may fit in them); the largest gives
@@ -90,6 +94,7 @@ SWEEPS: dict[tuple[str, bool], Sweep] = {
         heads=16,
         head_dim=128,
         attention_dims=(64,),
+        cold_bytes=128 * MIB,  # past an H100's 50 MB L2
         stream_bytes=(4 * MIB, 32 * MIB, 512 * MIB),  # to past an H100's 50 MB L2
         message_bytes=tuple(64 * KIB * 4**i for i in range(7)),  # to 256 MiB
         max_call_s=0.5,
@@ -102,6 +107,7 @@ SWEEPS: dict[tuple[str, bool], Sweep] = {
         heads=16,
         head_dim=128,
         attention_dims=(),
+        cold_bytes=128 * MIB,
         stream_bytes=(8 * MIB, 128 * MIB),
         message_bytes=(64 * KIB, 4 * MIB, 64 * MIB),
         max_call_s=0.2,
@@ -114,6 +120,7 @@ SWEEPS: dict[tuple[str, bool], Sweep] = {
         heads=8,
         head_dim=64,
         attention_dims=(16, 32),
+        cold_bytes=64 * MIB,  # past a server CPU's last-level cache
         stream_bytes=(256 * KIB, 2 * MIB, 16 * MIB, 64 * MIB),  # to past a server CPU's LLC
         message_bytes=tuple(4 * KIB * 4**i for i in range(7)),  # to 16 MiB
         max_call_s=0.25,
@@ -126,6 +133,7 @@ SWEEPS: dict[tuple[str, bool], Sweep] = {
         heads=4,
         head_dim=32,
         attention_dims=(16,),
+        cold_bytes=64 * MIB,
         stream_bytes=(256 * KIB, 2 * MIB),
         message_bytes=(4 * KIB, 64 * KIB, 1 * MIB),
         max_call_s=0.02,
@@ -154,7 +162,8 @@ def measure_compute(
             best = max((s.flops / t for s, t in gemms), default=0.0)
             if i >= 2 and shape.flops / best > sweep.max_call_s:
                 continue
-            gemms.append((shape, mb.gemm_seconds(shape, dtype, device, sweep.timing)))
+            seconds = mb.gemm_seconds(shape, dtype, device, sweep.timing, sweep.cold_bytes)
+            gemms.append((shape, seconds))
     attention: list[tuple[mb.AttentionShape, float, float]] = []
     rate = max(s.flops / t for s, t in gemms)
     shortest = sorted(sweep.attention_seq)[:2]

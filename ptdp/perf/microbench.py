@@ -20,6 +20,7 @@ d = head size; e = bytes per element.
 from __future__ import annotations
 
 import functools
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -105,12 +106,30 @@ def layer_gemm_shapes(hidden: int, tokens: int) -> list[GemmShape]:
 
 
 def gemm_seconds(
-    shape: GemmShape, dtype: torch.dtype, device: torch.device, timing: Timing
+    shape: GemmShape, dtype: torch.dtype, device: torch.device, timing: Timing, cold_bytes: int
 ) -> float:
-    a = torch.randn(shape.m, shape.k, dtype=dtype, device=device)
-    b = torch.randn(shape.k, shape.n, dtype=dtype, device=device)
-    out = torch.empty(shape.m, shape.n, dtype=dtype, device=device)
-    return time_call(lambda: torch.mm(a, b, out=out), device, timing)
+    """Seconds per call, the operands rotating through as many sets (at most 64) as fill
+    `cold_bytes`: in a training step a GEMM's weight was last touched a layer pass ago, so
+    it comes from the last-level cache or memory, not from the private caches a GEMM timed
+    on the same operands again and again reads (on the 2-core CPU of BENCHMARKS.md, layer-
+    sized GEMMs ran at 0.73-0.85 of that hot rate with their operands rotated past it)."""
+    e = torch.empty((), dtype=dtype).element_size()
+    nbytes = e * (shape.m * shape.k + shape.k * shape.n + shape.m * shape.n)
+    sets = [
+        (
+            torch.randn(shape.m, shape.k, dtype=dtype, device=device),
+            torch.randn(shape.k, shape.n, dtype=dtype, device=device),
+            torch.empty(shape.m, shape.n, dtype=dtype, device=device),
+        )
+        for _ in range(max(1, min(64, -(-cold_bytes // nbytes))))
+    ]
+    turn = itertools.cycle(sets)
+
+    def call() -> object:
+        a, b, out = next(turn)
+        return torch.mm(a, b, out=out)
+
+    return time_call(call, device, timing)
 
 
 @dataclass(frozen=True)
