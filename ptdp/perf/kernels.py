@@ -8,9 +8,12 @@ around attention are priced one by one from the bytes each call moves, instead o
 `Software.elementwise_traffic` times the bytes the layer stores, at one typical bandwidth.
 Why: on the 2-core CPU of BENCHMARKS.md the kernels' rates past the caches differ 25-fold
 (GeLU's tanh is compute-bound there, an add streams), and a small model's tensors stay in
-the caches, where the same kernels ran 2-3 times faster; priced at the median, the memory-
-bound term of its layers was 2-2.5 times what a profile of the same steps measured. Devices
-whose file has no such table (the built-in GPU files) keep the single term of costs.py.
+the caches, where layer norm ran 5-7 times faster than past them; priced at the median
+past the caches, the memory-bound term of that benchmark's layers came to 2.5-3 times
+the sum of its kernels each at its own rate, and the one-process steps were predicted up
+to 30% slow. Inside ptdp's layer, GeLU on 1 MiB took 459 us a call (no profiler), its
+calibrated rate's 447. Devices whose file has no such table (the built-in GPU files) keep
+the single term of costs.py.
 
 What one layer runs per microbatch on one rank (ptdp/model/gpt.py, as a profile of its
 steps shows), with n tokens, n' = n / t under sequence parallelism, h hidden, q the QKV
