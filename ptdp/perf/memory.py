@@ -1,6 +1,6 @@
 """Memory per device: parameters, gradients, optimizer state and stored activations.
 
-Model-state bytes per parameter follow what the runtime does (`ptdp/parallel/data.py`,
+Model-state bytes per parameter follow what the runtime does (`ptdp/parallel/buckets.py`,
 `ptdp/train/step/optim.py`): with bf16/fp16, 16-bit weights (2 B), an fp32 gradient buffer
 (4 B), fp32 master weights (4 B) and AdamW's two fp32 moments (8 B); with fp32, 4 B
 weights, 4 B gradients and 8 B of moments. ZeRO-1 (`parallel.zero`, the distributed
