@@ -72,7 +72,7 @@ class Sweep:
     heads: int
     head_dim: int
     attention_dims: tuple[int, ...]
-    """Smaller head sizes, timed at the two shortest sequences as well."""
+    """Smaller head sizes, timed at the three shortest sequences as well."""
     cold_bytes: int
     """GEMM operands rotate through sets filling this much (past the last-level cache)."""
     stream_bytes: tuple[int, ...]
@@ -150,7 +150,7 @@ def measure_compute(
     device: torch.device, dtype: torch.dtype, sweep: Sweep, step: Progress
 ) -> tuple[list[tuple[mb.GemmShape, float]], list[tuple[mb.AttentionShape, float, float]]]:
     """GEMMs by growing hidden size, then attention by growing sequence (and at the smaller
-    head sizes of `sweep.attention_dims` at the two shortest sequences), each skipped once
+    head sizes of `sweep.attention_dims` at the three shortest sequences), each skipped once
     the best rate so far predicts a call longer than `sweep.max_call_s` (attention at the
     shortest sequence never is). The two smallest
     hidden sizes are always timed, so that one call slowed by a neighbour's job (the best
@@ -166,7 +166,7 @@ def measure_compute(
             gemms.append((shape, seconds))
     attention: list[tuple[mb.AttentionShape, float, float]] = []
     rate = max(s.flops / t for s, t in gemms)
-    shortest = sorted(sweep.attention_seq)[:2]
+    shortest = sorted(sweep.attention_seq)[:3]
     plan = [(s, sweep.head_dim) for s in sweep.attention_seq]
     plan += [(s, d) for d in sweep.attention_dims for s in shortest]
     shapes = []
@@ -245,7 +245,7 @@ def planned_figures(sweep: Sweep, world: int, per_node: int) -> int:
     comms = sum(len(ops) for *_, ops in plans) * len(sweep.message_bytes)
     kernels = len(mb.STREAM_KERNELS) + len(mb.WITH_BACKWARD)
     seqs = len(sweep.attention_seq)
-    attention = seqs + len(sweep.attention_dims) * min(2, seqs)
+    attention = seqs + len(sweep.attention_dims) * min(3, seqs)
     compute = 5 * len(sweep.hidden) + attention + kernels * len(sweep.stream_bytes) + 2
     return compute + comms + (world > 1)  # the collectives' resynchronisation (CPUs)
 
