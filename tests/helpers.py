@@ -25,6 +25,10 @@ LLAMA = {
 }
 """Model options that make the GPT a Llama-style model (with grouped-query attention)."""
 
+PERF_MODEL = {
+    "num_layers": 8, "hidden_size": 4096, "num_heads": 32, "seq_length": 2048, "vocab_size": 32000,
+}  # fmt: skip
+"""A model the performance-model tests simulate (never built): 8 layers of a ~6B shape."""
 WORDS = (
     "to be or not that is the question whether tis nobler in mind suffer slings and "
     "arrows of outrageous fortune take arms against a sea troubles by opposing end them"

@@ -14,6 +14,7 @@ from ptdp.pipeline.actions import Kind
 from ptdp.pipeline.dryrun import CommModel, PipelineCosts, dry_run
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import build_plan
+from tests.helpers import PERF_MODEL
 
 
 def _costs(stages: int, f: float, b: float, transfer: float) -> PipelineCosts:
@@ -90,13 +91,7 @@ def test_simulate_replays_the_2021_order_for_megatron_2021() -> None:
     cfg = apply_updates(
         RunConfig(),
         {
-            "model": {
-                "num_layers": 8,
-                "hidden_size": 4096,
-                "num_heads": 32,
-                "seq_length": 2048,
-                "vocab_size": 32000,
-            },
+            "model": PERF_MODEL,
             "parallel": {
                 "tp": 8,
                 "pp": 4,

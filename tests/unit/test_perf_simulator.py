@@ -25,6 +25,7 @@ from ptdp.perf.simulator import pipeline_costs, simulate, stage_costs, step_redu
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.schedules import SCHEDULES, add_comms, build
 from ptdp.pipeline.verify import verify
+from tests.helpers import PERF_MODEL
 
 A100 = load_system("a100-80gb")
 GRID = [
@@ -148,13 +149,7 @@ def small_run(**parallel) -> RunConfig:
     return apply_updates(
         RunConfig(),
         {
-            "model": {
-                "num_layers": 8,
-                "hidden_size": 4096,
-                "num_heads": 32,
-                "seq_length": 2048,
-                "vocab_size": 32000,
-            },
+            "model": PERF_MODEL,
             "parallel": {"tp": 2, "pp": 4, **parallel},
             "train": {"precision": "bf16", "micro_batch_size": 2, "global_batch_size": 64},
         },
