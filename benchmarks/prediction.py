@@ -41,9 +41,8 @@ import torch.distributed as dist
 
 from ptdp.config import RunConfig, apply_updates
 from ptdp.errors import ConfigError
-from ptdp.layout import validate
+from ptdp.layout import ORDER, validate
 from ptdp.parallel.env import LaunchEnv
-from ptdp.parallel.mesh import ORDER
 from ptdp.perf.hardware import System, load_system
 from ptdp.perf.simulator import Prediction, simulate
 from ptdp.perf.timeline import Event, from_dicts, plot_timelines, to_dicts, write_chrome_trace

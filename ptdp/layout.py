@@ -16,6 +16,11 @@ from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES, check_args
 
+ORDER = ("tp", "cp", "dp", "pp")
+"""How ranks are laid out, fastest-varying first (`ptdp.parallel.mesh` builds the groups)."""
+COMBINED = {"dp_cp": ("cp", "dp")}
+"""Groups over several adjacent axes (fastest first); a member's index is its rank in it."""
+
 
 @dataclass(frozen=True)
 class Layout:

@@ -3,9 +3,10 @@
 Ranks are laid out tensor-parallel fastest, then context-parallel, then data-parallel,
 then pipeline (rank = tp + t*(cp + c*(dp + d*pp))), so a tensor-parallel group shares a
 node, the context-parallel ring (heavy key/value traffic) sits next to it, and pipeline
-stages cross nodes, as the paper recommends. `ORDER` is the one place that says so.
-`COMBINED` names groups spanning several adjacent axes: "dp_cp" reduces the gradients of
-the parameters replicated over both (context-parallel ranks hold the same weights).
+stages cross nodes, as the paper recommends. `ptdp.layout.ORDER` is the one place that says
+so (torch-free, so the performance model reads it too). `ptdp.layout.COMBINED` names groups
+spanning several adjacent axes: "dp_cp" reduces the gradients of the parameters replicated
+over both (context-parallel ranks hold the same weights).
 The coordinate logic is pure; `ParallelMesh.build` creates the groups once, and the
 mesh is passed explicitly to whatever needs a group (no module-level state).
 """
@@ -18,11 +19,8 @@ from itertools import product
 
 import torch.distributed as dist
 
+from ptdp.layout import COMBINED, ORDER
 from ptdp.parallel.comm import Group
-
-ORDER = ("tp", "cp", "dp", "pp")  # fastest-varying first
-COMBINED = {"dp_cp": ("cp", "dp")}
-"""Groups over several axes (fastest first); a member's index is its rank in the group."""
 
 
 @dataclass(frozen=True)

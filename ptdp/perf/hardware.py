@@ -43,9 +43,6 @@ GIB = 2**30
 BACKWARD_FLOPS = 2.5
 """Fused attention's backward FLOPs per forward FLOP: 5 GEMMs against 2 (FlashAttention-2),
 the count a measured backward efficiency is relative to."""
-CUDA_CONTEXT_BYTES = 287e6
-"""The CUDA context with the libraries' kernels under lazy module loading, PyTorch's default
-since 1.13 (667e6 eager): PyTorch PR #86509's measurement. Part of `ptdp.perf.reserve`."""
 
 
 @dataclass(frozen=True)
@@ -155,14 +152,6 @@ class Device:
         if table.get(precision, 0.0) <= 0:
             raise ConfigError(f"device {self.name} has no {precision} peak; known: {table}")
         return table[precision] * 1e12
-
-    @property
-    def usable_bytes(self) -> float:
-        """The most any layout can use: memory less the file's reserve, or less the CUDA
-        context when the formula prices the rest per layout (`ptdp.perf.reserve.fit`)."""
-        if self.reserved_bytes is None:
-            return self.memory_bytes - CUDA_CONTEXT_BYTES
-        return self.memory_bytes - self.reserved_bytes
 
 
 @dataclass(frozen=True)

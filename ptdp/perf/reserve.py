@@ -73,16 +73,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ptdp.config import Activation, CpComm, RunConfig
-from ptdp.layout import Layout
-from ptdp.perf.hardware import CUDA_CONTEXT_BYTES, Device, System
+from ptdp.layout import COMBINED, ORDER, Layout
+from ptdp.perf.hardware import Device, System
 from ptdp.perf.memory import MemoryEstimate, element_bytes
 from ptdp.pipeline.placement import Placement
 
-ORDER = ("tp", "cp", "dp", "pp")
-"""How `ptdp.parallel.mesh` lays ranks out, fastest first, and its combined groups (kept here
-so the planner need not import torch.distributed; test_perf_reserve checks they agree)."""
-COMBINED = {"dp_cp": ("cp", "dp")}
 MIB = 2**20
+CUDA_CONTEXT_BYTES = 287e6
+"""The CUDA context with the libraries' kernels under lazy module loading, PyTorch's default
+since 1.13 (667e6 eager): PyTorch PR #86509's measurement."""
 CONNECTION_BYTES = 12 * MIB
 """One NVLink or collective connection and channel: LL + LL128 + Simple = 9.19 MiB in 2 MiB
 granules at the receiver (10 MiB) and 2 MiB at the sender (NVIDIA/nccl #1685)."""

@@ -10,14 +10,14 @@ import pytest
 
 from ptdp.config import RunConfig, apply_updates
 from ptdp.errors import ConfigError
-from ptdp.layout import validate
-from ptdp.parallel.mesh import COMBINED, ORDER, MeshShape
-from ptdp.perf import reserve
+from ptdp.layout import COMBINED, ORDER, validate
+from ptdp.parallel.mesh import MeshShape
 from ptdp.perf.costs import PTDP, Compute
-from ptdp.perf.hardware import BUILTIN_DIR, CUDA_CONTEXT_BYTES, GIB, load_system
+from ptdp.perf.hardware import BUILTIN_DIR, GIB, load_system
 from ptdp.perf.memory import estimate_memory
 from ptdp.perf.planner import Plans, _need
 from ptdp.perf.reserve import (
+    CUDA_CONTEXT_BYTES,
     _group,
     _in_node,
     communicators,
@@ -130,7 +130,7 @@ def test_a_files_reserved_gib_overrides_the_formula_everywhere(tmp_path: Path) -
     fixed = load_system(_file(tmp_path, "reserved_gib = 6\n"))
     cfg = gpt(16, tp=8, pp=2)
     r, _, _ = reserve_of(cfg, 16, fixed)
-    assert r.total == 6 * GIB and fixed.device.usable_bytes == 74 * GIB
+    assert r.total == 6 * GIB
     p = simulate(cfg, fixed, 16, timeline=False)
     assert [m.reserved for m in p.memory] == [6 * GIB, 6 * GIB]
     assert fit(p.memory, fixed.device)[1] == 74 * GIB
@@ -190,7 +190,6 @@ def test_the_groups_counted_are_the_meshs_own() -> None:
     they are the groups `ptdp.parallel.mesh` creates, and the node counts match walking them."""
     for tp, cp, dp, pp in [(1, 1, 4, 1), (2, 3, 1, 2), (4, 2, 3, 5), (2, 1, 2, 3)]:
         shape = MeshShape(tp=tp, cp=cp, dp=dp, pp=pp)
-        assert (ORDER, COMBINED) == (reserve.ORDER, reserve.COMBINED)
         for axis in (*ORDER, *COMBINED):
             for rank in range(shape.world_size):
                 want = next(g for g in shape.group_ranks(axis) if rank in g)
