@@ -5,10 +5,12 @@ Issue 22, item 2. With a cluster file calibrated here (`--calibration FILE`; def
 configuration of `CASES` trains for a few steps on CPU (gloo, one thread per rank), its
 median step time after the warm-up steps is measured (ptdp's `Trainer.train_step`: the
 forward-backward of the global batch, the gradient reduction and the optimizer step,
-between barriers), and `ptdp.perf.simulator.simulate` predicts it from the file. The cases
-differ in what the model must get right: one process at several widths, sequence lengths,
-micro-batch sizes and recomputation; two ranks at tp = 2 with and without sequence
-parallelism, pp = 2 under every schedule, dp = 2 at ZeRO 0, 1 and 2; cp = 2 and ZeRO 3
+between barriers; the configurations of one world size take a step each in turn, so a
+busy spell of the shared machine lands on every one of them), and
+`ptdp.perf.simulator.simulate` predicts it from the file. The cases differ in what the
+model must get right: one process at several widths, sequence lengths, micro-batch sizes
+and recomputation; two ranks at tp = 2 with and without sequence parallelism, pp = 2
+under every schedule, dp = 2 at ZeRO 0, 1, 2 and 3; cp = 2
 where `validate` accepts them (listed as skipped otherwise). Targets: median |error| <= 10%,
 max |error| <= 20%. One pipelined run's last step is drawn above its simulated timeline.
 
@@ -170,40 +172,48 @@ def accepted(case: Case, cfg: RunConfig) -> str:
 # ----------------------------------------------------------------------------- measure
 
 
-def _measure(cfg: RunConfig, rank: int, world: int, warmup: int, steps: int) -> dict:
-    """Median step time of `cfg` on this rank's share, between barriers; the timeline's
-    events (every pipeline rank's last step) if the config records them."""
-    env = LaunchEnv(rank, world, rank)
-    cfg, layout, data = prepare(cfg, env)
-    trainer = Trainer(cfg, layout, env, data)
-    times, cpu = [], []
-    for i in range(warmup + steps):
-        dist.barrier()
-        start, start_cpu = time.perf_counter(), time.process_time()
-        trainer.train_step()
-        took_cpu = time.process_time() - start_cpu
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-            cpu.append(took_cpu)
-    events: list = [None] * world
-    mine = to_dicts(trainer.recorder.events) if trainer.recorder else []
-    dist.all_gather_object(events, (mine, cpu))
-    cpu = [max(step) for step in zip(*(c for _, c in events))]
-    if trainer.watchdog:
-        trainer.watchdog.close()
-    del trainer
-    gc.collect()
-    return {"times": times, "cpu": cpu, "events": [row for rows, _ in events for row in rows]}
+def _timed_step(trainer: Trainer) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one `train_step`, between barriers."""
+    dist.barrier()
+    start, start_cpu = time.perf_counter(), time.process_time()
+    trainer.train_step()
+    took_cpu = time.process_time() - start_cpu
+    dist.barrier()
+    return time.perf_counter() - start, took_cpu
 
 
 def worker(rank: int, world: int, configs: list[tuple[str, RunConfig]], warmup: int, steps: int):
-    """Every config of this world size in turn, in one spawn."""
-    out = {}
+    """Every config of this world size, in rounds of one step each (after `warmup` rounds):
+    a busy spell of the shared machine then slows one step of every config, not every step
+    of one. Each config's step times on this rank, the busiest rank's CPU time per step, and
+    the timeline's events (every pipeline rank's last step) if the config records them."""
+    env = LaunchEnv(rank, world, rank)
+    trainers = {}
     for name, cfg in configs:
-        out[name] = _measure(cfg, rank, world, warmup, steps)
+        cfg, layout, data = prepare(cfg, env)
+        trainers[name] = Trainer(cfg, layout, env, data)
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    cpu: dict[str, list[float]] = {name: [] for name in trainers}
+    for i in range(warmup + steps):
+        for name, trainer in trainers.items():
+            took, took_cpu = _timed_step(trainer)
+            if i >= warmup:
+                times[name].append(took)
+                cpu[name].append(took_cpu)
+    out = {}
+    for name, trainer in trainers.items():
+        events: list = [None] * world
+        mine = to_dicts(trainer.recorder.events) if trainer.recorder else []
+        dist.all_gather_object(events, (mine, cpu[name]))
+        busiest = [max(step) for step in zip(*(c for _, c in events))]
+        rows = [row for rows, _ in events for row in rows]
+        out[name] = {"times": times[name], "cpu": busiest, "events": rows}
+        if trainer.watchdog:
+            trainer.watchdog.close()
         if rank == 0:
-            print(f"  {name}: {1e3 * statistics.median(out[name]['times']):.1f} ms", flush=True)
+            print(f"  {name}: {1e3 * statistics.median(times[name]):.1f} ms", flush=True)
+    trainers.clear()
+    gc.collect()
     return out
 
 
@@ -248,20 +258,20 @@ def file_date(source: str) -> str:
 def table(rows: list[dict]) -> list[str]:
     lines = [
         "| config | world | tests | predicted ms | measured ms | error | best ms | CPU ms "
-        "| predicted without framework term | without collective sync |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| predicted without framework term | without collective sync | without lockstep |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if r.get("skipped"):
             why = r["skipped"].splitlines()[-1].strip()[:120]
             cells = f"| {r['name']} | {r['world']} | {r['tests']} | skipped: {why} |"
-            lines.append(cells + " |" * 6)
+            lines.append(cells + " |" * 7)
             continue
         lines.append(
             f"| {r['name']} | {r['world']} | {r['tests']} | {r['predicted_ms']:.1f} | "
             f"{r['measured_ms']:.1f} | {100 * r['error']:+.1f}% | {r['best_ms']:.1f} | "
             f"{r['cpu_ms']:.1f} | {r['predicted_without_framework_ms']:.1f} | "
-            f"{r['predicted_without_sync_ms']:.1f} |"
+            f"{r['predicted_without_sync_ms']:.1f} | {r['predicted_without_lockstep_ms']:.1f} |"
         )
     return lines
 
@@ -314,6 +324,7 @@ def run(args: argparse.Namespace) -> dict:
     zero = (0.0, 0.0)  # the same file without its framework term, to show what that adds
     bare = replace(system, device=replace(system.device, layer_overhead=zero, head_overhead=zero))
     unsynced = replace(system, device=replace(system.device, collective_sync=0.0))
+    alone = replace(system, device=replace(system.device, lockstep_compute=1.0))
     cases = [c for c in CASES if not args.only or c.name in args.only]
     cases = [c for c in cases if c.name not in args.skip]
     rows, by_world = [], {}
@@ -350,6 +361,8 @@ def run(args: argparse.Namespace) -> dict:
             row["predicted_without_framework_ms"] = 1e3 * without
             without = predict(configs[row["name"]], row["world"], unsynced).iteration_seconds
             row["predicted_without_sync_ms"] = 1e3 * without
+            without = predict(configs[row["name"]], row["world"], alone).iteration_seconds
+            row["predicted_without_lockstep_ms"] = 1e3 * without
             row["events"] = m["events"]
     result = {
         "command": " ".join(["python", "benchmarks/prediction.py", *args.argv]),
@@ -357,6 +370,7 @@ def run(args: argparse.Namespace) -> dict:
         "machine": f"{platform.node()}: {_cpu()}, torch {torch.__version__}, gloo, 1 thread/rank",
         "calibration": source,
         "calibration_date": file_date(source),
+        "lockstep_compute": system.device.lockstep_compute,
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
         "targets": {"median_abs_error": TARGETS[0], "max_abs_error": TARGETS[1]},
@@ -409,7 +423,8 @@ def markdown(result: dict) -> str:
         "machine does not stretch as it stretches wall time (for one process, about the step "
         "a quiet machine would take; with two ranks it leaves out the waits); without "
         "framework term: the same file with layer_overhead_us and head_overhead_us at 0; without "
-        "collective sync: the same file with collective_sync_us at 0.",
+        "collective sync: the same file with collective_sync_us at 0; without lockstep: with "
+        f"lockstep_compute at 1 (the file's: {result['lockstep_compute']:.3g}).",
     ]
     if "timeline" in result:
         lines.append(f"timeline ({TIMELINE_CASE}): {result['timeline']['png']}")

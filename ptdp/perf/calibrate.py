@@ -25,7 +25,10 @@ What is measured (ptdp/perf/microbench.py) and what it becomes in the cluster TO
 - on CPUs under torchrun, the same model at tp = 2 over two ranks against tp = 1 ->
   `collective_sync_us`: what each blocking collective between compute costs in place
   beyond what the fitted link charges it (the later rank's wake-up after the earlier
-  went back to compute, the tensor-parallel autograd functions; microbench.collective_sync);
+  went back to compute, the tensor-parallel autograd functions; `waits.collective_sync`),
+  and the same model's forward + backward at two sizes with a barrier before every call
+  against back to back -> `lockstep_compute`: how much slower compute runs between
+  blocking waits on another rank, the step paying the slower rank's (`waits.lockstep_compute`);
 - under torchrun, all-reduce, all-gather, reduce-scatter and point-to-point over message
   sizes and group sizes -> the `[node]` link (groups inside a node) and the `[network]`
   link (one rank per node, when there are several nodes) as latency + bandwidth, a least
@@ -54,6 +57,7 @@ from tqdm import tqdm
 from ptdp.errors import ConfigError
 from ptdp.parallel import comm
 from ptdp.perf import microbench as mb
+from ptdp.perf import waits
 from ptdp.perf.calibration_file import Calibration, CollectiveFit, render_toml, summary
 from ptdp.perf.fit import LinkFit, collective_bytes, fit_latency_bandwidth, monotone_curve
 from ptdp.perf.flops import DENSE_PEAK_TFLOPS, device_kind
@@ -239,7 +243,7 @@ def measure_collectives(
     return fits
 
 
-def planned_figures(sweep: Sweep, world: int, per_node: int) -> int:
+def planned_figures(sweep: Sweep, world: int, per_node: int, device_type: str = "cpu") -> int:
     """How many figures `calibrate` times (the progress bar's total)."""
     plans = collective_plans(world, per_node) if world > 1 else []
     comms = sum(len(ops) for *_, ops in plans) * len(sweep.message_bytes)
@@ -247,7 +251,8 @@ def planned_figures(sweep: Sweep, world: int, per_node: int) -> int:
     seqs = len(sweep.attention_seq)
     attention = seqs + len(sweep.attention_dims) * min(3, seqs)
     compute = 5 * len(sweep.hidden) + attention + kernels * len(sweep.stream_bytes) + 2
-    return compute + comms + (world > 1)  # the collectives' resynchronisation (CPUs)
+    waits = 2 if world > 1 and device_type == "cpu" else 0  # collective sync, lockstep
+    return compute + comms + waits
 
 
 def _link_fits(fits: list[CollectiveFit]) -> dict[str, tuple[LinkFit | None, str]]:
@@ -288,7 +293,7 @@ def calibrate(
     world = comm.world_group()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world.size))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    total = planned_figures(sweep, world.size, per_node)
+    total = planned_figures(sweep, world.size, per_node, device.type)
     bar = tqdm(
         total=total,
         desc="calibrating",
@@ -312,11 +317,13 @@ def calibrate(
         collectives = (
             measure_collectives(device, dtype, sweep, per_node, step) if world.size > 1 else []
         )
-        in_place = None
+        in_place, lockstep = None, None
         if world.size > 1 and device.type == "cpu":
             step("collective sync")
             pair = mb.build_groups(world.size, 2, 1)
-            in_place = mb.collective_sync(dtype, device, sweep.timing, pair)
+            in_place = waits.collective_sync(dtype, device, sweep.timing, pair)
+            step("compute between waits")
+            lockstep = waits.lockstep_compute(dtype, device, sweep.timing)
     finally:
         bar.close()
     links = _link_fits(collectives)
@@ -360,6 +367,7 @@ def calibrate(
         },
         framework=framework,
         sync=_sync(in_place, links, collectives),
+        lockstep=lockstep,
     )
 
 

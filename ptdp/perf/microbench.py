@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -405,59 +404,3 @@ def framework_overhead(
     rest = (f0, max(0.0, fb0 - f0))
     layer = (max(0.0, (f2 - f0) / 2), max(0.0, (fb2 - f2 - rest[1]) / 2))
     return layer, rest
-
-
-def _lockstep_trials(
-    fns: list[Callable[[], object]], device: torch.device, timing: Timing
-) -> list[list[float]]:
-    """Seconds per call of each of `fns` in each of `timing.trials` rounds (one batch of each
-    in turn per round), for calls that may wait on other ranks: every batch starts after a
-    barrier and is timed by its slowest rank. Collective: every rank calls it."""
-    batch = functools.partial(_lockstep_batch, device=device)
-    calls = []
-    for fn in fns:
-        batch(fn, 1)  # warm-up
-        one = batch(fn, 1)
-        calls.append(max(1, min(timing.max_calls, int(timing.min_seconds / max(one, 1e-7)))))
-    return [[batch(fn, n) for fn, n in zip(fns, calls)] for _ in range(timing.trials)]
-
-
-def collective_sync(
-    dtype: torch.dtype, device: torch.device, timing: Timing, pair: comm.Group
-) -> tuple[float, float, int]:
-    """(per call, per layer, bytes per call): what each blocking collective of a tensor-
-    parallel layer costs a step in place, what tensor parallelism over `pair` adds to a
-    layer's forward and backward at a negligible size, and the bytes each call reduces.
-
-    Timed on ptdp's own GPT at `framework_overhead`'s size with 0 and 2 layers, forward and
-    backward, at tp = 1 and at tp = 2 over `pair`: a layer at tp = 2 waits on two
-    all-reduces forward and two backward (Shoeybi et al.'s f and g), each between the
-    ranks' compute, so a quarter of its extra time is one such call in place: its transfer,
-    the ranks' resynchronisation (the rank that finishes later is woken and scheduled only
-    after the other went back to compute; on CPUs the host threads run the collective) and
-    the tensor-parallel autograd functions' own Python. The figure is the median over
-    rounds of each round's difference (its four batches back to back), not the fastest: a
-    wait's cost varies from call to call and a step pays its typical value on every call,
-    and pairing the batches of one round keeps a neighbour's job from landing on one side of
-    the difference only. Collective: every rank calls it (each with its own pair).
-    """
-    from ptdp.config import ModelConfig
-    from ptdp.model.gpt import GPT
-
-    cfg = ModelConfig(
-        num_layers=2, hidden_size=32, num_heads=4, seq_length=8, vocab_size=64, dropout=0.0
-    )
-    tokens = torch.randint(0, 64, (1, 8), device=device)
-    fns: list[Callable[[], object]] = []
-    for tp in (comm.Group.single(), pair):
-        for layers in (0, 2):
-            model = GPT(cfg, layers=range(layers), tp=tp).to(device=device, dtype=dtype)
-            fns.append(lambda m=model: m(tokens, tokens).backward())
-    timing = Timing(timing.min_seconds, max(timing.trials, 15), timing.max_calls)
-    layers = [
-        ((two2 - two0) - (one2 - one0)) / 2  # per layer: 4 all-reduces
-        for one0, one2, two0, two2 in _lockstep_trials(fns, device, timing)
-    ]
-    layer = max(0.0, statistics.median(layers))
-    nbytes = cfg.seq_length * cfg.hidden_size * torch.empty((), dtype=dtype).element_size()
-    return layer / 4, layer, nbytes

@@ -241,6 +241,70 @@ def test_collective_sync_is_loaded_checked_and_paid_per_blocking_call(tmp_path: 
         )
 
 
+def test_lockstep_compute_is_loaded_checked_and_paid_by_multi_rank_compute(
+    tmp_path: Path,
+) -> None:
+    """`lockstep_compute` (what `ptdp calibrate` measures on CPUs under torchrun) loads, is
+    refused below 1, and scales the compute of a layout with more than one rank (layers,
+    head, embedding, optimizer step), never its collectives, and nothing of one process."""
+    from dataclasses import replace
+
+    from ptdp.config import ModelConfig, Recompute, apply_updates
+    from ptdp.errors import ConfigError
+    from ptdp.perf.costs import all_reduce_seconds, group_link, layer_seconds, sync_seconds
+    from ptdp.perf.paper import preset_config
+    from ptdp.perf.simulator import simulate
+
+    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
+    assert load_system("a100-80gb").device.lockstep_compute == 1.0  # absent: none
+    path = tmp_path / "lockstep.toml"
+    for value, ok in (("1.25", True), ("0.9", False), ('"slow"', False)):
+        path.write_text(
+            text.replace("[device.achieved]", f"[device.achieved]\nlockstep_compute = {value}")
+        )
+        if ok:
+            assert load_system(path).device.lockstep_compute == pytest.approx(1.25)
+            continue
+        with pytest.raises(ConfigError, match="lockstep_compute = .* (must be >= 1|not a number)"):
+            load_system(path)
+
+    base = load_system("a100-80gb")
+    base = replace(base, device=replace(base.device, collective_sync=1e-3))
+    slow = replace(base, device=replace(base.device, lockstep_compute=1.25))
+    assert Compute.for_ranks(slow, Precision.FP32, PTDP, 1).lockstep == 1.0
+    assert Compute.for_ranks(slow, Precision.FP32, PTDP, 2).lockstep == 1.25
+    model = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_length=32, vocab_size=64)
+    kw = dict(micro_batch=2, recompute=Recompute.NONE, sequence_parallel=False)
+
+    def layer(k: float, tp: int):
+        return layer_seconds(model, c=Compute(base, Precision.FP32, PTDP, k), tp=tp, **kw)
+
+    one, scaled = layer(1.0, 1), layer(1.25, 1)
+    assert (scaled.f, scaled.b, scaled.w) == pytest.approx(
+        (1.25 * one.f, 1.25 * one.b, 1.25 * one.w)
+    )
+    # At tp = 2 the layer is compute x k + its collectives: linear in k, the collectives its
+    # intercept (2 all-reduces and their 2 waits a pass).
+    one, two = layer(1.0, 2), layer(2.0, 2)
+    boundary = 2 * 32 * 64 * 4
+    comm = 2 * all_reduce_seconds(boundary, 2, group_link(base, 2, 1))
+    comm += sync_seconds(2, Compute(base, Precision.FP32, PTDP))
+    assert 2 * one.f - two.f == pytest.approx(comm) and 2 * one.b - two.b == pytest.approx(comm)
+    assert two.w == pytest.approx(2 * one.w)
+
+    train = {"precision": "bf16", "micro_batch_size": 1, "global_batch_size": 8}
+    for parallel, world in (({}, 1), ({"pp": 2}, 2), ({"dp": 2}, 2)):
+        cfg = apply_updates(
+            preset_config("gpt-1.7b"), {"parallel": parallel, "train": train}, "lockstep test"
+        )
+        got, plain = (simulate(cfg, s, world) for s in (slow, base))
+        if world == 1:
+            assert got.iteration_seconds == pytest.approx(plain.iteration_seconds, rel=1e-12)
+        else:
+            assert got.optimizer_seconds > plain.optimizer_seconds
+            assert plain.iteration_seconds < got.iteration_seconds < 1.25 * plain.iteration_seconds
+
+
 def test_zero3_pays_the_sync_per_layer_gather_and_reduce_scatter() -> None:
     from dataclasses import replace
 
