@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip", nargs="+", default=[], metavar="NAME", help="leave these out")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument("--warmup", type=int, default=2, help="steps before timing")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (their median counts)")
+    parser.add_argument("--steps", type=int, default=9, help="timed steps (their median counts)")
     parser.add_argument("--tiny", action="store_true",
                         help="every case at a tiny size (the test's); --calibration may name "
                         "a built-in cluster")  # fmt: skip

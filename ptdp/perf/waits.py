@@ -28,6 +28,10 @@ from ptdp.perf.microbench import Timing, _lockstep_batch, _slowest, synchronize
 
 SIZE = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 8, "vocab_size": 64}
 """ptdp's GPT at a size whose arithmetic is negligible: what remains is per-call cost."""
+SYNC_ROUNDS = 45
+"""Rounds of `collective_sync`: over 15, its median moved from 1.2 to 1.8 ms a call between
+calibrations minutes apart on a 2-vCPU VM, over 45 within 1.72-1.84 ms (2026-11-25); a
+tensor-parallel step of the prediction benchmark waits on it 40-80 times."""
 LOCKSTEP_SIZES = (
     {"num_layers": 1, "hidden_size": 64, "num_heads": 4, "seq_length": 64, "vocab_size": 256},
     {"num_layers": 2, "hidden_size": 128, "num_heads": 4, "seq_length": 64, "vocab_size": 256},
@@ -104,7 +108,7 @@ def collective_sync(
         for tp in (comm.Group.single(), pair)
         for layers in (0, 2)
     ]
-    timing = Timing(timing.min_seconds, max(timing.trials, 15), timing.max_calls)
+    timing = Timing(timing.min_seconds, max(timing.trials, SYNC_ROUNDS), timing.max_calls)
     layers = [
         ((two2 - two0) - (one2 - one0)) / 2  # per layer: 4 all-reduces
         for one0, one2, two0, two2 in _lockstep_trials(fns, device, timing)
