@@ -305,13 +305,13 @@ def _collective_call(
     raise ValueError(f"unknown collective {op!r}; known: {', '.join(COLLECTIVES)}")
 
 
-def _slowest(seconds: float, device: torch.device) -> float:
+def slowest(seconds: float, device: torch.device) -> float:
     """The largest of every rank's `seconds` (what a synchronous step waits for)."""
     value = torch.tensor([seconds], dtype=torch.float64, device=device)
     return float(comm.all_reduce_max_value(value, comm.world_group()).item())
 
 
-def _lockstep_batch(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+def lockstep_batch(fn: Callable[[], object], calls: int, device: torch.device) -> float:
     """Seconds per call of `calls` calls of `fn` started together after a barrier, timed by
     the slowest rank. Collective: every rank calls it."""
     comm.barrier(None, comm.world_group().size)
@@ -320,7 +320,7 @@ def _lockstep_batch(fn: Callable[[], object], calls: int, device: torch.device) 
     for _ in range(calls):
         fn()
     synchronize(device)
-    return _slowest(time.perf_counter() - start, device) / calls
+    return slowest(time.perf_counter() - start, device) / calls
 
 
 def collective_seconds(
@@ -336,7 +336,7 @@ def collective_seconds(
     fn = _collective_call(op, nbytes, g, dtype, device)
 
     def batch(calls: int) -> float:
-        return _lockstep_batch(fn, calls, device)
+        return lockstep_batch(fn, calls, device)
 
     batch(1)  # warm-up: NCCL builds the group's communicator on its first call
     one = batch(1)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from ptdp.parallel import comm
-from ptdp.perf.microbench import Timing, _lockstep_batch, _slowest, synchronize
+from ptdp.perf.microbench import Timing, lockstep_batch, slowest, synchronize
 
 SIZE = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 8, "vocab_size": 64}
 """ptdp's GPT at a size whose arithmetic is negligible: what remains is per-call cost."""
@@ -65,13 +65,13 @@ def _waiting_batch(fn: Callable[[], object], calls: int, device: torch.device) -
         fn()
     synchronize(device)
     comm.barrier(None, size)
-    return _slowest(time.perf_counter() - start, device) / calls
+    return slowest(time.perf_counter() - start, device) / calls
 
 
 def _calls(fn: Callable[[], object], device: torch.device, timing: Timing) -> int:
     """Calls per batch: `timing.min_seconds` of them, after a warm-up."""
-    _lockstep_batch(fn, 1, device)
-    one = _lockstep_batch(fn, 1, device)
+    lockstep_batch(fn, 1, device)
+    one = lockstep_batch(fn, 1, device)
     return max(1, min(timing.max_calls, int(timing.min_seconds / max(one, 1e-7))))
 
 
@@ -81,7 +81,7 @@ def _lockstep_trials(
     """Seconds per call of each of `fns` in each of `timing.trials` rounds (one batch of each
     in turn per round), for calls that may wait on other ranks: every batch starts after a
     barrier and is timed by its slowest rank."""
-    batch = functools.partial(_lockstep_batch, device=device)
+    batch = functools.partial(lockstep_batch, device=device)
     calls = [_calls(fn, device, timing) for fn in fns]
     return [[batch(fn, n) for fn, n in zip(fns, calls)] for _ in range(timing.trials)]
 
@@ -136,7 +136,7 @@ def lockstep_compute(dtype: torch.dtype, device: torch.device, timing: Timing) -
     calls = [_calls(fn, device, timing) for fn in fns]
     ratios = []
     for _ in range(max(timing.trials, 11)):
-        free = [_lockstep_batch(fn, n, device) for fn, n in zip(fns, calls)]
+        free = [lockstep_batch(fn, n, device) for fn, n in zip(fns, calls)]
         waiting = [_waiting_batch(fn, n, device) for fn, n in zip(fns, calls)]
         if free[1] > free[0]:
             ratios.append((waiting[1] - waiting[0]) / (free[1] - free[0]))
