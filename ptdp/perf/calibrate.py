@@ -321,9 +321,10 @@ def calibrate(
         if world.size > 1 and device.type == "cpu":
             step("collective sync")
             pair = mb.build_groups(world.size, 2, 1)
-            in_place = waits.collective_sync(dtype, device, sweep.timing, pair)
+            probe = waits.probe(dtype, device, sweep.timing, pair)
+            in_place = waits.collective_sync(probe)
             step("compute between waits")
-            lockstep = waits.lockstep_compute(dtype, device, sweep.timing)
+            lockstep = waits.lockstep_compute(probe)
     finally:
         bar.close()
     links = _link_fits(collectives)
