@@ -45,10 +45,6 @@ from ptdp.config import RunConfig, apply_updates
 from ptdp.errors import ConfigError
 from ptdp.layout import ORDER, validate
 from ptdp.parallel.env import LaunchEnv
-from ptdp.perf import microbench as mb
-from ptdp.perf import waits
-from ptdp.perf.calibrate import SWEEPS
-from ptdp.perf.costs import all_reduce_seconds
 from ptdp.perf.hardware import System, load_system
 from ptdp.perf.simulator import Prediction, simulate
 from ptdp.perf.timeline import Event, from_dicts, plot_timelines, to_dicts, write_chrome_trace
@@ -65,10 +61,6 @@ except ModuleNotFoundError:  # run as `python benchmarks/x.py`
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "runs" / "benchmarks"  # ignored runs/: no tracked file
 TARGETS = (0.10, 0.20)  # median and max |error|
-WAIT_SAMPLES = 4
-"""Samples of `collective_sync`'s per-call figure taken after each timed round of the
-two-rank configs (36 over the default 9 rounds; `ptdp calibrate` takes 45), with one of
-`lockstep_compute`'s ratio."""
 BASE = {
     "model": {
         "num_layers": 4, "hidden_size": 128, "num_heads": 4, "seq_length": 128, "dropout": 0.0,
@@ -190,22 +182,11 @@ def _timed_step(trainer: Trainer) -> tuple[float, float]:
     return time.perf_counter() - start, took_cpu
 
 
-def worker(
-    rank: int,
-    world: int,
-    configs: list[tuple[str, RunConfig]],
-    warmup: int,
-    steps: int,
-    timing: mb.Timing,
-) -> dict:
+def worker(rank: int, world: int, configs: list[tuple[str, RunConfig]], warmup: int, steps: int):
     """Every config of this world size, in rounds of one step each (after `warmup` rounds):
     a busy spell of the shared machine then slows one step of every config, not every step
     of one. Each config's step times on this rank, the busiest rank's CPU time per step, and
-    the timeline's events (every pipeline rank's last step) if the config records them.
-
-    With two ranks, each timed round also takes `WAIT_SAMPLES` samples of `ptdp calibrate`'s
-    per-wait figures (`ptdp.perf.waits`), so that they are measured in the same minutes as
-    the steps."""
+    the timeline's events (every pipeline rank's last step) if the config records them."""
     env = LaunchEnv(rank, world, rank)
     trainers = {}
     for name, cfg in configs:
@@ -213,26 +194,20 @@ def worker(
         trainers[name] = Trainer(cfg, layout, env, data)
     times: dict[str, list[float]] = {name: [] for name in trainers}
     cpu: dict[str, list[float]] = {name: [] for name in trainers}
-    pair = mb.build_groups(world, 2, 1) if world > 1 else None
-    probe = pair and waits.probe(torch.float32, torch.device("cpu"), timing, pair)
-    samples: dict[str, list] = {"sync": [], "lockstep": []}
     for i in range(warmup + steps):
         for name, trainer in trainers.items():
             took, took_cpu = _timed_step(trainer)
             if i >= warmup:
                 times[name].append(took)
                 cpu[name].append(took_cpu)
-        if i >= warmup and probe:
-            samples["sync"] += [probe.sync_sample() for _ in range(WAIT_SAMPLES)]
-            samples["lockstep"].append(probe.lockstep_sample())
-    out: dict = {"waits": probe and (samples, probe.nbytes), "cases": {}}
+    out = {}
     for name, trainer in trainers.items():
         events: list = [None] * world
         mine = to_dicts(trainer.recorder.events) if trainer.recorder else []
         dist.all_gather_object(events, (mine, cpu[name]))
         busiest = [max(step) for step in zip(*(c for _, c in events))]
         rows = [row for rows, _ in events for row in rows]
-        out["cases"][name] = {"times": times[name], "cpu": busiest, "events": rows}
+        out[name] = {"times": times[name], "cpu": busiest, "events": rows}
         if trainer.watchdog:
             trainer.watchdog.close()
         if rank == 0:
@@ -243,18 +218,6 @@ def worker(
 
 
 # ----------------------------------------------------------------------------- predict
-
-
-def in_window(system: System, samples: dict, nbytes: int) -> System:
-    """`system` with the per-wait figures measured between the steps instead of the file's:
-    `collective_sync` as `ptdp calibrate` derives it (the all-reduce in place less the
-    file's link charge for its bytes) and `lockstep_compute`."""
-    call = max(0.0, statistics.median(samples["sync"]))
-    sync = max(0.0, call - all_reduce_seconds(nbytes, 2, system.intra))
-    lockstep = waits.at_least_one(samples["lockstep"])
-    return replace(
-        system, device=replace(system.device, collective_sync=sync, lockstep_compute=lockstep)
-    )
 
 
 def predict(cfg: RunConfig, world: int, system: System) -> Prediction:
@@ -295,36 +258,22 @@ def file_date(source: str) -> str:
 def table(rows: list[dict]) -> list[str]:
     lines = [
         "| config | world | tests | predicted ms | measured ms | error | best ms | CPU ms "
-        "| predicted without framework term | without collective sync | without lockstep "
-        "| per-wait figures of the window: predicted ms | error |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| predicted without framework term | without collective sync | without lockstep |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if r.get("skipped"):
             why = r["skipped"].splitlines()[-1].strip()[:120]
             cells = f"| {r['name']} | {r['world']} | {r['tests']} | skipped: {why} |"
-            lines.append(cells + " |" * 9)
+            lines.append(cells + " |" * 7)
             continue
         lines.append(
             f"| {r['name']} | {r['world']} | {r['tests']} | {r['predicted_ms']:.1f} | "
             f"{r['measured_ms']:.1f} | {100 * r['error']:+.1f}% | {r['best_ms']:.1f} | "
             f"{r['cpu_ms']:.1f} | {r['predicted_without_framework_ms']:.1f} | "
-            f"{r['predicted_without_sync_ms']:.1f} | {r['predicted_without_lockstep_ms']:.1f} | "
-            f"{r['predicted_in_window_ms']:.1f} | {100 * r['error_in_window']:+.1f}% |"
+            f"{r['predicted_without_sync_ms']:.1f} | {r['predicted_without_lockstep_ms']:.1f} |"
         )
     return lines
-
-
-def verdict(errors: list[float]) -> dict:
-    """Median and max of `errors` (absolute), and whether both meet `TARGETS`."""
-    if not errors:
-        return {"median_abs_error": None, "max_abs_error": None, "met": False}
-    median, worst = statistics.median(errors), max(errors)
-    return {
-        "median_abs_error": median,
-        "max_abs_error": worst,
-        "met": median <= TARGETS[0] and worst <= TARGETS[1],
-    }
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -332,12 +281,16 @@ def summarise(rows: list[dict]) -> dict:
     step (the calibration times the fastest of several batches, so this is its like)."""
     ran = [r for r in rows if not r.get("skipped")]
     if not ran:
-        return verdict([])
+        return {"median_abs_error": None, "max_abs_error": None, "met": False}
+    errors = [abs(r["error"]) for r in ran]
     best = [abs(r["predicted_ms"] / r["best_ms"] - 1) for r in ran]
+    median, worst = statistics.median(errors), max(errors)
     # One process, one thread, no waits: its CPU time is about the step a quiet machine takes.
     cpu = [abs(r["predicted_ms"] / r["cpu_ms"] - 1) for r in ran if r["world"] == 1] or [0.0]
     return {
-        **verdict([abs(r["error"]) for r in ran]),
+        "median_abs_error": median,
+        "max_abs_error": worst,
+        "met": median <= TARGETS[0] and worst <= TARGETS[1],
         "best_step_median_abs_error": statistics.median(best),
         "best_step_max_abs_error": max(best),
         "one_process_cpu_median_abs_error": statistics.median(cpu),
@@ -372,7 +325,6 @@ def run(args: argparse.Namespace) -> dict:
     bare = replace(system, device=replace(system.device, layer_overhead=zero, head_overhead=zero))
     unsynced = replace(system, device=replace(system.device, collective_sync=0.0))
     alone = replace(system, device=replace(system.device, lockstep_compute=1.0))
-    timing = SWEEPS[("cpu", args.tiny)].timing  # the per-wait samples' batches
     cases = [c for c in CASES if not args.only or c.name in args.only]
     cases = [c for c in cases if c.name not in args.skip]
     rows, by_world = [], {}
@@ -389,15 +341,10 @@ def run(args: argparse.Namespace) -> dict:
             configs[case.name] = cfg
             by_world.setdefault(case.world, []).append((case.name, cfg))
             rows.append(row)
-        measured, window = {}, system
+        measured = {}
         for world, todo in sorted(by_world.items()):
             print(f"measuring {len(todo)} config(s) on {world} rank(s)", flush=True)
-            got = spawn(
-                worker, world, todo, args.warmup, args.steps, timing, timeout_s=args.timeout
-            )
-            measured |= got["cases"]
-            if got["waits"]:
-                window = in_window(system, *got["waits"])
+            measured |= spawn(worker, world, todo, args.warmup, args.steps, timeout_s=args.timeout)
         predictions = {}
         for row in rows:
             if row.get("skipped"):
@@ -416,9 +363,6 @@ def run(args: argparse.Namespace) -> dict:
             row["predicted_without_sync_ms"] = 1e3 * without
             without = predict(configs[row["name"]], row["world"], alone).iteration_seconds
             row["predicted_without_lockstep_ms"] = 1e3 * without
-            within = predict(configs[row["name"]], row["world"], window).iteration_seconds
-            row["predicted_in_window_ms"] = 1e3 * within
-            row["error_in_window"] = within * 1e3 / row["measured_ms"] - 1
             row["events"] = m["events"]
     result = {
         "command": " ".join(["python", "benchmarks/prediction.py", *args.argv]),
@@ -427,12 +371,6 @@ def run(args: argparse.Namespace) -> dict:
         "calibration": source,
         "calibration_date": file_date(source),
         "lockstep_compute": system.device.lockstep_compute,
-        "collective_sync_us": system.device.collective_sync * 1e6,
-        "in_window": {
-            "collective_sync_us": window.device.collective_sync * 1e6,
-            "lockstep_compute": window.device.lockstep_compute,
-            **verdict([abs(r["error_in_window"]) for r in rows if not r.get("skipped")]),
-        },
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
         "targets": {"median_abs_error": TARGETS[0], "max_abs_error": TARGETS[1]},
@@ -470,15 +408,6 @@ def markdown(result: dict) -> str:
         f"per step: median |error| {100 * result['one_process_cpu_median_abs_error']:.1f}%, "
         f"max {100 * result['one_process_cpu_max_abs_error']:.1f}%"
     )
-    window = result["in_window"]
-    if window["median_abs_error"] is not None:
-        verdict += (
-            f"\n\nwith the per-wait figures measured between the steps (collective_sync_us "
-            f"{window['collective_sync_us']:.0f}, lockstep_compute "
-            f"{window['lockstep_compute']:.3g}; the file's: {result['collective_sync_us']:.0f}, "
-            f"{result['lockstep_compute']:.3g}): median |error| "
-            f"{100 * window['median_abs_error']:.1f}%, max {100 * window['max_abs_error']:.1f}%"
-        )
     lines = [
         f"command: `{result['command']}` ({result['date']})",
         f"machine: {result['machine']}",
@@ -495,11 +424,7 @@ def markdown(result: dict) -> str:
         "a quiet machine would take; with two ranks it leaves out the waits); without "
         "framework term: the same file with layer_overhead_us and head_overhead_us at 0; without "
         "collective sync: the same file with collective_sync_us at 0; without lockstep: with "
-        f"lockstep_compute at 1 (the file's: {result['lockstep_compute']:.3g}); per-wait "
-        "figures of the window: the file with collective_sync_us and lockstep_compute "
-        "measured as `ptdp calibrate` measures them, in samples taken between the timed "
-        "rounds of the two-rank configs (the machine's per-wait costs drift within minutes: "
-        "this column leaves out the drift between the calibration and the steps).",
+        f"lockstep_compute at 1 (the file's: {result['lockstep_compute']:.3g}).",
     ]
     if "timeline" in result:
         lines.append(f"timeline ({TIMELINE_CASE}): {result['timeline']['png']}")

@@ -321,10 +321,9 @@ def calibrate(
         if world.size > 1 and device.type == "cpu":
             step("collective sync")
             pair = mb.build_groups(world.size, 2, 1)
-            probe = waits.probe(dtype, device, sweep.timing, pair)
-            in_place = waits.collective_sync(probe)
+            in_place = waits.collective_sync(dtype, device, sweep.timing, pair)
             step("compute between waits")
-            lockstep = waits.lockstep_compute(probe)
+            lockstep = waits.lockstep_compute(dtype, device, sweep.timing)
     finally:
         bar.close()
     links = _link_fits(collectives)

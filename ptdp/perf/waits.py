@@ -16,10 +16,10 @@ Every function here is collective: every rank calls it.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -39,7 +39,6 @@ LOCKSTEP_SIZES = (
 """Two sizes of ptdp's GPT for `lockstep_compute`'s slope: a forward + backward of about 2
 and 13 ms on one core of a 2020s server CPU (b 2 and 4)."""
 LOCKSTEP_BATCH = (2, 4)
-LOCKSTEP_ROUNDS = 11
 
 
 def _model_step(
@@ -76,77 +75,50 @@ def _calls(fn: Callable[[], object], device: torch.device, timing: Timing) -> in
     return max(1, min(timing.max_calls, int(timing.min_seconds / max(one, 1e-7))))
 
 
-@dataclass
-class Probe:
-    """The models both figures time, with their batch sizes: each `*_sample` is one round,
-    so a caller can spread rounds over a window of its own (benchmarks/prediction.py puts
-    one between the steps it measures)."""
-
-    device: torch.device
-    sync_fns: list[Callable[[], object]]
-    sync_calls: list[int]
-    lockstep_fns: list[Callable[[], object]]
-    lockstep_calls: list[int]
-    nbytes: int
-    """Bytes each tensor-parallel all-reduce of the sync model reduces."""
-
-    def sync_sample(self) -> float:
-        """One round of `collective_sync`'s per-call figure, in seconds: its four batches
-        back to back (tp = 1 and tp = 2 over the pair, 0 and 2 layers), a layer's extra time
-        at tp = 2 over its 4 all-reduces."""
-        one0, one2, two0, two2 = (
-            lockstep_batch(fn, n, self.device) for fn, n in zip(self.sync_fns, self.sync_calls)
-        )
-        return ((two2 - two0) - (one2 - one0)) / 2 / 4
-
-    def lockstep_sample(self) -> float | None:
-        """One round of `lockstep_compute`'s ratio (None if the larger model ran no slower
-        than the smaller, as a badly disturbed round may)."""
-        pairs = list(zip(self.lockstep_fns, self.lockstep_calls))
-        free = [lockstep_batch(fn, n, self.device) for fn, n in pairs]
-        waiting = [_waiting_batch(fn, n, self.device) for fn, n in pairs]
-        return (waiting[1] - waiting[0]) / (free[1] - free[0]) if free[1] > free[0] else None
+def _lockstep_trials(
+    fns: list[Callable[[], object]], device: torch.device, timing: Timing
+) -> list[list[float]]:
+    """Seconds per call of each of `fns` in each of `timing.trials` rounds (one batch of each
+    in turn per round), for calls that may wait on other ranks: every batch starts after a
+    barrier and is timed by its slowest rank."""
+    batch = functools.partial(lockstep_batch, device=device)
+    calls = [_calls(fn, device, timing) for fn in fns]
+    return [[batch(fn, n) for fn, n in zip(fns, calls)] for _ in range(timing.trials)]
 
 
-def probe(dtype: torch.dtype, device: torch.device, timing: Timing, pair: comm.Group) -> Probe:
-    """The models of both figures built and warmed up, batches of `timing.min_seconds`."""
-    sync = [
+def collective_sync(
+    dtype: torch.dtype, device: torch.device, timing: Timing, pair: comm.Group
+) -> tuple[float, float, int]:
+    """(per call, per layer, bytes per call): what each blocking collective of a tensor-
+    parallel layer costs a step in place, what tensor parallelism over `pair` adds to a
+    layer's forward and backward at a negligible size, and the bytes each call reduces.
+
+    Timed on ptdp's own GPT at `SIZE` with 0 and 2 layers, forward and backward, at tp = 1
+    and at tp = 2 over `pair`: a layer at tp = 2 waits on two all-reduces forward and two
+    backward (Shoeybi et al.'s f and g), each between the ranks' compute, so a quarter of
+    its extra time is one such call in place: its transfer, the ranks' resynchronisation
+    and the tensor-parallel autograd functions' Python. The figure is the median over
+    rounds of each round's difference (its four batches back to back), not the fastest: a
+    wait's cost varies from call to call and a step pays its typical value on every call,
+    and pairing the batches of one round keeps a neighbour's job from landing on one side of
+    the difference only.
+    """
+    fns = [
         _model_step({**SIZE, "num_layers": layers}, 1, device, dtype, tp)
         for tp in (comm.Group.single(), pair)
         for layers in (0, 2)
     ]
-    lock = [_model_step(size, b, device, dtype) for size, b in zip(LOCKSTEP_SIZES, LOCKSTEP_BATCH)]
+    timing = Timing(timing.min_seconds, max(timing.trials, SYNC_ROUNDS), timing.max_calls)
+    layers = [
+        ((two2 - two0) - (one2 - one0)) / 2  # per layer: 4 all-reduces
+        for one0, one2, two0, two2 in _lockstep_trials(fns, device, timing)
+    ]
+    layer = max(0.0, statistics.median(layers))
     nbytes = SIZE["seq_length"] * SIZE["hidden_size"] * torch.empty((), dtype=dtype).element_size()
-    return Probe(
-        device,
-        sync,
-        [_calls(fn, device, timing) for fn in sync],
-        lock,
-        [_calls(fn, device, timing) for fn in lock],
-        nbytes,
-    )
+    return layer / 4, layer, nbytes
 
 
-def collective_sync(p: Probe, rounds: int = SYNC_ROUNDS) -> tuple[float, float, int]:
-    """(per call, per layer, bytes per call): what each blocking collective of a tensor-
-    parallel layer costs a step in place, what tensor parallelism over the probe's pair adds
-    to a layer's forward and backward at a negligible size, and the bytes each call reduces.
-
-    Timed on ptdp's own GPT at `SIZE` with 0 and 2 layers, forward and backward, at tp = 1
-    and at tp = 2: a layer at tp = 2 waits on two all-reduces forward and two backward
-    (Shoeybi et al.'s f and g), each between the ranks' compute, so a quarter of its extra
-    time is one such call in place: its transfer, the ranks' resynchronisation and the
-    tensor-parallel autograd functions' Python. The figure is the median over rounds of
-    each round's difference (its four batches back to back), not the fastest: a wait's cost
-    varies from call to call and a step pays its typical value on every call, and pairing
-    the batches of one round keeps a neighbour's job from landing on one side of the
-    difference only.
-    """
-    call = max(0.0, statistics.median(p.sync_sample() for _ in range(rounds)))
-    return call, 4 * call, p.nbytes
-
-
-def lockstep_compute(p: Probe, rounds: int = LOCKSTEP_ROUNDS) -> float:
+def lockstep_compute(dtype: torch.dtype, device: torch.device, timing: Timing) -> float:
     """How many times its back-to-back time the compute between two blocking waits takes,
     the step paying the slowest rank's (at least 1).
 
@@ -157,10 +129,15 @@ def lockstep_compute(p: Probe, rounds: int = LOCKSTEP_ROUNDS) -> float:
     so the barrier's own cost and the per-wait cost (`collective_sync`) cancel. The median
     over rounds: a step pays the typical stretch, not the luckiest.
     """
-    return at_least_one([p.lockstep_sample() for _ in range(rounds)])
-
-
-def at_least_one(ratios: list[float | None]) -> float:
-    """The median of the rounds' ratios that came out, at least 1 (1 if none did)."""
-    kept = [r for r in ratios if r is not None]
-    return max(1.0, statistics.median(kept)) if kept else 1.0
+    small, large = (
+        _model_step(size, b, device, dtype) for size, b in zip(LOCKSTEP_SIZES, LOCKSTEP_BATCH)
+    )
+    fns = (small, large)
+    calls = [_calls(fn, device, timing) for fn in fns]
+    ratios = []
+    for _ in range(max(timing.trials, 11)):
+        free = [lockstep_batch(fn, n, device) for fn, n in zip(fns, calls)]
+        waiting = [_waiting_batch(fn, n, device) for fn, n in zip(fns, calls)]
+        if free[1] > free[0]:
+            ratios.append((waiting[1] - waiting[0]) / (free[1] - free[0]))
+    return max(1.0, statistics.median(ratios)) if ratios else 1.0

@@ -35,12 +35,6 @@ def test_every_case_trains_and_is_predicted(tmp_path: Path) -> None:
         assert r["error"] == pytest.approx(error)
         # The built-in file has no lockstep slowdown: the column equals the prediction.
         assert r["predicted_without_lockstep_ms"] == pytest.approx(r["predicted_ms"])
-        # The per-wait figures sampled between the two-rank steps: measured, so a one-process
-        # config's prediction is the file's and a two-rank one's pays the sampled waits.
-        within = r["predicted_in_window_ms"]
-        assert r["error_in_window"] == pytest.approx(within / r["measured_ms"] - 1)
-        if r["world"] == 1:
-            assert within == pytest.approx(r["predicted_ms"])
     for r in rows.values():
         if r.get("skipped"):
             assert r["name"] in GUARDED and r["skipped"], r
@@ -49,11 +43,6 @@ def test_every_case_trains_and_is_predicted(tmp_path: Path) -> None:
     errors = [abs(r["error"]) for r in ran]
     assert written["median_abs_error"] == pytest.approx(statistics.median(errors))
     assert written["max_abs_error"] == pytest.approx(max(errors))
-    window = written["in_window"]
-    assert window["collective_sync_us"] > 0 and window["lockstep_compute"] >= 1
-    within = [abs(r["error_in_window"]) for r in ran]
-    assert window["max_abs_error"] == pytest.approx(max(within))
-    assert "measured between the steps" in (tmp_path / "prediction.md").read_text()
     table = (tmp_path / "prediction.md").read_text()
     assert all(f"| {name} |" in table for name in rows)
     trace = json.loads((tmp_path / "prediction_timeline.json").read_text())

@@ -268,12 +268,6 @@ def test_lockstep_compute_is_loaded_checked_and_paid_by_multi_rank_compute(
         with pytest.raises(ConfigError, match="lockstep_compute = .* (must be >= 1|not a number)"):
             load_system(path)
 
-    # The rounds' ratios: their median, none below 1, rounds that gave none left out.
-    from ptdp.perf.waits import at_least_one
-
-    assert at_least_one([None, 1.3, 0.9, 1.2]) == pytest.approx(1.2)
-    assert at_least_one([0.8, 0.95]) == 1.0 and at_least_one([None]) == 1.0
-
     base = load_system("a100-80gb")
     base = replace(base, device=replace(base.device, collective_sync=1e-3))
     slow = replace(base, device=replace(base.device, lockstep_compute=1.25))
