@@ -258,20 +258,20 @@ def file_date(source: str) -> str:
 def table(rows: list[dict]) -> list[str]:
     lines = [
         "| config | world | tests | predicted ms | measured ms | error | best ms | CPU ms "
-        "| predicted without framework term | without collective sync | without lockstep |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| predicted without framework term | without collective sync |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if r.get("skipped"):
             why = r["skipped"].splitlines()[-1].strip()[:120]
             cells = f"| {r['name']} | {r['world']} | {r['tests']} | skipped: {why} |"
-            lines.append(cells + " |" * 7)
+            lines.append(cells + " |" * 6)
             continue
         lines.append(
             f"| {r['name']} | {r['world']} | {r['tests']} | {r['predicted_ms']:.1f} | "
             f"{r['measured_ms']:.1f} | {100 * r['error']:+.1f}% | {r['best_ms']:.1f} | "
             f"{r['cpu_ms']:.1f} | {r['predicted_without_framework_ms']:.1f} | "
-            f"{r['predicted_without_sync_ms']:.1f} | {r['predicted_without_lockstep_ms']:.1f} |"
+            f"{r['predicted_without_sync_ms']:.1f} |"
         )
     return lines
 
@@ -324,7 +324,6 @@ def run(args: argparse.Namespace) -> dict:
     zero = (0.0, 0.0)  # the same file without its framework term, to show what that adds
     bare = replace(system, device=replace(system.device, layer_overhead=zero, head_overhead=zero))
     unsynced = replace(system, device=replace(system.device, collective_sync=0.0))
-    alone = replace(system, device=replace(system.device, lockstep_compute=1.0))
     cases = [c for c in CASES if not args.only or c.name in args.only]
     cases = [c for c in cases if c.name not in args.skip]
     rows, by_world = [], {}
@@ -361,8 +360,6 @@ def run(args: argparse.Namespace) -> dict:
             row["predicted_without_framework_ms"] = 1e3 * without
             without = predict(configs[row["name"]], row["world"], unsynced).iteration_seconds
             row["predicted_without_sync_ms"] = 1e3 * without
-            without = predict(configs[row["name"]], row["world"], alone).iteration_seconds
-            row["predicted_without_lockstep_ms"] = 1e3 * without
             row["events"] = m["events"]
     result = {
         "command": " ".join(["python", "benchmarks/prediction.py", *args.argv]),
@@ -370,7 +367,6 @@ def run(args: argparse.Namespace) -> dict:
         "machine": f"{platform.node()}: {_cpu()}, torch {torch.__version__}, gloo, 1 thread/rank",
         "calibration": source,
         "calibration_date": file_date(source),
-        "lockstep_compute": system.device.lockstep_compute,
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
         "targets": {"median_abs_error": TARGETS[0], "max_abs_error": TARGETS[1]},
@@ -423,8 +419,7 @@ def markdown(result: dict) -> str:
         "machine does not stretch as it stretches wall time (for one process, about the step "
         "a quiet machine would take; with two ranks it leaves out the waits); without "
         "framework term: the same file with layer_overhead_us and head_overhead_us at 0; without "
-        "collective sync: the same file with collective_sync_us at 0; without lockstep: with "
-        f"lockstep_compute at 1 (the file's: {result['lockstep_compute']:.3g}).",
+        "collective sync: the same file with collective_sync_us at 0.",
     ]
     if "timeline" in result:
         lines.append(f"timeline ({TIMELINE_CASE}): {result['timeline']['png']}")

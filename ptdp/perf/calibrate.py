@@ -25,10 +25,7 @@ What is measured (ptdp/perf/microbench.py) and what it becomes in the cluster TO
 - on CPUs under torchrun, the same model at tp = 2 over two ranks against tp = 1 ->
   `collective_sync_us`: what each blocking collective between compute costs in place
   beyond what the fitted link charges it (the later rank's wake-up after the earlier
-  went back to compute, the tensor-parallel autograd functions; `waits.collective_sync`),
-  and the same model's forward + backward at two sizes with a barrier before every call
-  against back to back -> `lockstep_compute`: how much slower compute runs between
-  blocking waits on another rank, the step paying the slower rank's (`waits.lockstep_compute`);
+  went back to compute, the tensor-parallel autograd functions; `waits.collective_sync`);
 - under torchrun, all-reduce, all-gather, reduce-scatter and point-to-point over message
   sizes and group sizes -> the `[node]` link (groups inside a node) and the `[network]`
   link (one rank per node, when there are several nodes) as latency + bandwidth, a least
@@ -251,8 +248,8 @@ def planned_figures(sweep: Sweep, world: int, per_node: int, device_type: str = 
     seqs = len(sweep.attention_seq)
     attention = seqs + len(sweep.attention_dims) * min(3, seqs)
     compute = 5 * len(sweep.hidden) + attention + kernels * len(sweep.stream_bytes) + 2
-    waits = 2 if world > 1 and device_type == "cpu" else 0  # collective sync, lockstep
-    return compute + comms + waits
+    sync = world > 1 and device_type == "cpu"  # the collectives' resynchronisation
+    return compute + comms + sync
 
 
 def _link_fits(fits: list[CollectiveFit]) -> dict[str, tuple[LinkFit | None, str]]:
@@ -317,13 +314,11 @@ def calibrate(
         collectives = (
             measure_collectives(device, dtype, sweep, per_node, step) if world.size > 1 else []
         )
-        in_place, lockstep = None, None
+        in_place = None
         if world.size > 1 and device.type == "cpu":
             step("collective sync")
             pair = mb.build_groups(world.size, 2, 1)
             in_place = waits.collective_sync(dtype, device, sweep.timing, pair)
-            step("compute between waits")
-            lockstep = waits.lockstep_compute(dtype, device, sweep.timing)
     finally:
         bar.close()
     links = _link_fits(collectives)
@@ -367,7 +362,6 @@ def calibrate(
         },
         framework=framework,
         sync=_sync(in_place, links, collectives),
-        lockstep=lockstep,
     )
 
 

@@ -76,9 +76,6 @@ class Calibration:
     """(per blocking collective beyond what the fitted link charges it, per tp = 2 layer
     forward and backward against tp = 1) seconds (`waits.collective_sync`); on CPUs
     under torchrun only."""
-    lockstep: float | None = None
-    """Times its back-to-back time that compute between blocking waits on other ranks
-    takes, the slowest rank's (`waits.lockstep_compute`); on CPUs under torchrun only."""
 
     @property
     def kernel_curves(self) -> dict[str, tuple[tuple[float, float], ...]]:
@@ -245,8 +242,6 @@ def render_toml(cal: Calibration, name: str) -> str:
         achieved["head_overhead_us"] = [head[0] * 1e6, head[1] * 1e6]
     if cal.sync is not None:
         achieved["collective_sync_us"] = cal.sync[0] * 1e6
-    if cal.lockstep is not None:
-        achieved["lockstep_compute"] = cal.lockstep
     node, network = _links(cal)
     peak = "best GEMM measured (no datasheet peak)" if cal.peak_measured else "datasheet"
     described = f"calibrated {cal.device_name} on {cal.info.get('host', '?')}"
@@ -338,11 +333,6 @@ def summary(cal: Calibration) -> str:
         lines.append(
             f"  each blocking collective between compute: {call * 1e6:.3g} us beyond the "
             f"link's cost (a tp = 2 layer, forward and backward, adds {layer * 1e6:.3g} us)"
-        )
-    if cal.lockstep is not None:
-        lines.append(
-            f"  compute between blocking waits on another rank: {cal.lockstep:.3g} x its time "
-            "back to back (the slower rank's)"
         )
     for c in cal.collectives:
         fit = c.fit

@@ -80,7 +80,7 @@ def cp_layer_seconds(
         return passes
     whole = attention_core(model, micro_batch, tp, c).times(1.0 / cp)
     short = attention_core(local, micro_batch, tp, c)
-    extra = Passes(whole.f - short.f, whole.b - short.b, 0.0).times(c.lockstep)
+    extra = Passes(whole.f - short.f, whole.b - short.b, 0.0)
     _, exposed = cp_comm_seconds(model, micro_batch=micro_batch, tp=tp, cp=cp, comm=comm, c=c)
     passes = passes + extra + exposed
     if recompute is not Recompute.NONE:  # the attention forward reruns in B, transfers too

@@ -194,18 +194,6 @@ class Compute:
     system: System
     precision: Precision
     software: Software
-    lockstep: float = 1.0
-    """Times its time alone that compute takes between blocking waits on other ranks (see
-    `for_ranks`); the collectives' own seconds are not scaled."""
-
-    @classmethod
-    def for_ranks(
-        cls, system: System, precision: Precision, software: Software, ranks: int
-    ) -> Compute:
-        """The compute of a step on `ranks` devices: with more than one, every stretch of
-        compute ends in a wait on another rank and pays `Device.lockstep_compute`."""
-        lockstep = system.device.lockstep_compute if ranks > 1 else 1.0
-        return cls(system, precision, software, lockstep)
 
     @property
     def e(self) -> int:
@@ -368,10 +356,9 @@ def layer_seconds(
         comm_f, comm_b = max(0.0, comm - linears.f), max(0.0, comm - linears.b - linears.w)
     elif tp > 1:  # each pass waits on 2 all-reduces, or 2 all-gather + reduce-scatter pairs
         comm_f = comm_b = comm + sync_seconds(4 if sequence_parallel else 2, c)
-    k = c.lockstep
-    forward = k * (linears.f + core.f + traffic + fixed_f) + comm_f
-    backward = k * (linears.b + core.b + traffic_b + fixed_b) + comm_b
-    passes = Passes(forward, backward, k * linears.w)
+    forward = linears.f + core.f + traffic + comm_f + fixed_f
+    backward = linears.b + core.b + traffic_b + comm_b + fixed_b
+    passes = Passes(forward, backward, linears.w)
     if recompute is Recompute.FULL:
         passes += Passes(0.0, forward, 0.0)
     elif recompute is Recompute.SELECTIVE:  # the attention core's forward again
@@ -379,7 +366,7 @@ def layer_seconds(
             model, recompute=Recompute.SELECTIVE, precision=c.precision, fused_attention=fused, **kw
         )  # with fused attention nothing of the core is stored, so only the kernel reruns
         redo = core.f + c.stream(c.software.elementwise_traffic * (stored - kept))
-        passes += Passes(0.0, k * redo, 0.0)
+        passes += Passes(0.0, redo, 0.0)
     return passes
 
 
@@ -404,7 +391,7 @@ def head_seconds(
     fixed_f, fixed_b = c.system.device.head_overhead  # the embedding's too (it is small)
     backward = c.software.backward_traffic_ratio * traffic + fixed_b
     comm = head_sync(tp, sequence_parallel, c)
-    return (logits + Passes(traffic + fixed_f, backward, 0.0)).times(c.lockstep) + comm
+    return logits + Passes(traffic + fixed_f, backward, 0.0) + comm
 
 
 def head_sync(tp: int, sequence_parallel: bool, c: Compute) -> Passes:
@@ -424,5 +411,4 @@ def embedding_seconds(model: ModelConfig, *, micro_batch: int, tp: int, c: Compu
     comm = all_reduce_seconds(nbytes, tp, group_link(c.system, tp, 1))
     if tp > 1 and not c.software.tp_comm_overlap:
         comm += sync_seconds(1, c)
-    k = c.lockstep
-    return Passes(k * c.stream(3 * nbytes) + comm, 0.0, k * c.stream(2 * nbytes))
+    return Passes(c.stream(3 * nbytes) + comm, 0.0, c.stream(2 * nbytes))

@@ -8,9 +8,8 @@ kernel launch cost, and optionally `reserved_gib`, memory held beside the model'
 (absent: `ptdp.perf.reserve` prices it per layout and rank); from `ptdp calibrate` also a
 GEMM efficiency curve over size, `gemm_curve_flops` and `gemm_curve_efficiency`, the fused
 attention kernel's own efficiency and backward / forward ratio, and on CPUs the per-layer
-framework cost, `collective_sync_us`, what each blocking collective costs beyond its
-bytes, and `lockstep_compute`, how much slower compute runs between waits on other ranks),
-`[node]` (GPUs per node and their NVLink/NVSwitch link) and `[network]` (the
+framework cost and `collective_sync_us`, what each blocking collective costs beyond its
+bytes), `[node]` (GPUs per node and their NVLink/NVSwitch link) and `[network]` (the
 inter-node link per GPU, e.g. one InfiniBand HCA each). Bandwidths are per GPU and per
 direction, in GB/s (1e9 bytes); `latency_us` per message or collective call,
 `step_latency_us` per step of a ring collective; `p2p_latency_us` and `p2p_bandwidth_gb_s`
@@ -122,10 +121,6 @@ class Device:
     ranks' resynchronisation (the later rank woken only after the earlier one went back to
     compute) and the tensor-parallel autograd functions' Python (`ptdp calibrate` measures
     it on CPUs, where the host runs the collective; 0: none, as on GPUs)."""
-    lockstep_compute: float = 1.0
-    """Times its time back to back that compute between blocking waits on other ranks
-    takes: the step pays the slower rank's stretch, woken from a wait (`ptdp calibrate`
-    measures it on CPUs; 1: none, as on GPUs, where the host queues the waits)."""
 
     def gemm_efficiency_at(self, flops: float) -> float:
         """Efficiency of a GEMM of `flops`: the measured curve (log-linear between its knots,
@@ -209,7 +204,6 @@ NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
     ("device.achieved", "kernel_overhead_us", "non-negative", False),
     ("device.achieved", "reserved_gib", "non-negative", False),
     ("device.achieved", "collective_sync_us", "non-negative", False),
-    ("device.achieved", "lockstep_compute", "slowdown", False),
     ("node", "gpus", "count", True),
     *(
         (link, key, kind, key == "bandwidth_gb_s")
@@ -229,7 +223,6 @@ RULES = {
     "positive": (lambda v: v > 0, "must be > 0"),
     "fraction": (lambda v: 0 < v <= 1, "must be a fraction in (0, 1]"),
     "non-negative": (lambda v: v >= 0, "must be >= 0"),
-    "slowdown": (lambda v: v >= 1, "must be >= 1 (1: as fast as alone)"),
     "count": (lambda v: v >= 1 and float(v).is_integer(), "must be a whole number >= 1"),
 }
 
@@ -313,7 +306,6 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         layer_overhead=_pair(achieved, "layer_overhead_us"),
         head_overhead=_pair(achieved, "head_overhead_us"),
         collective_sync=float(achieved.get("collective_sync_us", 0.0)) * 1e-6,
-        lockstep_compute=float(achieved.get("lockstep_compute", 1.0)),
     )
     return System(
         name=str(data.get("name", default_name)),

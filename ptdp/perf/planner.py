@@ -303,7 +303,7 @@ def plan(
             f"train.global_batch_size = {base.train.global_batch_size} must be 1 or more "
             "(samples per step); e.g. --train.global_batch_size 512"
         )
-    c = Compute.for_ranks(system, base.train.precision, software, gpus)
+    c = Compute(system, base.train.precision, software)
     plans = Plans()
     rejected: list[Rejected] = []
     candidates: list[RunConfig] = []

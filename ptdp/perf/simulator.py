@@ -271,7 +271,6 @@ def optimizer_seconds(
     shard = group if layout.shards_optimizer else 1
     step = Call("adamw", per_rank * (28 if fp32 else 30) / shard)
     seconds = step.seconds(c.system.device) + Call("add", 8 * per_rank).seconds(c.system.device)
-    seconds *= c.lockstep
     if layout.shards_optimizer and layout.zero < 3:
         link = group_link(c.system, group, layout.tp)
         gather = gather_seconds(per_rank * (4 if fp32 else 2), group, link)
@@ -388,7 +387,7 @@ def simulate(
     require_vocab(cfg)
     require_software(cfg, software)
     layout = layout or validate(cfg, world_size, gpus=True)
-    c = Compute.for_ranks(system, cfg.train.precision, software, world_size)
+    c = Compute(system, cfg.train.precision, software)
     pp = layout.pp
     costs = pipeline_costs(cfg, layout, c)
     run = _replay(layout, costs, software.blocking_p2p, timeline, plans)

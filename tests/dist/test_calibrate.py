@@ -71,8 +71,5 @@ def test_two_rank_calibration_fits_every_collective(tmp_path: Path) -> None:
     assert sync["per_call_us"] >= 0 and sync["tp2_layer_us"] >= 0
     assert raw["device"]["achieved"]["collective_sync_us"] == pytest.approx(sync["per_call_us"])
     assert system.device.collective_sync == pytest.approx(sync["per_call_us"] * 1e-6)
-    # Compute between blocking waits: a slowdown of at least 1, written and loaded.
-    lockstep = raw["device"]["achieved"]["lockstep_compute"]
-    assert lockstep >= 1 and system.device.lockstep_compute == pytest.approx(lockstep)
     # Timings on this shared machine swing several-fold, so the fit's accuracy is not
     # asserted here; BENCHMARKS.md records a calibration and its errors.
