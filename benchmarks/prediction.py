@@ -10,9 +10,9 @@ busy spell of the shared machine lands on every one of them), and
 `ptdp.perf.simulator.simulate` predicts it from the file. The cases differ in what the
 model must get right: one process at several widths, sequence lengths, micro-batch sizes
 and recomputation; two ranks at tp = 2 with and without sequence parallelism, pp = 2
-under every schedule, dp = 2 at ZeRO 0, 1, 2 and 3; cp = 2
-where `validate` accepts them (listed as skipped otherwise). Targets: median |error| <= 10%,
-max |error| <= 20%. One pipelined run's last step is drawn above its simulated timeline.
+under every schedule, dp = 2 at ZeRO 0, 1, 2 and 3; cp = 2 where `validate` accepts it
+(listed as skipped otherwise). Targets: median |error| <= 10%, max |error| <= 20%. One
+pipelined run's last step is drawn above its simulated timeline.
 
 Writes runs/benchmarks/prediction.json, prediction.md and prediction_timeline.png (plus
 its Chrome trace); never a tracked file.

@@ -305,7 +305,7 @@ def _collective_call(
     raise ValueError(f"unknown collective {op!r}; known: {', '.join(COLLECTIVES)}")
 
 
-def slowest(seconds: float, device: torch.device) -> float:
+def _slowest(seconds: float, device: torch.device) -> float:
     """The largest of every rank's `seconds` (what a synchronous step waits for)."""
     value = torch.tensor([seconds], dtype=torch.float64, device=device)
     return float(comm.all_reduce_max_value(value, comm.world_group()).item())
@@ -320,7 +320,7 @@ def lockstep_batch(fn: Callable[[], object], calls: int, device: torch.device) -
     for _ in range(calls):
         fn()
     synchronize(device)
-    return slowest(time.perf_counter() - start, device) / calls
+    return _slowest(time.perf_counter() - start, device) / calls
 
 
 def collective_seconds(
@@ -374,30 +374,41 @@ def interleaved_seconds(
     return best
 
 
+TINY_GPT = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 8, "vocab_size": 64}
+"""ptdp's GPT at a size whose arithmetic is negligible (batch 1): what its calls cost is
+what no kernel timing sees (`framework_overhead`, `waits.collective_sync`)."""
+
+
+def tiny_gpt(
+    layers: int, device: torch.device, dtype: torch.dtype, tp: comm.Group | None = None
+) -> tuple[torch.nn.Module, torch.Tensor]:
+    """`TINY_GPT` built with its first `layers` layers (0: embedding and head alone), and a
+    batch of tokens for it."""
+    from ptdp.config import ModelConfig
+    from ptdp.model.gpt import GPT
+
+    cfg = ModelConfig(**TINY_GPT, dropout=0.0)
+    model = GPT(cfg, layers=range(layers), tp=tp).to(device=device, dtype=dtype)
+    return model, torch.randint(0, cfg.vocab_size, (1, cfg.seq_length), device=device)
+
+
 def framework_overhead(
     dtype: torch.dtype, device: torch.device, timing: Timing
 ) -> tuple[tuple[float, float], tuple[float, float]]:
     """((forward, backward) per transformer layer, (forward, backward) of the rest: the
     embedding, final norm, output layer and loss) of ptdp's own GPT (`ptdp.model.gpt`) at a
-    size whose arithmetic is negligible (b 1, s 8, h 32, vocabulary 64), from models of 0
-    and 2 layers, forward (with autograd on, as in training) and forward + backward.
+    size whose arithmetic is negligible (`TINY_GPT`), from models of 0 and 2 layers,
+    forward (with autograd on, as in training) and forward + backward.
 
     What remains is what no kernel timing above sees: Python, module calls, the dispatcher
     and autograd's graph (built in forward, walked in backward) per op of the layer, the
     embedding and the head. Any process group is left alone (tensor size 1).
     """
-    from ptdp.config import ModelConfig
-    from ptdp.model.gpt import GPT
-
-    cfg = ModelConfig(
-        num_layers=2, hidden_size=32, num_heads=4, seq_length=8, vocab_size=64, dropout=0.0
-    )
-    tokens = torch.randint(0, 64, (1, 8), device=device)
     fns: list[Callable[[], object]] = []
     for layers in (0, 2):
-        model = GPT(cfg, layers=range(layers)).to(device=device, dtype=dtype)
-        fns.append(lambda m=model: m(tokens, tokens))
-        fns.append(lambda m=model: m(tokens, tokens).backward())
+        model, tokens = tiny_gpt(layers, device, dtype)
+        fns.append(lambda m=model, t=tokens: m(t, t))
+        fns.append(lambda m=model, t=tokens: m(t, t).backward())
     # Calls of about a millisecond: many short batches, so that some miss a neighbour's job.
     timing = Timing(timing.min_seconds, max(timing.trials, 15), timing.max_calls)
     f0, fb0, f2, fb2 = interleaved_seconds(fns, device, timing)

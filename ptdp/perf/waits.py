@@ -14,28 +14,13 @@ from collections.abc import Callable
 import torch
 
 from ptdp.parallel import comm
-from ptdp.perf.microbench import Timing, lockstep_batch
+from ptdp.perf.microbench import TINY_GPT, Timing, lockstep_batch, tiny_gpt
 
-SIZE = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 8, "vocab_size": 64}
-"""ptdp's GPT at a size whose arithmetic is negligible: what remains is per-call cost."""
 SYNC_ROUNDS = 45
 """Rounds of `collective_sync`. On a 2-vCPU VM (2026-11-25) four back-to-back runs over 15
 rounds gave 1.20-1.84 ms a call, over 45 1.72-1.84 ms; calibrations minutes apart still
 differ up to twofold, as the host's load moves what a wait costs. A tensor-parallel step
 of benchmarks/prediction.py waits on it 40-80 times."""
-
-
-def _model_step(
-    size: dict, batch: int, device: torch.device, dtype: torch.dtype, tp: comm.Group | None = None
-) -> Callable[[], object]:
-    """A forward + backward of ptdp's GPT at `size` (`tp`: its tensor-parallel group)."""
-    from ptdp.config import ModelConfig
-    from ptdp.model.gpt import GPT
-
-    cfg = ModelConfig(**size, dropout=0.0)
-    model = GPT(cfg, layers=range(cfg.num_layers), tp=tp).to(device=device, dtype=dtype)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), device=device)
-    return lambda: model(tokens, tokens).backward()
 
 
 def _calls(fn: Callable[[], object], device: torch.device, timing: Timing) -> int:
@@ -63,26 +48,27 @@ def collective_sync(
     parallel layer costs a step in place, what tensor parallelism over `pair` adds to a
     layer's forward and backward at a negligible size, and the bytes each call reduces.
 
-    Timed on ptdp's own GPT at `SIZE` with 0 and 2 layers, forward and backward, at tp = 1
-    and at tp = 2 over `pair`: a layer at tp = 2 waits on two all-reduces forward and two
-    backward (Shoeybi et al.'s f and g), each between the ranks' compute, so a quarter of
-    its extra time is one such call in place: its transfer, the ranks' resynchronisation
-    and the tensor-parallel autograd functions' Python. The figure is the median over
-    rounds of each round's difference (its four batches back to back), not the fastest: a
-    wait's cost varies from call to call and a step pays its typical value on every call,
-    and pairing the batches of one round keeps a neighbour's job from landing on one side of
-    the difference only.
+    Timed on ptdp's own GPT at `microbench.TINY_GPT` with 0 and 2 layers, forward and
+    backward, at tp = 1 and at tp = 2 over `pair`: a layer at tp = 2 waits on two
+    all-reduces forward and two backward (Shoeybi et al.'s f and g), each between the
+    ranks' compute, so a quarter of its extra time is one such call in place: its
+    transfer, the ranks' resynchronisation and the tensor-parallel autograd functions'
+    Python. The figure is the median over rounds of each round's difference (its four
+    batches back to back), not the fastest: a wait's cost varies from call to call and a
+    step pays its typical value on every call, and pairing the batches of one round keeps a
+    neighbour's job from landing on one side of the difference only.
     """
-    fns = [
-        _model_step({**SIZE, "num_layers": layers}, 1, device, dtype, tp)
-        for tp in (comm.Group.single(), pair)
-        for layers in (0, 2)
-    ]
+    fns: list[Callable[[], object]] = []
+    for tp in (comm.Group.single(), pair):
+        for layers in (0, 2):
+            model, tokens = tiny_gpt(layers, device, dtype, tp)
+            fns.append(lambda m=model, t=tokens: m(t, t).backward())
     timing = Timing(timing.min_seconds, max(timing.trials, SYNC_ROUNDS), timing.max_calls)
     layers = [
         ((two2 - two0) - (one2 - one0)) / 2  # per layer: 4 all-reduces
         for one0, one2, two0, two2 in _lockstep_trials(fns, device, timing)
     ]
     layer = max(0.0, statistics.median(layers))
-    nbytes = SIZE["seq_length"] * SIZE["hidden_size"] * torch.empty((), dtype=dtype).element_size()
+    tokens = TINY_GPT["seq_length"] * TINY_GPT["hidden_size"]
+    nbytes = tokens * torch.empty((), dtype=dtype).element_size()
     return layer / 4, layer, nbytes
