@@ -40,6 +40,10 @@ class Timing:
     trials: int
     max_calls: int = 1000
 
+    def calls(self, one: float) -> int:
+        """Calls per batch for a call that took `one` seconds: `min_seconds` of them."""
+        return max(1, min(self.max_calls, int(self.min_seconds / max(one, 1e-7))))
+
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -54,7 +58,7 @@ def time_call(fn: Callable[[], object], device: torch.device, timing: Timing) ->
     fn()
     synchronize(device)
     one = time.perf_counter() - start
-    calls = max(1, min(timing.max_calls, int(timing.min_seconds / max(one, 1e-7))))
+    calls = timing.calls(one)
     per_call = []
     for _ in range(timing.trials):
         synchronize(device)
@@ -340,7 +344,7 @@ def collective_seconds(
 
     batch(1)  # warm-up: NCCL builds the group's communicator on its first call
     one = batch(1)
-    calls = max(1, min(timing.max_calls, int(timing.min_seconds / max(one, 1e-7))))
+    calls = timing.calls(one)
     return min(batch(calls) for _ in range(timing.trials))
 
 
@@ -361,7 +365,7 @@ def interleaved_seconds(
         fn()
         synchronize(device)
         one = time.perf_counter() - start
-        calls.append(max(1, min(timing.max_calls, int(timing.min_seconds / max(one, 1e-7)))))
+        calls.append(timing.calls(one))
     best = [float("inf")] * len(fns)
     for _ in range(timing.trials):
         for i, (fn, n) in enumerate(zip(fns, calls)):

@@ -27,7 +27,7 @@ def _calls(fn: Callable[[], object], device: torch.device, timing: Timing) -> in
     """Calls per batch: `timing.min_seconds` of them, after a warm-up."""
     lockstep_batch(fn, 1, device)
     one = lockstep_batch(fn, 1, device)
-    return max(1, min(timing.max_calls, int(timing.min_seconds / max(one, 1e-7))))
+    return timing.calls(one)
 
 
 def _lockstep_trials(
