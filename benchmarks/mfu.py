@@ -6,7 +6,9 @@ only the data is synthetic (random tokens written in the indexed format). Each m
 trains `--warmup` steps (compilation, allocator warm-up; not timed), then `--steps` timed
 steps. Reported per run: parameters, tokens/s, model TFLOP/s (ptdp/perf/flops.py model
 FLOPs: forward + backward, recomputation not counted), MFU against the device's dense
-bf16 peak, and peak allocated memory.
+bf16 peak, and peak allocated memory; on CUDA also what the process holds beside that peak
+(the allocator's cache, the context and libraries), which `--predict` sets beside the
+performance model's count and reserve.
 
 With --compare, the same model, batch and sequence length also train through peers in
 the same process: Hugging Face `GPT2LMHeadModel` (SDPA attention) and a small GPT written
@@ -115,6 +117,22 @@ def _peak_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
 
 
+def _held_gib(device: torch.device, peak_gib: float) -> dict:
+    """What the process holds beside the peak of its tensors, read after the timed steps:
+    the caching allocator's segments past that peak, and the device memory in use past the
+    allocator's (the CUDA context, cuBLAS/cuDNN workspaces and handles); `ptdp.perf.reserve`
+    predicts their sum."""
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    reserved, used = torch.cuda.memory_reserved(device) / 2**30, (total - free) / 2**30
+    return {
+        "allocator_gib": reserved - peak_gib,
+        "context_gib": used - reserved,
+        "device_gib": total / 2**30,
+    }
+
+
 # ----------------------------------------------------------------------------- ptdp
 
 
@@ -169,9 +187,10 @@ def run_ptdp(args, shape: Shape, micro_batch: int, data: str, recompute: str) ->
         seconds = timed_steps(trainer.train_step, args.warmup, args.steps, trainer.device)
         params = trainer.parameter_count(full=True)
         peak = _peak_gib(trainer.device)
+        held = _held_gib(trainer.device, peak)
     finally:
         del trainer
-    return {"params": params, "seconds": seconds, "peak_gib": peak}
+    return {"params": params, "seconds": seconds, "peak_gib": peak, **held}
 
 
 def predict(args, shape: Shape, micro_batch: int, recompute: str) -> dict:
@@ -187,6 +206,7 @@ def predict(args, shape: Shape, micro_batch: int, recompute: str) -> dict:
         "mfu": p.mfu,
         "seconds_per_step": p.iteration_seconds,
         "memory_gib": gib,
+        "reserve_gib": p.memory[0].reserved / 2**30,
         "fits": need <= usable,
     }
 
@@ -326,10 +346,16 @@ def measure(args, name: str, impl: str, shape: Shape, data: str, recompute: str)
                 got = run_peer(args, impl, shape, micro_batch)
             break
         except torch.OutOfMemoryError:
+            said = ""
+            if impl == "ptdp" and args.system:
+                p = predict(args, shape, micro_batch, recompute)
+                fits = "fits" if p["fits"] else "does not fit"
+                said = f" (the model: {fits}, {p['memory_gib']:.1f} + {p['reserve_gib']:.1f} GiB)"
             if micro_batch == 1:
+                print(f"  {name} {impl}: out of memory at micro-batch 1{said}")
                 raise
             micro_batch //= 2
-            print(f"  {name} {impl}: out of memory, retrying with micro-batch {micro_batch}")
+            print(f"  {name} {impl}: out of memory{said}, retrying with micro-batch {micro_batch}")
     _free(device)
     model = ModelConfig(
         num_layers=shape.layers,
@@ -361,6 +387,7 @@ def measure(args, name: str, impl: str, shape: Shape, data: str, recompute: str)
         "peak_tflops": args.peak_tflops,
         "mfu": tflops / args.peak_tflops if args.peak_tflops else None,
         "peak_gib": got["peak_gib"],
+        **{k: got[k] for k in ("allocator_gib", "context_gib", "device_gib") if k in got},
         "predicted": (
             predict(args, shape, micro_batch, recompute) if impl == "ptdp" and args.system else None
         ),
@@ -414,6 +441,15 @@ def against_prediction(rows: list[dict]) -> list[str]:
                 f"{r['tokens_per_s'] / p['tokens_per_s']:.3f} (predicted "
                 f"{p['tokens_per_s']:,.0f} tokens/s, MFU {100 * p['mfu']:.1f}%)"
             )
+            if "allocator_gib" in r:
+                held = r["allocator_gib"] + r["context_gib"]
+                lines.append(
+                    f"{r['model']}: memory GiB: peak allocated {r['peak_gib']:.2f} against the "
+                    f"model's count {p['memory_gib']:.2f}; held beside it {held:.2f} (allocator "
+                    f"{r['allocator_gib']:.2f}, context and libraries {r['context_gib']:.2f}) "
+                    f"against the reserve {p['reserve_gib']:.2f}; the model: "
+                    f"{'fits' if p['fits'] else 'does not fit'}"
+                )
     return lines
 
 

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (one H100 or H200, under ten minutes): every CUDA-only test,
 # `ptdp calibrate` for the GPU, the one-GPU MFU benchmark for the ~125M and ~1.3B models
-# beside the peers benchmarks/mfu.py compares (predicted by the file just calibrated), and
-# a short bf16 training demo on a local text corpus (no network needed). Every figure goes
-# into one results folder, with BENCHMARKS-snippet.md, a markdown table for BENCHMARKS.md.
+# beside the peers benchmarks/mfu.py compares (predicted by the file just calibrated, with
+# the memory each run holds beside its tensors), a short bf16 training demo on a local text
+# corpus (no network needed), and last the memory of a 1.3B and a 4B model phase by phase
+# against the performance model's count (benchmarks/memory_phases.py; the 4B one near the
+# capacity of an 80 GB GPU). Every figure goes into one results folder, with
+# BENCHMARKS-snippet.md, a markdown table for BENCHMARKS.md.
 #
 # Without CUDA it says so, runs the CPU parts (calibrate --quick, a tiny CPU MFU run, a
 # few fp32 demo steps), lists what it skipped and exits 0.
@@ -75,7 +78,13 @@ else
   part demo 240 "$PY" -m ptdp train --config configs/demo.toml --data.path "$OUT/data/docs" \
     --train.run_dir "$OUT/demo" --train.eval_interval 0 --train.save_interval 0 "${DEMO_ARGS[@]}"
 fi
-[ "$CUDA" = 1 ] || echo "skipped without CUDA: the CUDA-only tests, ptdp calibrate's full GPU sweep, the 125M/1.3B MFU runs, the bf16 demo"
+if [ "$CUDA" = 1 ]; then
+  part memory 150 "$PY" benchmarks/memory_phases.py --models 1.3b,4b --no-compile \
+    --json "$OUT/memory.json"
+else
+  skip memory "no CUDA: it reads torch.cuda's memory counters"
+  echo "skipped without CUDA: the CUDA-only tests, ptdp calibrate's full GPU sweep, the 125M/1.3B MFU runs, the bf16 demo, the memory phases"
+fi
 
 "$PY" scripts/gpu_check_report.py report "$OUT"
 tracked_after=$(git status --porcelain --untracked-files=no 2>/dev/null || true)

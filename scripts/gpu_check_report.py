@@ -81,16 +81,51 @@ def _mfu_rows(path: Path) -> list[str]:
     rows = json.loads(path.read_text()).get("rows", [])
     lines = [
         "",
-        "| model | impl | micro-batch | tokens/s | TFLOP/s | MFU | peak GiB | predicted tokens/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | impl | micro-batch | tokens/s | TFLOP/s | MFU | peak GiB | predicted tokens/s "
+        "| model's GiB | held beside the peak: allocator + context = measured (reserve) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
         pred = r.get("predicted") or {}
         predicted = f"{pred['tokens_per_s']:,.0f}" if pred else ""
+        counted = f"{pred['memory_gib']:.1f}" if pred else ""
+        held = ""
+        if "allocator_gib" in r:  # CUDA: what the process holds beside its tensors' peak
+            allocator, context = r["allocator_gib"], r["context_gib"]
+            held = f"{allocator:.2f} + {context:.2f} = {allocator + context:.2f}"
+            held += f" ({pred['reserve_gib']:.2f})" if "reserve_gib" in pred else ""
         lines.append(
             f"| {r['model']} | {r['impl']} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tflops']:.3g} | {mfu} | {r['peak_gib']:.1f} | {predicted} |"
+            f"{r['tflops']:.3g} | {mfu} | {r['peak_gib']:.1f} | {predicted} | {counted} | {held} |"
+        )
+    return lines
+
+
+def _memory_rows(path: Path) -> list[str]:
+    """benchmarks/memory_phases.py's rows: measured GiB after each phase beside the count."""
+    if not path.is_file():
+        return []
+    lines = [
+        "",
+        "| model (memory phases) | static: built + AdamW's moments (count) | a step adds "
+        "(count: activations + working) | reserved at the peak | device used | out of memory |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in json.loads(path.read_text()):
+        count = r.get("model_count") or {}
+        static = f"({count['static']:.2f})" if count else ""
+        adds = f"({count['activations'] + count['working']:.2f})" if count else ""
+        measured_static = measured_adds = reserved = used = ""
+        if "steady" in r:
+            s = r["steady"]
+            measured_static = f"{s['before']:.2f} "
+            measured_adds = f"{s['peak'] - s['before']:.2f} "
+            reserved, used = f"{s['reserved']:.2f}", f"{r['used']:.2f} of {r['device']:.2f}"
+        lines.append(
+            f"| {r['model']} (b {r['micro_batch']}, recompute {r['recompute']}) | "
+            f"{measured_static}{static} | {measured_adds}{adds} | {reserved} | {used} | "
+            f"{r.get('out_of_memory', '')} |"
         )
     return lines
 
@@ -109,6 +144,7 @@ def report(out: Path) -> str:
         *(f"| {part} | {result} | |" for part, result in status.items()),
         *_calibration_rows(out / "calibration.toml"),
         *_mfu_rows(out / "mfu.json"),
+        *_memory_rows(out / "memory.json"),
         "",
         f"Commands and logs: `{out}` (run by `bash scripts/gpu-check.sh`).",
     ]

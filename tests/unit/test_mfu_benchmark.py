@@ -73,3 +73,20 @@ def test_ratio_flags_unequal_micro_batches() -> None:
     lines = load_benchmark("mfu").ratios([row, peer, same])
     assert lines[0].startswith("1.3b: ptdp / hf-gpt2 tokens/s = 1.500 (micro-batch 8 against 4")
     assert lines[1] == "1.3b: ptdp / plain-gpt tokens/s = 1.200"
+
+
+def test_a_cuda_row_sets_held_memory_beside_the_reserve() -> None:
+    """On CUDA a ptdp row also carries what the process held beside its peak (the
+    allocator's cache, the context and libraries): printed against the model's reserve."""
+    mfu = load_benchmark("mfu")
+    predicted = {"system": "h100-sxm", "tokens_per_s": 1000.0, "mfu": 0.5}
+    predicted |= {"memory_gib": 52.0, "reserve_gib": 0.7, "fits": True}
+    row = {"model": "1.3b", "tokens_per_s": 900.0, "peak_gib": 51.3, "predicted": predicted}
+    lines = mfu.against_prediction([row | {"allocator_gib": 1.25, "context_gib": 0.5}])
+    assert lines[0].startswith("1.3b: measured / predicted on h100-sxm tokens/s = 0.900")
+    assert lines[1] == (
+        "1.3b: memory GiB: peak allocated 51.30 against the model's count 52.00; held beside "
+        "it 1.75 (allocator 1.25, context and libraries 0.50) against the reserve 0.70; the "
+        "model: fits"
+    )
+    assert len(mfu.against_prediction([row])) == 1  # a CPU row: nothing held to report
