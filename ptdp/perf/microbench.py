@@ -23,7 +23,7 @@ import functools
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,10 @@ class Timing:
     def calls(self, one: float) -> int:
         """Calls per batch for a call that took `one` seconds: `min_seconds` of them."""
         return max(1, min(self.max_calls, int(self.min_seconds / max(one, 1e-7))))
+
+    def at_least(self, trials: int) -> Timing:
+        """The same batches, `trials` of them or more (figures that move between batches)."""
+        return replace(self, trials=max(self.trials, trials))
 
 
 def synchronize(device: torch.device) -> None:
@@ -414,7 +418,7 @@ def framework_overhead(
         fns.append(lambda m=model, t=tokens: m(t, t))
         fns.append(lambda m=model, t=tokens: m(t, t).backward())
     # Calls of about a millisecond: many short batches, so that some miss a neighbour's job.
-    timing = Timing(timing.min_seconds, max(timing.trials, 15), timing.max_calls)
+    timing = timing.at_least(15)
     f0, fb0, f2, fb2 = interleaved_seconds(fns, device, timing)
     rest = (f0, max(0.0, fb0 - f0))
     layer = (max(0.0, (f2 - f0) / 2), max(0.0, (fb2 - f2 - rest[1]) / 2))

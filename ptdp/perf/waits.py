@@ -63,7 +63,7 @@ def collective_sync(
         for layers in (0, 2):
             model, tokens = tiny_gpt(layers, device, dtype, tp)
             fns.append(lambda m=model, t=tokens: m(t, t).backward())
-    timing = Timing(timing.min_seconds, max(timing.trials, SYNC_ROUNDS), timing.max_calls)
+    timing = timing.at_least(SYNC_ROUNDS)
     layers = [
         ((two2 - two0) - (one2 - one0)) / 2  # per layer: 4 all-reduces
         for one0, one2, two0, two2 in _lockstep_trials(fns, device, timing)
