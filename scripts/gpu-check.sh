@@ -13,6 +13,9 @@
 #
 # Environment: PTDP_GPU_CHECK_OUT=DIR the results folder (default runs/gpu-check/DATE);
 # PTDP_GPU_CHECK_QUICK=1 only calibrate --quick and the report (the script's own test);
+# PTDP_GPU_CHECK_BUDGET_S=N seconds for the whole check (default 540, so that a lent GPU's
+# ten-minute call still returns the report): each part's time limit is cut to what is left,
+# and a part that would start with under 30 s left is skipped and named;
 # PYTHON the interpreter with torch (default: python3). Writes no tracked file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,14 +23,22 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${PTDP_GPU_CHECK_OUT:-runs/gpu-check/$(date +%Y-%m-%d-%H%M%S)}
 QUICK=${PTDP_GPU_CHECK_QUICK:-0}
+BUDGET=${PTDP_GPU_CHECK_BUDGET_S:-540}
 mkdir -p "$OUT"
 : > "$OUT/status.tsv"
 tracked_before=$(git status --porcelain --untracked-files=no 2>/dev/null || true)
 
-# part NAME SECONDS COMMAND...: run it with a time limit, log it, record ok/failed.
+# part NAME SECONDS COMMAND...: run it with a time limit (cut to the budget left), log it,
+# record ok/failed; skipped when the budget has under 30 s left.
 part() {
   local name=$1 limit=$2; shift 2
-  echo "== $name: $*"
+  local left=$((BUDGET - SECONDS))
+  if [ "$left" -lt 30 ]; then
+    skip "$name" "out of time: ${left}s of the ${BUDGET}s budget left"
+    return
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
+  echo "== $name (up to ${limit}s): $*"
   local start=$SECONDS
   if timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; then
     printf '%s\tok (%ss)\n' "$name" $((SECONDS - start)) >> "$OUT/status.tsv"

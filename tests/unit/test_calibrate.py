@@ -115,15 +115,34 @@ def test_gpu_check_without_cuda_exits_0_and_says_what_it_skipped(tmp_path: Path)
         ["bash", str(ROOT / "scripts" / "gpu-check.sh")],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "no CUDA device here" in done.stdout
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said
+    assert "no CUDA device here" in done.stdout, said
     assert "cuda-tests: skipped" in done.stdout and "test_fused_adamw_on_cuda" in done.stdout
-    assert "skipped without CUDA" in done.stdout
-    load_system(out / "calibration.toml")
+    assert "skipped without CUDA" in done.stdout, said
     status = (out / "status.tsv").read_text()
-    assert "calibrate\tok" in status and "mfu\tskipped" in status
+    assert "calibrate\tok" in status and "mfu\tskipped" in status, said
+    load_system(out / "calibration.toml")
     table = (out / "BENCHMARKS-snippet.md").read_text()
     assert "| GEMM efficiency, smallest to largest |" in table and "| calibrate | ok" in table
+
+
+def test_gpu_check_skips_what_its_time_budget_cannot_hold(tmp_path: Path) -> None:
+    """A lent GPU's call is cut at ten minutes: the check keeps to its budget, names each
+    part it had no time for, and still writes the report."""
+    out = tmp_path / "check"
+    env = dict(os.environ, PTDP_GPU_CHECK_OUT=str(out), PTDP_GPU_CHECK_BUDGET_S="20")
+    env["PYTHON"] = sys.executable
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu-check.sh")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    status = dict(line.split("\t") for line in (out / "status.tsv").read_text().splitlines())
+    assert status["calibrate"].startswith("skipped: out of time"), status
+    assert status["demo"].startswith("skipped: out of time"), status
+    assert not (out / "calibration.toml").exists()
+    assert "| calibrate | skipped: out of time" in (out / "BENCHMARKS-snippet.md").read_text()
 
 
 def test_framework_overhead_is_measured_and_enters_each_layer_pass(calibrated: Path) -> None:
