@@ -5,20 +5,38 @@ GPT-3 175B on 96 A100s (a100-80gb), t = 8, p = 12, b = 1, full recomputation, Me
 (equation (3)'s FLOPs) of 1F1B and of the interleaved schedule with and without
 scatter/gather, for each v given (the paper does not state its v). Prints a markdown table.
 
+With --measure, the same question on this machine instead: ptdp's own pp = 2 steps under
+1F1B and interleaved (v = 2) at m = 2 (= p), 4 and 8 microbatches (benchmarks/prediction.py's
+model and measurement: each configuration a step in turn, median of the timed steps), and the
+gain the calibrated model predicts for each m beside the measured one.
+
     python benchmarks/interleaving_gains.py            # v = 2 and 4, about 10 s
     python benchmarks/interleaving_gains.py --vpp 2 4 8
+    python benchmarks/interleaving_gains.py --measure --calibration runs/benchmarks/calibration.toml
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 from ptdp.config import RunConfig, apply_updates
 from ptdp.perf.costs import MEGATRON_2021
 from ptdp.perf.hardware import load_system
 from ptdp.perf.paper import preset
 from ptdp.perf.simulator import simulate
+
+try:
+    from benchmarks._spawn import spawn
+    from benchmarks.prediction import OUT, Case, calibrate_now, case_config, predict, worker
+    from benchmarks.zero import corpus
+except ModuleNotFoundError:  # run as `python benchmarks/x.py`
+    from _spawn import spawn
+    from prediction import OUT, Case, calibrate_now, case_config, predict, worker
+    from zero import corpus
 
 SYSTEM = load_system("a100-80gb")
 
@@ -41,10 +59,88 @@ def tflops(batch: int, vpp: int, scatter_gather: bool) -> float:
     return simulate(cfg, SYSTEM, 96, software=MEGATRON_2021, timeline=False).tflops_per_device
 
 
-def main() -> None:
+def _pp2(schedule: str, m: int) -> Case:
+    vpp = {"vpp": 2} if schedule == "interleaved" else {}
+    train = {"micro_batch_size": 2, "global_batch_size": 2 * m}
+    return Case(
+        f"pp2-{schedule}-m{m}",
+        2,
+        f"{schedule}, m = {m}",
+        {"pp": 2, "schedule": schedule, **vpp},
+        train=train,
+    )
+
+
+def measure(microbatches: list[int], calibration: str, steps: int, tiny: bool) -> list[dict]:
+    """Measured and predicted step of pp = 2 under 1F1B and interleaved for each m; one row
+    per m with both schedules' milliseconds and the gains (1F1B / interleaved - 1)."""
+    system = load_system(calibration)
+    cases = [_pp2(s, m) for m in microbatches for s in ("1f1b", "interleaved")]
+    with tempfile.TemporaryDirectory() as tmp:
+        data = corpus(Path(tmp) / "data")
+        configs = [(c.name, case_config(c, data, f"{tmp}/runs", tiny)) for c in cases]
+        measured = spawn(worker, 2, configs, 2, steps, timeout_s=600.0)
+        ms = {}
+        for name, cfg in configs:
+            times = measured[name]["times"]
+            cpu = measured[name]["cpu"]
+            predicted = predict(cfg, 2, system).iteration_seconds
+            ms[name] = (
+                1e3 * statistics.median(times),
+                1e3 * predicted,
+                1e3 * statistics.median(cpu),
+            )
+    rows = []
+    for m in microbatches:
+        one, two = ms[f"pp2-1f1b-m{m}"], ms[f"pp2-interleaved-m{m}"]
+        rows.append({
+            "m": m,
+            "1f1b_ms": one[0], "interleaved_ms": two[0],
+            "1f1b_predicted_ms": one[1], "interleaved_predicted_ms": two[1],
+            "1f1b_cpu_ms": one[2], "interleaved_cpu_ms": two[2],
+            "measured_gain": one[0] / two[0] - 1, "predicted_gain": one[1] / two[1] - 1,
+        })  # fmt: skip
+    return rows
+
+
+def measured_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| m | 1F1B ms (predicted) | interleaved ms (predicted) | gain measured | gain predicted "
+        "| busiest rank's CPU ms, 1F1B / interleaved |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['m']} | {r['1f1b_ms']:.1f} ({r['1f1b_predicted_ms']:.1f}) | "
+            f"{r['interleaved_ms']:.1f} ({r['interleaved_predicted_ms']:.1f}) | "
+            f"{100 * r['measured_gain']:+.1f}% | {100 * r['predicted_gain']:+.1f}% | "
+            f"{r['1f1b_cpu_ms']:.1f} / {r['interleaved_cpu_ms']:.1f} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[dict] | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vpp", type=int, nargs="+", default=[2, 4], help="chunks per rank")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--measure", action="store_true", help="ptdp's pp = 2 runs here instead of the figures"
+    )
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8], metavar="M")
+    parser.add_argument(
+        "--calibration", default="", metavar="FILE", help="with --measure: `ptdp calibrate`'s file"
+    )
+    parser.add_argument("--steps", type=int, default=9, help="with --measure: timed steps")
+    parser.add_argument(
+        "--tiny", action="store_true", help="with --measure: a tiny model (the test)"
+    )
+    args = parser.parse_args(argv)
+    if args.measure:
+        if any(m % 2 for m in args.microbatches):
+            parser.error("--microbatches: interleaving at p = 2 needs an even m")
+        calibration = args.calibration or str(calibrate_now(OUT))
+        rows = measure(args.microbatches, calibration, args.steps, args.tiny)
+        print("\n".join(measured_table(rows)))
+        return rows
     print("| B | v | 1F1B | interleaved, s/g | without s/g | interleaving gain | s/g gain |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for batch in (12, 24, 36, 48, 60):
@@ -56,6 +152,7 @@ def main() -> None:
                 f"{100 * (on / base - 1):+.1f}% | {100 * (on / off - 1):+.1f}% |",
                 flush=True,
             )
+    return None
 
 
 if __name__ == "__main__":
