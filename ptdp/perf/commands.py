@@ -60,7 +60,13 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     with progress_bar("simulating layouts") as progress:
         result = plan(
-            base, gpus=args.gpus, system=system, software=software, progress=progress, **pins
+            base,
+            gpus=args.gpus,
+            system=system,
+            software=software,
+            progress=progress,
+            top=args.top,
+            **pins,
         )
     mine = None
     if args.compare is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ptdp.layout import ZERO_LEVELS
 from ptdp.perf.hardware import GIB, System
-from ptdp.perf.ranking import Option
+from ptdp.perf.ranking import Option, Unranked
 from ptdp.perf.reserve import fit
 from ptdp.pipeline.schedules import SCHEDULES
 
@@ -18,15 +18,23 @@ def explain(
     eq1: tuple[tuple[int, float], ...],
     system: System,
     tolerance: float,
+    unranked: tuple[Unranked, ...] = (),
 ) -> list[str]:
-    """Why this layout: each choice against the paper's guidelines and the runners-up."""
+    """Why this layout: each choice against the paper's guidelines and the runners-up.
+
+    `options` are the fastest layouts that fit, fastest first, and `unranked` the others
+    (`ptdp.perf.ranking`): the fastest of each t among them is replayed."""
     best = options[chosen]
     lay, cfg, pred = best.prediction.layout, best.config, best.prediction
     node = system.gpus_per_node
     need, usable = (x / GIB for x in fit(pred.memory, system.device))
     lines = []
     by_t: dict[int, Option] = {}
-    for o in options:
+    replayed = sorted(
+        (u.option for u in unranked if u.option is not None),
+        key=lambda o: o.prediction.iteration_seconds,
+    )
+    for o in [*options, *replayed]:
         by_t.setdefault(o.prediction.layout.tp, o)
     others = ", ".join(
         f"t={t}: {o.prediction.model_tflops_per_device:.0f}"
@@ -43,7 +51,8 @@ def explain(
     lines.append(what + (f"; best model TFLOP/s per GPU with other t: {others}" if others else ""))
     span = lay.tp * lay.dp
     crosses = lay.pp > 1 and span >= node
-    smallest = min(o.prediction.layout.tp * o.prediction.layout.pp for o in options)
+    layouts = [o.prediction.layout for o in options] + [u.layout for u in unranked]
+    smallest = min(x.tp * x.pp for x in layouts)
     lines.append(
         f"pipeline p={lay.pp}"
         + (

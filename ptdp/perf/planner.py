@@ -17,9 +17,10 @@ The search follows the paper's guidelines (Narayanan et al., section 3 and takea
    times from the cost model;
 3. for that b, the 1F1B schedule, every feasible interleaving v (layers divisible by
    p v, microbatches a multiple of p) and the zero-bubble ZB-H1 and ZB-H2 (where the
-   software splits the backward, `Software.split_backward`), each simulated by replaying
-   its action lists; layouts that do not fit (the verifier's in-flight count, and what a
-   split backward holds for W) are dropped, the rest ranked by iteration time;
+   software splits the backward, `Software.split_backward`); layouts that do not fit (the
+   verifier's in-flight count, and what a split backward holds for W) are dropped, the rest
+   ranked by iteration time, simulated by replaying their action lists: in order of a
+   proven lower bound on it (`ptdp.perf.bound`), as far as what is printed needs;
 4. the recommendation is the fastest layout unless others come within `tolerance` of it
    (the model's error on the paper's Table 1, 6%): among those, a layout without ZeRO-3
    first (`recommend`), then the paper's takeaways, the smallest model-parallel size t p
@@ -46,12 +47,21 @@ from ptdp.errors import ConfigError
 from ptdp.perf.costs import PTDP, Compute, Software
 from ptdp.perf.explain import explain
 from ptdp.perf.hardware import System
-from ptdp.perf.ranking import Option, Progress, recommend, simulate_all
+from ptdp.perf.ranking import Option, Progress, Unranked, rank, recommend
 from ptdp.perf.search import Plans, Rejected, Space, divisors, search
 from ptdp.perf.simulator import require_software, require_vocab
 from ptdp.pipeline.schedules import SCHEDULES
 
-__all__ = ["Option", "PlanResult", "Plans", "Progress", "Rejected", "plan", "recommend"]
+__all__ = [
+    "Option",
+    "PlanResult",
+    "Plans",
+    "Progress",
+    "Rejected",
+    "Unranked",
+    "plan",
+    "recommend",
+]
 
 T = TypeVar("T")
 
@@ -59,18 +69,30 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class PlanResult:
     options: tuple[Option, ...]
-    """Layouts that fit, fastest first."""
+    """The fastest layouts that fit, fastest first: exactly the first len(options) of the
+    ranking of every layout that fits. At least `plan`'s `top` (or all that fit), and every
+    layout within `tolerance` of the fastest, so `recommended` indexes it; all that fit with
+    `prune=False`."""
     recommended: int
-    """Index of the recommended layout in `options` (see the module docstring, step 4)."""
+    """Index of the recommended layout in `options` (see the module docstring, step 4), which
+    is also its place in the full ranking."""
     rejected: tuple[Rejected, ...]
     micro_batch_costs: tuple[tuple[int, float], ...]
     """For the best (t, p): equation (1)'s estimate in seconds for each b that fits."""
     explanation: tuple[str, ...]
+    unranked: tuple[Unranked, ...] = ()
+    """The other layouts that fit, by lower bound on their step time: each slower than every
+    option. Those the search replayed anyway (the fastest of their t) carry their option."""
 
     @property
     def best(self) -> Option | None:
         """The recommended layout."""
         return self.options[self.recommended] if self.options else None
+
+    @property
+    def fitting(self) -> int:
+        """How many layouts fit: ranked and unranked."""
+        return len(self.options) + len(self.unranked)
 
 
 def collector_paused(fn: Callable[..., T]) -> Callable[..., T]:
@@ -115,6 +137,8 @@ def plan(
     max_micro_batch: int = 16,
     tolerance: float = 0.06,
     progress: Progress | None = None,
+    top: int = 5,
+    prune: bool = True,
 ) -> PlanResult:
     """Rank the layouts of `base.model` for `gpus` devices and `base.train.global_batch_size`.
 
@@ -122,6 +146,10 @@ def plan(
     sequence_parallel) restrict the search; precision, optimizer and the other parallel
     options come from `base`. Schedules that split the backward are searched only if
     `software.split_backward`, ZeRO levels up to `software.max_zero`.
+
+    Layouts are replayed in order of a proven lower bound on their step time, only as far as
+    the `top` fastest, the recommendation and the explanation need (`ptdp.perf.ranking`);
+    `prune=False` replays every layout that fits (the same output, slower).
     """
     if not software.split_backward:
         schedules = tuple(s for s in schedules if not SCHEDULES[s].splits_backward)
@@ -160,12 +188,23 @@ def plan(
     )
     found = search(base, gpus, c, space, plans)
     rejected, eq1 = found.rejected, found.eq1
-    options = simulate_all(found.configs, gpus, system, software, rejected, progress, plans)
-    options.sort(key=lambda o: o.prediction.iteration_seconds)
+    ranking = rank(
+        found.configs,
+        gpus,
+        system,
+        software,
+        rejected,
+        progress,
+        plans,
+        top=top,
+        tolerance=tolerance,
+        prune=prune,
+    )
+    options, unranked = ranking.options, tuple(ranking.unranked)
     if not options:
         return PlanResult((), 0, tuple(rejected), (), ("no layout fits",))
     chosen = recommend(options, tolerance)
     lay = options[chosen].prediction.layout
     table = tuple(eq1.get((lay.tp, lay.cp, lay.pp, lay.zero), ()))
-    lines = explain(options, chosen, table, system, tolerance)
-    return PlanResult(tuple(options), chosen, tuple(rejected), table, tuple(lines))
+    lines = explain(options, chosen, table, system, tolerance, unranked)
+    return PlanResult(tuple(options), chosen, tuple(rejected), table, tuple(lines), unranked)
