@@ -189,7 +189,7 @@ def _simulate_parser(sub: Subparsers) -> None:
 
 
 def _plan_parser(sub: Subparsers) -> None:
-    from ptdp.perf.planner import OLD_PLAN_FLAGS, PLAN_EPILOG
+    from ptdp.perf.plan_keys import OLD_PLAN_FLAGS, PLAN_EPILOG
 
     p = _perf_parser(
         sub,

@@ -10,7 +10,9 @@ context_costs.py  seconds of a cp rank's layer, its K/V transfers exposed or hid
 zero.py         ZeRO levels' traffic per step, ZeRO-2/3's per-microbatch collectives
 replay.py       the schedules' own action lists replayed in simulated time (ptdp.pipeline.dryrun)
 simulator.py    one training step of a config on a cluster: time, bubble, TFLOP/s, memory
-planner.py      layouts that fit, ranked by simulated throughput, explained
+planner.py      layouts that fit, ranked by simulated throughput, explained: search.py tries the
+                sizes, levels, micro-batches and schedules, ranking.py replays and ranks them,
+                explain.py says why; plan_keys.py is the command line's pins
 timeline.py     TimelineRecorder for the runtime, Chrome traces and PNG charts
 paper.py        the paper's model presets and published figures; validation.py checks them
 calibrate.py    `ptdp calibrate`: microbench.py times this machine, fit.py fits the constants,

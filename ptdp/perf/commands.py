@@ -46,7 +46,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     from ptdp.perf.compare import compare
-    from ptdp.perf.planner import plan, plan_request
+    from ptdp.perf.plan_keys import plan_request
+    from ptdp.perf.planner import plan
     from ptdp.perf.report import format_plan, plan_dict, progress_bar
 
     # `--tp 8` and the other old flags of `plan` as overrides; the explicit keys win.
@@ -59,7 +60,13 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     with progress_bar("simulating layouts") as progress:
         result = plan(
-            base, gpus=args.gpus, system=system, software=software, progress=progress, **pins
+            base,
+            gpus=args.gpus,
+            system=system,
+            software=software,
+            progress=progress,
+            top=args.top,
+            **pins,
         )
     mine = None
     if args.compare is not None:

@@ -9,6 +9,7 @@ from ptdp.errors import ConfigError
 from ptdp.perf.costs import Software
 from ptdp.perf.hardware import GIB, System
 from ptdp.perf.planner import Option, PlanResult, Plans
+from ptdp.perf.ranking import faster_than
 from ptdp.perf.reserve import fit
 from ptdp.perf.simulator import simulate
 
@@ -39,7 +40,8 @@ def compare(
     system: System,
     software: Software,
 ) -> Comparison:
-    """Simulate `cfg`'s own layout on `gpus` GPUs and place it among `result.options`."""
+    """Simulate `cfg`'s own layout on `gpus` GPUs and place it among the layouts that fit
+    (`result.options`, and the unranked ones its bound cannot put behind it, replayed)."""
     best = result.best
     if best is not None:
         ours, planned = cfg.model, best.config.model
@@ -69,7 +71,8 @@ def compare(
         )
         return Comparison(source, option, problem, 0, 0, 0.0)
     seconds = prediction.iteration_seconds
-    faster = sum(o.prediction.iteration_seconds < seconds * (1 - 1e-9) for o in result.options)
+    faster = faster_than(seconds, result.options, result.unranked, gpus, system, software)
     gain = seconds / best.prediction.iteration_seconds - 1 if best is not None else 0.0
-    held = any(o.describe() == option.describe() for o in result.options)
-    return Comparison(source, option, "", faster + 1, len(result.options) + (not held), gain)
+    mine = option.describe()
+    held = any(o.describe() == mine for o in (*result.options, *result.unranked))
+    return Comparison(source, option, "", faster + 1, result.fitting + (not held), gain)

@@ -256,7 +256,7 @@ def format_plan(
         reasons = "\n".join(f"  {r.layout}: {r.reason}" for r in result.rejected[:20])
         text = f"no layout fits on {system.name}:\n{reasons}"
         return text + (f"\n\n{format_comparison(mine, result)}" if mine else "")
-    count = len(result.options)
+    count = result.fitting
     precision = result.best.config.train.precision.value
     lines = [
         f"{count} layouts fit on {system.name} ({precision}); the fastest {min(top, count)}:",

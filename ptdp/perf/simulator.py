@@ -200,6 +200,36 @@ def _final_gradients(run: PipelineRun, pp: int) -> list[list[tuple[float, float,
     return [sorted(x) for x in out]
 
 
+def overlaps_reduction(cfg: RunConfig, c: Compute) -> bool:
+    """Whether the gradient reduction overlaps the backward (the config's, where the software
+    has it)."""
+    return cfg.parallel.overlap_grad_reduce and c.software.overlap_grad_reduce
+
+
+def stage_reductions(cfg: RunConfig, layout: Layout, c: Compute) -> list[tuple[float, float]]:
+    """Per global stage: (seconds of its data-parallel gradient reduction, the part left after
+    its last backward ends under overlap: the last bucket's share). See `_reduce_gradients`."""
+    model, par, d, t = cfg.model, cfg.parallel, layout.dp * layout.cp, layout.tp
+    link = group_link(c.system, d, t)
+    params = parameters_per_stage(model, t, layout.pp, layout.vpp, layout.stage_layers)
+    bucket = par.bucket_mb * 2**20
+    tied_copies = model.tie_embeddings and layout.pp * layout.vpp > 1
+    out = []
+    for stage, count in enumerate(params):
+        nbytes = float(c.software.grad_reduce_bytes * count)
+        if layout.shards_grads:
+            seconds = 0.0  # per microbatch, in the passes
+        elif layout.shards_optimizer:
+            seconds = gather_seconds(nbytes, d, link)  # reduce-scatter
+        else:
+            seconds = all_reduce_seconds(nbytes, d, link)
+        if tied_copies and stage in (0, layout.pp * layout.vpp - 1):
+            tied = 4.0 * model.padded_vocab_size(t) // t * model.hidden_size
+            seconds += all_reduce_seconds(tied, 2, c.system.inter)
+        out.append((seconds, seconds * min(1.0, bucket / max(nbytes, 1.0))))
+    return out
+
+
 def _reduce_gradients(
     cfg: RunConfig, layout: Layout, c: Compute, run: PipelineRun
 ) -> tuple[list[float], list[float], list[Event]]:
@@ -212,32 +242,19 @@ def _reduce_gradients(
     The group is dp x cp ranks, tp apart; ZeRO-2 and 3 reduce-scatter per microbatch inside
     the passes instead (`ptdp.perf.zero`), leaving only the tied embeddings here.
     """
-    model, par, d, t = cfg.model, cfg.parallel, layout.dp * layout.cp, layout.tp
-    link = group_link(c.system, d, t)
-    params = parameters_per_stage(model, t, layout.pp, layout.vpp, layout.stage_layers)
-    bucket = par.bucket_mb * 2**20
-    overlap = par.overlap_grad_reduce and c.software.overlap_grad_reduce
-    tied_copies = model.tie_embeddings and layout.pp * layout.vpp > 1
+    overlap = overlaps_reduction(cfg, c)
+    reductions = stage_reductions(cfg, layout, c)
     ends, totals, events = [], [], []
     for rank, finals in enumerate(_final_gradients(run, layout.pp)):
         free, total = (0.0 if overlap else run.rank_end[rank]), 0.0
         for start, end, stage in finals:
-            nbytes = float(c.software.grad_reduce_bytes * params[stage])
-            if layout.shards_grads:
-                seconds = 0.0  # per microbatch, in the passes
-            elif layout.shards_optimizer:
-                seconds = gather_seconds(nbytes, d, link)  # reduce-scatter
-            else:
-                seconds = all_reduce_seconds(nbytes, d, link)
-            if tied_copies and stage in (0, layout.pp * layout.vpp - 1):
-                tied = 4.0 * model.padded_vocab_size(t) // t * model.hidden_size
-                seconds += all_reduce_seconds(tied, 2, c.system.inter)
+            seconds, last_bucket = reductions[stage]
             if seconds == 0.0:
                 continue
             begin = max(free, start) if overlap else free
             finish = begin + seconds
             if overlap:
-                finish = max(finish, end + seconds * min(1.0, bucket / max(nbytes, 1.0)))
+                finish = max(finish, end + last_bucket)
             events.append(Event(rank, stage, 0, "DP", finish - seconds, finish, "dp"))
             free, total = finish, total + seconds
         ends.append(max(free, run.rank_end[rank]))
@@ -294,6 +311,28 @@ def step_reductions(layout: Layout, c: Compute) -> float:
     calls = [(n, stride) for n, stride in groups if n > 1]
     wire = sum(group_link(c.system, n, stride).latency for n, stride in calls)
     return wire + sync_seconds(len(calls), c)
+
+
+def step_seconds(cfg: RunConfig, layout: Layout, c: Compute, costs: PipelineCosts) -> float:
+    """What follows the last gradient reduction, outside the pipeline: the step's scalar
+    all-reduces and the optimizer (its weight gather hidden under the least forward work a
+    pipeline rank does for one microbatch, where the software overlaps it)."""
+    first_forward = min(
+        sum(f for stage, f in enumerate(costs.forward) if layout.stages.rank(stage) == r)
+        for r in range(layout.pp)
+    )
+    return step_reductions(layout, c) + optimizer_seconds(cfg, layout, c, first_forward)
+
+
+def predicted_memory(
+    cfg: RunConfig, layout: Layout, system: System, software: Software, world_size: int
+) -> tuple[MemoryEstimate, ...]:
+    """`Prediction.memory`: the memory model's bytes per pipeline rank with their reserve; no
+    replay needed (the planner decides fit with it before replaying)."""
+    memory = estimate_memory(
+        cfg, world_size, fused_attention=software.fused_attention, layout=layout
+    )
+    return tuple(with_reserve(memory, cfg, layout, system))
 
 
 PlanSource = Callable[[str, int, int, int], PipelinePlan]
@@ -392,11 +431,7 @@ def simulate(
     costs = pipeline_costs(cfg, layout, c)
     run = _replay(layout, costs, software.blocking_p2p, timeline, plans)
     ends, dp_totals, dp_events = _reduce_gradients(cfg, layout, c, run)
-    first_forward = min(  # the least forward work a pipeline rank does for one microbatch
-        sum(f for stage, f in enumerate(costs.forward) if layout.stages.rank(stage) == r)
-        for r in range(pp)
-    )
-    step = step_reductions(layout, c) + optimizer_seconds(cfg, layout, c, first_forward)
+    step = step_seconds(cfg, layout, c, costs)
     sharded = sharded_passes(cfg, layout, c, compute_costs(cfg, layout, c))[1]
     iteration = max(ends) + step
     opt_events = [Event(r, 0, 0, "OPT", max(ends), iteration, "dp") for r in range(pp)]
@@ -404,10 +439,7 @@ def simulate(
     executed = flops_per_iteration(cfg.model, batch, cfg.parallel.recompute)
     model_flops = flops_per_iteration(cfg.model, batch, Recompute.NONE)
     peak = system.device.peak_flops(cfg.train.precision.value)
-    memory = estimate_memory(
-        cfg, world_size, fused_attention=software.fused_attention, layout=layout
-    )
-    memory = with_reserve(memory, cfg, layout, system)
+    memory = predicted_memory(cfg, layout, system, software, world_size)
     layer = layer_costs(cfg, layout, c)
     return Prediction(
         layout=layout,
@@ -419,7 +451,7 @@ def simulate(
         mfu=utilisation(model_flops, iteration, world_size, peak),
         hfu=utilisation(executed, iteration, world_size, peak),
         tokens_per_second=batch * cfg.model.seq_length / iteration,
-        memory=tuple(memory),
+        memory=memory,
         busy=run.busy,
         layer=layer,
         p2p_seconds=(

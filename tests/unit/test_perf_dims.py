@@ -20,7 +20,8 @@ from ptdp.perf.memory import (
     parameters_per_stage,
 )
 from ptdp.perf.paper import TABLE_2, preset_config, table2_run
-from ptdp.perf.planner import context_sizes, plan
+from ptdp.perf.planner import plan
+from ptdp.perf.search import context_sizes
 from ptdp.perf.reserve import fit
 from ptdp.perf.simulator import compute_costs, simulate
 from ptdp.perf.validation import check_table_2_row

@@ -107,12 +107,12 @@ def test_megatron_2021_in_plan_and_simulate() -> None:
     base = tiny(global_batch_size=64)
     old = plan(base, gpus=8, system=A100, software=MEGATRON_2021)
     assert old.options
-    for o in old.options:
+    for o in (*old.options, *old.unranked):  # every layout that fits, ranked or not
         p = o.config.parallel
         assert not p.sequence_parallel and p.recompute is not Recompute.SELECTIVE
         assert p.schedule.value in ("1f1b", "interleaved")
     new = plan(base, gpus=8, system=A100)
-    assert any(o.config.parallel.sequence_parallel for o in new.options)
+    assert any(o.config.parallel.sequence_parallel for o in (*new.options, *new.unranked))
     with pytest.raises(ConfigError, match="no sequence parallelism .*sequence_parallel false"):
         plan(base, gpus=8, system=A100, software=MEGATRON_2021, sequence_parallel=True)
     with pytest.raises(ConfigError, match="no selective recomputation"):
