@@ -9,6 +9,7 @@ writes no tracked file (`--json PATH` records the result).
 
     python benchmarks/h100_fit.py           # about 10 min on the 2-core VM
     python benchmarks/h100_fit.py --check   # the shipped file's errors only, ~15 s
+    python benchmarks/h100_fit.py --check --device calibration.toml   # another file's
 """
 
 from __future__ import annotations
@@ -33,10 +34,17 @@ def _best_vpp(row, system) -> int:  # noqa: ANN001 - a script
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="the shipped h100-sxm file only")
+    parser.add_argument("--check", action="store_true", help="a file's errors only, no fit")
+    parser.add_argument(
+        "--device",
+        default="h100-sxm",
+        help="with --check: the cluster file to check (a built-in name or a TOML path, e.g. "
+        "one `ptdp calibrate` wrote on an H100)",
+    )
     parser.add_argument("--json", type=Path, help="write the fit and errors here")
     args = parser.parse_args()
-    rows, base = MCORE_H100_WEAK_SCALING, load_system("h100-sxm")
+    rows = MCORE_H100_WEAK_SCALING
+    base = load_system(args.device if args.check else "h100-sxm")
     start = time.perf_counter()
     if args.check:
         dev = base.device

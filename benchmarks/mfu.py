@@ -570,9 +570,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         longest = max([MODELS[m].seq for m in names] + ([2048] if args.fill else []))
         data = synthetic_tokens(Path(tmp), args.vocab_size, 64 * (longest + 1))
-        for name in names:
-            for impl in ["ptdp", *peers]:
-                record(measure(args, name, impl, MODELS[name], data, "none"))
+        # ptdp's rows first (a run cut short keeps them); a peer that fails (its library's
+        # version, say) is named and skipped, and the rest still run.
+        for impl in ["ptdp", *peers]:
+            for name in names:
+                if impl == "ptdp":
+                    record(measure(args, name, impl, MODELS[name], data, "none"))
+                    continue
+                try:
+                    record(measure(args, name, impl, MODELS[name], data, "none"))
+                except Exception as e:  # noqa: BLE001 -- a peer's failure is reported, not ours
+                    print(f"peer {impl} on {name} failed, skipped: {type(e).__name__}: {e}")
+                    _free(torch.device(args.device))
         if args.fill:
             for name, shape in FILL.items():
                 try:

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One call on a lent GPU (one H100 or H200, under ten minutes): every CUDA-only test,
-# `ptdp calibrate` for the GPU, the one-GPU MFU benchmark for the ~125M and ~1.3B models
-# beside the peers benchmarks/mfu.py compares (predicted by the file just calibrated, with
-# the memory each run holds beside its tensors), a short bf16 training demo on a local text
-# corpus (no network needed), and last the memory of a 1.3B and a 4B model phase by phase
-# against the performance model's count (benchmarks/memory_phases.py; the 4B one near the
-# capacity of an 80 GB GPU). Every figure goes into one results folder, with
+# One call on a lent GPU (one H100 or H200, under ten minutes): `ptdp calibrate` for the
+# GPU, the one-GPU MFU benchmark for the ~125M and ~1.3B models beside the peers
+# benchmarks/mfu.py compares (predicted by the file just calibrated, with the memory each
+# run holds beside its tensors), every CUDA-only test, the memory of a 1.3B and a 4B model
+# phase by phase against the performance model's count (benchmarks/memory_phases.py; the 4B
+# one near the capacity of an 80 GB GPU), and last a short bf16 training demo on a local
+# text corpus (no network needed). Every figure goes into one results folder, with
 # BENCHMARKS-snippet.md, a markdown table for BENCHMARKS.md.
 #
 # Without CUDA it says so, runs the CPU parts (calibrate --quick, a tiny CPU MFU run, a
@@ -62,10 +62,14 @@ fi
 mapfile -t CUDA_TESTS < <("$PY" scripts/gpu_check_report.py cuda-tests)
 
 if [ "$CUDA" = 1 ]; then
-  part cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}"
-  part calibrate 300 "$PY" -m ptdp calibrate --out "$OUT/calibration.toml"
-  part mfu 420 "$PY" benchmarks/mfu.py --models 125m,1.3b --compare --steps 10 --warmup 3 \
+  # The measurements first (a lent GPU's call may end before the rest); each MFU row is
+  # written as it is measured, so a cut run keeps the rows it has.
+  part calibrate 180 "$PY" -m ptdp calibrate --out "$OUT/calibration.toml"
+  part mfu 300 "$PY" benchmarks/mfu.py --models 125m,1.3b --compare --steps 10 --warmup 3 \
     --predict "$OUT/calibration.toml" --json "$OUT/mfu.json"
+  part cuda-tests 180 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}"
+  part memory 120 "$PY" benchmarks/memory_phases.py --models 1.3b,4b --no-compile \
+    --json "$OUT/memory.json"
   DEMO_ARGS=(--train.precision bf16 --train.device cuda --train.steps 60)
 else
   skip cuda-tests "no CUDA: ${#CUDA_TESTS[@]} tests need a GPU: ${CUDA_TESTS[*]}"
@@ -89,10 +93,7 @@ else
   part demo 240 "$PY" -m ptdp train --config configs/demo.toml --data.path "$OUT/data/docs" \
     --train.run_dir "$OUT/demo" --train.eval_interval 0 --train.save_interval 0 "${DEMO_ARGS[@]}"
 fi
-if [ "$CUDA" = 1 ]; then
-  part memory 150 "$PY" benchmarks/memory_phases.py --models 1.3b,4b --no-compile \
-    --json "$OUT/memory.json"
-else
+if [ "$CUDA" = 0 ]; then
   skip memory "no CUDA: it reads torch.cuda's memory counters"
   echo "skipped without CUDA: the CUDA-only tests, ptdp calibrate's full GPU sweep, the 125M/1.3B MFU runs, the bf16 demo, the memory phases"
 fi

@@ -46,6 +46,9 @@ its forward and its backward. `traffic` counts what the data-parallel collective
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -67,6 +70,17 @@ from ptdp.parallel.comm import (
 from ptdp.parallel.grads import sum_tied_
 from ptdp.parallel.roles import ParamRoles
 from ptdp.parallel.zero3 import ParamGather, unit_of
+
+
+def _weak_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
+    """`method` called while its object lives; the hook itself keeps nothing alive."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: nn.Parameter) -> None:
+        if (bound := ref()) is not None:
+            bound(p)
+
+    return hook
 
 
 class GradBuffers:
@@ -134,7 +148,11 @@ class GradBuffers:
             )
             self.chunks.append(buf)
             self._bucket_of.update({p: (buf, b) for b in buf.buckets for p in b.params})
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
+        # Through a weak reference: a parameter's own hook holding these buffers (which hold
+        # the parameter) is a cycle that Python's collector cannot see through a tensor, so
+        # a finished Trainer would keep its weights and gradient buffers for good.
+        on_grad = _weak_hook(self._on_grad)
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self._bucket_of]
         self.gather = None
         if self.shard_params:
             names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}

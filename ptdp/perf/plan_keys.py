@@ -64,7 +64,6 @@ def pinned(cfg: RunConfig, given: dict[str, dict[str, str]]) -> dict[str, object
     return values
 
 
-
 PLAN_EPILOG = (
     " A searched key ({searched}) given on the command line fixes it: --parallel.tp 8 "
     "searches only t = 8 (0 = search); keys not given, and a TOML file's layout, are "

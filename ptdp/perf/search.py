@@ -111,8 +111,6 @@ def equation_1(cfg: RunConfig, gpus: int, c: Compute) -> float:
     return (layout.num_microbatches + layout.pp - 1) * slowest
 
 
-
-
 @dataclass(frozen=True)
 class Space:
     """What one search varies: each size or choice given is fixed, each None searched."""

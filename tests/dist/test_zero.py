@@ -5,7 +5,9 @@ level bit for bit. Equivalence with one process is in the grid (tests/dist/test_
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -72,7 +74,11 @@ def _check_memory(rank: int, world: int, data: str, root: str) -> None:
             trainer = _trainer(cfg, env)
             got = _measure(trainer)
             (est,) = estimate_memory(trainer.cfg, world, layout=trainer.layout)
+            held = [weakref.ref(p) for chunk in trainer.chunks for p in chunk.parameters()]
             _close(trainer)
+            del trainer
+            gc.collect()  # every level's hooks leave the weights free to go with the trainer
+            assert [r() for r in held] == [None] * len(held), (precision, zero)
             want = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer}
             assert {k: got[k] for k in want} == want, (precision, zero, got, want)
             # ZeRO-2's full buckets in flight: here one bucket holds the whole model (ZeRO-3

@@ -21,8 +21,8 @@ from ptdp.perf.memory import (
 )
 from ptdp.perf.paper import TABLE_2, preset_config, table2_run
 from ptdp.perf.planner import plan
-from ptdp.perf.search import context_sizes
 from ptdp.perf.reserve import fit
+from ptdp.perf.search import context_sizes
 from ptdp.perf.simulator import compute_costs, simulate
 from ptdp.perf.validation import check_table_2_row
 from ptdp.perf.zero import exposed_seconds, sharded_passes, step_traffic

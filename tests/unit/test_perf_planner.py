@@ -13,8 +13,8 @@ from ptdp.perf.hardware import load_system
 from ptdp.perf.paper import README_GPT3, TABLE_1, paper_run
 from ptdp.perf.plan_keys import pinned
 from ptdp.perf.planner import plan
-from ptdp.perf.search import equation_1, layout_config
 from ptdp.perf.reserve import fit
+from ptdp.perf.search import equation_1, layout_config
 from ptdp.perf.validation import check_row, readme_gpt3
 from ptdp.pipeline.schedules import SCHEDULES
 

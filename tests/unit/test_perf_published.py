@@ -91,3 +91,34 @@ def test_mi250x_file_from_vendor_specifications() -> None:
     assert s.intra.bandwidth == 50e9  # one Infinity Fabric link per direction
     assert s.inter.bandwidth == 12.5e9  # one 25 GB/s Slingshot NIC per two GCDs
     assert system_for_device_name("AMD Instinct MI250X").name == "mi250x"
+
+
+def test_one_h100s_calibration_predicts_the_published_runs_fast(capsys) -> None:
+    """`h100_fit.py --check --device FILE` checks any file against the table: one H100's
+    own calibration (BENCHMARKS.md, "One H100: the GPU check") runs its GEMMs and attention
+    well above the fitted constants, so it predicts the multi-node rows fast (the 32B row,
+    whose exposed data-parallel traffic the model charges, excepted)."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    calibrated = root / "benchmarks" / "results" / "h100-2026-11-27" / "calibration.toml"
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import h100_fit
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    old = sys.argv
+    sys.argv = ["h100_fit.py", "--check", "--device", str(calibrated)]
+    try:
+        h100_fit.main()
+    finally:
+        sys.argv = old
+    rows = {
+        line.split("|")[1].strip(): float(line.split("|")[9].strip().rstrip("%"))
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| ") and line.split("|")[9].strip().endswith("%")
+    }
+    assert set(rows) == set(STATED)
+    assert rows["1.7B"] == pytest.approx(16.4, abs=0.05) and rows["32B"] < 0
+    assert min(v for k, v in rows.items() if k != "32B") > 10

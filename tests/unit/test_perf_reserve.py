@@ -15,7 +15,6 @@ from ptdp.parallel.mesh import MeshShape
 from ptdp.perf.costs import PTDP, Compute
 from ptdp.perf.hardware import BUILTIN_DIR, GIB, load_system
 from ptdp.perf.memory import estimate_memory
-from ptdp.perf.search import Plans, _need
 from ptdp.perf.reserve import (
     CUDA_CONTEXT_BYTES,
     _group,
@@ -26,6 +25,7 @@ from ptdp.perf.reserve import (
     rank_reserve,
     with_reserve,
 )
+from ptdp.perf.search import Plans, _need
 from ptdp.perf.simulator import simulate
 
 MIB = 2**20
