@@ -7,6 +7,8 @@ the H200 shares the H100's compute; the MI250X file comes from vendor specificat
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ptdp.config import Precision, Recompute
@@ -23,6 +25,7 @@ from ptdp.perf.flops import dense_peak_flops
 from ptdp.perf.ground import GemmLaw
 from ptdp.perf.hardware import load_system, system_for_device_name
 from ptdp.perf.published import MCORE_H100_WEAK_SCALING, mcore_run, predict_row
+from tests.helpers import load_benchmark
 
 FITTED = GemmLaw(e_max=0.5625, f_half=5.73e9, attention=0.225)
 """The constants of the shipped H100 file (BENCHMARKS.md, "H100 files fitted to ...")."""
@@ -93,27 +96,15 @@ def test_mi250x_file_from_vendor_specifications() -> None:
     assert system_for_device_name("AMD Instinct MI250X").name == "mi250x"
 
 
-def test_one_h100s_calibration_predicts_the_published_runs_fast(capsys) -> None:
+def test_one_h100s_calibration_predicts_the_published_runs_fast(capsys, monkeypatch) -> None:
     """`h100_fit.py --check --device FILE` checks any file against the table: one H100's
     own calibration (BENCHMARKS.md, "One H100: the GPU check") runs its GEMMs and attention
     well above the fitted constants, so it predicts the multi-node rows fast (the 32B row,
     whose exposed data-parallel traffic the model charges, excepted)."""
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[2]
     calibrated = root / "benchmarks" / "results" / "h100-2026-11-27" / "calibration.toml"
-    sys.path.insert(0, str(root / "benchmarks"))
-    try:
-        import h100_fit
-    finally:
-        sys.path.remove(str(root / "benchmarks"))
-    old = sys.argv
-    sys.argv = ["h100_fit.py", "--check", "--device", str(calibrated)]
-    try:
-        h100_fit.main()
-    finally:
-        sys.argv = old
+    monkeypatch.setattr("sys.argv", ["h100_fit.py", "--check", "--device", str(calibrated)])
+    load_benchmark("h100_fit").main()
     rows = {
         line.split("|")[1].strip(): float(line.split("|")[9].strip().rstrip("%"))
         for line in capsys.readouterr().out.splitlines()
