@@ -29,14 +29,18 @@ from ptdp.perf.hardware import load_system
 from ptdp.perf.paper import preset
 from ptdp.perf.simulator import simulate
 
-try:
-    from benchmarks._spawn import spawn
-    from benchmarks.prediction import OUT, Case, calibrate_now, case_config, predict, worker
-    from benchmarks.zero import corpus
-except ModuleNotFoundError:  # run as `python benchmarks/x.py`
-    from _spawn import spawn
-    from prediction import OUT, Case, calibrate_now, case_config, predict, worker
-    from zero import corpus
+
+def _measuring():  # noqa: ANN202 - three modules
+    """The measuring half (torch, the prediction benchmark's runs), imported with --measure
+    only: the figures' table needs neither."""
+    try:
+        from benchmarks import _spawn, prediction, zero
+    except ModuleNotFoundError:  # run as `python benchmarks/x.py`
+        import _spawn
+        import prediction
+        import zero
+    return _spawn, prediction, zero
+
 
 SYSTEM = load_system("a100-80gb")
 
@@ -59,10 +63,10 @@ def tflops(batch: int, vpp: int, scatter_gather: bool) -> float:
     return simulate(cfg, SYSTEM, 96, software=MEGATRON_2021, timeline=False).tflops_per_device
 
 
-def _pp2(schedule: str, m: int) -> Case:
+def _pp2(schedule: str, m: int):  # noqa: ANN202 - a prediction.Case
     vpp = {"vpp": 2} if schedule == "interleaved" else {}
     train = {"micro_batch_size": 2, "global_batch_size": 2 * m}
-    return Case(
+    return _measuring()[1].Case(
         f"pp2-{schedule}-m{m}",
         2,
         f"{schedule}, m = {m}",
@@ -74,17 +78,18 @@ def _pp2(schedule: str, m: int) -> Case:
 def measure(microbatches: list[int], calibration: str, steps: int, tiny: bool) -> list[dict]:
     """Measured and predicted step of pp = 2 under 1F1B and interleaved for each m; one row
     per m with both schedules' milliseconds and the gains (1F1B / interleaved - 1)."""
+    spawning, prediction, zero = _measuring()
     system = load_system(calibration)
     cases = [_pp2(s, m) for m in microbatches for s in ("1f1b", "interleaved")]
     with tempfile.TemporaryDirectory() as tmp:
-        data = corpus(Path(tmp) / "data")
-        configs = [(c.name, case_config(c, data, f"{tmp}/runs", tiny)) for c in cases]
-        measured = spawn(worker, 2, configs, 2, steps, timeout_s=600.0)
+        data = zero.corpus(Path(tmp) / "data")
+        configs = [(c.name, prediction.case_config(c, data, f"{tmp}/runs", tiny)) for c in cases]
+        measured = spawning.spawn(prediction.worker, 2, configs, 2, steps, timeout_s=600.0)
         ms = {}
         for name, cfg in configs:
             times = measured[name]["times"]
             cpu = measured[name]["cpu"]
-            predicted = predict(cfg, 2, system).iteration_seconds
+            predicted = prediction.predict(cfg, 2, system).iteration_seconds
             ms[name] = (
                 1e3 * statistics.median(times),
                 1e3 * predicted,
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
     if args.measure:
         if any(m % 2 for m in args.microbatches):
             parser.error("--microbatches: interleaving at p = 2 needs an even m")
-        calibration = args.calibration or str(calibrate_now(OUT))
+        prediction = _measuring()[1]
+        calibration = args.calibration or str(prediction.calibrate_now(prediction.OUT))
         rows = measure(args.microbatches, calibration, args.steps, args.tiny)
         print("\n".join(measured_table(rows)))
         return rows
