@@ -76,6 +76,7 @@ def paper_terms(
     bytes_per_element: float = 2,
     dropout: bool = True,
     ffn_hidden: int | None = None,
+    norm_input_bytes: float | None = None,
 ) -> list[Term]:
     """Korthikanti et al.'s per-layer components (Section 4.1-4.2), one Term each.
 
@@ -85,8 +86,11 @@ def paper_terms(
     Without dropout there are no masks and the softmax output is the only s x s tensor
     (the score-times-V product reads it directly). Full recompute keeps the layer input,
     split over t under sequence parallelism (the paper's table gives 2sbh, without SP).
+    `norm_input_bytes` (default: the activations' size) is what a norm's saved input costs
+    per element: 4 under CUDA autocast, which runs the norms in fp32 and keeps the fp32 copy.
     """
     s, b, h, a, t, e = seq, micro_batch, hidden, heads, tp, bytes_per_element
+    norm = e if norm_input_bytes is None else norm_input_bytes
     f = 4 * h if ffn_hidden is None else ffn_hidden
     rep = t if sequence_parallel else 1  # divisor of the "replicated" tensors
     n, scores, inner = s * b * h, a * s * s * b, s * b * f
@@ -94,7 +98,7 @@ def paper_terms(
     if mode is Recompute.FULL:
         return [Term("input", "layer input", n / rep, e)]
     terms = [
-        Term("norm_inputs", "LayerNorm 1 and 2 inputs", 2 * n / rep, e),
+        Term("norm_inputs", "LayerNorm 1 and 2 inputs", 2 * n / rep, norm),
         Term("qkv_input", "QKV linear input", n / rep, e),
         Term("qkv", "Q, K (QK^T inputs) and V", 3 * n / t, e),
         Term("proj_input", "attention output projection input", n / t, e),
@@ -129,6 +133,7 @@ def activation_bytes_per_layer(
     bytes_per_element: float = 2,
     dropout: bool = True,
     ffn_hidden: int | None = None,
+    norm_input_bytes: float | None = None,
 ) -> float:
     """Bytes one layer keeps for backward, after Korthikanti et al. 2022 (arXiv 2205.05198).
 
@@ -149,6 +154,7 @@ def activation_bytes_per_layer(
         bytes_per_element=bytes_per_element,
         dropout=dropout,
         ffn_hidden=ffn_hidden,
+        norm_input_bytes=norm_input_bytes,
     )
     return sum(term.bytes for term in terms)
 

@@ -113,6 +113,10 @@ class Software:
     sequence_parallel: bool = True
     """Sequence parallelism exists (Korthikanti et al. 2022 added it, and selective
     recomputation with it); the 2021 code had neither."""
+    autocast_norms: bool = True
+    """The norms run under PyTorch's autocast, which computes them in fp32 and, in eager
+    16-bit training, keeps each norm input's fp32 copy for backward (`ptdp.perf.memory`);
+    Megatron's fused LayerNorm kernels keep the 16-bit input (False)."""
 
 
 PTDP = Software()
@@ -125,12 +129,15 @@ MEGATRON_2021 = Software(
     max_zero=0,
     overlap_grad_reduce=False,
     sequence_parallel=False,
+    autocast_norms=False,
 )
 """The code of the paper's measurements: unfused attention, fp16 gradients all-reduced
 (its default for fp16 training) after the backward pass, blocking pipeline transfers, no
 zero-bubble schedules, no sequence parallelism or selective recomputation."""
 
-MEGATRON_CORE = Software(grad_reduce_bytes=2, tp_comm_overlap=True, overlap_param_gather=True)
+MEGATRON_CORE = Software(
+    grad_reduce_bytes=2, tp_comm_overlap=True, overlap_param_gather=True, autocast_norms=False
+)
 """Megatron-Core as its published H100 weak-scaling runs used it (`ptdp.perf.published`):
 fused attention, overlapped tensor-parallel, gradient and parameter communication, and
 gradients reduced in bf16 (its default, grad_reduce_in_fp32 off)."""

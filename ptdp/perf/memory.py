@@ -44,12 +44,23 @@ At the peak, besides what is stored, a backward pass holds its transients (`work
 layer being recomputed (full) or its attention core (selective), plus the gradients alive
 inside one layer's backward (`layer_backward_bytes`: the incoming and outgoing [s, b, h]
 gradients and the larger of the MLP's inner gradients and attention's dQ, dK, dV, dO);
-on the last stage the loss's backward instead, whose logit gradient is fp32 [s b, v/t]
-beside its 16-bit copy for the output layer (`head_backward_bytes`), often the largest
-single transient (vocabulary 131,072 at s = 4096: 3 GiB at t = 1).
+on the last stage, the larger of the loss's backward (`head_backward_bytes`: eager, two
+fp32 [s b, v] gradients, 6 GiB for GPT-2's vocabulary at 16,384 tokens; compiled, only
+the output weight's gradient, the logits' gradient taking the saved logits' buffer) and a
+layer's, less the head's stored tensors that the loss's backward has freed by then.
+
+Eager 16-bit training (`fp32_norm_inputs`) keeps each norm's input as the fp32 copy CUDA
+autocast makes: 36 bytes per s b h in a GPT-2 layer where Korthikanti et al. count 32
+(without dropout), and 4 + 2 at the final norm and output layer. Measured on one H100
+(BENCHMARKS.md, "One H100: the GPU check"), what a step adds beside the model state is
+counted within 0.2% for GPT-2 125M and 1.3B, eager and compiled, and a 4B model with full
+recomputation; CPU autocast keeps LayerNorm in 16 bits, where this counts 4 bytes per
+s b h too many.
 
 Known omissions: p2p receive buffers and grouped-query attention's smaller K and V
-(counted as full heads); the CUDA context, NCCL buffers and allocator waste are the
+(counted as full heads); fused attention's logsumexp and the norms' mean and 1/std (under
+0.3% of a layer at s = 1024); with a tied embedding on one stage, the output weight's
+16-bit gradient, alive from the loss's backward to the embedding's; the CUDA context, NCCL buffers and allocator waste are the
 reserve (`ptdp.perf.reserve`). The in-flight count is ptdp's plan's: Megatron-LM 2021's
 interleaved code (`--software megatron-2021`, `ptdp.perf.megatron2021`) at m = p ran all
 forwards first, so its ranks past the middle held m v forwards, more than counted here.
@@ -172,11 +183,13 @@ def layer_activation_bytes(
     recompute: Recompute = Recompute.NONE,
     precision: Precision = Precision.BF16,
     fused_attention: bool = True,
+    autocast_norms: bool = False,
 ) -> float:
     """Bytes one layer stores for backward per microbatch (Korthikanti et al.).
 
     SwiGLU's inner tensors (gate and up, their product) count as a GeLU MLP of twice the
-    width: 4f elements either way.
+    width: 4f elements either way. `autocast_norms` (`fp32_norm_inputs`): the two norms'
+    inputs are kept as the fp32 copies CUDA autocast makes, 4 bytes where the paper has 2.
     """
     if fused_attention and recompute is Recompute.NONE:
         recompute = Recompute.SELECTIVE  # no s x s tensor is kept: the core recomputes
@@ -192,7 +205,21 @@ def layer_activation_bytes(
         bytes_per_element=element_bytes(precision),
         dropout=model.dropout > 0,
         ffn_hidden=f,
+        norm_input_bytes=_norm_input_bytes(precision, autocast_norms),
     )
+
+
+def fp32_norm_inputs(cfg: RunConfig) -> bool:
+    """Eager 16-bit training: CUDA autocast runs LayerNorm and RMSNorm in fp32, so autograd
+    keeps the fp32 copy of each norm's input (measured on an H100, BENCHMARKS.md: 36 bytes
+    per s b h in a GPT-2 layer where the paper counts 32). Compiled layers keep their 16-bit
+    tensors and recompute the casts in backward; CPU autocast keeps LayerNorm in 16 bits
+    (there this counts 4 bytes per s b h too many)."""
+    return not cfg.train.compile and element_bytes(cfg.train.precision) < 4
+
+
+def _norm_input_bytes(precision: Precision, autocast: bool) -> float | None:
+    return 4.0 if autocast and element_bytes(precision) < 4 else None
 
 
 def head_activation_bytes(
@@ -202,20 +229,24 @@ def head_activation_bytes(
     tp: int = 1,
     precision: Precision = Precision.BF16,
     compiled: bool = False,
+    autocast_norms: bool = False,
 ) -> float:
     """Last stage, per microbatch: final-norm and output-layer inputs, and what the loss's
     backward keeps per logit (`ptdp/parallel/loss.py`). At tp = 1 eager autograd keeps the
     fp32 log-probabilities of the unpadded vocabulary (the padding is sliced off), the
     compiled loss (`train.compile`) the padded logits in the model's precision, recomputing
-    the softmax; at tp > 1 the vocabulary-parallel loss keeps its fp32 softmax slice."""
+    the softmax; at tp > 1 the vocabulary-parallel loss keeps its fp32 softmax slice.
+    `autocast_norms`: the final norm's input is kept as its fp32 copy (`fp32_norm_inputs`)."""
     n = model.seq_length * micro_batch
+    e = element_bytes(precision)
+    norm = _norm_input_bytes(precision, autocast_norms) or e
     if tp > 1:
         logits = 4 * model.padded_vocab_size(tp) // tp
     elif compiled:
         logits = element_bytes(precision) * model.padded_vocab_size(tp)
     else:
         logits = 4 * model.vocab_size
-    return 2 * n * model.hidden_size * element_bytes(precision) + n * logits
+    return (norm + e) * n * model.hidden_size + n * logits
 
 
 def layer_backward_bytes(
@@ -239,12 +270,31 @@ def layer_backward_bytes(
 
 
 def head_backward_bytes(
-    model: ModelConfig, *, micro_batch: int, tp: int = 1, precision: Precision = Precision.BF16
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int = 1,
+    precision: Precision = Precision.BF16,
+    compiled: bool = False,
 ) -> float:
-    """The loss's backward on the last stage: the fp32 gradient of the logits [s b, v/t] and
-    its copy in the model's precision that the output layer's backward reads."""
-    n = model.seq_length * micro_batch
-    return n * model.padded_vocab_size(tp) // tp * (4 + element_bytes(precision))
+    """What the loss's backward holds at its peak on the last stage, beside the head's
+    stored activations (measured on an H100 and traced on CPU, BENCHMARKS.md):
+
+    - eager, tp = 1: the fp32 gradients [s b, v] of the loss (nll) and of log_softmax, both
+      alive in log_softmax's backward; later the 16-bit copy and its padded width, which
+      is more only in fp32;
+    - compiled, tp = 1: the loss writes the logits' gradient into the saved logits' own
+      buffer, so only the output weight's 16-bit gradient [v, h] is new;
+    - tp > 1 (the vocabulary-parallel loss): the fp32 gradient of the logits [s b, v/t] and
+      its 16-bit copy (not measured).
+    """
+    n, e = model.seq_length * micro_batch, element_bytes(precision)
+    padded = model.padded_vocab_size(tp)
+    if tp > 1:
+        return n * padded // tp * (4 + e)
+    if compiled:
+        return e * padded * model.hidden_size
+    return max(8 * n * model.vocab_size, e * n * (model.vocab_size + padded))
 
 
 def stash_bytes_per_layer(
@@ -357,7 +407,8 @@ class MemoryEstimate:
     """Stored for backward: per-layer bytes x layers per chunk x forwards in flight."""
     working: float
     """Transient: the layer being recomputed (full) or its attention core (selective), plus
-    one layer's backward gradients; on the last stage at least the loss's backward."""
+    one layer's backward gradients; on the last stage the larger of the loss's backward and
+    that less one microbatch's head activations (module doc)."""
     in_flight: int
     stash: float = 0.0
     """Split backward: held from B until W (module doc) x microbatches awaiting their W."""
@@ -428,11 +479,14 @@ def estimate_memory(
     world_size: int,
     *,
     fused_attention: bool = True,
+    autocast_norms: bool = True,
     layout: Layout | None = None,
 ) -> list[MemoryEstimate]:
     """Per pipeline rank (all tensor and data-parallel ranks alike), for the config's layout.
 
     `layout` is `validate(cfg, world_size)` if the caller has it (with its built plan).
+    `fused_attention` and `autocast_norms` describe the software (`ptdp.perf.costs.Software`:
+    ptdp's by default; Megatron's fused LayerNorm keeps 16-bit inputs).
     """
     layout = layout or validate(cfg, world_size)
     model, par, prec = cfg.model, cfg.parallel, cfg.train.precision
@@ -446,22 +500,23 @@ def estimate_memory(
     gathered = gathered_bytes(cfg, layout)
     local = context.local_model(model, cp)  # activations: the s/cp tokens of one cp rank
     kw = dict(micro_batch=b, tp=tp, sequence_parallel=par.sequence_parallel, precision=prec)
-    layer = layer_activation_bytes(
-        local, recompute=par.recompute, fused_attention=fused_attention, **kw
-    )
-    full = layer_activation_bytes(
-        local, recompute=Recompute.NONE, fused_attention=fused_attention, **kw
-    )
+    eager_norms = autocast_norms and fp32_norm_inputs(cfg)
+    kw_layer = dict(fused_attention=fused_attention, autocast_norms=eager_norms, **kw)
+    layer = layer_activation_bytes(local, recompute=par.recompute, **kw_layer)
+    full = layer_activation_bytes(local, recompute=Recompute.NONE, **kw_layer)
     working = {Recompute.NONE: 0.0, Recompute.FULL: full}.get(par.recompute, full - layer)
     working += layer_backward_bytes(local, micro_batch=b, tp=tp, precision=prec)
-    head_working = head_backward_bytes(local, micro_batch=b, tp=tp, precision=prec)
+    compiled = cfg.train.compile
+    head_working = head_backward_bytes(
+        local, micro_batch=b, tp=tp, precision=prec, compiled=compiled
+    )
     e, comm = element_bytes(prec), par.cp_comm
     layer += context.stored_bytes_per_layer(
         model, micro_batch=b, tp=tp, cp=cp, comm=comm, recompute=par.recompute, e=e
     )
     working += context.working_bytes(model, micro_batch=b, tp=tp, cp=cp, comm=comm, e=e)
     head = head_activation_bytes(
-        local, micro_batch=b, tp=tp, precision=prec, compiled=cfg.train.compile
+        local, micro_batch=b, tp=tp, precision=prec, compiled=compiled, autocast_norms=eager_norms
     )
     # Layers of the rank's largest chunk (exact for vpp = 1 or an even split, else a bound).
     split = layout.stage_layers or (model.num_layers // (pp * vpp),) * (pp * vpp)
@@ -484,7 +539,8 @@ def estimate_memory(
                 count * state.grads,
                 count * state.optimizer,
                 acts,
-                max(working, head_working) if with_head else working,
+                # The loss's backward, or a layer's once one microbatch's head is freed.
+                max(head_working, working - head) if with_head else working,
                 held[rank],
                 stash[rank],
                 buckets[rank],

@@ -268,7 +268,14 @@ def _need(cfg: RunConfig, gpus: int, c: Compute, plans: Plans) -> tuple[float, f
     """(need, usable) per GPU of `cfg` at its rank nearest the limit (`reserve.fit`; raises
     ConfigError for an invalid layout)."""
     layout = plans.layout(cfg, gpus)
-    memory = estimate_memory(cfg, gpus, fused_attention=c.software.fused_attention, layout=layout)
+    software = c.software
+    memory = estimate_memory(
+        cfg,
+        gpus,
+        fused_attention=software.fused_attention,
+        autocast_norms=software.autocast_norms,
+        layout=layout,
+    )
     return fit(with_reserve(memory, cfg, layout, c.system), c.system.device)
 
 

@@ -330,7 +330,11 @@ def predicted_memory(
     """`Prediction.memory`: the memory model's bytes per pipeline rank with their reserve; no
     replay needed (the planner decides fit with it before replaying)."""
     memory = estimate_memory(
-        cfg, world_size, fused_attention=software.fused_attention, layout=layout
+        cfg,
+        world_size,
+        fused_attention=software.fused_attention,
+        autocast_norms=software.autocast_norms,
+        layout=layout,
     )
     return tuple(with_reserve(memory, cfg, layout, system))
 

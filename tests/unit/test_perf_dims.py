@@ -60,10 +60,12 @@ def long_model(seq: int = 16384, batch: int = 4, **parallel: object) -> RunConfi
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_activation_memory_divides_by_cp(recompute: str) -> None:
-    one = estimate_memory(long_model(recompute=recompute, tp=2, sequence_parallel=True), 2)[0]
+    # pp = 2, first stage: no head, whose loss backward would be the larger transient.
+    kw = dict(recompute=recompute, tp=2, sequence_parallel=True, pp=2)
+    one = estimate_memory(long_model(**kw), 4)[0]
     for cp in (2, 4, 8):
-        cfg = long_model(recompute=recompute, tp=2, sequence_parallel=True, cp=cp)
-        ring = estimate_memory(cfg, 2 * cp)[0]
+        cfg = long_model(cp=cp, **kw)
+        ring = estimate_memory(cfg, 4 * cp)[0]
         assert ring.activations * cp == pytest.approx(one.activations, rel=1e-12)
         assert ring.params == one.params and ring.optimizer == one.optimizer  # replicated
         kv = context.kv_block_bytes(cfg.model, micro_batch=1, tp=2, cp=cp, e=2)

@@ -3,6 +3,8 @@ and the whole estimate against what single-process CPU runs really hold."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from ptdp.config import Precision, Recompute, RunConfig, apply_updates
@@ -11,6 +13,7 @@ from ptdp.parallel.comm import Group
 from ptdp.perf.memory import (
     bytes_per_parameter,
     estimate_memory,
+    head_activation_bytes,
     head_backward_bytes,
     in_flight,
     layer_activation_bytes,
@@ -283,3 +286,87 @@ def test_backward_transients_at_the_peak() -> None:
     assert last.total - last.working == pytest.approx(
         last.params + last.grads + last.optimizer + last.activations
     )
+
+
+def _gpt2(**train: object) -> RunConfig:
+    model = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "vocab_size": 1000}
+    model["seq_length"] = 32
+    train = {"precision": "bf16", "micro_batch_size": 2, "global_batch_size": 2, **train}
+    return config(model=model, train=train)
+
+
+def test_eager_16_bit_norms_keep_their_fp32_inputs() -> None:
+    """CUDA autocast runs the norms in fp32: eager 16-bit training keeps each norm input's
+    fp32 copy (2 more bytes per element of each, the final norm's too); compiled layers keep
+    16-bit tensors, and Megatron's fused LayerNorm (its `Software`) keeps 16-bit inputs."""
+    cfg = _gpt2()
+    n, h, v, vp = 64, 64, 1000, cfg.model.padded_vocab_size(1)
+    kw = dict(micro_batch=2, precision=Precision.BF16)
+    plain = layer_activation_bytes(cfg.model, **kw)
+    assert layer_activation_bytes(cfg.model, autocast_norms=True, **kw) == plain + 2 * 2 * n * h
+    fp32 = dict(micro_batch=2, precision=Precision.FP32)
+    assert layer_activation_bytes(cfg.model, autocast_norms=True, **fp32) == (
+        layer_activation_bytes(cfg.model, **fp32)
+    )
+    assert (
+        head_activation_bytes(cfg.model, autocast_norms=True, **kw) == (4 + 2) * n * h + 4 * n * v
+    )
+    assert head_activation_bytes(cfg.model, compiled=True, **kw) == 2 * 2 * n * h + 2 * n * vp
+    eager = estimate_memory(cfg, 1)[0]
+    compiled = estimate_memory(_gpt2(compile=True), 1)[0]
+    megatron = estimate_memory(cfg, 1, autocast_norms=False)[0]
+    norms = 2 * (2 * 2 * n * h) + 2 * n * h  # two layers' two norms, and the final norm
+    assert eager.activations - megatron.activations == pytest.approx(norms)
+    logits = 4 * n * v - 2 * n * vp  # fp32 log-probabilities against padded 16-bit logits
+    assert eager.activations - compiled.activations == pytest.approx(norms + logits)
+
+
+def test_the_loss_backward_holds_what_its_kernels_allocate() -> None:
+    """tp = 1: eager, log_softmax's backward holds two fp32 [n, v] gradients (its input's
+    and its output's), and in fp32 the padded copy beside the unpadded one is more; compiled,
+    the logits' gradient reuses the saved logits' buffer and only the output weight's 16-bit
+    gradient is new. The last stage's transient is the larger of that and a layer's backward
+    less the head's stored tensors, freed by then."""
+    cfg = _gpt2()
+    n, h, v, vp = 64, 64, 1000, cfg.model.padded_vocab_size(1)
+    assert vp > v
+    kw = dict(micro_batch=2)
+    assert head_backward_bytes(cfg.model, **kw) == 8 * n * v
+    assert head_backward_bytes(cfg.model, precision=Precision.FP32, **kw) == 4 * n * (v + vp)
+    assert head_backward_bytes(cfg.model, compiled=True, **kw) == 2 * vp * h
+    compiled = _gpt2(compile=True)
+    (est,) = estimate_memory(compiled, 1)
+    layer = layer_backward_bytes(compiled.model, **kw)
+    head = head_activation_bytes(compiled.model, compiled=True, **kw)
+    assert est.working == max(2 * vp * h, layer - head)
+
+
+def test_a_step_on_one_h100_is_counted_within_a_percent(tmp_path) -> None:
+    """`benchmarks/memory_phases.py` on one H100 (2026-11-27, BENCHMARKS.md): what a step
+    adds beside the model state (peak minus allocated before it), GPT-2 125M and 1.3B eager
+    and compiled and a 4B model with full recomputation, against the count for the same
+    run; the model state itself within 0.1 GiB."""
+    import json
+    from pathlib import Path
+
+    from ptdp.parallel.env import LaunchEnv
+    from ptdp.train.run import prepare
+    from tests.helpers import load_benchmark
+
+    phases, mfu = load_benchmark("memory_phases"), load_benchmark("mfu")
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h100-2026-11-27"
+    data = mfu.synthetic_tokens(tmp_path, 50257, 64 * 2049)
+    seen = 0
+    for name, compiled in (("mem-eager.json", False), ("mem-compiled.json", True)):
+        for row in json.loads((results / name).read_text()):
+            args = SimpleNamespace(
+                vocab_size=50257, grad_accum=1, device="cpu", precision="bf16", compile=compiled
+            )
+            shape = phases.SHAPES[row["model"]]
+            cfg = mfu.ptdp_config(args, shape, row["micro_batch"], data, row["recompute"])
+            count = phases.predicted(prepare(cfg, LaunchEnv(0, 1, 0))[0])
+            adds = row["steady"]["peak"] - row["steady"]["before"]
+            assert count["activations"] + count["working"] == pytest.approx(adds, rel=0.01), row
+            assert count["static"] == pytest.approx(row["step1"]["allocated"], abs=0.1), row
+            seen += 1
+    assert seen == 5
