@@ -22,6 +22,9 @@ What is measured (ptdp/perf/microbench.py) and what it becomes in the cluster TO
 - on a CPU, ptdp's own model at a negligible size (0 and 2 layers, forward and backward)
   -> `layer_overhead_us` and `head_overhead_us`: what Python, module calls and autograd
   cost per layer and per embedding + head + loss, beyond the kernels timed above;
+- on a CPU, ptdp's optimizer step (gradient norm, clipping, AdamW, the 16-bit copy) on
+  the same model at 0 and 2 layers -> `optimizer_overhead_us`: per step and per parameter
+  tensor, beyond the bytes it moves (a CPU's foreach AdamW runs each op tensor by tensor);
 - on CPUs under torchrun, the same model at tp = 2 over two ranks against tp = 1 ->
   `collective_sync_us`: what each blocking collective between compute costs in place
   beyond what the fitted link charges it (the later rank's wake-up after the earlier
@@ -311,6 +314,9 @@ def calibrate(
         framework = (
             mb.framework_overhead(dtype, device, sweep.timing) if device.type == "cpu" else None
         )
+        optimizer = (
+            mb.optimizer_overhead(dtype, device, sweep.timing) if device.type == "cpu" else None
+        )
         collectives = (
             measure_collectives(device, dtype, sweep, per_node, step) if world.size > 1 else []
         )
@@ -361,6 +367,7 @@ def calibrate(
             "sweep": _sweep_name(sweep, device.type),
         },
         framework=framework,
+        optimizer=optimizer,
         sync=_sync(in_place, links, collectives),
     )
 

@@ -72,6 +72,9 @@ class Calibration:
     """(forward, backward) seconds per layer and for the embedding + head + loss that no
     kernel runs (microbench.framework_overhead); measured on CPUs only, where nothing hides
     it (on a GPU the host runs ahead of the kernels)."""
+    optimizer: tuple[float, float] | None = None
+    """(per step, per parameter tensor) seconds of ptdp's optimizer step beyond its bytes
+    (microbench.optimizer_overhead); CPUs only."""
     sync: tuple[float, float] | None = None
     """(per blocking collective beyond what the fitted link charges it, per tp = 2 layer
     forward and backward against tp = 1) seconds (`waits.collective_sync`); on CPUs
@@ -240,6 +243,8 @@ def render_toml(cal: Calibration, name: str) -> str:
         layer, head = cal.framework
         achieved["layer_overhead_us"] = [layer[0] * 1e6, layer[1] * 1e6]
         achieved["head_overhead_us"] = [head[0] * 1e6, head[1] * 1e6]
+    if cal.optimizer is not None:
+        achieved["optimizer_overhead_us"] = [cal.optimizer[0] * 1e6, cal.optimizer[1] * 1e6]
     if cal.sync is not None:
         achieved["collective_sync_us"] = cal.sync[0] * 1e6
     node, network = _links(cal)

@@ -116,6 +116,10 @@ class Device:
     runs: Python, the dispatcher, autograd (`ptdp calibrate` on a CPU measures it)."""
     head_overhead: tuple[float, float] = (0.0, 0.0)
     """The same for the embedding, output layer and loss of one microbatch."""
+    optimizer_overhead: tuple[float, float] = (0.0, 0.0)
+    """Seconds of the optimizer step beyond the bytes it moves, (per step, per parameter
+    tensor): a CPU's foreach AdamW, gradient norm and clipping run tensor by tensor
+    (`ptdp calibrate` on a CPU measures it; 0 on GPUs, whose fused kernel takes them all)."""
     collective_sync: float = 0.0
     """Seconds each blocking collective between compute costs beyond moving its bytes: the
     ranks' resynchronisation (the later rank woken only after the earlier one went back to
@@ -305,6 +309,7 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         memory_kernels=_memory_kernels(achieved),
         layer_overhead=_pair(achieved, "layer_overhead_us"),
         head_overhead=_pair(achieved, "head_overhead_us"),
+        optimizer_overhead=_pair(achieved, "optimizer_overhead_us", "[per step, per tensor]"),
         collective_sync=float(achieved.get("collective_sync_us", 0.0)) * 1e-6,
     )
     return System(
@@ -317,11 +322,13 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
     )
 
 
-def _pair(achieved: dict[str, Any], key: str) -> tuple[float, float]:
-    """[forward, backward] microseconds -> seconds (absent: no overhead)."""
+def _pair(
+    achieved: dict[str, Any], key: str, what: str = "[forward, backward]"
+) -> tuple[float, float]:
+    """Two microseconds -> seconds (absent: no overhead)."""
     values = [float(v) for v in achieved.get(key, [0.0, 0.0])]
     if len(values) != 2 or min(values) < 0:
-        raise ValueError(f"{key} must be [forward, backward] microseconds, both >= 0")
+        raise ValueError(f"{key} must be {what} microseconds, both >= 0")
     return values[0] * 1e-6, values[1] * 1e-6
 
 

@@ -60,7 +60,8 @@ s b h too many.
 Known omissions: p2p receive buffers and grouped-query attention's smaller K and V
 (counted as full heads); fused attention's logsumexp and the norms' mean and 1/std (under
 0.3% of a layer at s = 1024); with a tied embedding on one stage, the output weight's
-16-bit gradient, alive from the loss's backward to the embedding's; the CUDA context, NCCL buffers and allocator waste are the
+16-bit gradient, alive from the loss's backward to the embedding's; the CUDA context, NCCL
+buffers and allocator waste are the
 reserve (`ptdp.perf.reserve`). The in-flight count is ptdp's plan's: Megatron-LM 2021's
 interleaved code (`--software megatron-2021`, `ptdp.perf.megatron2021`) at m = p ran all
 forwards first, so its ranks past the middle held m v forwards, more than counted here.
@@ -156,6 +157,37 @@ def parameters_per_stage(
     if not (model.tie_embeddings and stages == 1):
         counts[-1] += v // tp * h
     return counts
+
+
+def layer_tensors(model: ModelConfig) -> int:
+    """Parameter tensors of one transformer layer: the fused QKV, projection, fc1 (SwiGLU's
+    gate and up in one) and fc2 weights, their biases, and two norms."""
+    biases = 4 if model.bias else 1 if model.qkv_bias else 0
+    norm = 2 if model.normalization is Normalization.LAYERNORM and model.bias else 1
+    return 4 + biases + 2 * norm
+
+
+def tensors_per_rank(
+    model: ModelConfig,
+    pp: int = 1,
+    vpp: int = 1,
+    layers: tuple[int, ...] = (),
+    placement: Placement = Placement.LOOPED,
+) -> list[int]:
+    """Parameter tensors on each pipeline rank (what a per-tensor optimizer loop visits), as
+    `parameters_per_stage` places them: the embedding (and learned positions) on stage 0,
+    the final norm and output layer (a copy when tied, unless one stage holds both) last."""
+    stages_n = pp * vpp
+    layers = layers or (model.num_layers // stages_n,) * stages_n
+    counts = [n * layer_tensors(model) for n in layers]
+    counts[0] += 2 if model.position_embedding is PositionEmbedding.LEARNED else 1
+    counts[-1] += 2 if model.normalization is Normalization.LAYERNORM and model.bias else 1
+    if not (model.tie_embeddings and stages_n == 1):
+        counts[-1] += 1
+    stages, out = StageMap(pp, vpp, placement), [0] * pp
+    for stage, count in enumerate(counts):
+        out[stages.rank(stage)] += count
+    return out
 
 
 def parameters_per_rank(

@@ -400,6 +400,43 @@ def tiny_gpt(
     return model, torch.randint(0, cfg.vocab_size, (1, cfg.seq_length), device=device)
 
 
+def optimizer_overhead(
+    dtype: torch.dtype, device: torch.device, timing: Timing
+) -> tuple[float, float]:
+    """(per step, per parameter tensor) seconds of ptdp's optimizer step
+    (`ptdp.train.step.optim.Optimizer`: the gradient norm, clipping, AdamW and the copy to
+    16-bit weights) beyond the bytes it moves, from the tiny GPT (`TINY_GPT`) at 0 and 2
+    layers. On a CPU torch's foreach AdamW runs each of its ops tensor by tensor and the
+    norm reduces each tensor on its own: a cost per tensor that the one-tensor `adamw`
+    stream timing does not see.
+    """
+    from ptdp.config import OptimConfig
+    from ptdp.parallel.data import GradBuffers
+    from ptdp.parallel.roles import NO_ROLES
+    from ptdp.train.step.optim import Optimizer
+
+    one = comm.Group.single()
+    fns: list[Callable[[], object]] = []
+    tensors: list[int] = []
+    for layers in (0, 2):
+        model, _ = tiny_gpt(layers, device, torch.float32)  # fp32 masters, as in training
+        buffers = GradBuffers([model], roles=NO_ROLES, dp=one, tp=one, embedding=one)
+        optimizer = Optimizer([model], buffers, OptimConfig(), param_dtype=dtype, tp=one, pp=one)
+        buffers.cast_params(dtype)
+        for chunk in buffers.chunks:
+            chunk.grads.normal_()  # as a backward leaves them
+        tensors.append(len(optimizer.pieces))
+
+        def step(o: Optimizer = optimizer) -> None:
+            o.clip(1.0, o.grad_norm())
+            o.step()
+
+        fns.append(step)
+    t0, t2 = interleaved_seconds(fns, device, timing.at_least(15))
+    per_tensor = max(0.0, (t2 - t0) / (tensors[1] - tensors[0]))
+    return max(0.0, t0 - per_tensor * tensors[0]), per_tensor
+
+
 def framework_overhead(
     dtype: torch.dtype, device: torch.device, timing: Timing
 ) -> tuple[tuple[float, float], tuple[float, float]]:

@@ -42,6 +42,7 @@ from ptdp.perf.memory import (
     estimate_memory,
     parameters_per_rank,
     parameters_per_stage,
+    tensors_per_rank,
 )
 from ptdp.perf.replay import PipelineCosts, PipelineRun, replay, replay_steady
 from ptdp.perf.reserve import with_reserve
@@ -271,7 +272,8 @@ def optimizer_seconds(
     this rank's optimizer shard, 28 B (fp32: read weight, gradient, 2 moments; write
     weight, 2 moments) or 30 B (16-bit: fp32 master in place of the weight, plus writing
     the 16-bit copy); ZeRO-1 and 2 then all-gather the updated weights (ZeRO-3 gathers them
-    in the next forward). Shards are over the dp x cp ranks.
+    in the next forward). Shards are over the dp x cp ranks. A file that measured the step's
+    own overhead (`optimizer_overhead`, CPUs) adds it per step and per parameter tensor.
     """
     per_rank = max(
         parameters_per_rank(
@@ -288,6 +290,11 @@ def optimizer_seconds(
     shard = group if layout.shards_optimizer else 1
     step = Call("adamw", per_rank * (28 if fp32 else 30) / shard)
     seconds = step.seconds(c.system.device) + Call("add", 8 * per_rank).seconds(c.system.device)
+    fixed, per_tensor = c.system.device.optimizer_overhead
+    if fixed or per_tensor:  # a CPU's per-tensor loops (the shard's pieces under ZeRO)
+        kw = dict(layers=layout.stage_layers, placement=layout.stages.placement)
+        tensors = max(tensors_per_rank(cfg.model, layout.pp, layout.vpp, **kw))
+        seconds += fixed + per_tensor * -(-tensors // shard)
     if layout.shards_optimizer and layout.zero < 3:
         link = group_link(c.system, group, layout.tp)
         gather = gather_seconds(per_rank * (4 if fp32 else 2), group, link)

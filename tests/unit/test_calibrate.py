@@ -181,6 +181,37 @@ def test_framework_overhead_is_measured_and_enters_each_layer_pass(calibrated: P
     assert (got.f - without.f, got.b - without.b) == pytest.approx(head)
 
 
+def test_the_optimizer_step_pays_its_measured_overhead_per_tensor(calibrated: Path) -> None:
+    """A CPU file carries ptdp's optimizer step beyond its bytes, per step and per parameter
+    tensor (foreach AdamW, the norm and clipping loop over tensors); the model adds exactly
+    fixed + per tensor x the busiest rank's tensors (its shard's under ZeRO) to the step."""
+    from dataclasses import replace
+
+    from ptdp.config import RunConfig, apply_updates
+    from ptdp.layout import validate
+    from ptdp.perf.memory import tensors_per_rank
+    from ptdp.perf.simulator import optimizer_seconds
+
+    system = load_system(calibrated)
+    raw = tomllib.loads(calibrated.read_text())["device"]["achieved"]
+    fixed, per_tensor = system.device.optimizer_overhead
+    assert [fixed, per_tensor] == pytest.approx([v * 1e-6 for v in raw["optimizer_overhead_us"]])
+    assert fixed >= 0 and per_tensor > 0
+    bare = replace(system, device=replace(system.device, optimizer_overhead=(0.0, 0.0)))
+    model = {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "seq_length": 32}
+    for parallel, world, shard in (({}, 1, 1), ({"pp": 2}, 2, 1), ({"zero": 1}, 2, 2)):
+        train = {"micro_batch_size": 2, "global_batch_size": 8, "precision": "fp32"}
+        cfg = apply_updates(
+            RunConfig(), {"model": {**model, "vocab_size": 64}, "parallel": parallel,
+                          "train": train}, "test"
+        )  # fmt: skip
+        layout = validate(cfg, world)
+        got = optimizer_seconds(cfg, layout, Compute(system, Precision.FP32, PTDP))
+        without = optimizer_seconds(cfg, layout, Compute(bare, Precision.FP32, PTDP))
+        tensors = max(tensors_per_rank(cfg.model, layout.pp))
+        assert got - without == pytest.approx(fixed + per_tensor * -(-tensors // shard))
+
+
 def test_overheads_in_a_hardware_file_are_checked(tmp_path: Path) -> None:
     from ptdp.errors import ConfigError
 
@@ -190,6 +221,14 @@ def test_overheads_in_a_hardware_file_are_checked(tmp_path: Path) -> None:
     bad.write_text(text.replace("[device.achieved]", "[device.achieved]\nlayer_overhead_us = [5]"))
     with pytest.raises(ConfigError, match=r"layer_overhead_us must be \[forward, backward\]"):
         load_system(bad)
+    bad.write_text(
+        text.replace("[device.achieved]", "[device.achieved]\noptimizer_overhead_us = [-1, 2]")
+    )
+    with pytest.raises(
+        ConfigError, match=r"optimizer_overhead_us must be \[per step, per tensor\]"
+    ):
+        load_system(bad)
+    assert load_system("a100-80gb").device.optimizer_overhead == (0.0, 0.0)
 
 
 def test_collective_sync_is_loaded_checked_and_paid_per_blocking_call(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from ptdp.perf.memory import (
     parameters_per_rank,
     stage_in_flight,
     stash_bytes_per_layer,
+    tensors_per_rank,
 )
 from ptdp.perf.paper import preset
 from ptdp.perf.validation import measure_cpu_memory
@@ -370,3 +371,38 @@ def test_a_step_on_one_h100_is_counted_within_a_percent(tmp_path) -> None:
             assert count["static"] == pytest.approx(row["step1"]["allocated"], abs=0.1), row
             seen += 1
     assert seen == 5
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {},
+        {"bias": False},
+        {"qkv_bias": True, "bias": False},
+        {"tie_embeddings": False},
+        {"position_embedding": "rope"},
+        LLAMA,
+    ],
+    ids=["gpt2", "no-bias", "qkv-bias", "untied", "rope", "llama"],
+)
+def test_tensor_counts_are_the_models_parameters(model: dict) -> None:
+    """What a per-tensor optimizer loop visits on each pipeline rank: the parameter tensors
+    of ptdp's own GPT for that stage (built on the meta device)."""
+    import torch
+
+    cfg = config(
+        model={"num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
+               "vocab_size": 100, **model}
+    ).model  # fmt: skip
+    for pp in (1, 2, 4):
+        n, held = 4 // pp, []
+        for stage in range(pp):
+            with torch.device("meta"):
+                gpt = GPT(
+                    cfg,
+                    layers=range(stage * n, (stage + 1) * n),
+                    has_embedding=stage == 0,
+                    has_head=stage == pp - 1,
+                )
+            held.append(sum(1 for _ in gpt.parameters()))
+        assert tensors_per_rank(cfg, pp) == held, (model, pp)
