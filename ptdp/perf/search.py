@@ -18,9 +18,8 @@ from ptdp.layout import Layout, validate
 from ptdp.perf.context_costs import MIN_CP_TOKENS, best_comm
 from ptdp.perf.costs import Compute
 from ptdp.perf.hardware import GIB
-from ptdp.perf.memory import estimate_memory
-from ptdp.perf.reserve import fit, with_reserve
-from ptdp.perf.simulator import stage_costs
+from ptdp.perf.reserve import fit
+from ptdp.perf.simulator import predicted_memory, stage_costs
 from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES
 
@@ -268,15 +267,8 @@ def _need(cfg: RunConfig, gpus: int, c: Compute, plans: Plans) -> tuple[float, f
     """(need, usable) per GPU of `cfg` at its rank nearest the limit (`reserve.fit`; raises
     ConfigError for an invalid layout)."""
     layout = plans.layout(cfg, gpus)
-    software = c.software
-    memory = estimate_memory(
-        cfg,
-        gpus,
-        fused_attention=software.fused_attention,
-        autocast_norms=software.autocast_norms,
-        layout=layout,
-    )
-    return fit(with_reserve(memory, cfg, layout, c.system), c.system.device)
+    memory = predicted_memory(cfg, layout, c.system, c.software, gpus)
+    return fit(memory, c.system.device)
 
 
 def _comm_order(cfg: RunConfig, c: Compute) -> list[CpComm]:
