@@ -11,9 +11,10 @@ to a training result). A device file's `[device.achieved] reserved_gib`, when gi
 replaces the whole formula (a user who measured theirs; CPU calibration files keep 1 GiB).
 
 Sources (NCCL `src/` read at NVIDIA/nccl 5067397, June 2026; figures also in older releases):
-- CUDA context with the libraries' kernels: 287 MB under lazy module loading
-  (`CUDA_MODULE_LOADING=LAZY`, PyTorch's default since 1.13 / CUDA 11.7), 667 MB eager:
-  PyTorch PR #86509's measurement (https://github.com/pytorch/pytorch/pull/86509).
+- CUDA context with the libraries' kernels: 0.75 GiB under lazy module loading
+  (`CUDA_MODULE_LOADING=LAZY`, PyTorch's default since 1.13 / CUDA 11.7), measured on one
+  H100 with torch 2.11 and CUDA 13.0 (`CUDA_CONTEXT_BYTES`); PyTorch PR #86509 measured
+  287 MB lazy and 667 MB eager on an older stack (https://github.com/pytorch/pytorch/pull/86509).
 - One NCCL connection's buffers, per protocol (`src/init.cc` `computeBuffSizes`): LL
   `NCCL_LL_LINES_PER_THREAD x NCCL_LL_MAX_NTHREADS x NCCL_STEPS x 16 B` = 8 x 512 x 8 x 16 =
   512 KiB; LL128 `NCCL_LL128_ELEMS_PER_THREAD x NCCL_LL128_MAX_NTHREADS x NCCL_STEPS x 8 B` =
@@ -57,11 +58,12 @@ Not sourced (named terms, kept conservative):
   an [s b, h] tensor whose bytes are a multiple of 2 MiB, e.g. s = 2048 with h a multiple of
   512; not counted), but no source gives how much of a step's churn stays unreusable.
   `FRAGMENTED_TRANSIENTS` reserves the largest transient tensor once more
-  (`largest_transient`: the fp32 logit gradient [s b, v/t] on the last stage, else the
-  MLP's [s b, parts f/t] input-of-activation gradient): a smaller request may split that
-  block while it is free, so the next request of its size needs a new segment. It grows
-  with the activations (b, s), as fragmentation does; a GPU run should replace it
-  (BENCHMARKS.md says what to measure).
+  (`largest_transient`: on the last stage the loss's logit gradient, fp32 [s b, v/t], or
+  compiled at t = 1 the 16-bit [s b, v] buffer it shares with the logits; else the MLP's
+  [s b, parts f/t] input-of-activation gradient): a smaller request may split that block
+  while it is free, so the next request of its size needs a new segment. It grows with
+  the activations (b, s), as fragmentation does. On one H100 the allocator held 0.28-2.83
+  GiB beside the peak, against 1.53-3.07 GiB from this term (BENCHMARKS.md).
 - The communicators a rank does not run anything on are still counted (PyTorch creates a
   group's NCCL communicator at its first collective; ptdp uses every group it builds).
 """
@@ -79,9 +81,12 @@ from ptdp.perf.memory import MemoryEstimate, element_bytes
 from ptdp.pipeline.placement import Placement
 
 MIB = 2**20
-CUDA_CONTEXT_BYTES = 287e6
+CUDA_CONTEXT_BYTES = 0.75 * 2**30
 """The CUDA context with the libraries' kernels under lazy module loading, PyTorch's default
-since 1.13 (667e6 eager): PyTorch PR #86509's measurement."""
+since 1.13: measured on one H100 (torch 2.11, CUDA 13.0) as what a training process used
+beyond PyTorch's reserved memory, 0.749-0.753 GiB in seven runs, eager and compiled, 125M
+to 4B parameters (BENCHMARKS.md, "One H100: the GPU check"); PyTorch PR #86509 had 287 MB
+for an older stack."""
 CONNECTION_BYTES = 12 * MIB
 """One NVLink or collective connection and channel: LL + LL128 + Simple = 9.19 MiB in 2 MiB
 granules at the receiver (10 MiB) and 2 MiB at the sender (NVIDIA/nccl #1685)."""
@@ -249,13 +254,15 @@ def _position(layout: Layout, stage_rank: int, gpus_per_node: int) -> tuple[int,
 
 def largest_transient(cfg: RunConfig, layout: Layout, last_stage: bool) -> float:
     """Bytes of the largest tensor a backward allocates and frees on one rank: the MLP's
-    input-of-activation gradient [s b, parts f/t], or on the last stage the loss's fp32
-    logit gradient [s b, v/t] (`ptdp.perf.memory`'s transients; s/cp tokens under cp)."""
-    model, t = cfg.model, layout.tp
+    input-of-activation gradient [s b, parts f/t], or on the last stage the loss's logit
+    gradient, fp32 [s b, v/t], or compiled at t = 1 the 16-bit [s b, v] buffer it writes
+    over the saved logits (`ptdp.perf.memory`'s transients; s/cp tokens under cp)."""
+    model, t, e = cfg.model, layout.tp, element_bytes(cfg.train.precision)
     tokens = model.seq_length // layout.cp * cfg.train.micro_batch_size
     parts = 2 if model.activation is Activation.SWIGLU else 1
-    mlp = element_bytes(cfg.train.precision) * parts * model.ffn_size // t
-    logits = 4 * (model.padded_vocab_size(t) // t) if last_stage else 0
+    mlp = e * parts * model.ffn_size // t
+    per_logit = e if cfg.train.compile and t == 1 else 4
+    logits = per_logit * (model.padded_vocab_size(t) // t) if last_stage else 0
     return float(tokens * max(mlp, logits))
 
 
