@@ -56,7 +56,8 @@ from dataclasses import dataclass, replace
 from ptdp.config import Activation, ModelConfig, Precision, Recompute
 from ptdp.perf.hardware import Link, System
 from ptdp.perf.kernels import layer_traffic
-from ptdp.perf.memory import element_bytes, head_activation_bytes, layer_activation_bytes
+from ptdp.perf.memory import head_activation_bytes, layer_activation_bytes
+from ptdp.perf.parameters import element_bytes
 
 
 @dataclass(frozen=True)

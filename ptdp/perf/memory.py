@@ -61,10 +61,10 @@ Known omissions: p2p receive buffers and grouped-query attention's smaller K and
 (counted as full heads); fused attention's logsumexp and the norms' mean and 1/std (under
 0.3% of a layer at s = 1024); with a tied embedding on one stage, the output weight's
 16-bit gradient, alive from the loss's backward to the embedding's; the CUDA context, NCCL
-buffers and allocator waste are the
-reserve (`ptdp.perf.reserve`). The in-flight count is ptdp's plan's: Megatron-LM 2021's
-interleaved code (`--software megatron-2021`, `ptdp.perf.megatron2021`) at m = p ran all
-forwards first, so its ranks past the middle held m v forwards, more than counted here.
+buffers and allocator waste are the reserve (`ptdp.perf.reserve`). The in-flight count is
+ptdp's plan's: Megatron-LM 2021's interleaved code (`--software megatron-2021`,
+`ptdp.perf.megatron2021`) at m = p ran all forwards first, so its ranks past the middle
+held m v forwards, more than counted here.
 
 Letters: s = sequence, b = micro-batch, h = hidden, f = MLP width, v = vocabulary,
 t = tensor-parallel size, e = bytes per activation element.
@@ -86,124 +86,17 @@ from ptdp.config import (
 from ptdp.layout import Layout, validate
 from ptdp.perf import context
 from ptdp.perf.activations import activation_bytes_per_layer
+from ptdp.perf.parameters import (
+    bytes_per_parameter,
+    element_bytes,
+    layer_parameters,
+    parameters_per_rank,
+    parameters_per_stage,
+)
 from ptdp.pipeline.actions import RELEASE_KINDS, Kind
 from ptdp.pipeline.partition import layer_ranges
-from ptdp.pipeline.placement import Placement, StageMap
 from ptdp.pipeline.plan import PipelinePlan
 from ptdp.pipeline.schedules import SCHEDULES
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes per local parameter of the model state."""
-
-    params: float
-    grads: float
-    optimizer: float
-
-
-def bytes_per_parameter(precision: Precision, *, zero: int = 0, dp: int = 1) -> StateBytes:
-    """Weights, gradient buffer and optimizer state per parameter, as the runtime keeps them
-    at ZeRO level `zero` (persistent state; ZeRO-2's buckets in flight are apart)."""
-    state = dp if zero >= 1 else 1
-    grads = 4.0 / (dp if zero >= 2 else 1)
-    weights = 1 / (dp if zero >= 3 else 1)
-    if precision is Precision.FP32:
-        return StateBytes(4.0 * weights, grads, 8.0 / state)
-    return StateBytes(2.0 * weights, grads, 12.0 / state)  # fp32 master (4) + AdamW moments (8)
-
-
-def element_bytes(precision: Precision) -> int:
-    """Bytes of one activation element."""
-    return 4 if precision is Precision.FP32 else 2
-
-
-def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
-    """Parameters of one transformer layer on one tensor-parallel rank.
-
-    Column-parallel weights and biases (QKV, fc1) and row-parallel weights (projection,
-    fc2) are split over t; row-parallel biases and the norms are replicated. With
-    model.qkv_bias alone (Qwen2) only QKV has a bias.
-    """
-    h, f, t = model.hidden_size, model.ffn_size, tp
-    qkv = h + 2 * model.query_groups * model.head_dim
-    parts = 2 if model.activation is Activation.SWIGLU else 1
-    weights = (h * qkv + h * h + h * f * parts + f * h) // t
-    if model.bias:
-        biases = (qkv + f * parts) // t + 2 * h
-    else:
-        biases = qkv // t if model.qkv_bias else 0
-    norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
-    return weights + biases + 2 * norm
-
-
-def parameters_per_stage(
-    model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int = 1, layers: tuple[int, ...] = ()
-) -> list[int]:
-    """Local parameters of each virtual stage on one tensor-parallel rank.
-
-    `layers`: each stage's layer count (`Layout.stage_layers`); empty = an even split.
-    Stage 0 holds the embedding; the last stage the final norm and the output layer,
-    which with pp * vpp > 1 is a separate copy even when tied to the embedding.
-    """
-    h, v, stages = model.hidden_size, model.padded_vocab_size(tp), pp * vpp
-    layers = layers or (model.num_layers // stages,) * stages
-    counts = [n * layer_parameters(model, tp) for n in layers]
-    counts[0] += v // tp * h
-    if model.position_embedding is PositionEmbedding.LEARNED:
-        counts[0] += model.seq_length * h
-    norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
-    counts[-1] += norm
-    if not (model.tie_embeddings and stages == 1):
-        counts[-1] += v // tp * h
-    return counts
-
-
-def layer_tensors(model: ModelConfig) -> int:
-    """Parameter tensors of one transformer layer: the fused QKV, projection, fc1 (SwiGLU's
-    gate and up in one) and fc2 weights, their biases, and two norms."""
-    biases = 4 if model.bias else 1 if model.qkv_bias else 0
-    norm = 2 if model.normalization is Normalization.LAYERNORM and model.bias else 1
-    return 4 + biases + 2 * norm
-
-
-def tensors_per_rank(
-    model: ModelConfig,
-    pp: int = 1,
-    vpp: int = 1,
-    layers: tuple[int, ...] = (),
-    placement: Placement = Placement.LOOPED,
-) -> list[int]:
-    """Parameter tensors on each pipeline rank (what a per-tensor optimizer loop visits), as
-    `parameters_per_stage` places them: the embedding (and learned positions) on stage 0,
-    the final norm and output layer (a copy when tied, unless one stage holds both) last."""
-    stages_n = pp * vpp
-    layers = layers or (model.num_layers // stages_n,) * stages_n
-    counts = [n * layer_tensors(model) for n in layers]
-    counts[0] += 2 if model.position_embedding is PositionEmbedding.LEARNED else 1
-    counts[-1] += 2 if model.normalization is Normalization.LAYERNORM and model.bias else 1
-    if not (model.tie_embeddings and stages_n == 1):
-        counts[-1] += 1
-    stages, out = StageMap(pp, vpp, placement), [0] * pp
-    for stage, count in enumerate(counts):
-        out[stages.rank(stage)] += count
-    return out
-
-
-def parameters_per_rank(
-    model: ModelConfig,
-    tp: int = 1,
-    pp: int = 1,
-    vpp: int = 1,
-    layers: tuple[int, ...] = (),
-    placement: Placement = Placement.LOOPED,
-) -> list[int]:
-    """Local parameters on one tensor rank of each pipeline rank (its stages by `placement`)."""
-    stages = StageMap(pp, vpp, placement)
-    counts = [0] * pp
-    for stage, count in enumerate(parameters_per_stage(model, tp, pp, vpp, layers)):
-        counts[stages.rank(stage)] += count
-    return counts
 
 
 def layer_activation_bytes(

@@ -77,7 +77,8 @@ from dataclasses import dataclass, replace
 from ptdp.config import Activation, CpComm, RunConfig
 from ptdp.layout import COMBINED, ORDER, Layout
 from ptdp.perf.hardware import Device, System
-from ptdp.perf.memory import MemoryEstimate, element_bytes
+from ptdp.perf.memory import MemoryEstimate
+from ptdp.perf.parameters import element_bytes
 from ptdp.pipeline.placement import Placement
 
 MIB = 2**20

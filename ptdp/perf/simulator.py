@@ -37,13 +37,8 @@ from ptdp.perf.flops import flops_per_iteration, utilisation
 from ptdp.perf.hardware import System
 from ptdp.perf.kernels import Call
 from ptdp.perf.megatron2021 import megatron_2021_interleaved
-from ptdp.perf.memory import (
-    MemoryEstimate,
-    estimate_memory,
-    parameters_per_rank,
-    parameters_per_stage,
-    tensors_per_rank,
-)
+from ptdp.perf.memory import MemoryEstimate, estimate_memory
+from ptdp.perf.parameters import parameters_per_rank, parameters_per_stage, tensors_per_rank
 from ptdp.perf.replay import PipelineCosts, PipelineRun, replay, replay_steady
 from ptdp.perf.reserve import with_reserve
 from ptdp.perf.timeline import Event

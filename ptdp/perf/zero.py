@@ -38,7 +38,8 @@ from dataclasses import replace
 from ptdp.config import RunConfig
 from ptdp.layout import Layout
 from ptdp.perf.costs import Compute, Passes, gather_seconds, group_link, sync_seconds
-from ptdp.perf.memory import parameters_per_stage, reshard_after_forward
+from ptdp.perf.memory import reshard_after_forward
+from ptdp.perf.parameters import parameters_per_stage
 
 
 def exposed_seconds(comm: float, compute: float, layers: int) -> float:

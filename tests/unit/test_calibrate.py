@@ -189,7 +189,7 @@ def test_the_optimizer_step_pays_its_measured_overhead_per_tensor(calibrated: Pa
 
     from ptdp.config import RunConfig, apply_updates
     from ptdp.layout import validate
-    from ptdp.perf.memory import tensors_per_rank
+    from ptdp.perf.parameters import tensors_per_rank
     from ptdp.perf.simulator import optimizer_seconds
 
     system = load_system(calibrated)

@@ -13,13 +13,9 @@ from ptdp.perf import context
 from ptdp.perf.context_costs import cp_comm_seconds, ring_link
 from ptdp.perf.costs import DEEPSPEED_2021, MEGATRON_2021, PTDP, Compute, gather_seconds, group_link
 from ptdp.perf.hardware import GIB, load_system
-from ptdp.perf.memory import (
-    bytes_per_parameter,
-    estimate_memory,
-    layer_parameters,
-    parameters_per_stage,
-)
+from ptdp.perf.memory import estimate_memory
 from ptdp.perf.paper import TABLE_2, preset_config, table2_run
+from ptdp.perf.parameters import bytes_per_parameter, layer_parameters, parameters_per_stage
 from ptdp.perf.planner import plan
 from ptdp.perf.reserve import fit
 from ptdp.perf.search import context_sizes

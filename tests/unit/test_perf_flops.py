@@ -22,8 +22,8 @@ from ptdp.perf.flops import (
     paper_parameter_count,
     utilisation,
 )
-from ptdp.perf.memory import parameters_per_rank
 from ptdp.perf.paper import TABLE_1, preset
+from ptdp.perf.parameters import parameters_per_rank
 
 DAY = 86400
 

@@ -11,19 +11,17 @@ from ptdp.config import Precision, Recompute, RunConfig, apply_updates
 from ptdp.model.gpt import GPT
 from ptdp.parallel.comm import Group
 from ptdp.perf.memory import (
-    bytes_per_parameter,
     estimate_memory,
     head_activation_bytes,
     head_backward_bytes,
     in_flight,
     layer_activation_bytes,
     layer_backward_bytes,
-    parameters_per_rank,
     stage_in_flight,
     stash_bytes_per_layer,
-    tensors_per_rank,
 )
 from ptdp.perf.paper import preset
+from ptdp.perf.parameters import bytes_per_parameter, parameters_per_rank, tensors_per_rank
 from ptdp.perf.validation import measure_cpu_memory
 from ptdp.pipeline.partition import layer_ranges
 from ptdp.pipeline.placement import StageMap

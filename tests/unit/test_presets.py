@@ -14,8 +14,8 @@ from ptdp.config import RopeScaling
 from ptdp.model.gpt import GPT, count_parameters
 from ptdp.parallel.comm import Group
 from ptdp.perf.flops import flops_per_token
-from ptdp.perf.memory import parameters_per_stage
 from ptdp.perf.paper import model_config
+from ptdp.perf.parameters import parameters_per_stage
 from ptdp.presets import MODEL_PRESETS, model_preset
 
 PUBLISHED = {
