@@ -1,0 +1,150 @@
+"""Where a one-process step's time goes, beside the performance model's terms for it.
+
+Issue 22, item 2's diagnosis. For each one-process configuration of
+`benchmarks/prediction.py` (or those `--only` names), ptdp's `Trainer` takes warm-up steps
+and then timed ones, with the transformer layers' forward and backward timed by module
+hooks (which add a little time of their own), the forward-backward and the optimizer step
+apart; beside each phase, the model's figure from the calibration file: the layers'
+F and B + W (`Prediction.layer` x layers x microbatches), the optimizer step
+(`Prediction.optimizer_seconds`) and the rest (embedding, head, loss, the data). Also the
+optimizer step repeated at once after the timed one: the same work on warm caches, to show
+how much a step's own order costs it.
+
+    python benchmarks/step_phases.py --calibration runs/benchmarks/calibration.toml
+    python benchmarks/step_phases.py --calibration FILE --only 1p-base 1p-s32
+    python benchmarks/step_phases.py --tiny --calibration a100-80gb   # seconds (the test)
+
+Prints a markdown table; writes no file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ptdp.model.gpt import TransformerLayer
+from ptdp.parallel.env import LaunchEnv
+from ptdp.perf.hardware import load_system
+from ptdp.train.run import prepare
+from ptdp.train.step.trainer import Trainer
+
+try:
+    from benchmarks.prediction import CASES, case_config, predict
+    from benchmarks.zero import corpus
+except ModuleNotFoundError:  # run as `python benchmarks/x.py`
+    from prediction import CASES, case_config, predict
+    from zero import corpus
+
+PHASES = ("step", "layers_f", "layers_b", "rest", "optimizer", "optimizer_again")
+
+
+def _hook_layers(trainer: Trainer, spent: dict[str, float]) -> None:
+    """Add each transformer layer's forward and backward wall time to `spent`."""
+    started: dict[tuple[str, int], float] = {}
+
+    def begin(kind: str, i: int):  # noqa: ANN202 - a hook
+        return lambda *_: started.__setitem__((kind, i), time.perf_counter())
+
+    def end(kind: str, i: int):  # noqa: ANN202 - a hook
+        def hook(*_: object) -> None:
+            spent[kind] += time.perf_counter() - started[(kind, i)]
+
+        return hook
+
+    layers = [m for m in trainer.model.modules() if isinstance(m, TransformerLayer)]
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(begin("layers_f", i))
+        layer.register_forward_hook(end("layers_f", i))
+        layer.register_full_backward_pre_hook(begin("layers_b", i))
+        layer.register_full_backward_hook(end("layers_b", i))
+
+
+def measure(cfg, warmup: int, steps: int) -> dict[str, float]:  # noqa: ANN001 - a RunConfig
+    """Median milliseconds of each phase over `steps` steps after `warmup`."""
+    env = LaunchEnv(0, 1, 0)
+    cfg, layout, data = prepare(cfg, env)
+    trainer = Trainer(cfg, layout, env, data)
+    spent = {"layers_f": 0.0, "layers_b": 0.0}
+    _hook_layers(trainer, spent)
+    rows = []
+    for i in range(warmup + steps):
+        spent["layers_f"] = spent["layers_b"] = 0.0
+        start = time.perf_counter()
+        loss = trainer.forward_backward()
+        backward_done = time.perf_counter()
+        trainer.optimizer_step(loss)
+        done = time.perf_counter()
+        trainer.optimizer.clip(cfg.optim.grad_clip, trainer.optimizer.grad_norm())
+        trainer.optimizer.step()  # the same update again, on warm caches (not counted)
+        again = time.perf_counter() - done
+        trainer.step += 1
+        if i >= warmup:
+            layers = spent["layers_f"] + spent["layers_b"]
+            rest = backward_done - start - layers
+            row = (done - start, spent["layers_f"], spent["layers_b"], rest, done - backward_done)
+            rows.append(dict(zip(PHASES, (*row, again))))
+    if trainer.watchdog:
+        trainer.watchdog.close()
+    return {k: 1e3 * statistics.median(r[k] for r in rows) for k in PHASES}
+
+
+def modelled(cfg, system) -> dict[str, float]:  # noqa: ANN001 - a RunConfig, a System
+    """The model's milliseconds for the same phases (no repeat: the model has one step)."""
+    p = predict(cfg, 1, system)
+    resolved = prepare(cfg, LaunchEnv(0, 1, 0))[0]
+    passes = resolved.model.num_layers * (
+        resolved.train.global_batch_size // resolved.train.micro_batch_size
+    )
+    f, b = passes * p.layer.f, passes * (p.layer.b + p.layer.w)
+    step, optimizer = p.iteration_seconds, p.optimizer_seconds
+    return {
+        k: 1e3 * v
+        for k, v in zip(PHASES, (step, f, b, step - f - b - optimizer, optimizer, optimizer))
+    }
+
+
+def table(rows: list[tuple[str, dict[str, float], dict[str, float]]]) -> list[str]:
+    lines = [
+        "| config | step ms (model) | layers F | layers B | rest of F + B | optimizer "
+        "| optimizer again at once |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, got, want in rows:
+        cells = [f"{got[k]:.1f} ({want[k]:.1f})" for k in PHASES[:-1]]
+        lines.append(f"| {name} | {' | '.join(cells)} | {got['optimizer_again']:.1f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[tuple[str, dict, dict]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calibration", required=True, metavar="FILE",
+                        help="`ptdp calibrate`'s file (or a built-in name)")  # fmt: skip
+    one_process = [c.name for c in CASES if c.world == 1]
+    parser.add_argument("--only", nargs="+", default=one_process, metavar="NAME",
+                        help=f"of {', '.join(one_process)}")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=9, help="timed steps (their median)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (the test)")
+    args = parser.parse_args(argv)
+    if unknown := sorted(set(args.only) - set(one_process)):
+        parser.error(f"--only: {', '.join(unknown)} not one-process cases ({one_process})")
+    torch.set_num_threads(1)  # as each rank of the prediction benchmark
+    system = load_system(args.calibration)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = corpus(Path(tmp) / "data")
+        for case in [c for c in CASES if c.name in args.only]:
+            cfg = case_config(case, data, f"{tmp}/runs", args.tiny)
+            rows.append((case.name, measure(cfg, args.warmup, args.steps), modelled(cfg, system)))
+            print(table(rows[-1:])[-1], flush=True)
+    print("\n".join(table(rows)))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
