@@ -574,12 +574,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # version, say) is named and skipped, and the rest still run.
         for impl in ["ptdp", *peers]:
             for name in names:
-                if impl == "ptdp":
-                    record(measure(args, name, impl, MODELS[name], data, "none"))
-                    continue
                 try:
                     record(measure(args, name, impl, MODELS[name], data, "none"))
                 except Exception as e:  # noqa: BLE001 -- a peer's failure is reported, not ours
+                    if impl == "ptdp":
+                        raise
                     print(f"peer {impl} on {name} failed, skipped: {type(e).__name__}: {e}")
                     _free(torch.device(args.device))
         if args.fill:

@@ -96,10 +96,7 @@ def measure(cfg, warmup: int, steps: int) -> dict[str, float]:  # noqa: ANN001 -
 def modelled(cfg, system) -> dict[str, float]:  # noqa: ANN001 - a RunConfig, a System
     """The model's milliseconds for the same phases (no repeat: the model has one step)."""
     p = predict(cfg, 1, system)
-    resolved = prepare(cfg, LaunchEnv(0, 1, 0))[0]
-    passes = resolved.model.num_layers * (
-        resolved.train.global_batch_size // resolved.train.micro_batch_size
-    )
+    passes = cfg.model.num_layers * (cfg.train.global_batch_size // cfg.train.micro_batch_size)
     f, b = passes * p.layer.f, passes * (p.layer.b + p.layer.w)
     step, optimizer = p.iteration_seconds, p.optimizer_seconds
     return {

@@ -14,14 +14,13 @@ def test_phases_measured_and_modelled_add_up(capsys) -> None:
     rows = bench.main(argv)
     assert [name for name, _, _ in rows] == ["1p-base", "1p-s32"]
     for _, got, want in rows:
+        # Every hook fired: each layer's forward and backward inside the step, some of the
+        # forward-backward outside the layers (embedding, head, loss, data).
         assert min(got.values()) > 0, got
-        # Measured: the layers and the rest are the forward-backward, then the optimizer.
-        parts = got["layers_f"] + got["layers_b"] + got["rest"] + got["optimizer"]
-        assert parts == pytest.approx(got["step"], rel=1e-9)
-        # Modelled: the same split of the simulated step.
-        parts = want["layers_f"] + want["layers_b"] + want["rest"] + want["optimizer"]
-        assert parts == pytest.approx(want["step"], rel=1e-9)
-        assert want["layers_f"] > 0 and want["layers_b"] > want["layers_f"]
+        assert got["layers_f"] + got["layers_b"] < got["step"]
+        # The model's split: a layer's backward (B + W) costs more than its forward.
+        assert 0 < want["layers_f"] < want["layers_b"] < want["step"]
+        assert 0 < want["optimizer"] < want["step"]
     out = capsys.readouterr().out
     assert out.count("| 1p-base |") == 2 and "| step ms (model) |" in out
 
