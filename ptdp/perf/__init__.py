@@ -15,6 +15,7 @@ planner.py      layouts that fit, ranked by simulated throughput, explained: sea
                 explain.py says why; plan_keys.py is the command line's pins
 timeline.py     TimelineRecorder for the runtime, Chrome traces and PNG charts
 paper.py        the paper's model presets and published figures; validation.py checks them
-calibrate.py    `ptdp calibrate`: microbench.py times this machine, fit.py fits the constants,
-                calibration_file.py writes them as a cluster file for hardware.py
+calibrate.py    `ptdp calibrate`: microbench.py times this machine (timing.py: how each call
+                is timed; waits.py: a collective's cost in place), fit.py fits the
+                constants, calibration_file.py writes them as a cluster file for hardware.py
 """

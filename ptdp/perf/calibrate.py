@@ -62,6 +62,7 @@ from ptdp.perf.calibration_file import Calibration, CollectiveFit, render_toml, 
 from ptdp.perf.fit import LinkFit, collective_bytes, fit_latency_bandwidth, monotone_curve
 from ptdp.perf.flops import DENSE_PEAK_TFLOPS, device_kind
 from ptdp.perf.hardware import GIB, System, load_system, system_for_device_name
+from ptdp.perf.timing import Timing
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Sweep:
     message_bytes: tuple[int, ...]
     max_call_s: float
     """Skip any GEMM or attention call predicted to take longer than this."""
-    timing: mb.Timing
+    timing: Timing
 
 
 KIB, MIB = 2**10, 2**20
@@ -102,7 +103,7 @@ SWEEPS: dict[tuple[str, bool], Sweep] = {
         stream_bytes=(4 * MIB, 32 * MIB, 512 * MIB),  # to past an H100's 50 MB L2
         message_bytes=tuple(64 * KIB * 4**i for i in range(7)),  # to 256 MiB
         max_call_s=0.5,
-        timing=mb.Timing(0.05, 5),
+        timing=Timing(0.05, 5),
     ),
     ("cuda", True): Sweep(
         hidden=(512, 2048, 8192),
@@ -115,7 +116,7 @@ SWEEPS: dict[tuple[str, bool], Sweep] = {
         stream_bytes=(8 * MIB, 128 * MIB),
         message_bytes=(64 * KIB, 4 * MIB, 64 * MIB),
         max_call_s=0.2,
-        timing=mb.Timing(0.01, 3),
+        timing=Timing(0.01, 3),
     ),
     ("cpu", False): Sweep(
         hidden=(64, 128, 256, 512, 1024, 2048, 4096),
@@ -128,7 +129,7 @@ SWEEPS: dict[tuple[str, bool], Sweep] = {
         stream_bytes=(256 * KIB, 2 * MIB, 16 * MIB, 64 * MIB),  # to past a server CPU's LLC
         message_bytes=tuple(4 * KIB * 4**i for i in range(7)),  # to 16 MiB
         max_call_s=0.25,
-        timing=mb.Timing(0.03, 7),  # short batches, many: some miss a neighbour's job
+        timing=Timing(0.03, 7),  # short batches, many: some miss a neighbour's job
     ),
     ("cpu", True): Sweep(  # the shapes of small CPU runs (benchmarks/prediction.py's)
         hidden=(32, 64, 128, 256),
@@ -141,7 +142,7 @@ SWEEPS: dict[tuple[str, bool], Sweep] = {
         stream_bytes=(256 * KIB, 2 * MIB),
         message_bytes=(4 * KIB, 64 * KIB, 1 * MIB),
         max_call_s=0.02,
-        timing=mb.Timing(0.005, 7),  # as the default: many short batches on a shared CPU
+        timing=Timing(0.005, 7),  # as the default: many short batches on a shared CPU
     ),
 }
 """Defaults by device type: under five minutes on one GPU or a small CPU; --quick: seconds."""

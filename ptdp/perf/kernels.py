@@ -7,12 +7,14 @@ bandwidth over the bytes one call moves, from inside the caches to past them
 around attention are priced one by one from the bytes each call moves, instead of as
 `Software.elementwise_traffic` times the bytes the layer stores, at one typical bandwidth.
 Why: on the 2-core CPU of BENCHMARKS.md the kernels' rates past the caches differ 20 to 40-fold
-(GeLU's tanh is compute-bound there, an add streams), and a small model's tensors stay in
-the caches, where layer norm ran 4-8 times faster than past them; priced at the median
-past the caches, the memory-bound term of that benchmark's layers came to 3.3-4.1 times
-the sum of its kernels each at its own rate, and the one-process steps were predicted up
-to 30% slow. Inside ptdp's layer, GeLU on 1 MiB took 459 us a call (no profiler), its
-calibrated rate's 447. Devices whose file has no such table (the built-in GPU files) keep
+(GeLU's tanh is compute-bound there, an add streams); priced at the median past the
+caches, the memory-bound term of that benchmark's layers came to 3.3-4.1 times the sum of
+its kernels each at its own rate, and the one-process steps were predicted up to 30% slow.
+On a CPU each rate is timed one call at a time between the other kernels
+(`ptdp.perf.timing.in_context_seconds`), as a step runs them: timed back to back, a small
+kernel keeps its tensors in the core's private caches and ran 2-8 times faster on the Xeon
+of BENCHMARKS.md than between other kernels, and the one-process steps there were
+predicted 13-31% fast. Devices whose file has no such table (the built-in GPU files) keep
 the single term of costs.py.
 
 What one layer runs per microbatch on one rank (ptdp/model/gpt.py, as a profile of its

@@ -1,14 +1,10 @@
 """Microbenchmarks on the local device for `ptdp calibrate`: GEMMs, fused attention,
 memory-bound kernels, a kernel launch, and the collectives the runtime uses.
 
-On CUDA, work is timed with CUDA events recorded around the calls and the host waits on the
-end event (kernels are asynchronous: a host clock alone would time the launches); the
-device is synchronised before each batch so no earlier work leaks in. On CPU the host
-clock times the calls at torch's thread count, the one `ptdp train` runs with (it keeps
-torch's default, or OMP_NUM_THREADS as torchrun sets it). Each figure is the time per
-call of the fastest of a few batches, each long enough to dwarf the clock's resolution:
-other work on a shared machine (preemption, a neighbour's job) only ever adds time, so the
-fastest batch is the closest to what the hardware does.
+How each is timed is `ptdp.perf.timing`'s: GEMMs and collectives as the fastest of a few
+batches, the GEMMs' operands rotating past the caches; on CPU the memory-bound kernels and
+attention one call at a time between the others, as a training step runs them
+(`in_context_seconds`), on CUDA in batches timed by events.
 
 Collectives go through `ptdp.parallel.comm` (the only module that calls them); every rank
 runs the same number of calls, and a batch's time is the slowest rank's.
@@ -21,68 +17,33 @@ from __future__ import annotations
 
 import functools
 import itertools
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from ptdp.parallel import comm
-
-
-@dataclass(frozen=True)
-class Timing:
-    """How long to time each figure: `trials` batches of calls lasting `min_seconds` each."""
-
-    min_seconds: float
-    trials: int
-    max_calls: int = 1000
-
-    def calls(self, one: float) -> int:
-        """Calls per batch for a call that took `one` seconds: `min_seconds` of them."""
-        return max(1, min(self.max_calls, int(self.min_seconds / max(one, 1e-7))))
-
-    def at_least(self, trials: int) -> Timing:
-        """The same batches, `trials` of them or more (figures that move between batches)."""
-        return replace(self, trials=max(self.trials, trials))
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_call(fn: Callable[[], object], device: torch.device, timing: Timing) -> float:
-    """Seconds per call of `fn` in the fastest batch (after one untimed warm-up call)."""
-    fn()  # warm-up: allocations, kernel selection, lazy initialisation
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    one = time.perf_counter() - start
-    calls = timing.calls(one)
-    per_call = []
-    for _ in range(timing.trials):
-        synchronize(device)
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            per_call.append(begin.elapsed_time(end) / 1e3 / calls)  # elapsed_time is in ms
-        else:
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            per_call.append((time.perf_counter() - start) / calls)
-    return min(per_call)
-
+from ptdp.perf.timing import (
+    Timing,
+    in_context_seconds,
+    interleaved_seconds,
+    synchronize,
+    time_call,
+)
 
 # ----------------------------------------------------------------------------- compute
+
+
+def _kernel_timer(device: torch.device) -> Callable[..., list[float]]:
+    """How attention and the memory-bound kernels are timed: on CPU one call at a time
+    between the others (`in_context_seconds`: a CPU's small kernels ran 2-8 times faster
+    repeated than inside a step); on CUDA in interleaved batches (a GPU kernel's operands
+    come from HBM either way, and single calls would time the host)."""
+    return in_context_seconds if device.type == "cpu" else interleaved_seconds
 
 
 @dataclass(frozen=True)
@@ -184,7 +145,7 @@ def attention_seconds(
     fastest round leaves out, instead of every batch of one shape (a backward 2.6 times
     its value in the calibrations before and after, timed shape by shape)."""
     fns = [fn for shape in shapes for fn in attention_calls(shape, dtype, device)]
-    times = interleaved_seconds(fns, device, timing)
+    times = _kernel_timer(device)(fns, device, timing)
     return [(fwd, max(0.0, both - fwd)) for fwd, both in zip(times[::2], times[1::2])]
 
 
@@ -255,7 +216,7 @@ def stream_seconds(
     """(bytes moved, seconds) of one call of each (kernel, input bytes, backward), timed in
     interleaved rounds (as `attention_seconds`, for the same reason)."""
     made = [stream_call(k, n, dtype, device, backward=b) for k, n, b in calls]
-    times = interleaved_seconds([fn for _, fn in made], device, timing)
+    times = _kernel_timer(device)([fn for _, fn in made], device, timing)
     return [(nbytes, seconds) for (nbytes, _), seconds in zip(made, times)]
 
 
@@ -339,8 +300,12 @@ def collective_seconds(
     device: torch.device,
     timing: Timing,
 ) -> float:
-    """Seconds per call of `op` over `g` in the fastest batch, each batch timed by its slowest
-    rank, every rank in step."""
+    """Seconds per call of `op` over `g`, each batch timed by its slowest rank, every rank in
+    step: the fastest batch on CUDA, the median batch on CPU. A CPU's collective runs on
+    gloo's threads, which share the cores with the ranks' own: some calls wait out a
+    scheduler slice for them, a step pays those too, and the fastest batch leaves them out
+    (on the Xeon of BENCHMARKS.md, 15 batches of a 256 KiB all-reduce ranged from 385 to
+    985 us a call, median 621; tp = 2 steps paid 1.0-1.8 ms a call on average)."""
     fn = _collective_call(op, nbytes, g, dtype, device)
 
     def batch(calls: int) -> float:
@@ -349,37 +314,11 @@ def collective_seconds(
     batch(1)  # warm-up: NCCL builds the group's communicator on its first call
     one = batch(1)
     calls = timing.calls(one)
-    return min(batch(calls) for _ in range(timing.trials))
+    times = [batch(calls) for _ in range(timing.trials)]
+    return statistics.median(times) if device.type == "cpu" else min(times)
 
 
 # ----------------------------------------------------------------------------- framework
-
-
-def interleaved_seconds(
-    fns: list[Callable[[], object]], device: torch.device, timing: Timing
-) -> list[float]:
-    """Seconds per call of each of `fns`, the fastest of `timing.trials` batches, with one
-    batch of each in turn per trial: figures that are subtracted from each other then see
-    the same moments of a shared machine, not one a quiet moment and the other a busy one."""
-    calls = []
-    for fn in fns:
-        fn()  # warm-up
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        one = time.perf_counter() - start
-        calls.append(timing.calls(one))
-    best = [float("inf")] * len(fns)
-    for _ in range(timing.trials):
-        for i, (fn, n) in enumerate(zip(fns, calls)):
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            synchronize(device)
-            best[i] = min(best[i], (time.perf_counter() - start) / n)
-    return best
 
 
 TINY_GPT = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 8, "vocab_size": 64}

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import torch
 
 from ptdp.parallel import comm
-from ptdp.perf.microbench import TINY_GPT, Timing, lockstep_batch, tiny_gpt
+from ptdp.perf.microbench import TINY_GPT, lockstep_batch, tiny_gpt
+from ptdp.perf.timing import Timing
 
 SYNC_ROUNDS = 45
 """Rounds of `collective_sync`. On a 2-vCPU VM (2026-11-25) four back-to-back runs over 15

@@ -16,6 +16,7 @@ from ptdp.perf.calibrate import SWEEPS, calibrate, write_calibration
 from ptdp.perf.costs import all_reduce_seconds
 from ptdp.perf.fit import collective_bytes
 from ptdp.perf.hardware import load_system
+from ptdp.perf.timing import Timing
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -31,7 +32,7 @@ def _calibrate(rank: int, world_size: int, out: str) -> None:
         stream_bytes=(256 * KIB,),
         attention_dims=(),
         message_bytes=(4 * KIB, 256 * KIB, 4096 * KIB, 16384 * KIB),
-        timing=mb.Timing(0.01, 5),
+        timing=Timing(0.01, 5),
     )
     cal = calibrate(torch.device("cpu"), sweep, progress=False)
     if rank == 0:

@@ -212,6 +212,72 @@ def test_the_optimizer_step_pays_its_measured_overhead_per_tensor(calibrated: Pa
         assert got - without == pytest.approx(fixed + per_tensor * -(-tensors // shard))
 
 
+def test_cpu_kernels_are_timed_one_call_at_a_time_between_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`in_context_seconds` calls each kernel once per round, in turn (never twice in a
+    row, as a step runs them), times every call on its own, and keeps each kernel's median
+    call; rounds fill what batches would have spent. On CPU, attention and the memory-bound
+    kernels are timed so; on CUDA in batches."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ptdp.perf import microbench as mb
+    from ptdp.perf import timing
+    from ptdp.perf.timing import Timing, in_context_seconds
+
+    clock, order = [0.0], []
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    costs = {"a": iter([3e-3] * 100), "b": iter([1e-3, 1e-3, 9e-3] * 40)}
+
+    def kernel(name: str):  # noqa: ANN202 - a fake kernel advancing the fake clock
+        def call() -> None:
+            order.append(name)
+            clock[0] += next(costs[name])
+
+        return call
+
+    got = in_context_seconds([kernel("a"), kernel("b")], torch.device("cpu"), Timing(0.01, 3))
+    assert got == pytest.approx([3e-3, 1e-3])  # b's slow third calls are not its median
+    rounds = int(0.01 * 3 * 2 / 4e-3)  # the probe round took 3 + 1 ms: 15 rounds
+    assert order == ["a", "b"] * (2 + rounds)  # warm-up, probe, then the timed rounds
+
+    used = []
+    monkeypatch.setattr(
+        mb, "in_context_seconds", lambda fns, *_: used.append(len(fns)) or [1.0] * len(fns)
+    )
+    monkeypatch.setattr(mb, "interleaved_seconds", lambda fns, *_: [2.0] * len(fns))
+    rows = mb.stream_seconds(
+        [("add", 4096, False), ("gelu", 4096, True)],
+        torch.float32,
+        torch.device("cpu"),
+        Timing(0.001, 1),
+    )
+    assert used == [2] and [seconds for _, seconds in rows] == [1.0, 1.0]
+    assert mb._kernel_timer(torch.device("cuda")) is mb.interleaved_seconds
+
+
+def test_a_cpu_collective_is_priced_at_its_median_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU a collective's figure is its median batch (gloo's threads share the cores, so
+    slow calls are part of a step); on CUDA the fastest batch."""
+    import torch
+
+    from ptdp.parallel import comm
+    from ptdp.perf import microbench as mb
+    from ptdp.perf.timing import Timing
+
+    monkeypatch.setattr(mb, "_collective_call", lambda *_: lambda: None)
+    for device, want in (("cpu", 3.0), ("cuda", 1.0)):
+        batches = iter([5.0, 5.0, 9.0, 1.0, 3.0, 4.0, 2.0])  # two probes, then 5 timed
+        monkeypatch.setattr(mb, "lockstep_batch", lambda *_, b=batches: next(b))
+        pair = comm.Group(None, 2, 0)
+        got = mb.collective_seconds(
+            "all_reduce", 4096, pair, torch.float32, torch.device(device), Timing(1.0, 5)
+        )
+        assert got == want
+
+
 def test_overheads_in_a_hardware_file_are_checked(tmp_path: Path) -> None:
     from ptdp.errors import ConfigError
 
