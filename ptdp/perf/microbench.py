@@ -1,10 +1,11 @@
 """Microbenchmarks on the local device for `ptdp calibrate`: GEMMs, fused attention,
 memory-bound kernels, a kernel launch, and the collectives the runtime uses.
 
-How each is timed is `ptdp.perf.timing`'s: GEMMs and collectives as the fastest of a few
-batches, the GEMMs' operands rotating past the caches; on CPU the memory-bound kernels and
-attention one call at a time between the others, as a training step runs them
-(`in_context_seconds`), on CUDA in batches timed by events.
+How each is timed is `ptdp.perf.timing`'s: GEMMs as the fastest of a few batches, their
+operands rotating past the caches; collectives as their fastest batch on CUDA and their
+median batch on CPU (`collective_seconds`); attention and the memory-bound kernels on CUDA
+in batches timed by events, on CPU one call at a time between the others, as a training
+step runs them (`in_context_seconds`).
 
 Collectives go through `ptdp.parallel.comm` (the only module that calls them); every rank
 runs the same number of calls, and a batch's time is the slowest rank's.

@@ -105,7 +105,7 @@ def in_context_seconds(
     fns: list[Callable[[], object]], device: torch.device, timing: Timing
 ) -> list[float]:
     """CPU: seconds per call of each of `fns`, every call timed on its own in rounds that
-    call each fn once in turn; the median round's. A training step never runs one kernel
+    call each fn once in turn; each fn's median call. A training step never runs one kernel
     back to back: each call follows others that have filled the core's private caches
     with their own tensors, and runs on inputs and output buffers that are no longer there.
     Timed in batches of the same call, small kernels keep everything in L1/L2 and ran 2-8
@@ -113,7 +113,8 @@ def in_context_seconds(
     45-74 us between other kernels; a residual add: 6 against 28-36 us) than between
     other kernels, as a step runs them. Rounds: as many as `timing` would spend on batches
     (at least `timing.trials`); the median, since a step's kernel is a typical call, not
-    the luckiest one."""
+    the luckiest one. `device` is unused (a CPU needs no synchronisation): the signature is
+    `interleaved_seconds`', so either can time the same calls."""
     for fn in fns:
         fn()  # warm-up
     start = time.perf_counter()
