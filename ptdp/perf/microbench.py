@@ -27,9 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ptdp.errors import PtdpError
 from ptdp.parallel import comm
 from ptdp.perf.timing import (
     Timing,
+    in_context_rounds,
     in_context_seconds,
     interleaved_seconds,
     synchronize,
@@ -146,8 +148,23 @@ def attention_seconds(
     fastest round leaves out, instead of every batch of one shape (a backward 2.6 times
     its value in the calibrations before and after, timed shape by shape)."""
     fns = [fn for shape in shapes for fn in attention_calls(shape, dtype, device)]
-    times = _kernel_timer(device)(fns, device, timing)
-    return [(fwd, max(0.0, both - fwd)) for fwd, both in zip(times[::2], times[1::2])]
+    if device.type != "cpu":
+        times = interleaved_seconds(fns, device, timing)
+        return [(fwd, max(0.0, both - fwd)) for fwd, both in zip(times[::2], times[1::2])]
+    # CPU: one call at a time (`in_context_seconds`); the backward is the median over rounds
+    # of each round's (forward + backward) - forward, which a busy spell slows alike.
+    rounds = in_context_rounds(fns, timing)
+    timed = []
+    for shape, fwd, both in zip(shapes, rounds[::2], rounds[1::2]):
+        backward = statistics.median(b - f for f, b in zip(fwd, both))
+        if backward <= 0:
+            raise PtdpError(
+                f"causal attention {shape} timed no slower with its backward "
+                "than without it: other work took this machine's cores during the "
+                "measurement; rerun on a quieter machine (or with fewer processes per core)"
+            )
+        timed.append((statistics.median(fwd), backward))
+    return timed
 
 
 # ------------------------------------------------------------------------- memory-bound

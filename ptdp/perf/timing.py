@@ -101,20 +101,10 @@ def interleaved_seconds(
     return best
 
 
-def in_context_seconds(
-    fns: list[Callable[[], object]], device: torch.device, timing: Timing
-) -> list[float]:
-    """CPU: seconds per call of each of `fns`, every call timed on its own in rounds that
-    call each fn once in turn; each fn's median call. A training step never runs one kernel
-    back to back: each call follows others that have filled the core's private caches
-    with their own tensors, and runs on inputs and output buffers that are no longer there.
-    Timed in batches of the same call, small kernels keep everything in L1/L2 and ran 2-8
-    times faster on the Xeon of BENCHMARKS.md (a layer norm on 256 KiB: 29 us in a batch,
-    45-74 us between other kernels; a residual add: 6 against 28-36 us) than between
-    other kernels, as a step runs them. Rounds: as many as `timing` would spend on batches
-    (at least `timing.trials`); the median, since a step's kernel is a typical call, not
-    the luckiest one. `device` is unused (a CPU needs no synchronisation): the signature is
-    `interleaved_seconds`', so either can time the same calls."""
+def in_context_rounds(fns: list[Callable[[], object]], timing: Timing) -> list[list[float]]:
+    """CPU: seconds of every call of each of `fns`, timed on its own in rounds that call each
+    fn once in turn (see `in_context_seconds`); one list per fn, round by round, so that
+    calls of one round can be set against each other."""
     for fn in fns:
         fn()  # warm-up
     start = time.perf_counter()
@@ -129,4 +119,21 @@ def in_context_seconds(
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
-    return [statistics.median(times) for times in spent]
+    return spent
+
+
+def in_context_seconds(
+    fns: list[Callable[[], object]], device: torch.device, timing: Timing
+) -> list[float]:
+    """CPU: seconds per call of each of `fns`, every call timed on its own in rounds that
+    call each fn once in turn; each fn's median call. A training step never runs one kernel
+    back to back: each call follows others that have filled the core's private caches
+    with their own tensors, and runs on inputs and output buffers that are no longer there.
+    Timed in batches of the same call, small kernels keep everything in L1/L2 and ran 2-8
+    times faster on the Xeon of BENCHMARKS.md (a layer norm on 256 KiB: 29 us in a batch,
+    45-74 us between other kernels; a residual add: 6 against 28-36 us) than between
+    other kernels, as a step runs them. Rounds: as many as `timing` would spend on batches
+    (at least `timing.trials`); the median, since a step's kernel is a typical call, not
+    the luckiest one. `device` is unused (a CPU needs no synchronisation): the signature is
+    `interleaved_seconds`', so either can time the same calls."""
+    return [statistics.median(times) for times in in_context_rounds(fns, timing)]

@@ -258,6 +258,28 @@ def test_cpu_kernels_are_timed_one_call_at_a_time_between_the_others(
     assert mb._kernel_timer(torch.device("cuda")) is mb.interleaved_seconds
 
 
+def test_cpu_attention_backward_is_the_median_of_each_rounds_difference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CPU an attention backward is the median over rounds of (forward + backward) -
+    forward within each round, which a busy spell slows alike; one that comes out no slower
+    than its forward stops the calibration with an error that names the shape and the fix."""
+    import torch
+
+    from ptdp.errors import PtdpError
+    from ptdp.perf import microbench as mb
+    from ptdp.perf.timing import Timing
+
+    shape = mb.AttentionShape(1, 2, 16, 8)
+    cpu, timing = torch.device("cpu"), Timing(0.001, 3)
+    # rounds: forward 1, 9 (a busy round), 1; forward + backward 3, 12, 4
+    monkeypatch.setattr(mb, "in_context_rounds", lambda *_: [[1.0, 9.0, 1.0], [3.0, 12.0, 4.0]])
+    assert mb.attention_seconds([shape], torch.float32, cpu, timing) == [(1.0, 3.0)]
+    monkeypatch.setattr(mb, "in_context_rounds", lambda *_: [[2.0, 2.0, 2.0], [2.0, 1.0, 3.0]])
+    with pytest.raises(PtdpError, match="rerun on a quieter machine"):
+        mb.attention_seconds([shape], torch.float32, cpu, timing)
+
+
 def test_a_cpu_collective_is_priced_at_its_median_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU a collective's figure is its median batch (gloo's threads share the cores, so
     slow calls are part of a step); on CUDA the fastest batch."""
