@@ -28,7 +28,9 @@ What is measured (ptdp/perf/microbench.py) and what it becomes in the cluster TO
 - on CPUs under torchrun, the same model at tp = 2 over two ranks against tp = 1 ->
   `collective_sync_us`: what each blocking collective between compute costs in place
   beyond what the fitted link charges it (the later rank's wake-up after the earlier
-  went back to compute, the tensor-parallel autograd functions; `waits.collective_sync`);
+  went back to compute, the tensor-parallel autograd functions; `waits.collective_sync`),
+  plus what it costs the compute right after it (a layer at the benchmark's base size
+  after a small all-reduce against after nothing; `waits.compute_after_wait`);
 - under torchrun, all-reduce, all-gather, reduce-scatter and point-to-point over message
   sizes and group sizes -> the `[node]` link (groups inside a node) and the `[network]`
   link (one rank per node, when there are several nodes) as latency + bandwidth, a least
@@ -321,11 +323,12 @@ def calibrate(
         collectives = (
             measure_collectives(device, dtype, sweep, per_node, step) if world.size > 1 else []
         )
-        in_place = None
+        in_place, after_wait = None, 0.0
         if world.size > 1 and device.type == "cpu":
             step("collective sync")
             pair = mb.build_groups(world.size, 2, 1)
             in_place = waits.collective_sync(dtype, device, sweep.timing, pair)
+            after_wait = waits.compute_after_wait(dtype, device, sweep.timing, pair)
     finally:
         bar.close()
     links = _link_fits(collectives)
@@ -369,25 +372,28 @@ def calibrate(
         },
         framework=framework,
         optimizer=optimizer,
-        sync=_sync(in_place, links, collectives),
+        sync=_sync(in_place, after_wait, links, collectives),
     )
 
 
 def _sync(
     in_place: tuple[float, float, int] | None,
+    after_wait: float,
     links: dict[str, tuple[LinkFit | None, str]],
     fits: list[CollectiveFit],
-) -> tuple[float, float] | None:
-    """(per call, per tp = 2 layer) seconds: a tensor-parallel all-reduce in place less what
-    the model already charges it (the fitted in-node link's latency and bytes; the
-    all-reduce's own fit if the link has none), so that link + sync is the call in place."""
+) -> tuple[float, float, float] | None:
+    """(per call, per tp = 2 layer, compute after a wait) seconds: a tensor-parallel
+    all-reduce in place less what the model already charges it (the fitted in-node link's
+    latency and bytes; the all-reduce's own fit if the link has none), plus what it costs
+    the compute after it (`waits.compute_after_wait`), so that link + sync is the call in
+    place."""
     if in_place is None:
         return None
     call, layer, nbytes = in_place
     fit = links.get("node", (None, ""))[0]
     fit = fit or next((f.fit for f in fits if f.op == "all_reduce" and f.ranks == 2), None)
     charged = fit.seconds(collective_bytes("all_reduce", nbytes, 2)) if fit else 0.0
-    return max(0.0, call - charged), layer
+    return max(0.0, call - charged) + after_wait, layer, after_wait
 
 
 def _sweep_name(sweep: Sweep, device_type: str) -> str:

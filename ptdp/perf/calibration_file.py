@@ -75,10 +75,11 @@ class Calibration:
     optimizer: tuple[float, float] | None = None
     """(per step, per parameter tensor) seconds of ptdp's optimizer step beyond its bytes
     (microbench.optimizer_overhead); CPUs only."""
-    sync: tuple[float, float] | None = None
+    sync: tuple[float, float, float] | None = None
     """(per blocking collective beyond what the fitted link charges it, per tp = 2 layer
-    forward and backward against tp = 1) seconds (`waits.collective_sync`); on CPUs
-    under torchrun only."""
+    forward and backward against tp = 1, of the first: what one costs the compute after
+    it) seconds (`waits.collective_sync`, `waits.compute_after_wait`); on CPUs under
+    torchrun only."""
 
     @property
     def kernel_curves(self) -> dict[str, tuple[tuple[float, float], ...]]:
@@ -290,8 +291,10 @@ def _calibration_tables(cal: Calibration) -> list[str]:
         *_table("calibration.memory_gb_s", memory, "at the largest size"),
     ]
     if cal.sync is not None:
-        rows = {"per_call_us": cal.sync[0] * 1e6, "tp2_layer_us": cal.sync[1] * 1e6}
-        lines += _table("calibration.collective_sync", rows, "tp = 2 against tp = 1, h 32")
+        call, layer, after = (v * 1e6 for v in cal.sync)
+        rows = {"per_call_us": call, "tp2_layer_us": layer, "compute_after_wait_us": after}
+        note = "tp = 2 against tp = 1, h 32; a layer at h 128 after a wait and after none"
+        lines += _table("calibration.collective_sync", rows, note)
     for c in cal.collectives:
         rows: dict[str, object] = {"op": c.op, "ranks": c.ranks, "span": c.span}
         if c.fit is not None:
@@ -334,10 +337,11 @@ def summary(cal: Calibration) -> str:
             f" embedding + head + loss F {hf * 1e6:.3g} us B {hb * 1e6:.3g} us"
         )
     if cal.sync is not None:
-        call, layer = cal.sync
+        call, layer, after = cal.sync
         lines.append(
             f"  each blocking collective between compute: {call * 1e6:.3g} us beyond the "
-            f"link's cost (a tp = 2 layer, forward and backward, adds {layer * 1e6:.3g} us)"
+            f"link's cost, {after * 1e6:.3g} us of it the compute after the wait (a tp = 2 "
+            f"layer, forward and backward, adds {layer * 1e6:.3g} us)"
         )
     for c in cal.collectives:
         fit = c.fit

@@ -345,16 +345,22 @@ what no kernel timing sees (`framework_overhead`, `waits.collective_sync`)."""
 
 
 def tiny_gpt(
-    layers: int, device: torch.device, dtype: torch.dtype, tp: comm.Group | None = None
+    layers: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: comm.Group | None = None,
+    *,
+    batch: int = 1,
+    **shape: int,
 ) -> tuple[torch.nn.Module, torch.Tensor]:
-    """`TINY_GPT` built with its first `layers` layers (0: embedding and head alone), and a
-    batch of tokens for it."""
+    """`TINY_GPT` (or its keys changed by `shape`) built with its first `layers` layers (0:
+    embedding and head alone), and `batch` sequences of tokens for it."""
     from ptdp.config import ModelConfig
     from ptdp.model.gpt import GPT
 
-    cfg = ModelConfig(**TINY_GPT, dropout=0.0)
+    cfg = ModelConfig(**(TINY_GPT | shape), dropout=0.0)
     model = GPT(cfg, layers=range(layers), tp=tp).to(device=device, dtype=dtype)
-    return model, torch.randint(0, cfg.vocab_size, (1, cfg.seq_length), device=device)
+    return model, torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), device=device)
 
 
 def optimizer_overhead(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -73,3 +74,46 @@ def collective_sync(
     tokens = TINY_GPT["seq_length"] * TINY_GPT["hidden_size"]
     nbytes = tokens * torch.empty((), dtype=dtype).element_size()
     return layer / 4, layer, nbytes
+
+
+AFTER_WAIT_ROUNDS = 60
+"""Rounds of `compute_after_wait`: on the 2-vCPU Xeon of BENCHMARKS.md one wait's cost
+moved 20-350 us from block to block of 150 calls; each round here is one call of each."""
+LAYER_CHUNK = {"hidden_size": 128, "seq_length": 128, "num_heads": 4}
+"""ptdp's GPT layer at benchmarks/prediction.py's base size, batch 2: a forward and backward
+of a few milliseconds whose tensors (about 3 MiB) outgrow a core's private cache, as the
+compute between a real layer's waits does."""
+
+
+def compute_after_wait(
+    dtype: torch.dtype, device: torch.device, timing: Timing, pair: comm.Group
+) -> float:
+    """Seconds a blocking collective adds to the compute right after it, beyond its own
+    time: one layer of ptdp's GPT (`LAYER_CHUNK`), forward and backward, timed right after
+    a small all-reduce over `pair` and right after nothing, in alternating rounds; the median
+    of each round's difference.
+
+    While a rank waits, the collective's threads run on its core and the waiting thread
+    sleeps; the compute after the wait then starts on caches those threads have used. On
+    the Xeon of BENCHMARKS.md a tp = 2-sized layer chunk ran 0.1-0.25 ms slower after a 2 KiB
+    or a 256 KiB all-reduce than after nothing, whatever the chunk's length, and tp = 2 steps
+    wait 40 times. `collective_sync` does not see it: the tiny model has almost no compute
+    after its waits.
+    """
+    model, tokens = tiny_gpt(1, device, dtype, batch=2, **LAYER_CHUNK)
+    flag = torch.zeros(512, dtype=dtype, device=device)
+
+    def chunk() -> float:
+        start = time.perf_counter()
+        model(tokens, tokens).backward()
+        return time.perf_counter() - start
+
+    chunk()  # warm-up
+    comm.all_reduce_sum_(flag, pair)
+    rounds = max(AFTER_WAIT_ROUNDS, timing.trials)
+    differences = []
+    for _ in range(rounds):
+        comm.all_reduce_sum_(flag, pair)
+        after_wait = chunk()
+        differences.append(after_wait - chunk())
+    return max(0.0, statistics.median(differences))
