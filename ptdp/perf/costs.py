@@ -34,13 +34,15 @@ step (the alpha-beta model of Thakur et al. 2005): small messages, as tensor par
 at a small hidden size sends, pay mostly latency. Which link a group uses follows from
 its ranks and the node size (`group_link`). Tensor parallelism runs 2 all-reduces in forward
 and 2 in backward per layer (sequence parallelism: reduce-scatter + all-gather pairs of
-the same volume, costed as the all-reduces); they are not overlapped with compute, as in
-the runtime. On a CPU, where the host threads run the collective, each blocking call
-between compute also costs the ranks' resynchronisation (`sync_seconds`, measured by
-`ptdp calibrate`): 2 calls a pass, 4 with sequence parallelism, and the head's (the
-vocabulary-parallel loss's three all-reduces, its input's conjugate collective), whose
-bytes are not counted; cp ring shifts, ZeRO-3's per-layer collectives, pipeline
-transfers and the step's scalar all-reduces (`ptdp.perf.simulator`) pay it per wait too.
+the same volume, costed as the all-reduces; on a CPU, where ptdp's reduce-scatter over
+gloo is an all-reduce of the whole tensor, the all-gathers come on top); they are not
+overlapped with compute, as in the runtime. On a CPU, where the host threads run the
+collective, each blocking call between compute also costs the ranks' resynchronisation
+(`sync_seconds`, measured by `ptdp calibrate`): 2 calls a pass, 4 with sequence
+parallelism, and the head's (the vocabulary-parallel loss's three all-reduces, its input's
+conjugate collective), whose bytes are not counted; cp ring shifts, ZeRO-3's per-layer
+collectives, pipeline transfers and the step's scalar all-reduces (`ptdp.perf.simulator`)
+pay it per wait too.
 
 Letters: b = micro-batch, s = sequence, h = hidden, a = heads, d = head size, f = MLP
 width, v = vocabulary, t = tensor-parallel size, e = bytes per element.
@@ -358,7 +360,12 @@ def layer_seconds(
         traffic = c.stream(c.software.elementwise_traffic * stored) + launch
         traffic_b = c.software.backward_traffic_ratio * traffic
     boundary = micro_batch * model.seq_length * model.hidden_size * c.e
-    comm = 2 * all_reduce_seconds(boundary, tp, group_link(c.system, tp, 1))
+    link = group_link(c.system, tp, 1)
+    comm = 2 * all_reduce_seconds(boundary, tp, link)
+    if sequence_parallel and c.system.device.kind == "cpu":
+        # gloo has no reduce-scatter in ptdp (comm._reduce_scatter): each one is an
+        # all-reduce of the whole tensor, so a pass pays its 2 all-gathers on top.
+        comm += 2 * gather_seconds(boundary, tp, link)
     comm_f = comm_b = comm
     if c.software.tp_comm_overlap:
         comm_f, comm_b = max(0.0, comm - linears.f), max(0.0, comm - linears.b - linears.w)

@@ -387,6 +387,38 @@ def test_collective_sync_is_loaded_checked_and_paid_per_blocking_call(tmp_path: 
         )
 
 
+def test_sequence_parallel_on_a_cpu_pays_its_all_gathers_on_top_of_all_reduces() -> None:
+    """ptdp's reduce-scatter over gloo is an all-reduce of the whole tensor
+    (`comm._reduce_scatter`), so on a CPU a sequence-parallel pass costs 2 all-reduces and
+    2 all-gathers of the boundary; on GPUs (NCCL's reduce-scatter) the pairs cost as much
+    as 2 all-reduces. Without sequence parallelism nothing changes."""
+    from dataclasses import replace
+
+    from ptdp.config import ModelConfig, Recompute
+    from ptdp.perf.costs import gather_seconds, group_link, layer_seconds
+
+    gpu = load_system("a100-80gb")
+    cpu = replace(gpu, device=replace(gpu.device, kind="cpu"))
+    model = ModelConfig(num_layers=2, hidden_size=256, num_heads=4, seq_length=128, vocab_size=64)
+    boundary = 4 * 128 * 256 * 2  # b s h, bf16
+    gathers = 2 * gather_seconds(boundary, 2, group_link(gpu, 2, 1))
+    for sp, extra in ((True, gathers), (False, 0.0)):
+        on = {
+            name: layer_seconds(
+                model,
+                micro_batch=4,
+                tp=2,
+                sequence_parallel=sp,
+                recompute=Recompute.NONE,
+                c=Compute(system, Precision.BF16, PTDP),
+            )  # fmt: skip
+            for name, system in (("gpu", gpu), ("cpu", cpu))
+        }
+        assert on["cpu"].f - on["gpu"].f == pytest.approx(extra)
+        assert on["cpu"].b - on["gpu"].b == pytest.approx(extra)
+        assert on["cpu"].w == pytest.approx(on["gpu"].w)
+
+
 def test_zero3_pays_the_sync_per_layer_gather_and_reduce_scatter() -> None:
     from dataclasses import replace
 
