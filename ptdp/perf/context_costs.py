@@ -42,6 +42,10 @@ def cp_comm_seconds(
         return wire, wire + Passes(sync_seconds(1, c), sync_seconds(1, c), 0.0)
     link = ring_link(c.system, tp, cp)
     core = attention_core(model, micro_batch, tp, c).times(1.0 / cp)
+    if c.system.device.kind == "cpu":
+        # gloo writes a send (and reads a receive) in the thread that posts it, 0.34 ms for
+        # 512 KiB on the Xeon of BENCHMARKS.md: the compute waits for it, nothing hides it.
+        core = Passes()
     one, two = link.transfer_seconds(kv), link.transfer_seconds(2 * kv)
     steps = cp - 1
     wire = Passes(steps * one, steps * two + one, 0.0)
@@ -65,8 +69,9 @@ def cp_layer_seconds(
     cp: int = 1,
     comm: CpComm = CpComm.RING,
 ) -> Passes:
-    """`costs.layer_seconds` of one cp rank: the s/cp-token layer, its attention made 1/cp of
-    the whole sequence's, plus the exposed K/V transfers (module doc)."""
+    """`costs.layer_seconds` of one cp rank: the s/cp-token layer, its attention the cp
+    blocks of s/cp tokens the ring computes (1/cp of the whole sequence's work), plus the
+    exposed K/V transfers (module doc)."""
     local = local_model(model, cp)
     passes = layer_seconds(
         local,
@@ -78,9 +83,11 @@ def cp_layer_seconds(
     )
     if cp == 1:
         return passes
-    whole = attention_core(model, micro_batch, tp, c).times(1.0 / cp)
+    # Under the balanced split a rank computes cp blocks, each with the work of its own
+    # causal block of s/cp tokens (the others are full half-blocks): the layer above holds
+    # one, the rest run at that block's efficiency, not at the whole sequence's.
     short = attention_core(local, micro_batch, tp, c)
-    extra = Passes(whole.f - short.f, whole.b - short.b, 0.0)
+    extra = Passes((cp - 1) * short.f, (cp - 1) * short.b, 0.0)
     _, exposed = cp_comm_seconds(model, micro_batch=micro_batch, tp=tp, cp=cp, comm=comm, c=c)
     passes = passes + extra + exposed
     if recompute is not Recompute.NONE:  # the attention forward reruns in B, transfers too

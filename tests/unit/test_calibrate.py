@@ -387,11 +387,12 @@ def test_collective_sync_is_loaded_checked_and_paid_per_blocking_call(tmp_path: 
         )
 
 
-def test_sequence_parallel_on_a_cpu_pays_its_all_gathers_on_top_of_all_reduces() -> None:
+def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
     """ptdp's reduce-scatter over gloo is an all-reduce of the whole tensor
     (`comm._reduce_scatter`), so on a CPU a sequence-parallel pass costs 2 all-reduces and
     2 all-gathers of the boundary; on GPUs (NCCL's reduce-scatter) the pairs cost as much
-    as 2 all-reduces. Without sequence parallelism nothing changes."""
+    as 2 all-reduces. Without sequence parallelism nothing changes. And the cp ring's
+    transfers, hidden under attention on GPUs, are all exposed on a CPU."""
     from dataclasses import replace
 
     from ptdp.config import ModelConfig, Recompute
@@ -417,6 +418,18 @@ def test_sequence_parallel_on_a_cpu_pays_its_all_gathers_on_top_of_all_reduces()
         assert on["cpu"].f - on["gpu"].f == pytest.approx(extra)
         assert on["cpu"].b - on["gpu"].b == pytest.approx(extra)
         assert on["cpu"].w == pytest.approx(on["gpu"].w)
+    # gloo writes a ring shift's send in the thread that posts it: on a CPU the cp ring's
+    # transfers are all exposed; on GPUs they hide under the attention blocks.
+    from ptdp.config import CpComm
+    from ptdp.perf.context_costs import cp_comm_seconds
+
+    long = replace(model, seq_length=4096)
+    for system, hidden in ((gpu, True), (cpu, False)):
+        c = Compute(system, Precision.BF16, PTDP)
+        wire, exposed = cp_comm_seconds(long, micro_batch=1, tp=1, cp=2, comm=CpComm.RING, c=c)
+        assert (exposed.f < wire.f) is hidden and (exposed.b < wire.b) is hidden
+        if not hidden:
+            assert (exposed.f, exposed.b) == pytest.approx((wire.f, wire.b))
 
 
 def test_zero3_pays_the_sync_per_layer_gather_and_reduce_scatter() -> None:
