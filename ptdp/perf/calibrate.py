@@ -383,15 +383,15 @@ def _sync(
     fits: list[CollectiveFit],
 ) -> tuple[float, float, float] | None:
     """(per call, per tp = 2 layer, compute after a wait) seconds: a tensor-parallel
-    all-reduce in place less what the model already charges it (the fitted in-node link's
-    latency and bytes; the all-reduce's own fit if the link has none), plus what it costs
+    all-reduce in place less what the model already charges it (the all-reduce's own fit,
+    which the file writes into the link; else the in-node link's), plus what it costs
     the compute after it (`waits.compute_after_wait`), so that link + sync is the call in
     place."""
     if in_place is None:
         return None
     call, layer, nbytes = in_place
-    fit = links.get("node", (None, ""))[0]
-    fit = fit or next((f.fit for f in fits if f.op == "all_reduce" and f.ranks == 2), None)
+    own = next((f.fit for f in fits if (f.op, f.ranks, f.span) == ("all_reduce", 2, "node")), None)
+    fit = own or links.get("node", (None, ""))[0]  # what the model charges an all-reduce
     charged = fit.seconds(collective_bytes("all_reduce", nbytes, 2)) if fit else 0.0
     return max(0.0, call - charged) + after_wait, layer, after_wait
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ptdp.perf.fit import LinkFit, monotone_curve
-from ptdp.perf.hardware import BACKWARD_FLOPS, GB, GIB, Link, System
+from ptdp.perf.hardware import BACKWARD_FLOPS, GB, GIB, LINK_OPS, Link, System
 
 DESCRIPTION = (
     "Time GEMMs over the shapes of a transformer layer, fused attention, memory-bound kernels "
@@ -179,12 +179,20 @@ def _link_rows(fit: LinkFit | None, base: Link | None, source: str) -> dict[str,
     return rows
 
 
-def _p2p_rows(cal: Calibration, span: str) -> dict[str, object]:
-    """The span's point-to-point fit as the link's p2p keys (none if not fitted)."""
-    fit = next((c.fit for c in cal.collectives if c.op == "p2p" and c.span == span), None)
-    if fit is None:
-        return {}
-    return {"p2p_latency_us": fit.latency * 1e6, "p2p_bandwidth_gb_s": fit.bandwidth / GB}
+def _op_rows(cal: Calibration, span: str) -> dict[str, object]:
+    """The span's own fit of point-to-point and of each ring collective (its largest group's)
+    as the link's `<op>_latency_us` and `<op>_bandwidth_gb_s` keys (none if not fitted): on
+    gloo the collectives' rates differ threefold, which one link's figures average away."""
+    rows: dict[str, object] = {}
+    for op in ("p2p", *LINK_OPS):
+        fits = [c for c in cal.collectives if c.op == op and c.span == span and c.fit]
+        if fits:
+            fit = max(fits, key=lambda c: c.ranks).fit
+            rows |= {
+                f"{op}_latency_us": fit.latency * 1e6,
+                f"{op}_bandwidth_gb_s": fit.bandwidth / GB,
+            }
+    return rows
 
 
 def _links(cal: Calibration) -> tuple[dict[str, object], dict[str, object]]:
@@ -195,7 +203,7 @@ def _links(cal: Calibration) -> tuple[dict[str, object], dict[str, object]]:
         node_src = f"{base.intra.name} (from {base.name}, not measured)" if base else unmeasured
     node = _link_rows(node_fit, base.intra if base else None, node_src)
     if node_fit is not None:
-        node |= _p2p_rows(cal, "node")
+        node |= _op_rows(cal, "node")
     net_fit, net_src = cal.links.get("network", (None, ""))
     if net_fit is None and base is not None:
         net_src = f"{base.inter.name} (from {base.name}, not measured)"
@@ -203,7 +211,7 @@ def _links(cal: Calibration) -> tuple[dict[str, object], dict[str, object]]:
     elif net_fit is None and node_fit is not None:  # one node: its own link stands in
         network = dict(node, link="one node measured: the in-node link, not a network")
     else:
-        network = _link_rows(net_fit, None, net_src or unmeasured) | _p2p_rows(cal, "network")
+        network = _link_rows(net_fit, None, net_src or unmeasured) | _op_rows(cal, "network")
     return node, network
 
 

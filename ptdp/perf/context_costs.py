@@ -37,8 +37,9 @@ def cp_comm_seconds(
     kv = kv_block_bytes(model, micro_batch=micro_batch, tp=tp, cp=cp, e=c.e)
     if comm is CpComm.ALLGATHER:
         link = group_link(c.system, cp, tp)
-        seconds = gather_seconds(cp * kv, cp, link)  # all-gather, then reduce-scatter
-        wire = Passes(seconds, seconds, 0.0)
+        gather = gather_seconds(cp * kv, cp, link)  # forward
+        reduce = gather_seconds(cp * kv, cp, link, "reduce_scatter")  # backward
+        wire = Passes(gather, reduce, 0.0)
         return wire, wire + Passes(sync_seconds(1, c), sync_seconds(1, c), 0.0)
     link = ring_link(c.system, tp, cp)
     core = attention_core(model, micro_batch, tp, c).times(1.0 / cp)

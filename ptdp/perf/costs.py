@@ -274,20 +274,23 @@ def attention_core(model: ModelConfig, micro_batch: int, tp: int, c: Compute) ->
 
 def all_reduce_seconds(nbytes: float, n: int, link: Link) -> float:
     """Ring all-reduce over n GPUs: one call's latency, 2 (n-1) steps each paying the
-    link's step latency, and 2 (n-1)/n N bytes per GPU at the achieved bus bandwidth."""
+    link's step latency, and 2 (n-1)/n N bytes per GPU at the achieved bus bandwidth (the
+    link's all-reduce figures where it has them, `Link.ops`)."""
     if n <= 1:
         return 0.0
     steps = 2 * (n - 1)
-    return link.latency + steps * link.step_latency + steps / n * nbytes / link.achieved
+    latency, bandwidth = link.collective("all_reduce")
+    return latency + steps * link.step_latency + steps / n * nbytes / bandwidth
 
 
-def gather_seconds(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-gather (or reduce-scatter) of a full tensor of `nbytes` over n GPUs: n - 1
-    steps, (n-1)/n N bytes per GPU."""
+def gather_seconds(nbytes: float, n: int, link: Link, op: str = "all_gather") -> float:
+    """Ring all-gather (`op` "reduce_scatter": reduce-scatter) of a full tensor of `nbytes`
+    over n GPUs: n - 1 steps, (n-1)/n N bytes per GPU."""
     if n <= 1:
         return 0.0
     steps = n - 1
-    return link.latency + steps * link.step_latency + steps / n * nbytes / link.achieved
+    latency, bandwidth = link.collective(op)
+    return latency + steps * link.step_latency + steps / n * nbytes / bandwidth
 
 
 def sync_seconds(calls: int, c: Compute) -> float:

@@ -13,7 +13,9 @@ bytes), `[node]` (GPUs per node and their NVLink/NVSwitch link) and `[network]` 
 inter-node link per GPU, e.g. one InfiniBand HCA each). Bandwidths are per GPU and per
 direction, in GB/s (1e9 bytes); `latency_us` per message or collective call,
 `step_latency_us` per step of a ring collective; `p2p_latency_us` and `p2p_bandwidth_gb_s`
-(from `ptdp calibrate`) price point-to-point messages apart from the collectives.
+(from `ptdp calibrate`) price point-to-point messages apart from the collectives, and
+`<op>_latency_us` / `<op>_bandwidth_gb_s` (op: all_reduce, all_gather, reduce_scatter)
+one collective apart from the others.
 
 Built in: `a100-80gb` (the paper's Selene nodes: DGX A100 80GB, 8x 200 Gb/s HDR per
 node), `a100-40gb`, `h100-sxm` and `h200` (their GEMM curve fitted to Megatron-Core's
@@ -63,10 +65,20 @@ class Link:
     """(latency seconds, achieved bytes/s) of a point-to-point message where measured apart
     from the ring collectives (`ptdp calibrate`: on gloo a send costs a third of an
     all-reduce's latency); None: as the collectives."""
+    ops: tuple[tuple[str, float, float], ...] = ()
+    """(collective, latency seconds, achieved bus bytes/s) of each ring collective measured
+    apart (`ptdp calibrate` on CPUs: over gloo a reduce-scatter moved its bytes at a third
+    of an all-reduce's rate); the others: the link's own figures."""
 
     @property
     def achieved(self) -> float:
         return self.bandwidth * self.efficiency
+
+    def collective(self, op: str) -> tuple[float, float]:
+        """(latency seconds, achieved bus bytes/s) of collective `op` on this link."""
+        return next(
+            ((lat, bw) for name, lat, bw in self.ops if name == op), (self.latency, self.achieved)
+        )
 
     def transfer_seconds(self, nbytes: float) -> float:
         """One point-to-point message of `nbytes` (a pipeline transfer, a cp ring shift)."""
@@ -200,6 +212,8 @@ def load_system(name_or_path: str | Path) -> System:
 
 
 FORMAT = f"see {BUILTIN_DIR / 'a100-80gb.toml'} for the format"
+LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+"""Ring collectives a link may carry figures of its own for (`Link.ops`)."""
 NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
     ("device", "memory_gib", "positive", True),
     ("device", "memory_bandwidth_gb_s", "positive", True),
@@ -219,6 +233,11 @@ NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
             ("step_latency_us", "non-negative"),
             ("p2p_latency_us", "non-negative"),
             ("p2p_bandwidth_gb_s", "positive"),
+            *(
+                (f"{op}_{key}", kind)
+                for op in LINK_OPS
+                for key, kind in (("latency_us", "non-negative"), ("bandwidth_gb_s", "positive"))
+            ),
         )
     ),
 )
@@ -382,10 +401,16 @@ def _memory_kernels(
 
 
 def _link(table: dict[str, Any]) -> Link:
+    ops = []
+    for op in ("p2p", *LINK_OPS):
+        pair = (f"{op}_latency_us", f"{op}_bandwidth_gb_s")
+        given = [k in table for k in pair]
+        if any(given) and not all(given):
+            raise ValueError(f"{pair[0]} and {pair[1]} go together: give both or neither")
+        if all(given) and op != "p2p":
+            ops.append((op, float(table[pair[0]]) * 1e-6, float(table[pair[1]]) * GB))
     keys = ("p2p_latency_us", "p2p_bandwidth_gb_s")
     given = [k in table for k in keys]
-    if any(given) and not all(given):
-        raise ValueError("p2p_latency_us and p2p_bandwidth_gb_s go together: give both or neither")
     return Link(
         name=str(table.get("link", "")),
         bandwidth=float(table["bandwidth_gb_s"]) * GB,
@@ -393,4 +418,5 @@ def _link(table: dict[str, Any]) -> Link:
         latency=float(table.get("latency_us", 0.0)) * 1e-6,
         step_latency=float(table.get("step_latency_us", 0.0)) * 1e-6,
         p2p=(float(table[keys[0]]) * 1e-6, float(table[keys[1]]) * GB) if all(given) else None,
+        ops=tuple(ops),
     )

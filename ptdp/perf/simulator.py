@@ -216,7 +216,7 @@ def stage_reductions(cfg: RunConfig, layout: Layout, c: Compute) -> list[tuple[f
         if layout.shards_grads:
             seconds = 0.0  # per microbatch, in the passes
         elif layout.shards_optimizer:
-            seconds = gather_seconds(nbytes, d, link)  # reduce-scatter
+            seconds = gather_seconds(nbytes, d, link, "reduce_scatter")
         else:
             seconds = all_reduce_seconds(nbytes, d, link)
         if tied_copies and stage in (0, layout.pp * layout.vpp - 1):

@@ -77,7 +77,7 @@ def sharded_passes(
     m = layout.num_microbatches
     out, wire = [], [0.0] * layout.pp
     for stage, (p, n, layers) in enumerate(zip(passes, params, layout.stage_layers)):
-        reduce = gather_seconds(c.software.grad_reduce_bytes * n, group, link)
+        reduce = gather_seconds(c.software.grad_reduce_bytes * n, group, link, "reduce_scatter")
         gather = gather_seconds(c.e * n, group, link) if layout.zero >= 3 else 0.0
         again = gather if regather else 0.0
         forward = exposed_seconds(gather, p.f, layers)

@@ -13,7 +13,7 @@ import torch
 from ptdp.config import tomllib
 from ptdp.perf import microbench as mb
 from ptdp.perf.calibrate import SWEEPS, calibrate, write_calibration
-from ptdp.perf.costs import all_reduce_seconds
+from ptdp.perf.costs import all_reduce_seconds, gather_seconds
 from ptdp.perf.fit import collective_bytes
 from ptdp.perf.hardware import load_system
 from ptdp.perf.timing import Timing
@@ -55,12 +55,21 @@ def test_two_rank_calibration_fits_every_collective(tmp_path: Path) -> None:
         assert c["latency_us"] >= 0 and c["bandwidth_gb_s"] > 0, c
         assert len(c["seconds"]) == 4 and all(t > 0 for t in c["seconds"])
         assert 0 <= c["rms_relative_error"] < 10, c
-    # The cost model reads the fitted link: latency plus the ring's bytes over bandwidth.
-    nbytes = fits["all_reduce"]["message_bytes"][-1]
-    expected = system.intra.latency + collective_bytes("all_reduce", nbytes, 2) / (
-        system.intra.achieved
+    # The cost model prices each collective at its own fit, which the file writes into the
+    # link (gloo's collectives differ threefold): latency plus the ring's bytes over bandwidth.
+    for op, seconds in (("all_reduce", all_reduce_seconds), ("all_gather", gather_seconds)):
+        nbytes = fits[op]["message_bytes"][-1]
+        fit = fits[op]
+        expected = fit["latency_us"] * 1e-6 + collective_bytes(op, nbytes, 2) / (
+            fit["bandwidth_gb_s"] * 1e9
+        )
+        assert seconds(nbytes, 2, system.intra) == pytest.approx(expected)
+    rs = fits["reduce_scatter"]
+    nbytes = rs["message_bytes"][-1]
+    expected = rs["latency_us"] * 1e-6 + collective_bytes("reduce_scatter", nbytes, 2) / (
+        rs["bandwidth_gb_s"] * 1e9
     )
-    assert all_reduce_seconds(nbytes, 2, system.intra) == pytest.approx(expected)
+    assert gather_seconds(nbytes, 2, system.intra, "reduce_scatter") == pytest.approx(expected)
     # Point-to-point keeps its own fit in the link: pipeline transfers and cp shifts.
     p2p = fits["p2p"]
     assert system.intra.p2p == pytest.approx(

@@ -459,6 +459,36 @@ def test_zero3_pays_the_sync_per_layer_gather_and_reduce_scatter() -> None:
             assert (new.b + new.w) - (old.b + old.w) == pytest.approx(waits[1] * sync)
 
 
+def test_each_collective_may_carry_its_own_link_figures(tmp_path: Path) -> None:
+    """`<op>_latency_us` / `<op>_bandwidth_gb_s` for all_reduce, all_gather and
+    reduce_scatter in a link table (written by `ptdp calibrate` from each collective's own
+    fit) price that collective; the others keep the link's figures; given alone or
+    impossible, they are refused."""
+    from ptdp.errors import ConfigError
+    from ptdp.perf.costs import all_reduce_seconds, gather_seconds
+
+    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
+    base = load_system("a100-80gb").intra
+    assert base.ops == ()  # absent: every collective at the link's figures
+    path = tmp_path / "ops.toml"
+    keys = "[node]\nreduce_scatter_latency_us = 500\nreduce_scatter_bandwidth_gb_s = 0.5"
+    path.write_text(text.replace("[node]", keys, 1))
+    link = load_system(path).intra
+    n = 8e6
+    assert gather_seconds(n, 2, link, "reduce_scatter") == pytest.approx(
+        500e-6 + link.step_latency + n / 2 / 0.5e9
+    )
+    assert gather_seconds(n, 2, link) == pytest.approx(gather_seconds(n, 2, base))
+    assert all_reduce_seconds(n, 2, link) == pytest.approx(all_reduce_seconds(n, 2, base))
+    for bad, why in (
+        ("[node]\nall_gather_latency_us = 100", "go together"),
+        ("[node]\nall_reduce_latency_us = 1\nall_reduce_bandwidth_gb_s = -1", "must be > 0"),
+    ):
+        path.write_text(text.replace("[node]", bad, 1))
+        with pytest.raises(ConfigError, match=why):
+            load_system(path)
+
+
 def test_point_to_point_keys_price_transfers_apart(tmp_path: Path) -> None:
     """`p2p_latency_us` / `p2p_bandwidth_gb_s` in a link table (written by `ptdp calibrate`
     from its point-to-point fit) price pipeline transfers and cp ring shifts instead of the
