@@ -71,8 +71,8 @@ def cp_layer_seconds(
     comm: CpComm = CpComm.RING,
 ) -> Passes:
     """`costs.layer_seconds` of one cp rank: the s/cp-token layer, its attention the cp
-    blocks of s/cp tokens the ring computes (1/cp of the whole sequence's work), plus the
-    exposed K/V transfers (module doc)."""
+    blocks of s/cp tokens the ring computes (all-gather: 1/cp of the whole sequence's
+    kernel), plus the exposed K/V transfers (module doc)."""
     local = local_model(model, cp)
     passes = layer_seconds(
         local,
@@ -84,11 +84,15 @@ def cp_layer_seconds(
     )
     if cp == 1:
         return passes
-    # Under the balanced split a rank computes cp blocks, each with the work of its own
-    # causal block of s/cp tokens (the others are full half-blocks): the layer above holds
-    # one, the rest run at that block's efficiency, not at the whole sequence's.
     short = attention_core(local, micro_batch, tp, c)
-    extra = Passes((cp - 1) * short.f, (cp - 1) * short.b, 0.0)
+    if comm is CpComm.RING:
+        # Under the balanced split the ring computes cp blocks, each with the work of the
+        # rank's own causal block of s/cp tokens (the others are full half-blocks): the
+        # layer above holds one, the rest run at that block's efficiency.
+        extra = Passes((cp - 1) * short.f, (cp - 1) * short.b, 0.0)
+    else:  # one call against the whole window's keys: 1/cp of the whole sequence's kernel
+        whole = attention_core(model, micro_batch, tp, c).times(1.0 / cp)
+        extra = Passes(whole.f - short.f, whole.b - short.b, 0.0)
     _, exposed = cp_comm_seconds(model, micro_batch=micro_batch, tp=tp, cp=cp, comm=comm, c=c)
     passes = passes + extra + exposed
     if recompute is not Recompute.NONE:  # the attention forward reruns in B, transfers too
