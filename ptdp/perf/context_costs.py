@@ -43,9 +43,7 @@ def cp_comm_seconds(
         return wire, wire + Passes(sync_seconds(1, c), sync_seconds(1, c), 0.0)
     link = ring_link(c.system, tp, cp)
     core = attention_core(model, micro_batch, tp, c).times(1.0 / cp)
-    if c.system.device.kind == "cpu":
-        # gloo writes a send (and reads a receive) in the thread that posts it, 0.34 ms for
-        # 512 KiB on the Xeon of BENCHMARKS.md: the compute waits for it, nothing hides it.
+    if c.system.device.gloo:  # a send costs the thread that posts it: nothing hides it
         core = Passes()
     one, two = link.transfer_seconds(kv), link.transfer_seconds(2 * kv)
     steps = cp - 1

@@ -365,10 +365,8 @@ def layer_seconds(
     boundary = micro_batch * model.seq_length * model.hidden_size * c.e
     link = group_link(c.system, tp, 1)
     comm = 2 * all_reduce_seconds(boundary, tp, link)
-    if sequence_parallel and c.system.device.kind == "cpu":
-        # gloo has no reduce-scatter in ptdp (comm._reduce_scatter): each one is an
-        # all-reduce of the whole tensor, so a pass pays its 2 all-gathers on top.
-        comm += 2 * gather_seconds(boundary, tp, link)
+    if sequence_parallel and c.system.device.gloo:  # reduce-scatters run as all-reduces
+        comm += 2 * gather_seconds(boundary, tp, link)  # so the all-gathers come on top
     comm_f = comm_b = comm
     if c.software.tp_comm_overlap:
         comm_f, comm_b = max(0.0, comm - linears.f), max(0.0, comm - linears.b - linears.w)

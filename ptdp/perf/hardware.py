@@ -138,6 +138,14 @@ class Device:
     compute) and the tensor-parallel autograd functions' Python (`ptdp calibrate` measures
     it on CPUs, where the host runs the collective; 0: none, as on GPUs)."""
 
+    @property
+    def gloo(self) -> bool:
+        """ptdp's collectives on this device go over gloo (a CPU; NCCL on GPUs): its
+        reduce-scatter is an all-reduce of the whole tensor where the runtime needs one
+        along a dimension (`comm._reduce_scatter`), and a send is written in the thread that
+        posts it, so no compute hides it."""
+        return self.kind == "cpu"
+
     def gemm_efficiency_at(self, flops: float) -> float:
         """Efficiency of a GEMM of `flops`: the measured curve (log-linear between its knots,
         flat beyond them) if there is one, else the single `gemm_efficiency`."""

@@ -143,10 +143,11 @@ def attention_seconds(
     shapes: list[AttentionShape], dtype: torch.dtype, device: torch.device, timing: Timing
 ) -> list[tuple[float, float]]:
     """(forward, backward) seconds of one causal SDPA call of each shape; backward =
-    (forward + backward) - forward. Every call is timed in interleaved rounds: a busy spell
-    of a shared machine lasting seconds then slows one round of every shape, which the
-    fastest round leaves out, instead of every batch of one shape (a backward 2.6 times
-    its value in the calibrations before and after, timed shape by shape)."""
+    (forward + backward) - forward. Every call is timed in interleaved rounds, so a busy
+    spell of a shared machine lasting seconds slows one round of every shape instead of
+    every batch of one shape (a backward 2.6 times its value in the calibrations before and
+    after, timed shape by shape): on CUDA a round is a batch of each and the fastest counts;
+    on CPU one call of each (`in_context_seconds`) and the medians count."""
     fns = [fn for shape in shapes for fn in attention_calls(shape, dtype, device)]
     if device.type != "cpu":
         times = interleaved_seconds(fns, device, timing)

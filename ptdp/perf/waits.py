@@ -90,8 +90,8 @@ def compute_after_wait(
 ) -> float:
     """Seconds a blocking collective adds to the compute right after it, beyond its own
     time: one layer of ptdp's GPT (`LAYER_CHUNK`), forward and backward, timed right after
-    a small all-reduce over `pair` and right after nothing, in alternating rounds; the median
-    of each round's difference.
+    a small all-reduce over `pair` and then again right after itself, every round; the
+    median of each round's difference.
 
     While a rank waits, the collective's threads run on its core and the waiting thread
     sleeps; the compute after the wait then starts on caches those threads have used. On
