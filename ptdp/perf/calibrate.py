@@ -29,8 +29,9 @@ What is measured (ptdp/perf/microbench.py) and what it becomes in the cluster TO
   `collective_sync_us`: what each blocking collective between compute costs in place
   beyond what the fitted link charges it (the later rank's wake-up after the earlier
   went back to compute, the tensor-parallel autograd functions; `waits.collective_sync`),
-  plus what it costs the compute right after it (a layer at the benchmark's base size
-  after a small all-reduce against after nothing; `waits.compute_after_wait`);
+  plus what it costs in place after a layer's compute (a layer at the benchmark's base
+  size, each followed by a small all-reduce, against the two apart, batch means;
+  `waits.wait_after_compute`);
 - under torchrun, all-reduce, all-gather, reduce-scatter and point-to-point over message
   sizes and group sizes -> the `[node]` link (groups inside a node) and the `[network]`
   link (one rank per node, when there are several nodes) as latency + bandwidth, a least
@@ -323,12 +324,12 @@ def calibrate(
         collectives = (
             measure_collectives(device, dtype, sweep, per_node, step) if world.size > 1 else []
         )
-        in_place, after_wait = None, 0.0
+        in_place, after_compute = None, 0.0
         if world.size > 1 and device.type == "cpu":
             step("collective sync")
             pair = mb.build_groups(world.size, 2, 1)
             in_place = waits.collective_sync(dtype, device, sweep.timing, pair)
-            after_wait = waits.compute_after_wait(dtype, device, sweep.timing, pair)
+            after_compute = waits.wait_after_compute(dtype, device, sweep.timing, pair)
     finally:
         bar.close()
     links = _link_fits(collectives)
@@ -372,28 +373,28 @@ def calibrate(
         },
         framework=framework,
         optimizer=optimizer,
-        sync=_sync(in_place, after_wait, links, collectives),
+        sync=_sync(in_place, after_compute, links, collectives),
     )
 
 
 def _sync(
     in_place: tuple[float, float, int] | None,
-    after_wait: float,
+    after_compute: float,
     links: dict[str, tuple[LinkFit | None, str]],
     fits: list[CollectiveFit],
 ) -> tuple[float, float, float] | None:
-    """(per call, per tp = 2 layer, compute after a wait) seconds: a tensor-parallel
+    """(per call, per tp = 2 layer, wait after compute) seconds: a tensor-parallel
     all-reduce in place less what the model already charges it (the all-reduce's own fit,
-    which the file writes into the link; else the in-node link's), plus what it costs
-    the compute after it (`waits.compute_after_wait`), so that link + sync is the call in
-    place."""
+    which the file writes into the link; else the in-node link's), so that link + sync is
+    the call in place; and what a wait costs more after a layer's compute
+    (`waits.wait_after_compute`), which the model adds to the waits that follow compute."""
     if in_place is None:
         return None
     call, layer, nbytes = in_place
     own = next((f.fit for f in fits if (f.op, f.ranks, f.span) == ("all_reduce", 2, "node")), None)
     fit = own or links.get("node", (None, ""))[0]  # what the model charges an all-reduce
     charged = fit.seconds(collective_bytes("all_reduce", nbytes, 2)) if fit else 0.0
-    return max(0.0, call - charged) + after_wait, layer, after_wait
+    return max(0.0, call - charged), layer, after_compute
 
 
 def _sweep_name(sweep: Sweep, device_type: str) -> str:

@@ -77,9 +77,9 @@ class Calibration:
     (microbench.optimizer_overhead); CPUs only."""
     sync: tuple[float, float, float] | None = None
     """(per blocking collective beyond what the fitted link charges it, per tp = 2 layer
-    forward and backward against tp = 1, of the first: what one costs the compute after
-    it) seconds (`waits.collective_sync`, `waits.compute_after_wait`); on CPUs under
-    torchrun only."""
+    forward and backward against tp = 1, of the first: what one costs in place after a
+    layer's compute) seconds (`waits.collective_sync`, `waits.wait_after_compute`); on
+    CPUs under torchrun only."""
 
     @property
     def kernel_curves(self) -> dict[str, tuple[tuple[float, float], ...]]:
@@ -256,6 +256,7 @@ def render_toml(cal: Calibration, name: str) -> str:
         achieved["optimizer_overhead_us"] = [cal.optimizer[0] * 1e6, cal.optimizer[1] * 1e6]
     if cal.sync is not None:
         achieved["collective_sync_us"] = cal.sync[0] * 1e6
+        achieved["wait_after_compute_us"] = cal.sync[2] * 1e6
     node, network = _links(cal)
     peak = "best GEMM measured (no datasheet peak)" if cal.peak_measured else "datasheet"
     described = f"calibrated {cal.device_name} on {cal.info.get('host', '?')}"
@@ -300,8 +301,8 @@ def _calibration_tables(cal: Calibration) -> list[str]:
     ]
     if cal.sync is not None:
         call, layer, after = (v * 1e6 for v in cal.sync)
-        rows = {"per_call_us": call, "tp2_layer_us": layer, "compute_after_wait_us": after}
-        note = "tp = 2 against tp = 1, h 32; a layer at h 128 after a wait and after none"
+        rows = {"per_call_us": call, "tp2_layer_us": layer, "wait_after_compute_us": after}
+        note = "tp = 2 against tp = 1, h 32; layers at h 128 each with a wait, less both apart"
         lines += _table("calibration.collective_sync", rows, note)
     for c in cal.collectives:
         rows: dict[str, object] = {"op": c.op, "ranks": c.ranks, "span": c.span}

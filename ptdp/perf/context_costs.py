@@ -52,8 +52,9 @@ def cp_comm_seconds(
         steps * max(0.0, one - core.f / cp), steps * max(0.0, two - core.b / cp) + one, 0.0
     )
     # Every shift is waited on by both ends: steps forward; backward, the key/value blocks
-    # and the gradient accumulator each step, and the accumulator's last hop home.
-    waits = Passes(sync_seconds(steps, c), sync_seconds(2 * steps + 1, c), 0.0)
+    # and the gradient accumulator each step, and the accumulator's last hop home. The
+    # first wait of each step follows its block's kernel; the others follow a wait.
+    waits = Passes(sync_seconds(steps, c), sync_seconds(2 * steps + 1, c, steps + 1), 0.0)
     return wire, exposed + waits
 
 

@@ -293,11 +293,15 @@ def gather_seconds(nbytes: float, n: int, link: Link, op: str = "all_gather") ->
     return latency + steps * link.step_latency + steps / n * nbytes / bandwidth
 
 
-def sync_seconds(calls: int, c: Compute) -> float:
-    """What `calls` blocking collectives between compute cost beyond their bytes: the
-    device's measured resynchronisation per call (`Device.collective_sync`; 0 on GPUs,
-    where the host queues the collective and runs ahead)."""
-    return calls * c.system.device.collective_sync
+def sync_seconds(calls: int, c: Compute, after_compute: int | None = None) -> float:
+    """What `calls` blocking collectives cost beyond their bytes, `after_compute` of them
+    (default: all) right after a layer's compute rather than after another wait: the
+    device's measured resynchronisation per call and the extra of a wait after compute
+    (`Device.collective_sync`, `Device.wait_after_compute`; 0 on GPUs, where the host
+    queues the collective and runs ahead)."""
+    after = calls if after_compute is None else after_compute
+    device = c.system.device
+    return calls * device.collective_sync + after * device.wait_after_compute
 
 
 def group_members(size: int, stride: int, period: int) -> list[list[int]]:
@@ -370,8 +374,9 @@ def layer_seconds(
     comm_f = comm_b = comm
     if c.software.tp_comm_overlap:
         comm_f, comm_b = max(0.0, comm - linears.f), max(0.0, comm - linears.b - linears.w)
-    elif tp > 1:  # each pass waits on 2 all-reduces, or 2 all-gather + reduce-scatter pairs
-        comm_f = comm_b = comm + sync_seconds(4 if sequence_parallel else 2, c)
+    elif tp > 1:  # each pass waits on 2 all-reduces, or 2 all-gather + reduce-scatter pairs:
+        # 2 right after GEMMs; sequence parallelism's others follow a wait and a norm
+        comm_f = comm_b = comm + sync_seconds(4 if sequence_parallel else 2, c, 2)
     forward = linears.f + core.f + traffic + comm_f + fixed_f
     backward = linears.b + core.b + traffic_b + comm_b + fixed_b
     passes = Passes(forward, backward, linears.w)
@@ -418,7 +423,8 @@ def head_sync(tp: int, sequence_parallel: bool, c: Compute) -> Passes:
     are not counted: a few per token for the loss, one boundary tensor for the input."""
     if tp <= 1:
         return Passes()
-    return Passes(sync_seconds(3 + sequence_parallel, c), sync_seconds(1, c), 0.0)
+    # The loss's 3 all-reduces follow each other: only the first comes after compute.
+    return Passes(sync_seconds(3 + sequence_parallel, c, 1), sync_seconds(1, c), 0.0)
 
 
 def embedding_seconds(model: ModelConfig, *, micro_batch: int, tp: int, c: Compute) -> Passes:

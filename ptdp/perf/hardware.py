@@ -137,6 +137,10 @@ class Device:
     ranks' resynchronisation (the later rank woken only after the earlier one went back to
     compute) and the tensor-parallel autograd functions' Python (`ptdp calibrate` measures
     it on CPUs, where the host runs the collective; 0: none, as on GPUs)."""
+    wait_after_compute: float = 0.0
+    """Seconds more such a wait costs when it follows milliseconds of compute rather than
+    another wait: the ranks come to it out of step, and on a CPU the later one's wake-up
+    then sometimes waits milliseconds (`ptdp calibrate` on CPUs; 0 on GPUs)."""
 
     @property
     def gloo(self) -> bool:
@@ -230,6 +234,7 @@ NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
     ("device.achieved", "kernel_overhead_us", "non-negative", False),
     ("device.achieved", "reserved_gib", "non-negative", False),
     ("device.achieved", "collective_sync_us", "non-negative", False),
+    ("device.achieved", "wait_after_compute_us", "non-negative", False),
     ("node", "gpus", "count", True),
     *(
         (link, key, kind, key == "bandwidth_gb_s")
@@ -338,6 +343,7 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         head_overhead=_pair(achieved, "head_overhead_us"),
         optimizer_overhead=_pair(achieved, "optimizer_overhead_us", "[per step, per tensor]"),
         collective_sync=float(achieved.get("collective_sync_us", 0.0)) * 1e-6,
+        wait_after_compute=float(achieved.get("wait_after_compute_us", 0.0)) * 1e-6,
     )
     return System(
         name=str(data.get("name", default_name)),

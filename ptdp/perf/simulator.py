@@ -312,7 +312,7 @@ def step_reductions(layout: Layout, c: Compute) -> float:
         groups.append((dp, t * cp))
     calls = [(n, stride) for n, stride in groups if n > 1]
     wire = sum(group_link(c.system, n, stride).latency for n, stride in calls)
-    return wire + sync_seconds(len(calls), c)
+    return wire + sync_seconds(len(calls), c, min(1, len(calls)))  # back to back
 
 
 def step_seconds(cfg: RunConfig, layout: Layout, c: Compute, costs: PipelineCosts) -> float:

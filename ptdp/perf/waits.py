@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -60,60 +59,76 @@ def collective_sync(
     step pays its typical value on every call, and pairing the batches of one round keeps a
     neighbour's job from landing on one side of the difference only.
     """
-    fns: list[Callable[[], object]] = []
-    for tp in (comm.Group.single(), pair):
-        for layers in (0, 2):
-            model, tokens = tiny_gpt(layers, device, dtype, tp)
-            fns.append(lambda m=model, t=tokens: m(t, t).backward())
-    timing = timing.at_least(SYNC_ROUNDS)
-    layers = [
-        ((two2 - two0) - (one2 - one0)) / 2  # per layer: 4 all-reduces
-        for one0, one2, two0, two2 in _lockstep_trials(fns, device, timing)
-    ]
-    layer = max(0.0, statistics.median(layers))
+    layer = max(0.0, statistics.median(sync_rounds(dtype, device, timing, pair)))
     tokens = TINY_GPT["seq_length"] * TINY_GPT["hidden_size"]
     nbytes = tokens * torch.empty((), dtype=dtype).element_size()
     return layer / 4, layer, nbytes
 
 
-AFTER_WAIT_ROUNDS = 60
-"""Rounds of `compute_after_wait`: on the 2-vCPU Xeon of BENCHMARKS.md one wait's cost
-moved 20-350 us from block to block of 150 calls; each round here is one call of each."""
+def sync_rounds(
+    dtype: torch.dtype,
+    device: torch.device,
+    timing: Timing,
+    pair: comm.Group,
+    rounds: int = SYNC_ROUNDS,
+) -> list[float]:
+    """Each round's extra seconds of a tiny tp = 2 layer (`collective_sync`'s samples, at
+    least `rounds` of them): a caller may pool rounds taken at different times."""
+    fns: list[Callable[[], object]] = []
+    for tp in (comm.Group.single(), pair):
+        for layers in (0, 2):
+            model, tokens = tiny_gpt(layers, device, dtype, tp)
+            fns.append(lambda m=model, t=tokens: m(t, t).backward())
+    return [
+        ((two2 - two0) - (one2 - one0)) / 2  # per layer: 4 all-reduces
+        for one0, one2, two0, two2 in _lockstep_trials(fns, device, timing.at_least(rounds))
+    ]
+
+
+AFTER_COMPUTE_ROUNDS = 12
+"""Rounds of `wait_after_compute`. On the 2-vCPU Xeon of BENCHMARKS.md three runs of 12
+rounds gave 0.47, 0.67 and 0.87 ms a wait; one round's figure moved -0.9 to +2.7 ms."""
+AFTER_COMPUTE_CALLS = 20
+"""Layers and waits per batch: a wait after compute took 0.4 ms or 2.5-8 ms, a third of
+them the latter, so a batch holds enough of them that its mean is the step's."""
 LAYER_CHUNK = {"hidden_size": 128, "seq_length": 128, "num_heads": 4}
 """ptdp's GPT layer at benchmarks/prediction.py's base size, batch 2: a forward and backward
 of a few milliseconds whose tensors (about 3 MiB) outgrow a core's private cache, as the
 compute between a real layer's waits does."""
 
 
-def compute_after_wait(
+def wait_after_compute(
     dtype: torch.dtype, device: torch.device, timing: Timing, pair: comm.Group
 ) -> float:
-    """Seconds a blocking collective adds to the compute right after it, beyond its own
-    time: one layer of ptdp's GPT (`LAYER_CHUNK`), forward and backward, timed right after
-    a small all-reduce over `pair` and then again right after itself, every round; the
-    median of each round's difference.
+    """Seconds a blocking collective costs in place after a layer's compute, beyond the same
+    collective back to back and the compute alone: per round, a batch of one layer of
+    ptdp's GPT (`LAYER_CHUNK`, forward and backward) each followed by a small all-reduce
+    over `pair`, less a batch of the layers alone and a batch of the all-reduces alone; the
+    median round's figure per wait.
 
-    While a rank waits, the collective's threads run on its core and the waiting thread
-    sleeps; the compute after the wait then starts on caches those threads have used. On
-    the Xeon of BENCHMARKS.md a tp = 2-sized layer chunk ran 0.1-0.25 ms slower after a 2 KiB
-    or a 256 KiB all-reduce than after nothing, whatever the chunk's length, and tp = 2 steps
-    wait 40 times. `collective_sync` does not see it: the tiny model has almost no compute
-    after its waits.
+    `collective_sync`'s tiny model has almost no compute between its waits, so its ranks
+    stay in step. After milliseconds of compute they do not: on the Xeon of BENCHMARKS.md
+    a small all-reduce right after a layer returned in 0.4 ms on two calls of three and in
+    2.5-8 ms on the third, while the other rank had long returned from it, and the layer
+    after a wait runs on caches gloo's threads have used. A step sums its waits, so it pays
+    their mean: the figure is a batch's, not a single call's.
     """
     model, tokens = tiny_gpt(1, device, dtype, batch=2, **LAYER_CHUNK)
     flag = torch.zeros(512, dtype=dtype, device=device)
 
-    def chunk() -> float:
-        start = time.perf_counter()
+    def layer() -> None:
         model(tokens, tokens).backward()
-        return time.perf_counter() - start
 
-    chunk()  # warm-up
-    comm.all_reduce_sum_(flag, pair)
-    rounds = max(AFTER_WAIT_ROUNDS, timing.trials)
-    differences = []
-    for _ in range(rounds):
+    def wait() -> None:
         comm.all_reduce_sum_(flag, pair)
-        after_wait = chunk()
-        differences.append(after_wait - chunk())
-    return max(0.0, statistics.median(differences))
+
+    def both() -> None:
+        layer()
+        wait()
+
+    batch = functools.partial(lockstep_batch, calls=AFTER_COMPUTE_CALLS, device=device)
+    for fn in (layer, wait, both):
+        lockstep_batch(fn, 2, device)  # warm-up
+    rounds = max(AFTER_COMPUTE_ROUNDS, timing.trials)
+    extra = [batch(both) - batch(layer) - batch(wait) for _ in range(rounds)]
+    return max(0.0, statistics.median(extra))

@@ -43,6 +43,18 @@ def test_every_case_trains_and_is_predicted(tmp_path: Path) -> None:
     assert written["max_abs_error"] == pytest.approx(max(errors))
     table = (tmp_path / "prediction.md").read_text()
     assert all(f"| {name} |" in table for name in rows)
+    # The wait cost sampled between the two-rank step rounds re-prices those rows only.
+    spell = written["spell"]
+    assert spell["collective_sync_us"] >= 0
+    for r in ran:
+        if r["world"] == 1:
+            assert r["predicted_in_spell_ms"] == pytest.approx(r["predicted_ms"])
+        assert r["error_in_spell"] == pytest.approx(
+            r["predicted_in_spell_ms"] / r["measured_ms"] - 1
+        )
+    in_spell = [abs(r["error_in_spell"]) for r in ran]
+    assert spell["median_abs_error"] == pytest.approx(statistics.median(in_spell))
+    assert "with the steps' wait cost (collective_sync_us" in table
     trace = json.loads((tmp_path / "prediction_timeline.json").read_text())
     sources = {e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M"}
     for source in ("measured", "simulated"):  # both pipeline ranks of each

@@ -387,6 +387,70 @@ def test_collective_sync_is_loaded_checked_and_paid_per_blocking_call(tmp_path: 
         )
 
 
+def test_a_wait_right_after_compute_pays_its_extra_and_one_after_a_wait_does_not(
+    tmp_path: Path,
+) -> None:
+    """`wait_after_compute_us` loads and is checked like `collective_sync_us`, and the model
+    adds it only to the waits that follow a layer's compute: both of a tensor-parallel
+    pass's all-reduces, but only 2 of sequence parallelism's 4 collectives (its all-gathers
+    follow a wait and a norm), the first of the loss's 3 all-reduces, the first wait of
+    each cp ring step (1 forward and 2 of the 3 backward at cp = 2), the first of the
+    step's back-to-back scalar all-reduces, and none when there are none."""
+    from dataclasses import replace
+
+    from ptdp.config import CpComm, ModelConfig, Recompute
+    from ptdp.errors import ConfigError
+    from ptdp.layout import Layout
+    from ptdp.perf.context_costs import cp_comm_seconds
+    from ptdp.perf.costs import head_seconds, layer_seconds
+    from ptdp.perf.simulator import step_reductions
+
+    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
+    assert load_system("a100-80gb").device.wait_after_compute == 0.0  # absent: none
+    path = tmp_path / "after.toml"
+    path.write_text(
+        text.replace("[device.achieved]", "[device.achieved]\nwait_after_compute_us = 600")
+    )
+    assert load_system(path).device.wait_after_compute == pytest.approx(600e-6)
+    path.write_text(
+        text.replace("[device.achieved]", "[device.achieved]\nwait_after_compute_us = -1")
+    )
+    with pytest.raises(ConfigError, match="wait_after_compute_us = .* must be >= 0"):
+        load_system(path)
+
+    after = 1e-3
+    base = load_system("a100-80gb")
+    slow = replace(base, device=replace(base.device, wait_after_compute=after))
+    model = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_length=32, vocab_size=64)
+
+    def diff(fn, **kw):
+        got = fn(model, c=Compute(slow, Precision.FP32, PTDP), **kw)
+        without = fn(model, c=Compute(base, Precision.FP32, PTDP), **kw)
+        return (got.f - without.f, got.b - without.b, got.w - without.w)
+
+    layer = dict(micro_batch=2, recompute=Recompute.NONE)
+    assert diff(layer_seconds, tp=1, sequence_parallel=False, **layer) == (0, 0, 0)
+    for sp in (False, True):
+        assert diff(layer_seconds, tp=2, sequence_parallel=sp, **layer) == pytest.approx(
+            (2 * after, 2 * after, 0)
+        )
+    assert diff(head_seconds, micro_batch=2, tp=2) == pytest.approx((after, after, 0))
+
+    def cp_exposed(system):
+        c = Compute(system, Precision.FP32, PTDP)
+        return cp_comm_seconds(model, micro_batch=2, tp=1, cp=2, comm=CpComm.RING, c=c)[1]
+
+    got, without = cp_exposed(slow), cp_exposed(base)
+    assert (got.f - without.f, got.b - without.b) == pytest.approx((after, 2 * after))
+
+    def reductions(system, tp, dp):
+        layout = Layout(world_size=tp * dp, tp=tp, pp=1, dp=dp, vpp=1, num_microbatches=1)
+        return step_reductions(layout, Compute(system, Precision.FP32, PTDP))
+
+    assert reductions(slow, 2, 2) - reductions(base, 2, 2) == pytest.approx(after)
+    assert reductions(slow, 1, 1) == reductions(base, 1, 1)  # one process: none
+
+
 def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
     """ptdp's reduce-scatter over gloo is an all-reduce of the whole tensor
     (`comm._reduce_scatter`), so on a CPU a sequence-parallel pass costs 2 all-reduces and
