@@ -378,7 +378,10 @@ def run(args: argparse.Namespace) -> dict:
     system = load_system(source)
     zero = (0.0, 0.0)  # the same file without its framework term, to show what that adds
     bare = replace(system, device=replace(system.device, layer_overhead=zero, head_overhead=zero))
-    unsynced = replace(system, device=replace(system.device, collective_sync=0.0))
+    unsynced = replace(  # no wait costs beyond the bytes
+        system,
+        device=replace(system.device, collective_sync=0.0, wait_after_compute=0.0, ring_sync=0.0),
+    )
     cases = [c for c in CASES if not args.only or c.name in args.only]
     cases = [c for c in cases if c.name not in args.skip]
     rows, by_world = [], {}
@@ -482,7 +485,8 @@ def markdown(result: dict) -> str:
         "machine does not stretch as it stretches wall time (for one process, about the step "
         "a quiet machine would take; with two ranks it leaves out the waits); without "
         "framework term: the same file with layer_overhead_us and head_overhead_us at 0; without "
-        "collective sync: the same file with collective_sync_us at 0; with the steps' wait "
+        "collective sync: the same file with collective_sync_us, wait_after_compute_us and "
+        "ring_sync_us at 0; with the steps' wait "
         "cost: the same file with collective_sync_us measured between the two-rank step "
         "rounds (`waits.sync_rounds`, as `ptdp calibrate` measures it).",
     ]

@@ -25,13 +25,18 @@ What is measured (ptdp/perf/microbench.py) and what it becomes in the cluster TO
 - on a CPU, ptdp's optimizer step (gradient norm, clipping, AdamW, the 16-bit copy) on
   the same model at 0 and 2 layers -> `optimizer_overhead_us`: per step and per parameter
   tensor, beyond the bytes it moves (a CPU's foreach AdamW runs each op tensor by tensor);
+- on a CPU, ptdp's zero-bubble split backward (B, then W's deferred weight-gradient GEMMs)
+  against autograd's fused one on two layers -> `split_backward_ratio`
+  (`wgrad_cost.split_backward_ratio`);
 - on CPUs under torchrun, the same model at tp = 2 over two ranks against tp = 1 ->
   `collective_sync_us`: what each blocking collective between compute costs in place
-  beyond what the fitted link charges it (the later rank's wake-up after the earlier
-  went back to compute, the tensor-parallel autograd functions; `waits.collective_sync`),
-  plus what it costs in place after a layer's compute (a layer at the benchmark's base
-  size, each followed by a small all-reduce, against the two apart, batch means;
-  `waits.wait_after_compute`);
+  beyond what the fitted link charges it (the ranks' resynchronisation, the
+  tensor-parallel autograd functions; `waits.collective_sync`); one layer at the
+  benchmark's base size, each followed by a small all-reduce, against the two apart ->
+  `wait_after_compute_us`: what such a wait costs more after a layer's compute, the
+  ranks then out of step (`waits.wait_after_compute`); the same model at cp = 2 against
+  none -> `ring_sync_us`: what each key/value shift of ring attention costs beyond what
+  the point-to-point fit charges it (`waits.ring_sync`);
 - under torchrun, all-reduce, all-gather, reduce-scatter and point-to-point over message
   sizes and group sizes -> the `[node]` link (groups inside a node) and the `[network]`
   link (one rank per node, when there are several nodes) as latency + bandwidth, a least
@@ -57,15 +62,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ptdp.config import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.parallel import comm
 from ptdp.perf import microbench as mb
 from ptdp.perf import waits
 from ptdp.perf.calibration_file import Calibration, CollectiveFit, render_toml, summary
+from ptdp.perf.context import kv_block_bytes
 from ptdp.perf.fit import LinkFit, collective_bytes, fit_latency_bandwidth, monotone_curve
 from ptdp.perf.flops import DENSE_PEAK_TFLOPS, device_kind
 from ptdp.perf.hardware import GIB, System, load_system, system_for_device_name
 from ptdp.perf.timing import Timing
+from ptdp.perf.wgrad_cost import split_backward_ratio
 
 
 @dataclass(frozen=True)
@@ -254,9 +262,9 @@ def planned_figures(sweep: Sweep, world: int, per_node: int, device_type: str = 
     kernels = len(mb.STREAM_KERNELS) + len(mb.WITH_BACKWARD)
     seqs = len(sweep.attention_seq)
     attention = seqs + len(sweep.attention_dims) * min(3, seqs)
-    compute = 5 * len(sweep.hidden) + attention + kernels * len(sweep.stream_bytes) + 2
-    sync = world > 1 and device_type == "cpu"  # the collectives' resynchronisation
-    return compute + comms + sync
+    compute = 5 * len(sweep.hidden) + attention + kernels * len(sweep.stream_bytes) + 3
+    sync = world > 1 and device_type == "cpu"  # the collectives' and the ring's waits
+    return compute + comms + 2 * sync
 
 
 def _link_fits(fits: list[CollectiveFit]) -> dict[str, tuple[LinkFit | None, str]]:
@@ -321,15 +329,19 @@ def calibrate(
         optimizer = (
             mb.optimizer_overhead(dtype, device, sweep.timing) if device.type == "cpu" else None
         )
+        step("split backward")
+        split = split_backward_ratio(dtype, device, sweep.timing) if device.type == "cpu" else None
         collectives = (
             measure_collectives(device, dtype, sweep, per_node, step) if world.size > 1 else []
         )
-        in_place, after_compute = None, 0.0
+        in_place, after_compute, ring = None, 0.0, None
         if world.size > 1 and device.type == "cpu":
             step("collective sync")
             pair = mb.build_groups(world.size, 2, 1)
             in_place = waits.collective_sync(dtype, device, sweep.timing, pair)
             after_compute = waits.wait_after_compute(dtype, device, sweep.timing, pair)
+            step("ring attention sync")
+            ring = waits.ring_sync(dtype, device, sweep.timing, pair)
     finally:
         bar.close()
     links = _link_fits(collectives)
@@ -373,7 +385,9 @@ def calibrate(
         },
         framework=framework,
         optimizer=optimizer,
+        split_ratio=split,
         sync=_sync(in_place, after_compute, links, collectives),
+        ring=_ring(ring, collectives),
     )
 
 
@@ -395,6 +409,22 @@ def _sync(
     fit = own or links.get("node", (None, ""))[0]  # what the model charges an all-reduce
     charged = fit.seconds(collective_bytes("all_reduce", nbytes, 2)) if fit else 0.0
     return max(0.0, call - charged), layer, after_compute
+
+
+def _ring(
+    ring: tuple[float, float] | None, fits: list[CollectiveFit]
+) -> tuple[float, float] | None:
+    """(per shift, per cp = 2 layer) seconds: a ring shift in place less what the model
+    charges its bytes (the point-to-point fit, which the file writes into the link), so
+    that link + ring sync is the shift in place."""
+    if ring is None:
+        return None
+    shift, layer = ring
+    p2p = next((f.fit for f in fits if (f.op, f.span) == ("p2p", "node")), None)
+    model = ModelConfig(**mb.TINY_GPT)
+    kv = kv_block_bytes(model, micro_batch=1, tp=1, cp=2, e=4)  # fp32, as measured
+    charged = p2p.seconds(kv) if p2p else 0.0
+    return max(0.0, shift - charged), layer
 
 
 def _sweep_name(sweep: Sweep, device_type: str) -> str:

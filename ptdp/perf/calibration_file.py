@@ -80,6 +80,13 @@ class Calibration:
     forward and backward against tp = 1, of the first: what one costs in place after a
     layer's compute) seconds (`waits.collective_sync`, `waits.wait_after_compute`); on
     CPUs under torchrun only."""
+    split_ratio: float | None = None
+    """(B + W) / fused seconds of ptdp's zero-bubble split backward
+    (`wgrad_cost.split_backward_ratio`); CPUs only."""
+    ring: tuple[float, float] | None = None
+    """(per key/value shift of ring attention beyond what the fitted point-to-point link
+    charges it, per cp = 2 layer forward and backward against none) seconds
+    (`waits.ring_sync`); on CPUs under torchrun only."""
 
     @property
     def kernel_curves(self) -> dict[str, tuple[tuple[float, float], ...]]:
@@ -254,9 +261,13 @@ def render_toml(cal: Calibration, name: str) -> str:
         achieved["head_overhead_us"] = [head[0] * 1e6, head[1] * 1e6]
     if cal.optimizer is not None:
         achieved["optimizer_overhead_us"] = [cal.optimizer[0] * 1e6, cal.optimizer[1] * 1e6]
+    if cal.split_ratio is not None:
+        achieved["split_backward_ratio"] = cal.split_ratio
     if cal.sync is not None:
         achieved["collective_sync_us"] = cal.sync[0] * 1e6
         achieved["wait_after_compute_us"] = cal.sync[2] * 1e6
+    if cal.ring is not None:
+        achieved["ring_sync_us"] = cal.ring[0] * 1e6
     node, network = _links(cal)
     peak = "best GEMM measured (no datasheet peak)" if cal.peak_measured else "datasheet"
     described = f"calibrated {cal.device_name} on {cal.info.get('host', '?')}"
@@ -304,6 +315,10 @@ def _calibration_tables(cal: Calibration) -> list[str]:
         rows = {"per_call_us": call, "tp2_layer_us": layer, "wait_after_compute_us": after}
         note = "tp = 2 against tp = 1, h 32; layers at h 128 each with a wait, less both apart"
         lines += _table("calibration.collective_sync", rows, note)
+    if cal.ring is not None:
+        shift, layer = (v * 1e6 for v in cal.ring)
+        rows = {"per_shift_us": shift, "cp2_layer_us": layer}
+        lines += _table("calibration.ring_sync", rows, "cp = 2 against none, h 32")
     for c in cal.collectives:
         rows: dict[str, object] = {"op": c.op, "ranks": c.ranks, "span": c.span}
         if c.fit is not None:
@@ -349,8 +364,14 @@ def summary(cal: Calibration) -> str:
         call, layer, after = cal.sync
         lines.append(
             f"  each blocking collective between compute: {call * 1e6:.3g} us beyond the "
-            f"link's cost, {after * 1e6:.3g} us of it the compute after the wait (a tp = 2 "
+            f"link's cost, {after * 1e6:.3g} us more right after a layer's compute (a tp = 2 "
             f"layer, forward and backward, adds {layer * 1e6:.3g} us)"
+        )
+    if cal.ring is not None:
+        shift, layer = cal.ring
+        lines.append(
+            f"  each ring attention shift: {shift * 1e6:.3g} us beyond the link's cost (a "
+            f"cp = 2 layer, forward and backward, adds {layer * 1e6:.3g} us)"
         )
     for c in cal.collectives:
         fit = c.fit

@@ -54,7 +54,8 @@ def cp_comm_seconds(
     # Every shift is waited on by both ends: steps forward; backward, the key/value blocks
     # and the gradient accumulator each step, and the accumulator's last hop home. The
     # first wait of each step follows its block's kernel; the others follow a wait.
-    waits = Passes(sync_seconds(steps, c), sync_seconds(2 * steps + 1, c, steps + 1), 0.0)
+    shift, after = c.system.device.shift_sync, c.system.device.wait_after_compute
+    waits = Passes(steps * (shift + after), (2 * steps + 1) * shift + (steps + 1) * after, 0.0)
     return wire, exposed + waits
 
 

@@ -141,6 +141,19 @@ class Device:
     """Seconds more such a wait costs when it follows milliseconds of compute rather than
     another wait: the ranks come to it out of step, and on a CPU the later one's wake-up
     then sometimes waits milliseconds (`ptdp calibrate` on CPUs; 0 on GPUs)."""
+    split_backward_ratio: float = 1.0
+    """(B + W) / fused seconds of a backward split for a zero-bubble schedule: W reads each
+    layer's input and output gradient back after B instead of while they are in cache
+    (`ptdp calibrate` on CPUs measures it; 1: no cost, the figure where none was measured)."""
+    ring_sync: float | None = None
+    """Seconds each key/value shift of ring attention costs beyond moving its bytes: an
+    isend and an irecv both ways, waited on between the ring's own kernels and Python
+    (`ptdp calibrate` on CPUs; None: `collective_sync`'s figure)."""
+
+    @property
+    def shift_sync(self) -> float:
+        """What a ring shift costs beyond its bytes (`ring_sync`, else `collective_sync`)."""
+        return self.collective_sync if self.ring_sync is None else self.ring_sync
 
     @property
     def gloo(self) -> bool:
@@ -235,6 +248,8 @@ NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
     ("device.achieved", "reserved_gib", "non-negative", False),
     ("device.achieved", "collective_sync_us", "non-negative", False),
     ("device.achieved", "wait_after_compute_us", "non-negative", False),
+    ("device.achieved", "ring_sync_us", "non-negative", False),
+    ("device.achieved", "split_backward_ratio", "positive", False),
     ("node", "gpus", "count", True),
     *(
         (link, key, kind, key == "bandwidth_gb_s")
@@ -342,8 +357,10 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         layer_overhead=_pair(achieved, "layer_overhead_us"),
         head_overhead=_pair(achieved, "head_overhead_us"),
         optimizer_overhead=_pair(achieved, "optimizer_overhead_us", "[per step, per tensor]"),
+        split_backward_ratio=float(achieved.get("split_backward_ratio", 1.0)),
         collective_sync=float(achieved.get("collective_sync_us", 0.0)) * 1e-6,
         wait_after_compute=float(achieved.get("wait_after_compute_us", 0.0)) * 1e-6,
+        ring_sync=(float(achieved["ring_sync_us"]) * 1e-6 if "ring_sync_us" in achieved else None),
     )
     return System(
         name=str(data.get("name", default_name)),

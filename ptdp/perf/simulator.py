@@ -7,7 +7,8 @@ the step; ZeRO-2 and 3 per microbatch, `ptdp.perf.zero`) and the optimizer step,
 reports iteration time, the paper's bubble (bubble time / ideal time), TFLOP/s per
 device, memory and the per-rank timeline. Context parallelism (`ptdp.perf.context`): a
 rank computes its s/cp tokens and 1/cp of the causal attention, plus the exposed K/V
-transfers.
+transfers. A zero-bubble schedule's W pays what its split backward costs beyond the fused
+one (`Device.split_backward_ratio`: it reads its operands back after B).
 """
 
 from __future__ import annotations
@@ -165,6 +166,9 @@ def pipeline_costs(cfg: RunConfig, layout: Layout, c: Compute) -> PipelineCosts:
         # Compiled layers keep autograd's fused linear backward (ptdp/parallel/wgrad.py):
         # their weight-gradient GEMMs run in B, and W only adds the gradients in.
         passes = [Passes(p.f, p.b + p.w, 0.0) for p in passes]
+    elif split:  # what the split costs beyond the fused backward, paid in W (module doc)
+        extra = c.system.device.split_backward_ratio - 1.0
+        passes = [Passes(p.f, p.b, p.w + extra * (p.b + p.w)) for p in passes]
     stages = len(passes)
     # The receiver waits on each transfer: the wire, then its resynchronisation (CPUs).
     hop = [transfer_seconds(cfg, layout, c.system, s) + sync_seconds(1, c) for s in range(stages)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import statistics
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -85,9 +86,52 @@ def sync_rounds(
     ]
 
 
-AFTER_COMPUTE_ROUNDS = 12
+RING_SHIFTS = 4
+"""Shifts a cp = 2 ring layer waits on, forward and backward: the key/value block forward;
+backward the block again, the gradient accumulator, and its hop home."""
+
+
+def ring_sync(
+    dtype: torch.dtype, device: torch.device, timing: Timing, pair: comm.Group
+) -> tuple[float, float]:
+    """(per shift, per layer) seconds: what each key/value shift of ptdp's ring attention
+    costs in place at a negligible size, and what a cp = 2 layer over `pair` adds to a
+    layer's forward and backward.
+
+    `collective_sync`'s method at cp = 2: ptdp's GPT at `TINY_GPT` with 0 and 2 layers,
+    forward and backward, with the ring over `pair` against without it on the same local
+    tokens (half the window, as each cp rank holds), the median round's extra per layer,
+    over its `RING_SHIFTS` waits. A shift is an isend and an irecv both ways at once,
+    waited on between the ring's own small kernels and Python (the block plan, the
+    log-sum-exp merge, the accumulator): on the Xeon of BENCHMARKS.md a layer's ring cost
+    5.1 ms at this size, 1.3 ms a shift, twice a tensor-parallel all-reduce's.
+    """
+    from ptdp.config import ModelConfig
+    from ptdp.model.gpt import GPT
+    from ptdp.parallel.context import split_sequence
+
+    cfg = ModelConfig(**TINY_GPT, dropout=0.0)
+    window = torch.randint(0, cfg.vocab_size, (1, cfg.seq_length + 1), device=device)
+    tokens, labels, positions = split_sequence(window[:, :-1], window[:, 1:], None, pair)
+    half = replace(cfg, seq_length=tokens.shape[1])  # a cp rank's local tokens
+    fns: list[Callable[[], object]] = []
+    for cp, model_cfg, pos in ((comm.Group.single(), half, None), (pair, cfg, positions)):
+        for layers in (0, 2):
+            model = GPT(model_cfg, layers=range(layers), cp=cp).to(device=device, dtype=dtype)
+            fns.append(lambda m=model, p=pos: m(tokens, labels, positions=p).backward())
+    timing = timing.at_least(SYNC_ROUNDS)
+    layers = [
+        ((ring2 - ring0) - (one2 - one0)) / 2
+        for one0, one2, ring0, ring2 in _lockstep_trials(fns, device, timing)
+    ]
+    layer = max(0.0, statistics.median(layers))
+    return layer / RING_SHIFTS, layer
+
+
+AFTER_COMPUTE_ROUNDS = 20
 """Rounds of `wait_after_compute`. On the 2-vCPU Xeon of BENCHMARKS.md three runs of 12
-rounds gave 0.47, 0.67 and 0.87 ms a wait; one round's figure moved -0.9 to +2.7 ms."""
+rounds gave 0.47, 0.67 and 0.87 ms a wait (one round's figure moved -0.9 to +2.7 ms), and
+calibrations minutes apart 0.56-1.04 ms."""
 AFTER_COMPUTE_CALLS = 20
 """Layers and waits per batch: a wait after compute took 0.4 ms or 2.5-8 ms, a third of
 them the latter, so a batch holds enough of them that its mean is the step's."""

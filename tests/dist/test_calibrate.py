@@ -82,6 +82,12 @@ def test_two_rank_calibration_fits_every_collective(tmp_path: Path) -> None:
     # What a wait costs more after a layer's compute: its own key, loaded.
     assert sync["wait_after_compute_us"] >= 0
     assert system.device.wait_after_compute == pytest.approx(sync["wait_after_compute_us"] * 1e-6)
+    # Each ring attention shift's own figure, from ptdp's tiny model at cp = 2 against none.
+    ring = raw["calibration"]["ring_sync"]
+    assert ring["per_shift_us"] >= 0 and ring["cp2_layer_us"] >= 0
+    assert system.device.ring_sync == pytest.approx(ring["per_shift_us"] * 1e-6)
+    # And what ptdp's zero-bubble split of a backward costs against the fused one.
+    assert 0.5 < system.device.split_backward_ratio < 3.0
     assert raw["device"]["achieved"]["collective_sync_us"] == pytest.approx(sync["per_call_us"])
     assert system.device.collective_sync == pytest.approx(sync["per_call_us"] * 1e-6)
     # Timings on this shared machine swing several-fold, so the fit's accuracy is not

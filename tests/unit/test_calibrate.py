@@ -451,6 +451,105 @@ def test_a_wait_right_after_compute_pays_its_extra_and_one_after_a_wait_does_not
     assert reductions(slow, 1, 1) == reductions(base, 1, 1)  # one process: none
 
 
+def test_a_ring_shift_pays_its_own_measured_sync_else_the_collectives(tmp_path: Path) -> None:
+    """`ring_sync_us` loads and is checked; the cp ring's 1 forward and 3 backward waits (cp
+    = 2) pay it instead of `collective_sync_us`, which they pay when the file has none.
+    The all-gather form, a collective, keeps `collective_sync_us`."""
+    from dataclasses import replace
+
+    from ptdp.config import CpComm, ModelConfig
+    from ptdp.errors import ConfigError
+    from ptdp.perf.context_costs import cp_comm_seconds
+
+    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
+    assert load_system("a100-80gb").device.ring_sync is None  # absent: collective_sync's
+    path = tmp_path / "ring.toml"
+    for value, why in (("-1", "must be >= 0"), ('"slow"', "is not a number")):
+        path.write_text(
+            text.replace("[device.achieved]", f"[device.achieved]\nring_sync_us = {value}")
+        )
+        with pytest.raises(ConfigError, match=f"ring_sync_us = .* {why}"):
+            load_system(path)
+    path.write_text(text.replace("[device.achieved]", "[device.achieved]\nring_sync_us = 900"))
+    assert load_system(path).device.shift_sync == pytest.approx(900e-6)
+
+    base = load_system("a100-80gb")
+    model = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_length=32, vocab_size=64)
+
+    def waits(collective: float, ring: float | None, comm: CpComm) -> tuple[float, float]:
+        device = replace(base.device, collective_sync=collective, ring_sync=ring)
+        c = Compute(replace(base, device=device), Precision.FP32, PTDP)
+        got = cp_comm_seconds(model, micro_batch=2, tp=1, cp=2, comm=comm, c=c)[1]
+        without = cp_comm_seconds(
+            model, micro_batch=2, tp=1, cp=2, comm=comm, c=Compute(base, Precision.FP32, PTDP)
+        )[1]
+        return got.f - without.f, got.b - without.b
+
+    assert waits(1e-3, None, CpComm.RING) == pytest.approx((1e-3, 3e-3))
+    assert waits(1e-3, 2e-3, CpComm.RING) == pytest.approx((2e-3, 6e-3))
+    assert waits(1e-3, 2e-3, CpComm.ALLGATHER) == pytest.approx((1e-3, 1e-3))
+
+
+def test_a_split_backward_pays_its_measured_cost_in_w_on_zero_bubble_schedules(
+    tmp_path: Path,
+) -> None:
+    """`split_backward_ratio` loads and is checked; a zero-bubble schedule's W then carries
+    (ratio - 1) of the fused backward (B + W), a schedule that does not split pays nothing,
+    nor does a compiled model (its W only adds gradients in); the calibration's own
+    measurement of ptdp's split on this CPU is a ratio near 1."""
+    from dataclasses import replace
+
+    import torch
+
+    from ptdp.config import RunConfig, apply_updates
+    from ptdp.errors import ConfigError
+    from ptdp.layout import validate
+    from ptdp.perf.simulator import pipeline_costs
+    from ptdp.perf.timing import Timing
+    from ptdp.perf.wgrad_cost import split_backward_ratio
+
+    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
+    assert load_system("a100-80gb").device.split_backward_ratio == 1.0  # absent: free
+    path = tmp_path / "split.toml"
+    path.write_text(
+        text.replace("[device.achieved]", "[device.achieved]\nsplit_backward_ratio = 0")
+    )
+    with pytest.raises(ConfigError, match="split_backward_ratio = .* must be > 0"):
+        load_system(path)
+
+    base = load_system("a100-80gb")
+    slow = replace(base, device=replace(base.device, split_backward_ratio=1.25))
+
+    def costs(system, schedule: str, compile: bool = False):
+        cfg = apply_updates(
+            RunConfig(),
+            {
+                "model": {
+                    "num_layers": 4,
+                    "hidden_size": 64,
+                    "num_heads": 4,
+                    "seq_length": 32,
+                    "vocab_size": 64,
+                },  # fmt: skip
+                "parallel": {"pp": 2, "schedule": schedule},
+                "train": {"micro_batch_size": 1, "global_batch_size": 4, "compile": compile},
+            },
+            "test",
+        )
+        layout = validate(cfg, 2)
+        return pipeline_costs(cfg, layout, Compute(system, Precision.FP32, PTDP))
+
+    fused, split = costs(base, "zb-h1"), costs(slow, "zb-h1")
+    assert split.forward == fused.forward and split.backward_input == fused.backward_input
+    for w0, w1, b in zip(fused.backward_weight, split.backward_weight, fused.backward_input):
+        assert w1 - w0 == pytest.approx(0.25 * (b + w0))
+    assert costs(slow, "1f1b") == costs(base, "1f1b")
+    assert costs(slow, "zb-h1", compile=True) == costs(base, "zb-h1", compile=True)
+
+    ratio = split_backward_ratio(torch.float32, torch.device("cpu"), Timing(0.01, 3))
+    assert 0.8 < ratio < 2.0
+
+
 def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
     """ptdp's reduce-scatter over gloo is an all-reduce of the whole tensor
     (`comm._reduce_scatter`), so on a CPU a sequence-parallel pass costs 2 all-reduces and
