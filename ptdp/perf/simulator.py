@@ -202,7 +202,11 @@ def _final_gradients(run: PipelineRun, pp: int) -> list[list[tuple[float, float,
 
 def overlaps_reduction(cfg: RunConfig, c: Compute) -> bool:
     """Whether the gradient reduction overlaps the backward (the config's, where the software
-    has it)."""
+    has it). Over gloo it hides nothing: its threads move the bytes on the cores the
+    backward runs on (BENCHMARKS.md: two ranks on two vCPUs took 55.8 ms a step with the
+    reduction after the backward, 57.9 ms with it overlapped)."""
+    if c.system.device.gloo:
+        return False
     return cfg.parallel.overlap_grad_reduce and c.software.overlap_grad_reduce
 
 

@@ -555,7 +555,8 @@ def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
     (`comm._reduce_scatter`), so on a CPU a sequence-parallel pass costs 2 all-reduces and
     2 all-gathers of the boundary; on GPUs (NCCL's reduce-scatter) the pairs cost as much
     as 2 all-reduces. Without sequence parallelism nothing changes. And the cp ring's
-    transfers, hidden under attention on GPUs, are all exposed on a CPU."""
+    transfers, hidden under attention on GPUs, are all exposed on a CPU, as is the
+    data-parallel reduction that GPUs overlap with the backward."""
     from dataclasses import replace
 
     from ptdp.config import ModelConfig, Recompute
@@ -593,6 +594,32 @@ def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
         assert (exposed.f < wire.f) is hidden and (exposed.b < wire.b) is hidden
         if not hidden:
             assert (exposed.f, exposed.b) == pytest.approx((wire.f, wire.b))
+
+    # The data-parallel reduction overlaps the backward on GPUs; over gloo its threads
+    # need the backward's cores, so an overlapped step costs what an unoverlapped one does.
+    from ptdp.config import RunConfig, apply_updates
+    from ptdp.perf.simulator import simulate
+
+    def step(system, overlap: bool) -> float:
+        cfg = apply_updates(
+            RunConfig(),
+            {
+                "model": {
+                    "num_layers": 4,
+                    "hidden_size": 256,
+                    "num_heads": 4,
+                    "seq_length": 64,
+                    "vocab_size": 64,
+                },  # fmt: skip
+                "parallel": {"overlap_grad_reduce": overlap, "bucket_mb": 0.25},
+                "train": {"micro_batch_size": 1, "global_batch_size": 2},
+            },
+            "test",
+        )
+        return simulate(cfg, system, 2, timeline=False).iteration_seconds
+
+    assert step(gpu, True) < step(gpu, False)
+    assert step(cpu, True) == pytest.approx(step(cpu, False))
 
 
 def test_zero3_pays_the_sync_per_layer_gather_and_reduce_scatter() -> None:
