@@ -20,10 +20,11 @@ and 3 pay per microbatch what ZeRO-0 and 1 pay once per step.
 Overlap (prefetch). ZeRO-3's gathers run one layer ahead of the compute and the
 reduce-scatters one layer behind, so a stage pass of compute T and communication C over
 L layers exposes C / L (the first gather, the last reduce-scatter) plus
-(L - 1) / L max(0, C - T). The exposed seconds join the stage's F (forward gathers), B
-(backward gathers) and W (reduce-scatters: the pass that makes the gradients), so the
-pipeline replay places them per microbatch; levels 0 and 1 keep the simulator's reduction
-after the last backward.
+(L - 1) / L max(0, C - T); over gloo (a CPU) all of C, as its threads move the bytes on
+the cores the compute runs on (`Device.gloo`). The exposed seconds join the stage's F
+(forward gathers), B (backward gathers) and W (reduce-scatters: the pass that makes the
+gradients), so the pipeline replay places them per microbatch; levels 0 and 1 keep the
+simulator's reduction after the last backward.
 
 The ZeRO group is the dp cp ranks that reduce the gradients (tp apart; `perf.context`),
 on `costs.group_link` (at `Software.sharded_comm_efficiency` of its bandwidth: the paper's
@@ -80,8 +81,11 @@ def sharded_passes(
         reduce = gather_seconds(c.software.grad_reduce_bytes * n, group, link, "reduce_scatter")
         gather = gather_seconds(c.e * n, group, link) if layout.zero >= 3 else 0.0
         again = gather if regather else 0.0
-        forward = exposed_seconds(gather, p.f, layers)
-        backward = exposed_seconds(again + reduce, p.b + p.w, layers)
+        if c.system.device.gloo:  # nothing hides (module doc)
+            forward, backward = gather, again + reduce
+        else:
+            forward = exposed_seconds(gather, p.f, layers)
+            backward = exposed_seconds(again + reduce, p.b + p.w, layers)
         if layout.zero >= 3:  # each layer's gathers and reduce-scatter are waited on
             forward += sync_seconds(layers, c)
             backward += sync_seconds((2 if regather else 1) * layers, c)

@@ -648,6 +648,19 @@ def test_zero3_pays_the_sync_per_layer_gather_and_reduce_scatter() -> None:
             assert new.f - old.f == pytest.approx(waits[0] * sync)
             assert (new.b + new.w) - (old.b + old.w) == pytest.approx(waits[1] * sync)
 
+    # Over gloo no compute hides them: a step's passes carry all its bytes' seconds.
+    cpu = replace(base, device=replace(base.device, kind="cpu"))
+    c = Compute(cpu, Precision.BF16, PTDP)
+    for zero in (2, 3):
+        cfg = apply_updates(
+            preset_config("gpt-1.7b"), {"parallel": {"zero": zero}, "train": train}, "t"
+        )
+        lay = validate(cfg, 8)
+        plain = compute_costs(cfg, lay, c)
+        sharded, wire = sharded_passes(cfg, lay, c, plain)
+        exposed = sum(n.f + n.b + n.w - (o.f + o.b + o.w) for n, o in zip(sharded, plain))
+        assert lay.num_microbatches * exposed == pytest.approx(wire)
+
 
 def test_each_collective_may_carry_its_own_link_figures(tmp_path: Path) -> None:
     """`<op>_latency_us` / `<op>_bandwidth_gb_s` for all_reduce, all_gather and
