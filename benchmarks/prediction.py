@@ -12,7 +12,10 @@ model must get right: one process at several widths, sequence lengths, micro-bat
 and recomputation; two ranks at tp = 2 with and without sequence parallelism, pp = 2
 under every schedule, dp = 2 at ZeRO 0, 1, 2 and 3; cp = 2 where `validate` accepts it
 (listed as skipped otherwise). Targets: median |error| <= 10%, max |error| <= 20%. One
-pipelined run's last step is drawn above its simulated timeline.
+pipelined run's last step is drawn above its simulated timeline. Between the two-rank step
+rounds the calibration's wait cost (`waits.sync_rounds`) is sampled again, and the table
+shows the predictions with it too: whether an error is the figure having moved since the
+calibration.
 
 Writes runs/benchmarks/prediction.json, prediction.md and prediction_timeline.png (plus
 its Chrome trace); never a tracked file.
