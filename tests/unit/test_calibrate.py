@@ -79,6 +79,14 @@ def test_the_file_loads_and_holds_what_was_measured(calibrated: Path) -> None:
     assert "not measured" in system.intra.name  # one process: no link was timed
 
 
+def _a100_with(tmp_path: Path, line: str) -> Path:
+    """The built-in a100-80gb file with `line` added to its [device.achieved], saved."""
+    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
+    path = tmp_path / "achieved.toml"
+    path.write_text(text.replace("[device.achieved]", f"[device.achieved]\n{line}"))
+    return path
+
+
 def _simulate(device: str, out: Path, capsys: pytest.CaptureFixture[str]) -> dict:
     config = str(ROOT / "configs" / "demo.toml")
     argv = ["simulate", "--config", config, "--model.vocab_size", "4096", "--device", device]
@@ -334,19 +342,12 @@ def test_collective_sync_is_loaded_checked_and_paid_per_blocking_call(tmp_path: 
     from ptdp.perf.context_costs import cp_comm_seconds
     from ptdp.perf.costs import MEGATRON_CORE, embedding_seconds, head_seconds, layer_seconds
 
-    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
     assert load_system("a100-80gb").device.collective_sync == 0.0  # absent: none
-    path = tmp_path / "sync.toml"
-    path.write_text(
-        text.replace("[device.achieved]", "[device.achieved]\ncollective_sync_us = 750")
-    )
+    path = _a100_with(tmp_path, "collective_sync_us = 750")
     assert load_system(path).device.collective_sync == pytest.approx(750e-6)
     for value, why in (("-1", "must be >= 0"), ('"fast"', "is not a number")):
-        path.write_text(
-            text.replace("[device.achieved]", f"[device.achieved]\ncollective_sync_us = {value}")
-        )
         with pytest.raises(ConfigError, match=f"collective_sync_us = .* {why}"):
-            load_system(path)
+            load_system(_a100_with(tmp_path, f"collective_sync_us = {value}"))
 
     sync = 1e-3
     base = load_system("a100-80gb")
@@ -405,18 +406,11 @@ def test_a_wait_right_after_compute_pays_its_extra_and_one_after_a_wait_does_not
     from ptdp.perf.costs import head_seconds, layer_seconds
     from ptdp.perf.simulator import step_reductions
 
-    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
     assert load_system("a100-80gb").device.wait_after_compute == 0.0  # absent: none
-    path = tmp_path / "after.toml"
-    path.write_text(
-        text.replace("[device.achieved]", "[device.achieved]\nwait_after_compute_us = 600")
-    )
+    path = _a100_with(tmp_path, "wait_after_compute_us = 600")
     assert load_system(path).device.wait_after_compute == pytest.approx(600e-6)
-    path.write_text(
-        text.replace("[device.achieved]", "[device.achieved]\nwait_after_compute_us = -1")
-    )
     with pytest.raises(ConfigError, match="wait_after_compute_us = .* must be >= 0"):
-        load_system(path)
+        load_system(_a100_with(tmp_path, "wait_after_compute_us = -1"))
 
     after = 1e-3
     base = load_system("a100-80gb")
@@ -461,16 +455,11 @@ def test_a_ring_shift_pays_its_own_measured_sync_else_the_collectives(tmp_path: 
     from ptdp.errors import ConfigError
     from ptdp.perf.context_costs import cp_comm_seconds
 
-    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
     assert load_system("a100-80gb").device.ring_sync is None  # absent: collective_sync's
-    path = tmp_path / "ring.toml"
     for value, why in (("-1", "must be >= 0"), ('"slow"', "is not a number")):
-        path.write_text(
-            text.replace("[device.achieved]", f"[device.achieved]\nring_sync_us = {value}")
-        )
         with pytest.raises(ConfigError, match=f"ring_sync_us = .* {why}"):
-            load_system(path)
-    path.write_text(text.replace("[device.achieved]", "[device.achieved]\nring_sync_us = 900"))
+            load_system(_a100_with(tmp_path, f"ring_sync_us = {value}"))
+    path = _a100_with(tmp_path, "ring_sync_us = 900")
     assert load_system(path).device.shift_sync == pytest.approx(900e-6)
 
     base = load_system("a100-80gb")
@@ -508,14 +497,9 @@ def test_a_split_backward_pays_its_measured_cost_in_w_on_zero_bubble_schedules(
     from ptdp.perf.timing import Timing
     from ptdp.perf.wgrad_cost import split_backward_ratio
 
-    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
     assert load_system("a100-80gb").device.split_backward_ratio == 1.0  # absent: free
-    path = tmp_path / "split.toml"
-    path.write_text(
-        text.replace("[device.achieved]", "[device.achieved]\nsplit_backward_ratio = 0")
-    )
     with pytest.raises(ConfigError, match="split_backward_ratio = .* must be > 0"):
-        load_system(path)
+        load_system(_a100_with(tmp_path, "split_backward_ratio = 0"))
 
     base = load_system("a100-80gb")
     slow = replace(base, device=replace(base.device, split_backward_ratio=1.25))
