@@ -387,7 +387,7 @@ def calibrate(
         optimizer=optimizer,
         split_ratio=split,
         sync=_sync(in_place, after_compute, links, collectives),
-        ring=_ring(ring, collectives),
+        ring=_ring(ring, collectives, torch.empty((), dtype=dtype).element_size()),
     )
 
 
@@ -412,17 +412,17 @@ def _sync(
 
 
 def _ring(
-    ring: tuple[float, float] | None, fits: list[CollectiveFit]
+    ring: tuple[float, float] | None, fits: list[CollectiveFit], e: int
 ) -> tuple[float, float] | None:
     """(per shift, per cp = 2 layer) seconds: a ring shift in place less what the model
     charges its bytes (the point-to-point fit, which the file writes into the link), so
-    that link + ring sync is the shift in place."""
+    that link + ring sync is the shift in place. `e`: the measured dtype's element size."""
     if ring is None:
         return None
     shift, layer = ring
     p2p = next((f.fit for f in fits if (f.op, f.span) == ("p2p", "node")), None)
     model = ModelConfig(**mb.TINY_GPT)
-    kv = kv_block_bytes(model, micro_batch=1, tp=1, cp=2, e=4)  # fp32, as measured
+    kv = kv_block_bytes(model, micro_batch=1, tp=1, cp=2, e=e)
     charged = p2p.seconds(kv) if p2p else 0.0
     return max(0.0, shift - charged), layer
 
