@@ -5,8 +5,9 @@ Issue 22, item 2. With a cluster file calibrated here (`--calibration FILE`; def
 configuration of `CASES` trains for a few steps on CPU (gloo, one thread per rank), its
 median step time after the warm-up steps is measured (ptdp's `Trainer.train_step`: the
 forward-backward of the global batch, the gradient reduction and the optimizer step,
-between barriers; the configurations of one world size take a step each in turn, so a
-busy spell of the shared machine lands on every one of them), and
+between barriers; the configurations of one world size take turns, so a busy spell of
+the shared machine lands on every one of them, each turn an untimed step and then a timed
+one, since a run repeats one configuration's step), and
 `ptdp.perf.simulator.simulate` predicts it from the file. The cases differ in what the
 model must get right: one process at several widths, sequence lengths, micro-batch sizes
 and recomputation; two ranks at tp = 2 with and without sequence parallelism, pp = 2
@@ -133,6 +134,11 @@ CASES: tuple[Case, ...] = (
     Case("dp2-zero3", 2, "ZeRO-3: parameters gathered per layer", {"zero": 3}),
     Case("cp2", 2, "context parallel: key/value ring", {"cp": 2}),
 )  # fmt: skip
+REWARM = 1
+"""Untimed steps of a config right before each of its timed ones. A training run repeats
+one config's step, and the first step after the other configs' is slower: 1p-s32 29.1
+against 26.1-26.7 ms for the next four, 1p-h64 38.9 against 36.8-37.6, 1p-b1 101.6
+against 95.6-98.1 (medians over 4 rounds; the two-rank configs showed no such step)."""
 TIMELINE_CASE = "pp2-1f1b"
 SPELL_KEY = "collective sync in the steps' spell"
 SPELL_ROUNDS = 5
@@ -194,11 +200,19 @@ def _timed_step(trainer: Trainer) -> tuple[float, float]:
     return time.perf_counter() - start, took_cpu
 
 
-def worker(rank: int, world: int, configs: list[tuple[str, RunConfig]], warmup: int, steps: int):
-    """Every config of this world size, in rounds of one step each (after `warmup` rounds):
-    a busy spell of the shared machine then slows one step of every config, not every step
-    of one. Each config's step times on this rank, the busiest rank's CPU time per step, and
-    the timeline's events (every pipeline rank's last step) if the config records them.
+def worker(
+    rank: int,
+    world: int,
+    configs: list[tuple[str, RunConfig]],
+    warmup: int,
+    steps: int,
+    rewarm: int = 0,
+):
+    """Every config of this world size, in rounds of one timed step each (after `warmup`
+    rounds), each after `rewarm` untimed ones: a busy spell of the shared machine then slows
+    one step of every config, not every step of one. Each config's step times on this rank,
+    the busiest rank's CPU time per step, and the timeline's events (every pipeline rank's
+    last step) if the config records them.
     With two ranks, each timed round also takes `SPELL_ROUNDS` samples of the calibration's
     wait cost (`waits.sync_rounds`), under SPELL_KEY: the figure in the steps' own spell."""
     env = LaunchEnv(rank, world, rank)
@@ -212,6 +226,8 @@ def worker(rank: int, world: int, configs: list[tuple[str, RunConfig]], warmup: 
     cpu: dict[str, list[float]] = {name: [] for name in trainers}
     for i in range(warmup + steps):
         for name, trainer in trainers.items():
+            for _ in range(rewarm if i >= warmup else 0):
+                trainer.train_step()
             took, took_cpu = _timed_step(trainer)
             if i >= warmup:
                 times[name].append(took)
@@ -227,7 +243,7 @@ def worker(rank: int, world: int, configs: list[tuple[str, RunConfig]], warmup: 
         dist.all_gather_object(events, (mine, cpu[name]))
         busiest = [max(step) for step in zip(*(c for _, c in events))]
         rows = [row for rows, _ in events for row in rows]
-        out[name] = {"times": times[name], "cpu": busiest, "events": rows}
+        out[name] = {"times": times[name], "cpu": busiest, "events": rows, "steps": trainer.step}
         if trainer.watchdog:
             trainer.watchdog.close()
         if rank == 0:
@@ -404,7 +420,9 @@ def run(args: argparse.Namespace) -> dict:
         measured = {}
         for world, todo in sorted(by_world.items()):
             print(f"measuring {len(todo)} config(s) on {world} rank(s)", flush=True)
-            measured |= spawn(worker, world, todo, args.warmup, args.steps, timeout_s=args.timeout)
+            measured |= spawn(
+                worker, world, todo, args.warmup, args.steps, args.rewarm, timeout_s=args.timeout
+            )
         predictions, spell = {}, None
         if SPELL_KEY in measured:
             sync = spell_sync(system, measured.pop(SPELL_KEY))
@@ -416,6 +434,7 @@ def run(args: argparse.Namespace) -> dict:
             m = measured[row["name"]]
             row["measured_ms"] = 1e3 * statistics.median(m["times"])
             row["times_ms"] = [1e3 * t for t in m["times"]]
+            row["steps_taken"] = m["steps"]  # warm-up, untimed and timed
             row["best_ms"] = min(row["times_ms"])
             row["cpu_ms"] = 1e3 * statistics.median(m["cpu"])
             row["predicted_ms"] = 1e3 * p.iteration_seconds
@@ -437,6 +456,7 @@ def run(args: argparse.Namespace) -> dict:
         "calibration_date": file_date(source),
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
+        "rewarm_steps": args.rewarm,
         "targets": {"median_abs_error": TARGETS[0], "max_abs_error": TARGETS[1]},
         **summarise(rows),
         **in_spell(rows, system, spell),
@@ -477,7 +497,8 @@ def markdown(result: dict) -> str:
         f"command: `{result['command']}` ({result['date']})",
         f"machine: {result['machine']}",
         f"calibration: {result['calibration']} (measured {result['calibration_date']}); "
-        f"median of {result['timed_steps']} steps after {result['warmup_steps']} warm-up",
+        f"median of {result['timed_steps']} steps after {result['warmup_steps']} warm-up, "
+        f"each after {result['rewarm_steps']} untimed",
         "",
         *table(result["rows"]),
         "",
@@ -516,6 +537,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument("--warmup", type=int, default=2, help="steps before timing")
     parser.add_argument("--steps", type=int, default=9, help="timed steps (their median counts)")
+    parser.add_argument(
+        "--rewarm", type=int, default=REWARM, help="untimed steps of a config before each timed one"
+    )
     parser.add_argument("--tiny", action="store_true",
                         help="every case at a tiny size (the test's); --calibration may name "
                         "a built-in cluster")  # fmt: skip

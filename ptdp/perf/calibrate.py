@@ -31,7 +31,8 @@ What is measured (ptdp/perf/microbench.py) and what it becomes in the cluster TO
 - on CPUs under torchrun, the same model at tp = 2 over two ranks against tp = 1 ->
   `collective_sync_us`: what each blocking collective between compute costs in place
   beyond what the fitted link charges it (the ranks' resynchronisation, the
-  tensor-parallel autograd functions; `waits.collective_sync`); one layer at the
+  tensor-parallel autograd functions; `waits.collective_sync`, its rounds taken in
+  three spells over the run); one layer at the
   benchmark's base size, each followed by a small all-reduce, against the two apart ->
   `wait_after_compute_us`: what such a wait costs more after a layer's compute, the
   ranks then out of step (`waits.wait_after_compute`); the same model at cp = 2 against
@@ -331,17 +332,28 @@ def calibrate(
         )
         step("split backward")
         split = split_backward_ratio(dtype, device, sweep.timing) if device.type == "cpu" else None
+        waited = world.size > 1 and device.type == "cpu"  # the waits' own figures
+        pair = mb.build_groups(world.size, 2, 1) if waited else None
+        rounds: list[float] = []  # collective_sync's, in spells apart (waits.SYNC_SPELLS)
+
+        def sync_spell() -> None:
+            if pair is not None:
+                per_spell = -(-waits.SYNC_ROUNDS // waits.SYNC_SPELLS)
+                rounds.extend(waits.sync_rounds(dtype, device, sweep.timing, pair, per_spell))
+
+        sync_spell()
         collectives = (
             measure_collectives(device, dtype, sweep, per_node, step) if world.size > 1 else []
         )
         in_place, after_compute, ring = None, 0.0, None
-        if world.size > 1 and device.type == "cpu":
+        if pair is not None:
             step("collective sync")
-            pair = mb.build_groups(world.size, 2, 1)
-            in_place = waits.collective_sync(dtype, device, sweep.timing, pair)
+            sync_spell()
             after_compute = waits.wait_after_compute(dtype, device, sweep.timing, pair)
             step("ring attention sync")
             ring = waits.ring_sync(dtype, device, sweep.timing, pair)
+            sync_spell()
+            in_place = waits.collective_sync(rounds, dtype)
     finally:
         bar.close()
     links = _link_fits(collectives)

@@ -41,8 +41,9 @@ collective, each blocking call between compute also costs the ranks' resynchroni
 (`sync_seconds`, measured by `ptdp calibrate`): 2 calls a pass, 4 with sequence
 parallelism, and the head's (the vocabulary-parallel loss's three all-reduces, its input's
 conjugate collective), whose bytes are not counted; cp ring shifts, ZeRO-3's per-layer
-collectives, pipeline transfers and the step's scalar all-reduces (`ptdp.perf.simulator`)
-pay it per wait too.
+collectives, pipeline transfers, the data-parallel reduction's and the distributed
+optimizer's gather's buckets and the step's scalar all-reduces (`ptdp.perf.simulator`) pay
+it per wait too.
 
 Letters: b = micro-batch, s = sequence, h = hidden, a = heads, d = head size, f = MLP
 width, v = vocabulary, t = tensor-parallel size, e = bytes per element.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -23,6 +23,12 @@ SYNC_ROUNDS = 45
 rounds gave 1.20-1.84 ms a call, over 45 1.72-1.84 ms; calibrations minutes apart still
 differ up to twofold, as the host's load moves what a wait costs. A tensor-parallel step
 of benchmarks/prediction.py waits on it 40-80 times."""
+SYNC_SPELLS = 3
+"""`ptdp calibrate` takes `SYNC_ROUNDS` in this many spells, apart (before its collectives'
+sweep, after it, and last): on the same VM (2026-11-27) four spells of 15 rounds, 10 s
+apart, gave 1443, 1058, 890 and 1078 us a call in place in one run, and 786-1077 in two
+more; in one spell, a slow one set the figure, and the files of 13 calibrations ranged
+391-874 us, the high ones putting tp = 2 25% over its measured step."""
 
 
 def _calls(fn: Callable[[], object], device: torch.device, timing: Timing) -> int:
@@ -43,12 +49,11 @@ def _lockstep_trials(
     return [[batch(fn, n) for fn, n in zip(fns, calls)] for _ in range(timing.trials)]
 
 
-def collective_sync(
-    dtype: torch.dtype, device: torch.device, timing: Timing, pair: comm.Group
-) -> tuple[float, float, int]:
+def collective_sync(samples: Sequence[float], dtype: torch.dtype) -> tuple[float, float, int]:
     """(per call, per layer, bytes per call): what each blocking collective of a tensor-
-    parallel layer costs a step in place, what tensor parallelism over `pair` adds to a
-    layer's forward and backward at a negligible size, and the bytes each call reduces.
+    parallel layer costs a step in place, what tensor parallelism over a pair of ranks adds
+    to a layer's forward and backward at a negligible size, and the bytes each call reduces,
+    from `sync_rounds`' samples (`ptdp calibrate` takes them in `SYNC_SPELLS` spells).
 
     Timed on ptdp's own GPT at `microbench.TINY_GPT` with 0 and 2 layers, forward and
     backward, at tp = 1 and at tp = 2 over `pair`: a layer at tp = 2 waits on two
@@ -60,7 +65,7 @@ def collective_sync(
     step pays its typical value on every call, and pairing the batches of one round keeps a
     neighbour's job from landing on one side of the difference only.
     """
-    layer = max(0.0, statistics.median(sync_rounds(dtype, device, timing, pair)))
+    layer = max(0.0, statistics.median(samples))
     tokens = TINY_GPT["seq_length"] * TINY_GPT["hidden_size"]
     nbytes = tokens * torch.empty((), dtype=dtype).element_size()
     return layer / 4, layer, nbytes

@@ -2,8 +2,9 @@
 the linear layers' weight-gradient GEMMs kept) then W (those GEMMs, `ptdp.parallel.wgrad`)
 against autograd's fused backward, on a chunk of ptdp's own layers. W reads each layer's
 input and output gradient back from memory after B instead of while they are in cache,
-and runs its GEMMs from Python: on the 2-vCPU Xeon of BENCHMARKS.md the split took
-1.06-1.13 times the fused backward (benchmarks/split_backward.py)."""
+and runs its GEMMs from Python, and the forward before it keeps the linear layers' inputs
+for W: on the 2-vCPU Xeon of BENCHMARKS.md B + W took 1.06-1.22 times the fused backward
+(benchmarks/split_backward.py), the forward 7% more."""
 
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ SPLIT_ROUNDS = 9
 
 
 def split_backward_ratio(dtype: torch.dtype, device: torch.device, timing: Timing) -> float:
-    """(B + W) / fused backward seconds of `SPLIT_CHUNK`, median over rounds of each round's
-    ratio (a round runs both, back to back, so a busy spell lands on both)."""
+    """1 + what the split costs beyond the fused backward, over the fused backward, on
+    `SPLIT_CHUNK`: (F under capture - F) + (B + W - fused backward). The forward counts too:
+    under `capture` the linear layers keep their inputs for W (0.23 ms more a forward of the
+    chunk, 3.39 against 3.16 ms, on the 2-vCPU Xeon; B + W alone gave 1.12-1.22 there).
+    The median over rounds of each round's ratio (a round runs both, back to back, so a
+    busy spell lands on both)."""
     from ptdp.config import ModelConfig
     from ptdp.model.gpt import GPT
     from ptdp.parallel.wgrad import accumulate_grads
@@ -41,14 +46,23 @@ def split_backward_ratio(dtype: torch.dtype, device: torch.device, timing: Timin
         synchronize(device)
         return time.perf_counter() - start
 
-    def fused() -> float:
-        out = chunk(x)
-        return timed(lambda: torch.autograd.backward(out, dy))
+    def fused() -> tuple[float, float]:
+        """(forward, backward) seconds."""
+        out: list = []
+        forward = timed(lambda: out.append(chunk(x)))
+        return forward, timed(lambda: torch.autograd.backward(out[0], dy))
 
     def split() -> float:
+        """Forward under capture + B + W seconds."""
         store = chunk.wgrad
-        with store.capture():
-            out = chunk(x)
+        outs: list = []
+
+        def forward() -> None:
+            with store.capture():
+                outs.append(chunk(x))
+
+        took = timed(forward)
+        out = outs[0]
         held: list = []
 
         def backward() -> None:
@@ -56,13 +70,14 @@ def split_backward_ratio(dtype: torch.dtype, device: torch.device, timing: Timin
                 grads = torch.autograd.grad(out, [x, *params], dy, allow_unused=True)
             held.extend((p, g) for p, g in zip(params, grads[1:]) if g is not None)
 
-        return timed(backward) + timed(lambda: accumulate_grads(held + store.flush(0)))
+        return took + timed(backward) + timed(lambda: accumulate_grads(held + store.flush(0)))
 
     ratios = []
     for round_ in range(max(SPLIT_ROUNDS, timing.trials) + 1):  # round 0 warms up
         for p in params:
             p.grad = None
-        ratio = split() / fused()
+        whole = split()
+        forward, backward = fused()
         if round_:
-            ratios.append(ratio)
+            ratios.append((whole - forward) / backward)
     return statistics.median(ratios)

@@ -31,6 +31,8 @@ def test_every_case_trains_and_is_predicted(tmp_path: Path) -> None:
     for r in ran:
         assert r["measured_ms"] > 0 and r["predicted_ms"] > 0, r
         assert len(r["times_ms"]) == 1
+        # 1 warm-up step, then each timed step after `REWARM` untimed ones of its config
+        assert r["steps_taken"] == 1 + 1 * (1 + bench.REWARM), r
         error = (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
         assert r["error"] == pytest.approx(error)
     for r in rows.values():

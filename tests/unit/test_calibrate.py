@@ -445,6 +445,59 @@ def test_a_wait_right_after_compute_pays_its_extra_and_one_after_a_wait_does_not
     assert reductions(slow, 1, 1) == reductions(base, 1, 1)  # one process: none
 
 
+def test_the_gradient_reduction_waits_on_each_bucket_the_first_right_after_compute() -> None:
+    """`GradBuffers.finish` waits on each bucket of the data-parallel reduction, the first
+    right after the backward's compute; the distributed optimizer's gather waits on each
+    bucket after AdamW. Each wait pays `collective_sync_us`, the first also
+    `wait_after_compute_us`; one rank has no reduction and pays nothing."""
+    from dataclasses import replace
+
+    from ptdp.config import RunConfig, apply_updates
+    from ptdp.layout import validate
+    from ptdp.perf.simulator import optimizer_seconds, stage_reductions
+
+    sync, after = 1e-3, 5e-3
+    base = load_system("a100-80gb")
+    device = replace(base.device, collective_sync=sync, wait_after_compute=after)
+    slow = replace(base, device=device)
+
+    def config(dp: int, zero: int, bucket_mb: float):
+        cfg = apply_updates(
+            RunConfig(),
+            {
+                "model": {
+                    "num_layers": 2,
+                    "hidden_size": 64,
+                    "num_heads": 4,
+                    "seq_length": 32,
+                    "vocab_size": 64,
+                },  # fmt: skip
+                "parallel": {"dp": dp, "zero": zero, "bucket_mb": bucket_mb},
+                "train": {"micro_batch_size": 1, "global_batch_size": 2 * dp},
+            },
+            "test",
+        )
+        return cfg, validate(cfg, dp)
+
+    def extra(fn, dp, zero, bucket_mb):
+        cfg, layout = config(dp, zero, bucket_mb)
+        got, without = (fn(cfg, layout, Compute(s, Precision.FP32, PTDP)) for s in (slow, base))
+        return got, without
+
+    reduce = lambda cfg, layout, c: stage_reductions(cfg, layout, c)[0][0]  # noqa: E731
+    params = 4 * 110_336  # fp32 bytes of the model's gradients, in one stage
+    for zero in (0, 1):
+        got, without = extra(reduce, 2, zero, 25.0)  # one bucket
+        assert got - without == pytest.approx(sync + after)
+        got, without = extra(reduce, 2, zero, params / 2.5 / 2**20)  # 3 buckets
+        assert got - without == pytest.approx(3 * sync + after)
+    got, without = extra(optimizer_seconds, 2, 1, 25.0)  # ZeRO-1's gather
+    assert got - without == pytest.approx(sync + after)
+    got, without = extra(optimizer_seconds, 2, 0, 25.0)  # no gather
+    assert got == without
+    assert extra(reduce, 1, 0, 25.0) == (0.0, 0.0)  # one rank: no reduction
+
+
 def test_a_ring_shift_pays_its_own_measured_sync_else_the_collectives(tmp_path: Path) -> None:
     """`ring_sync_us` loads and is checked; the cp ring's 1 forward and 3 backward waits (cp
     = 2) pay it instead of `collective_sync_us`, which they pay when the file has none.
@@ -480,12 +533,13 @@ def test_a_ring_shift_pays_its_own_measured_sync_else_the_collectives(tmp_path: 
 
 
 def test_a_split_backward_pays_its_measured_cost_in_w_on_zero_bubble_schedules(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`split_backward_ratio` loads and is checked; a zero-bubble schedule's W then carries
     (ratio - 1) of the fused backward (B + W), a schedule that does not split pays nothing,
     nor does a compiled model (its W only adds gradients in); the calibration's own
-    measurement of ptdp's split on this CPU is a ratio near 1."""
+    measurement of ptdp's split on this CPU is a ratio near 1, and counts what the forward
+    under capture costs more."""
     from dataclasses import replace
 
     import torch
@@ -532,6 +586,27 @@ def test_a_split_backward_pays_its_measured_cost_in_w_on_zero_bubble_schedules(
 
     ratio = split_backward_ratio(torch.float32, torch.device("cpu"), Timing(0.01, 3))
     assert 0.8 < ratio < 2.0
+
+    # The forward under capture counts: on a clock where each round takes forward 3, B 4,
+    # W 2 (split), then forward 2.5, backward 5 (fused), the split costs (3 + 4 + 2 - 2.5)
+    # / 5 = 1.3 of the fused backward, not (4 + 2) / 5.
+    import types
+
+    from ptdp.perf import wgrad_cost
+
+    def reads():
+        now = 0.0
+        while True:
+            for took in (3.0, 4.0, 2.0, 2.5, 5.0):
+                yield now
+                now += took
+                yield now
+
+    clock = reads()
+    monkeypatch.setattr(wgrad_cost, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    assert split_backward_ratio(
+        torch.float32, torch.device("cpu"), Timing(0.01, 3)
+    ) == pytest.approx(1.3)
 
 
 def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
