@@ -213,7 +213,7 @@ def overlaps_reduction(cfg: RunConfig, c: Compute) -> bool:
 
 def buckets(nbytes: float, bucket_bytes: float) -> int:
     """How many buckets (`ptdp.parallel.buckets`, sized in fp32 elements) `nbytes` of fp32
-    fill: the reduction and the distributed optimizer's gather wait on each."""
+    gradients fill: the reduction and the distributed optimizer's gather wait on each."""
     return max(1, math.ceil(nbytes / bucket_bytes))
 
 
@@ -235,7 +235,7 @@ def stage_reductions(cfg: RunConfig, layout: Layout, c: Compute) -> list[tuple[f
         else:
             seconds = all_reduce_seconds(nbytes, d, link)
         if seconds and d > 1:  # `finish` waits on each bucket, the first right after compute
-            seconds += sync_seconds(buckets(nbytes, bucket), c, 1)
+            seconds += sync_seconds(buckets(4.0 * count, bucket), c, 1)
         if tied_copies and stage in (0, layout.pp * layout.vpp - 1):
             tied = 4.0 * model.padded_vocab_size(t) // t * model.hidden_size
             seconds += all_reduce_seconds(tied, 2, c.system.inter)

@@ -56,7 +56,7 @@ def collective_sync(samples: Sequence[float], dtype: torch.dtype) -> tuple[float
     from `sync_rounds`' samples (`ptdp calibrate` takes them in `SYNC_SPELLS` spells).
 
     Timed on ptdp's own GPT at `microbench.TINY_GPT` with 0 and 2 layers, forward and
-    backward, at tp = 1 and at tp = 2 over `pair`: a layer at tp = 2 waits on two
+    backward, at tp = 1 and at tp = 2 over two ranks: a layer at tp = 2 waits on two
     all-reduces forward and two backward (Shoeybi et al.'s f and g), each between the
     ranks' compute, so a quarter of its extra time is one such call in place: its
     transfer, the ranks' resynchronisation and the tensor-parallel autograd functions'
