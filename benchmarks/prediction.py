@@ -554,6 +554,10 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = sorted(set(args.only + args.skip) - {c.name for c in CASES})
     if unknown:
         parser.error(f"unknown case(s) {unknown}; --list shows them")
+    least = {"--warmup": (args.warmup, 0), "--rewarm": (args.rewarm, 0), "--steps": (args.steps, 1)}
+    for flag, (value, lowest) in least.items():
+        if value < lowest:
+            parser.error(f"{flag} must be at least {lowest}, not {value}")
     start = time.perf_counter()
     result = run(args)
     print(markdown(result))
