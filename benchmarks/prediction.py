@@ -144,7 +144,7 @@ SPELL_KEY = "collective sync in the steps' spell"
 SPELL_ROUNDS = 5
 SPELL_TIMING = Timing(0.03, SPELL_ROUNDS)
 """The wait cost sampled between the two-rank step rounds: 5 of `ptdp calibrate`'s rounds
-after each, 45 over the 9 timed rounds, as many as the calibration takes at once."""
+after each, 45 over the 9 timed rounds, as many as the calibration takes."""
 
 
 def case_config(case: Case, data: str, run_dir: str, tiny: bool) -> RunConfig:

@@ -211,10 +211,11 @@ def overlaps_reduction(cfg: RunConfig, c: Compute) -> bool:
     return cfg.parallel.overlap_grad_reduce and c.software.overlap_grad_reduce
 
 
-def buckets(nbytes: float, bucket_bytes: float) -> int:
-    """How many buckets (`ptdp.parallel.buckets`, sized in fp32 elements) `nbytes` of fp32
-    gradients fill: the reduction and the distributed optimizer's gather wait on each."""
-    return max(1, math.ceil(nbytes / bucket_bytes))
+def buckets(params: float, bucket_mb: float) -> int:
+    """How many buckets (`ptdp.parallel.buckets`, `bucket_mb` MiB of fp32 elements each)
+    `params` parameters fill: the reduction and the distributed optimizer's gather wait on
+    each."""
+    return max(1, math.ceil(4 * params / (bucket_mb * 2**20)))
 
 
 def stage_reductions(cfg: RunConfig, layout: Layout, c: Compute) -> list[tuple[float, float]]:
@@ -235,7 +236,7 @@ def stage_reductions(cfg: RunConfig, layout: Layout, c: Compute) -> list[tuple[f
         else:
             seconds = all_reduce_seconds(nbytes, d, link)
         if seconds and d > 1:  # `finish` waits on each bucket, the first right after compute
-            seconds += sync_seconds(buckets(4.0 * count, bucket), c, 1)
+            seconds += sync_seconds(buckets(count, par.bucket_mb), c, 1)
         if tied_copies and stage in (0, layout.pp * layout.vpp - 1):
             tied = 4.0 * model.padded_vocab_size(t) // t * model.hidden_size
             seconds += all_reduce_seconds(tied, 2, c.system.inter)
@@ -309,9 +310,9 @@ def optimizer_seconds(
         seconds += fixed + per_tensor * -(-tensors // shard)
     if layout.shards_optimizer and layout.zero < 3:
         link = group_link(c.system, group, layout.tp)
-        nbytes = per_rank * (4 if fp32 else 2)
-        gather = gather_seconds(nbytes, group, link)  # each bucket waited on, after AdamW:
-        gather += sync_seconds(buckets(4 * per_rank, cfg.parallel.bucket_mb * 2**20), c, 1)
+        gather = gather_seconds(per_rank * (4 if fp32 else 2), group, link)
+        # each bucket waited on, the first right after AdamW
+        gather += sync_seconds(buckets(per_rank, cfg.parallel.bucket_mb), c, 1)
         if c.software.overlap_param_gather:
             gather = max(0.0, gather - hidden_under)
         seconds += gather

@@ -454,6 +454,7 @@ def test_the_gradient_reduction_waits_on_each_bucket_the_first_right_after_compu
 
     from ptdp.config import RunConfig, apply_updates
     from ptdp.layout import validate
+    from ptdp.perf.parameters import parameters_per_stage
     from ptdp.perf.simulator import optimizer_seconds, stage_reductions
 
     sync, after = 1e-3, 5e-3
@@ -485,11 +486,12 @@ def test_the_gradient_reduction_waits_on_each_bucket_the_first_right_after_compu
         return got, without
 
     reduce = lambda cfg, layout, c: stage_reductions(cfg, layout, c)[0][0]  # noqa: E731
-    params = 4 * 110_336  # fp32 bytes of the model's gradients, in one stage
+    cfg, layout = config(2, 0, 25.0)
+    (params,) = parameters_per_stage(cfg.model, 1, 1, 1, layout.stage_layers)
     for zero in (0, 1):
         got, without = extra(reduce, 2, zero, 25.0)  # one bucket
         assert got - without == pytest.approx(sync + after)
-        got, without = extra(reduce, 2, zero, params / 2.5 / 2**20)  # 3 buckets
+        got, without = extra(reduce, 2, zero, 4 * params / 2.5 / 2**20)  # 3 buckets
         assert got - without == pytest.approx(3 * sync + after)
     got, without = extra(optimizer_seconds, 2, 1, 25.0)  # ZeRO-1's gather
     assert got - without == pytest.approx(sync + after)
