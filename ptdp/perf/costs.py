@@ -58,7 +58,7 @@ from dataclasses import dataclass, replace
 
 from ptdp.config import Activation, ModelConfig, Precision, Recompute
 from ptdp.perf.hardware import Link, System
-from ptdp.perf.kernels import layer_traffic
+from ptdp.perf.kernels import Call, layer_traffic
 from ptdp.perf.memory import head_activation_bytes, layer_activation_bytes
 from ptdp.perf.parameters import element_bytes
 
@@ -117,6 +117,13 @@ class Software:
     sequence_parallel: bool = True
     """Sequence parallelism exists (Korthikanti et al. 2022 added it, and selective
     recomputation with it); the 2021 code had neither."""
+    accumulation_bytes: int = 4
+    """Bytes per element of the buffers each microbatch's gradients are added into, in a
+    pass of their own once autograd has written them: ptdp's `GradBuffers` hook adds into
+    fp32 buffers (4), the 2021 code's into buffers of the gradients' 16 bits (2); 0 = no such
+    pass: Megatron-Core's weight-gradient GEMMs accumulate into the buffer themselves
+    (`--gradient-accumulation-fusion`, on by default; what stays unfused there, the norms,
+    biases and input embedding, is not counted)."""
     autocast_norms: bool = True
     """The norms run under PyTorch's autocast, which computes them in fp32 and, in eager
     16-bit training, keeps each norm input's fp32 copy for backward (`ptdp.perf.memory`);
@@ -133,6 +140,7 @@ MEGATRON_2021 = Software(
     max_zero=0,
     overlap_grad_reduce=False,
     sequence_parallel=False,
+    accumulation_bytes=2,
     autocast_norms=False,
 )
 """The code of the paper's measurements: unfused attention, fp16 gradients all-reduced
@@ -140,7 +148,11 @@ MEGATRON_2021 = Software(
 zero-bubble schedules, no sequence parallelism or selective recomputation."""
 
 MEGATRON_CORE = Software(
-    grad_reduce_bytes=2, tp_comm_overlap=True, overlap_param_gather=True, autocast_norms=False
+    grad_reduce_bytes=2,
+    tp_comm_overlap=True,
+    overlap_param_gather=True,
+    accumulation_bytes=0,
+    autocast_norms=False,
 )
 """Megatron-Core as its published H100 weak-scaling runs used it (`ptdp.perf.published`):
 fused attention, overlapped tensor-parallel, gradient and parameter communication, and
@@ -303,6 +315,18 @@ def sync_seconds(calls: int, c: Compute, after_compute: int | None = None) -> fl
     after = calls if after_compute is None else after_compute
     device = c.system.device
     return calls * device.collective_sync + after * device.wait_after_compute
+
+
+def accumulation_seconds(params: int, tensors: int, c: Compute) -> float:
+    """One microbatch's gradients of `params` parameters in `tensors` tensors added into the
+    software's gradient buffers (`Software.accumulation_bytes`): per element the gradient
+    read and the buffer read and written, one call a tensor, priced at the mean tensor's
+    size. Where the weight-gradient GEMMs accumulate in place there is no such pass."""
+    buffer = c.software.accumulation_bytes
+    if not buffer or not tensors:
+        return 0.0
+    nbytes = params * (c.e + 2 * buffer)
+    return Call("add", nbytes / tensors, tensors).seconds(c.system.device)
 
 
 def group_members(size: int, stride: int, period: int) -> list[list[int]]:

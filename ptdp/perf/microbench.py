@@ -411,11 +411,20 @@ def framework_overhead(
 
     What remains is what no kernel timing above sees: Python, module calls, the dispatcher
     and autograd's graph (built in forward, walked in backward) per op of the layer, the
-    embedding and the head. Any process group is left alone (tensor size 1).
+    embedding and the head, and the gradient buffers' hook on each parameter tensor (ptdp's
+    `GradBuffers`, as training attaches them: on the Xeon of BENCHMARKS.md about 5 us a
+    tensor and microbatch). Any process group is left alone (tensor size 1).
     """
+    from ptdp.parallel.data import GradBuffers
+    from ptdp.parallel.roles import NO_ROLES
+
+    one = comm.Group.single()
     fns: list[Callable[[], object]] = []
+    buffers = []  # alive while timed: their hooks hold them weakly
     for layers in (0, 2):
-        model, tokens = tiny_gpt(layers, device, dtype)
+        model, tokens = tiny_gpt(layers, device, torch.float32)  # fp32 masters, as in training
+        buffers.append(GradBuffers([model], roles=NO_ROLES, dp=one, tp=one, embedding=one))
+        buffers[-1].cast_params(dtype)
         fns.append(lambda m=model, t=tokens: m(t, t))
         fns.append(lambda m=model, t=tokens: m(t, t).backward())
     # Calls of about a millisecond: many short batches, so that some miss a neighbour's job.

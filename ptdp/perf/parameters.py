@@ -98,17 +98,24 @@ def tensors_per_rank(
     """Parameter tensors on each pipeline rank (what a per-tensor optimizer loop visits), as
     `parameters_per_stage` places them: the embedding (and learned positions) on stage 0,
     the final norm and output layer (a copy when tied, unless one stage holds both) last."""
-    stages_n = pp * vpp
-    layers = layers or (model.num_layers // stages_n,) * stages_n
+    stages, out = StageMap(pp, vpp, placement), [0] * pp
+    for stage, count in enumerate(tensors_per_stage(model, pp * vpp, layers)):
+        out[stages.rank(stage)] += count
+    return out
+
+
+def tensors_per_stage(
+    model: ModelConfig, stages: int = 1, layers: tuple[int, ...] = ()
+) -> list[int]:
+    """Parameter tensors of each virtual stage, placed as `parameters_per_stage` places
+    their parameters."""
+    layers = layers or (model.num_layers // stages,) * stages
     counts = [n * layer_tensors(model) for n in layers]
     counts[0] += 2 if model.position_embedding is PositionEmbedding.LEARNED else 1
     counts[-1] += 2 if model.normalization is Normalization.LAYERNORM and model.bias else 1
-    if not (model.tie_embeddings and stages_n == 1):
+    if not (model.tie_embeddings and stages == 1):
         counts[-1] += 1
-    stages, out = StageMap(pp, vpp, placement), [0] * pp
-    for stage, count in enumerate(counts):
-        out[stages.rank(stage)] += count
-    return out
+    return counts
 
 
 def parameters_per_rank(

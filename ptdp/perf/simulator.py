@@ -28,6 +28,7 @@ from ptdp.perf.costs import (
     Compute,
     Passes,
     Software,
+    accumulation_seconds,
     all_reduce_seconds,
     embedding_seconds,
     gather_seconds,
@@ -40,7 +41,12 @@ from ptdp.perf.hardware import System
 from ptdp.perf.kernels import Call
 from ptdp.perf.megatron2021 import megatron_2021_interleaved
 from ptdp.perf.memory import MemoryEstimate, estimate_memory
-from ptdp.perf.parameters import parameters_per_rank, parameters_per_stage, tensors_per_rank
+from ptdp.perf.parameters import (
+    parameters_per_rank,
+    parameters_per_stage,
+    tensors_per_rank,
+    tensors_per_stage,
+)
 from ptdp.perf.replay import PipelineCosts, PipelineRun, replay, replay_steady
 from ptdp.perf.reserve import with_reserve
 from ptdp.perf.timeline import Event
@@ -126,7 +132,11 @@ def compute_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
         compiled=cfg.train.compile,
         sequence_parallel=cfg.parallel.sequence_parallel,
     )
-    return passes
+    # each microbatch's weight gradients added into the buffers, as autograd writes them (W)
+    params = parameters_per_stage(model, tp, layout.pp, layout.vpp, layout.stage_layers)
+    tensors = tensors_per_stage(model, stages, layout.stage_layers)
+    added = [accumulation_seconds(n, k, c) for n, k in zip(params, tensors)]
+    return [p + Passes(0.0, 0.0, a) for p, a in zip(passes, added)]
 
 
 def stage_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:

@@ -189,6 +189,36 @@ def test_framework_overhead_is_measured_and_enters_each_layer_pass(calibrated: P
     assert (got.f - without.f, got.b - without.b) == pytest.approx(head)
 
 
+def test_the_framework_overhead_holds_the_gradient_buffers_hooks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Training attaches `GradBuffers`, whose hook runs on every parameter tensor of every
+    microbatch; the framework figure is timed with them attached: the backward of each
+    timed model runs the hook of every one of its parameter tensors."""
+    import torch
+
+    from ptdp.parallel.data import GradBuffers
+    from ptdp.perf import microbench
+    from ptdp.perf.timing import Timing
+
+    hooked: set[int] = set()
+    on_grad = GradBuffers._on_grad
+    monkeypatch.setattr(
+        GradBuffers, "_on_grad", lambda self, p: (hooked.add(id(p)), on_grad(self, p))
+    )
+    built: list[torch.nn.Parameter] = []  # kept alive: their ids stay theirs
+    tiny_gpt = microbench.tiny_gpt
+
+    def recorded(*args: object, **kw: object) -> tuple:
+        model, tokens = tiny_gpt(*args, **kw)
+        built.extend(model.parameters())
+        return model, tokens
+
+    monkeypatch.setattr(microbench, "tiny_gpt", recorded)
+    microbench.framework_overhead(torch.float32, torch.device("cpu"), Timing(0.0, 1))
+    assert len(built) > 20 and hooked == {id(p) for p in built}
+
+
 def test_the_optimizer_step_pays_its_measured_overhead_per_tensor(calibrated: Path) -> None:
     """A CPU file carries ptdp's optimizer step beyond its bytes, per step and per parameter
     tensor (foreach AdamW, the norm and clipping loop over tensors); the model adds exactly

@@ -177,3 +177,60 @@ def test_a_broken_kernel_or_attention_table_is_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=match):
         load_system(_file(tmp_path, extra, achieved))
+
+
+def test_each_microbatch_adds_its_gradients_into_the_buffers_in_a_pass_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """ptdp's gradient buffers take each microbatch's gradients in a pass of their own
+    (`GradBuffers._on_grad`: the gradient read, the fp32 buffer read and written), the 2021
+    code's into 16-bit buffers; Megatron-Core's weight-gradient GEMMs accumulate in place.
+    Each stage's W pays it once a microbatch, one `add` call a parameter tensor at the
+    stage's mean tensor size, so a step pays it m times per rank."""
+    from ptdp.config import RunConfig, apply_updates
+    from ptdp.layout import validate
+    from ptdp.perf.costs import MEGATRON_2021, MEGATRON_CORE, accumulation_seconds
+    from ptdp.perf.kernels import Call
+    from ptdp.perf.parameters import parameters_per_stage, tensors_per_stage
+    from ptdp.perf.simulator import compute_costs, simulate
+
+    system = load_system(_file(tmp_path, KERNELS))
+    cfg = apply_updates(
+        RunConfig(),
+        {
+            "model": {"num_layers": 4, "hidden_size": 128, "num_heads": 4, "seq_length": 128,
+                      "vocab_size": 256},
+            "parallel": {"pp": 2},
+            "train": {"micro_batch_size": 2, "global_batch_size": 8, "precision": "bf16"},
+        },
+        "test",
+    )  # fmt: skip
+    layout = validate(cfg, 2)
+    params, tensors = parameters_per_stage(cfg.model, 1, 2), tensors_per_stage(cfg.model, 2)
+    ptdp = Compute(system, Precision.BF16, PTDP)
+    for stage in (0, 1):  # bf16 gradient read, fp32 buffer read and written: 10 bytes
+        want = Call("add", params[stage] * 10 / tensors[stage], tensors[stage])
+        assert accumulation_seconds(params[stage], tensors[stage], ptdp) == pytest.approx(
+            want.seconds(system.device)
+        )
+    megatron = Compute(system, Precision.BF16, MEGATRON_2021)  # 16-bit buffer: 6 bytes
+    assert accumulation_seconds(1000, 10, megatron) == pytest.approx(
+        Call("add", 600, 10).seconds(system.device)
+    )
+    assert accumulation_seconds(1000, 10, Compute(system, Precision.BF16, MEGATRON_CORE)) == 0
+    # in each stage's W, not its F or B
+    fused = replace(PTDP, accumulation_bytes=0)
+    got = compute_costs(cfg, layout, ptdp)
+    without = compute_costs(cfg, layout, Compute(system, Precision.BF16, fused))
+    for stage, (a, b) in enumerate(zip(got, without)):
+        assert (a.f, a.b) == (b.f, b.b)
+        assert a.w - b.w == pytest.approx(accumulation_seconds(params[stage], tensors[stage], ptdp))
+    # and a step pays it on every microbatch (1F1B, m = 4 a rank; the last stage's is larger)
+    step = simulate(cfg, system, 2, layout=layout).iteration_seconds
+    step_fused = simulate(cfg, system, 2, layout=layout, software=fused).iteration_seconds
+    added = max(accumulation_seconds(n, k, ptdp) for n, k in zip(params, tensors))
+    assert (
+        4 * added * 0.99
+        <= step - step_fused
+        <= 4 * sum(accumulation_seconds(n, k, ptdp) for n, k in zip(params, tensors))
+    )

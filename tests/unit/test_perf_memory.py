@@ -21,7 +21,12 @@ from ptdp.perf.memory import (
     stash_bytes_per_layer,
 )
 from ptdp.perf.paper import preset
-from ptdp.perf.parameters import bytes_per_parameter, parameters_per_rank, tensors_per_rank
+from ptdp.perf.parameters import (
+    bytes_per_parameter,
+    parameters_per_rank,
+    tensors_per_rank,
+    tensors_per_stage,
+)
 from ptdp.perf.validation import measure_cpu_memory
 from ptdp.pipeline.partition import layer_ranges
 from ptdp.pipeline.placement import StageMap
@@ -404,3 +409,4 @@ def test_tensor_counts_are_the_models_parameters(model: dict) -> None:
                 )
             held.append(sum(1 for _ in gpt.parameters()))
         assert tensors_per_rank(cfg, pp) == held, (model, pp)
+        assert tensors_per_stage(cfg, pp) == held, (model, pp)  # a stage a rank
