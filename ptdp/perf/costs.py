@@ -25,7 +25,9 @@ Backward of a linear layer: the input gradient (dgrad, [m, n] x [n, k]) goes to 
 weight gradient (wgrad, [k, m] x [m, n]) to W; everything else of a backward goes to B
 (the zero-bubble split, Qi et al. arXiv 2401.10241). Full recomputation adds a forward to
 B, selective recomputation the attention core's forward (ptdp checkpoints the fused
-kernel too, so it reruns there as well).
+kernel too, so it reruns there as well). Each microbatch's weight gradients are then added
+into the software's gradient buffers, a memory-bound pass over the stage's parameters
+(`accumulation_seconds`, in W), unless its weight-gradient GEMMs accumulate in place.
 
 Communication model. A ring all-reduce of N bytes over n GPUs moves 2 (n-1)/n N bytes per
 GPU in 2 (n-1) steps, a reduce-scatter or all-gather (n-1)/n N in n - 1 steps, at the bus
