@@ -412,7 +412,7 @@ def framework_overhead(
     What remains is what no kernel timing above sees: Python, module calls, the dispatcher
     and autograd's graph (built in forward, walked in backward) per op of the layer, the
     embedding and the head, and the gradient buffers' hook on each parameter tensor (ptdp's
-    `GradBuffers`, as training attaches them: on the Xeon of BENCHMARKS.md about 5 us a
+    `GradBuffers`, as training attaches them: on the Xeon of BENCHMARKS.md about 3 us a
     tensor and microbatch). Any process group is left alone (tensor size 1).
     """
     from ptdp.parallel.data import GradBuffers
