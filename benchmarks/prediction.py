@@ -51,11 +51,11 @@ from ptdp.layout import ORDER, validate
 from ptdp.parallel.env import LaunchEnv
 from ptdp.perf.fit import collective_bytes
 from ptdp.perf.hardware import System, load_system
-from ptdp.perf.microbench import TINY_GPT, build_groups
+from ptdp.perf.microbench import build_groups
 from ptdp.perf.simulator import Prediction, simulate
 from ptdp.perf.timeline import Event, from_dicts, plot_timelines, to_dicts, write_chrome_trace
 from ptdp.perf.timing import Timing
-from ptdp.perf.waits import sync_rounds
+from ptdp.perf.waits import collective_sync, sync_rounds
 from ptdp.train.run import prepare
 from ptdp.train.step.trainer import Trainer
 
@@ -283,8 +283,7 @@ def spell_sync(system: System, samples: list[float]) -> float:
     """`collective_sync_us` (seconds) from the samples taken between the step rounds, as
     `ptdp calibrate` makes it from its own: the median round's per-call figure less what
     the file's all-reduce fit charges that call (wait_after_compute_us stays the file's)."""
-    per_call = max(0.0, statistics.median(samples)) / 4  # a tp = 2 layer waits 4 times
-    nbytes = TINY_GPT["seq_length"] * TINY_GPT["hidden_size"] * 4  # fp32, as measured
+    per_call, _, nbytes = collective_sync(samples, torch.float32)  # fp32, as measured
     latency, bandwidth = system.intra.collective("all_reduce")
     charged = latency + collective_bytes("all_reduce", nbytes, 2) / bandwidth
     return max(0.0, per_call - charged)
