@@ -116,7 +116,8 @@ def layer_costs(cfg: RunConfig, layout: Layout, c: Compute) -> Passes:
 
 
 def compute_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
-    """F, B, W seconds of one microbatch through each global stage, without ZeRO-2/3."""
+    """F, B, W seconds of one microbatch through each global stage, without ZeRO-2/3's
+    communication or the gradients' accumulation (`stage_costs` has both)."""
     b, tp = cfg.train.micro_batch_size, layout.tp
     model = local_model(cfg.model, layout.cp)
     layer = layer_costs(cfg, layout, c)
@@ -132,17 +133,27 @@ def compute_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
         compiled=cfg.train.compile,
         sequence_parallel=cfg.parallel.sequence_parallel,
     )
-    # each microbatch's weight gradients added into the buffers, as autograd writes them (W)
-    params = parameters_per_stage(model, tp, layout.pp, layout.vpp, layout.stage_layers)
+    return passes
+
+
+def accumulation(cfg: RunConfig, layout: Layout, c: Compute) -> list[float]:
+    """Per global stage: one microbatch's weight gradients added into the gradient buffers
+    as autograd writes them (`costs.accumulation_seconds`), a part of W."""
+    model, stages = cfg.model, layout.pp * layout.vpp
+    params = parameters_per_stage(model, layout.tp, layout.pp, layout.vpp, layout.stage_layers)
     tensors = tensors_per_stage(model, stages, layout.stage_layers)
-    added = [accumulation_seconds(n, k, c) for n, k in zip(params, tensors)]
-    return [p + Passes(0.0, 0.0, a) for p, a in zip(passes, added)]
+    return [accumulation_seconds(n, k, c) for n, k in zip(params, tensors)]
+
+
+def _accumulated(passes: list[Passes], seconds: list[float]) -> list[Passes]:
+    return [p + Passes(0.0, 0.0, a) for p, a in zip(passes, seconds)]
 
 
 def stage_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
     """F, B, W seconds of one microbatch through each global stage, ZeRO-2/3's exposed
-    communication included."""
-    return sharded_passes(cfg, layout, c, compute_costs(cfg, layout, c))[0]
+    communication and the gradients' accumulation included."""
+    passes = sharded_passes(cfg, layout, c, compute_costs(cfg, layout, c))[0]
+    return _accumulated(passes, accumulation(cfg, layout, c))
 
 
 def transfer_seconds(cfg: RunConfig, layout: Layout, system: System, sender: int) -> float:
@@ -171,7 +182,7 @@ def receive_seconds(cfg: RunConfig, layout: Layout, system: System) -> float:
 
 
 def pipeline_costs(cfg: RunConfig, layout: Layout, c: Compute) -> PipelineCosts:
-    passes = stage_costs(cfg, layout, c)
+    passes = sharded_passes(cfg, layout, c, compute_costs(cfg, layout, c))[0]
     split = SCHEDULES[cfg.parallel.schedule.value].splits_backward
     if split and cfg.train.compile:
         # Compiled layers keep autograd's fused linear backward (ptdp/parallel/wgrad.py):
@@ -180,6 +191,8 @@ def pipeline_costs(cfg: RunConfig, layout: Layout, c: Compute) -> PipelineCosts:
     elif split:  # what the split costs beyond the fused backward, paid in W (module doc)
         extra = c.system.device.split_backward_ratio - 1.0
         passes = [Passes(p.f, p.b, p.w + extra * (p.b + p.w)) for p in passes]
+    # the accumulation after the split's extra: W adds each gradient in as a fused backward does
+    passes = _accumulated(passes, accumulation(cfg, layout, c))
     stages = len(passes)
     # The receiver waits on each transfer: the wire, then its resynchronisation (CPUs).
     hop = [transfer_seconds(cfg, layout, c.system, s) + sync_seconds(1, c) for s in range(stages)]

@@ -192,9 +192,10 @@ def test_each_microbatch_adds_its_gradients_into_the_buffers_in_a_pass_of_its_ow
     from ptdp.perf.costs import MEGATRON_2021, MEGATRON_CORE, accumulation_seconds
     from ptdp.perf.kernels import Call
     from ptdp.perf.parameters import parameters_per_stage, tensors_per_stage
-    from ptdp.perf.simulator import compute_costs, simulate
+    from ptdp.perf.simulator import accumulation, pipeline_costs, simulate, stage_costs
 
-    system = load_system(_file(tmp_path, KERNELS))
+    system = load_system(_file(tmp_path, KERNELS, "split_backward_ratio = 1.5\n"))
+    assert system.device.split_backward_ratio == 1.5
     cfg = apply_updates(
         RunConfig(),
         {
@@ -218,13 +219,23 @@ def test_each_microbatch_adds_its_gradients_into_the_buffers_in_a_pass_of_its_ow
         Call("add", 600, 10).seconds(system.device)
     )
     assert accumulation_seconds(1000, 10, Compute(system, Precision.BF16, MEGATRON_CORE)) == 0
-    # in each stage's W, not its F or B
+    # in each stage's W, not its F or B; under a split backward not scaled by its extra
     fused = replace(PTDP, accumulation_bytes=0)
-    got = compute_costs(cfg, layout, ptdp)
-    without = compute_costs(cfg, layout, Compute(system, Precision.BF16, fused))
-    for stage, (a, b) in enumerate(zip(got, without)):
-        assert (a.f, a.b) == (b.f, b.b)
-        assert a.w - b.w == pytest.approx(accumulation_seconds(params[stage], tensors[stage], ptdp))
+    unfused = Compute(system, Precision.BF16, fused)
+    for schedule in ("1f1b", "zb-h1"):
+        split = apply_updates(cfg, {"parallel": {"schedule": schedule}}, "test")
+        lay = validate(split, 2)
+        got, without = pipeline_costs(split, lay, ptdp), pipeline_costs(split, lay, unfused)
+        assert (got.forward, got.backward_input) == (without.forward, without.backward_input)
+        for stage, (a, b) in enumerate(zip(got.backward_weight, without.backward_weight)):
+            want = accumulation_seconds(params[stage], tensors[stage], ptdp)
+            assert a - b == pytest.approx(want), schedule
+        assert [p.w for p in stage_costs(split, lay, ptdp)] == pytest.approx(
+            [
+                p.w + a
+                for p, a in zip(stage_costs(split, lay, unfused), accumulation(split, lay, ptdp))
+            ]
+        )
     # and a step pays it on every microbatch (1F1B, m = 4 a rank; the last stage's is larger)
     step = simulate(cfg, system, 2, layout=layout).iteration_seconds
     step_fused = simulate(cfg, system, 2, layout=layout, software=fused).iteration_seconds

@@ -21,7 +21,13 @@ from ptdp.perf.flops import flops_per_iteration
 from ptdp.perf.hardware import load_system
 from ptdp.perf.paper import preset
 from ptdp.perf.replay import PipelineCosts, replay
-from ptdp.perf.simulator import pipeline_costs, simulate, stage_costs, step_reductions
+from ptdp.perf.simulator import (
+    accumulation,
+    pipeline_costs,
+    simulate,
+    stage_costs,
+    step_reductions,
+)
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.schedules import SCHEDULES, add_comms, build
 from ptdp.pipeline.verify import verify
@@ -191,12 +197,14 @@ def test_zero_bubble_weight_pass_costs() -> None:
     assert split.backward_weight == tuple(p.w for p in passes)
     assert split.backward_input == tuple(p.b for p in passes)
     assert 0 < split.backward_weight[1] < split.backward_input[1] + split.backward_weight[1]
-    # Compiled layers keep the fused linear backward: B does it all, W adds gradients in.
+    # Compiled layers keep the fused linear backward: B does it all, W adds the gradients
+    # into the buffers.
     compiled = replace(cfg, train=replace(cfg.train, compile=True))
     fused = pipeline_costs(compiled, lay, c)
-    passes = stage_costs(compiled, lay, c)
-    assert fused.backward_input == tuple(p.b + p.w for p in passes)
-    assert fused.backward_weight == (0.0,) * len(passes)
+    passes, added = stage_costs(compiled, lay, c), accumulation(compiled, lay, c)
+    assert min(added) > 0
+    assert fused.backward_input == pytest.approx([p.b + p.w - a for p, a in zip(passes, added)])
+    assert fused.backward_weight == pytest.approx(added)
 
 
 def test_uneven_stages_cost_in_proportion_to_their_layers() -> None:
