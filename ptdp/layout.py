@@ -10,7 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from ptdp.config import ModelConfig, OnNan, PositionEmbedding, RopeScaling, RunConfig, Schedule
+from ptdp.config import (
+    ModelConfig,
+    OnNan,
+    ParallelConfig,
+    PositionEmbedding,
+    RopeScaling,
+    RunConfig,
+    Schedule,
+)
 from ptdp.errors import ConfigError
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import PipelinePlan, build_plan
@@ -254,6 +262,12 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str], gpus: bo
     return dp
 
 
+def _chunks_fit(p: ParallelConfig) -> bool:
+    """Whether vpp gives the schedule the model chunks it runs (`_parallel_rules` says why not)."""
+    spec = SCHEDULES[p.schedule.value]
+    return p.vpp >= 2 if spec.interleaved else p.vpp == spec.chunks
+
+
 def _pipeline_layers_rules(cfg: RunConfig, errors: list[str]) -> None:
     """An explicit split must cover every layer exactly; without one the split is even."""
     p, layers, stages = cfg.parallel, cfg.model.num_layers, cfg.parallel.pp * cfg.parallel.vpp
@@ -472,7 +486,7 @@ def validate(cfg: RunConfig, world_size: int = 1, *, gpus: bool = False) -> Layo
     microbatches = _train_rules(cfg, dp, errors)
     _data_rules(cfg, errors)
     p = cfg.parallel
-    if microbatches and cfg.parallel.pp > 1:
+    if microbatches and p.pp > 1 and _chunks_fit(p):  # a mismatch is _parallel_rules' error
         try:
             check_args(p.schedule.value, p.pp, microbatches, p.vpp)
         except ValueError as exc:

@@ -221,6 +221,31 @@ def test_all_problems_reported_together() -> None:
     assert "num_heads = 4 is not divisible by parallel.tp = 3" in text
 
 
+@pytest.mark.parametrize(
+    ("parallel", "batch", "problem", "batch_fix"),
+    [
+        # vpp without the chunks its schedule runs: one error, and no batch to change
+        ({"pp": 2, "vpp": 2}, 4, "needs a schedule with model chunks", None),
+        ({"pp": 2, "schedule": "interleaved"}, 4, "needs parallel.vpp >= 2", None),
+        ({"pp": 2, "schedule": "zb-v"}, 4, "set --parallel.vpp 2", None),
+        # the chunks fit, the microbatches do not: the batch that fits is named
+        ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, 3, "use m = 2 or 4", 4),
+    ],
+)
+def test_a_schedule_problem_is_reported_once_with_its_own_fix(
+    parallel: dict, batch: int, problem: str, batch_fix: int | None
+) -> None:
+    updates = {"parallel": parallel, "train": {"global_batch_size": batch, "micro_batch_size": 1}}
+    with pytest.raises(ConfigError) as info:
+        validate(apply_updates(RunConfig(), updates, "t"), 2)
+    problems = str(info.value).splitlines()[1:]
+    assert len(problems) == 1 and problem in problems[0]
+    if batch_fix is None:
+        assert "global_batch_size" not in problems[0]
+    else:
+        assert problems[0].endswith(f"e.g. --train.global_batch_size {batch_fix}")
+
+
 def test_valid_layouts_derive_dp_and_microbatches() -> None:
     cfg = apply_updates(
         RunConfig(), {"train": {"micro_batch_size": 2, "global_batch_size": 16}}, "t"
