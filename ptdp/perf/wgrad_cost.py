@@ -72,11 +72,17 @@ def split_backward_ratio(dtype: torch.dtype, device: torch.device, timing: Timin
 
         return took + timed(backward) + timed(lambda: accumulate_grads(held + store.flush(0)))
 
-    ratios = []
-    for round_ in range(max(SPLIT_ROUNDS, timing.trials) + 1):  # round 0 warms up
+    def clear() -> None:
+        """Each side assigns its parameters' gradients, as training's buffers leave `.grad`
+        empty, rather than one side adding into what the other left."""
         for p in params:
             p.grad = None
+
+    ratios = []
+    for round_ in range(max(SPLIT_ROUNDS, timing.trials) + 1):  # round 0 warms up
+        clear()
         whole = split()
+        clear()
         forward, backward = fused()
         if round_:
             ratios.append((whole - forward) / backward)
