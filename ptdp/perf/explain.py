@@ -5,7 +5,7 @@ micro-batch from equation (1), the schedule's bubble, and the runners-up.
 
 from __future__ import annotations
 
-from ptdp.layout import ZERO_LEVELS
+from ptdp.layout import ZERO_LEVELS, Layout
 from ptdp.perf.hardware import GIB, System
 from ptdp.perf.ranking import Option, Unranked
 from ptdp.perf.reserve import fit
@@ -52,7 +52,7 @@ def explain(
     span = lay.tp * lay.dp
     crosses = lay.pp > 1 and span >= node
     layouts = [o.prediction.layout for o in options] + [u.layout for u in unranked]
-    smallest = min(x.tp * x.pp for x in layouts)
+    sizes = _model_parallel_sizes(options, chosen, layouts, tolerance)
     lines.append(
         f"pipeline p={lay.pp}"
         + (
@@ -60,7 +60,7 @@ def explain(
             if crosses
             else ""
         )
-        + f": model-parallel size t*p = {lay.tp * lay.pp} (smallest that fits: {smallest}); "
+        + f": model-parallel size t*p = {lay.tp * lay.pp} ({sizes}); "
         f"peak memory {need:.1f} GiB of {usable:.1f} GiB usable after the reserve"
     )
     if eq1:
@@ -103,3 +103,29 @@ def explain(
             "(smallest t*p that fits, then tensor parallelism up to the node) decide"
         )
     return lines
+
+
+def _model_parallel_sizes(
+    options: list[Option], chosen: int, layouts: list[Layout], tolerance: float
+) -> str:
+    """The smallest t*p that fits, and, where the choice is larger, that it is the smallest
+    the recommendation could take (`ranking.recommend`: within `tolerance`, ZeRO-3 last)."""
+    plain = [x.tp * x.pp for x in layouts if x.zero != 3]
+    sharded = [x.tp * x.pp for x in layouts if x.zero == 3]
+    parts = [str(min(plain))] if plain else []
+    if sharded and (not plain or min(sharded) < min(plain)):
+        parts.append(f"{min(sharded)} with ZeRO-3")
+    text = "smallest that fits: " + ", ".join(parts)
+    lay = options[chosen].prediction.layout
+    if lay.tp * lay.pp > min(sharded if lay.zero == 3 else plain):
+        fastest = options[0].prediction.iteration_seconds
+        close = [
+            o.prediction.layout
+            for o in options
+            if o.prediction.iteration_seconds <= fastest * (1 + tolerance)
+        ]
+        aside = lay.zero != 3 and any(x.zero == 3 for x in close)
+        text += f"; the smallest within the model's {100 * tolerance:.0f}% of the fastest step" + (
+            " without ZeRO-3" if aside else ""
+        )
+    return text

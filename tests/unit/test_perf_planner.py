@@ -195,3 +195,34 @@ def test_a_given_layer_split_is_kept_only_where_it_fits() -> None:
     for o in result.options:
         p = o.config.parallel
         assert p.pipeline_layers == ((1, 3) if (p.pp, p.vpp) == (2, 1) else ())
+
+
+def _model_parallel_clause(result) -> str:
+    line = next(x for x in result.explanation if "model-parallel size t*p =" in x)
+    return line[line.index("t*p =") : line.index("; peak")]
+
+
+def test_the_reason_for_t_times_p_names_what_else_fits() -> None:
+    # GPT-3 175B at t = 8 on 384 GPUs: p = 2 fits (with ZeRO-2) but is predicted more than
+    # the model's 6% slower, so the pick is p = 3, the smallest within 6% of the fastest;
+    # "smallest that fits" alone would contradict the pick.
+    result = plan(paper_run(README_GPT3, micro_batch=1, vpp=1), gpus=384, system=A100, tp=8)
+    layouts = [o.prediction.layout for o in result.options] + [u.layout for u in result.unranked]
+    smallest = min(x.tp * x.pp for x in layouts if x.zero != 3)
+    best = result.best.prediction.layout
+    assert (smallest, best.tp * best.pp) == (16, 24)
+    assert _model_parallel_clause(result) == (
+        "t*p = 24 (smallest that fits: 16; the smallest within the model's 6% of the fastest step)"
+    )
+    fastest = result.options[0].prediction.iteration_seconds
+    close = [
+        o.prediction.layout
+        for o in result.options
+        if o.prediction.iteration_seconds <= fastest * 1.06
+    ]
+    assert min(x.tp * x.pp for x in close) == 24
+    # 18.4B on 256 GPUs: ZeRO-3 fits at t*p = 1, ranked last by `recommend`; t*p = 2 is
+    # the smallest without it and is the pick.
+    row = TABLE_1[3]
+    result = plan(paper_run(row, micro_batch=1, vpp=1), gpus=row.gpus, system=A100)
+    assert _model_parallel_clause(result) == "t*p = 2 (smallest that fits: 2, 1 with ZeRO-3)"
