@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ptdp.config import RunConfig, Schedule, parse_overrides
 from ptdp.errors import ConfigError
+from ptdp.layout import ZERO_LEVELS
 
 SEARCHED: dict[str, str] = {
     "parallel.tp": "tp",
@@ -58,6 +59,15 @@ def pinned(cfg: RunConfig, given: dict[str, dict[str, str]]) -> dict[str, object
         value = getattr(getattr(cfg, section), name)
         if isinstance(value, Schedule):
             value = (value.value,)
+        elif type(value) is int and name != "zero" and value < 0:
+            raise ConfigError(
+                f"--{key} {value}: a size must be 1 or more, or 0 to leave it to the search"
+            )
+        elif name == "zero" and value not in (-1, *ZERO_LEVELS):
+            raise ConfigError(
+                f"--{key} {value} is not a ZeRO level; use one of "
+                f"{', '.join(map(str, ZERO_LEVELS))}, or -1 to search the levels"
+            )
         elif type(value) is int and (value < 0 or value == 0 and name != "zero"):
             value = None  # 0 sizes and zero = -1 (follow optim.distributed) are searched
         values[arg] = value

@@ -37,6 +37,7 @@ pins in `ptdp.perf.plan_keys`; `plan` runs them in turn.
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import wraps
@@ -165,6 +166,18 @@ def plan(
     )
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: the number of GPUs to plan for must be 1 or more")
+    pinned_sizes = {"tp": tp, "cp": cp, "pp": pp}
+    product = math.prod(n for n in pinned_sizes.values() if n)
+    if gpus % product:
+        given = {k: n for k, n in pinned_sizes.items() if n}
+        flags = " ".join(f"--parallel.{k} {n}" for k, n in given.items())
+        symbols = {"tp": "t", "cp": "cp", "pp": "p"}
+        what = f"{'*'.join(symbols[k] for k in given)} = {product}" if len(given) > 1 else "it"
+        raise ConfigError(
+            f"{flags}: {what} does not divide --gpus {gpus}, so no layout has "
+            f"{'them' if len(given) > 1 else 'it'}; pin sizes whose product divides the GPU "
+            "count, or leave them to the search"
+        )
     if base.train.global_batch_size < 1:
         raise ConfigError(
             f"train.global_batch_size = {base.train.global_batch_size} must be 1 or more "

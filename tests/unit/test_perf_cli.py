@@ -139,6 +139,22 @@ def test_simulate_zero_levels(tmp_path: Path, capsys) -> None:
         (["--model", "gpt-1.7b", "--parallel.dp", "2"], "fix --parallel.tp and --parallel.pp"),
         (["--model", "gpt-1.7b", "--parallel.tpp", "2"], "did you mean 'tp'"),
         (["--config", str(ROOT / "configs" / "demo.toml")], "pass --model.vocab_size N"),
+        (
+            [
+                "--model",
+                "gpt-1.7b",
+                "--parallel.tp",
+                "8",
+                "--parallel.cp",
+                "2",
+                "--parallel.pp",
+                "4",
+            ],
+            "--parallel.pp 4: t*cp*p = 64 does not divide --gpus 32",
+        ),
+        (["--model", "gpt-1.7b", "--parallel.cp", "3"], "--parallel.cp 3: it does not divide"),
+        (["--model", "gpt-1.7b", "--parallel.tp", "-2"], "a size must be 1 or more, or 0 to"),
+        (["--model", "gpt-1.7b", "--parallel.zero", "5"], "--parallel.zero 5 is not a ZeRO level"),
     ],
 )
 def test_plan_errors(bad: list[str], message: str, capsys) -> None:
@@ -150,4 +166,8 @@ def test_plan_exit_codes(capsys) -> None:
     assert main(["plan", "--model", "gpt-1.7b", "--gpus", "32"]) == 2  # no global batch
     assert "needs --train.global_batch_size B (or --global-batch B)" in capsys.readouterr().err
     fixed = "plan --model gpt-1.7b --gpus 32 --global-batch 512 --tp 3"
-    assert main(fixed.split()) == 1  # nothing fits: t = 3 does not divide 32 GPUs
+    assert main(fixed.split()) == 2  # refused before the search: t = 3 does not divide 32
+    assert "--parallel.tp 3: it does not divide --gpus 32" in capsys.readouterr().err
+    fixed = "plan --model gpt-1t --gpus 8 --global-batch 8 --tp 8"
+    assert main(fixed.split()) == 1  # searched, and nothing fits in memory
+    assert "no layout fits" in capsys.readouterr().out
