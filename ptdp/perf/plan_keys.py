@@ -68,7 +68,7 @@ def pinned(cfg: RunConfig, given: dict[str, dict[str, str]]) -> dict[str, object
                 f"--{key} {value} is not a ZeRO level; use one of "
                 f"{', '.join(map(str, ZERO_LEVELS))}, or -1 to search the levels"
             )
-        elif type(value) is int and (value < 0 or value == 0 and name != "zero"):
+        elif type(value) is int and value == (-1 if name == "zero" else 0):
             value = None  # 0 sizes and zero = -1 (follow optim.distributed) are searched
         values[arg] = value
     return values
