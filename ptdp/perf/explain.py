@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ptdp.layout import ZERO_LEVELS, Layout
 from ptdp.perf.hardware import GIB, System
-from ptdp.perf.ranking import Option, Unranked
+from ptdp.perf.ranking import Option, Unranked, close_to_fastest
 from ptdp.perf.reserve import fit
 from ptdp.pipeline.schedules import SCHEDULES
 
@@ -118,12 +118,7 @@ def _model_parallel_sizes(
     text = "smallest that fits: " + ", ".join(parts)
     lay = options[chosen].prediction.layout
     if lay.tp * lay.pp > min(sharded if lay.zero == 3 else plain):
-        fastest = options[0].prediction.iteration_seconds
-        close = [
-            o.prediction.layout
-            for o in options
-            if o.prediction.iteration_seconds <= fastest * (1 + tolerance)
-        ]
+        close = [options[i].prediction.layout for i in close_to_fastest(options, tolerance)]
         aside = lay.zero != 3 and any(x.zero == 3 for x in close)
         text += f"; the smallest within the model's {100 * tolerance:.0f}% of the fastest step" + (
             " without ZeRO-3" if aside else ""

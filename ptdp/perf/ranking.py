@@ -194,18 +194,23 @@ def recommend(options: list[Option], tolerance: float) -> int:
     of: Table 2, `costs.DEEPSPEED_2021`), then the paper's takeaways: the smallest t * p
     (#2), then the largest t (#1), then the fastest.
     """
-    fastest = options[0].prediction.iteration_seconds
-    close = [
-        i
-        for i, o in enumerate(options)
-        if o.prediction.iteration_seconds <= fastest * (1 + tolerance)
-    ]
 
     def key(i: int) -> tuple[bool, int, int, float]:
         lay = options[i].prediction.layout
         return (lay.zero == 3, lay.tp * lay.pp, -lay.tp, options[i].prediction.iteration_seconds)
 
-    return min(close, key=key)
+    return min(close_to_fastest(options, tolerance), key=key)
+
+
+def close_to_fastest(options: list[Option], tolerance: float) -> list[int]:
+    """Indices of the `options` (fastest first) within `tolerance` of the fastest: equal as
+    far as the model can tell."""
+    fastest = options[0].prediction.iteration_seconds
+    return [
+        i
+        for i, o in enumerate(options)
+        if o.prediction.iteration_seconds <= fastest * (1 + tolerance)
+    ]
 
 
 def faster_than(
