@@ -223,7 +223,9 @@ class DataConfig:
     paths: tuple[str, ...] = ()
     """A weighted blend instead of data.path, weights and prefixes alternating (Megatron's
     spelling): ["0.7", "a/prefix", "0.3", "b/prefix"] in TOML, 0.7,a/prefix,0.3,b/prefix on
-    the command line. Weights are normalised; the datasets must share one tokenizer."""
+    the command line. Weights are normalised; the datasets must share one tokenizer. Set in a
+    later place than data.path (the command line over --config), it replaces it, and the
+    other way round."""
     tokenizer: str = ""
     """Tokenizer for generation and checks: bytes, a tokenizer.json or a Hugging Face model
     directory; empty = the data's own."""
@@ -433,7 +435,29 @@ def apply_updates(cfg: RunConfig, updates: dict[str, dict[str, Any]], source: st
             changes[key] = _coerce(value, hints[key], f"{section}.{key}")
         current = new_sections.get(section, getattr(cfg, section))
         new_sections[section] = replace(current, **changes)
-    return replace(cfg, **new_sections)
+    return _one_data_source(replace(cfg, **new_sections), updates.get("data", {}), source)
+
+
+DATA_SOURCES = ("path", "paths")
+"""The two spellings of the training data (one dataset, a blend): one setting, so a later
+layer naming one replaces an earlier layer's other."""
+
+
+def _one_data_source(cfg: RunConfig, data: dict[str, Any], source: str) -> RunConfig:
+    """`cfg` with the data source `data` names (data.path or data.paths, not empty) in place
+    of the other, which an earlier layer (a --config file under the command line) may have
+    set; naming both in one layer is refused, since neither can win."""
+    named = [key for key in DATA_SOURCES if key in data and getattr(cfg.data, key)]
+    if len(named) == 2:
+        raise ConfigError(
+            f"data.path and data.paths are both set in one place ({source}); give "
+            "data.path for one dataset or data.paths for a weighted blend (e.g. "
+            "0.7,a/prefix,0.3,b/prefix), not both"
+        )
+    if not named:
+        return cfg
+    (other,) = set(DATA_SOURCES) - set(named)
+    return replace(cfg, data=replace(cfg.data, **{other: getattr(DataConfig(), other)}))
 
 
 def load_toml(path: str | Path, cfg: RunConfig | None = None) -> RunConfig:

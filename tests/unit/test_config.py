@@ -338,3 +338,22 @@ def test_readme_documents_every_key() -> None:
     for section, values in to_dict(RunConfig()).items():
         for key in values:
             assert f"`{section}.{key}`" in readme, f"README lacks {section}.{key}"
+
+
+def test_a_command_line_data_source_replaces_the_files_other(tmp_path: Path) -> None:
+    # data.path and data.paths are one setting in two spellings: the later layer's wins.
+    toml = tmp_path / "c.toml"
+    toml.write_text('[data]\npath = "data/one"\n')
+    blend = ["--data.paths", "0.7,data/a,0.3,data/b"]
+    cfg = resolve(str(toml), blend)
+    assert (cfg.data.path, cfg.data.paths) == ("", ("0.7", "data/a", "0.3", "data/b"))
+    toml.write_text('[data]\npaths = ["1", "data/a", "1", "data/b"]\n')
+    cfg = resolve(str(toml), ["--data.path", "data/one"])
+    assert (cfg.data.path, cfg.data.paths) == ("data/one", ())
+    assert resolve(str(toml), []).data.paths == ("1", "data/a", "1", "data/b")
+    # both in one layer: neither can win
+    with pytest.raises(ConfigError, match=r"both set in one place \(the command line\)"):
+        resolve(None, [*blend, "--data.path", "data/one"])
+    toml.write_text('[data]\npath = "data/one"\npaths = ["1", "data/a"]\n')
+    with pytest.raises(ConfigError, match=f"both set in one place \\({toml}\\); give data.path"):
+        resolve(str(toml), [])
