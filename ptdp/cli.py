@@ -140,7 +140,8 @@ def _schedule_parser(sub: Subparsers) -> None:
     names = list(SCHEDULES)
     _opt(p, "--schedule --parallel.schedule", "1f1b", "schedule name", choices=names)
     _opt(p, "--pp --parallel.pp", 4, "pipeline ranks")
-    _opt(p, "--vpp --parallel.vpp", 1, "model chunks per rank; >= 2 for interleaved")
+    vpp = "model chunks per rank; >= 2 for interleaved (default: 2 for zb-v, else 1)"
+    p.add_argument("--vpp", "--parallel.vpp", type=int, default=None, help=vpp)
     _opt(p, "--microbatches", 8, "microbatches per pipeline per step", metavar="M")
     no_comms = "show compute actions only (no SEND/RECV rows)"
     p.add_argument("--no-comms", action="store_true", help=no_comms)
@@ -347,10 +348,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
     from ptdp.pipeline.plan import build_plan
+    from ptdp.pipeline.schedules import implied_vpp
     from ptdp.pipeline.verify import ScheduleError, format_table
 
+    vpp = args.vpp if args.vpp is not None else implied_vpp(args.schedule) or 1
     try:
-        plan = build_plan(args.schedule, args.pp, args.microbatches, args.vpp)
+        plan = build_plan(args.schedule, args.pp, args.microbatches, vpp)
         verdict = plan.check_line()
     except (ValueError, ScheduleError) as exc:
         print(f"ptdp schedule: error: {exc}", file=sys.stderr)

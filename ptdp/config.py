@@ -186,7 +186,8 @@ class ParallelConfig:
     """How attention sees the other ranks' keys and values under cp > 1: ring (blocks rotated
     point to point, overlapped with compute) or allgather (gathered once per layer)."""
     vpp: int = 1
-    """Model chunks per pipeline rank (interleaved schedule)."""
+    """Model chunks per pipeline rank: >= 2 for the interleaved schedule, 2 for zb-v (taken
+    when not given), 1 for the others."""
     pipeline_layers: tuple[int, ...] = ()
     """Layers of each virtual stage in stage order, pp * vpp entries summing to
     model.num_layers (e.g. 3,4,4,3 on the command line or [3, 4, 4, 3] in TOML, to give the
@@ -508,11 +509,25 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
 def resolve(
     config_path: str | None, overrides: list[str], base: RunConfig | None = None
 ) -> RunConfig:
-    """Defaults (or `base`, e.g. a model preset) < TOML file < command line."""
+    """Defaults (or `base`, e.g. a model preset) < TOML file < command line; then an option
+    left unset that has one valid value under the others takes it (`_implied`)."""
     cfg = base or RunConfig()
     if config_path:
         cfg = load_toml(config_path, cfg)
-    return apply_updates(cfg, parse_overrides(overrides), "the command line")
+    cfg = apply_updates(cfg, parse_overrides(overrides), "the command line")
+    return _implied(cfg, given_keys(config_path, overrides))
+
+
+def _implied(cfg: RunConfig, given: frozenset[str]) -> RunConfig:
+    """`cfg` with parallel.vpp at the one value its schedule runs (zb-v: 2) when neither the
+    TOML file nor the command line gave it and it is still the default: `--parallel.schedule
+    zb-v` alone works. An explicit other value stays, for `validate` to refuse with its fix."""
+    from ptdp.pipeline.schedules import implied_vpp  # pure; imported late to keep this light
+
+    vpp = implied_vpp(cfg.parallel.schedule.value)
+    if vpp is None or "parallel.vpp" in given or cfg.parallel.vpp != ParallelConfig().vpp:
+        return cfg
+    return replace(cfg, parallel=replace(cfg.parallel, vpp=vpp))
 
 
 def given_keys(config_path: str | None, overrides: list[str]) -> frozenset[str]:
