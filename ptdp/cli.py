@@ -96,7 +96,11 @@ def _generate_parser(sub: Subparsers) -> None:
     )
     p.set_defaults(run=_cmd_generate)
     p.add_argument("--checkpoint", required=True, metavar="PATH", help=CHECKPOINT_HELP)
-    p.add_argument("--prompt", default="", help="text to continue (default: empty)")
+    prompt = (
+        "text to continue (default: empty); one longer than the model's context "
+        "(model.seq_length) is cut to its last tokens, with a note"
+    )
+    p.add_argument("--prompt", default="", help=prompt)
     _opt(p, "--max-new-tokens", 200, "tokens to generate", metavar="N")
     _opt(p, "--temperature", 0.8, "softmax temperature; 0 = greedy")
     _opt(p, "--top-k", 50, "sample from the k likeliest (0 = all)")
