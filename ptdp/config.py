@@ -94,6 +94,9 @@ may resume with other values."""
 
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
+    """The network itself, the same in every parallel layout: a checkpoint records it and
+    loads into any layout."""
+
     num_layers: int = 4
     """Transformer layers."""
     hidden_size: int = 256
@@ -173,6 +176,10 @@ class ModelConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
+    """How the model and each batch are split over the ranks (tensor, context, pipeline and
+    data parallelism) and what each rank keeps; checked against the number of processes
+    before any process group starts."""
+
     tp: int = 1
     """Tensor-parallel size (ranks that split each layer)."""
     pp: int = 1
@@ -219,6 +226,9 @@ class ParallelConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
+    """Where the training tokens come from (one preprocessed dataset or a weighted blend) and
+    how a training window is read."""
+
     path: str = ""
     """Prefix of a preprocessed dataset (PREFIX.bin / PREFIX.idx), from `ptdp preprocess`."""
     paths: tuple[str, ...] = ()
@@ -242,6 +252,8 @@ class DataConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class OptimConfig:
+    """AdamW and its learning rate: linear warm-up to lr, then cosine decay to min_lr."""
+
     lr: float = 3e-4
     """Peak learning rate, reached after warm-up."""
     min_lr: float = 3e-5
@@ -271,6 +283,9 @@ class OptimConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class TrainConfig:
+    """The training loop: batch sizes, steps, precision, logging, validation, and saving and
+    keeping checkpoints."""
+
     micro_batch_size: int = 8
     """Samples per microbatch on one data-parallel rank."""
     global_batch_size: int = 8
@@ -336,6 +351,9 @@ class TrainConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
+    """Which weights a run starts from; saving and keeping checkpoints is set under [train]
+    (save_interval, keep_checkpoints, async_save)."""
+
     init_from: str = ""
     """Start from these weights: a ptdp run or step directory (any layout) or a Hugging
     Face model directory (config.json + safetensors); fresh optimizer, step 0, data from
