@@ -1,5 +1,5 @@
-"""`ptdp train|preprocess|generate|schedule|simulate|plan|calibrate|convert|inspect`: the only
-place that reads argv.
+"""`ptdp train|preprocess|generate|schedule|simulate|plan|calibrate|convert|inspect|
+config-reference`: the only place that reads argv.
 
 Parsing and printing only. Each subparser names the function that runs it
 (`set_defaults(run=...)`); commands import what they use when they run, so `ptdp --help`
@@ -257,6 +257,19 @@ def _convert_parser(sub: Subparsers) -> None:
     p.add_argument("--seq-length", type=int, default=0, metavar="N", help=seq)
 
 
+def _config_reference_parser(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "config-reference",
+        help="print the reference of every config key (Markdown, docs/configuration.md)",
+        description="Print every key of every config section with its type, default, allowed "
+        "values and meaning, as the Markdown page docs/configuration.md, generated from the "
+        "config dataclasses and their docstrings.",
+    )
+    p.set_defaults(run=_cmd_config_reference)
+    output = "write the page to PATH instead of printing it (e.g. docs/configuration.md)"
+    p.add_argument("--output", metavar="PATH", help=output)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ptdp",
@@ -267,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = (_train_parser, _preprocess_parser, _generate_parser, _inspect_parser)
     perf = (_schedule_parser, _simulate_parser, _plan_parser, _calibrate_parser)
-    for add in (*commands, *perf, _convert_parser):
+    for add in (*commands, *perf, _convert_parser, _config_reference_parser):
         add(sub)
     return parser
 
@@ -399,6 +412,24 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         )
     for note in result.notes:
         print(f"note: {note}")
+    return 0
+
+
+def _cmd_config_reference(args: argparse.Namespace) -> int:
+    from ptdp.config_reference import render
+
+    text = render()
+    if not args.output:
+        sys.stdout.write(text)
+        return 0
+    try:
+        Path(args.output).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise PtdpError(
+            f"cannot write {args.output}: {exc.strerror}; give --output a path in an existing, "
+            "writable directory"
+        ) from None
+    print(f"wrote {args.output}")
     return 0
 
 

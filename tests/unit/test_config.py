@@ -333,13 +333,6 @@ def test_toml_round_trip(tmp_path: Path) -> None:
     assert from_dict(to_dict(cfg)) == cfg
 
 
-def test_readme_documents_every_key() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    for section, values in to_dict(RunConfig()).items():
-        for key in values:
-            assert f"`{section}.{key}`" in readme, f"README lacks {section}.{key}"
-
-
 def test_zb_v_alone_takes_its_two_chunks_per_rank(tmp_path: Path) -> None:
     # zb-v runs exactly vpp = 2: left unset (TOML or command line), it is taken.
     assert resolve(None, ["--parallel.schedule", "zb-v"]).parallel.vpp == 2
