@@ -1,5 +1,5 @@
-"""`ptdp train|preprocess|generate|schedule|simulate|plan|calibrate|convert|inspect`: the only
-place that reads argv.
+"""`ptdp train|preprocess|generate|schedule|simulate|plan|calibrate|convert|inspect|
+config-reference`: the only place that reads argv.
 
 Parsing and printing only. Each subparser names the function that runs it
 (`set_defaults(run=...)`); commands import what they use when they run, so `ptdp --help`
@@ -96,7 +96,11 @@ def _generate_parser(sub: Subparsers) -> None:
     )
     p.set_defaults(run=_cmd_generate)
     p.add_argument("--checkpoint", required=True, metavar="PATH", help=CHECKPOINT_HELP)
-    p.add_argument("--prompt", default="", help="text to continue (default: empty)")
+    prompt = (
+        "text to continue (default: empty); one longer than the model's context "
+        "(model.seq_length) is cut to its last tokens, with a note"
+    )
+    p.add_argument("--prompt", default="", help=prompt)
     _opt(p, "--max-new-tokens", 200, "tokens to generate", metavar="N")
     _opt(p, "--temperature", 0.8, "softmax temperature; 0 = greedy")
     _opt(p, "--top-k", 50, "sample from the k likeliest (0 = all)")
@@ -140,7 +144,8 @@ def _schedule_parser(sub: Subparsers) -> None:
     names = list(SCHEDULES)
     _opt(p, "--schedule --parallel.schedule", "1f1b", "schedule name", choices=names)
     _opt(p, "--pp --parallel.pp", 4, "pipeline ranks")
-    _opt(p, "--vpp --parallel.vpp", 1, "model chunks per rank; >= 2 for interleaved")
+    vpp = "model chunks per rank; >= 2 for interleaved (default: 2 for zb-v, else 1)"
+    p.add_argument("--vpp", "--parallel.vpp", type=int, default=None, help=vpp)
     _opt(p, "--microbatches", 8, "microbatches per pipeline per step", metavar="M")
     no_comms = "show compute actions only (no SEND/RECV rows)"
     p.add_argument("--no-comms", action="store_true", help=no_comms)
@@ -252,6 +257,19 @@ def _convert_parser(sub: Subparsers) -> None:
     p.add_argument("--seq-length", type=int, default=0, metavar="N", help=seq)
 
 
+def _config_reference_parser(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "config-reference",
+        help="print the reference of every config key (Markdown, docs/configuration.md)",
+        description="Print every key of every config section with its type, default, allowed "
+        "values and meaning, as the Markdown page docs/configuration.md, generated from the "
+        "config dataclasses and their docstrings.",
+    )
+    p.set_defaults(run=_cmd_config_reference)
+    output = "write the page to PATH instead of printing it (e.g. docs/configuration.md)"
+    p.add_argument("--output", metavar="PATH", help=output)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ptdp",
@@ -262,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = (_train_parser, _preprocess_parser, _generate_parser, _inspect_parser)
     perf = (_schedule_parser, _simulate_parser, _plan_parser, _calibrate_parser)
-    for add in (*commands, *perf, _convert_parser):
+    for add in (*commands, *perf, _convert_parser, _config_reference_parser):
         add(sub)
     return parser
 
@@ -347,10 +365,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
     from ptdp.pipeline.plan import build_plan
+    from ptdp.pipeline.schedules import implied_vpp
     from ptdp.pipeline.verify import ScheduleError, format_table
 
+    vpp = args.vpp if args.vpp is not None else implied_vpp(args.schedule) or 1
     try:
-        plan = build_plan(args.schedule, args.pp, args.microbatches, args.vpp)
+        plan = build_plan(args.schedule, args.pp, args.microbatches, vpp)
         verdict = plan.check_line()
     except (ValueError, ScheduleError) as exc:
         print(f"ptdp schedule: error: {exc}", file=sys.stderr)
@@ -392,6 +412,24 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         )
     for note in result.notes:
         print(f"note: {note}")
+    return 0
+
+
+def _cmd_config_reference(args: argparse.Namespace) -> int:
+    from ptdp.config_reference import render
+
+    text = render()
+    if not args.output:
+        sys.stdout.write(text)
+        return 0
+    try:
+        Path(args.output).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise PtdpError(
+            f"cannot write {args.output}: {exc.strerror}; give --output a path in an existing, "
+            "writable directory"
+        ) from None
+    print(f"wrote {args.output}")
     return 0
 
 

@@ -94,6 +94,9 @@ may resume with other values."""
 
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
+    """The network itself, the same in every parallel layout: a checkpoint records it and
+    loads into any layout."""
+
     num_layers: int = 4
     """Transformer layers."""
     hidden_size: int = 256
@@ -173,6 +176,10 @@ class ModelConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
+    """How the model and each batch are split over the ranks (tensor, context, pipeline and
+    data parallelism) and what each rank keeps; checked against the number of processes
+    before any process group starts."""
+
     tp: int = 1
     """Tensor-parallel size (ranks that split each layer)."""
     pp: int = 1
@@ -186,7 +193,8 @@ class ParallelConfig:
     """How attention sees the other ranks' keys and values under cp > 1: ring (blocks rotated
     point to point, overlapped with compute) or allgather (gathered once per layer)."""
     vpp: int = 1
-    """Model chunks per pipeline rank (interleaved schedule)."""
+    """Model chunks per pipeline rank: >= 2 for the interleaved schedule, 2 for zb-v (taken
+    when not given), 1 for the others."""
     pipeline_layers: tuple[int, ...] = ()
     """Layers of each virtual stage in stage order, pp * vpp entries summing to
     model.num_layers (e.g. 3,4,4,3 on the command line or [3, 4, 4, 3] in TOML, to give the
@@ -218,12 +226,17 @@ class ParallelConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
+    """Where the training tokens come from (one preprocessed dataset or a weighted blend) and
+    how a training window is read."""
+
     path: str = ""
     """Prefix of a preprocessed dataset (PREFIX.bin / PREFIX.idx), from `ptdp preprocess`."""
     paths: tuple[str, ...] = ()
     """A weighted blend instead of data.path, weights and prefixes alternating (Megatron's
     spelling): ["0.7", "a/prefix", "0.3", "b/prefix"] in TOML, 0.7,a/prefix,0.3,b/prefix on
-    the command line. Weights are normalised; the datasets must share one tokenizer."""
+    the command line. Weights are normalised; the datasets must share one tokenizer. Set in a
+    later place than data.path (the command line over --config), it replaces it, and the
+    other way round."""
     tokenizer: str = ""
     """Tokenizer for generation and checks: bytes, a tokenizer.json or a Hugging Face model
     directory; empty = the data's own."""
@@ -239,6 +252,8 @@ class DataConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class OptimConfig:
+    """AdamW and its learning rate: linear warm-up to lr, then cosine decay to min_lr."""
+
     lr: float = 3e-4
     """Peak learning rate, reached after warm-up."""
     min_lr: float = 3e-5
@@ -268,6 +283,9 @@ class OptimConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class TrainConfig:
+    """The training loop: batch sizes, steps, precision, logging, validation, and saving and
+    keeping checkpoints."""
+
     micro_batch_size: int = 8
     """Samples per microbatch on one data-parallel rank."""
     global_batch_size: int = 8
@@ -333,6 +351,9 @@ class TrainConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
+    """Which weights a run starts from; saving and keeping checkpoints is set under [train]
+    (save_interval, keep_checkpoints, async_save)."""
+
     init_from: str = ""
     """Start from these weights: a ptdp run or step directory (any layout) or a Hugging
     Face model directory (config.json + safetensors); fresh optimizer, step 0, data from
@@ -433,7 +454,29 @@ def apply_updates(cfg: RunConfig, updates: dict[str, dict[str, Any]], source: st
             changes[key] = _coerce(value, hints[key], f"{section}.{key}")
         current = new_sections.get(section, getattr(cfg, section))
         new_sections[section] = replace(current, **changes)
-    return replace(cfg, **new_sections)
+    return _one_data_source(replace(cfg, **new_sections), updates.get("data", {}), source)
+
+
+DATA_SOURCES = ("path", "paths")
+"""The two spellings of the training data (one dataset, a blend): one setting, so a later
+layer naming one replaces an earlier layer's other."""
+
+
+def _one_data_source(cfg: RunConfig, data: dict[str, Any], source: str) -> RunConfig:
+    """`cfg` with the data source `data` names (data.path or data.paths, not empty) in place
+    of the other, which an earlier layer (a --config file under the command line) may have
+    set; naming both in one layer is refused, since neither can win."""
+    named = [key for key in DATA_SOURCES if key in data and getattr(cfg.data, key)]
+    if len(named) == 2:
+        raise ConfigError(
+            f"data.path and data.paths are both set in one place ({source}); give "
+            "data.path for one dataset or data.paths for a weighted blend (e.g. "
+            "0.7,a/prefix,0.3,b/prefix), not both"
+        )
+    if not named:
+        return cfg
+    (other,) = set(DATA_SOURCES) - set(named)
+    return replace(cfg, data=replace(cfg.data, **{other: getattr(DataConfig(), other)}))
 
 
 def load_toml(path: str | Path, cfg: RunConfig | None = None) -> RunConfig:
@@ -484,11 +527,25 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
 def resolve(
     config_path: str | None, overrides: list[str], base: RunConfig | None = None
 ) -> RunConfig:
-    """Defaults (or `base`, e.g. a model preset) < TOML file < command line."""
+    """Defaults (or `base`, e.g. a model preset) < TOML file < command line; then an option
+    left unset that has one valid value under the others takes it (`_implied`)."""
     cfg = base or RunConfig()
     if config_path:
         cfg = load_toml(config_path, cfg)
-    return apply_updates(cfg, parse_overrides(overrides), "the command line")
+    cfg = apply_updates(cfg, parse_overrides(overrides), "the command line")
+    return _implied(cfg, given_keys(config_path, overrides))
+
+
+def _implied(cfg: RunConfig, given: frozenset[str]) -> RunConfig:
+    """`cfg` with parallel.vpp at the one value its schedule runs (zb-v: 2) when neither the
+    TOML file nor the command line gave it and it is still the default: `--parallel.schedule
+    zb-v` alone works. An explicit other value stays, for `validate` to refuse with its fix."""
+    from ptdp.pipeline.schedules import implied_vpp  # pure; imported late to keep this light
+
+    vpp = implied_vpp(cfg.parallel.schedule.value)
+    if vpp is None or "parallel.vpp" in given or cfg.parallel.vpp != ParallelConfig().vpp:
+        return cfg
+    return replace(cfg, parallel=replace(cfg.parallel, vpp=vpp))
 
 
 def given_keys(config_path: str | None, overrides: list[str]) -> frozenset[str]:

@@ -256,7 +256,7 @@ def _parallel_rules(cfg: RunConfig, world_size: int, errors: list[str], gpus: bo
         errors.append(
             f"parallel.schedule = {p.schedule.value} runs {spec.chunks} model chunks per rank "
             f"(parallel.vpp = {spec.chunks}), got parallel.vpp = {p.vpp}; set --parallel.vpp "
-            f"{spec.chunks}"
+            f"{spec.chunks}, or leave parallel.vpp out and {p.schedule.value} takes it"
         )
     _pipeline_layers_rules(cfg, errors)
     return dp

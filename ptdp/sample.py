@@ -11,6 +11,7 @@ every process returns the same texts, those of one process for the same seed.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
@@ -66,6 +67,22 @@ def check_sampling(
             "UTF-8 text, e.g. run the shell with a UTF-8 locale (LANG=C.UTF-8) or convert the "
             "prompt's file with `iconv -t UTF-8`"
         ) from None
+
+
+def fit_prompt(ids: list[int], context: int) -> tuple[list[int], str]:
+    """The prompt's last `context` tokens, and a note naming what was cut ("" if nothing).
+
+    The model reads at most its context (model.seq_length) to pick a token, so the tokens
+    before the last `context` would never be read; generation goes on from the rest, its
+    window sliding over the new tokens (`ptdp.model.generate`)."""
+    if len(ids) <= context:
+        return ids, ""
+    dropped = len(ids) - context
+    return ids[-context:], (
+        f"the prompt has {len(ids)} tokens, more than the model's context of {context} "
+        f"(model.seq_length); it is cut to its last {context} ({dropped} dropped), where the "
+        "printed text starts"
+    )
 
 
 def stage_layers(cfg: RunConfig, step_dir: Path, tp: int, pp: int) -> list[range]:
@@ -148,8 +165,9 @@ def sample_from_checkpoint(
     use_cache: bool = True,
     mesh: ParallelMesh | None = None,
 ) -> list[str]:
-    """Texts continuing `prompt`; with `mesh` (every rank calls this together), sampled by
-    the pipeline of its stages over tensor groups, the same texts on every rank."""
+    """Texts continuing `prompt` (cut to the model's context, with a note on stderr: see
+    `fit_prompt`); with `mesh` (every rank calls this together), sampled by the pipeline of
+    its stages over tensor groups, the same texts on every rank."""
     check_sampling(prompt, max_new_tokens, temperature, top_k, top_p, num_samples)
     step_dir = find_checkpoint(path)
     entry = read_scalar(step_dir, "tokenizer", "")
@@ -160,7 +178,11 @@ def sample_from_checkpoint(
         )
     tokenizer = load_tokenizer("bytes" if entry == "bytes" else str(step_dir / entry))
     model = load_model(step_dir, device, mesh)
-    ids = tokenizer.encode(prompt) if prompt else [tokenizer.eod_id]
+    ids, note = fit_prompt(
+        tokenizer.encode(prompt) if prompt else [tokenizer.eod_id], model.cfg.seq_length
+    )
+    if note and (mesh is None or mesh.rank == 0):
+        print(f"note: {note}", file=sys.stderr)
     tokens = torch.tensor([ids] * num_samples, device=device)
     options = dict(
         temperature=temperature,

@@ -4,9 +4,10 @@ With the KV cache (the default) the prompt is run once (prefill) and then each s
 feeds only the newest token, its attention reading the cached keys and values of the
 earlier positions. Once the text outgrows the model's context (`seq_length`), each step
 recomputes the last `seq_length` tokens, as generation without the cache always does,
-since every position then moves. The model may be a tensor-parallel one (built with
-`tp=`): its logits are gathered over the group, and every rank draws the same tokens
-when all pass generators seeded alike.
+since every position then moves. (`ptdp generate` cuts a prompt longer than the context
+to its last `seq_length` tokens first, with a note: `ptdp.sample.fit_prompt`.) The model
+may be a tensor-parallel one (built with `tp=`): its logits are gathered over the group,
+and every rank draws the same tokens when all pass generators seeded alike.
 """
 
 from __future__ import annotations

@@ -416,6 +416,13 @@ def _check_interleaved(pp: int, m: int, vpp: int) -> None:
         )
 
 
+def implied_vpp(name: str) -> int | None:
+    """The one vpp schedule `name` runs (1, or 2 for zb-v), which a config or `ptdp schedule`
+    that leaves vpp unset takes; None for interleaved, which runs any vpp >= 2, so the choice
+    is the user's."""
+    return SCHEDULES[name].chunks
+
+
 def check_args(name: str, pp: int, m: int, vpp: int = 1) -> None:
     """Raise ValueError, naming the numbers and the fix, if `build` cannot make this plan."""
     if name not in SCHEDULES:

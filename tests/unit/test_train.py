@@ -117,6 +117,22 @@ def test_generate_from_checkpoint(tiny_data: str, tmp_path: Path) -> None:
     assert texts == again
 
 
+def test_a_prompt_longer_than_the_context_is_cut_with_a_note(
+    tiny_data: str, tmp_path: Path, capsys
+) -> None:
+    train(tiny_config(tiny_data, tmp_path / "run", train={"steps": 1}))  # seq_length 32
+    capsys.readouterr()
+    prompt = "to be or not to be, " * 5  # 100 byte tokens
+    greedy = dict(max_new_tokens=4, temperature=0.0)
+    (text,) = sample_from_checkpoint(tmp_path / "run", prompt, **greedy)
+    note = capsys.readouterr().err
+    assert "note: the prompt has 100 tokens, more than the model's context of 32" in note
+    assert "cut to its last 32 (68 dropped)" in note
+    assert text.startswith(prompt[-32:]) and not text.startswith(prompt[:40])
+    (fits,) = sample_from_checkpoint(tmp_path / "run", prompt[-32:], **greedy)
+    assert fits == text and capsys.readouterr().err == ""  # the model read the same tokens
+
+
 def test_cli_preprocess_train_generate(tmp_path: Path, capsys) -> None:
     make_corpus(tmp_path / "text", docs=4)
     prefix = str(tmp_path / "data" / "c")
