@@ -83,7 +83,7 @@ def _cycle_from(graph: dict[str, set[str]], start: str) -> list[str] | None:
 
 def test_graph_is_read() -> None:
     graph = _graph()
-    assert "ptdp.layout" in graph["ptdp.perf.simulator"]
+    assert "ptdp.layout" in graph["ptdp.perf.simulate.simulator"]
     assert "ptdp.pipeline.actions" in graph["ptdp.pipeline.schedules"]
 
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from ptdp.perf.replay import PipelineCosts, PipelineRun, replay, replay_steady
-from ptdp.perf.timeline import Event
+from ptdp.perf.simulate.plot import Event
+from ptdp.perf.simulate.replay import PipelineCosts, PipelineRun, replay, replay_steady
 from ptdp.pipeline.plan import build_plan
 from ptdp.pipeline.schedules import SCHEDULES
 

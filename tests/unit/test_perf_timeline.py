@@ -7,10 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ptdp.perf.hardware import load_system
-from ptdp.perf.paper import README_GPT3, paper_run
-from ptdp.perf.simulator import simulate
-from ptdp.perf.timeline import (
+from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.simulate.plot import (
     Event,
     TimelineRecorder,
     chrome_trace,
@@ -20,6 +18,8 @@ from ptdp.perf.timeline import (
     to_dicts,
     write_chrome_trace,
 )
+from ptdp.perf.simulate.simulator import simulate
+from ptdp.perf.validate.paper import README_GPT3, paper_run
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.runtime import PipelineRuntime
