@@ -40,10 +40,11 @@ import torch.distributed as dist
 from ptdp.config import RunConfig, apply_updates, load_toml
 from ptdp.layout import validate
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
-from ptdp.perf.simulate.plot import Event, from_dicts, plot_timelines, to_dicts
+from ptdp.perf.simulate.plot import plot_timelines
 from ptdp.perf.simulate.replay import PipelineCosts, replay
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.plan import PipelinePlan
+from ptdp.pipeline.timeline import Event, from_dicts, to_dicts
 from ptdp.train.step.pipelined import (
     Microbatch,
     PipelineStep,

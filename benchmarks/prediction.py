@@ -54,8 +54,9 @@ from ptdp.perf.calibrate.microbench import build_groups
 from ptdp.perf.calibrate.timing import Timing
 from ptdp.perf.calibrate.waits import collective_sync, sync_rounds
 from ptdp.perf.cost.hardware import System, load_system
-from ptdp.perf.simulate.plot import Event, from_dicts, plot_timelines, to_dicts, write_chrome_trace
+from ptdp.perf.simulate.plot import plot_timelines, write_chrome_trace
 from ptdp.perf.simulate.simulator import Prediction, simulate
+from ptdp.pipeline.timeline import Event, from_dicts, to_dicts
 from ptdp.train.run import prepare
 from ptdp.train.step.trainer import Trainer
 

@@ -19,9 +19,10 @@ import torch
 from ptdp.config import RunConfig
 from ptdp.layout import Layout
 from ptdp.perf.cost.hardware import system_for_device_name
-from ptdp.perf.simulate.plot import Event, plot_timelines, write_chrome_trace
+from ptdp.perf.simulate.plot import plot_timelines, write_chrome_trace
 from ptdp.perf.simulate.replay import PipelineCosts, replay
 from ptdp.perf.simulate.simulator import simulate
+from ptdp.pipeline.timeline import Event
 
 
 def _median(events: Sequence[Event], kind: str, stage: int) -> float | None:

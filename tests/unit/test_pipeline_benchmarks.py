@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from ptdp.perf.simulate.plot import Event
 from ptdp.perf.simulate.replay import PipelineCosts
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.plan import build_plan
+from ptdp.pipeline.timeline import Event
 from tests.helpers import load_benchmark
 
 

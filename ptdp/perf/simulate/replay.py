@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ptdp.perf.simulate.plot import Event
 from ptdp.pipeline.actions import Plan
 from ptdp.pipeline.dryrun import CommModel, DryRun, PipelineCosts, Program, Timed, dry_run
 from ptdp.pipeline.placement import StageMap
+from ptdp.pipeline.timeline import Event
 
 __all__ = ["PipelineCosts", "PipelineRun", "replay", "replay_steady"]
 

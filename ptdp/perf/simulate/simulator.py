@@ -49,11 +49,11 @@ from ptdp.perf.cost.parameters import (
 from ptdp.perf.cost.reserve import with_reserve
 from ptdp.perf.cost.zero import sharded_passes
 from ptdp.perf.simulate.megatron2021 import megatron_2021_interleaved
-from ptdp.perf.simulate.plot import Event
 from ptdp.perf.simulate.replay import PipelineCosts, PipelineRun, replay, replay_steady
 from ptdp.pipeline.placement import Placement
 from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES
+from ptdp.pipeline.timeline import Event
 
 __all__ = ["PipelineCosts", "PipelineRun", "Prediction", "replay", "simulate"]
 

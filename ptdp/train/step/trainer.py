@@ -35,8 +35,8 @@ from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.parallel.roles import rank_roles
 from ptdp.perf.cost.flops import flops_per_iteration, model_flops_per_iteration
-from ptdp.perf.simulate.plot import TimelineRecorder
 from ptdp.pipeline.actions import Action, Kind
+from ptdp.pipeline.timeline import TimelineRecorder
 from ptdp.train.data_setup import RunData
 from ptdp.train.faults.events import append_event
 from ptdp.train.faults.numerical import FaultMonitor
