@@ -2,7 +2,7 @@
 
 One GPT-2 transformer layer (`ptdp.model.gpt.TransformerLayer`, t = 1, training mode)
 runs forward on an [s, b, h] input under `torch.autograd.graph.saved_tensors_hooks`
-(`ptdp.perf.activations.record_saved_tensors`): every tensor saved for backward is
+(`ptdp.perf.cost.activations.record_saved_tensors`): every tensor saved for backward is
 recorded, each storage counted once (q, k, v are views of one QKV output), weights
 excluded. Then backward runs under the same attention backend (recomputation must pick the
 kernel the forward used). Each recompute mode (none / selective / full) is compared with
@@ -53,7 +53,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ptdp.config import ModelConfig, Recompute
 from ptdp.model.gpt import TPContext, TransformerLayer
-from ptdp.perf.activations import (
+from ptdp.perf.cost.activations import (
     Kernels,
     Saved,
     Term,

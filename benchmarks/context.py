@@ -2,7 +2,7 @@
 
 1. Activation memory per rank against the sequence length at cp = 1, 2, 4: what autograd
    saves in one GPT-2 layer of the demo width (h = 256, 8 heads) running its part of the
-   window (`ptdp.perf.activations.record_saved_tensors`), against cp = 1's bytes / cp
+   window (`ptdp.perf.cost.activations.record_saved_tensors`), against cp = 1's bytes / cp
    (every saved tensor is per local token: ring attention keeps only q, k, v, its output
    and the log-sum-exp, no s x s matrix). From the bytes per token: the longest window
    whose layer activations fit a budget (--budget-mib) at each cp.
@@ -36,7 +36,7 @@ from ptdp.model.gpt import GPT, TPContext, TransformerLayer
 from ptdp.model.positions import TokenPositions
 from ptdp.parallel import comm
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
-from ptdp.perf.activations import record_saved_tensors
+from ptdp.perf.cost.activations import record_saved_tensors
 
 try:
     from benchmarks._spawn import spawn

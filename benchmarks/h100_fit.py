@@ -1,10 +1,10 @@
 """Fits the H100 file's GEMM curve to Megatron-Core's published H100 weak-scaling table.
 
-Three constants for all nine rows (`ptdp.perf.ground`: the GEMM law's e_max and F_half,
+Three constants for all nine rows (`ptdp.perf.validate.ground`: the GEMM law's e_max and F_half,
 the fused attention's efficiency) by a pattern search on the RMS relative error of the
 predicted model TFLOP/s per GPU; then, with the fitted constants, each row's error and the
 interleaving its layout would pick. Prints the `[device.achieved]` lines for
-`ptdp/perf/hardware/h100-sxm.toml` and `h200.toml`, and a markdown table for BENCHMARKS.md;
+`ptdp/perf/cost/hardware/h100-sxm.toml` and `h200.toml`, and a markdown table for BENCHMARKS.md;
 writes no tracked file (`--json PATH` records the result).
 
     python benchmarks/h100_fit.py           # about 10 min on the 2-core VM
@@ -19,9 +19,9 @@ import json
 import time
 from pathlib import Path
 
-from ptdp.perf.ground import GemmLaw, fit_gemm_law
-from ptdp.perf.hardware import load_system
-from ptdp.perf.published import MCORE_H100_WEAK_SCALING, SOURCE, predict_row
+from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.validate.ground import GemmLaw, fit_gemm_law
+from ptdp.perf.validate.published import MCORE_H100_WEAK_SCALING, SOURCE, predict_row
 
 
 def _best_vpp(row, system) -> int:  # noqa: ANN001 - a script

@@ -24,10 +24,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from ptdp.config import RunConfig, apply_updates
-from ptdp.perf.costs import MEGATRON_2021
-from ptdp.perf.hardware import load_system
-from ptdp.perf.paper import preset
-from ptdp.perf.simulator import simulate
+from ptdp.perf.cost.costs import MEGATRON_2021
+from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.simulate.simulator import simulate
+from ptdp.perf.validate.paper import preset
 
 
 def _measuring():  # noqa: ANN202 - three modules

@@ -4,7 +4,7 @@ For GPT sizes of `benchmarks/mfu.py` (its Trainer path: bf16 weights, fp32 maste
 gradient buffers, fused AdamW, compiled layers), read `torch.cuda` after each phase:
 the Trainer built (weights, gradient buffers, masters), the first step (AdamW's moments
 appear), and a later step on its own (the steady state and what a step adds on top of
-it). Beside each, `ptdp.perf.memory`'s terms for the same run: params + grads +
+it). Beside each, `ptdp.perf.cost.memory`'s terms for the same run: params + grads +
 optimizer (the static part) and activations + working (what a step adds). A model that
 runs out of memory says in which phase. CUDA only; writes no tracked file:
 
@@ -28,7 +28,7 @@ except ModuleNotFoundError:  # run as `python benchmarks/x.py` without the repo 
     from mfu import FILL, MODELS, _free, ptdp_config, synthetic_tokens
 
 from ptdp.parallel.env import LaunchEnv
-from ptdp.perf.memory import estimate_memory
+from ptdp.perf.cost.memory import estimate_memory
 from ptdp.train.run import prepare
 from ptdp.train.step.trainer import Trainer
 

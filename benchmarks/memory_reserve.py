@@ -1,4 +1,4 @@
-"""The memory reserve per rank: the old fixed figure against `ptdp.perf.reserve`'s formula.
+"""The memory reserve per rank: the old fixed figure against `ptdp.perf.cost.reserve`'s formula.
 
 For the paper's Table 1 rows (b = 1, v = 1 as the paper ran them), GPT-3 175B at 384 and
 1024 GPUs, a one-GPU run, a 4D layout with context parallelism and two Llama 3 layouts
@@ -18,10 +18,10 @@ from dataclasses import replace
 
 from ptdp.config import RunConfig, apply_updates
 from ptdp.layout import validate
-from ptdp.perf.hardware import GIB, System, load_system
-from ptdp.perf.memory import estimate_memory
-from ptdp.perf.paper import README_GPT3, TABLE_1, model_config, paper_run
-from ptdp.perf.reserve import communicators, rank_reserve
+from ptdp.perf.cost.hardware import GIB, System, load_system
+from ptdp.perf.cost.memory import estimate_memory
+from ptdp.perf.cost.reserve import communicators, rank_reserve
+from ptdp.perf.validate.paper import README_GPT3, TABLE_1, model_config, paper_run
 
 OLD_GIB = 4.0
 """What a100-80gb, h100-sxm and h200 fixed before (a100-40gb: 3)."""

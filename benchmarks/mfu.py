@@ -4,7 +4,7 @@ The ptdp side is the product: `Trainer` (model chunks, gradient buffers, fp32-ma
 AdamW, clipping, the fault check) built from a RunConfig, with `train.compile` and bf16;
 only the data is synthetic (random tokens written in the indexed format). Each model
 trains `--warmup` steps (compilation, allocator warm-up; not timed), then `--steps` timed
-steps. Reported per run: parameters, tokens/s, model TFLOP/s (ptdp/perf/flops.py model
+steps. Reported per run: parameters, tokens/s, model TFLOP/s (ptdp/perf/cost/flops.py model
 FLOPs: forward + backward, recomputation not counted), MFU against the device's dense
 bf16 peak, and peak allocated memory; on CUDA also what the process holds beside that peak
 (the allocator's cache, the context and libraries), which `--predict` sets beside the
@@ -47,10 +47,10 @@ from torch import nn
 from ptdp.config import ModelConfig, RunConfig, apply_updates
 from ptdp.data.indexed import IndexedWriter
 from ptdp.parallel.env import LaunchEnv
-from ptdp.perf.flops import dense_peak_flops, device_kind, model_flops_per_iteration
-from ptdp.perf.hardware import System, load_system, system_for_device_name
-from ptdp.perf.reserve import fit
-from ptdp.perf.simulator import simulate
+from ptdp.perf.cost.flops import dense_peak_flops, device_kind, model_flops_per_iteration
+from ptdp.perf.cost.hardware import System, load_system, system_for_device_name
+from ptdp.perf.cost.reserve import fit
+from ptdp.perf.simulate.simulator import simulate
 from ptdp.train.run import prepare
 from ptdp.train.step.optim import adamw_kernel
 from ptdp.train.step.trainer import Trainer
@@ -120,7 +120,7 @@ def _peak_gib(device: torch.device) -> float:
 def _held_gib(device: torch.device, peak_gib: float) -> dict:
     """What the process holds beside the peak of its tensors, read after the timed steps:
     the caching allocator's segments past that peak, and the device memory in use past the
-    allocator's (the CUDA context, cuBLAS/cuDNN workspaces and handles); `ptdp.perf.reserve`
+    allocator's (the CUDA context, cuBLAS/cuDNN workspaces and handles); `ptdp.perf.cost.reserve`
     predicts their sum."""
     if device.type != "cuda":
         return {}

@@ -33,14 +33,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ptdp.parallel.comm import Group
-from ptdp.perf.replay import PipelineCosts, replay
-from ptdp.perf.timeline import Event, plot_timelines
+from ptdp.perf.simulate.plot import plot_timelines
+from ptdp.perf.simulate.replay import PipelineCosts, replay
 from ptdp.pipeline.actions import Action
 from ptdp.pipeline.p2p import P2P
 from ptdp.pipeline.placement import Placement, StageMap
 from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.runtime import PipelineRuntime
 from ptdp.pipeline.schedules import theory_bubble
+from ptdp.pipeline.timeline import Event
 
 try:
     from benchmarks._spawn import spawn

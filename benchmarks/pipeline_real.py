@@ -10,7 +10,7 @@ Each round runs one step of every (schedule, m), so the machine's load drifts ov
 them alike; a step's time runs from the first rank's start to the last rank's end. Each
 compute action is timed through the runtime's `around_action` hook, less the time it
 waited inside for its received input (`around_wait`), so F, B and W (or BW) per chunk are
-compute only; replaying the plan with their medians and free transfers (`ptdp.perf.replay`)
+compute only; replaying the plan with their medians and free transfers (`ptdp.perf.simulate.replay`)
 gives the schedule's ideal step time, over all measured steps and per step (a step against
 its own compute times, which load drifting between steps moves alike). Targets: measured /
 ideal <= 1.05 and zb-h1 at least 8% faster than 1f1b at m = 4. One measured zb-v iteration
@@ -40,10 +40,11 @@ import torch.distributed as dist
 from ptdp.config import RunConfig, apply_updates, load_toml
 from ptdp.layout import validate
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
-from ptdp.perf.replay import PipelineCosts, replay
-from ptdp.perf.timeline import Event, from_dicts, plot_timelines, to_dicts
+from ptdp.perf.simulate.plot import plot_timelines
+from ptdp.perf.simulate.replay import PipelineCosts, replay
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.plan import PipelinePlan
+from ptdp.pipeline.timeline import Event, from_dicts, to_dicts
 from ptdp.train.step.pipelined import (
     Microbatch,
     PipelineStep,

@@ -8,7 +8,7 @@ forward-backward of the global batch, the gradient reduction and the optimizer s
 between barriers; the configurations of one world size take turns, so a busy spell of
 the shared machine lands on every one of them, each turn an untimed step and then a timed
 one, since a run repeats one configuration's step), and
-`ptdp.perf.simulator.simulate` predicts it from the file. The cases differ in what the
+`ptdp.perf.simulate.simulator.simulate` predicts it from the file. The cases differ in what the
 model must get right: one process at several widths, sequence lengths, micro-batch sizes
 and recomputation; two ranks at tp = 2 with and without sequence parallelism, pp = 2
 under every schedule, dp = 2 at ZeRO 0, 1, 2 and 3; cp = 2 where `validate` accepts it
@@ -49,13 +49,14 @@ from ptdp.config import RunConfig, apply_updates
 from ptdp.errors import ConfigError
 from ptdp.layout import ORDER, validate
 from ptdp.parallel.env import LaunchEnv
-from ptdp.perf.fit import collective_bytes
-from ptdp.perf.hardware import System, load_system
-from ptdp.perf.microbench import build_groups
-from ptdp.perf.simulator import Prediction, simulate
-from ptdp.perf.timeline import Event, from_dicts, plot_timelines, to_dicts, write_chrome_trace
-from ptdp.perf.timing import Timing
-from ptdp.perf.waits import collective_sync, sync_rounds
+from ptdp.perf.calibrate.fit import collective_bytes
+from ptdp.perf.calibrate.microbench import build_groups
+from ptdp.perf.calibrate.timing import Timing
+from ptdp.perf.calibrate.waits import collective_sync, sync_rounds
+from ptdp.perf.cost.hardware import System, load_system
+from ptdp.perf.simulate.plot import plot_timelines, write_chrome_trace
+from ptdp.perf.simulate.simulator import Prediction, simulate
+from ptdp.pipeline.timeline import Event, from_dicts, to_dicts
 from ptdp.train.run import prepare
 from ptdp.train.step.trainer import Trainer
 

@@ -20,14 +20,14 @@ import time
 from pathlib import Path
 
 from ptdp.config import Recompute, RunConfig, apply_updates
-from ptdp.perf.costs import MEGATRON_2021
-from ptdp.perf.flops import paper_equation_3
-from ptdp.perf.hardware import GIB, load_system
-from ptdp.perf.memory import estimate_memory
-from ptdp.perf.paper import README_GPT3, TABLE_1, paper_run
-from ptdp.perf.planner import plan
-from ptdp.perf.timeline import plot_timelines
-from ptdp.perf.validation import check_row, measure_cpu_memory, readme_gpt3
+from ptdp.perf.cost.costs import MEGATRON_2021
+from ptdp.perf.cost.flops import paper_equation_3
+from ptdp.perf.cost.hardware import GIB, load_system
+from ptdp.perf.cost.memory import estimate_memory
+from ptdp.perf.plan.planner import plan
+from ptdp.perf.simulate.plot import plot_timelines
+from ptdp.perf.validate.paper import README_GPT3, TABLE_1, paper_run
+from ptdp.perf.validate.validation import check_row, measure_cpu_memory, readme_gpt3
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = ROOT / "runs" / "benchmarks" / "gpt3_175b_simulated_timeline.png"  # untracked

@@ -1,6 +1,6 @@
 """The performance model against the paper's Table 2 (section 5.2): PTD-P against ZeRO-3.
 
-Each row as `ptdp.perf.validation.check_table_2_row` predicts it on the paper's cluster
+Each row as `ptdp.perf.validate.validation.check_table_2_row` predicts it on the paper's cluster
 (a100-80gb): ZeRO-3 without model parallelism under `--software deepspeed-2021`, PTD-P at
 t = 8 with the interleaving v the planner picks under `megatron-2021`, both with full
 recomputation. Prints the markdown table of BENCHMARKS.md.
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 
-from ptdp.perf.hardware import GIB, load_system
-from ptdp.perf.paper import TABLE_2
-from ptdp.perf.validation import check_table_2_row
+from ptdp.perf.cost.hardware import GIB, load_system
+from ptdp.perf.validate.paper import TABLE_2
+from ptdp.perf.validate.validation import check_table_2_row
 
 TOKENS = 300e9
 """The paper's training-time column: days for 300B tokens."""

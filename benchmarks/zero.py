@@ -8,7 +8,7 @@ byte-level corpus made from this repository's own text (no download), dp ranks o
 each. Per level, after a warm-up step: the bytes of parameters (the persistent buffer: 1/dp
 at zero 3), gradients and optimizer state one rank holds, the most full-size bucket gradient
 (ZeRO-2/3) and gathered parameters (ZeRO-3) held at once, each against
-`ptdp.perf.memory.estimate_memory`; the elements the data-parallel collectives moved per step
+`ptdp.perf.cost.memory.estimate_memory`; the elements the data-parallel collectives moved per step
 (`GradBuffers.traffic`: an all-gather or reduce-scatter of n elements counts n, an
 all-reduce 2n) in units of the rank's parameter count Psi, against the paper's 2 Psi (zero
 0, 1, 2) and 3 Psi (zero 3) at one microbatch per step (Rajbhandari et al. 2020, Sec. 7:
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ptdp.config import apply_updates, load_toml
 from ptdp.data.preprocess import preprocess
 from ptdp.parallel.env import LaunchEnv
-from ptdp.perf.memory import estimate_memory
+from ptdp.perf.cost.memory import estimate_memory
 from ptdp.train.run import prepare
 from ptdp.train.step.trainer import Trainer
 

@@ -152,15 +152,15 @@ def _schedule_parser(sub: Subparsers) -> None:
 
 
 def _model_option(p: argparse.ArgumentParser) -> None:
-    from ptdp.perf.paper import MODEL_HELP
+    from ptdp.perf.validate.paper import MODEL_HELP
 
     p.add_argument("--model", default="", metavar="NAME|FILE", help=MODEL_HELP)
 
 
 def _perf_parser(sub: Subparsers, name: str, **kw: str) -> argparse.ArgumentParser:
     """`simulate` and `plan`: a model and its config, a cluster, a runtime."""
-    from ptdp.perf.costs import SOFTWARE
-    from ptdp.perf.hardware import list_systems
+    from ptdp.perf.cost.costs import SOFTWARE
+    from ptdp.perf.cost.hardware import list_systems
 
     p = sub.add_parser(name, allow_abbrev=False, **kw)
     _model_option(p)
@@ -194,7 +194,7 @@ def _simulate_parser(sub: Subparsers) -> None:
 
 
 def _plan_parser(sub: Subparsers) -> None:
-    from ptdp.perf.plan_keys import OLD_PLAN_FLAGS, PLAN_EPILOG
+    from ptdp.perf.plan.keys import OLD_PLAN_FLAGS, PLAN_EPILOG
 
     p = _perf_parser(
         sub,
@@ -222,7 +222,7 @@ def _plan_parser(sub: Subparsers) -> None:
 
 
 def _calibrate_parser(sub: Subparsers) -> None:
-    from ptdp.perf.calibration_file import DESCRIPTION
+    from ptdp.perf.calibrate.calibration_file import DESCRIPTION
 
     help = "time this machine's kernels and links; write a cluster TOML for --device"
     p = sub.add_parser("calibrate", help=help, description=DESCRIPTION)
@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_train(args: argparse.Namespace) -> int:
     from ptdp.config import given_keys
     from ptdp.parallel.env import LaunchEnv, exit_now, leave_failed_rank
-    from ptdp.perf.paper import perf_config
+    from ptdp.perf.validate.paper import perf_config
     from ptdp.train.run import dry_run, train
 
     cfg = perf_config(args.model, args.config, args.overrides)
@@ -393,7 +393,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from ptdp.perf.calibrate import run_calibrate
+    from ptdp.perf.calibrate.measure import run_calibrate
 
     return run_calibrate(args.out, quick=args.quick, base=args.base, precision=args.precision)
 

@@ -322,7 +322,7 @@ class TrainConfig:
     """Name of the Weights & Biases run; empty = wandb picks one."""
     peak_tflops: float = 0.0
     """Dense peak TFLOP/s of one device at the run's precision, for the logged MFU; 0 = look
-    the GPU up by name (ptdp/perf/flops.py), none on a CPU."""
+    the GPU up by name (ptdp/perf/cost/flops.py), none on a CPU."""
     progress: bool = True
     """Show a progress bar (on an interactive terminal)."""
     profile_timeline: bool = False

@@ -5,7 +5,7 @@ and 3.1 (Grattafiori et al. 2024, arXiv 2407.21783), Qwen2.5 (arXiv 2412.15115) 
 Mistral 7B v0.1 (Jiang et al. 2023, arXiv 2310.06825). `seq_length` is the context each
 was pretrained at (Llama 3: 8192; Qwen2.5: 4096 before its long-context stage; Mistral:
 8192 with a 4096-token sliding window), not the longest it serves; override it with
---model.seq_length. The paper's GPTs are in `ptdp.perf.paper`.
+--model.seq_length. The paper's GPTs are in `ptdp.perf.validate.paper`.
 """
 
 from __future__ import annotations

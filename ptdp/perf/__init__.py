@@ -1,21 +1,19 @@
-"""Performance model: FLOPs, memory, hardware, a simulator that replays the schedules, a planner.
+"""Performance model: a cost model, a simulator that replays the schedules, a planner.
 
-flops.py        the paper's FLOPs (equation 3) and parameters (equation 2), MFU / HFU, dense peaks
-memory.py       bytes per device: model state, Korthikanti activations x in-flight microbatches
-activations.py  Korthikanti et al.'s per-layer activation bytes and what PyTorch really saves
-hardware.py     clusters as data (hardware/*.toml): device, NVLink, network
-costs.py        seconds of F, B, W per layer (GEMM efficiency curve, HBM traffic, collectives)
-context.py      context parallelism: s/cp tokens per rank, K/V bytes of the ring and all-gather
-context_costs.py  seconds of a cp rank's layer, its K/V transfers exposed or hidden
-zero.py         ZeRO levels' traffic per step, ZeRO-2/3's per-microbatch collectives
-replay.py       the schedules' own action lists replayed in simulated time (ptdp.pipeline.dryrun)
-simulator.py    one training step of a config on a cluster: time, bubble, TFLOP/s, memory
-planner.py      layouts that fit, ranked by simulated throughput, explained: search.py tries the
-                sizes, levels, micro-batches and schedules, ranking.py replays and ranks them,
-                explain.py says why; plan_keys.py is the command line's pins
-timeline.py     TimelineRecorder for the runtime, Chrome traces and PNG charts
-paper.py        the paper's model presets and published figures; validation.py checks them
-calibrate.py    `ptdp calibrate`: microbench.py times this machine (timing.py: how each call
-                is timed; waits.py: a collective's cost in place), fit.py fits the
-                constants, calibration_file.py writes them as a cluster file for hardware.py
+cost/        what a layout costs: FLOPs and parameters (the paper's equations 2 and 3),
+             activation, model-state and reserve bytes, seconds of each pass and
+             collective, context parallelism and ZeRO, clusters as data (hardware/*.toml)
+simulate/    one step replayed in simulated time from the schedules' own action lists:
+             time, bubble, TFLOP/s, memory; the 2021 Megatron-LM order, a lower bound
+             without the replay, timelines drawn as PNG charts and Chrome traces
+plan/        `ptdp plan`: the layouts that fit, searched, ranked, explained, compared
+calibrate/   `ptdp calibrate`: this machine's kernels and links timed, the cost model's
+             constants fitted, written as a cluster file for cost/hardware.py
+validate/    the model against published results: the paper's presets and tables,
+             Megatron-Core's H100 runs, the fit of uncalibrated GPUs to them
+commands.py  `ptdp simulate` and `ptdp plan` behind their parsers
+report.py    what they print: text and JSON of predictions and plans, timeline files
+
+Dependencies go one way: cost <- simulate <- plan <- validate, and the commands over all;
+calibrate measures with torch, and the cost model reads its pure-Python fits.
 """

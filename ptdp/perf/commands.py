@@ -9,9 +9,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ptdp.config import Precision, RunConfig, given_keys
-from ptdp.perf.costs import SOFTWARE
-from ptdp.perf.hardware import System, load_system
-from ptdp.perf.paper import ALL_PRESETS, perf_config
+from ptdp.perf.cost.costs import SOFTWARE
+from ptdp.perf.cost.hardware import System, load_system
+from ptdp.perf.validate.paper import ALL_PRESETS, perf_config
 
 
 def modelled_config(
@@ -33,7 +33,7 @@ def modelled_config(
 
 def run_simulate(args: argparse.Namespace) -> int:
     from ptdp.perf.report import simulation_output
-    from ptdp.perf.simulator import default_world_size, simulate
+    from ptdp.perf.simulate.simulator import default_world_size, simulate
 
     system = load_system(args.device)
     cfg = modelled_config(args.model, args.config, args.overrides, system)
@@ -45,9 +45,9 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from ptdp.perf.compare import compare
-    from ptdp.perf.plan_keys import plan_request
-    from ptdp.perf.planner import plan
+    from ptdp.perf.plan.compare import compare
+    from ptdp.perf.plan.keys import plan_request
+    from ptdp.perf.plan.planner import plan
     from ptdp.perf.report import format_plan, plan_dict, progress_bar
 
     # `--tp 8` and the other old flags of `plan` as overrides; the explicit keys win.

@@ -12,12 +12,12 @@ from tqdm import tqdm
 
 from ptdp.config import Precision, RunConfig, to_dict
 from ptdp.outputs import make_output_dir
-from ptdp.perf.compare import Comparison
-from ptdp.perf.hardware import GIB, System
-from ptdp.perf.planner import Option, PlanResult, Progress
-from ptdp.perf.reserve import fit
-from ptdp.perf.simulator import Prediction
-from ptdp.perf.timeline import plot_timelines, write_chrome_trace
+from ptdp.perf.cost.hardware import GIB, System
+from ptdp.perf.cost.reserve import fit
+from ptdp.perf.plan.compare import Comparison
+from ptdp.perf.plan.planner import Option, PlanResult, Progress
+from ptdp.perf.simulate.plot import plot_timelines, write_chrome_trace
+from ptdp.perf.simulate.simulator import Prediction
 
 
 def prediction_dict(p: Prediction) -> dict:

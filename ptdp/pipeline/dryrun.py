@@ -4,7 +4,7 @@
 `add_comms`) with a duration per action and returns when each action ran, the makespan, and
 per rank the time computing, the span from its first compute to its last, and where it ended;
 or, if the ranks cannot all finish, what each stuck rank waits for. `ptdp.pipeline.verify`
-calls it at unit costs (F = B = W = 1, BW = 2, free transfers) and `ptdp.perf.replay` with
+calls it at unit costs (F = B = W = 1, BW = 2, free transfers) and `ptdp.perf.simulate.replay` with
 the performance model's seconds; a benchmark can call it with measured ones. Pure: no torch.
 
 A compute action starts when its rank is free and its inputs are there: F(s) needs the

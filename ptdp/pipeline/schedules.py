@@ -16,7 +16,7 @@ sections 3 and 6).
 
 In flight: a microbatch holds its activations on a stage from its F until its BW, or until its W
 when the backward is split (B leaves the graph, or the weight-gradient inputs, for W), which is
-how `verify` and `ptdp.perf.memory` count.
+how `verify` and `ptdp.perf.cost.memory` count.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from ptdp import checkpoint as ckpt
 from ptdp.checkpoint.store import step_dir_name
 from ptdp.config import OnNan, to_dict
 from ptdp.parallel.comm import gather_objects
-from ptdp.perf.flops import utilisation
-from ptdp.perf.timeline import from_dicts, to_dicts
+from ptdp.perf.cost.flops import utilisation
+from ptdp.pipeline.timeline import from_dicts, to_dicts
 from ptdp.train.faults.events import append_event
 from ptdp.train.faults.numerical import NumericalFault, TrainingError
 from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb

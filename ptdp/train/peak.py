@@ -1,8 +1,8 @@
 """The dense peak FLOP/s of one device, the denominator of the training log's MFU.
 
-MFU (model FLOPs utilisation) = the job's model FLOP/s (ptdp.perf.flops, no recomputation
+MFU (model FLOPs utilisation) = the job's model FLOP/s (ptdp.perf.cost.flops, no recomputation
 counted) / world size / one device's dense peak at the run's precision. The peak is
-train.peak_tflops when set, else the row of ptdp.perf.flops.DENSE_PEAK_TFLOPS that the
+train.peak_tflops when set, else the row of ptdp.perf.cost.flops.DENSE_PEAK_TFLOPS that the
 device name torch reports maps to. A device not in the table (a CPU, an unknown GPU) has no
 peak: MFU is left out rather than invented, and the log says once how to set it.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ptdp.perf.flops import DENSE_PEAK_TFLOPS, device_kind
+from ptdp.perf.cost.flops import DENSE_PEAK_TFLOPS, device_kind
 
 
 @dataclass(frozen=True)

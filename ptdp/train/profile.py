@@ -3,7 +3,7 @@
 Every rank of the first tensor/data-parallel replica records its compute actions (the
 runtime's `around_action` hook); at the end of the run rank 0 writes them as a Chrome
 trace (`timeline.json`, open in https://ui.perfetto.dev) and a PNG, above a prediction of
-the same step: `ptdp.perf.simulator` on a GPU the performance model knows, otherwise the
+the same step: `ptdp.perf.simulate.simulator` on a GPU the performance model knows, otherwise the
 schedule replayed with each stage's measured action times and free transfers, so the gap
 between the two is what communication and waiting cost.
 """
@@ -18,10 +18,11 @@ import torch
 
 from ptdp.config import RunConfig
 from ptdp.layout import Layout
-from ptdp.perf.hardware import system_for_device_name
-from ptdp.perf.replay import PipelineCosts, replay
-from ptdp.perf.simulator import simulate
-from ptdp.perf.timeline import Event, plot_timelines, write_chrome_trace
+from ptdp.perf.cost.hardware import system_for_device_name
+from ptdp.perf.simulate.plot import plot_timelines, write_chrome_trace
+from ptdp.perf.simulate.replay import PipelineCosts, replay
+from ptdp.perf.simulate.simulator import simulate
+from ptdp.pipeline.timeline import Event
 
 
 def _median(events: Sequence[Event], kind: str, stage: int) -> float | None:

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from ptdp.config import tomllib
-from ptdp.perf import microbench as mb
-from ptdp.perf.calibrate import SWEEPS, calibrate, write_calibration
-from ptdp.perf.costs import all_reduce_seconds, gather_seconds
-from ptdp.perf.fit import collective_bytes
-from ptdp.perf.hardware import load_system
-from ptdp.perf.timing import Timing
+from ptdp.perf.calibrate import microbench as mb
+from ptdp.perf.calibrate.measure import SWEEPS, calibrate, write_calibration
+from ptdp.perf.cost.costs import all_reduce_seconds, gather_seconds
+from ptdp.perf.calibrate.fit import collective_bytes
+from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.calibrate.timing import Timing
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist

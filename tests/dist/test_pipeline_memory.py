@@ -23,7 +23,7 @@ import torch
 from ptdp.config import RunConfig, apply_updates
 from ptdp.layout import validate
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
-from ptdp.perf.memory import in_flight
+from ptdp.perf.cost.memory import in_flight
 from ptdp.pipeline.actions import Action
 from ptdp.pipeline.runtime import PipelineRuntime
 from ptdp.pipeline.schedules import SCHEDULES

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ptdp import checkpoint as ckpt
 from ptdp.parallel.env import LaunchEnv
 from ptdp.parallel.init import ShardSpec, shard_spec
-from ptdp.perf.memory import estimate_memory
+from ptdp.perf.cost.memory import estimate_memory
 from ptdp.train.run import prepare
 from ptdp.train.step import optim
 from ptdp.train.step.trainer import Trainer

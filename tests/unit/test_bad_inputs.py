@@ -22,9 +22,9 @@ from ptdp.convert.hf import export_hf, import_hf
 from ptdp.data.tokenizers import train_bpe
 from ptdp.errors import CheckpointError, ConfigError, DataError, PtdpError
 from ptdp.parallel.env import LaunchEnv
-from ptdp.perf.hardware import BUILTIN_DIR, load_system
-from ptdp.perf.planner import plan
-from ptdp.perf.simulator import simulate
+from ptdp.perf.cost.hardware import BUILTIN_DIR, load_system
+from ptdp.perf.plan.planner import plan
+from ptdp.perf.simulate.simulator import simulate
 from ptdp.sample import launch_generation, sample_from_checkpoint
 from ptdp.train.run import train
 from tests.helpers import make_corpus, tiny_config
@@ -673,7 +673,8 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
     ),
     (
         "hardware-reserves-all-memory",
-        # a100-80gb has no reserved_gib since the per-layout formula (ptdp.perf.reserve): add one
+        # a100-80gb has no reserved_gib since the per-layout formula (ptdp.perf.cost.reserve):
+        # add one
         lambda c: _hardware(
             c, "kernel_overhead_us = 5\n", "kernel_overhead_us = 5\nreserved_gib = 80\n"
         ),

@@ -13,9 +13,9 @@ import pytest
 
 from ptdp.cli import main
 from ptdp.config import Precision, tomllib
-from ptdp.perf.costs import PTDP, Compute, Gemm
-from ptdp.perf.fit import interpolate_log, monotone_curve
-from ptdp.perf.hardware import load_system
+from ptdp.perf.calibrate.fit import interpolate_log, monotone_curve
+from ptdp.perf.cost.costs import PTDP, Compute, Gemm
+from ptdp.perf.cost.hardware import load_system
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +81,7 @@ def test_the_file_loads_and_holds_what_was_measured(calibrated: Path) -> None:
 
 def _a100_with(tmp_path: Path, line: str) -> Path:
     """The built-in a100-80gb file with `line` added to its [device.achieved], saved."""
-    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
+    text = (ROOT / "ptdp/perf/cost/hardware/a100-80gb.toml").read_text()
     path = tmp_path / "achieved.toml"
     path.write_text(text.replace("[device.achieved]", f"[device.achieved]\n{line}"))
     return path
@@ -161,7 +161,7 @@ def test_framework_overhead_is_measured_and_enters_each_layer_pass(calibrated: P
     from dataclasses import replace
 
     from ptdp.config import ModelConfig, Recompute
-    from ptdp.perf.costs import head_seconds, layer_seconds
+    from ptdp.perf.cost.costs import head_seconds, layer_seconds
 
     system = load_system(calibrated)
     raw = tomllib.loads(calibrated.read_text())["device"]["achieved"]
@@ -198,8 +198,8 @@ def test_the_framework_overhead_holds_the_gradient_buffers_hooks(
     import torch
 
     from ptdp.parallel.data import GradBuffers
-    from ptdp.perf import microbench
-    from ptdp.perf.timing import Timing
+    from ptdp.perf.calibrate import microbench
+    from ptdp.perf.calibrate.timing import Timing
 
     hooked: set[int] = set()
     on_grad = GradBuffers._on_grad
@@ -227,8 +227,8 @@ def test_the_optimizer_step_pays_its_measured_overhead_per_tensor(calibrated: Pa
 
     from ptdp.config import RunConfig, apply_updates
     from ptdp.layout import validate
-    from ptdp.perf.parameters import tensors_per_rank
-    from ptdp.perf.simulator import optimizer_seconds
+    from ptdp.perf.cost.parameters import tensors_per_rank
+    from ptdp.perf.simulate.simulator import optimizer_seconds
 
     system = load_system(calibrated)
     raw = tomllib.loads(calibrated.read_text())["device"]["achieved"]
@@ -261,9 +261,9 @@ def test_cpu_kernels_are_timed_one_call_at_a_time_between_the_others(
 
     import torch
 
-    from ptdp.perf import microbench as mb
-    from ptdp.perf import timing
-    from ptdp.perf.timing import Timing, in_context_seconds
+    from ptdp.perf.calibrate import microbench as mb
+    from ptdp.perf.calibrate import timing
+    from ptdp.perf.calibrate.timing import Timing, in_context_seconds
 
     clock, order = [0.0], []
     monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -305,8 +305,8 @@ def test_cpu_attention_backward_is_the_median_of_each_rounds_difference(
     import torch
 
     from ptdp.errors import PtdpError
-    from ptdp.perf import microbench as mb
-    from ptdp.perf.timing import Timing
+    from ptdp.perf.calibrate import microbench as mb
+    from ptdp.perf.calibrate.timing import Timing
 
     shape = mb.AttentionShape(1, 2, 16, 8)
     cpu, timing = torch.device("cpu"), Timing(0.001, 3)
@@ -324,8 +324,8 @@ def test_a_cpu_collective_is_priced_at_its_median_batch(monkeypatch: pytest.Monk
     import torch
 
     from ptdp.parallel import comm
-    from ptdp.perf import microbench as mb
-    from ptdp.perf.timing import Timing
+    from ptdp.perf.calibrate import microbench as mb
+    from ptdp.perf.calibrate.timing import Timing
 
     monkeypatch.setattr(mb, "_collective_call", lambda *_: lambda: None)
     for device, want in (("cpu", 3.0), ("cuda", 1.0)):
@@ -341,7 +341,7 @@ def test_a_cpu_collective_is_priced_at_its_median_batch(monkeypatch: pytest.Monk
 def test_overheads_in_a_hardware_file_are_checked(tmp_path: Path) -> None:
     from ptdp.errors import ConfigError
 
-    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
+    text = (ROOT / "ptdp/perf/cost/hardware/a100-80gb.toml").read_text()
     assert load_system("a100-80gb").device.layer_overhead == (0.0, 0.0)  # absent: none
     bad = tmp_path / "bad.toml"
     bad.write_text(text.replace("[device.achieved]", "[device.achieved]\nlayer_overhead_us = [5]"))
@@ -369,8 +369,8 @@ def test_collective_sync_is_loaded_checked_and_paid_per_blocking_call(tmp_path: 
 
     from ptdp.config import CpComm, ModelConfig, Recompute
     from ptdp.errors import ConfigError
-    from ptdp.perf.context_costs import cp_comm_seconds
-    from ptdp.perf.costs import MEGATRON_CORE, embedding_seconds, head_seconds, layer_seconds
+    from ptdp.perf.cost.context_costs import cp_comm_seconds
+    from ptdp.perf.cost.costs import MEGATRON_CORE, embedding_seconds, head_seconds, layer_seconds
 
     assert load_system("a100-80gb").device.collective_sync == 0.0  # absent: none
     path = _a100_with(tmp_path, "collective_sync_us = 750")
@@ -432,9 +432,9 @@ def test_a_wait_right_after_compute_pays_its_extra_and_one_after_a_wait_does_not
     from ptdp.config import CpComm, ModelConfig, Recompute
     from ptdp.errors import ConfigError
     from ptdp.layout import Layout
-    from ptdp.perf.context_costs import cp_comm_seconds
-    from ptdp.perf.costs import head_seconds, layer_seconds
-    from ptdp.perf.simulator import step_reductions
+    from ptdp.perf.cost.context_costs import cp_comm_seconds
+    from ptdp.perf.cost.costs import head_seconds, layer_seconds
+    from ptdp.perf.simulate.simulator import step_reductions
 
     assert load_system("a100-80gb").device.wait_after_compute == 0.0  # absent: none
     path = _a100_with(tmp_path, "wait_after_compute_us = 600")
@@ -484,8 +484,8 @@ def test_the_gradient_reduction_waits_on_each_bucket_the_first_right_after_compu
 
     from ptdp.config import RunConfig, apply_updates
     from ptdp.layout import validate
-    from ptdp.perf.parameters import parameters_per_stage
-    from ptdp.perf.simulator import optimizer_seconds, stage_reductions
+    from ptdp.perf.cost.parameters import parameters_per_stage
+    from ptdp.perf.simulate.simulator import optimizer_seconds, stage_reductions
 
     sync, after = 1e-3, 5e-3
     base = load_system("a100-80gb")
@@ -538,7 +538,7 @@ def test_a_ring_shift_pays_its_own_measured_sync_else_the_collectives(tmp_path: 
 
     from ptdp.config import CpComm, ModelConfig
     from ptdp.errors import ConfigError
-    from ptdp.perf.context_costs import cp_comm_seconds
+    from ptdp.perf.cost.context_costs import cp_comm_seconds
 
     assert load_system("a100-80gb").device.ring_sync is None  # absent: collective_sync's
     for value, why in (("-1", "must be >= 0"), ('"slow"', "is not a number")):
@@ -579,9 +579,9 @@ def test_a_split_backward_pays_its_measured_cost_in_w_on_zero_bubble_schedules(
     from ptdp.config import RunConfig, apply_updates
     from ptdp.errors import ConfigError
     from ptdp.layout import validate
-    from ptdp.perf.simulator import accumulation, pipeline_costs
-    from ptdp.perf.timing import Timing
-    from ptdp.perf.wgrad_cost import split_backward_ratio
+    from ptdp.perf.calibrate.timing import Timing
+    from ptdp.perf.calibrate.wgrad_cost import split_backward_ratio
+    from ptdp.perf.simulate.simulator import accumulation, pipeline_costs
 
     assert load_system("a100-80gb").device.split_backward_ratio == 1.0  # absent: free
     with pytest.raises(ConfigError, match="split_backward_ratio = .* must be > 0"):
@@ -630,7 +630,7 @@ def test_a_split_backward_pays_its_measured_cost_in_w_on_zero_bubble_schedules(
     # / 5 = 1.3 of the fused backward, not (4 + 2) / 5.
     import types
 
-    from ptdp.perf import wgrad_cost
+    from ptdp.perf.calibrate import wgrad_cost
 
     def reads():
         now = 0.0
@@ -656,8 +656,8 @@ def test_each_side_of_the_split_ratio_starts_without_gradients(
     import torch
 
     import ptdp.model.gpt as gpt
-    from ptdp.perf.timing import Timing
-    from ptdp.perf.wgrad_cost import split_backward_ratio
+    from ptdp.perf.calibrate.timing import Timing
+    from ptdp.perf.calibrate.wgrad_cost import split_backward_ratio
 
     seen: list[bool] = []
 
@@ -681,7 +681,7 @@ def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
     from dataclasses import replace
 
     from ptdp.config import ModelConfig, Recompute
-    from ptdp.perf.costs import gather_seconds, group_link, layer_seconds
+    from ptdp.perf.cost.costs import gather_seconds, group_link, layer_seconds
 
     gpu = load_system("a100-80gb")
     cpu = replace(gpu, device=replace(gpu.device, kind="cpu"))
@@ -706,7 +706,7 @@ def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
     # gloo writes a ring shift's send in the thread that posts it: on a CPU the cp ring's
     # transfers are all exposed; on GPUs they hide under the attention blocks.
     from ptdp.config import CpComm
-    from ptdp.perf.context_costs import cp_comm_seconds
+    from ptdp.perf.cost.context_costs import cp_comm_seconds
 
     long = replace(model, seq_length=4096)
     for system, hidden in ((gpu, True), (cpu, False)):
@@ -719,7 +719,7 @@ def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
     # The data-parallel reduction overlaps the backward on GPUs; over gloo its threads
     # need the backward's cores, so an overlapped step costs what an unoverlapped one does.
     from ptdp.config import RunConfig, apply_updates
-    from ptdp.perf.simulator import simulate
+    from ptdp.perf.simulate.simulator import simulate
 
     def step(system, overlap: bool) -> float:
         cfg = apply_updates(
@@ -748,9 +748,9 @@ def test_zero3_pays_the_sync_per_layer_gather_and_reduce_scatter() -> None:
 
     from ptdp.config import apply_updates
     from ptdp.layout import validate
-    from ptdp.perf.paper import preset_config
-    from ptdp.perf.simulator import compute_costs
-    from ptdp.perf.zero import sharded_passes
+    from ptdp.perf.cost.zero import sharded_passes
+    from ptdp.perf.simulate.simulator import compute_costs
+    from ptdp.perf.validate.paper import preset_config
 
     sync = 1e-3
     base = load_system("a100-80gb")
@@ -789,9 +789,9 @@ def test_each_collective_may_carry_its_own_link_figures(tmp_path: Path) -> None:
     fit) price that collective; the others keep the link's figures; given alone or
     impossible, they are refused."""
     from ptdp.errors import ConfigError
-    from ptdp.perf.costs import all_reduce_seconds, gather_seconds
+    from ptdp.perf.cost.costs import all_reduce_seconds, gather_seconds
 
-    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
+    text = (ROOT / "ptdp/perf/cost/hardware/a100-80gb.toml").read_text()
     base = load_system("a100-80gb").intra
     assert base.ops == ()  # absent: every collective at the link's figures
     path = tmp_path / "ops.toml"
@@ -823,10 +823,10 @@ def test_point_to_point_keys_price_transfers_apart(tmp_path: Path) -> None:
     from ptdp.config import apply_updates
     from ptdp.errors import ConfigError
     from ptdp.layout import validate
-    from ptdp.perf.paper import preset_config
-    from ptdp.perf.simulator import pipeline_costs
+    from ptdp.perf.simulate.simulator import pipeline_costs
+    from ptdp.perf.validate.paper import preset_config
 
-    text = (ROOT / "ptdp/perf/hardware/a100-80gb.toml").read_text()
+    text = (ROOT / "ptdp/perf/cost/hardware/a100-80gb.toml").read_text()
     assert load_system("a100-80gb").intra.p2p is None  # absent: as the collectives
     path = tmp_path / "p2p.toml"
     keys = "[node]\np2p_latency_us = 100\np2p_bandwidth_gb_s = 4"

@@ -37,7 +37,7 @@ def test_defaults_then_toml_then_command_line(tmp_path: Path) -> None:
 def test_preset_then_toml_then_command_line(tmp_path: Path) -> None:
     # `ptdp simulate/plan --model NAME|FILE`: the preset (or file) is the base `resolve` starts
     # from instead of the defaults; the TOML file and the overrides apply on top.
-    from ptdp.perf.paper import model_config, preset, preset_config
+    from ptdp.perf.validate.paper import model_config, preset, preset_config
 
     base = preset_config("gpt3-175b")
     assert base.model == preset("gpt3-175b") and base.train.precision.value == "bf16"

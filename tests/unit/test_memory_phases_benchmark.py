@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.parallel.env import LaunchEnv
-from ptdp.perf.memory import estimate_memory
+from ptdp.perf.cost.memory import estimate_memory
 from ptdp.train.run import prepare
 from tests.helpers import load_benchmark
 

@@ -11,7 +11,7 @@ from ptdp.config import ModelConfig, Recompute, RunConfig, apply_updates
 from ptdp.model.generate import filter_logits, generate
 from ptdp.model.gpt import GPT, Rotary, count_parameters
 from ptdp.model.rope import inverse_frequencies, llama3_scaled
-from ptdp.perf.flops import paper_parameter_count
+from ptdp.perf.cost.flops import paper_parameter_count
 from tests.helpers import LLAMA
 
 

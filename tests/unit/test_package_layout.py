@@ -83,7 +83,7 @@ def _cycle_from(graph: dict[str, set[str]], start: str) -> list[str] | None:
 
 def test_graph_is_read() -> None:
     graph = _graph()
-    assert "ptdp.layout" in graph["ptdp.perf.simulator"]
+    assert "ptdp.layout" in graph["ptdp.perf.simulate.simulator"]
     assert "ptdp.pipeline.actions" in graph["ptdp.pipeline.schedules"]
 
 
@@ -97,6 +97,26 @@ def test_cycle_finder_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycle_from(graph, "a") == ["a", "b", "c", "a"]
     assert _cycle_from(graph, "d") is None
+
+
+PERF_LAYERS = ("cost", "simulate", "plan", "validate")
+"""ptdp.perf's parts, each importing only those before it (ptdp/perf/__init__.py)."""
+
+
+def test_perf_parts_depend_one_way() -> None:
+    graph = _graph()
+    part = {f"ptdp.perf.{p}": i for i, p in enumerate(PERF_LAYERS)}
+    bad = sorted(
+        f"{name} -> {dep}"
+        for name, deps in graph.items()
+        for dep in deps
+        for src, i in part.items()
+        if name.startswith(f"{src}.")
+        for dst, j in part.items()
+        if dep.startswith(f"{dst}.") and j > i
+    )
+    assert not bad, "a part of ptdp.perf imports a later one:\n" + "\n".join(bad)
+    assert any(d.startswith("ptdp.perf.cost.") for d in graph["ptdp.perf.simulate.simulator"])
 
 
 def _collective_calls(path: Path) -> list[str]:

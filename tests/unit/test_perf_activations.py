@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ptdp.config import ModelConfig, Recompute
 from ptdp.model.gpt import GPT, TPContext, TransformerLayer
-from ptdp.perf.activations import (
+from ptdp.perf.cost.activations import (
     Kernels,
     activation_bytes_per_layer,
     paper_terms,

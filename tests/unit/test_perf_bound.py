@@ -1,6 +1,7 @@
-"""The planner's pruning bound (`ptdp.perf.bound`) against full replays: never above them, on
-every schedule, sizes p 2-16, v 1-8, m from p to 8p, uneven stages and links, ptdp's and the
-2021 code's transfers; tight where the schedule has no slack, so a larger bound would fail."""
+"""The planner's pruning bound (`ptdp.perf.simulate.bound`) against full replays: never above
+them, on every schedule, sizes p 2-16, v 1-8, m from p to 8p, uneven stages and links, ptdp's
+and the 2021 code's transfers; tight where the schedule has no slack, so a larger bound would
+fail."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import pytest
 
 from ptdp.config import RunConfig, apply_updates
 from ptdp.layout import validate
-from ptdp.perf.bound import pipeline_bound, step_lower_bound
-from ptdp.perf.costs import MEGATRON_2021, PTDP, Compute
-from ptdp.perf.hardware import load_system
-from ptdp.perf.megatron2021 import megatron_2021_interleaved
-from ptdp.perf.replay import PipelineCosts, PipelineRun, replay
-from ptdp.perf.simulator import simulate
+from ptdp.perf.cost.costs import MEGATRON_2021, PTDP, Compute
+from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.simulate.bound import pipeline_bound, step_lower_bound
+from ptdp.perf.simulate.megatron2021 import megatron_2021_interleaved
+from ptdp.perf.simulate.replay import PipelineCosts, PipelineRun, replay
+from ptdp.perf.simulate.simulator import simulate
 from ptdp.pipeline.plan import build_plan
 from ptdp.pipeline.schedules import SCHEDULES
 
@@ -58,7 +59,7 @@ def replayed(
 
 
 def check(run: PipelineRun, bound) -> None:
-    """Every claim the step bound builds on (module doc of `ptdp.perf.bound`)."""
+    """Every claim the step bound builds on (module doc of `ptdp.perf.simulate.bound`)."""
     final: dict[int, float] = {}
     for e in run.events:
         if e.lane == "compute" and e.kind in ("BW", "W"):

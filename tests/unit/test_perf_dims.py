@@ -9,19 +9,26 @@ import pytest
 from ptdp.config import CpComm, Precision, Recompute, RunConfig, apply_updates
 from ptdp.errors import ConfigError
 from ptdp.layout import validate
-from ptdp.perf import context
-from ptdp.perf.context_costs import cp_comm_seconds, ring_link
-from ptdp.perf.costs import DEEPSPEED_2021, MEGATRON_2021, PTDP, Compute, gather_seconds, group_link
-from ptdp.perf.hardware import GIB, load_system
-from ptdp.perf.memory import estimate_memory
-from ptdp.perf.paper import TABLE_2, preset_config, table2_run
-from ptdp.perf.parameters import bytes_per_parameter, layer_parameters, parameters_per_stage
-from ptdp.perf.planner import plan
-from ptdp.perf.reserve import fit
-from ptdp.perf.search import context_sizes
-from ptdp.perf.simulator import compute_costs, simulate
-from ptdp.perf.validation import check_table_2_row
-from ptdp.perf.zero import exposed_seconds, sharded_passes, step_traffic
+from ptdp.perf.cost import context
+from ptdp.perf.cost.context_costs import cp_comm_seconds, ring_link
+from ptdp.perf.cost.costs import (
+    DEEPSPEED_2021,
+    MEGATRON_2021,
+    PTDP,
+    Compute,
+    gather_seconds,
+    group_link,
+)
+from ptdp.perf.cost.hardware import GIB, load_system
+from ptdp.perf.cost.memory import estimate_memory
+from ptdp.perf.cost.parameters import bytes_per_parameter, layer_parameters, parameters_per_stage
+from ptdp.perf.cost.reserve import fit
+from ptdp.perf.cost.zero import exposed_seconds, sharded_passes, step_traffic
+from ptdp.perf.plan.planner import plan
+from ptdp.perf.plan.search import context_sizes
+from ptdp.perf.simulate.simulator import compute_costs, simulate
+from ptdp.perf.validate.paper import TABLE_2, preset_config, table2_run
+from ptdp.perf.validate.validation import check_table_2_row
 
 A100 = load_system("a100-80gb")
 
@@ -294,7 +301,7 @@ def test_zero_3_kept_between_forward_and_backward(monkeypatch) -> None:
     base = compute_costs(cfg, lay, c)
     _, regathered = sharded_passes(cfg, lay, c, base)
     held = estimate_memory(cfg, 16, layout=lay)
-    for module in ("ptdp.perf.zero", "ptdp.perf.memory"):
+    for module in ("ptdp.perf.cost.zero", "ptdp.perf.cost.memory"):
         monkeypatch.setattr(f"{module}.reshard_after_forward", lambda cfg: False)
     _, kept = sharded_passes(cfg, lay, c, base)
     link = group_link(A100, lay.dp, lay.tp)

@@ -11,14 +11,14 @@ import pytest
 
 from ptdp.config import Precision
 from ptdp.errors import ConfigError
-from ptdp.perf.costs import PTDP, Compute, Gemm
-from ptdp.perf.fit import (
+from ptdp.perf.calibrate.fit import (
     collective_bytes,
     fit_latency_bandwidth,
     interpolate_log,
     monotone_curve,
 )
-from ptdp.perf.hardware import BUILTIN_DIR, list_systems, load_system
+from ptdp.perf.cost.costs import PTDP, Compute, Gemm
+from ptdp.perf.cost.hardware import BUILTIN_DIR, list_systems, load_system
 
 
 def test_monotone_curve_pools_violators_by_least_squares() -> None:
@@ -116,8 +116,8 @@ def test_a_curve_in_the_file_drives_gemm_and_attention_costs(tmp_path: Path) -> 
     for g in (Gemm(1024, 1024, 64), Gemm(4096, 4096, 4096), Gemm(65536, 8192, 8192)):
         eff = min(0.9, max(0.3, 0.3 + 0.6 * math.log(g.flops / 1e9) / math.log(1e3)))
         assert c.gemm(g) == pytest.approx(g.flops / (312e12 * eff))
-    from ptdp.perf.costs import attention_core
-    from ptdp.perf.paper import preset
+    from ptdp.perf.cost.costs import attention_core
+    from ptdp.perf.validate.paper import preset
 
     model = preset("gpt-22b")
     base = attention_core(model, 1, 1, Compute(load_system("a100-80gb"), Precision.BF16, PTDP))
@@ -128,7 +128,7 @@ def test_a_curve_in_the_file_drives_gemm_and_attention_costs(tmp_path: Path) -> 
 
 
 FITTED = ("h100-sxm", "h200")
-"""Files whose GEMM curve is fitted to published runs (`ptdp.perf.published`)."""
+"""Files whose GEMM curve is fitted to published runs (`ptdp.perf.validate.published`)."""
 
 
 @pytest.mark.parametrize("name", [n for n in list_systems() if n not in FITTED])

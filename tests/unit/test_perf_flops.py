@@ -1,4 +1,4 @@
-"""ptdp/perf/flops.py: the FLOPs and parameter formulas against the paper (arXiv 2104.04473,
+"""ptdp/perf/cost/flops.py: the FLOPs and parameter formulas against the paper (arXiv 2104.04473,
 equations 2 and 3), MFU/HFU, the dense peak table and equation (4) (section 5.1)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from ptdp.config import Recompute, RunConfig, apply_updates
 from ptdp.model.gpt import GPT, count_parameters
-from ptdp.perf.flops import (
+from ptdp.perf.cost.flops import (
     DENSE_PEAK_TFLOPS,
     dense_peak_flops,
     device_kind,
@@ -22,8 +22,8 @@ from ptdp.perf.flops import (
     paper_parameter_count,
     utilisation,
 )
-from ptdp.perf.paper import TABLE_1, preset
-from ptdp.perf.parameters import parameters_per_rank
+from ptdp.perf.cost.parameters import parameters_per_rank
+from ptdp.perf.validate.paper import TABLE_1, preset
 
 DAY = 86400
 

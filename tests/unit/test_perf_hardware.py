@@ -8,8 +8,8 @@ import pytest
 
 from ptdp.config import tomllib  # tomli on Python 3.10
 from ptdp.errors import ConfigError
-from ptdp.perf.costs import all_reduce_seconds, gather_seconds, group_link
-from ptdp.perf.hardware import (
+from ptdp.perf.cost.costs import all_reduce_seconds, gather_seconds, group_link
+from ptdp.perf.cost.hardware import (
     BUILTIN_DIR,
     GB,
     GIB,
@@ -45,7 +45,8 @@ def test_builtins_are_listed_and_shipped_as_package_data() -> None:
     assert {"a100-40gb", "a100-80gb", "h100-sxm", "h200"} <= set(list_systems())
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     data = pyproject["tool"]["setuptools"]["package-data"]
-    assert any(p.endswith("*.toml") for p in data.get("ptdp.perf", []))
+    package = ".".join(BUILTIN_DIR.parent.relative_to(ROOT).parts)  # where hardware.py lives
+    assert any(p.endswith("*.toml") for p in data.get(package, []))
     assert all((BUILTIN_DIR / f"{n}.toml").is_file() for n in list_systems())
 
 

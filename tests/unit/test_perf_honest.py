@@ -13,11 +13,11 @@ import pytest
 from ptdp.cli import main
 from ptdp.config import Recompute, RunConfig, apply_updates
 from ptdp.errors import ConfigError
-from ptdp.perf.costs import MEGATRON_2021
-from ptdp.perf.hardware import load_system
-from ptdp.perf.paper import preset_config
-from ptdp.perf.planner import plan
-from ptdp.perf.simulator import simulate
+from ptdp.perf.cost.costs import MEGATRON_2021
+from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.plan.planner import plan
+from ptdp.perf.simulate.simulator import simulate
+from ptdp.perf.validate.paper import preset_config
 
 ROOT = Path(__file__).resolve().parents[2]
 A100 = load_system("a100-80gb")

@@ -1,7 +1,7 @@
 """A calibrated device prices a layer's memory-bound kernels one by one, each at its own
 bandwidth for the bytes a call moves, and its fused attention on the measured curve over the
 work per sequence and head; files without those tables (the built-in GPUs) keep the single
-terms (ptdp/perf/kernels.py, Device.attention_at)."""
+terms (ptdp/perf/cost/kernels.py, Device.attention_at)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 
 from ptdp.config import Activation, ModelConfig, Normalization, Precision, Recompute
 from ptdp.errors import ConfigError
-from ptdp.perf.costs import PTDP, Compute, attention_core, layer_seconds
-from ptdp.perf.hardware import BUILTIN_DIR, GB, load_system
-from ptdp.perf.kernels import layer_calls, layer_traffic
-from ptdp.perf.memory import layer_activation_bytes
+from ptdp.perf.cost.costs import PTDP, Compute, attention_core, layer_seconds
+from ptdp.perf.cost.hardware import BUILTIN_DIR, GB, load_system
+from ptdp.perf.cost.kernels import layer_calls, layer_traffic
+from ptdp.perf.cost.memory import layer_activation_bytes
 
 MODEL = ModelConfig(num_layers=2, hidden_size=128, num_heads=4, seq_length=128, vocab_size=256)
 KERNELS = """
@@ -189,10 +189,10 @@ def test_each_microbatch_adds_its_gradients_into_the_buffers_in_a_pass_of_its_ow
     stage's mean tensor size, so a step pays it m times per rank."""
     from ptdp.config import RunConfig, apply_updates
     from ptdp.layout import validate
-    from ptdp.perf.costs import MEGATRON_2021, MEGATRON_CORE, accumulation_seconds
-    from ptdp.perf.kernels import Call
-    from ptdp.perf.parameters import parameters_per_stage, tensors_per_stage
-    from ptdp.perf.simulator import accumulation, pipeline_costs, simulate, stage_costs
+    from ptdp.perf.cost.costs import MEGATRON_2021, MEGATRON_CORE, accumulation_seconds
+    from ptdp.perf.cost.kernels import Call
+    from ptdp.perf.cost.parameters import parameters_per_stage, tensors_per_stage
+    from ptdp.perf.simulate.simulator import accumulation, pipeline_costs, simulate, stage_costs
 
     system = load_system(_file(tmp_path, KERNELS, "split_backward_ratio = 1.5\n"))
     assert system.device.split_backward_ratio == 1.5

@@ -1,4 +1,5 @@
-"""Megatron-LM 2021's interleaved order of passes and exchanges (`ptdp.perf.megatron2021`)."""
+"""Megatron-LM 2021's interleaved order of passes and exchanges
+(`ptdp.perf.simulate.megatron2021`)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import pytest
 
 from ptdp.config import Precision, RunConfig, apply_updates
 from ptdp.layout import validate
-from ptdp.perf.costs import MEGATRON_2021, Compute
-from ptdp.perf.hardware import load_system
-from ptdp.perf.megatron2021 import megatron_2021_interleaved
-from ptdp.perf.simulator import pipeline_costs, simulate
+from ptdp.perf.cost.costs import MEGATRON_2021, Compute
+from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.simulate.megatron2021 import megatron_2021_interleaved
+from ptdp.perf.simulate.simulator import pipeline_costs, simulate
 from ptdp.pipeline.actions import Kind
 from ptdp.pipeline.dryrun import CommModel, PipelineCosts, dry_run
 from ptdp.pipeline.placement import StageMap

@@ -10,7 +10,7 @@ import pytest
 from ptdp.config import Precision, Recompute, RunConfig, apply_updates
 from ptdp.model.gpt import GPT
 from ptdp.parallel.comm import Group
-from ptdp.perf.memory import (
+from ptdp.perf.cost.memory import (
     estimate_memory,
     head_activation_bytes,
     head_backward_bytes,
@@ -20,14 +20,14 @@ from ptdp.perf.memory import (
     stage_in_flight,
     stash_bytes_per_layer,
 )
-from ptdp.perf.paper import preset
-from ptdp.perf.parameters import (
+from ptdp.perf.cost.parameters import (
     bytes_per_parameter,
     parameters_per_rank,
     tensors_per_rank,
     tensors_per_stage,
 )
-from ptdp.perf.validation import measure_cpu_memory
+from ptdp.perf.validate.paper import preset
+from ptdp.perf.validate.validation import measure_cpu_memory
 from ptdp.pipeline.partition import layer_ranges
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import build_plan

@@ -7,15 +7,15 @@ import pytest
 from ptdp.config import Recompute, RunConfig, apply_updates, parse_overrides, resolve
 from ptdp.errors import ConfigError
 from ptdp.layout import validate
-from ptdp.perf.costs import MEGATRON_2021, Compute
-from ptdp.perf.flops import paper_equation_3
-from ptdp.perf.hardware import load_system
-from ptdp.perf.paper import README_GPT3, TABLE_1, paper_run
-from ptdp.perf.plan_keys import pinned
-from ptdp.perf.planner import plan
-from ptdp.perf.reserve import fit
-from ptdp.perf.search import equation_1, layout_config
-from ptdp.perf.validation import check_row, readme_gpt3
+from ptdp.perf.cost.costs import MEGATRON_2021, Compute
+from ptdp.perf.cost.flops import paper_equation_3
+from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.reserve import fit
+from ptdp.perf.plan.keys import pinned
+from ptdp.perf.plan.planner import plan
+from ptdp.perf.plan.search import equation_1, layout_config
+from ptdp.perf.validate.paper import README_GPT3, TABLE_1, paper_run
+from ptdp.perf.validate.validation import check_row, readme_gpt3
 from ptdp.pipeline.schedules import SCHEDULES
 
 A100 = load_system("a100-80gb")

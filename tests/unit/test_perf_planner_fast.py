@@ -8,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-import ptdp.perf.replay as replay_module
-import ptdp.perf.simulator as simulator
+import ptdp.perf.simulate.replay as replay_module
+import ptdp.perf.simulate.simulator as simulator
 from ptdp.config import RunConfig, apply_updates
-from ptdp.perf.costs import MEGATRON_2021, PTDP
-from ptdp.perf.hardware import load_system
-from ptdp.perf.planner import PlanResult, plan
+from ptdp.perf.cost.costs import MEGATRON_2021, PTDP
+from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.plan.planner import PlanResult, plan
 from ptdp.pipeline.actions import Kind
 from ptdp.pipeline.dryrun import CommModel, DryRun, Program
 from tests.reference_dryrun import reference_dry_run

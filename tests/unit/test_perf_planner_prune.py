@@ -1,4 +1,4 @@
-"""The planner with its replays pruned by the lower bound (`ptdp.perf.ranking`) against the
+"""The planner with its replays pruned by the lower bound (`ptdp.perf.plan.ranking`) against the
 planner replaying every layout: `ptdp plan`'s text and JSON, with and without `--compare`,
 byte for byte, on small models, GPU counts and both software modes."""
 
@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from ptdp.config import RunConfig, apply_updates
-from ptdp.perf.compare import compare
-from ptdp.perf.costs import MEGATRON_2021, PTDP
-from ptdp.perf.hardware import load_system
-from ptdp.perf.planner import PlanResult, plan
+from ptdp.perf.cost.costs import MEGATRON_2021, PTDP
+from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.plan.compare import compare
+from ptdp.perf.plan.planner import PlanResult, plan
 from ptdp.perf.report import format_plan, plan_dict
 
 A100 = load_system("a100-80gb")
@@ -100,6 +100,7 @@ def test_pruning_skips_most_replays() -> None:
 
 
 def test_planner_modules_import_no_torch() -> None:
-    modules = "ptdp.perf.planner, ptdp.perf.bound, ptdp.perf.compare, ptdp.perf.report"
+    modules = "ptdp.perf.plan.planner, ptdp.perf.simulate.bound, ptdp.perf.plan.compare, "
+    modules += "ptdp.perf.report"
     code = f"import sys, {modules}; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

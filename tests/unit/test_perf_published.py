@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.config import Precision, Recompute
-from ptdp.perf.costs import (
+from ptdp.perf.cost.costs import (
     MEGATRON_CORE,
     PTDP,
     Compute,
@@ -21,10 +21,10 @@ from ptdp.perf.costs import (
     layer_gemms,
     layer_seconds,
 )
-from ptdp.perf.flops import dense_peak_flops
-from ptdp.perf.ground import GemmLaw
-from ptdp.perf.hardware import load_system, system_for_device_name
-from ptdp.perf.published import MCORE_H100_WEAK_SCALING, mcore_run, predict_row
+from ptdp.perf.cost.flops import dense_peak_flops
+from ptdp.perf.cost.hardware import load_system, system_for_device_name
+from ptdp.perf.validate.ground import GemmLaw
+from ptdp.perf.validate.published import MCORE_H100_WEAK_SCALING, mcore_run, predict_row
 from tests.helpers import load_benchmark
 
 FITTED = GemmLaw(e_max=0.5625, f_half=5.73e9, attention=0.225)

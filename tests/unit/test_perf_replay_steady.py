@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from ptdp.perf.replay import PipelineCosts, PipelineRun, replay, replay_steady
-from ptdp.perf.timeline import Event
+from ptdp.perf.simulate.replay import PipelineCosts, PipelineRun, replay, replay_steady
 from ptdp.pipeline.plan import build_plan
 from ptdp.pipeline.schedules import SCHEDULES
+from ptdp.pipeline.timeline import Event
 
 
 def random_case(rng: random.Random) -> tuple[str, int, int, int, PipelineCosts, bool]:

@@ -1,4 +1,4 @@
-"""The memory reserve per rank (`ptdp.perf.reserve`): each term on hand-computed layouts, the
+"""The memory reserve per rank (`ptdp.perf.cost.reserve`): each term on hand-computed layouts, the
 file's fixed `reserved_gib` overriding the formula, and the same reserve in simulate and plan."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from ptdp.config import RunConfig, apply_updates
 from ptdp.errors import ConfigError
 from ptdp.layout import COMBINED, ORDER, validate
 from ptdp.parallel.mesh import MeshShape
-from ptdp.perf.costs import PTDP, Compute
-from ptdp.perf.hardware import BUILTIN_DIR, GIB, load_system
-from ptdp.perf.memory import estimate_memory
-from ptdp.perf.reserve import (
+from ptdp.perf.cost.costs import PTDP, Compute
+from ptdp.perf.cost.hardware import BUILTIN_DIR, GIB, load_system
+from ptdp.perf.cost.memory import estimate_memory
+from ptdp.perf.cost.reserve import (
     CUDA_CONTEXT_BYTES,
     _group,
     _in_node,
@@ -25,8 +25,8 @@ from ptdp.perf.reserve import (
     rank_reserve,
     with_reserve,
 )
-from ptdp.perf.search import Plans, _need
-from ptdp.perf.simulator import simulate
+from ptdp.perf.plan.search import Plans, _need
+from ptdp.perf.simulate.simulator import simulate
 
 MIB = 2**20
 A100 = load_system("a100-80gb")  # 8 GPUs a node

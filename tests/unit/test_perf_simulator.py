@@ -8,7 +8,7 @@ import pytest
 
 from ptdp.config import Precision, Recompute, RunConfig, apply_updates
 from ptdp.layout import validate
-from ptdp.perf.costs import (
+from ptdp.perf.cost.costs import (
     MEGATRON_2021,
     PTDP,
     Compute,
@@ -17,17 +17,17 @@ from ptdp.perf.costs import (
     group_link,
     layer_seconds,
 )
-from ptdp.perf.flops import flops_per_iteration
-from ptdp.perf.hardware import load_system
-from ptdp.perf.paper import preset
-from ptdp.perf.replay import PipelineCosts, replay
-from ptdp.perf.simulator import (
+from ptdp.perf.cost.flops import flops_per_iteration
+from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.simulate.replay import PipelineCosts, replay
+from ptdp.perf.simulate.simulator import (
     accumulation,
     pipeline_costs,
     simulate,
     stage_costs,
     step_reductions,
 )
+from ptdp.perf.validate.paper import preset
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.schedules import SCHEDULES, add_comms, build
 from ptdp.pipeline.verify import verify

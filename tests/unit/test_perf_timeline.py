@@ -7,23 +7,15 @@ from pathlib import Path
 
 import torch
 
-from ptdp.perf.hardware import load_system
-from ptdp.perf.paper import README_GPT3, paper_run
-from ptdp.perf.simulator import simulate
-from ptdp.perf.timeline import (
-    Event,
-    TimelineRecorder,
-    chrome_trace,
-    from_dicts,
-    normalised,
-    plot_timelines,
-    to_dicts,
-    write_chrome_trace,
-)
+from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.simulate.plot import chrome_trace, plot_timelines, write_chrome_trace
+from ptdp.perf.simulate.simulator import simulate
+from ptdp.perf.validate.paper import README_GPT3, paper_run
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.runtime import PipelineRuntime
 from ptdp.pipeline.schedules import build
+from ptdp.pipeline.timeline import Event, TimelineRecorder, from_dicts, normalised, to_dicts
 
 
 class FakeClock:

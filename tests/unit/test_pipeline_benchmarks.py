@@ -8,17 +8,18 @@ import time
 import pytest
 import torch
 
-from ptdp.perf.replay import PipelineCosts
-from ptdp.perf.timeline import Event
+from ptdp.perf.simulate.replay import PipelineCosts
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.plan import build_plan
+from ptdp.pipeline.timeline import Event
 from tests.helpers import load_benchmark
 
 
 @pytest.mark.parametrize("m", [4, 8])
 def test_every_synthetic_plan_replays_as_verify(m: int) -> None:
-    """`planned` raises unless ptdp.perf.replay's unit-cost makespan is verify's; ZB-V's turn
-    (stage 3 to 4 on rank 3) has no transfer, which the benchmark's old replay could not run."""
+    """`planned` raises unless ptdp.perf.simulate.replay's unit-cost makespan is verify's; ZB-V's
+    turn (stage 3 to 4 on rank 3) has no transfer, which the benchmark's old replay could not
+    run."""
     bench = load_benchmark("pipeline_efficiency")
     for name, v, _ in bench.PAIRS:
         plan = bench.planned(name, v, m)

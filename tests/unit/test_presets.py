@@ -13,9 +13,9 @@ from ptdp.cli import main
 from ptdp.config import RopeScaling
 from ptdp.model.gpt import GPT, count_parameters
 from ptdp.parallel.comm import Group
-from ptdp.perf.flops import flops_per_token
-from ptdp.perf.paper import model_config
-from ptdp.perf.parameters import parameters_per_stage
+from ptdp.perf.cost.flops import flops_per_token
+from ptdp.perf.cost.parameters import parameters_per_stage
+from ptdp.perf.validate.paper import model_config
 from ptdp.presets import MODEL_PRESETS, model_preset
 
 PUBLISHED = {

@@ -34,9 +34,9 @@ from ptdp.parallel.data import GradBuffers
 from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.parallel.roles import rank_roles
-from ptdp.perf.flops import flops_per_iteration, model_flops_per_iteration
-from ptdp.perf.timeline import TimelineRecorder
+from ptdp.perf.cost.flops import flops_per_iteration, model_flops_per_iteration
 from ptdp.pipeline.actions import Action, Kind
+from ptdp.pipeline.timeline import TimelineRecorder
 from ptdp.train.data_setup import RunData
 from ptdp.train.faults.events import append_event
 from ptdp.train.faults.numerical import FaultMonitor

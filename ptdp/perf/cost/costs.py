@@ -1,0 +1,463 @@
+"""Seconds per pass of one microbatch through one model chunk, and per collective.
+
+Compute model. A GEMM of [m, k] x [k, n] takes
+    2 m n k / (peak * gemm_efficiency) + e (m k + k n + m n) / (HBM * memory_efficiency)
+plus one kernel launch: the first term is the tensor cores at their sustained rate, the
+second streaming the operands through HBM. The sum gives a saturating efficiency curve
+that depends on GEMM size through its arithmetic intensity: large square GEMMs run near
+`gemm_efficiency`, thin ones (the attention score GEMMs, whose inner size is the head
+size) far below it. Memory-bound kernels (norms, GeLU, softmax, dropout, residual adds,
+the loss) move `elementwise_traffic` bytes through HBM per byte of activation the layer
+stores for backward (Korthikanti et al.'s count) in the forward pass, and twice that in
+the backward pass.
+
+Calibrated devices (`ptdp calibrate`) carry an efficiency curve over GEMM size measured
+on these same layer shapes instead: a GEMM takes 2 m n k / (peak * curve(2 m n k)), which
+holds operand traffic and launch costs as measured. Their fused attention runs at the
+measured efficiency and backward / forward ratio for its work per sequence and head, and
+their memory-bound kernels are priced one by one, each at its own measured bandwidth for
+the bytes it moves (ptdp/perf/cost/kernels.py), in place of the `elementwise_traffic` term.
+A calibrated CPU also carries the fixed cost of a layer pass that no kernel timing holds
+(Python, module calls, autograd: ptdp's own model timed at a negligible size), added per
+layer and microbatch, and the same for the embedding, head and loss.
+
+Backward of a linear layer: the input gradient (dgrad, [m, n] x [n, k]) goes to B and the
+weight gradient (wgrad, [k, m] x [m, n]) to W; everything else of a backward goes to B
+(the zero-bubble split, Qi et al. arXiv 2401.10241). Full recomputation adds a forward to
+B, selective recomputation the attention core's forward (ptdp checkpoints the fused
+kernel too, so it reruns there as well). Each microbatch's weight gradients are then added
+into the software's gradient buffers, a memory-bound pass over the stage's parameters
+(`accumulation_seconds`, in W), unless its weight-gradient GEMMs accumulate in place.
+
+Communication model. A ring all-reduce of N bytes over n GPUs moves 2 (n-1)/n N bytes per
+GPU in 2 (n-1) steps, a reduce-scatter or all-gather (n-1)/n N in n - 1 steps, at the bus
+bandwidth of the group's slowest link, plus one latency per call and one step latency per
+step (the alpha-beta model of Thakur et al. 2005): small messages, as tensor parallelism
+at a small hidden size sends, pay mostly latency. Which link a group uses follows from
+its ranks and the node size (`group_link`). Tensor parallelism runs 2 all-reduces in forward
+and 2 in backward per layer (sequence parallelism: reduce-scatter + all-gather pairs of
+the same volume, costed as the all-reduces; on a CPU, where ptdp's reduce-scatter over
+gloo is an all-reduce of the whole tensor, the all-gathers come on top); they are not
+overlapped with compute, as in the runtime. On a CPU, where the host threads run the
+collective, each blocking call between compute also costs the ranks' resynchronisation
+(`sync_seconds`, measured by `ptdp calibrate`): 2 calls a pass, 4 with sequence
+parallelism, and the head's (the vocabulary-parallel loss's three all-reduces, its input's
+conjugate collective), whose bytes are not counted; cp ring shifts, ZeRO-3's per-layer
+collectives, pipeline transfers, the data-parallel reduction's and the distributed
+optimizer's gather's buckets and the step's scalar all-reduces (`ptdp.perf.simulate.simulator`) pay
+it per wait too.
+
+Letters: b = micro-batch, s = sequence, h = hidden, a = heads, d = head size, f = MLP
+width, v = vocabulary, t = tensor-parallel size, e = bytes per element.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from ptdp.config import Activation, ModelConfig, Precision, Recompute
+from ptdp.perf.cost.hardware import Link, System
+from ptdp.perf.cost.kernels import Call, layer_traffic
+from ptdp.perf.cost.memory import head_activation_bytes, layer_activation_bytes
+from ptdp.perf.cost.parameters import element_bytes
+
+
+@dataclass(frozen=True)
+class Software:
+    """What the training code does that changes its speed (not the hardware)."""
+
+    fused_attention: bool = True
+    """Flash/memory-efficient attention (ptdp's SDPA on GPUs); False = the s x s scores are
+    materialised, soft-maxed and dropped out in HBM (Megatron-LM in 2021)."""
+    elementwise_traffic: float = 1.6
+    """HBM bytes moved by memory-bound kernels in forward per activation byte stored.
+    Calibrated on Korthikanti et al.'s Table 4: one 22B layer (t = 8, b = 4) takes 7.7 ms
+    forward on A100s."""
+    backward_traffic_ratio: float = 1.6
+    """Backward / forward HBM traffic of the memory-bound kernels (they read the saved
+    input and the incoming gradient and write the outgoing one, against a read and a
+    write forward). Calibrated on the same layer's 11.9 ms backward, whose code hid the
+    two backward all-reduces behind the weight-gradient GEMMs."""
+    grad_reduce_bytes: int = 4
+    """Bytes per gradient element in the data-parallel reduction (ptdp: fp32 buffers)."""
+    causal_fraction: float = 0.5
+    """Share of the s x s score blocks a fused causal kernel computes."""
+    fused_backward_ratio: float = 2.5
+    """Fused attention backward / forward time (5 GEMMs against 2, FlashAttention-2)."""
+    blocking_p2p: bool = False
+    """Pipeline transfers block the rank until done (Megatron-LM in 2021 synchronised after
+    each batch of sends and receives); False = ptdp's runtime, which waits for a receive
+    only when its tensor is needed and for sends at the end of the step."""
+    split_backward: bool = True
+    """The zero-bubble schedules (ZB-H1, ZB-H2: B and W apart) exist; Megatron-LM in 2021
+    had none, so the planner does not search them for it."""
+    elementwise_kernels: int = 8
+    """Memory-bound kernels one layer launches in forward (two norms, two residual adds, the
+    activation, the copies around attention), each paying the device's kernel overhead;
+    backward launches `backward_traffic_ratio` times as many. A fixed cost per layer that
+    weighs most where the per-rank tensors are small (small h / t)."""
+    tp_comm_overlap: bool = False
+    """Tensor-parallel collectives run in chunks under the GEMMs that consume or produce
+    them (Megatron-Core's --tp-comm-overlap through Transformer Engine): only what outlasts
+    a pass's GEMMs is exposed. ptdp runs them between its GEMMs (False)."""
+    overlap_param_gather: bool = False
+    """The distributed optimizer's all-gather of updated weights runs under the next step's
+    first forward (Megatron-Core's --overlap-param-gather): only what outlasts that forward
+    is exposed. ptdp gathers after the step (False)."""
+    max_zero: int = 3
+    """Highest ZeRO level the software has; the planner searches up to it (Megatron-LM in
+    2021 had none: 0)."""
+    sharded_comm_efficiency: float = 1.0
+    """Fraction of the ring model's bandwidth that ZeRO-2/3's per-layer gathers and
+    reduce-scatters reach (`ptdp.perf.cost.zero`); 1 = NCCL on flat buckets."""
+    overlap_grad_reduce: bool = True
+    """The data-parallel reduction can overlap the backward pass (`parallel.overlap_grad_reduce`);
+    Megatron-LM in 2021 reduced all gradients after it, whatever the config says."""
+    sequence_parallel: bool = True
+    """Sequence parallelism exists (Korthikanti et al. 2022 added it, and selective
+    recomputation with it); the 2021 code had neither."""
+    accumulation_bytes: int = 4
+    """Bytes per element of the buffers each microbatch's gradients are added into, in a
+    pass of their own once autograd has written them: ptdp's `GradBuffers` hook adds into
+    fp32 buffers (4), the 2021 code's into buffers of the gradients' 16 bits (2); 0 = no such
+    pass: Megatron-Core's weight-gradient GEMMs accumulate into the buffer themselves
+    (`--gradient-accumulation-fusion`, on by default; what stays unfused there, the norms,
+    biases and input embedding, is not counted)."""
+    autocast_norms: bool = True
+    """The norms run under PyTorch's autocast, which computes them in fp32 and, in eager
+    16-bit training, keeps each norm input's fp32 copy for backward (`ptdp.perf.cost.memory`);
+    Megatron's fused LayerNorm kernels keep the 16-bit input (False)."""
+
+
+PTDP = Software()
+"""This runtime: SDPA (fused attention), non-blocking transfers, fp32 gradient buffers."""
+MEGATRON_2021 = Software(
+    fused_attention=False,
+    grad_reduce_bytes=2,
+    blocking_p2p=True,
+    split_backward=False,
+    max_zero=0,
+    overlap_grad_reduce=False,
+    sequence_parallel=False,
+    accumulation_bytes=2,
+    autocast_norms=False,
+)
+"""The code of the paper's measurements: unfused attention, fp16 gradients all-reduced
+(its default for fp16 training) after the backward pass, blocking pipeline transfers, no
+zero-bubble schedules, no sequence parallelism or selective recomputation."""
+
+MEGATRON_CORE = Software(
+    grad_reduce_bytes=2,
+    tp_comm_overlap=True,
+    overlap_param_gather=True,
+    accumulation_bytes=0,
+    autocast_norms=False,
+)
+"""Megatron-Core as its published H100 weak-scaling runs used it (`ptdp.perf.validate.published`):
+fused attention, overlapped tensor-parallel, gradient and parameter communication, and
+gradients reduced in bf16 (its default, grad_reduce_in_fp32 off)."""
+DEEPSPEED_2021 = replace(MEGATRON_2021, max_zero=3, sharded_comm_efficiency=0.094)
+"""The paper's ZeRO-3 baseline (section 5.2: DeepSpeed on the same model code): its
+per-layer collectives reached 0.094 of the ring model's bandwidth, about one 16 GB/s per
+GPU where NCCL's rings over a node's 8 cards give 170; one constant fitted to the paper's
+GPT-3 175B row on 1536 GPUs and checked on its other five ZeRO-3 rows (BENCHMARKS.md)."""
+
+SOFTWARE: dict[str, Software] = {
+    "ptdp": PTDP,
+    "megatron-2021": MEGATRON_2021,
+    "megatron-core": MEGATRON_CORE,
+    "deepspeed-2021": DEEPSPEED_2021,
+}
+"""The runtimes by name, as `--software` of `ptdp simulate` and `ptdp plan` takes them."""
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """[m, k] x [k, n], `batch` times."""
+
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.batch
+
+    def nbytes(self, e: int) -> float:
+        return float(e * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n))
+
+    def dgrad(self) -> Gemm:
+        return Gemm(self.m, self.k, self.n, self.batch)
+
+    def wgrad(self) -> Gemm:
+        return Gemm(self.k, self.n, self.m, self.batch)
+
+
+@dataclass(frozen=True)
+class Passes:
+    """Seconds of forward (F), input gradient (B) and weight gradient (W)."""
+
+    f: float = 0.0
+    b: float = 0.0
+    w: float = 0.0
+
+    def __add__(self, other: Passes) -> Passes:
+        return Passes(self.f + other.f, self.b + other.b, self.w + other.w)
+
+    def times(self, k: float) -> Passes:
+        return Passes(self.f * k, self.b * k, self.w * k)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """One device at one precision: the pieces of the compute model."""
+
+    system: System
+    precision: Precision
+    software: Software
+
+    @property
+    def e(self) -> int:
+        return element_bytes(self.precision)
+
+    @property
+    def peak(self) -> float:
+        return self.system.device.peak_flops(self.precision.value)
+
+    @property
+    def bandwidth(self) -> float:
+        d = self.system.device
+        return d.memory_bandwidth * d.memory_efficiency
+
+    def gemm(self, g: Gemm) -> float:
+        d = self.system.device
+        if d.gemm_curve:
+            return g.flops / (self.peak * d.gemm_efficiency_at(g.flops))
+        compute = g.flops / (self.peak * d.gemm_efficiency)
+        return compute + g.nbytes(self.e) / self.bandwidth + d.kernel_overhead
+
+    def stream(self, nbytes: float) -> float:
+        """Memory-bound kernels moving `nbytes` through HBM."""
+        return nbytes / self.bandwidth
+
+    def linears(self, gemms: list[Gemm]) -> Passes:
+        return Passes(
+            sum(self.gemm(g) for g in gemms),
+            sum(self.gemm(g.dgrad()) for g in gemms),
+            sum(self.gemm(g.wgrad()) for g in gemms),
+        )
+
+
+def layer_gemms(model: ModelConfig, micro_batch: int, tp: int) -> list[Gemm]:
+    """The four linear layers of a transformer layer on one tensor rank (forward)."""
+    h, f, t = model.hidden_size, model.ffn_size, tp
+    tokens = micro_batch * model.seq_length
+    qkv = h + 2 * model.query_groups * model.head_dim
+    parts = 2 if model.activation is Activation.SWIGLU else 1
+    return [
+        Gemm(tokens, qkv // t, h),
+        Gemm(tokens, h, h // t),
+        Gemm(tokens, f * parts // t, h),
+        Gemm(tokens, h, f // t),
+    ]
+
+
+def attention_core(model: ModelConfig, micro_batch: int, tp: int, c: Compute) -> Passes:
+    """Scores QK^T and their product with V: all of it input gradients (B).
+
+    A sliding window shorter than the sequence needs an explicit mask, with which the
+    fused kernels compute every s x s block (none is skipped as causal ones are).
+    """
+    s, d = model.seq_length, model.head_dim
+    heads = micro_batch * model.num_heads // tp
+    scores, values = Gemm(s, s, d, heads), Gemm(s, d, s, heads)
+    if c.software.fused_attention:
+        masked = 0 < model.sliding_window < s
+        flops = (scores.flops + values.flops) * (1.0 if masked else c.software.causal_fraction)
+        dev = c.system.device
+        efficiency, ratio = dev.attention_at(flops / heads)
+        forward = flops / (c.peak * (efficiency or dev.gemm_efficiency)) + dev.kernel_overhead
+        return Passes(forward, forward * (ratio or c.software.fused_backward_ratio), 0.0)
+    forward = c.gemm(scores) + c.gemm(values)
+    backward = sum(c.gemm(g.dgrad()) + c.gemm(g.wgrad()) for g in (scores, values))
+    return Passes(forward, backward, 0.0)
+
+
+def all_reduce_seconds(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce over n GPUs: one call's latency, 2 (n-1) steps each paying the
+    link's step latency, and 2 (n-1)/n N bytes per GPU at the achieved bus bandwidth (the
+    link's all-reduce figures where it has them, `Link.ops`)."""
+    if n <= 1:
+        return 0.0
+    steps = 2 * (n - 1)
+    latency, bandwidth = link.collective("all_reduce")
+    return latency + steps * link.step_latency + steps / n * nbytes / bandwidth
+
+
+def gather_seconds(nbytes: float, n: int, link: Link, op: str = "all_gather") -> float:
+    """Ring all-gather (`op` "reduce_scatter": reduce-scatter) of a full tensor of `nbytes`
+    over n GPUs: n - 1 steps, (n-1)/n N bytes per GPU."""
+    if n <= 1:
+        return 0.0
+    steps = n - 1
+    latency, bandwidth = link.collective(op)
+    return latency + steps * link.step_latency + steps / n * nbytes / bandwidth
+
+
+def sync_seconds(calls: int, c: Compute, after_compute: int | None = None) -> float:
+    """What `calls` blocking collectives cost beyond their bytes, `after_compute` of them
+    (default: all) right after a layer's compute rather than after another wait: the
+    device's measured resynchronisation per call and the extra of a wait after compute
+    (`Device.collective_sync`, `Device.wait_after_compute`; 0 on GPUs, where the host
+    queues the collective and runs ahead)."""
+    after = calls if after_compute is None else after_compute
+    device = c.system.device
+    return calls * device.collective_sync + after * device.wait_after_compute
+
+
+def accumulation_seconds(params: int, tensors: int, c: Compute) -> float:
+    """One microbatch's gradients of `params` parameters in `tensors` tensors added into the
+    software's gradient buffers (`Software.accumulation_bytes`): per element the gradient
+    read and the buffer read and written, one call a tensor, priced at the mean tensor's
+    size. Where the weight-gradient GEMMs accumulate in place there is no such pass."""
+    buffer = c.software.accumulation_bytes
+    if not buffer or not tensors:
+        return 0.0
+    nbytes = params * (c.e + 2 * buffer)
+    return Call("add", nbytes / tensors, tensors).seconds(c.system.device)
+
+
+def group_members(size: int, stride: int, period: int) -> list[list[int]]:
+    """Every group of `size` GPUs spaced `stride` apart in rank order whose first GPU lies
+    in [0, period) (tp groups: stride 1; dp groups: stride t, as `ptdp.parallel.mesh`
+    orders ranks)."""
+    bases = [r for r in range(period) if (r // stride) % size == 0]
+    return [[base + i * stride for i in range(size)] for base in bases]
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks again for every layout it weighs
+def group_link(system: System, size: int, stride: int) -> Link:
+    """The bottleneck link of the slowest group of `size` GPUs spaced `stride` apart.
+
+    Which nodes a group spans comes from its members' ranks and the node size, over one
+    period of the pattern (groups need not divide a node: t = 3 on 8-GPU nodes puts one
+    group across two). A group inside one node runs on the NVLink/NVSwitch link. A group
+    across nodes runs its ring through the network cards of its members: with k members
+    on the node that holds fewest (k cards there), its bus bandwidth is k times one
+    card's, capped by the in-node link, and every ring step waits for a network hop.
+    """
+    per_node = system.gpus_per_node
+    if size <= 1:
+        return system.intra
+    period = math.lcm(size * stride, per_node)
+    cards = [
+        min(Counter(system.node_of(gpu) for gpu in group).values())
+        for group in group_members(size, stride, period)
+        if system.node_of(group[0]) != system.node_of(group[-1])
+    ]
+    if not cards:
+        return system.intra
+    k = min(cards)
+    inter = system.inter
+    bandwidth = min(system.intra.achieved, k * inter.achieved)
+    return Link(f"{k} x {inter.name}", bandwidth, 1.0, inter.latency, inter.step_latency)
+
+
+def layer_seconds(
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int,
+    sequence_parallel: bool,
+    recompute: Recompute,
+    c: Compute,
+) -> Passes:
+    """One transformer layer, one microbatch, on one GPU (communication included)."""
+    linears = c.linears(layer_gemms(model, micro_batch, tp))
+    core = attention_core(model, micro_batch, tp, c)
+    kw = dict(micro_batch=micro_batch, tp=tp, sequence_parallel=sequence_parallel)
+    fused = c.software.fused_attention
+    stored = layer_activation_bytes(
+        model, recompute=Recompute.NONE, precision=c.precision, fused_attention=fused, **kw
+    )
+    fixed_f, fixed_b = c.system.device.layer_overhead  # measured: holds every launch
+    launches = 0.0 if fixed_f or fixed_b else c.software.elementwise_kernels
+    launch = launches * c.system.device.kernel_overhead
+    if c.system.device.memory_kernels:  # each kernel at its own measured bandwidth
+        f, b = layer_traffic(model, e=c.e, device=c.system.device, **kw)
+        traffic, traffic_b = f + launch, b + c.software.backward_traffic_ratio * launch
+    else:
+        traffic = c.stream(c.software.elementwise_traffic * stored) + launch
+        traffic_b = c.software.backward_traffic_ratio * traffic
+    boundary = micro_batch * model.seq_length * model.hidden_size * c.e
+    link = group_link(c.system, tp, 1)
+    comm = 2 * all_reduce_seconds(boundary, tp, link)
+    if sequence_parallel and c.system.device.gloo:  # reduce-scatters run as all-reduces
+        comm += 2 * gather_seconds(boundary, tp, link)  # so the all-gathers come on top
+    comm_f = comm_b = comm
+    if c.software.tp_comm_overlap:
+        comm_f, comm_b = max(0.0, comm - linears.f), max(0.0, comm - linears.b - linears.w)
+    elif tp > 1:  # each pass waits on 2 all-reduces, or 2 all-gather + reduce-scatter pairs:
+        # 2 right after GEMMs; sequence parallelism's others follow a wait and a norm
+        comm_f = comm_b = comm + sync_seconds(4 if sequence_parallel else 2, c, 2)
+    forward = linears.f + core.f + traffic + comm_f + fixed_f
+    backward = linears.b + core.b + traffic_b + comm_b + fixed_b
+    passes = Passes(forward, backward, linears.w)
+    if recompute is Recompute.FULL:
+        passes += Passes(0.0, forward, 0.0)
+    elif recompute is Recompute.SELECTIVE:  # the attention core's forward again
+        kept = layer_activation_bytes(
+            model, recompute=Recompute.SELECTIVE, precision=c.precision, fused_attention=fused, **kw
+        )  # with fused attention nothing of the core is stored, so only the kernel reruns
+        redo = core.f + c.stream(c.software.elementwise_traffic * (stored - kept))
+        passes += Passes(0.0, redo, 0.0)
+    return passes
+
+
+def head_seconds(
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int,
+    c: Compute,
+    compiled: bool = False,
+    sequence_parallel: bool = False,
+) -> Passes:
+    """Final norm, output layer and vocabulary-parallel loss, one microbatch; compiled,
+    the padding slice or mask, upcast and softmax are fused, so the memory-bound passes
+    move fewer bytes."""
+    tokens = micro_batch * model.seq_length
+    logits = c.linears([Gemm(tokens, model.padded_vocab_size(tp) // tp, model.hidden_size)])
+    stored = head_activation_bytes(
+        model, micro_batch=micro_batch, tp=tp, precision=c.precision, compiled=compiled
+    )
+    traffic = c.stream(c.software.elementwise_traffic * stored)
+    fixed_f, fixed_b = c.system.device.head_overhead  # the embedding's too (it is small)
+    backward = c.software.backward_traffic_ratio * traffic + fixed_b
+    comm = head_sync(tp, sequence_parallel, c)
+    return logits + Passes(traffic + fixed_f, backward, 0.0) + comm
+
+
+def head_sync(tp: int, sequence_parallel: bool, c: Compute) -> Passes:
+    """The resynchronisation of the head's blocking tensor-parallel collectives, one
+    microbatch: the vocabulary-parallel loss's 3 all-reduces forward (maximum, target logit,
+    sum of exponentials) and its input's conjugate collective (an all-reduce backward; with
+    sequence parallelism an all-gather forward and a reduce-scatter backward). Their bytes
+    are not counted: a few per token for the loss, one boundary tensor for the input."""
+    if tp <= 1:
+        return Passes()
+    # The loss's 3 all-reduces follow each other: only the first comes after compute.
+    return Passes(sync_seconds(3 + sequence_parallel, c, 1), sync_seconds(1, c), 0.0)
+
+
+def embedding_seconds(model: ModelConfig, *, micro_batch: int, tp: int, c: Compute) -> Passes:
+    """Token (and position) lookup, its tensor-parallel all-reduce, its gradient scatter."""
+    nbytes = micro_batch * model.seq_length * model.hidden_size * c.e
+    comm = all_reduce_seconds(nbytes, tp, group_link(c.system, tp, 1))
+    if tp > 1 and not c.software.tp_comm_overlap:
+        comm += sync_seconds(1, c)
+    return Passes(c.stream(3 * nbytes) + comm, 0.0, c.stream(2 * nbytes))

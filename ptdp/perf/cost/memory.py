@@ -1,0 +1,475 @@
+"""Memory per device: parameters, gradients, optimizer state and stored activations.
+
+Model-state bytes per parameter follow what the runtime does (`ptdp/parallel/buckets.py`,
+`ptdp/train/step/optim.py`): with bf16/fp16, 16-bit weights (2 B), an fp32 gradient buffer
+(4 B), fp32 master weights (4 B) and AdamW's two fp32 moments (8 B); with fp32, 4 B
+weights, 4 B gradients and 8 B of moments. ZeRO-1 (`parallel.zero`, the distributed
+optimizer) divides the master weights and moments by the data-parallel size, ZeRO-2 the
+gradient buffer too. ZeRO-2 then holds, besides its 1/dp, the full-size fp32 gradient
+of the buckets being filled or reduced (`grad_buckets`): two buckets per model chunk
+with overlapped reduction (one filling, the one before it reducing); the whole chunk
+without overlap or under a split backward (B leaves a gradient in every bucket holding
+a norm or bias until W fills the rest); and a tied embedding's bucket on the two stages
+holding it (reduced at the step's end). ZeRO-3 divides the 16-bit weights by dp too and
+holds, gathered for the layer computing, the largest unit it gathers (a layer, or the
+embedding or output layer) twice, the next one being prefetched (`gathered_bytes`); kept
+between forward and backward (`parallel.zero3_reshard_after_forward = false`), the rank's
+whole chunk stays gathered. With context parallelism the state is sharded over the dp x cp
+ranks that reduce the gradients (`ptdp.perf.cost.context`).
+
+Context parallelism (`ptdp.perf.cost.context`): activations are those of the s/cp-token model,
+plus all-gather's gathered K/V; the K/V blocks in flight are working memory.
+
+Activations per layer are Korthikanti et al.'s (arXiv 2205.05198, `ptdp.perf.cost.activations`)
+for the recompute mode and sequence parallelism; with fused attention (flash or
+memory-efficient SDPA, what ptdp runs on GPUs and on CPU without dropout) no s x s tensor
+is stored, so "none" stores what the paper's "selective" does. A pipeline rank stores them
+for as many (microbatch, chunk) forwards as are in flight at once, which
+`ptdp.pipeline.verify` counts on the schedule's own action lists, from each F until its BW,
+or until its W when the backward is split (B leaves the graph for W): p - r for 1F1B on
+rank r, m for GPipe, p on every rank for ZB-H1 and 2p - 1 for ZB-H2 (capped at m), more
+for interleaved (Korthikanti: x (1 + (p-1)/(p v)) on rank 0).
+
+A split backward (ZB-H1, ZB-H2) also holds, per microbatch from its B until its W, what W
+needs (`ptdp/parallel/wgrad.py`, `ptdp/pipeline/runtime.py`): each linear layer's (X, dY)
+and the gradients of every other parameter (norms, biases, embeddings), `stash`. dY is
+always extra. X is counted extra only where the activation count does not already hold
+that tensor: the saved inputs of the linear layers are among Korthikanti's activations,
+which stay counted until W, except under full recomputation (B recomputes them) and, under
+sequence parallelism, the all-gathered inputs of QKV and fc1 (the activation count has
+their [s/t] shard). Compiled layers (`train.compile`) compute every gradient in B, so W
+holds all of the chunk's parameter gradients instead.
+
+At the peak, besides what is stored, a backward pass holds its transients (`working`): the
+layer being recomputed (full) or its attention core (selective), plus the gradients alive
+inside one layer's backward (`layer_backward_bytes`: the incoming and outgoing [s, b, h]
+gradients and the larger of the MLP's inner gradients and attention's dQ, dK, dV, dO);
+on the last stage, the larger of the loss's backward (`head_backward_bytes`: eager, two
+fp32 [s b, v] gradients, 6 GiB for GPT-2's vocabulary at 16,384 tokens; compiled, only
+the output weight's gradient, the logits' gradient taking the saved logits' buffer) and a
+layer's, less the head's stored tensors that the loss's backward has freed by then.
+
+Eager 16-bit training (`fp32_norm_inputs`) keeps each norm's input as the fp32 copy CUDA
+autocast makes: 36 bytes per s b h in a GPT-2 layer where Korthikanti et al. count 32
+(without dropout), and 4 + 2 at the final norm and output layer. Measured on one H100
+(BENCHMARKS.md, "One H100: the GPU check"), what a step adds beside the model state is
+counted within 0.2% for GPT-2 125M and 1.3B, eager and compiled, and a 4B model with full
+recomputation; CPU autocast keeps LayerNorm in 16 bits, where this counts 4 bytes per
+s b h too many.
+
+Known omissions: p2p receive buffers and grouped-query attention's smaller K and V
+(counted as full heads); fused attention's logsumexp and the norms' mean and 1/std (under
+0.3% of a layer at s = 1024); with a tied embedding on one stage, the output weight's
+16-bit gradient, alive from the loss's backward to the embedding's; the CUDA context, NCCL
+buffers and allocator waste are the reserve (`ptdp.perf.cost.reserve`). The in-flight count is
+ptdp's plan's: Megatron-LM 2021's interleaved code (`--software megatron-2021`,
+`ptdp.perf.simulate.megatron2021`) at m = p ran all forwards first, so its ranks past the middle
+held m v forwards, more than counted here.
+
+Letters: s = sequence, b = micro-batch, h = hidden, f = MLP width, v = vocabulary,
+t = tensor-parallel size, e = bytes per activation element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ptdp.config import (
+    Activation,
+    ModelConfig,
+    Normalization,
+    PositionEmbedding,
+    Precision,
+    Recompute,
+    RunConfig,
+)
+from ptdp.layout import Layout, validate
+from ptdp.perf.cost import context
+from ptdp.perf.cost.activations import activation_bytes_per_layer
+from ptdp.perf.cost.parameters import (
+    bytes_per_parameter,
+    element_bytes,
+    layer_parameters,
+    parameters_per_rank,
+    parameters_per_stage,
+)
+from ptdp.pipeline.actions import RELEASE_KINDS, Kind
+from ptdp.pipeline.partition import layer_ranges
+from ptdp.pipeline.plan import PipelinePlan
+from ptdp.pipeline.schedules import SCHEDULES
+
+
+def layer_activation_bytes(
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: Recompute = Recompute.NONE,
+    precision: Precision = Precision.BF16,
+    fused_attention: bool = True,
+    autocast_norms: bool = False,
+) -> float:
+    """Bytes one layer stores for backward per microbatch (Korthikanti et al.).
+
+    SwiGLU's inner tensors (gate and up, their product) count as a GeLU MLP of twice the
+    width: 4f elements either way. `autocast_norms` (`fp32_norm_inputs`): the two norms'
+    inputs are kept as the fp32 copies CUDA autocast makes, 4 bytes where the paper has 2.
+    """
+    if fused_attention and recompute is Recompute.NONE:
+        recompute = Recompute.SELECTIVE  # no s x s tensor is kept: the core recomputes
+    f = model.ffn_size * (2 if model.activation is Activation.SWIGLU else 1)
+    return activation_bytes_per_layer(
+        seq=model.seq_length,
+        micro_batch=micro_batch,
+        hidden=model.hidden_size,
+        heads=model.num_heads,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+        bytes_per_element=element_bytes(precision),
+        dropout=model.dropout > 0,
+        ffn_hidden=f,
+        norm_input_bytes=_norm_input_bytes(precision, autocast_norms),
+    )
+
+
+def fp32_norm_inputs(cfg: RunConfig) -> bool:
+    """Eager 16-bit training: CUDA autocast runs LayerNorm and RMSNorm in fp32, so autograd
+    keeps the fp32 copy of each norm's input (measured on an H100, BENCHMARKS.md: 36 bytes
+    per s b h in a GPT-2 layer where the paper counts 32). Compiled layers keep their 16-bit
+    tensors and recompute the casts in backward; CPU autocast keeps LayerNorm in 16 bits
+    (there this counts 4 bytes per s b h too many)."""
+    return not cfg.train.compile and element_bytes(cfg.train.precision) < 4
+
+
+def _norm_input_bytes(precision: Precision, autocast: bool) -> float | None:
+    return 4.0 if autocast and element_bytes(precision) < 4 else None
+
+
+def head_activation_bytes(
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int = 1,
+    precision: Precision = Precision.BF16,
+    compiled: bool = False,
+    autocast_norms: bool = False,
+) -> float:
+    """Last stage, per microbatch: final-norm and output-layer inputs, and what the loss's
+    backward keeps per logit (`ptdp/parallel/loss.py`). At tp = 1 eager autograd keeps the
+    fp32 log-probabilities of the unpadded vocabulary (the padding is sliced off), the
+    compiled loss (`train.compile`) the padded logits in the model's precision, recomputing
+    the softmax; at tp > 1 the vocabulary-parallel loss keeps its fp32 softmax slice.
+    `autocast_norms`: the final norm's input is kept as its fp32 copy (`fp32_norm_inputs`)."""
+    n = model.seq_length * micro_batch
+    e = element_bytes(precision)
+    norm = _norm_input_bytes(precision, autocast_norms) or e
+    if tp > 1:
+        logits = 4 * model.padded_vocab_size(tp) // tp
+    elif compiled:
+        logits = element_bytes(precision) * model.padded_vocab_size(tp)
+    else:
+        logits = 4 * model.vocab_size
+    return (norm + e) * n * model.hidden_size + n * logits
+
+
+def layer_backward_bytes(
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int = 1,
+    precision: Precision = Precision.BF16,
+) -> float:
+    """Gradients alive at once inside one layer's backward, per microbatch (module doc):
+    dY and dX [n, h], with the MLP's [n, f/t] output-of-activation and [n, parts f/t]
+    input-of-activation gradients or attention's dQ, dK, dV and dO, whichever is larger;
+    n = s b tokens."""
+    h, t, e = model.hidden_size, tp, element_bytes(precision)
+    n = model.seq_length * micro_batch
+    qkv = h + 2 * model.query_groups * model.head_dim
+    parts = 2 if model.activation is Activation.SWIGLU else 1
+    mlp = model.ffn_size * (1 + parts) // t
+    attention = (qkv + h) // t
+    return e * n * (2 * h + max(mlp, attention))
+
+
+def head_backward_bytes(
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int = 1,
+    precision: Precision = Precision.BF16,
+    compiled: bool = False,
+) -> float:
+    """What the loss's backward holds at its peak on the last stage, beside the head's
+    stored activations (measured on an H100 and traced on CPU, BENCHMARKS.md):
+
+    - eager, tp = 1: the fp32 gradients [s b, v] of the loss (nll) and of log_softmax, both
+      alive in log_softmax's backward; later the 16-bit copy and its padded width, which
+      is more only in fp32;
+    - compiled, tp = 1: the loss writes the logits' gradient into the saved logits' own
+      buffer, so only the output weight's 16-bit gradient [v, h] is new;
+    - tp > 1 (the vocabulary-parallel loss): the fp32 gradient of the logits [s b, v/t] and
+      its 16-bit copy (not measured).
+    """
+    n, e = model.seq_length * micro_batch, element_bytes(precision)
+    padded = model.padded_vocab_size(tp)
+    if tp > 1:
+        return n * padded // tp * (4 + e)
+    if compiled:
+        return e * padded * model.hidden_size
+    return max(8 * n * model.vocab_size, e * n * (model.vocab_size + padded))
+
+
+def stash_bytes_per_layer(
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: Recompute = Recompute.NONE,
+    precision: Precision = Precision.BF16,
+) -> float:
+    """Bytes one layer holds for W per microbatch beyond its counted activations (module doc).
+
+    dY: QKV [n, qkv/t], projection [n, h], fc1 [n, f/t] (x 2 for SwiGLU's gate and up) and
+    fc2 [n, h], n = s b tokens; the row-parallel dY is the whole [n, h] (its backward
+    all-reduces or all-gathers before the GEMM). X under full recompute: QKV and fc1 inputs
+    [n, h] each, projection [n, h/t], fc2 [n, f/t]; under sequence parallelism otherwise the
+    (t-1)/t of the QKV and fc1 inputs the activation count shards. Plus the gradients of the
+    layer's biases and norms, in the weights' dtype.
+    """
+    h, t, e = model.hidden_size, tp, element_bytes(precision)
+    n = model.seq_length * micro_batch
+    qkv = h + 2 * model.query_groups * model.head_dim
+    parts = 2 if model.activation is Activation.SWIGLU else 1
+    f = model.ffn_size
+    dy = n * (qkv // t + f * parts // t + 2 * h)
+    if recompute is Recompute.FULL:
+        x = n * (2 * h + h // t + f // t)
+    elif sequence_parallel:
+        x = 2 * n * (h - h // t)
+    else:
+        x = 0
+    weights = (h * qkv + h * h + h * f * parts + f * h) // t
+    return e * (dy + x + layer_parameters(model, tp) - weights)
+
+
+def stage_stash_bytes(cfg: RunConfig, tp: int, pp: int, vpp: int, stage: int) -> float:
+    """Bytes one virtual stage holds for W per microbatch of a split backward (module doc):
+    its layers' `stash_bytes_per_layer`, the embedding's gradient on the first stage, the
+    output layer's dY [n, v/t] and the final norm's gradient on the last."""
+    model, prec = cfg.model, cfg.train.precision
+    e, n = element_bytes(prec), model.seq_length * cfg.train.micro_batch_size
+    split = cfg.parallel.pipeline_layers
+    layers = len(layer_ranges(model.num_layers, pp, vpp, split or None)[stage])
+    if cfg.train.compile:  # plain F.linear: every gradient is computed in B and held
+        return e * parameters_per_stage(model, tp, pp, vpp, split)[stage]
+    layer = stash_bytes_per_layer(
+        model,
+        micro_batch=cfg.train.micro_batch_size,
+        tp=tp,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        recompute=cfg.parallel.recompute,
+        precision=prec,
+    )
+    out = layers * layer
+    h, v = model.hidden_size, model.padded_vocab_size(tp)
+    if stage == 0:
+        out += e * v // tp * h
+        if model.position_embedding is PositionEmbedding.LEARNED:
+            out += e * model.seq_length * h
+    if stage == pp * vpp - 1:
+        norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
+        out += e * (n * v // tp + norm)
+    return out
+
+
+def stage_awaiting_w(plan: PipelinePlan, stage: int) -> int:
+    """Most microbatches of one stage whose B ran and whose W has not."""
+    held = peak = 0
+    for a in plan.compute[plan.stages.rank(stage)]:
+        if a.stage == stage:
+            held += 1 if a.kind is Kind.B else -1 if a.kind is Kind.W else 0
+            peak = max(peak, held)
+    return peak
+
+
+def in_flight(plan: PipelinePlan) -> tuple[int, ...]:
+    """Most (microbatch, chunk) forwards each rank of `plan` holds at once.
+
+    Counted as `verify` counts: from a forward until its BW, or its W when the backward is
+    split. Where the schedule declares a bound that `verify` enforces (GPipe m, 1F1B
+    pp - rank, ZB-H1 pp, ZB-H2 2 pp - 1) the peak is that bound capped at m; otherwise
+    (interleaved) it is what `verify` counts on the plan's lists, without its dry run.
+    """
+    bound = plan.in_flight_bound
+    if bound is not None:
+        return tuple(min(held, plan.num_microbatches * plan.vpp) for held in bound)
+    return plan.peak_in_flight
+
+
+def stage_in_flight(plan: PipelinePlan, stage: int) -> int:
+    """Most microbatches of one stage whose forward ran and whose BW, or W when split, has not."""
+    held = peak = 0
+    for a in plan.compute[plan.stages.rank(stage)]:
+        if a.stage == stage:
+            held += 1 if a.kind is Kind.F else -1 if a.kind in RELEASE_KINDS else 0
+            peak = max(peak, held)
+    return peak
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one device of one pipeline rank."""
+
+    rank: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    """Stored for backward: per-layer bytes x layers per chunk x forwards in flight."""
+    working: float
+    """Transient: the layer being recomputed (full) or its attention core (selective), plus
+    one layer's backward gradients; on the last stage the larger of the loss's backward and
+    that less one microbatch's head activations (module doc)."""
+    in_flight: int
+    stash: float = 0.0
+    """Split backward: held from B until W (module doc) x microbatches awaiting their W."""
+    grad_buckets: float = 0.0
+    """ZeRO-2: full-size fp32 gradients of the buckets being filled or reduced (module doc)."""
+    gathered: float = 0.0
+    """ZeRO-3: 16-bit weights gathered for the layers computing and prefetched (module doc)."""
+    reserved: float = 0.0
+    """Held beside `total`: CUDA context, NCCL buffers, allocator (`ptdp.perf.cost.reserve`)."""
+
+    @property
+    def total(self) -> float:
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.working
+            + self.stash
+            + self.grad_buckets
+            + self.gathered
+        )
+
+
+def grad_bucket_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
+    """ZeRO-2's full-size gradients in flight on each pipeline rank (module doc); 0 below."""
+    if not layout.shards_grads or layout.dp * layout.cp == 1:
+        return [0.0] * layout.pp
+    model, tp, pp, vpp, split = cfg.model, layout.tp, layout.pp, layout.vpp, layout.stage_layers
+    per_stage = parameters_per_stage(model, tp, pp, vpp, split)
+    whole = not cfg.parallel.overlap_grad_reduce or SCHEDULES[layout.schedule].splits_backward
+    bucket = max(1, int(cfg.parallel.bucket_mb * 2**20 / 4))
+    tied = model.tie_embeddings and pp * vpp > 1
+    out = [0.0] * pp
+    for stage, count in enumerate(per_stage):
+        embedding = 0
+        if tied and stage in (0, pp * vpp - 1):
+            embedding = model.padded_vocab_size(tp) // tp * model.hidden_size
+        # One bucket filling while the one before it reduces (`GradBuffers._retire`).
+        held = count if whole else embedding + 2 * min(count - embedding, bucket)
+        out[layout.stages.rank(stage)] += 4.0 * held
+    return out
+
+
+def reshard_after_forward(cfg: RunConfig) -> bool:
+    """ZeRO-3 frees gathered weights after each forward and gathers them again for the backward
+    unless `parallel.zero3_reshard_after_forward` (when the runtime has it) says false."""
+    return bool(getattr(cfg.parallel, "zero3_reshard_after_forward", True))
+
+
+def gathered_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
+    """ZeRO-3's gathered 16-bit weights on each pipeline rank (module doc); 0 below level 3."""
+    if layout.zero < 3 or layout.dp * layout.cp == 1:
+        return [0.0] * layout.pp
+    model, tp, e = cfg.model, layout.tp, element_bytes(cfg.train.precision)
+    per_rank = parameters_per_rank(
+        model, tp, layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement
+    )
+    if not reshard_after_forward(cfg):
+        return [e * count for count in per_rank]
+    rows = model.padded_vocab_size(tp) // tp * model.hidden_size
+    unit = max(layer_parameters(model, tp), rows)
+    return [2.0 * e * min(unit, count) for count in per_rank]
+
+
+def estimate_memory(
+    cfg: RunConfig,
+    world_size: int,
+    *,
+    fused_attention: bool = True,
+    autocast_norms: bool = True,
+    layout: Layout | None = None,
+) -> list[MemoryEstimate]:
+    """Per pipeline rank (all tensor and data-parallel ranks alike), for the config's layout.
+
+    `layout` is `validate(cfg, world_size)` if the caller has it (with its built plan).
+    `fused_attention` and `autocast_norms` describe the software (`ptdp.perf.cost.costs.Software`:
+    ptdp's by default; Megatron's fused LayerNorm keeps 16-bit inputs).
+    """
+    layout = layout or validate(cfg, world_size)
+    model, par, prec = cfg.model, cfg.parallel, cfg.train.precision
+    tp, pp, vpp = layout.tp, layout.pp, layout.vpp
+    b, cp = cfg.train.micro_batch_size, layout.cp
+    held = in_flight(layout.pipeline)
+    stages = layout.stages
+    last_held = stage_in_flight(layout.pipeline, stages.last)
+    state = bytes_per_parameter(prec, zero=layout.zero, dp=layout.dp * cp)
+    buckets = grad_bucket_bytes(cfg, layout)
+    gathered = gathered_bytes(cfg, layout)
+    local = context.local_model(model, cp)  # activations: the s/cp tokens of one cp rank
+    kw = dict(micro_batch=b, tp=tp, sequence_parallel=par.sequence_parallel, precision=prec)
+    eager_norms = autocast_norms and fp32_norm_inputs(cfg)
+    kw_layer = dict(fused_attention=fused_attention, autocast_norms=eager_norms, **kw)
+    layer = layer_activation_bytes(local, recompute=par.recompute, **kw_layer)
+    full = layer_activation_bytes(local, recompute=Recompute.NONE, **kw_layer)
+    working = {Recompute.NONE: 0.0, Recompute.FULL: full}.get(par.recompute, full - layer)
+    working += layer_backward_bytes(local, micro_batch=b, tp=tp, precision=prec)
+    compiled = cfg.train.compile
+    head_working = head_backward_bytes(
+        local, micro_batch=b, tp=tp, precision=prec, compiled=compiled
+    )
+    e, comm = element_bytes(prec), par.cp_comm
+    layer += context.stored_bytes_per_layer(
+        model, micro_batch=b, tp=tp, cp=cp, comm=comm, recompute=par.recompute, e=e
+    )
+    working += context.working_bytes(model, micro_batch=b, tp=tp, cp=cp, comm=comm, e=e)
+    head = head_activation_bytes(
+        local, micro_batch=b, tp=tp, precision=prec, compiled=compiled, autocast_norms=eager_norms
+    )
+    # Layers of the rank's largest chunk (exact for vpp = 1 or an even split, else a bound).
+    split = layout.stage_layers or (model.num_layers // (pp * vpp),) * (pp * vpp)
+    per_chunk = [max(split[s] for s in stages.stages_of(rank)) for rank in range(pp)]
+    stash = [0.0] * pp
+    if SCHEDULES[layout.schedule].splits_backward:
+        for stage in range(pp * vpp):
+            waiting = stage_awaiting_w(layout.pipeline, stage)
+            per_mb = stage_stash_bytes(replace(cfg, model=local), tp, pp, vpp, stage)
+            stash[stages.rank(stage)] += waiting * per_mb
+    out = []
+    per_rank = parameters_per_rank(model, tp, pp, vpp, split, stages.placement)
+    for rank, count in enumerate(per_rank):
+        with_head = rank == stages.rank(stages.last)
+        acts = held[rank] * per_chunk[rank] * layer + (last_held * head if with_head else 0.0)
+        out.append(
+            MemoryEstimate(
+                rank,
+                count * state.params,
+                count * state.grads,
+                count * state.optimizer,
+                acts,
+                # The loss's backward, or a layer's once one microbatch's head is freed.
+                max(head_working, working - head) if with_head else working,
+                held[rank],
+                stash[rank],
+                buckets[rank],
+                gathered[rank],
+            )
+        )
+    return out

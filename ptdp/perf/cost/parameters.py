@@ -1,0 +1,134 @@
+"""What a rank holds per parameter: parameter and tensor counts per stage and pipeline
+rank, and the model state's bytes per parameter as the runtime keeps them
+(`ptdp/parallel/buckets.py`, `ptdp/train/step/optim.py`; ZeRO levels in `ptdp.perf.cost.memory`'s
+module doc). Pure arithmetic on the model config: the planner calls it for every layout.
+
+Letters: h = hidden, f = MLP width, v = vocabulary, t = tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptdp.config import Activation, ModelConfig, Normalization, PositionEmbedding, Precision
+from ptdp.pipeline.placement import Placement, StageMap
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per local parameter of the model state."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+
+def bytes_per_parameter(precision: Precision, *, zero: int = 0, dp: int = 1) -> StateBytes:
+    """Weights, gradient buffer and optimizer state per parameter, as the runtime keeps them
+    at ZeRO level `zero` (persistent state; ZeRO-2's buckets in flight are apart)."""
+    state = dp if zero >= 1 else 1
+    grads = 4.0 / (dp if zero >= 2 else 1)
+    weights = 1 / (dp if zero >= 3 else 1)
+    if precision is Precision.FP32:
+        return StateBytes(4.0 * weights, grads, 8.0 / state)
+    return StateBytes(2.0 * weights, grads, 12.0 / state)  # fp32 master (4) + AdamW moments (8)
+
+
+def element_bytes(precision: Precision) -> int:
+    """Bytes of one activation element."""
+    return 4 if precision is Precision.FP32 else 2
+
+
+def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one transformer layer on one tensor-parallel rank.
+
+    Column-parallel weights and biases (QKV, fc1) and row-parallel weights (projection,
+    fc2) are split over t; row-parallel biases and the norms are replicated. With
+    model.qkv_bias alone (Qwen2) only QKV has a bias.
+    """
+    h, f, t = model.hidden_size, model.ffn_size, tp
+    qkv = h + 2 * model.query_groups * model.head_dim
+    parts = 2 if model.activation is Activation.SWIGLU else 1
+    weights = (h * qkv + h * h + h * f * parts + f * h) // t
+    if model.bias:
+        biases = (qkv + f * parts) // t + 2 * h
+    else:
+        biases = qkv // t if model.qkv_bias else 0
+    norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
+    return weights + biases + 2 * norm
+
+
+def parameters_per_stage(
+    model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int = 1, layers: tuple[int, ...] = ()
+) -> list[int]:
+    """Local parameters of each virtual stage on one tensor-parallel rank.
+
+    `layers`: each stage's layer count (`Layout.stage_layers`); empty = an even split.
+    Stage 0 holds the embedding; the last stage the final norm and the output layer,
+    which with pp * vpp > 1 is a separate copy even when tied to the embedding.
+    """
+    h, v, stages = model.hidden_size, model.padded_vocab_size(tp), pp * vpp
+    layers = layers or (model.num_layers // stages,) * stages
+    counts = [n * layer_parameters(model, tp) for n in layers]
+    counts[0] += v // tp * h
+    if model.position_embedding is PositionEmbedding.LEARNED:
+        counts[0] += model.seq_length * h
+    norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
+    counts[-1] += norm
+    if not (model.tie_embeddings and stages == 1):
+        counts[-1] += v // tp * h
+    return counts
+
+
+def layer_tensors(model: ModelConfig) -> int:
+    """Parameter tensors of one transformer layer: the fused QKV, projection, fc1 (SwiGLU's
+    gate and up in one) and fc2 weights, their biases, and two norms."""
+    biases = 4 if model.bias else 1 if model.qkv_bias else 0
+    norm = 2 if model.normalization is Normalization.LAYERNORM and model.bias else 1
+    return 4 + biases + 2 * norm
+
+
+def tensors_per_rank(
+    model: ModelConfig,
+    pp: int = 1,
+    vpp: int = 1,
+    layers: tuple[int, ...] = (),
+    placement: Placement = Placement.LOOPED,
+) -> list[int]:
+    """Parameter tensors on each pipeline rank (what a per-tensor optimizer loop visits), as
+    `parameters_per_stage` places them: the embedding (and learned positions) on stage 0,
+    the final norm and output layer (a copy when tied, unless one stage holds both) last."""
+    stages, out = StageMap(pp, vpp, placement), [0] * pp
+    for stage, count in enumerate(tensors_per_stage(model, pp * vpp, layers)):
+        out[stages.rank(stage)] += count
+    return out
+
+
+def tensors_per_stage(
+    model: ModelConfig, stages: int = 1, layers: tuple[int, ...] = ()
+) -> list[int]:
+    """Parameter tensors of each virtual stage, placed as `parameters_per_stage` places
+    their parameters."""
+    layers = layers or (model.num_layers // stages,) * stages
+    counts = [n * layer_tensors(model) for n in layers]
+    counts[0] += 2 if model.position_embedding is PositionEmbedding.LEARNED else 1
+    counts[-1] += 2 if model.normalization is Normalization.LAYERNORM and model.bias else 1
+    if not (model.tie_embeddings and stages == 1):
+        counts[-1] += 1
+    return counts
+
+
+def parameters_per_rank(
+    model: ModelConfig,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
+    layers: tuple[int, ...] = (),
+    placement: Placement = Placement.LOOPED,
+) -> list[int]:
+    """Local parameters on one tensor rank of each pipeline rank (its stages by `placement`)."""
+    stages = StageMap(pp, vpp, placement)
+    counts = [0] * pp
+    for stage, count in enumerate(parameters_per_stage(model, tp, pp, vpp, layers)):
+        counts[stages.rank(stage)] += count
+    return counts

@@ -1,0 +1,97 @@
+"""Communication of the ZeRO levels in the performance model (their memory: `cost.memory`).
+
+Per step and rank, in the ZeRO paper's units (Psi = the rank's parameters, m = microbatches
+per step; a ring reduce-scatter or all-gather of Psi moves Psi, an all-reduce 2 Psi):
+
+    0  all-reduce of the gradients after the last backward              2 Psi
+    1  reduce-scatter of the gradients, then all-gather of the updated
+       16-bit weights after the optimizer step                           2 Psi
+    2  reduce-scatter per microbatch (the full gradient buffer is freed
+       after each), all-gather after the optimizer step                  (m + 1) Psi
+    3  per microbatch: all-gather of the weights for the forward, again
+       for the backward, reduce-scatter of the gradients; nothing after
+       the step (the next forward gathers)                               3 m Psi
+
+ZeRO-3 keeping the gathered weights between a microbatch's forward and backward
+(`parallel.zero3_reshard_after_forward = false`, read where the config has it; the default
+re-gathers) moves 2 m Psi. Under pipelining every microbatch crosses every stage, so ZeRO-2
+and 3 pay per microbatch what ZeRO-0 and 1 pay once per step.
+
+Overlap (prefetch). ZeRO-3's gathers run one layer ahead of the compute and the
+reduce-scatters one layer behind, so a stage pass of compute T and communication C over
+L layers exposes C / L (the first gather, the last reduce-scatter) plus
+(L - 1) / L max(0, C - T); over gloo (a CPU) all of C, as its threads move the bytes on
+the cores the compute runs on (`Device.gloo`). The exposed seconds join the stage's F
+(forward gathers), B (backward gathers) and W (reduce-scatters: the pass that makes the
+gradients), so the pipeline replay places them per microbatch; levels 0 and 1 keep the
+simulator's reduction after the last backward.
+
+The ZeRO group is the dp cp ranks that reduce the gradients (tp apart; `cost.context`),
+on `costs.group_link` (at `Software.sharded_comm_efficiency` of its bandwidth: the paper's
+DeepSpeed reached a tenth, `costs.DEEPSPEED_2021`). Weights move in the training
+precision's element size, gradients at `Software.grad_reduce_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ptdp.config import RunConfig
+from ptdp.layout import Layout
+from ptdp.perf.cost.costs import Compute, Passes, gather_seconds, group_link, sync_seconds
+from ptdp.perf.cost.memory import reshard_after_forward
+from ptdp.perf.cost.parameters import parameters_per_stage
+
+
+def exposed_seconds(comm: float, compute: float, layers: int) -> float:
+    """Communication of a pass prefetched (or trailing) one layer: exposed part (module doc)."""
+    layers = max(1, layers)
+    return comm / layers + (layers - 1) / layers * max(0.0, comm - compute)
+
+
+def step_traffic(zero: int, params: float, microbatches: int, *, kept: bool = False) -> float:
+    """Elements one rank sends per step at ZeRO level `zero` for `params` parameters
+    (ring collectives over a large group; the module doc's table)."""
+    if zero <= 1:
+        return 2.0 * params
+    if zero == 2:
+        return (microbatches + 1) * params
+    return (2 if kept else 3) * microbatches * params
+
+
+def sharded_passes(
+    cfg: RunConfig, layout: Layout, c: Compute, passes: list[Passes]
+) -> tuple[list[Passes], float]:
+    """ZeRO-2/3's per-microbatch communication folded into each stage's F, B, W (module doc).
+
+    Returns the new passes and the seconds on the wire per step on the busiest pipeline
+    rank (exposed or not); levels 0 and 1 return `passes` unchanged and 0.
+    """
+    group = layout.dp * layout.cp
+    if layout.zero < 2 or group == 1:
+        return passes, 0.0
+    ring = group_link(c.system, group, layout.tp)
+    efficiency = ring.efficiency * c.software.sharded_comm_efficiency
+    link = replace(ring, efficiency=efficiency)
+    params = parameters_per_stage(cfg.model, layout.tp, layout.pp, layout.vpp, layout.stage_layers)
+    regather = reshard_after_forward(cfg)
+    m = layout.num_microbatches
+    out, wire = [], [0.0] * layout.pp
+    for stage, (p, n, layers) in enumerate(zip(passes, params, layout.stage_layers)):
+        reduce = gather_seconds(c.software.grad_reduce_bytes * n, group, link, "reduce_scatter")
+        gather = gather_seconds(c.e * n, group, link) if layout.zero >= 3 else 0.0
+        again = gather if regather else 0.0
+        if c.system.device.gloo:  # nothing hides (module doc)
+            forward, backward = gather, again + reduce
+        else:
+            forward = exposed_seconds(gather, p.f, layers)
+            backward = exposed_seconds(again + reduce, p.b + p.w, layers)
+        if layout.zero >= 3:  # each layer's gathers and reduce-scatter are waited on
+            forward += sync_seconds(layers, c)
+            backward += sync_seconds((2 if regather else 1) * layers, c)
+        else:  # ZeRO-2: the microbatch's gradients, reduce-scattered at once
+            backward += sync_seconds(1, c)
+        share = again / (again + reduce) if again + reduce else 0.0
+        out.append(p + Passes(forward, backward * share, backward * (1 - share)))
+        wire[layout.stages.rank(stage)] += m * (gather + again + reduce)
+    return out, max(wire)
