@@ -258,13 +258,10 @@ def _convert_parser(sub: Subparsers) -> None:
 
 
 def _config_reference_parser(sub: Subparsers) -> None:
-    p = sub.add_parser(
-        "config-reference",
-        help="print the reference of every config key (Markdown, docs/configuration.md)",
-        description="Print every key of every config section with its type, default, allowed "
-        "values and meaning, as the Markdown page docs/configuration.md, generated from the "
-        "config dataclasses and their docstrings.",
-    )
+    from ptdp.config_reference import DESCRIPTION
+
+    help = "print the reference of every config key (Markdown, docs/configuration.md)"
+    p = sub.add_parser("config-reference", help=help, description=DESCRIPTION)
     p.set_defaults(run=_cmd_config_reference)
     output = "write the page to PATH instead of printing it (e.g. docs/configuration.md)"
     p.add_argument("--output", metavar="PATH", help=output)
@@ -416,20 +413,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_reference(args: argparse.Namespace) -> int:
-    from ptdp.config_reference import render
+    from ptdp.config_reference import write
 
-    text = render()
-    if not args.output:
-        sys.stdout.write(text)
-        return 0
-    try:
-        Path(args.output).write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise PtdpError(
-            f"cannot write {args.output}: {exc.strerror}; give --output a path in an existing, "
-            "writable directory"
-        ) from None
-    print(f"wrote {args.output}")
+    write(args.output)
     return 0
 
 

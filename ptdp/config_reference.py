@@ -10,13 +10,22 @@ from __future__ import annotations
 import enum
 import inspect
 import json
+import sys
 from dataclasses import MISSING, Field, fields
+from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 from ptdp.config import SECTIONS, field_docs
+from ptdp.errors import PtdpError
 
 COMMAND = "ptdp config-reference --output docs/configuration.md"
 """The command that writes the committed page."""
+
+DESCRIPTION = (
+    "Print every key of every config section with its type, default, allowed values and "
+    "meaning, as the Markdown page docs/configuration.md, generated from the config "
+    "dataclasses and their docstrings."
+)
 
 INTRO = f"""\
 # Configuration reference
@@ -104,3 +113,19 @@ def render() -> str:
     parts = [INTRO, f"Sections: {contents}\n"]
     parts += [section_table(section, cls) for section, cls in SECTIONS.items()]
     return "\n".join(parts)
+
+
+def write(output: str | None) -> None:
+    """Print the page, or write it to `output` (a path the user named)."""
+    text = render()
+    if not output:
+        sys.stdout.write(text)
+        return
+    try:
+        Path(output).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise PtdpError(
+            f"cannot write {output}: {exc.strerror}; give --output a path in an existing, "
+            "writable directory"
+        ) from None
+    print(f"wrote {output}")
