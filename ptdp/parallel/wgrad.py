@@ -11,6 +11,9 @@ W action. `linear` below is `F.linear` whose weight-gradient GEMM a `WeightGradS
 put off: during a split backward (`WeightGradStore.deferring`) it keeps (X, dY) instead of
 computing dW, and `flush` computes the kept GEMMs later. Everything else of the backward
 (norms, biases, embeddings, attention) runs in B as usual, so W walks no graph.
+`grouped_linear` is the same for a mixture-of-experts layer's experts: weights [e, m, k],
+each expert's rows of X times its own matrix, the weight gradients one grouped product at
+W (`ptdp.parallel.grouped`).
 
 What a store changes is opted into per microbatch: only a forward run under `capture`
 (or recomputed under `deferring`) uses the deferrable function; any other forward is the
