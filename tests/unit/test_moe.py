@@ -294,3 +294,14 @@ def test_moe_layers_follow_first_dense_and_frequency() -> None:
     model = GPT(replace(cfg, num_layers=4, moe_first_dense_layers=1, moe_layer_freq=2))
     assert sorted(model.moe_layers()) == [1, 3]
     assert type(model.layers["2"].mlp).__name__ == "MLP"
+
+
+def test_router_and_expert_output_bias_are_summed_over_tp() -> None:
+    from ptdp.parallel.comm import Group
+
+    cfg = replace(BASE, moe_shared_experts=1)
+    names = GPT(cfg, tp=Group.single(), sequence_parallel=True).roles.sequence_parallel
+    for i in (0, 1):
+        assert {f"layers.{i}.mlp.{n}" for n in ("router.weight", "experts.fc2.bias")} <= names
+        assert f"layers.{i}.mlp.shared.fc2.bias" in names  # a row-parallel layer's own
+    assert not GPT(cfg).roles.sequence_parallel  # one rank: nothing to sum

@@ -64,3 +64,32 @@ def test_resume_with_biases_is_bitwise_exact(tiny_data: str, tmp_path: Path) -> 
     later = [r for r in _records(tmp_path / "split") if r.get("step") == 4][0]
     whole = [r for r in _records(tmp_path / "full") if r.get("step") == 4][0]
     assert later["moe_load"] == whole["moe_load"]
+
+
+def test_generation_loads_the_biases(tiny_data: str, tmp_path: Path) -> None:
+    from ptdp.checkpoint.partial import load_model_weights
+    from ptdp.config import load_toml
+    from ptdp.model.gpt import GPT
+    from ptdp.parallel.comm import Group
+    from ptdp.sample import sample_from_checkpoint
+
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, run, model=MOE, train={"steps": 2}))
+    step_dir = ckpt.find_checkpoint(run)
+    saved = ckpt.load_checkpoint(step_dir)["model"]
+    model = GPT(load_toml(run / "config.toml").model)
+    load_model_weights([model], step_dir, Group.single())
+    for name, b in model.state_buffers().items():
+        assert torch.equal(b, saved[name]), name
+    texts = sample_from_checkpoint(run, "to be", max_new_tokens=8, num_samples=2, seed=3)
+    assert len(texts) == 2 and all(t.startswith("to be") for t in texts)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_16_bit_training(tiny_data: str, tmp_path: Path, precision: str) -> None:
+    cfg = tiny_config(
+        tiny_data, tmp_path / "run", model=MOE, train={"steps": 2, "precision": precision}
+    )
+    result = train(cfg)
+    assert all(torch.isfinite(torch.tensor(v)) for v in result.losses.values())
+    assert all(r["moe_aux_loss"] > 0 for r in _records(tmp_path / "run") if "loss" in r)
