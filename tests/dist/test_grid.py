@@ -142,9 +142,11 @@ GRID = [
     Layout(cp=2, moe="moe"),  # the balancing loss over the whole sequence
     Layout(dp=2, moe="moe-shared-bias"),
     Layout(dp=2, moe="moe-capacity"),
+    Layout(pp=2, vpp=2, schedule="zb-v", moe="moe-shared-bias"),
     Layout(tp=2, dp=2, sp=True, zero=1, moe="moe-shared-bias"),
     Layout(tp=2, pp=2, schedule="zb-h1", sp=True, llama=True, moe="moe-capacity"),
     Layout(cp=2, pp=2, recompute="full", moe="moe-shared-bias"),
+    Layout(pp=2, dp=2, vpp=2, schedule=I, zero=2, moe="moe-capacity"),
     # world 8
     Layout(tp=2, pp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule=I, sp=True, zero=1, recompute="full"),
