@@ -74,7 +74,8 @@ class MoESteps:
     def log_record(self, dropping: bool, z_loss: bool) -> dict:
         """The figures since the last call, complete on rank 0 (collective over pp):
 
-        - moe_aux_loss: the balancing loss per step, summed over layers (part of `loss`);
+        - moe_aux_loss: the balancing loss per step, summed over layers (part of the
+          logged training `loss`, as of the optimised one; `val_loss` has none);
         - moe_z_loss (with a z-loss coefficient): the same for the z-loss;
         - moe_load: per MoE layer, in layer order, each expert's share of the token-choices
           routed in the interval (each row sums to 1);
