@@ -49,6 +49,11 @@ class Activation(str, enum.Enum):
     SWIGLU = "swiglu"
 
 
+class ScoreFunction(str, enum.Enum):
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
 class Schedule(str, enum.Enum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
@@ -150,6 +155,50 @@ class ModelConfig:
     """Dropout on attention probabilities and residual branches."""
     init_std: float = 0.02
     """Std of the normal initialisation; residual output layers use init_std/sqrt(2L)."""
+    num_experts: int = 0
+    """Routed experts of each mixture-of-experts (MoE) layer, which replaces the MLP of the
+    layers that moe_first_dense_layers and moe_layer_freq pick; 0 = a dense model (every
+    other moe_* key must then stay at its default)."""
+    moe_top_k: int = 2
+    """Experts each token is routed to (Mixtral 2, Qwen3-MoE 8, DeepSeek-V3 8)."""
+    moe_ffn_hidden_size: int = 0
+    """Inner width of one routed expert; 0 = the MLP width (model.ffn_hidden_size)."""
+    moe_score_function: ScoreFunction = ScoreFunction.SOFTMAX
+    """Router scores from its logits: softmax over the experts (Mixtral, Qwen3-MoE) or an
+    independent sigmoid per expert (DeepSeek-V3)."""
+    moe_softmax_after_topk: bool = False
+    """Mixtral's order: pick the top-k logits, then softmax over the chosen; false = softmax
+    over all experts, then the top-k of it (Qwen3-MoE). Softmax scores only."""
+    moe_renormalize: bool = False
+    """Renormalise each token's chosen weights to sum to 1 (Qwen3's norm_topk_prob,
+    DeepSeek-V3)."""
+    moe_routed_scaling: float = 1.0
+    """Multiplier of the routed experts' weights (DeepSeek-V3: 2.5)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing loss (Switch/GShard): coeff * E * sum_e f_e * P_e per microbatch, f_e the
+    share of the token-choices routed to expert e and P_e its mean router probability; 0 =
+    off (e.g. 0.01)."""
+    moe_z_loss_coeff: float = 0.0
+    """Router z-loss (ST-MoE): coeff * mean(logsumexp(logits)^2), keeping the logits small;
+    0 = off (e.g. 0.001)."""
+    moe_bias_update_rate: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores for
+    the choice only, moved by this rate after each step towards the mean load (bias_e +=
+    rate * sign(mean load - load_e), loads over the global batch); 0 = off (e.g. 0.001)."""
+    moe_shared_experts: int = 0
+    """Shared experts every token goes through besides its routed ones (DeepSeek-V3 1),
+    built as one MLP of width moe_shared_ffn_hidden_size."""
+    moe_shared_ffn_hidden_size: int = 0
+    """Width of the shared experts' MLP; 0 = moe_shared_experts * the routed expert width."""
+    moe_first_dense_layers: int = 0
+    """Leading layers that keep a dense MLP (DeepSeek-V3: 3)."""
+    moe_layer_freq: int = 1
+    """After the first dense layers, every this-many-th layer is MoE (1 = all of them)."""
+    moe_capacity_factor: float = 0.0
+    """0 = dropless (every token-choice is computed); >= 1 caps each expert at
+    ceil(factor * tokens * top_k / num_experts) token-choices per microbatch and layer,
+    keeping the highest-weighted (ties: the earlier token) and dropping the rest, which then
+    pass through the residual alone."""
 
     @property
     def head_dim(self) -> int:
@@ -164,6 +213,21 @@ class ModelConfig:
         make_vocab_size_divisible_by)."""
         multiple = self.make_vocab_size_divisible_by * tp
         return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Inner width of one routed expert."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    @property
+    def moe_shared_ffn_size(self) -> int:
+        """Width of the shared experts' MLP (0 without shared experts)."""
+        return self.moe_shared_ffn_hidden_size or self.moe_shared_experts * self.moe_ffn_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (global index) has a mixture-of-experts block for its MLP."""
+        after = layer - self.moe_first_dense_layers
+        return self.num_experts > 0 and after >= 0 and after % max(1, self.moe_layer_freq) == 0
 
     @property
     def ffn_size(self) -> int:

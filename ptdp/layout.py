@@ -20,6 +20,7 @@ from ptdp.config import (
     Schedule,
 )
 from ptdp.errors import ConfigError
+from ptdp.layout_moe import moe_rules
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES, check_args
@@ -482,6 +483,7 @@ def validate(cfg: RunConfig, world_size: int = 1, *, gpus: bool = False) -> Layo
         )
     errors: list[str] = []
     _model_rules(cfg, errors)
+    moe_rules(cfg, errors, runtime=not gpus)
     dp = _parallel_rules(cfg, world_size, errors, gpus)
     microbatches = _train_rules(cfg, dp, errors)
     _data_rules(cfg, errors)

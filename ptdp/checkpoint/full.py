@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ptdp.checkpoint.keys import MODEL, MOMENTS, RNG, named_parameters, unview_parts
+from ptdp.checkpoint.keys import MODEL, MOMENTS, RNG, named_buffers, named_parameters, unview_parts
 from ptdp.checkpoint.store import (
     STATE_FILE,
     damaged_advice,
@@ -76,8 +76,13 @@ def local_model_state(
 def load_full_model_state(
     chunks: list[nn.Module], state: dict[str, torch.Tensor], tp: Group
 ) -> None:
+    """This rank's parameters (and persistent buffers) from a full name-keyed state."""
     for p, value in local_model_state(chunks, state, tp).items():
         p.copy_(value)
+    for name, b in named_buffers(chunks):
+        if name not in state:
+            raise CheckpointError(f"checkpoint lacks tensors this model needs: {[name]}")
+        b.copy_(state[name])
 
 
 def local_optimizer_state(

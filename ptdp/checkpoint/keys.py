@@ -1,6 +1,7 @@
 """The checkpoint's layout-free key scheme, shared by the sharded and the full views.
 
-Keys name what a tensor is, never who held it: `model/<global name>`,
+Keys name what a tensor is, never who held it: `model/<global name>` (parameters and
+persistent buffers),
 `optimizer/state/<name>/<moment>`, `optimizer/step`, `optimizer/param_groups`,
 `rng/rank<r>/<device>` and the scalars of the run (`step`, `loss_scaler`, `layout`, ...).
 A SwiGLU fc1 weight ([gate; up] blocks, each split over tp on its own) saved by tp > 1
@@ -22,6 +23,15 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")  # the AdamW moments a checkpoint holds
 def named_parameters(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
     """Parameters of this rank's chunks under their global names."""
     return [(name, p) for chunk in chunks for name, p in chunk.named_parameters()]
+
+
+def named_buffers(chunks: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """Persistent buffers of this rank's chunks under their global names: model state that no
+    optimizer updates (`GPT.state_buffers`: the MoE routers' balancing biases), replicated
+    and saved whole as `model/<name>` beside the parameters."""
+    return [
+        (name, b) for chunk in chunks for name, b in getattr(chunk, "state_buffers", dict)().items()
+    ]
 
 
 def parts_key(key: str, spec: ShardSpec) -> str:

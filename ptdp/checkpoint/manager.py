@@ -22,8 +22,16 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from ptdp.checkpoint.full import load_checkpoint, local_model_state, local_optimizer_state
-from ptdp.checkpoint.keys import MODEL, RNG, named_parameters
-from ptdp.checkpoint.sharded import Slice, load_plan, sharded_state, stage_mesh, unpack
+from ptdp.checkpoint.keys import MODEL, RNG, named_buffers, named_parameters
+from ptdp.checkpoint.sharded import (
+    Slice,
+    buffer_entries,
+    copy_buffers,
+    load_plan,
+    sharded_state,
+    stage_mesh,
+    unpack,
+)
 from ptdp.checkpoint.store import STATE_FILE, load_entries, read_metadata, verify_files
 from ptdp.checkpoint.writer import PendingCheckpoint, start_checkpoint
 from ptdp.config import RunConfig, to_dict
@@ -96,6 +104,8 @@ class CheckpointManager:
         on every rank; DCP writes them once)."""
         slices = self.optimizer.owned_slices()  # fp32, also under 16-bit training
         state = sharded_state(self.chunks, slices, self._stage_mesh(), self.tp_rank)
+        for name, b in named_buffers(self.chunks):  # replicated: DCP writes one copy
+            state[MODEL + name] = b.detach().clone()
         opt_step = self.optimizer.step_count()
         rng = f"{RNG}rank{self.world.rank}/"
         state[rng + "cpu"] = torch.get_rng_state()
@@ -203,6 +213,7 @@ class CheckpointManager:
         distributed = self.world.size > 1
         keys = self._verified_metadata(step_dir).state_dict_metadata
         entries, plan = load_plan(self.chunks, keys, self._stage_mesh(), self.tp_rank)
+        entries |= buffer_entries(self.chunks, keys)
         scalars = ("step", "loss_scaler", "layout", "optimizer/step")
         entries |= {k: None for k in scalars if k in keys}
         rng = f"{RNG}rank{self.world.rank}/"
@@ -211,6 +222,7 @@ class CheckpointManager:
             entries[key] = torch.empty(md.size, dtype=md.properties.dtype)
         load_entries(step_dir, entries, distributed=distributed)
         masters, moments = unpack(plan, self.tp_rank)
+        copy_buffers(self.chunks, entries)
         self.optimizer.load(masters, moments, int(entries.get("optimizer/step") or 0))
         if self.scaler and entries.get("loss_scaler"):
             self.scaler.load_state_dict(entries["loss_scaler"])
@@ -250,6 +262,7 @@ class CheckpointManager:
         if longer:  # plan for this model's rows, read all of the saved ones
             keys[MODEL + POSITIONS] = dataclasses.replace(saved, size=torch.Size(mine.shape))
         entries, plan = load_plan(self.chunks, keys, self._stage_mesh(), self.tp_rank)
+        entries |= buffer_entries(self.chunks, keys)
         if longer:
             rows = entries[MODEL + POSITIONS]
             entries[MODEL + POSITIONS] = torch.empty(saved.size, dtype=torch.float32)
@@ -257,6 +270,7 @@ class CheckpointManager:
         if longer:
             rows.copy_(entries[MODEL + POSITIONS][: rows.shape[0]])
         masters, _ = unpack(plan, self.tp_rank)
+        copy_buffers(self.chunks, entries)
         self.optimizer.load(masters, {}, 0)
 
     def load_model_state(self, model: dict[str, torch.Tensor]) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from ptdp.checkpoint.full import load_checkpoint, load_full_model_state
 from ptdp.checkpoint.keys import MODEL
-from ptdp.checkpoint.sharded import load_plan, unpack
+from ptdp.checkpoint.sharded import buffer_entries, copy_buffers, load_plan, unpack
 from ptdp.checkpoint.store import STATE_FILE, load_entries, read_metadata, verify_files
 from ptdp.errors import CheckpointError
 from ptdp.parallel.comm import Group, all_gather_objects
@@ -36,8 +36,9 @@ def _check_files(step_dir: Path, metadata, world: Group) -> None:
 def load_model_weights(
     chunks: list[nn.Module], step_dir: Path, tp: Group, world: Group | None = None
 ) -> None:
-    """Fill the parameters of this rank's `chunks` (its shards over `tp`) from `step_dir`,
-    reading only the tensors they hold. With `world`, every member of it must call this."""
+    """Fill the parameters (and persistent buffers) of this rank's `chunks` (its shards over
+    `tp`) from `step_dir`, reading only the tensors they hold. With `world`, every member
+    of it must call this."""
     world = world or Group.single()
     if (step_dir / STATE_FILE).is_file():  # the earlier single-file format: read it whole
         load_full_model_state(chunks, load_checkpoint(step_dir)["model"], tp)
@@ -46,10 +47,12 @@ def load_model_weights(
     _check_files(step_dir, metadata, world)
     stored = {k: v for k, v in metadata.state_dict_metadata.items() if k.startswith(MODEL)}
     entries, plan = load_plan(chunks, stored, None, tp.rank)  # full tensors, no moments
+    entries |= buffer_entries(chunks, stored)
     load_entries(step_dir, entries)
     masters, _ = unpack(plan, tp.rank)
     for p, value in masters.items():
         p.copy_(value)
+    copy_buffers(chunks, entries)
 
 
 def read_scalar(step_dir: Path, key: str, default: Any = None) -> Any:

@@ -28,7 +28,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ptdp.checkpoint.boxes import Boxes, TensorPlace, placed_boxes
-from ptdp.checkpoint.keys import MODEL, MOMENTS, STATE_KEYS, named_parameters, parts_dim, parts_key
+from ptdp.checkpoint.keys import (
+    MODEL,
+    MOMENTS,
+    STATE_KEYS,
+    named_buffers,
+    named_parameters,
+    parts_dim,
+    parts_key,
+)
 from ptdp.errors import CheckpointError
 from ptdp.parallel.comm import has_process_group
 from ptdp.parallel.init import ShardSpec, shard_spec
@@ -237,3 +245,31 @@ def unpack(plan: dict, tp_rank: int) -> tuple[dict, dict]:
             masters[p] = value
     moments = {p: m for p, m in moments.items() if len(m) == len(STATE_KEYS)}
     return masters, moments
+
+
+def buffer_entries(chunks: list[nn.Module], metadata: dict) -> dict[str, torch.Tensor]:
+    """The DCP entries to load this rank's persistent buffers into (`copy_buffers` after
+    loading); a checkpoint without one of them is refused."""
+    entries, missing = {}, []
+    for name, _ in named_buffers(chunks):
+        md = metadata.get(MODEL + name)
+        if md is None:
+            missing.append(name)
+        else:
+            entries[MODEL + name] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    if missing:
+        raise CheckpointError(f"checkpoint lacks tensors this model needs: {missing[:5]}")
+    return entries
+
+
+@torch.no_grad()
+def copy_buffers(chunks: list[nn.Module], entries: dict[str, torch.Tensor]) -> None:
+    """Fill this rank's persistent buffers from loaded entries (`buffer_entries`)."""
+    for name, b in named_buffers(chunks):
+        value = entries[MODEL + name]
+        if value.shape != b.shape:
+            raise CheckpointError(
+                f"checkpoint tensor {MODEL + name} has shape {tuple(value.shape)}, which does "
+                f"not fit this model's {tuple(b.shape)}; is it the same model?"
+            )
+        b.copy_(value)

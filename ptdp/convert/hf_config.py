@@ -33,6 +33,11 @@ LLAMA3_KEYS = {
 
 def family(cfg: ModelConfig) -> str:
     """The family (a key of NAMES) that `cfg` exports to; refuses what it lacks."""
+    if cfg.num_experts:
+        raise ConfigError(
+            f"cannot export to Hugging Face: model.num_experts = {cfg.num_experts} (a "
+            "mixture-of-experts model) has no exporter yet (Mixtral and Qwen3-MoE come later)"
+        )
     if cfg.position_embedding is PositionEmbedding.LEARNED:
         kind, why = "gpt2", "model.position_embedding = learned"
         wanted = {"normalization": Normalization.LAYERNORM, "activation": Activation.GELU}

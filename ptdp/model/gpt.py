@@ -18,24 +18,19 @@ flash kernels are used on GPUs; only a sliding window shorter than the sequence
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ptdp.config import (
-    Activation,
-    CpComm,
-    ModelConfig,
-    Normalization,
-    PositionEmbedding,
-    Recompute,
-)
+from ptdp.config import CpComm, ModelConfig, PositionEmbedding, Recompute
 from ptdp.model.init import apply_init
 from ptdp.model.kv_cache import KVCache, LayerCache
+from ptdp.model.moe import MoE, MoEState
+from ptdp.model.parts import MLP, TPContext, build_norm
 from ptdp.model.positions import TokenPositions
 from ptdp.model.rope import Rotary
 from ptdp.parallel import comm
@@ -47,24 +42,7 @@ from ptdp.parallel.roles import ParamRoles
 from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ptdp.parallel.wgrad import WeightGradStore, linear
 
-
-@dataclass(frozen=True)
-class TPContext:
-    """What the layers need to know about tensor parallelism (not the whole config)."""
-
-    tp: Group = Group(None, 1, 0)
-    sequence_parallel: bool = False
-    wgrad: WeightGradStore | None = None
-    """The chunk's store of deferred weight-gradient GEMMs (zero-bubble B/W split)."""
-    cp: Group = Group(None, 1, 0)
-    """The context-parallel group: each member holds part of every sequence."""
-    cp_comm: CpComm = CpComm.RING
-
-
-def build_norm(cfg: ModelConfig) -> nn.Module:
-    if cfg.normalization is Normalization.RMSNORM:
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+__all__ = ["GPT", "MLP", "Attention", "TPContext", "TransformerLayer", "build_norm"]
 
 
 def attention_mask(q_len: int, k_len: int, window: int, device: torch.device) -> torch.Tensor:
@@ -196,53 +174,28 @@ class Attention(nn.Module):
         return self.proj(out)
 
 
-class MLP(nn.Module):
-    """h -> ffn -> h. For SwiGLU, fc1's output rows are [gate; up]."""
-
-    def __init__(self, cfg: ModelConfig, ctx: TPContext) -> None:
-        super().__init__()
-        self.swiglu = cfg.activation is Activation.SWIGLU
-        parts = 2 if self.swiglu else 1
-        sp = ctx.sequence_parallel
-        self.fc1 = ColumnParallelLinear(
-            cfg.hidden_size,
-            cfg.ffn_size * parts,
-            tp=ctx.tp,
-            bias=cfg.bias,
-            sequence_parallel=sp,
-            parts=parts,
-            wgrad=ctx.wgrad,
-        )
-        self.fc2 = RowParallelLinear(
-            cfg.ffn_size,
-            cfg.hidden_size,
-            tp=ctx.tp,
-            bias=cfg.bias,
-            sequence_parallel=sp,
-            wgrad=ctx.wgrad,
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.fc1(x)
-        if self.swiglu:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
-        else:
-            x = F.gelu(x, approximate="tanh")  # GPT-2's GeLU
-        return self.fc2(x)
-
-
 class TransformerLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the mlp is a
+    mixture-of-experts block (`ptdp.model.moe`) where `cfg.is_moe_layer(index)`, its
+    figures kept in `moe` (the chunk's; a new one if None)."""
 
     def __init__(
-        self, cfg: ModelConfig, ctx: TPContext, recompute: Recompute = Recompute.NONE
+        self,
+        cfg: ModelConfig,
+        ctx: TPContext,
+        recompute: Recompute = Recompute.NONE,
+        *,
+        index: int = 0,
+        moe: MoEState | None = None,
     ) -> None:
         super().__init__()
         self.norm1 = build_norm(cfg)
         self.attn = Attention(cfg, ctx, recompute_core=recompute is Recompute.SELECTIVE)
         self.norm2 = build_norm(cfg)
-        self.mlp = MLP(cfg, ctx)
+        if cfg.is_moe_layer(index):
+            self.mlp: nn.Module = MoE(cfg, ctx, layer=index, state=moe or MoEState())
+        else:
+            self.mlp = MLP(cfg, ctx)
         self.dropout = nn.Dropout(cfg.dropout)
         self.recompute_full = recompute is Recompute.FULL
         self.ctx = ctx
@@ -274,8 +227,23 @@ class TransformerLayer(nn.Module):
     ) -> torch.Tensor:
         if self.recompute_full and self.training:
             # Full recomputation: store only the layer input, redo the layer in backward.
-            return checkpoint(self._forward, x, rotary, None, positions, use_reentrant=False)
+            return checkpoint(
+                self._forward,
+                x,
+                rotary,
+                None,
+                positions,
+                use_reentrant=False,
+                context_fn=self._recompute_contexts,
+            )
         return self._forward(x, rotary, cache, positions)
+
+    def _recompute_contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:
+        """Around the first forward and around its recomputation: an MoE block's figures
+        are counted in the first only."""
+        if isinstance(self.mlp, MoE):
+            return contextlib.nullcontext(), self.mlp.state.recomputing()
+        return contextlib.nullcontext(), contextlib.nullcontext()
 
 
 class GPT(nn.Module):
@@ -338,8 +306,12 @@ class GPT(nn.Module):
         self.rotary = (
             Rotary.from_config(cfg) if cfg.position_embedding is PositionEmbedding.ROPE else None
         )
+        self.moe = MoEState()
+        """The step's figures of this chunk's MoE layers and their loss scale (`ptdp.model.moe`)."""
         # Keyed by global index, so parameter names (and thus init) match across layouts.
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, recompute) for i in layers})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(cfg, ctx, recompute, index=i, moe=self.moe) for i in layers}
+        )
         if has_head:
             self.final_norm = build_norm(cfg)
             if not (cfg.tie_embeddings and has_embedding):
@@ -370,17 +342,30 @@ class GPT(nn.Module):
             # initial value, gradients summed over the embedding group.
             tied["output.weight"] = "embedding.weight"
         records = [ParamRoles(tied=tied)]
+        # Layers that name their own: the biases of row-parallel layers (sequence
+        # parallelism), an MoE block's router (tensor parallelism).
+        for prefix, module in self.named_modules():
+            if prefix and hasattr(module, "param_roles"):
+                records.append(module.param_roles().prefixed(prefix))
         if self.ctx.sequence_parallel:
-            # Replicated weights that each rank applies to its own sequence slice: norms,
-            # learned positions, and the biases the row-parallel layers name.
+            # Replicated weights that each rank applies to its own sequence slice: norms and
+            # learned positions.
             names = {"position.weight"} if hasattr(self, "position") else set()
             for prefix, module in self.named_modules():
                 if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                     names.update(f"{prefix}.{leaf}" for leaf, _ in module.named_parameters())
-                elif isinstance(module, RowParallelLinear):
-                    records.append(module.param_roles().prefixed(prefix))
             records.append(ParamRoles(sequence_parallel=frozenset(names)))
         return ParamRoles.merge(records)
+
+    def state_buffers(self) -> dict[str, torch.Tensor]:
+        """Persistent buffers by global name: model state that no optimizer updates (the MoE
+        routers' balancing biases), saved and restored beside the parameters."""
+        saved = self.state_dict(keep_vars=True)
+        return {name: b for name, b in self.named_buffers() if name in saved}
+
+    def moe_layers(self) -> dict[int, MoE]:
+        """This chunk's mixture-of-experts blocks by global layer index."""
+        return {int(i): layer.mlp for i, layer in self.layers.items() if isinstance(layer.mlp, MoE)}
 
     def output_weight(self) -> torch.Tensor:
         """[v/t, h]: the output layer's weight, the embedding's when they are tied."""

@@ -31,8 +31,11 @@ def init_tensor(name: str, shape: tuple[int, ...], std: float, seed: int) -> tor
 
 
 def init_std(name: str, base_std: float, num_layers: int) -> float:
-    """GPT-2 / Megatron rule: residual output projections are scaled by 1/sqrt(2L)."""
-    if name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
+    """GPT-2 / Megatron rule: residual output projections are scaled by 1/sqrt(2L) (an MoE
+    block's routed and shared experts' second layers too)."""
+    if name.endswith(
+        ("attn.proj.weight", "mlp.fc2.weight", "experts.fc2.weight", "shared.fc2.weight")
+    ):
         return base_std / math.sqrt(2 * num_layers)
     return base_std
 

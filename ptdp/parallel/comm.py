@@ -181,6 +181,26 @@ class _GatherFromCP(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.g, dim=ctx.dim), None, None
 
 
+class _SumAcross(torch.autograd.Function):
+    """All-reduce forward; all-reduce backward. Every member's loss reads the sum (the
+    mixture-of-experts balancing loss of a sequence split over cp), and the members' losses
+    are averaged like any other: each input's gradient is the sum of theirs."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _all_reduce(x.clone(), g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.g), None
+
+
+def sum_across(x: torch.Tensor, g: Group) -> torch.Tensor:
+    """The sum of `x` over the group on every member, differentiable (`_SumAcross`)."""
+    return x if g.size == 1 else _SumAcross.apply(x, g)
+
+
 def gather_from_cp(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
     """Concatenate the group's `x` along `dim` in rank order, with the conjugate backward."""
     return x if g.size == 1 else _GatherFromCP.apply(x, g, dim)

@@ -10,6 +10,9 @@ Two roles change how a parameter's gradient is reduced, counted and saved:
 - A *sequence-parallel* parameter is replicated over the tensor group but each rank
   applies it to its own sequence slice (norms, row-parallel biases, learned positions,
   under sequence parallelism): its gradient is a partial sum, summed over the tensor group.
+  A mixture-of-experts router's weight and its experts' output bias are partial sums over
+  the tensor group in the same way, with or without sequence parallelism (`ptdp.model.moe`),
+  and carry the same role.
 
 The record names parameters as `named_parameters()` of the module that owns it does: a
 GPT chunk's names are global (layers keyed by their global index), so the records of a

@@ -11,6 +11,9 @@ W action. `linear` below is `F.linear` whose weight-gradient GEMM a `WeightGradS
 put off: during a split backward (`WeightGradStore.deferring`) it keeps (X, dY) instead of
 computing dW, and `flush` computes the kept GEMMs later. Everything else of the backward
 (norms, biases, embeddings, attention) runs in B as usual, so W walks no graph.
+`grouped_linear` is the same for a mixture-of-experts layer's experts: weights [e, m, k],
+each expert's rows of X times its own matrix, the weight gradients one grouped product at
+W (`ptdp.parallel.grouped`).
 
 What a store changes is opted into per microbatch: only a forward run under `capture`
 (or recomputed under `deferring`) uses the deferrable function; any other forward is the
@@ -27,9 +30,24 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from ptdp.parallel.grouped import GemmKernel, choose_gemm, grouped_mm, grouped_wgrad
+
+
+class Kept(NamedTuple):
+    """One weight-gradient GEMM put off: param's gradient is dy^T x."""
+
+    param: torch.Tensor
+    x: torch.Tensor
+    """[n, k]"""
+    dy: torch.Tensor
+    """[n, m]"""
+    counts: torch.Tensor | None = None
+    """Rows per expert of a grouped weight [e, m, k] (`grouped_linear`); None: [m, k]."""
 
 
 class WeightGradStore:
@@ -38,7 +56,7 @@ class WeightGradStore:
     def __init__(self) -> None:
         self._capturing = False
         self._key: Hashable | None = None
-        self._pending: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._pending: dict[Hashable, list[Kept]] = {}
 
     @property
     def active(self) -> bool:
@@ -68,17 +86,25 @@ class WeightGradStore:
         finally:
             self._key = None
 
-    def put(self, param: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> None:
-        """Keep x [n, k] and dy [n, m] for param [m, k] under the current key."""
-        self._pending.setdefault(self._key, []).append((param, x, dy))
+    def put(
+        self,
+        param: torch.Tensor,
+        x: torch.Tensor,
+        dy: torch.Tensor,
+        counts: torch.Tensor | None = None,
+    ) -> None:
+        """Keep x [n, k] and dy [n, m] for param [m, k] (or [e, m, k] with each expert's
+        rows `counts`) under the current key."""
+        self._pending.setdefault(self._key, []).append(Kept(param, x, dy, counts))
 
     def flush(self, key: Hashable) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The W action: compute the GEMMs kept under `key`, in the order B produced them;
         returns (parameter, gradient) pairs, each gradient in the parameter's dtype, as
         autograd would accumulate it (the GEMM runs in the forward's compute dtype)."""
         grads = []
-        for param, x, dy in self._pending.pop(key, []):
-            grads.append((param, dy.t().mm(x).to(param.dtype)))
+        for param, x, dy, counts in self._pending.pop(key, []):
+            grad = dy.t().mm(x) if counts is None else grouped_wgrad(dy, x, counts)
+            grads.append((param, grad.to(param.dtype)))
         return grads
 
     def keys(self) -> list[Hashable]:
@@ -151,3 +177,51 @@ def linear(
         with torch.autocast(device, enabled=False):
             return _DeferrableLinear.apply(x, weight, bias, (param,), store)
     return _DeferrableLinear.apply(x, weight, bias, (param,), store)
+
+
+class _DeferrableGroupedLinear(torch.autograd.Function):
+    """Y_i = X_i W_i^T per expert i; backward: dX now, dW now or kept in the store. The
+    kernel chosen in forward (`choose_gemm`) runs the backward's products too."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, param, store, kernel):
+        ctx.save_for_backward(x, weight, counts)
+        (ctx.param,) = param
+        ctx.store, ctx.kernel = store, kernel
+        return grouped_mm(x, weight.transpose(1, 2), counts, kernel)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, counts = ctx.saved_tensors
+        dx = grouped_mm(dy, weight, counts, ctx.kernel) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            store = ctx.store
+            if store is not None and store.deferring_key is not None:
+                store.put(ctx.param, x, dy, counts)
+            else:
+                dw = grouped_wgrad(dy, x, counts, ctx.kernel)
+        return dx, dw, None, None, None, None
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counts: torch.Tensor,
+    store: WeightGradStore | None = None,
+    kernel: GemmKernel | None = None,
+) -> torch.Tensor:
+    """x [n, k], rows grouped by expert (`counts` [e] each), times each expert's
+    weight [e, m, k] transposed -> [n, m]: the experts' `linear`, whose weight gradient
+    `store` may defer to W as `linear`'s is. Computed in the autocast dtype under autocast,
+    as `linear` is. `weight` must be a leaf (a parameter)."""
+    param, device = weight, x.device.type
+    store = store if store is not None and store.active else None
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        with torch.autocast(device, enabled=False):
+            kernel = kernel or choose_gemm(x, weight)
+            return _DeferrableGroupedLinear.apply(x, weight, counts, (param,), store, kernel)
+    kernel = kernel or choose_gemm(x, weight)
+    return _DeferrableGroupedLinear.apply(x, weight, counts, (param,), store, kernel)

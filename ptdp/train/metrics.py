@@ -125,7 +125,21 @@ def format_line(r: dict[str, Any]) -> str:
             if "loss_scale" in r
             else ""
         )
+        + _moe_part(r)
     )
+
+
+def _moe_part(r: dict[str, Any]) -> str:
+    """The mixture-of-experts figures of a record (ptdp/train/step/moe.py), if any."""
+    if "moe_aux_loss" not in r:
+        return ""
+    text = f" | moe aux {r['moe_aux_loss']:.4f}"
+    if "moe_z_loss" in r:
+        text += f" | moe z {r['moe_z_loss']:.4f}"
+    text += f" | load max/mean {r['moe_load_max_over_mean']:.2f}"
+    if "moe_dropped" in r:
+        text += f" | dropped {r['moe_dropped']:,.0f}"
+    return text
 
 
 def _percent(fraction: float | None) -> str:

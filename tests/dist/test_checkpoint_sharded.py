@@ -168,3 +168,34 @@ def test_uneven_stages_reshard(tiny_data: str, tmp_path: Path) -> None:
     assert {k.split(".")[1] for k in full if k.startswith("layers.")} == {"0", "1", "2", "3"}
     targets = {"one": (1, {}), "pp2-3-1": (2, {"pp": 2, "pipeline_layers": [3, 1]})}
     _check_resharding(tmp_path, tiny_data, tmp_path / "ref", targets, {})
+
+
+MOE = {
+    **LLAMA, "bias": True, "num_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01,
+    "moe_bias_update_rate": 0.01, "moe_shared_experts": 1,
+}  # fmt: skip
+"""SwiGLU experts with biases: fc1 [e, 2f, h] split on dim 1 in two blocks, its bias
+[e, 2f] alike, fc2 [e, h, f] split on dim 2; the routers' balancing biases (buffers)."""
+
+
+def _moe_save(rank: int, world: int, data: str, root: str) -> None:
+    env = LaunchEnv(rank, world, rank)
+    cfg = _config(data, Path(root) / "ref", 4, {"tp": 2}, MOE, train={"save_interval": 3})
+    _write(root, "ref", rank, train(cfg, env=env).losses)
+
+
+def test_moe_experts_and_biases_reshard(tiny_data: str, tmp_path: Path) -> None:
+    """Grouped expert weights saved at tp=2 restore in one process and at pp=2, and a
+    one-process checkpoint at tp=2, each to the saving layout's next loss (the routing, and
+    so the loss, depends on the restored balancing biases)."""
+    run_ranks(_moe_save, 2, tiny_data, str(tmp_path))
+    step_dir = tmp_path / "ref" / "checkpoints" / SAVED
+    keys = ckpt.read_metadata(step_dir).state_dict_metadata
+    assert "model/layers.0.mlp.experts.fc1.weight@parts2dim1" in keys  # stored (e, 2, f, h)
+    assert "model/layers.0.mlp.router.expert_bias" in keys
+    full = ckpt.load_checkpoint(step_dir)["model"]
+    assert full["layers.0.mlp.experts.fc2.weight"].shape == (4, 32, 128)
+    assert full["layers.0.mlp.router.expert_bias"].abs().sum() > 0
+    targets = {"one": (1, {}), "pp2": (2, {"pp": 2})}
+    _check_resharding(tmp_path, tiny_data, tmp_path / "ref", targets, MOE)
+    _check_resharding(tmp_path, tiny_data, tmp_path / "one", {"from-one": (2, {"tp": 2})}, MOE)

@@ -41,6 +41,8 @@ class Layout:
     """ZeRO-3: parameters kept gathered from forward to backward."""
     cp: int = 1
     cp_comm: str = "ring"
+    moe: str = ""
+    """A key of MOE: the MLPs become mixture-of-experts blocks of that variant."""
 
     @property
     def world(self) -> int:
@@ -55,13 +57,29 @@ class Layout:
             parts += [self.schedule] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
         parts += ["sp"] * self.sp + [f"zero{self.zero}"] * (self.zero > 0)
         parts += [f"rc-{self.recompute}"] * (self.recompute != "none") + ["llama"] * self.llama
-        parts += ["keep"] * self.keep
+        parts += ["keep"] * self.keep + [self.moe] * bool(self.moe)
         return "-".join(parts)
 
 
 ROTARY_FAMILIES = {"qkv_bias": True, "sliding_window": 6}
 """The llama layouts also carry Qwen2's QKV-only bias (split with the heads) and Mistral's
 sliding window (shorter than the 16-token sequence, so attention takes the masked path)."""
+
+_MOE = {"num_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
+MOE = {
+    "moe": _MOE,
+    # DeepSeek-V3's options: sigmoid scores renormalised, a shared expert, the balancing bias
+    # moved by the global batch's loads, a dense first layer.
+    "moe-shared-bias": _MOE | {
+        "moe_score_function": "sigmoid", "moe_renormalize": True, "moe_routed_scaling": 2.5,
+        "moe_shared_experts": 1, "moe_bias_update_rate": 0.01, "moe_first_dense_layers": 1,
+    },
+    # Capacity drops (per microbatch, so with dp the same samples drop the same choices),
+    # every other layer MoE.
+    "moe-capacity": _MOE | {"moe_capacity_factor": 1.0, "moe_layer_freq": 2},
+}  # fmt: skip
+"""Mixture-of-experts variants (model keys): 4 experts, 2 per token, every layout routes
+every token as one process does (tests compare the per-step expert loads exactly)."""
 
 I = "interleaved"
 GRID = [
@@ -114,6 +132,21 @@ GRID = [
     Layout(cp=2, dp=2, zero=3),  # parameters and state sharded over the 4 replicas of dp*cp
     Layout(cp=2, pp=2, schedule="zb-h1", llama=True),
     Layout(cp=2, dp=2, zero=2, recompute="full"),
+    # mixture of experts, world 2 and 4
+    Layout(tp=2, sp=True, moe="moe"),
+    Layout(tp=2, recompute="full", llama=True, moe="moe"),  # SwiGLU experts split over tp
+    Layout(pp=2, moe="moe"),
+    Layout(pp=2, schedule="zb-h1", moe="moe"),  # expert weight gradients deferred to W
+    Layout(dp=2, zero=1, moe="moe"),
+    Layout(dp=2, zero=3, recompute="selective", moe="moe"),
+    Layout(cp=2, moe="moe"),  # the balancing loss over the whole sequence
+    Layout(dp=2, moe="moe-shared-bias"),
+    Layout(dp=2, moe="moe-capacity"),
+    Layout(pp=2, vpp=2, schedule="zb-v", moe="moe-shared-bias"),
+    Layout(tp=2, dp=2, sp=True, zero=1, moe="moe-shared-bias"),
+    Layout(tp=2, pp=2, schedule="zb-h1", sp=True, llama=True, moe="moe-capacity"),
+    Layout(cp=2, pp=2, recompute="full", moe="moe-shared-bias"),
+    Layout(pp=2, dp=2, vpp=2, schedule=I, zero=2, moe="moe-capacity"),
     # world 8
     Layout(tp=2, pp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule=I, sp=True, zero=1, recompute="full"),
@@ -130,9 +163,12 @@ GRID = [
 ]
 
 
-def _config(data: str, run_dir: Path, layout: Layout | None, llama: bool) -> RunConfig:
+def _config(
+    data: str, run_dir: Path, layout: Layout | None, llama: bool, moe: str = ""
+) -> RunConfig:
     model = {"num_layers": 8, "hidden_size": 32, "num_heads": 4, "seq_length": 16}
     model |= LLAMA | ROTARY_FAMILIES if llama else {"tie_embeddings": True}
+    model |= MOE.get(moe, {})
     parallel = {"bucket_mb": 0.01}
     if layout is not None:
         parallel |= {
@@ -162,7 +198,7 @@ def _config(data: str, run_dir: Path, layout: Layout | None, llama: bool) -> Run
 def _run_layouts(rank: int, world_size: int, data: str, root: str, names: list[str]) -> None:
     for layout in (x for x in GRID if x.name in names):
         run_dir = Path(root) / layout.name
-        cfg = _config(data, run_dir, layout, layout.llama)
+        cfg = _config(data, run_dir, layout, layout.llama, layout.moe)
         result = train(cfg, env=LaunchEnv(rank, world_size, rank))
         if rank == 0:
             (run_dir / "result.json").write_text(
@@ -176,11 +212,17 @@ def _run_layouts(rank: int, world_size: int, data: str, root: str, names: list[s
             )
 
 
-def _reference(data: str, root: Path, llama: bool) -> tuple[Path, dict, dict]:
-    run_dir = root / ("single-llama" if llama else "single")
-    result = train(_config(data, run_dir, None, llama))
+def _reference(data: str, root: Path, llama: bool, moe: str = "") -> tuple[Path, dict, dict]:
+    run_dir = root / ("-".join(["single"] + ["llama"] * llama + [moe] * bool(moe)))
+    result = train(_config(data, run_dir, None, llama, moe))
     as_json = json.loads(json.dumps({"l": result.losses, "g": result.grad_norms}))
     return run_dir, as_json["l"], as_json["g"]
+
+
+def _moe_figures(run_dir: Path) -> list[tuple]:
+    """Each step's expert loads per layer (exact: counts) and dropped choices."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["moe_load"], r.get("moe_dropped")) for r in records if "moe_load" in r]
 
 
 def test_grid_covers_the_issue() -> None:
@@ -191,22 +233,28 @@ def test_grid_covers_the_issue() -> None:
         "tp": {1, 2}, "pp": {1, 2, 4}, "dp": {1, 2}, "vpp": {1, 2},
         "schedule": {"1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"}, "sp": {True, False},
         "zero": {0, 1, 2, 3}, "recompute": {"none", "selective", "full"}, "cp": {1, 2, 4},
-        "cp_comm": {"ring", "allgather"},
+        "cp_comm": {"ring", "allgather"}, "moe": {"", *MOE},
     }.items():  # fmt: skip
         assert values <= {getattr(x, attr) for x in GRID}, attr
+    moe = {x for x in GRID if x.moe}
+    for attr, value in {
+        "tp": 2, "sp": True, "pp": 2, "schedule": "zb-h1", "zero": 3, "cp": 2, "recompute": "full",
+    }.items():  # fmt: skip
+        assert any(getattr(x, attr) == value for x in moe), attr
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_every_layout_matches_one_process(tiny_data: str, tmp_path: Path, world: int) -> None:
     layouts = [x for x in GRID if x.world == world]
-    refs = {llama: _reference(tiny_data, tmp_path, llama) for llama in {x.llama for x in layouts}}
+    kinds = {(x.llama, x.moe) for x in layouts}
+    refs = {kind: _reference(tiny_data, tmp_path, *kind) for kind in kinds}
     run_ranks(
         _run_layouts, world, tiny_data, str(tmp_path), [x.name for x in layouts],
         timeout_s=120 * len(layouts),
     )  # fmt: skip
     results = {}
     for layout in layouts:
-        single, losses, norms = refs[layout.llama]
+        single, losses, norms = refs[(layout.llama, layout.moe)]
         run_dir = tmp_path / layout.name
         got = json.loads((run_dir / "result.json").read_text())
         results[layout] = got
@@ -214,6 +262,8 @@ def test_every_layout_matches_one_process(tiny_data: str, tmp_path: Path, world:
         for step, norm in norms.items():
             assert got["grad_norms"][step] == pytest.approx(norm, rel=1e-5), (layout.name, step)
         assert_same_run(single, run_dir, losses, got["losses"])
+        if layout.moe:  # the same tokens went to the same experts, every layer and step
+            assert _moe_figures(run_dir) == _moe_figures(single), layout.name
     # The distributed optimizer keeps 1/dp of the state (up to one bucket's padding).
     for layout, got in results.items():
         if layout.zero and layout.dp > 1:

@@ -323,6 +323,26 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         ("train.on_nan = 'rewind' is not valid", "skip, stop, rollback"),
     ),
     (
+        "moe-key-on-a-dense-model",
+        lambda c: c.train(model={"moe_top_k": 4}),
+        ConfigError,
+        ("model.moe_top_k = 4 set but model.num_experts = 0", "set --model.num_experts"),
+    ),
+    (
+        "moe-top-k-over-experts",
+        lambda c: c.train(model={"num_experts": 2, "moe_top_k": 3}),
+        ConfigError,
+        ("model.moe_top_k = 3 exceeds model.num_experts = 2", "use a top_k <= 2"),
+    ),
+    (
+        "moe-capacity-with-context-parallelism",
+        lambda c: c.train(
+            world=2, parallel={"cp": 2}, model={"num_experts": 4, "moe_capacity_factor": 1.25}
+        ),
+        ConfigError,
+        ("model.moe_capacity_factor = 1.25 with parallel.cp = 2", "--model.moe_capacity_factor 0"),
+    ),
+    (
         "tp-not-dividing-heads",
         lambda c: c.train(world=3, parallel={"tp": 3}),
         ConfigError,

@@ -235,7 +235,7 @@ def test_split_backward_stash_matches_what_b_keeps_for_w(options, recompute) -> 
     params = list(model.parameters())
     with model.wgrad.deferring(0):
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-    kept = [t for _, x, dy in model.wgrad._pending[0] for t in (x, dy)]
+    kept = [t for k in model.wgrad._pending[0] for t in (k.x, k.dy)]
     kept += [g for g in grads if g is not None]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
     measured = sum(storages.values())

@@ -57,6 +57,12 @@ class Piece:
         return buffers.owned_params(buf, bucket)[at : at + self.hi - self.lo]
 
 
+def decays(name: str, param: torch.Tensor) -> bool:
+    """Whether weight decay applies: matrices and embeddings, not norms or biases (an MoE
+    block's expert biases are [experts, features], matrices by shape only)."""
+    return param.dim() >= 2 and not name.endswith("bias")
+
+
 class Optimizer:
     """AdamW over this rank's pieces; `step()` updates them and refreshes the parameters."""
 
@@ -93,8 +99,8 @@ class Optimizer:
                     at += p.numel()
                 self.pieces += mine
                 self.by_bucket.append((buf, bucket, mine))
-        decay = [x.master for x in self.pieces if x.param.dim() >= 2]
-        no_decay = [x.master for x in self.pieces if x.param.dim() < 2]
+        decay = [x.master for x in self.pieces if decays(x.name, x.param)]
+        no_decay = [x.master for x in self.pieces if not decays(x.name, x.param)]
         self.inner = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": cfg.weight_decay},

@@ -42,6 +42,7 @@ from ptdp.train.faults.events import append_event
 from ptdp.train.faults.numerical import FaultMonitor
 from ptdp.train.faults.watchdog import Watchdog
 from ptdp.train.step.loss_scale import DynamicLossScaler
+from ptdp.train.step.moe import MoESteps
 from ptdp.train.step.optim import Optimizer, lr_at, set_lr
 from ptdp.train.step.pipelined import (
     Microbatch,
@@ -138,6 +139,13 @@ class Trainer:
             if cfg.train.profile_timeline
             else None
         )
+        self.moe = MoESteps(
+            self.chunks,
+            dp_cp=self.mesh.axis("dp_cp"),
+            pp=self.pp,
+            num_experts=cfg.model.num_experts,
+        )
+        """The MoE layers' loss scale, loads, bias updates and log figures (none if dense)."""
         self.pipeline = self._pipeline_step(by_stage, dtype) if layout.pp > 1 else None
         self.step = 0
         world = Group(None, env.world_size, env.rank) if env.world_size > 1 else Group.single()
@@ -260,10 +268,15 @@ class Trainer:
         self.grads.zero_grad()
         if self.recorder:
             self.recorder.clear()  # keep the last step only
+        # A microbatch's MoE balancing losses enter the step's loss as its own loss does.
+        self.moe.begin_step(scale / self.layout.num_microbatches)
         if self.pipeline is None:
             total = self._accumulate(batch, self.layout.num_microbatches, scale)
         else:  # the runtime starts and finishes the gradient reduction
             total = self.pipeline.train(batch, scale)
+        balancing = self.moe.end_step()  # on every stage that holds MoE layers
+        if balancing is not None:
+            total = total + balancing
         all_reduce_sum_(total, self.pp)  # the loss lives on the last stage
         all_reduce_mean_(total, self.mesh.axis("dp_cp"))  # equal token counts: the mean
         return total
@@ -297,11 +310,14 @@ class Trainer:
         self.optimizer.step(found_inf)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (mean loss over the global batch, grad norm)."""
+        """One optimizer step; returns (mean loss over the global batch, MoE balancing losses
+        included, grad norm)."""
         with self.around("forward-backward"):
             total = self.forward_backward()
         with self.around("optimizer step"):
-            grad_norm, _ = self.optimizer_step(total)
+            grad_norm, skipped = self.optimizer_step(total)
+            if not skipped:
+                self.moe.update_biases()
         self.step += 1
         return total, grad_norm
 

@@ -1,0 +1,124 @@
+"""The mixture-of-experts rules of `ptdp.layout.validate`: what the model.moe_* keys must
+hold on their own and against the layout, each message naming the key and the fix.
+
+Pure (no torch.distributed), so a bad MoE setting fails before any process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from ptdp.config import ModelConfig, RunConfig, ScoreFunction
+
+_DEFAULTS = ModelConfig()
+MOE_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name.startswith("moe_"))
+"""The keys that only a mixture-of-experts model reads (num_experts > 0)."""
+
+
+def moe_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
+    """Append what is wrong with the MoE settings of `cfg` to `errors`. `runtime`: also what
+    ptdp's MoE layers lack at run time (compile), which a modelled run need not."""
+    m = cfg.model
+    if m.num_experts < 0:
+        errors.append(f"model.num_experts = {m.num_experts} must be >= 0 (0 = a dense model)")
+        return
+    if m.num_experts == 0:
+        _dense_rules(m, errors)
+        return
+    before = len(errors)
+    _value_rules(m, errors)
+    if len(errors) > before:
+        return
+    if m.moe_top_k > m.num_experts:
+        errors.append(
+            f"model.moe_top_k = {m.moe_top_k} exceeds model.num_experts = {m.num_experts}: a "
+            f"token cannot pick more experts than there are; use a top_k <= {m.num_experts}"
+        )
+    if m.moe_first_dense_layers >= m.num_layers > 0:
+        errors.append(
+            f"model.moe_first_dense_layers = {m.moe_first_dense_layers} leaves no MoE layer in "
+            f"model.num_layers = {m.num_layers}; use fewer dense layers (< {m.num_layers}) or "
+            "set --model.num_experts 0 for a dense model"
+        )
+    if m.moe_softmax_after_topk and m.moe_score_function is ScoreFunction.SIGMOID:
+        errors.append(
+            "model.moe_softmax_after_topk = true softmaxes the chosen logits (Mixtral), but "
+            "model.moe_score_function = sigmoid; set --model.moe_score_function softmax or "
+            "--model.moe_softmax_after_topk false"
+        )
+    if 0 < m.moe_capacity_factor < 1:
+        errors.append(
+            f"model.moe_capacity_factor = {m.moe_capacity_factor} would drop tokens even under "
+            "a perfect balance; use 0 (dropless) or a factor >= 1 (e.g. 1.25)"
+        )
+    if m.moe_shared_ffn_hidden_size and not m.moe_shared_experts:
+        errors.append(
+            f"model.moe_shared_ffn_hidden_size = {m.moe_shared_ffn_hidden_size} sizes shared "
+            "experts, but model.moe_shared_experts = 0; set --model.moe_shared_experts 1 or "
+            "drop moe_shared_ffn_hidden_size"
+        )
+    _layout_rules(cfg, errors, runtime)
+
+
+def _dense_rules(m: ModelConfig, errors: list[str]) -> None:
+    """A dense model: every moe_* key at its default, so none is silently ignored."""
+    changed = [k for k in MOE_KEYS if getattr(m, k) != getattr(_DEFAULTS, k)]
+    if changed:
+        keys = ", ".join(f"model.{k} = {_show(getattr(m, k))}" for k in changed)
+        errors.append(
+            f"{keys} set but model.num_experts = 0 (a dense model, which reads no moe_* key); "
+            "set --model.num_experts (e.g. 8) for a mixture-of-experts model, or drop "
+            f"{'it' if len(changed) == 1 else 'them'}"
+        )
+
+
+def _value_rules(m: ModelConfig, errors: list[str]) -> None:
+    if m.moe_top_k < 1:
+        errors.append(f"model.moe_top_k = {m.moe_top_k} must be >= 1 (experts per token)")
+    if m.moe_layer_freq < 1:
+        errors.append(
+            f"model.moe_layer_freq = {m.moe_layer_freq} must be >= 1 (1 = every layer is MoE)"
+        )
+    at_least_zero = (
+        "moe_ffn_hidden_size", "moe_shared_experts", "moe_shared_ffn_hidden_size",
+        "moe_first_dense_layers", "moe_capacity_factor", "moe_aux_loss_coeff",
+        "moe_z_loss_coeff", "moe_bias_update_rate",
+    )  # fmt: skip
+    for name in at_least_zero:
+        value = getattr(m, name)
+        if value < 0:
+            errors.append(f"model.{name} = {value} must be >= 0")
+    if not m.moe_routed_scaling > 0:
+        errors.append(
+            f"model.moe_routed_scaling = {m.moe_routed_scaling} must be > 0 (1 = unscaled)"
+        )
+
+
+def _layout_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
+    m, p = cfg.model, cfg.parallel
+    if m.moe_capacity_factor and p.cp > 1:
+        errors.append(
+            f"model.moe_capacity_factor = {m.moe_capacity_factor} with parallel.cp = {p.cp}: "
+            "which token-choices an expert drops depends on the routing of the whole "
+            "sequence, which context parallelism splits over ranks; use dropless routing "
+            "(--model.moe_capacity_factor 0) or --parallel.cp 1"
+        )
+    widths = (
+        ("routed expert", "moe_ffn_hidden_size", m.moe_ffn_size),
+        ("shared expert", "moe_shared_ffn_hidden_size", m.moe_shared_ffn_size),
+    )
+    for what, key, width in widths:
+        if width % p.tp:
+            errors.append(
+                f"the {what} width {width} (model.{key}) is not divisible by parallel.tp = "
+                f"{p.tp}; choose a width that is a multiple of {p.tp}"
+            )
+    if runtime and cfg.train.compile:
+        errors.append(
+            f"train.compile with model.num_experts = {m.num_experts} is not built (each "
+            "expert's batch size depends on the routing); set --train.compile false"
+        )
+
+
+def _show(value: object) -> str:
+    return getattr(value, "value", value) if not isinstance(value, bool) else str(value).lower()

@@ -1,0 +1,90 @@
+"""The routed experts of a mixture-of-experts layer as grouped weights, split over the
+tensor group like the dense MLP.
+
+Shapes: n = rows (token-choices sorted by expert), e = experts on this rank (all of them
+until expert parallelism splits them), h = hidden, f = one expert's inner width, t = tp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ptdp.parallel.comm import Group
+from ptdp.parallel.init import ShardSpec
+from ptdp.parallel.wgrad import WeightGradStore, grouped_linear
+
+
+def _param(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape))
+    if spec is not None and spec.size > 1:
+        param.tp_shard = spec  # ptdp.parallel.init: how to slice and gather it
+    return param
+
+
+class GroupedLinear(nn.Module):
+    """The parameters of e linear layers side by side: weight [e, out, in], bias [e, out].
+    `split`: the dim (1 = out, 2 = in) split over `tp`, in `parts` blocks (SwiGLU)."""
+
+    def __init__(
+        self, e: int, out: int, inp: int, *, tp: Group, split: int, bias: bool, parts: int = 1
+    ) -> None:
+        super().__init__()
+        full = out if split == 1 else inp
+        if full % (tp.size * parts):
+            raise ValueError(f"{full} expert features do not split over {tp.size} ranks")
+        spec = ShardSpec(dim=split, full_size=full, padded_size=full, size=tp.size, parts=parts)
+        shape = [e, out, inp]
+        shape[split] //= tp.size
+        self.weight = _param(tuple(shape), spec)
+        self.bias = _param((e, shape[1]), spec if split == 1 else None) if bias else None
+
+
+class GroupedExperts(nn.Module):
+    """e MLPs h -> f -> h (GeLU, or SwiGLU with fc1's rows [gate; up] per expert).
+
+    fc1 [e, parts * f/t, h] is split by columns and fc2 [e, h, f/t] by rows, as in the
+    dense MLP, so a rank's output rows are partial sums over the tensor group: the caller
+    reduces them once, after the combine (`ptdp.model.moe.MoE`). fc2's bias [e, h] is
+    replicated and added on tensor rank 0 only (zero times it elsewhere, so every rank's
+    parameter still receives a gradient); its gradient is summed over the group. The
+    products go through `grouped_linear`, whose weight gradients a zero-bubble W can take.
+    Rows are picked with `index_select`, whose backward (`index_add_`) sums in a fixed order
+    on a CPU, unlike advanced indexing's (`index_put_`, threaded), so runs repeat bitwise.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_size: int,
+        *,
+        tp: Group,
+        swiglu: bool,
+        bias: bool,
+        wgrad: WeightGradStore | None = None,
+    ) -> None:
+        super().__init__()
+        self.swiglu, self.wgrad = swiglu, wgrad
+        parts = 2 if swiglu else 1
+        e, h, f = num_experts, hidden_size, ffn_size
+        self.fc1 = GroupedLinear(e, parts * f, h, tp=tp, split=1, bias=bias, parts=parts)
+        self.fc2 = GroupedLinear(e, h, f, tp=tp, split=2, bias=bias)
+        self.bias_share = 1.0 if tp.rank == 0 else 0.0
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """x [n, h] grouped by expert (`counts` [e] rows each; `expert` [n] of each row) ->
+        this rank's partial sums [n, h]."""
+        y = grouped_linear(x, self.fc1.weight, counts, self.wgrad)
+        if self.fc1.bias is not None:
+            y = y + self.fc1.bias.index_select(0, expert)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate="tanh")
+        y = grouped_linear(y, self.fc2.weight, counts, self.wgrad)
+        if self.fc2.bias is not None:
+            y = y + self.fc2.bias.index_select(0, expert) * self.bias_share
+        return y

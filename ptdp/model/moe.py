@@ -1,0 +1,234 @@
+"""The mixture-of-experts block that replaces a layer's MLP (GShard, Lepikhin et al. 2020,
+arXiv 2006.16668; Switch, arXiv 2101.03961; Mixtral, Qwen3-MoE and DeepSeek-V3 options).
+
+Shapes: s = sequence, b = micro-batch, h = hidden, t = tokens (s * b), e = experts,
+k = experts per token, n = expert rows (the kept token-choices), tp = tensor-parallel size.
+
+A block runs in three steps, kept apart so that expert parallelism can put an all-to-all
+between them: `plan_dispatch` sorts the token-choices by expert (dropping those over
+capacity), the experts compute their rows (`GroupedExperts`), `combine` scatters the rows
+back to their tokens, weighted. Under tensor parallelism every rank routes the whole
+sequence (gathered under sequence parallelism) and computes its 1/tp of every expert; the
+weighted partial sums are reduced once, as the dense MLP's are (all-reduce, or
+reduce-scatter under sequence parallelism).
+
+The balancing losses reach the gradient as terms of the step's loss would, on any pipeline
+stage: `_BalancingGrad` returns the block's output unchanged and, in backward, also starts
+the losses' backward, scaled by `MoEState.grad_scale` (1 / microbatches, times the fp16
+loss scale), which the trainer sets each step (Megatron's MoEAuxLossAutoScaler idea).
+`MoEState` also sums each layer's statistics over the step for the log and the bias update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ptdp.config import Activation, ModelConfig
+from ptdp.model.experts import GroupedExperts
+from ptdp.model.parts import MLP, TPContext
+from ptdp.model.router import Router, RouterOptions, Routing, balancing_loss, z_loss
+from ptdp.parallel import comm
+from ptdp.parallel.roles import NO_ROLES, ParamRoles
+
+
+@dataclass
+class LayerStats:
+    """One MoE layer's figures over a step's microbatches on this rank (device tensors)."""
+
+    routed: torch.Tensor
+    """[e] int64: token-choices routed to each expert (before any capacity cut)."""
+    dropped: torch.Tensor
+    """int64: token-choices dropped over capacity."""
+    aux: torch.Tensor
+    """fp32: the balancing loss (coefficient included), summed over microbatches."""
+    z: torch.Tensor
+    """fp32: the z-loss (coefficient included), summed over microbatches."""
+    microbatches: int = 0
+
+
+@dataclass
+class MoEState:
+    """What a model chunk's MoE layers share with the trainer; no module-level state."""
+
+    grad_scale: float = 1.0
+    """d(step loss) / d(a microbatch's balancing loss): 1 / microbatches, times the fp16 loss
+    scale (1: the loss a plain `backward()` of one forward starts from)."""
+    stats: dict[int, LayerStats] = field(default_factory=dict)
+    """This step's figures by global layer index."""
+    _recomputing: bool = False
+
+    def begin_step(self, grad_scale: float) -> None:
+        self.grad_scale, self.stats = grad_scale, {}
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """A forward recomputed in backward (activation checkpointing): not counted again."""
+        self._recomputing = True
+        try:
+            yield
+        finally:
+            self._recomputing = False
+
+    def record(self, layer: int, routed, dropped, aux, z) -> None:
+        """Add one training forward's figures (aux, z: tensors or None)."""
+        if self._recomputing:
+            return
+        zero = torch.zeros((), device=routed.device)
+        aux = zero if aux is None else aux.detach().float()
+        z = zero if z is None else z.detach().float()
+        if layer not in self.stats:
+            self.stats[layer] = LayerStats(routed.clone(), dropped.clone(), aux, z)
+        else:
+            s = self.stats[layer]
+            s.routed, s.dropped = s.routed + routed, s.dropped + dropped
+            s.aux, s.z = s.aux + aux, s.z + z
+        self.stats[layer].microbatches += 1
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Which token-choice each expert row computes: rows grouped by expert."""
+
+    choice: torch.Tensor
+    """[n] the flat index (token * k + j) of each row's token-choice."""
+    expert: torch.Tensor
+    """[n] each row's expert."""
+    counts: torch.Tensor
+    """[e] rows of each expert."""
+    routed: torch.Tensor
+    """[e] token-choices routed to each expert, before the capacity cut."""
+    dropped: torch.Tensor
+    """Token-choices over capacity (0 when dropless)."""
+
+
+def capacity(factor: float, tokens: int, top_k: int, num_experts: int) -> int:
+    """Token-choices an expert keeps per microbatch: ceil(factor * t * k / e); 0 = all."""
+    return math.ceil(factor * tokens * top_k / num_experts) if factor > 0 else 0
+
+
+def plan_dispatch(routing: Routing, num_experts: int, cap: int = 0) -> Dispatch:
+    """Sort the token-choices by expert, in token order within an expert. With a capacity
+    `cap` > 0 an expert keeps its `cap` choices of highest weight (equal weights: the
+    earlier token), its rows then in that order, and the rest are dropped."""
+    flat = routing.experts.reshape(-1)
+    routed = torch.bincount(flat, minlength=num_experts)
+    if cap <= 0:
+        order = torch.sort(flat, stable=True).indices
+        return Dispatch(order, flat[order], routed, routed, routed.new_zeros(()))
+    by_weight = torch.sort(routing.weights.detach().reshape(-1), descending=True, stable=True)
+    order = by_weight.indices[torch.sort(flat[by_weight.indices], stable=True).indices]
+    expert = flat[order]
+    first = routed.cumsum(0) - routed  # each expert's first row in `order`
+    keep = torch.arange(len(order), device=flat.device) - first[expert] < cap
+    order, expert = order[keep], expert[keep]
+    counts = torch.bincount(expert, minlength=num_experts)
+    return Dispatch(order, expert, counts, routed, len(flat) - counts.sum())
+
+
+def combine(rows: torch.Tensor, plan: Dispatch, weights: torch.Tensor) -> torch.Tensor:
+    """Expert rows [n, h] -> tokens [t, h]: each token's sum of its choices' rows times their
+    weights [t, k], in fp32 and in choice order (deterministic); a dropped choice adds 0."""
+    t, k = weights.shape
+    per_choice = rows.new_zeros(t * k, rows.shape[-1]).index_copy(0, plan.choice, rows)
+    out = (per_choice.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(1)
+    return out.to(rows.dtype)
+
+
+class _BalancingGrad(torch.autograd.Function):
+    """Identity on the block's output forward; backward also sends `scale` to `loss` (a
+    scalar), the gradient it gets as a term of the step's loss."""
+
+    @staticmethod
+    def forward(ctx, out, loss, scale):
+        ctx.scale, ctx.dtype, ctx.device = scale, loss.dtype, loss.device
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, dtype=ctx.dtype, device=ctx.device), None
+
+
+class MoE(nn.Module):
+    """Router, routed experts and optional shared experts: [s, b, h] -> [s, b, h] (or
+    [s/tp, b, h] in and out under sequence parallelism).
+
+    Collectives: forward all-gathers the sequence (sequence parallelism) and reduces the
+    experts' partial sums (all-reduce, or reduce-scatter); backward the conjugates (and the
+    input gradient's reduction over tp of `copy_to_tp`). The router's weight and fc2's bias
+    have partial gradients per tensor rank, summed over the group (`param_roles`).
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, *, layer: int, state: MoEState) -> None:
+        super().__init__()
+        self.ctx, self.layer, self.state = ctx, layer, state
+        self.num_experts, self.top_k = cfg.num_experts, cfg.moe_top_k
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
+        self.bias_update_rate = cfg.moe_bias_update_rate
+        opts = RouterOptions.from_config(cfg)
+        self.router = Router(cfg.hidden_size, opts, bias=cfg.moe_bias_update_rate > 0)
+        self.experts = GroupedExperts(
+            cfg.num_experts,
+            cfg.hidden_size,
+            cfg.moe_ffn_size,
+            tp=ctx.tp,
+            swiglu=cfg.activation is Activation.SWIGLU,
+            bias=cfg.bias,
+            wgrad=ctx.wgrad,
+        )
+        self.shared = None
+        if cfg.moe_shared_experts:  # a dense MLP every token goes through
+            self.shared = MLP(cfg, ctx, ffn_size=cfg.moe_shared_ffn_size)
+
+    def param_roles(self) -> ParamRoles:
+        """Replicated weights whose gradient is a partial sum per tensor rank (the shared
+        MLP's layers name their own)."""
+        if self.ctx.tp.size == 1 and not self.ctx.sequence_parallel:
+            return NO_ROLES
+        names = {"router.weight"}
+        if self.experts.fc2.bias is not None:
+            names.add("experts.fc2.bias")
+        return ParamRoles(sequence_parallel=frozenset(names))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp, sp = self.ctx.tp, self.ctx.sequence_parallel
+        full = comm.gather_from_sp(x, tp) if sp else comm.copy_to_tp(x, tp)  # [s, b, h]
+        s, b, h = full.shape
+        tokens = full.reshape(s * b, h)
+        routing = self.router(tokens)
+        cap = capacity(self.capacity_factor, s * b, self.top_k, self.num_experts)
+        plan = plan_dispatch(routing, self.num_experts, cap)
+        # Expert parallelism: an all-to-all of the rows (and counts) here, and back below.
+        rows = self.experts(
+            tokens.index_select(0, plan.choice // self.top_k), plan.counts, plan.expert
+        )
+        out = combine(rows, plan, routing.weights).view(s, b, h)
+        out = comm.reduce_scatter_to_sp(out, tp) if sp else comm.reduce_from_tp(out, tp)
+        if self.training:
+            out = self._balance(out, routing, plan)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+    def _balance(self, out: torch.Tensor, routing: Routing, plan: Dispatch) -> torch.Tensor:
+        """Record the figures; attach the balancing losses' gradient to `out`."""
+        aux = z = None
+        if self.aux_coeff:
+            probs, cp = routing.probs, self.ctx.cp
+            aux = self.aux_coeff * balancing_loss(probs, plan.routed, self.top_k, cp)
+        if self.z_coeff:
+            z = self.z_coeff * z_loss(routing.logits)
+        self.state.record(self.layer, plan.routed, plan.dropped, aux, z)
+        losses = [loss for loss in (aux, z) if loss is not None and loss.requires_grad]
+        if not losses:
+            return out
+        # Every tensor rank holds the same losses; each sends 1/tp of their gradient, which
+        # the reductions over the group (input, router weight) add up to the whole.
+        scale = self.state.grad_scale / self.ctx.tp.size
+        return _BalancingGrad.apply(out, sum(losses), scale)

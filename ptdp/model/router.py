@@ -1,0 +1,144 @@
+"""The router of a mixture-of-experts layer: scores, the choice of each token's experts, their
+combine weights, and the balancing losses (Switch Transformers, Fedus et al. 2021, arXiv
+2101.03961; ST-MoE's z-loss, Zoph et al. 2022, arXiv 2202.08906; DeepSeek-V3's
+auxiliary-loss-free bias, arXiv 2412.19437).
+
+Shapes: t = tokens (s * b), e = experts, k = experts per token, h = hidden.
+
+Every layout must route every token as one process does, since a choice is discontinuous:
+the logits are computed in fp32 from replicated weights on the whole sequence (every
+tensor rank routes the same tokens), and the top-k is a stable sort, so equal scores go to
+the lower expert index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ptdp.config import ModelConfig, ScoreFunction
+from ptdp.parallel import comm
+from ptdp.parallel.comm import Group
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    """How scores become choices and weights (the model.moe_* keys of the router)."""
+
+    num_experts: int
+    top_k: int
+    score: ScoreFunction = ScoreFunction.SOFTMAX
+    softmax_after_topk: bool = False
+    renormalize: bool = False
+    scaling: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> RouterOptions:
+        return cls(
+            cfg.num_experts,
+            cfg.moe_top_k,
+            cfg.moe_score_function,
+            cfg.moe_softmax_after_topk,
+            cfg.moe_renormalize,
+            cfg.moe_routed_scaling,
+        )
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where each token goes, and the tensors the balancing losses read (fp32)."""
+
+    experts: torch.Tensor
+    """[t, k] int64: each token's experts, best first."""
+    weights: torch.Tensor
+    """[t, k]: the weight of each chosen expert's output in the token's sum."""
+    logits: torch.Tensor
+    """[t, e]: the router's logits (the z-loss)."""
+    probs: torch.Tensor
+    """[t, e]: each token's probability of each expert, summing to 1 (the balancing loss):
+    the softmax of the logits, or the sigmoid scores normalised."""
+
+
+def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[t, e] -> [t, k] indices of the k highest scores, highest first; equal scores in
+    expert order (a stable sort), the same on every rank and every device."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, opts: RouterOptions) -> Routing:
+    """Choices and weights from fp32 logits [t, e]. `bias` [e] (DeepSeek-V3) is added to the
+    scores for the choice only; the weights come from the unbiased scores."""
+    if opts.score is ScoreFunction.SIGMOID:
+        scores = logits.sigmoid()
+        probs = scores / scores.sum(-1, keepdim=True)
+    else:
+        scores = probs = logits.softmax(-1)
+    if opts.softmax_after_topk:  # Mixtral: the top-k logits, then a softmax over them
+        scores = logits
+    chosen = top_k(scores if bias is None else scores + bias, opts.top_k)
+    weights = scores.gather(1, chosen)
+    if opts.softmax_after_topk:
+        weights = weights.softmax(-1)
+    if opts.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    if opts.scaling != 1.0:
+        weights = weights * opts.scaling
+    return Routing(chosen, weights, logits, probs)
+
+
+class Router(nn.Module):
+    """Logits = x W^T with W [e, h], in fp32 whatever the training precision, then `route`.
+
+    W is replicated over the tensor group. Its gradient on a tensor rank is a partial sum
+    (the combine weights meet that rank's partial expert outputs; `MoE` scales the balancing
+    losses by 1/t), so the owning model names it for a sum over the group (`param_roles`).
+    With `bias`, a persistent fp32 buffer [e] (`expert_bias`, saved in checkpoints) holds
+    DeepSeek-V3's balancing bias, moved after each step by `update_bias`.
+    """
+
+    def __init__(self, hidden_size: int, opts: RouterOptions, *, bias: bool = False) -> None:
+        super().__init__()
+        self.opts = opts
+        self.weight = nn.Parameter(torch.empty(opts.num_experts, hidden_size))
+        self.expert_bias: torch.Tensor | None
+        if bias:
+            self.register_buffer("expert_bias", torch.zeros(opts.num_experts))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x [t, h] -> the tokens' routing."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
+        bias = None if self.expert_bias is None else self.expert_bias.float()
+        return route(logits, bias, self.opts)
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float) -> None:
+        """bias_e += rate * sign(mean load - load_e): `load` [e] is the token-choices each
+        expert received over the global batch, the same on every rank, so are the biases."""
+        load = load.to(self.expert_bias.device, torch.float64)
+        self.expert_bias += rate * torch.sign(load.mean() - load).float()
+
+
+def balancing_loss(
+    probs: torch.Tensor, routed: torch.Tensor, top_k: int, cp: Group
+) -> torch.Tensor:
+    """Switch's load-balancing loss without its coefficient: e * sum_i f_i P_i over the
+    microbatch's tokens, f_i the share of the t * k token-choices routed to expert i
+    (`routed` [e], before any capacity cut) and P_i its mean probability. Under context
+    parallelism the tokens are the whole sequence's: the sums are taken over the cp group
+    (P's differentiably), so every member holds the one-process value."""
+    tokens = probs.shape[0] * cp.size
+    share = comm.all_reduce_value(routed.to(probs.dtype), cp) / (tokens * top_k)
+    mean_probs = comm.sum_across(probs.sum(0), cp) / tokens
+    return probs.shape[1] * (share * mean_probs).sum()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss without its coefficient: mean over tokens of logsumexp^2. Under
+    context parallelism each member's mean of its own tokens (they average like the loss)."""
+    return torch.logsumexp(logits, dim=-1).square().mean()

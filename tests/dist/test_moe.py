@@ -1,0 +1,89 @@
+"""Mixture-of-experts blocks split over a tensor group (gloo on CPU) against one process:
+every token's chosen experts in every layer (not only the loss), the loss, every gradient
+gathered back to full shape, and the logits; `sum_across`'s backward. The training-level
+equivalence (every parallel dimension) is the grid's (tests/dist/test_grid.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ptdp.config import ModelConfig
+from ptdp.model.gpt import GPT
+from ptdp.parallel import comm
+from ptdp.parallel.comm import Group
+from ptdp.parallel.grads import reduce_sequence_parallel_grads
+from ptdp.parallel.init import full_tensor, shard_spec
+from tests.dist.harness import run_ranks
+
+pytestmark = pytest.mark.dist
+
+CFG = ModelConfig(
+    num_layers=3, hidden_size=32, num_heads=4, seq_length=16, vocab_size=64, num_experts=4,
+    moe_top_k=2, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01, moe_capacity_factor=1.0,
+    moe_shared_experts=1, moe_first_dense_layers=1,
+)  # fmt: skip
+SWIGLU = {"activation": "swiglu", "bias": False, "moe_score_function": "sigmoid"}
+
+
+def _routes(model: GPT) -> dict[int, list]:
+    """Each MoE layer's chosen experts per forward, by layer, as hooks record them."""
+    seen: dict[int, list] = {}
+    for i, block in model.moe_layers().items():
+        block.router.register_forward_hook(
+            lambda _m, _a, out, i=i: seen.setdefault(i, []).append(out.experts.clone())
+        )
+    return seen
+
+
+def _check_block(tp: Group, options: dict, sp: bool) -> None:
+    cfg = replace(CFG, **options)
+    ref, model = GPT(cfg, seed=3), GPT(cfg, seed=3, tp=tp, sequence_parallel=sp)
+    ref_routes, routes = _routes(ref), _routes(model)
+    torch.manual_seed(11)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17))
+    loss_ref = ref(tokens[:, :-1], tokens[:, 1:])
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    # Every tensor rank routes the whole sequence, exactly as one process does.
+    assert sorted(routes) == sorted(ref_routes) == [1, 2]
+    for i in routes:
+        assert torch.equal(routes[i][0], ref_routes[i][0]), (i, sp)
+        both = comm.all_gather_objects(routes[i][0].tolist(), tp.group, tp.size)
+        assert both[0] == both[1]
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
+    loss_ref.backward()
+    loss.backward()
+    reduce_sequence_parallel_grads(model, model.roles, tp)
+    one = Group.single()  # drops the vocabulary padding of the reference's embedding too
+    grads = {n: full_tensor(p.grad, shard_spec(p), one) for n, p in ref.named_parameters()}
+    for name, p in model.named_parameters():
+        got = full_tensor(p.grad, shard_spec(p), tp)
+        torch.testing.assert_close(got, grads[name], rtol=1e-5, atol=1e-6, msg=f"{name} sp={sp}")
+    for i, block in model.moe_layers().items():  # the same figures on every rank
+        stats, want = block.state.stats[i], ref.moe.stats[i]
+        assert torch.equal(stats.routed, want.routed) and torch.equal(stats.dropped, want.dropped)
+        torch.testing.assert_close(stats.aux, want.aux)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(tokens[:1, :-1]), ref.eval()(tokens[:1, :-1]))
+
+
+def _check_sum_across(g: Group) -> None:
+    x = torch.full((3,), float(g.rank + 1), requires_grad=True)
+    y = comm.sum_across(x, g)
+    assert torch.equal(y.detach(), torch.full((3,), 3.0))
+    (y * (g.rank + 1)).sum().backward()  # each member's loss reads the sum
+    assert torch.equal(x.grad, torch.full((3,), 3.0))  # d(sum of the losses)/dx
+
+
+def _check(rank: int, world_size: int) -> None:
+    tp = Group(None, world_size, rank)
+    _check_sum_across(tp)
+    for options in ({}, SWIGLU):
+        for sp in (False, True):
+            _check_block(tp, options, sp)
+
+
+def test_tensor_parallel_moe_routes_and_computes_as_one_process() -> None:
+    run_ranks(_check, 2)
