@@ -36,7 +36,8 @@ def family(cfg: ModelConfig) -> str:
     if cfg.num_experts:
         raise ConfigError(
             f"cannot export to Hugging Face: model.num_experts = {cfg.num_experts} (a "
-            "mixture-of-experts model) has no exporter yet (Mixtral and Qwen3-MoE come later)"
+            "mixture-of-experts model) has no exporter; ptdp exports dense GPT-2, Llama, "
+            "Mistral and Qwen2 models, and its checkpoints keep the MoE weights"
         )
     if cfg.position_embedding is PositionEmbedding.LEARNED:
         kind, why = "gpt2", "model.position_embedding = learned"
