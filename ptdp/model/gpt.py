@@ -227,23 +227,17 @@ class TransformerLayer(nn.Module):
     ) -> torch.Tensor:
         if self.recompute_full and self.training:
             # Full recomputation: store only the layer input, redo the layer in backward.
+            # An MoE block counts its figures in the first forward only; a dense layer
+            # passes no context_fn, which torch.compile would have to trace.
+            extra = {"context_fn": self._recompute_contexts} if isinstance(self.mlp, MoE) else {}
             return checkpoint(
-                self._forward,
-                x,
-                rotary,
-                None,
-                positions,
-                use_reentrant=False,
-                context_fn=self._recompute_contexts,
+                self._forward, x, rotary, None, positions, use_reentrant=False, **extra
             )
         return self._forward(x, rotary, cache, positions)
 
     def _recompute_contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:
-        """Around the first forward and around its recomputation: an MoE block's figures
-        are counted in the first only."""
-        if isinstance(self.mlp, MoE):
-            return contextlib.nullcontext(), self.mlp.state.recomputing()
-        return contextlib.nullcontext(), contextlib.nullcontext()
+        """Around the first forward and around its recomputation (MoE layers only)."""
+        return contextlib.nullcontext(), self.mlp.state.recomputing()
 
 
 class GPT(nn.Module):

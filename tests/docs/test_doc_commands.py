@@ -94,6 +94,6 @@ def test_every_command_of_the_page_runs_and_prints_what_it_shows(
 
 def test_a_page_without_commands_is_still_read() -> None:
     """Guards the parametrisation: the pages exist and hold command blocks."""
-    counts = {p.name: sum(b.is_command for b in blocks(p)) for p in pages()}
+    counts = {str(p.relative_to(ROOT)): sum(b.is_command for b in blocks(p)) for p in pages()}
     assert counts["README.md"] >= 2
     assert len(counts) >= 10, counts
