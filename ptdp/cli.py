@@ -169,6 +169,8 @@ def _perf_parser(sub: Subparsers, name: str, **kw: str) -> argparse.ArgumentPars
     _opt(p, "--device", "a100-80gb", systems, metavar="NAME|FILE")
     software = "kernels and overlap of this runtime, or the paper's Megatron-LM/DeepSpeed runs"
     _opt(p, "--software", "ptdp", software, choices=list(SOFTWARE))
+    load = "mixture of experts: the busiest expert's load over the mean, scaling expert GEMMs"
+    _opt(p, "--moe-load-imbalance", 1.0, load, metavar="X")
     p.add_argument("--json", action="store_true", help=f"print the {name} result as JSON")
     return p
 

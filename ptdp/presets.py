@@ -6,6 +6,28 @@ Mistral 7B v0.1 (Jiang et al. 2023, arXiv 2310.06825). `seq_length` is the conte
 was pretrained at (Llama 3: 8192; Qwen2.5: 4096 before its long-context stage; Mistral:
 8192 with a 4096-token sliding window), not the longest it serves; override it with
 --model.seq_length. The paper's GPTs are in `ptdp.perf.validate.paper`.
+
+Mixtures of experts, from their `config.json` likewise: Mixtral 8x7B (Jiang et al. 2024,
+arXiv 2401.04088; 32768-token context), Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen3
+technical report, arXiv 2505.09388; 4096 tokens in its first two pretraining stages)
+and DeepSeek-V3 (arXiv 2412.19437; 4096 tokens before its context extension). Where
+ptdp's model cannot express a published shape, the preset says what differs:
+
+- Qwen3 sets head_dim = 128 apart from hidden / heads and normalises each head's queries
+  and keys (RMSNorm). ptdp's heads are hidden / heads wide (64 for both Qwen3 presets) and
+  have no q/k norm, so their attention holds half the published weights: 452,997,120
+  fewer parameters in qwen3-30b-a3b (30.08B total, 2.90B active against 30.5B and 3.3B)
+  and 3,351,272,960 fewer in qwen3-235b-a22b (231.7B and 18.8B against 235B and 22B),
+  and half the attention FLOPs.
+- deepseek-v3-moe is DeepSeek-V3's mixture of experts (61 layers, h 7168, 256 routed
+  experts of width 2048, top-8, one shared expert, 3 dense layers of width 18432, sigmoid
+  scores renormalised and scaled by 2.5, the bias update of its auxiliary-loss-free
+  balancing) with ordinary multi-head attention (128 heads of 56, its config.json's
+  128 key/value heads) standing in for Multi-head Latent Attention, and without its
+  node-limited group routing (n_group 8, topk_group 4), its sequence-wise balancing loss
+  and its multi-token-prediction module. Its attention holds 205,520,896 parameters a
+  layer against MLA's 187,107,328, so it counts 672.1B total and 38.7B active against the
+  published 671B and 37B (MLA's count gives 671.0B and 37.6B).
 """
 
 from __future__ import annotations
@@ -42,6 +64,13 @@ def _shape(layers: int, hidden: int, heads: int, groups: int, ffn: int) -> dict[
     }
 
 
+def _moe(experts: int, top_k: int, width: int, **keys: Any) -> dict[str, Any]:
+    return {"num_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden_size": width} | keys
+
+
+_QWEN3 = _LLAMA | {"vocab_size": 151936, "rope_theta": 1e6, "norm_eps": 1e-6, "seq_length": 4096}
+_QWEN3_MOE = _moe(128, 8, 0, moe_renormalize=True, moe_aux_loss_coeff=0.001)
+
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "llama3-8b": _LLAMA3 | _shape(32, 4096, 32, 8, 14336),
     "llama3-70b": _LLAMA3 | _shape(80, 8192, 64, 8, 28672),
@@ -55,6 +84,24 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "mistral-7b": _LLAMA
     | _shape(32, 4096, 32, 8, 14336)
     | {"vocab_size": 32000, "rope_theta": 10000.0, "sliding_window": 4096, "seq_length": 8192},
+    "mixtral-8x7b": _LLAMA
+    | _shape(32, 4096, 32, 8, 14336)
+    | {"vocab_size": 32000, "rope_theta": 1e6, "seq_length": 32768}
+    | _moe(8, 2, 14336, moe_softmax_after_topk=True, moe_aux_loss_coeff=0.02),
+    "qwen3-30b-a3b": _QWEN3
+    | _shape(48, 2048, 32, 4, 6144)
+    | _QWEN3_MOE
+    | {"moe_ffn_hidden_size": 768},
+    "qwen3-235b-a22b": _QWEN3
+    | _shape(94, 4096, 64, 4, 12288)
+    | _QWEN3_MOE
+    | {"moe_ffn_hidden_size": 1536},
+    "deepseek-v3-moe": _LLAMA
+    | _shape(61, 7168, 128, 128, 18432)
+    | {"vocab_size": 129280, "rope_theta": 10000.0, "norm_eps": 1e-6, "seq_length": 4096}
+    | _moe(256, 8, 2048, moe_score_function="sigmoid", moe_renormalize=True)
+    | {"moe_routed_scaling": 2.5, "moe_bias_update_rate": 0.001}
+    | {"moe_shared_experts": 1, "moe_first_dense_layers": 3},
 }
 """name -> model section, as a TOML file would spell it."""
 

@@ -9,7 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ptdp.config import Precision, RunConfig, given_keys
-from ptdp.perf.cost.costs import SOFTWARE
+from ptdp.errors import ConfigError
+from ptdp.perf.cost.costs import SOFTWARE, Software
 from ptdp.perf.cost.hardware import System, load_system
 from ptdp.perf.validate.paper import ALL_PRESETS, perf_config
 
@@ -31,6 +32,14 @@ def modelled_config(
     return replace(cfg, train=replace(cfg.train, precision=Precision.BF16))
 
 
+def software_of(args: argparse.Namespace) -> Software:
+    """The runtime `--software` names, with `--moe-load-imbalance`."""
+    load = getattr(args, "moe_load_imbalance", 1.0)
+    if not load >= 1.0:
+        raise ConfigError(f"--moe-load-imbalance {load} must be >= 1 (1 = a perfect balance)")
+    return replace(SOFTWARE[args.software], moe_load_imbalance=load)
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     from ptdp.perf.report import simulation_output
     from ptdp.perf.simulate.simulator import default_world_size, simulate
@@ -38,7 +47,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     system = load_system(args.device)
     cfg = modelled_config(args.model, args.config, args.overrides, system)
     gpus = default_world_size(cfg) if args.gpus is None else args.gpus
-    prediction = simulate(cfg, system, gpus, software=SOFTWARE[args.software])
+    prediction = simulate(cfg, system, gpus, software=software_of(args))
     out = Path(args.out or Path(cfg.train.run_dir) / "simulation")
     print(simulation_output(prediction, system, out, args.json, cfg, args.software))
     return 0
@@ -54,7 +63,7 @@ def run_plan(args: argparse.Namespace) -> int:
     old = {k: v for k, v in vars(args).items() if "." in k and v not in (None, "0", "auto")}
     overrides = [text for key, value in old.items() for text in (f"--{key}", str(value))]
     overrides += args.overrides
-    system, software = load_system(args.device), SOFTWARE[args.software]
+    system, software = load_system(args.device), software_of(args)
     base, pins = plan_request(
         modelled_config(args.model, args.config, overrides, system), overrides, args.top
     )

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.config import RopeScaling
+from ptdp.config import Activation, RopeScaling
 from ptdp.model.gpt import GPT, count_parameters
 from ptdp.parallel.comm import Group
 from ptdp.perf.cost.flops import flops_per_token
-from ptdp.perf.cost.parameters import parameters_per_stage
+from ptdp.perf.cost.parameters import model_size, parameters_per_stage, tensors_per_stage
 from ptdp.perf.validate.paper import model_config
 from ptdp.presets import MODEL_PRESETS, model_preset
 
@@ -26,16 +26,64 @@ PUBLISHED = {
     "llama3.1-405b": 405_853_388_800,
     "qwen2.5-7b": 7_615_616_512,
     "mistral-7b": 7_241_732_096,
+    "mixtral-8x7b": 46_702_792_704,
 }
 """Parameters of the released checkpoints (the sum of their safetensors shapes; the model
-cards round them to 8.03B, 70.6B, 405B, 7.61B and 7.24B)."""
+cards round them to 8.03B, 70.6B, 405B, 7.61B, 7.24B and 46.7B)."""
+
+ROUNDED = {
+    "mixtral-8x7b": ("46.7", "12.9"),
+    "qwen3-30b-a3b": ("30.5", "3.3"),
+    "qwen3-235b-a22b": ("235", "22"),
+    "deepseek-v3-moe": ("671", "37"),
+}
+"""Total and active parameters in billions as the model cards and papers give them."""
+
+
+def _published_attention(name: str) -> int:
+    """Parameters the published attention holds beyond the preset's (the presets' doc):
+    Qwen3's 128-wide heads with q/k norms, DeepSeek-V3's Multi-head Latent Attention."""
+    m = model_preset(name)
+    h, heads, groups = m.hidden_size, m.num_heads, m.query_groups
+    ours = 2 * h * h + 2 * h * groups * m.head_dim
+    if name.startswith("qwen3"):
+        return m.num_layers * (2 * h * heads * 128 + 2 * h * groups * 128 + 2 * 128 - ours)
+    if name == "deepseek-v3-moe":  # q_lora 1536, kv_lora 512, rope 64, nope 128, v 128
+        q = h * 1536 + 1536 + 1536 * heads * (128 + 64)
+        kv = h * (512 + 64) + 512 + 512 * heads * (128 + 128)
+        return m.num_layers * (q + kv + heads * 128 * h - ours)
+    return 0
 
 
 def test_every_preset_has_its_published_size() -> None:
-    assert PUBLISHED.keys() == MODEL_PRESETS.keys()
+    assert PUBLISHED.keys() | ROUNDED.keys() == MODEL_PRESETS.keys()
     for name, published in PUBLISHED.items():
         model = model_preset(name)
         assert sum(parameters_per_stage(model)) == published, name
+        assert model_size(model).total == published, name
+
+
+@pytest.mark.parametrize("name", ROUNDED)
+def test_moe_presets_have_their_published_total_and_active(name: str) -> None:
+    size, extra = model_size(model_preset(name)), _published_attention(name)
+    for ours, published in zip((size.total + extra, size.active + extra), ROUNDED[name]):
+        unit = 10.0 ** -len(published.partition(".")[2])  # the last digit they print
+        assert abs(ours / 1e9 - float(published)) < unit, (name, ours, published)
+    assert sum(parameters_per_stage(model_preset(name))) == size.total
+    # What ptdp's attention lacks (doc of ptdp.presets): Qwen3's half-width heads, and
+    # DeepSeek-V3's stand-in holding more than MLA.
+    expected = {"qwen3-30b-a3b": 452_997_120, "qwen3-235b-a22b": 3_351_272_960}
+    expected["deepseek-v3-moe"] = -61 * (205_520_896 - 187_107_328)
+    assert extra == expected.get(name, 0)
+
+
+def test_active_parameters_are_the_top_k_experts() -> None:
+    cfg = replace(model_preset("mixtral-8x7b"), num_layers=2)
+    expert = 3 * 4096 * 14336
+    size = model_size(cfg)
+    assert size.total - size.active == 2 * (8 - 2) * expert
+    dense = model_preset("mistral-7b")
+    assert model_size(dense).active == model_size(dense).total
 
 
 @pytest.mark.parametrize("name", MODEL_PRESETS)
@@ -54,9 +102,39 @@ def test_the_count_is_the_models_own(name: str) -> None:
         seq_length=16,
         sliding_window=min(model_preset(name).sliding_window, 8),
     )
+    if cfg.num_experts:  # a first dense layer where the family has them, then MoE layers
+        first = min(cfg.moe_first_dense_layers, 1)
+        cfg = replace(cfg, num_layers=3, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32)
+        cfg = replace(cfg, moe_first_dense_layers=first)
     assert sum(parameters_per_stage(cfg)) == count_parameters(GPT(cfg))
     rank0 = GPT(cfg, tp=Group(None, 2, 0))  # builds its shards only: no collective runs
     assert parameters_per_stage(cfg, tp=2)[0] == count_parameters(rank0, full=False)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_an_moe_count_is_the_models_own(bias: bool) -> None:
+    # Biases on the experts and the shared MLP, GeLU and SwiGLU, every other layer MoE.
+    act = "gelu" if bias else "swiglu"
+    cfg = replace(
+        model_preset("deepseek-v3-moe"),
+        num_layers=4, hidden_size=64, num_heads=4, num_query_groups=2, ffn_hidden_size=96,
+        vocab_size=100, make_vocab_size_divisible_by=1, seq_length=16, bias=bias,
+        num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32, moe_shared_ffn_hidden_size=48,
+        moe_first_dense_layers=1, moe_layer_freq=2, activation=Activation(act),
+    )  # fmt: skip
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert sum(parameters_per_stage(cfg)) == count_parameters(GPT(cfg))
+    assert model_size(cfg).total == count_parameters(GPT(cfg))
+    rank0 = GPT(cfg, tp=Group(None, 2, 0))
+    assert parameters_per_stage(cfg, tp=2)[0] == count_parameters(rank0, full=False)
+    stages = (
+        GPT(cfg, layers=range(0, 2), has_embedding=True, has_head=False),
+        GPT(cfg, layers=range(2, 4), has_embedding=False, has_head=True),
+    )
+    held = [count_parameters(s, full=False) for s in stages]
+    assert parameters_per_stage(cfg, 1, 2) == held
+    tensors = [len(list(s.parameters())) for s in stages]
+    assert tensors_per_stage(cfg, 2) == tensors
 
 
 def test_presets_carry_their_family_options() -> None:

@@ -69,10 +69,11 @@ def cp_layer_seconds(
     c: Compute,
     cp: int = 1,
     comm: CpComm = CpComm.RING,
+    moe: bool = False,
 ) -> Passes:
     """`costs.layer_seconds` of one cp rank: the s/cp-token layer, its attention the cp
     blocks of s/cp tokens the ring computes (all-gather: 1/cp of the whole sequence's
-    kernel), plus the exposed K/V transfers (module doc)."""
+    kernel), plus the exposed K/V transfers (module doc); `moe`: an MoE layer."""
     local = local_model(model, cp)
     passes = layer_seconds(
         local,
@@ -81,6 +82,7 @@ def cp_layer_seconds(
         sequence_parallel=sequence_parallel,
         recompute=recompute,
         c=c,
+        moe=moe,
     )
     if cp == 1:
         return passes

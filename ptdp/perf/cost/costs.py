@@ -62,6 +62,7 @@ from ptdp.config import Activation, ModelConfig, Precision, Recompute
 from ptdp.perf.cost.hardware import Link, System
 from ptdp.perf.cost.kernels import Call, layer_traffic
 from ptdp.perf.cost.memory import head_activation_bytes, layer_activation_bytes
+from ptdp.perf.cost.moe import dense_equivalent, routed_rows
 from ptdp.perf.cost.parameters import element_bytes
 
 
@@ -130,6 +131,10 @@ class Software:
     """The norms run under PyTorch's autocast, which computes them in fp32 and, in eager
     16-bit training, keeps each norm input's fp32 copy for backward (`ptdp.perf.cost.memory`);
     Megatron's fused LayerNorm kernels keep the 16-bit input (False)."""
+    moe_load_imbalance: float = 1.0
+    """Mixture of experts: the busiest routed expert's token-choices over the mean, scaling
+    the routed experts' GEMM time (`ptdp.perf.cost.moe`); 1.0 = a perfect balance, or
+    ptdp's grouped GEMM on a rank holding every expert."""
 
 
 PTDP = Software()
@@ -252,18 +257,25 @@ class Compute:
         )
 
 
-def layer_gemms(model: ModelConfig, micro_batch: int, tp: int) -> list[Gemm]:
-    """The four linear layers of a transformer layer on one tensor rank (forward)."""
+def layer_gemms(
+    model: ModelConfig, micro_batch: int, tp: int, moe: bool = False, load: float = 1.0
+) -> list[Gemm]:
+    """The four linear layers of a transformer layer on one tensor rank (forward); `moe`:
+    with a mixture-of-experts block for the MLP, its router, the e routed experts' GEMMs of
+    the busiest expert's rows (`load`: over the mean) and the shared experts' MLP."""
     h, f, t = model.hidden_size, model.ffn_size, tp
     tokens = micro_batch * model.seq_length
     qkv = h + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
-    return [
-        Gemm(tokens, qkv // t, h),
-        Gemm(tokens, h, h // t),
-        Gemm(tokens, f * parts // t, h),
-        Gemm(tokens, h, f // t),
-    ]
+    attention = [Gemm(tokens, qkv // t, h), Gemm(tokens, h, h // t)]
+    if not moe:
+        return [*attention, Gemm(tokens, f * parts // t, h), Gemm(tokens, h, f // t)]
+    rows, e, fe = routed_rows(model, tokens, load), model.num_experts, model.moe_ffn_size
+    gemms = [*attention, Gemm(tokens, e, h)]  # the router, on every tensor rank
+    gemms += [Gemm(rows, fe * parts // t, h, e), Gemm(rows, h, fe // t, e)]
+    if fs := model.moe_shared_ffn_size:
+        gemms += [Gemm(tokens, fs * parts // t, h), Gemm(tokens, h, fs // t)]
+    return gemms
 
 
 def attention_core(model: ModelConfig, micro_batch: int, tp: int, c: Compute) -> Passes:
@@ -375,29 +387,35 @@ def layer_seconds(
     sequence_parallel: bool,
     recompute: Recompute,
     c: Compute,
+    moe: bool = False,
 ) -> Passes:
-    """One transformer layer, one microbatch, on one GPU (communication included)."""
-    linears = c.linears(layer_gemms(model, micro_batch, tp))
+    """One transformer layer, one microbatch, on one GPU (communication included); `moe`:
+    one whose MLP is a mixture of experts (`ptdp.perf.cost.moe`)."""
+    gemms = layer_gemms(model, micro_batch, tp, moe, c.software.moe_load_imbalance)
+    linears = c.linears(gemms)
     core = attention_core(model, micro_batch, tp, c)
-    kw = dict(micro_batch=micro_batch, tp=tp, sequence_parallel=sequence_parallel)
+    kw = dict(micro_batch=micro_batch, tp=tp, sequence_parallel=sequence_parallel, moe=moe)
     fused = c.software.fused_attention
     stored = layer_activation_bytes(
         model, recompute=Recompute.NONE, precision=c.precision, fused_attention=fused, **kw
     )
+    del kw["moe"]
     fixed_f, fixed_b = c.system.device.layer_overhead  # measured: holds every launch
     launches = 0.0 if fixed_f or fixed_b else c.software.elementwise_kernels
     launch = launches * c.system.device.kernel_overhead
     if c.system.device.memory_kernels:  # each kernel at its own measured bandwidth
-        f, b = layer_traffic(model, e=c.e, device=c.system.device, **kw)
+        kernels = dense_equivalent(model) if moe else model
+        f, b = layer_traffic(kernels, e=c.e, device=c.system.device, **kw)
         traffic, traffic_b = f + launch, b + c.software.backward_traffic_ratio * launch
     else:
         traffic = c.stream(c.software.elementwise_traffic * stored) + launch
         traffic_b = c.software.backward_traffic_ratio * traffic
     boundary = micro_batch * model.seq_length * model.hidden_size * c.e
     link = group_link(c.system, tp, 1)
-    comm = 2 * all_reduce_seconds(boundary, tp, link)
+    pairs = 3 if moe and model.moe_shared_experts else 2  # the shared MLP reduces apart
+    comm = pairs * all_reduce_seconds(boundary, tp, link)
     if sequence_parallel and c.system.device.gloo:  # reduce-scatters run as all-reduces
-        comm += 2 * gather_seconds(boundary, tp, link)  # so the all-gathers come on top
+        comm += pairs * gather_seconds(boundary, tp, link)  # so the all-gathers come on top
     comm_f = comm_b = comm
     if c.software.tp_comm_overlap:
         comm_f, comm_b = max(0.0, comm - linears.f), max(0.0, comm - linears.b - linears.w)
@@ -411,7 +429,12 @@ def layer_seconds(
         passes += Passes(0.0, forward, 0.0)
     elif recompute is Recompute.SELECTIVE:  # the attention core's forward again
         kept = layer_activation_bytes(
-            model, recompute=Recompute.SELECTIVE, precision=c.precision, fused_attention=fused, **kw
+            model,
+            recompute=Recompute.SELECTIVE,
+            precision=c.precision,
+            fused_attention=fused,
+            moe=moe,
+            **kw,
         )  # with fused attention nothing of the core is stored, so only the kernel reruns
         redo = core.f + c.stream(c.software.elementwise_traffic * (stored - kept))
         passes += Passes(0.0, redo, 0.0)

@@ -12,6 +12,11 @@ and with no recomputation it is the "model FLOPs" form 72 B s l h^2 (1 + s/(6h) 
 of Korthikanti et al. 2022. The generic per-GEMM sum below also covers SwiGLU, other MLP
 widths and grouped-query attention.
 
+A mixture-of-experts layer (`ModelConfig.is_moe_layer`) counts, for its MLP, what a token
+goes through: the router's logits (2 h e), its k routed experts of width moe_ffn and the
+shared experts' MLP; the experts it was not sent to cost it nothing. With a capacity
+factor the dropped token-choices are still counted (the count assumes none is dropped).
+
 Utilisation: model FLOPs utilisation (MFU) divides the FLOPs without recomputation by the
 time and the dense peak of the devices; hardware FLOPs utilisation (HFU) counts what the
 devices execute, recomputation included. Peaks are dense tensor-core rates: the 2:4
@@ -25,13 +30,26 @@ import re
 from ptdp.config import Activation, ModelConfig, Recompute
 
 
-def layer_forward_flops_per_token(cfg: ModelConfig) -> tuple[float, float]:
-    """(GEMM FLOPs, attention-core FLOPs) of one layer's forward, per token."""
-    h, f, s = cfg.hidden_size, cfg.ffn_size, cfg.seq_length
+def mlp_forward_flops_per_token(cfg: ModelConfig, moe: bool = False) -> float:
+    """FLOPs of one layer's MLP forward per token: the dense MLP, or (`moe`) the router,
+    the k routed experts and the shared experts a token goes through."""
+    per_width = (6 if cfg.activation is Activation.SWIGLU else 4) * cfg.hidden_size
+    if not moe:
+        return per_width * cfg.ffn_size
+    router = 2 * cfg.hidden_size * cfg.num_experts
+    return router + per_width * (cfg.moe_top_k * cfg.moe_ffn_size + cfg.moe_shared_ffn_size)
+
+
+def layer_forward_flops_per_token(
+    cfg: ModelConfig, layer: int | None = None
+) -> tuple[float, float]:
+    """(GEMM FLOPs, attention-core FLOPs) of one layer's forward, per token: of layer
+    `layer` (global index), a mixture of experts where the config says; None = dense."""
+    h, s = cfg.hidden_size, cfg.seq_length
     kv = cfg.query_groups * cfg.head_dim
     qkv = 2 * h * (h + 2 * kv)
     proj = 2 * h * h
-    mlp = (6 if cfg.activation is Activation.SWIGLU else 4) * h * f
+    mlp = mlp_forward_flops_per_token(cfg, layer is not None and cfg.is_moe_layer(layer))
     span = min(s, cfg.sliding_window) if cfg.sliding_window else s  # keys a query may read
     core = 4 * span * h  # scores QK^T and the weighted sum over V, 2 span h each
     return qkv + proj + mlp, core
@@ -39,11 +57,20 @@ def layer_forward_flops_per_token(cfg: ModelConfig) -> tuple[float, float]:
 
 def flops_per_token(cfg: ModelConfig, recompute: Recompute = Recompute.NONE) -> float:
     """Training FLOPs (forward + backward = 3x forward, plus any recomputation) per token."""
-    gemm, core = layer_forward_flops_per_token(cfg)
-    extra = {Recompute.NONE: 0.0, Recompute.SELECTIVE: core, Recompute.FULL: gemm + core}
-    layers = cfg.num_layers * (3 * (gemm + core) + extra[recompute])
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    layers = 0.0
+    for count, layer in ((cfg.num_layers - moe_layers, None), (moe_layers, _first_moe(cfg))):
+        if count:
+            gemm, core = layer_forward_flops_per_token(cfg, layer)
+            extra = {Recompute.NONE: 0.0, Recompute.SELECTIVE: core, Recompute.FULL: gemm + core}
+            layers += count * (3 * (gemm + core) + extra[recompute])
     logits = 3 * 2 * cfg.hidden_size * cfg.vocab_size  # never recomputed
     return layers + logits
+
+
+def _first_moe(cfg: ModelConfig) -> int | None:
+    """The global index of the first mixture-of-experts layer (None: a dense model)."""
+    return next((i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), None)
 
 
 def flops_per_iteration(

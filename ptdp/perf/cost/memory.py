@@ -86,6 +86,7 @@ from ptdp.config import (
 from ptdp.layout import Layout, validate
 from ptdp.perf.cost import context
 from ptdp.perf.cost.activations import activation_bytes_per_layer
+from ptdp.perf.cost.moe import dense_equivalent, dispatch_bytes, moe_layers_per_stage
 from ptdp.perf.cost.parameters import (
     bytes_per_parameter,
     element_bytes,
@@ -109,17 +110,25 @@ def layer_activation_bytes(
     precision: Precision = Precision.BF16,
     fused_attention: bool = True,
     autocast_norms: bool = False,
+    moe: bool = False,
 ) -> float:
     """Bytes one layer stores for backward per microbatch (Korthikanti et al.).
 
     SwiGLU's inner tensors (gate and up, their product) count as a GeLU MLP of twice the
     width: 4f elements either way. `autocast_norms` (`fp32_norm_inputs`): the two norms'
     inputs are kept as the fp32 copies CUDA autocast makes, 4 bytes where the paper has 2.
+    `moe`: a mixture-of-experts layer, its dense equivalent plus what dispatch and combine
+    keep (`ptdp.perf.cost.moe`).
     """
     if fused_attention and recompute is Recompute.NONE:
         recompute = Recompute.SELECTIVE  # no s x s tensor is kept: the core recomputes
+    extra = 0.0
+    if moe:
+        e = element_bytes(precision)
+        extra = dispatch_bytes(model, micro_batch=micro_batch, recompute=recompute, e=e)
+        model = dense_equivalent(model)
     f = model.ffn_size * (2 if model.activation is Activation.SWIGLU else 1)
-    return activation_bytes_per_layer(
+    return extra + activation_bytes_per_layer(
         seq=model.seq_length,
         micro_batch=micro_batch,
         hidden=model.hidden_size,
@@ -266,14 +275,16 @@ def stage_stash_bytes(cfg: RunConfig, tp: int, pp: int, vpp: int, stage: int) ->
     layers = len(layer_ranges(model.num_layers, pp, vpp, split or None)[stage])
     if cfg.train.compile:  # plain F.linear: every gradient is computed in B and held
         return e * parameters_per_stage(model, tp, pp, vpp, split)[stage]
-    layer = stash_bytes_per_layer(
-        model,
+    kw = dict(
         micro_batch=cfg.train.micro_batch_size,
         tp=tp,
         sequence_parallel=cfg.parallel.sequence_parallel,
         recompute=cfg.parallel.recompute,
         precision=prec,
     )
+    layer = stash_bytes_per_layer(model, **kw)
+    if model.num_experts:  # an MoE layer as its dense equivalent (ptdp.perf.cost.moe)
+        layer = max(layer, stash_bytes_per_layer(dense_equivalent(model), **kw))
     out = layers * layer
     h, v = model.hidden_size, model.padded_vocab_size(tp)
     if stage == 0:
@@ -395,7 +406,8 @@ def gathered_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
     if not reshard_after_forward(cfg):
         return [e * count for count in per_rank]
     rows = model.padded_vocab_size(tp) // tp * model.hidden_size
-    unit = max(layer_parameters(model, tp), rows)
+    layers = range(model.num_layers) if model.num_experts else [None]
+    unit = max(*(layer_parameters(model, tp, i) for i in layers), rows)
     return [2.0 * e * min(unit, count) for count in per_rank]
 
 
@@ -431,14 +443,26 @@ def estimate_memory(
     full = layer_activation_bytes(local, recompute=Recompute.NONE, **kw_layer)
     working = {Recompute.NONE: 0.0, Recompute.FULL: full}.get(par.recompute, full - layer)
     working += layer_backward_bytes(local, micro_batch=b, tp=tp, precision=prec)
+    moe_layer = layer
+    if model.num_experts:  # an MoE layer's (ptdp.perf.cost.moe); the larger transients
+        moe_layer = layer_activation_bytes(local, recompute=par.recompute, moe=True, **kw_layer)
+        moe_full = layer_activation_bytes(local, recompute=Recompute.NONE, moe=True, **kw_layer)
+        moe_working = {Recompute.NONE: 0.0, Recompute.FULL: moe_full}.get(
+            par.recompute, moe_full - moe_layer
+        )
+        moe_working += layer_backward_bytes(
+            dense_equivalent(local), micro_batch=b, tp=tp, precision=prec
+        )
+        working = max(working, moe_working)
     compiled = cfg.train.compile
     head_working = head_backward_bytes(
         local, micro_batch=b, tp=tp, precision=prec, compiled=compiled
     )
     e, comm = element_bytes(prec), par.cp_comm
-    layer += context.stored_bytes_per_layer(
+    cp_stored = context.stored_bytes_per_layer(
         model, micro_batch=b, tp=tp, cp=cp, comm=comm, recompute=par.recompute, e=e
     )
+    layer, moe_layer = layer + cp_stored, moe_layer + cp_stored
     working += context.working_bytes(model, micro_batch=b, tp=tp, cp=cp, comm=comm, e=e)
     head = head_activation_bytes(
         local, micro_batch=b, tp=tp, precision=prec, compiled=compiled, autocast_norms=eager_norms
@@ -446,6 +470,12 @@ def estimate_memory(
     # Layers of the rank's largest chunk (exact for vpp = 1 or an even split, else a bound).
     split = layout.stage_layers or (model.num_layers // (pp * vpp),) * (pp * vpp)
     per_chunk = [max(split[s] for s in stages.stages_of(rank)) for rank in range(pp)]
+    moe = moe_layers_per_stage(model, split)
+    # Bytes of the rank's largest chunk's layers (MoE layers at their own count).
+    chunk_bytes = [
+        max((split[s] - moe[s]) * layer + moe[s] * moe_layer for s in stages.stages_of(rank))
+        for rank in range(pp)
+    ]
     stash = [0.0] * pp
     if SCHEDULES[layout.schedule].splits_backward:
         for stage in range(pp * vpp):
@@ -456,7 +486,11 @@ def estimate_memory(
     per_rank = parameters_per_rank(model, tp, pp, vpp, split, stages.placement)
     for rank, count in enumerate(per_rank):
         with_head = rank == stages.rank(stages.last)
-        acts = held[rank] * per_chunk[rank] * layer + (last_held * head if with_head else 0.0)
+        if model.num_experts:
+            acts = held[rank] * chunk_bytes[rank]
+        else:
+            acts = held[rank] * per_chunk[rank] * layer
+        acts += last_held * head if with_head else 0.0
         out.append(
             MemoryEstimate(
                 rank,

@@ -3,7 +3,13 @@ rank, and the model state's bytes per parameter as the runtime keeps them
 (`ptdp/parallel/buckets.py`, `ptdp/train/step/optim.py`; ZeRO levels in `ptdp.perf.cost.memory`'s
 module doc). Pure arithmetic on the model config: the planner calls it for every layout.
 
-Letters: h = hidden, f = MLP width, v = vocabulary, t = tensor-parallel size.
+A mixture-of-experts layer (`ModelConfig.is_moe_layer`) holds, for its MLP, a router
+[e, h] (replicated), e routed experts of width moe_ffn and the shared experts' MLP, each
+split over t like the dense MLP; every rank holds every expert (no expert parallelism).
+`model_size` gives the total and active (per token) parameters as publishers count them.
+
+Letters: h = hidden, f = MLP width, v = vocabulary, t = tensor-parallel size, e = routed
+experts, k = experts per token.
 """
 
 from __future__ import annotations
@@ -39,13 +45,17 @@ def element_bytes(precision: Precision) -> int:
     return 4 if precision is Precision.FP32 else 2
 
 
-def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
-    """Parameters of one transformer layer on one tensor-parallel rank.
+def layer_parameters(model: ModelConfig, tp: int = 1, layer: int | None = None) -> int:
+    """Parameters of one transformer layer on one tensor-parallel rank: of layer `layer`
+    (global index), whose MLP may be a mixture of experts; None = a dense layer.
 
     Column-parallel weights and biases (QKV, fc1) and row-parallel weights (projection,
     fc2) are split over t; row-parallel biases and the norms are replicated. With
     model.qkv_bias alone (Qwen2) only QKV has a bias.
     """
+    if layer is not None and model.is_moe_layer(layer):
+        dense = layer_parameters(model, tp)
+        return dense - mlp_parameters(model, model.ffn_size, tp) + moe_parameters(model, tp)
     h, f, t = model.hidden_size, model.ffn_size, tp
     qkv = h + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
@@ -56,6 +66,65 @@ def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
         biases = qkv // t if model.qkv_bias else 0
     norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
     return weights + biases + 2 * norm
+
+
+def mlp_parameters(model: ModelConfig, width: int, tp: int = 1) -> int:
+    """Parameters of one MLP h -> width -> h on one tensor rank: fc1 (and its bias) split
+    over t, fc2's weight split, its bias replicated."""
+    h, t = model.hidden_size, tp
+    parts = 2 if model.activation is Activation.SWIGLU else 1
+    count = (h * width * parts + width * h) // t
+    return count + (width * parts // t + h if model.bias else 0)
+
+
+def moe_parameters(model: ModelConfig, tp: int = 1, experts: int | None = None) -> int:
+    """Parameters of one mixture-of-experts block on one tensor rank: the router [e, h]
+    (replicated), `experts` routed experts (None = all e) and the shared experts' MLP. The
+    router's balancing bias is a buffer, not a parameter."""
+    routed = model.num_experts if experts is None else experts
+    count = model.num_experts * model.hidden_size
+    count += routed * mlp_parameters(model, model.moe_ffn_size, tp)
+    if model.moe_shared_experts:
+        count += mlp_parameters(model, model.moe_shared_ffn_size, tp)
+    return count
+
+
+def _layers_parameters(model: ModelConfig, tp: int, first: int, count: int) -> int:
+    """Parameters of the `count` layers from global index `first` on one tensor rank."""
+    if not model.num_experts:
+        return count * layer_parameters(model, tp)
+    return sum(layer_parameters(model, tp, i) for i in range(first, first + count))
+
+
+def _starts(layers: tuple[int, ...]) -> list[int]:
+    """The global index of each stage's first layer."""
+    return [sum(layers[:i]) for i in range(len(layers))]
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Parameters of a whole (unsharded) model, as publishers count them: the vocabulary
+    unpadded, a tied output layer once."""
+
+    total: int
+    active: int
+    """Those one token goes through: all but the routed experts it was not sent to
+    (embedding, attention, norms, dense MLPs, routers, shared experts and k routed
+    experts per mixture-of-experts layer). The output layer counts, as in the published
+    figures. Equal to `total` for a dense model."""
+
+
+def model_size(model: ModelConfig) -> ModelSize:
+    """Total and active parameters of `model` (`ModelSize`)."""
+    h, v = model.hidden_size, model.vocab_size
+    total = sum(layer_parameters(model, 1, i) for i in range(model.num_layers))
+    total += v * h * (1 if model.tie_embeddings else 2)
+    if model.position_embedding is PositionEmbedding.LEARNED:
+        total += model.seq_length * h
+    total += h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
+    moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    idle = (model.num_experts - model.moe_top_k) * mlp_parameters(model, model.moe_ffn_size)
+    return ModelSize(total, total - moe_layers * idle)
 
 
 def parameters_per_stage(
@@ -69,7 +138,7 @@ def parameters_per_stage(
     """
     h, v, stages = model.hidden_size, model.padded_vocab_size(tp), pp * vpp
     layers = layers or (model.num_layers // stages,) * stages
-    counts = [n * layer_parameters(model, tp) for n in layers]
+    counts = [_layers_parameters(model, tp, a, n) for a, n in zip(_starts(layers), layers)]
     counts[0] += v // tp * h
     if model.position_embedding is PositionEmbedding.LEARNED:
         counts[0] += model.seq_length * h
@@ -80,12 +149,17 @@ def parameters_per_stage(
     return counts
 
 
-def layer_tensors(model: ModelConfig) -> int:
+def layer_tensors(model: ModelConfig, layer: int | None = None) -> int:
     """Parameter tensors of one transformer layer: the fused QKV, projection, fc1 (SwiGLU's
-    gate and up in one) and fc2 weights, their biases, and two norms."""
+    gate and up in one) and fc2 weights, their biases, and two norms. A mixture-of-experts
+    layer (`layer`, a global index) adds its router and the shared experts' MLP (its routed
+    experts' fc1 and fc2 are one grouped tensor each, as the dense MLP's are)."""
     biases = 4 if model.bias else 1 if model.qkv_bias else 0
     norm = 2 if model.normalization is Normalization.LAYERNORM and model.bias else 1
-    return 4 + biases + 2 * norm
+    count = 4 + biases + 2 * norm
+    if layer is not None and model.is_moe_layer(layer):
+        count += 1 + (2 + (2 if model.bias else 0) if model.moe_shared_experts else 0)
+    return count
 
 
 def tensors_per_rank(
@@ -110,7 +184,10 @@ def tensors_per_stage(
     """Parameter tensors of each virtual stage, placed as `parameters_per_stage` places
     their parameters."""
     layers = layers or (model.num_layers // stages,) * stages
-    counts = [n * layer_tensors(model) for n in layers]
+    counts = [
+        sum(layer_tensors(model, i) for i in range(a, a + n))
+        for a, n in zip(_starts(layers), layers)
+    ]
     counts[0] += 2 if model.position_embedding is PositionEmbedding.LEARNED else 1
     counts[-1] += 2 if model.normalization is Normalization.LAYERNORM and model.bias else 1
     if not (model.tie_embeddings and stages == 1):

@@ -78,6 +78,7 @@ from ptdp.config import Activation, CpComm, RunConfig
 from ptdp.layout import COMBINED, ORDER, Layout
 from ptdp.perf.cost.hardware import Device, System
 from ptdp.perf.cost.memory import MemoryEstimate
+from ptdp.perf.cost.moe import dense_equivalent
 from ptdp.perf.cost.parameters import element_bytes
 from ptdp.pipeline.placement import Placement
 
@@ -261,7 +262,10 @@ def largest_transient(cfg: RunConfig, layout: Layout, last_stage: bool) -> float
     model, t, e = cfg.model, layout.tp, element_bytes(cfg.train.precision)
     tokens = model.seq_length // layout.cp * cfg.train.micro_batch_size
     parts = 2 if model.activation is Activation.SWIGLU else 1
-    mlp = e * parts * model.ffn_size // t
+    width = model.ffn_size  # an MoE layer's: its dense equivalent's (ptdp.perf.cost.moe)
+    if model.num_experts:
+        width = max(width, dense_equivalent(model).ffn_size)
+    mlp = e * parts * width // t
     per_logit = e if cfg.train.compile and t == 1 else 4
     logits = per_logit * (model.padded_vocab_size(t) // t) if last_stage else 0
     return float(tokens * max(mlp, logits))

@@ -40,6 +40,7 @@ from ptdp.perf.cost.flops import flops_per_iteration, utilisation
 from ptdp.perf.cost.hardware import System
 from ptdp.perf.cost.kernels import Call
 from ptdp.perf.cost.memory import MemoryEstimate, estimate_memory
+from ptdp.perf.cost.moe import moe_layers_per_stage
 from ptdp.perf.cost.parameters import (
     parameters_per_rank,
     parameters_per_stage,
@@ -79,7 +80,8 @@ class Prediction:
     busy: tuple[float, ...]
     """Per pipeline rank: seconds computing."""
     layer: Passes
-    """One layer, one microbatch: F, B, W seconds (tensor-parallel communication included)."""
+    """One layer, one microbatch: F, B, W seconds (tensor-parallel communication included);
+    of a model with mixture-of-experts layers, an MoE layer."""
     p2p_seconds: float
     """One boundary transfer (forward direction, first stage's)."""
     dp_seconds: float
@@ -100,8 +102,9 @@ class Prediction:
         return max(m.total for m in self.memory)
 
 
-def layer_costs(cfg: RunConfig, layout: Layout, c: Compute) -> Passes:
-    """F, B, W seconds of one layer and microbatch on one rank (its s/cp tokens under cp)."""
+def layer_costs(cfg: RunConfig, layout: Layout, c: Compute, moe: bool = False) -> Passes:
+    """F, B, W seconds of one layer and microbatch on one rank (its s/cp tokens under cp);
+    `moe`: a mixture-of-experts layer (`ptdp.perf.cost.moe`)."""
     par = cfg.parallel
     return cp_layer_seconds(
         cfg.model,
@@ -112,6 +115,7 @@ def layer_costs(cfg: RunConfig, layout: Layout, c: Compute) -> Passes:
         c=c,
         cp=layout.cp,
         comm=par.cp_comm,
+        moe=moe,
     )
 
 
@@ -124,6 +128,10 @@ def compute_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
     stages = layout.pp * layout.vpp
     split = layout.stage_layers or (model.num_layers // stages,) * stages
     passes = [layer.times(n) for n in split]
+    if model.num_experts:  # MoE layers at their own cost
+        moe = layer_costs(cfg, layout, c, moe=True)
+        counts = moe_layers_per_stage(model, split)
+        passes = [layer.times(n - m) + moe.times(m) for n, m in zip(split, counts)]
     passes[0] += embedding_seconds(model, micro_batch=b, tp=tp, c=c)
     passes[-1] += head_seconds(
         model,
@@ -490,7 +498,7 @@ def simulate(
     model_flops = flops_per_iteration(cfg.model, batch, Recompute.NONE)
     peak = system.device.peak_flops(cfg.train.precision.value)
     memory = predicted_memory(cfg, layout, system, software, world_size)
-    layer = layer_costs(cfg, layout, c)
+    layer = layer_costs(cfg, layout, c, moe=cfg.model.num_experts > 0)
     return Prediction(
         layout=layout,
         iteration_seconds=iteration,
