@@ -344,3 +344,20 @@ def test_import_reads_fused_experts(family: str, tmp_path: Path) -> None:
     assert states[0].keys() == states[1].keys()
     for key, value in states[0].items():
         assert torch.equal(value, states[1][key]), key
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_imported_moe_generates_as_transformers(family: str, tmp_path: Path) -> None:
+    """Greedy generation (ptdp's KV cache) of an imported MoE model picks transformers'
+    tokens."""
+    from ptdp.model.generate import generate
+
+    hf = _hf_model(family)
+    hf.save_pretrained(tmp_path / "hf")
+    model = load_model(import_hf(tmp_path / "hf", tmp_path / "run").path).eval()
+    prompt = _tokens(64, 5)
+    ours = generate(model, prompt, 8, temperature=0.0)
+    theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                         eos_token_id=None, attention_mask=torch.ones_like(prompt))  # fmt: skip
+    assert ours.shape == (3, 13)
+    assert torch.equal(ours, theirs)
