@@ -20,8 +20,8 @@ r = n / g, d head size, f MLP width, v vocabulary):
   i // r, which is also how `transformers` repeats k/v heads, so only rows move.
 - GPT-2's `Conv1D` stores weights as [in, out], the transpose of `nn.Linear`.
 - ptdp's SwiGLU fc1 rows are [gate; up] (an expert's too: fc1 [e, 2f, h], fc2 [e, h, f],
-  which is `transformers` 5's fused gate_up_proj / down_proj); ptdp's GeLU is the tanh approximation, which
-  `transformers` calls "gelu_pytorch_tanh" (the same `F.gelu(approximate="tanh")`).
+  which is `transformers` 5's fused gate_up_proj / down_proj); ptdp's GeLU is the tanh
+  approximation, which `transformers` calls "gelu_pytorch_tanh" (the same `F.gelu(approximate="tanh")`).
 - Checkpoints hold full, unpadded fp32 tensors under global names, whatever the layout
   they were trained in (checkpoint/full.py), so tensor-parallel vocabulary padding and
   pipeline stages never appear here.
@@ -188,8 +188,11 @@ class _Taker:
             if not k.endswith(IGNORED_SUFFIXES) and not (tied and k == "lm_head.weight")
         ]
         if left:
+            router_bias = [k for k in left if k.endswith("gate.bias")]
+            hint = " (a router with a bias, which ptdp's router lacks)" if router_bias else ""
             raise ConfigError(
-                f"the Hugging Face weights hold tensors ptdp has no place for: {left}"
+                f"the Hugging Face weights hold tensors ptdp has no place for{hint}: "
+                f"{sorted(left)}; the model is not one ptdp converts"
             )
 
 
@@ -343,6 +346,11 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> ConvertResult:
     out = make_output_dir(out, "OUT")
     entry = state.get("tokenizer", "")
     notes = _export_tokenizer(step_dir, entry, out, cfg)
+    if cfg.moe_capacity_factor:
+        notes.append(
+            f"model.moe_capacity_factor = {cfg.moe_capacity_factor} is not exported: "
+            "transformers computes every token-choice, as ptdp does with the factor 0"
+        )
     eod_id = None
     if entry:
         from ptdp.data.tokenizers import load_tokenizer

@@ -43,11 +43,21 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
-UNCONVERTED_MOE = ("qwen2_moe", "deepseek_v2", "deepseek_v3", "olmoe", "phimoe", "dbrx",
-                   "jamba", "granitemoe", "qwen3_next", "gpt_oss", "llama4", "glm4_moe",
-                   "ernie4_5_moe", "minimax", "hunyuan_v1_moe", "jetmoe", "switch_transformers",
-                   "nllb_moe", "dots1", "bailing_moe", "flex_olmo", "longcat_flash")  # fmt: skip
-"""Mixture-of-experts model types ptdp does not convert, named as such when refused."""
+SHARED_GATE = "a shared expert scaled by a sigmoid gate (shared_expert_gate), which ptdp's lack"
+UNCONVERTED_MOE = {
+    "qwen2_moe": SHARED_GATE,
+    "qwen3_next": SHARED_GATE + ", and linear attention",
+    "deepseek_v2": "grouped top-k routing and multi-head latent attention",
+    "deepseek_v3": "grouped top-k routing and multi-head latent attention",
+    "gpt_oss": "a router with a bias, and biased, clamped experts",
+    "olmoe": "per-layer q/k norms over the whole width",
+    "phimoe": "sparse-mixer routing",
+    "dbrx": "fused, clipped attention",
+    "granitemoe": "scaled embeddings, residuals and logits",
+    "llama4": "chunked attention and a shared expert",
+    "jamba": "Mamba layers",
+}
+"""Mixture-of-experts model types ptdp does not convert, with what ptdp lacks."""
 LLAMA3_KEYS = {
     "factor": "rope_scaling_factor",
     "low_freq_factor": "rope_low_freq_factor",
@@ -219,10 +229,11 @@ def model_config_from_hf(config: dict[str, Any], seq_length: int = 0) -> ModelCo
     kind = config.get("model_type")
     if kind not in NAMES:
         known = ", ".join(repr(k) for k in NAMES)
-        moe = " (a mixture of experts whose router and experts ptdp has no mapping for)"
+        moe = UNCONVERTED_MOE.get(kind)
+        why = f" (a mixture of experts with {moe})" if moe else ""
         raise ConfigError(
-            f"cannot import model_type {kind!r}{moe if kind in UNCONVERTED_MOE else ''}: "
-            f"ptdp converts {known}"
+            f"cannot import model_type {kind!r}{why}: ptdp converts {known}; its mixtures of "
+            "experts are 'mixtral' and 'qwen3_moe'"
         )
     cfg = (_gpt2_config if kind == "gpt2" else _rotary_config)(config, seq_length)
     # Leave widths that equal ptdp's defaults at 0 (automatic), as a hand-written config would.
@@ -234,7 +245,10 @@ def model_config_from_hf(config: dict[str, Any], seq_length: int = 0) -> ModelCo
 def _refuse(kind: str, bad: dict[str, object]) -> None:
     if bad:
         have = ", ".join(f"{k} = {v!r}" for k, v in bad.items())
-        raise ConfigError(f"cannot import this {kind} model: ptdp has no equivalent of {have}")
+        raise ConfigError(
+            f"cannot import this {kind} model: ptdp has no equivalent of {have}, so it would "
+            f"compute another model; only {kind} models without it convert"
+        )
 
 
 def _context(seq_length: int, maximum: int) -> int:

@@ -361,3 +361,60 @@ def test_imported_moe_generates_as_transformers(family: str, tmp_path: Path) -> 
                          eos_token_id=None, attention_mask=torch.ones_like(prompt))  # fmt: skip
     assert ours.shape == (3, 13)
     assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize(
+    "options,named",
+    [
+        (MOE | {"moe_shared_experts": 1}, "model.moe_shared_experts = 1 .*it needs 0"),
+        (MOE | {"moe_score_function": "sigmoid"}, "model.moe_score_function = sigmoid"),
+        (MOE | {"moe_bias_update_rate": 0.001}, "model.moe_bias_update_rate"),
+        (MOE | {"moe_routed_scaling": 2.5}, "model.moe_routed_scaling = 2.5"),
+        (MOE | {"moe_softmax_after_topk": False}, "Mixtral, .*model.moe_renormalize = false"),
+        (MOE | {"moe_first_dense_layers": 1}, "Mixtral, .*model.moe_first_dense_layers = 1"),
+        (MOE | {"bias": True}, "model.bias = true"),
+        ({"head_size": 4}, "GPT-2, .*model.head_size = 4"),
+        (LLAMA | {"qk_norm": True, "qkv_bias": True}, "Qwen3, .*model.qkv_bias = true"),
+    ],
+)
+def test_export_refuses_moe_options_without_equivalent(
+    options: dict, named: str, tmp_path: Path
+) -> None:
+    cfg = _model_config(**options)
+    _write_checkpoint(tmp_path / "run", cfg, GPT(cfg, seed=1), "bytes")
+    with pytest.raises(ConfigError, match=named):
+        export_hf(tmp_path / "run", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    "family,change,named",
+    [
+        ("mixtral", {"model_type": "qwen2_moe"}, "'qwen2_moe' .*shared_expert_gate"),
+        ("mixtral", {"model_type": "deepseek_v3"}, "'deepseek_v3' .*converts .*'mixtral'"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise = 0.1"),
+        ("qwen3_moe", {"attention_bias": True}, "attention_bias = True"),
+        ("qwen3_moe-step", {"mlp_only_layers": [2], "decoder_sparse_step": 1},
+         "mlp_only_layers and decoder_sparse_step = \\(\\[2\\], 1\\)"),  # MoE: 0, 1, 3
+    ],
+)  # fmt: skip
+def test_import_refuses_moe_configs_ptdp_lacks(
+    family: str, change: dict, named: str, tmp_path: Path
+) -> None:
+    _hf_model(family).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(ConfigError, match=named):
+        import_hf(tmp_path / "hf", tmp_path / "run")
+
+
+def test_import_refuses_a_router_bias(tmp_path: Path) -> None:
+    import safetensors.torch
+
+    _hf_model("mixtral").save_pretrained(tmp_path / "hf")
+    file = tmp_path / "hf" / "model.safetensors"
+    tensors = safetensors.torch.load_file(file)
+    tensors["model.layers.0.block_sparse_moe.gate.bias"] = torch.zeros(4)
+    safetensors.torch.save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="router with a bias.*gate.bias"):
+        import_hf(tmp_path / "hf", tmp_path / "run")
