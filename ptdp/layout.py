@@ -167,8 +167,7 @@ def _model_rules(cfg: RunConfig, errors: list[str]) -> None:
     if m.hidden_size % m.num_heads and not m.head_size:
         errors.append(
             f"model.hidden_size = {m.hidden_size} is not divisible by model.num_heads = "
-            f"{m.num_heads}; choose heads that divide the width (e.g. {_divisor(m.hidden_size)}) "
-            "or set model.head_size"
+            f"{m.num_heads}; choose heads that divide the width (e.g. {_divisor(m.hidden_size)})"
         )
     elif m.position_embedding is PositionEmbedding.ROPE and m.head_dim % 2:
         errors.append(
