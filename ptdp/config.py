@@ -107,7 +107,11 @@ class ModelConfig:
     hidden_size: int = 256
     """Model width h."""
     num_heads: int = 4
-    """Attention heads; must divide hidden_size."""
+    """Attention heads; must divide hidden_size unless model.head_size is set."""
+    head_size: int = 0
+    """Width of one attention head; 0 = hidden_size / num_heads. Qwen3 sets it apart (e.g.
+    128 for a 1024-wide model with 16 heads): the output projection then takes
+    num_heads * head_size inputs."""
     num_query_groups: int = 0
     """Key/value heads for grouped-query attention; 0 = num_heads (plain multi-head)."""
     ffn_hidden_size: int = 0
@@ -148,6 +152,10 @@ class ModelConfig:
     """Biases in linear layers and LayerNorm (Llama uses none)."""
     qkv_bias: bool = False
     """A bias on the query/key/value projection even when model.bias is false (Qwen2)."""
+    qk_norm: bool = False
+    """Normalise each query and key head over its head_size before the rotary positions
+    (Qwen3's q_norm and k_norm): one gain vector of head_size for all query heads, one for
+    all key heads, with model.normalization's kind."""
     sliding_window: int = 0
     """Sliding-window attention (Mistral): a position attends to itself and the
     sliding_window - 1 positions before it; 0 = every earlier position."""
@@ -202,7 +210,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
 
     @property
     def query_groups(self) -> int:

@@ -153,20 +153,26 @@ def _model_rules(cfg: RunConfig, errors: list[str]) -> None:
     positive = ("num_layers", "hidden_size", "num_heads", "seq_length")
     for name in (*positive, "make_vocab_size_divisible_by"):
         _positive(errors, f"model.{name}", getattr(m, name))
-    for name in ("num_query_groups", "ffn_hidden_size", "vocab_size", "sliding_window"):
+    for name in (
+        "num_query_groups",
+        "head_size",
+        "ffn_hidden_size",
+        "vocab_size",
+        "sliding_window",
+    ):
         _positive(errors, f"model.{name}", getattr(m, name), zero_ok=True)
     _rope_scaling_rules(m, errors)
     if len(errors) > before:
         return
-    if m.hidden_size % m.num_heads:
+    if m.hidden_size % m.num_heads and not m.head_size:
         errors.append(
             f"model.hidden_size = {m.hidden_size} is not divisible by model.num_heads = "
             f"{m.num_heads}; choose heads that divide the width (e.g. {_divisor(m.hidden_size)})"
         )
     elif m.position_embedding is PositionEmbedding.ROPE and m.head_dim % 2:
         errors.append(
-            f"rotary positions need an even head size, got hidden_size/num_heads = {m.head_dim}; "
-            "change model.num_heads or model.hidden_size"
+            f"rotary positions need an even head size, got {m.head_dim}; change "
+            "model.head_size, or model.num_heads or model.hidden_size"
         )
     if m.num_heads % m.query_groups:
         errors.append(

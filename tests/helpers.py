@@ -92,8 +92,9 @@ def assert_same_run(single: Path, parallel: Path, losses: dict[int, float], othe
 
 
 def save_tiny_hf(directory: Path, family: str, *, vocab_size: int = 257, positions: int = 64):
-    """A random 2-layer, h=32 `transformers` GPT-2, Llama (grouped-query) or Qwen2 (Llama's
-    shape with QKV biases, tied embeddings) model saved in
+    """A random 2-layer, h=32 `transformers` GPT-2, Llama (grouped-query), Qwen2 (Llama's
+    shape with QKV biases, tied embeddings), Mixtral or Qwen3-MoE (Llama's shape with 4
+    experts of width 16, 2 per token; Qwen3-MoE's first layer dense) model saved in
     `directory` (no dropout, weights far from init so a misplaced tensor shows); the byte
     vocabulary by default. Returns the model."""
     import transformers
@@ -111,6 +112,21 @@ def save_tiny_hf(directory: Path, family: str, *, vocab_size: int = 257, positio
             rms_norm_eps=1e-5, tie_word_embeddings=True,
         )  # fmt: skip
         model = transformers.Qwen2ForCausalLM(config)
+    elif family in ("mixtral", "qwen3_moe"):
+        shape = dict(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=positions, vocab_size=vocab_size, rms_norm_eps=1e-5,
+            num_experts_per_tok=2,
+        )  # fmt: skip
+        if family == "mixtral":
+            config = transformers.MixtralConfig(**shape, intermediate_size=16, num_local_experts=4)
+            model = transformers.MixtralForCausalLM(config)
+        else:
+            config = transformers.Qwen3MoeConfig(
+                **shape, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                norm_topk_prob=True, mlp_only_layers=[0],
+            )  # fmt: skip
+            model = transformers.Qwen3MoeForCausalLM(config)
     else:
         config = transformers.LlamaConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -1,10 +1,15 @@
 """Hugging Face `transformers` export and import of ptdp checkpoints (`ptdp convert`).
 
-Four families map one to one: GPT-2 (`GPT2LMHeadModel`: learned positions, LayerNorm,
+Seven families map one to one: GPT-2 (`GPT2LMHeadModel`: learned positions, LayerNorm,
 tanh GeLU, biases, multi-head attention), Llama (`LlamaForCausalLM`: rotary, RMSNorm,
 SwiGLU, grouped-query attention, optional biases, Llama 3.1's rotary scaling), Mistral
-(`MistralForCausalLM`: Llama with a sliding attention window) and Qwen2 / Qwen2.5
-(`Qwen2ForCausalLM`: Llama with a bias on the query, key and value projections only).
+(`MistralForCausalLM`: Llama with a sliding attention window), Qwen2 / Qwen2.5
+(`Qwen2ForCausalLM`: Llama with a bias on the query, key and value projections only),
+Qwen3 (`Qwen3ForCausalLM`: Llama with per-head q/k RMSNorm, model.qk_norm, and a head size
+of its own, model.head_size), and two mixtures of experts: Mixtral (`MixtralForCausalLM`:
+Mistral whose every MLP is a router `block_sparse_moe.gate` and experts w1 = gate, w3 = up,
+w2 = down; softmax over the top-k logits) and Qwen3-MoE (`Qwen3MoeForCausalLM`: Qwen3 with
+`mlp.gate` and experts gate_proj/up_proj/down_proj; softmax, top-k, norm_topk_prob).
 The rotary families share their tensor names. A ptdp option outside all of them is
 refused with the option's name, never silently dropped.
 
@@ -14,8 +19,9 @@ r = n / g, d head size, f MLP width, v vocabulary):
   group 0, k0, v0, q heads of group 1, ...] (model/gpt.py); query head i reads group
   i // r, which is also how `transformers` repeats k/v heads, so only rows move.
 - GPT-2's `Conv1D` stores weights as [in, out], the transpose of `nn.Linear`.
-- ptdp's SwiGLU fc1 rows are [gate; up]; ptdp's GeLU is the tanh approximation, which
-  `transformers` calls "gelu_pytorch_tanh" (the same `F.gelu(approximate="tanh")`).
+- ptdp's SwiGLU fc1 rows are [gate; up] (an expert's too: fc1 [e, 2f, h], fc2 [e, h, f],
+  which is `transformers` 5's fused gate_up_proj / down_proj); ptdp's GeLU is the tanh
+  approximation, which `transformers` calls "gelu_pytorch_tanh" (the same `F.gelu(approximate="tanh")`).
 - Checkpoints hold full, unpadded fp32 tensors under global names, whatever the layout
   they were trained in (checkpoint/full.py), so tensor-parallel vocabulary padding and
   pipeline stages never appear here.
@@ -87,9 +93,20 @@ def _conv1d(x: torch.Tensor, suffix: str) -> torch.Tensor:
     return x.t() if suffix == ".weight" else x
 
 
+GPT2_LINEARS = (("attn.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj"))
+"""ptdp's names of GPT-2's linear layers after QKV, and `transformers`' (Conv1D)."""
+EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+"""Per family: the MoE block's module and each expert's gate, up and down projections, as
+published checkpoints (and `save_pretrained`) name them."""
+
+
 def to_hf_state(cfg: ModelConfig, model: Tensors) -> Tensors:
     """ptdp's full model state -> `transformers` tensor names and layouts."""
-    gpt2 = family(cfg) == "gpt2"
+    kind = family(cfg)
+    gpt2 = kind == "gpt2"
     out: Tensors = {}
     pre = "transformer." if gpt2 else "model."
     out[pre + ("wte.weight" if gpt2 else "embed_tokens.weight")] = model["embedding.weight"]
@@ -98,24 +115,10 @@ def to_hf_state(cfg: ModelConfig, model: Tensors) -> Tensors:
     for i in range(cfg.num_layers):
         src = f"layers.{i}."
         dst = f"transformer.h.{i}." if gpt2 else f"model.layers.{i}."
-        for sfx in _suffixes(cfg, "attn.qkv"):
-            q, k, v = split_qkv(model[src + "attn.qkv" + sfx], cfg)
-            if gpt2:  # Conv1D holds [in, out]
-                out[dst + "attn.c_attn" + sfx] = _conv1d(torch.cat([q, k, v]), sfx)
-            else:
-                for name, x in zip(("q_proj", "k_proj", "v_proj"), (q, k, v)):
-                    out[dst + "self_attn." + name + sfx] = x
-        for sfx in _suffixes(cfg, "attn.proj"):
-            fc1, proj, fc2 = (model[src + m + sfx] for m in ("mlp.fc1", "attn.proj", "mlp.fc2"))
-            if gpt2:
-                out[dst + "attn.c_proj" + sfx] = _conv1d(proj, sfx)
-                out[dst + "mlp.c_fc" + sfx] = _conv1d(fc1, sfx)
-                out[dst + "mlp.c_proj" + sfx] = _conv1d(fc2, sfx)
-            else:
-                gate, up = fc1.chunk(2)
-                out[dst + "self_attn.o_proj" + sfx] = proj
-                for name, x in zip(("gate_proj", "up_proj", "down_proj"), (gate, up, fc2)):
-                    out[dst + "mlp." + name + sfx] = x
+        if gpt2:
+            _gpt2_layer_to_hf(cfg, model, src, dst, out)
+        else:
+            _rotary_layer_to_hf(cfg, kind, i, model, src, dst, out)
         norms = ("ln_1", "ln_2") if gpt2 else ("input_layernorm", "post_attention_layernorm")
         for ours, theirs in zip(("norm1", "norm2"), norms):
             for sfx in (".weight", ".bias") if gpt2 else (".weight",):
@@ -125,6 +128,44 @@ def to_hf_state(cfg: ModelConfig, model: Tensors) -> Tensors:
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = model["output.weight"]
     return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
+
+
+def _gpt2_layer_to_hf(cfg: ModelConfig, model: Tensors, src: str, dst: str, out: Tensors) -> None:
+    for sfx in _suffixes(cfg, "attn.qkv"):  # Conv1D holds [in, out]
+        qkv = torch.cat(split_qkv(model[src + "attn.qkv" + sfx], cfg))
+        out[dst + "attn.c_attn" + sfx] = _conv1d(qkv, sfx)
+    for sfx in _suffixes(cfg, "attn.proj"):
+        for ours, theirs in GPT2_LINEARS:
+            out[dst + theirs + sfx] = _conv1d(model[src + ours + sfx], sfx)
+
+
+def _rotary_layer_to_hf(
+    cfg: ModelConfig, kind: str, i: int, model: Tensors, src: str, dst: str, out: Tensors
+) -> None:
+    for sfx in _suffixes(cfg, "attn.qkv"):
+        q, k, v = split_qkv(model[src + "attn.qkv" + sfx], cfg)
+        for name, x in zip(("q_proj", "k_proj", "v_proj"), (q, k, v)):
+            out[dst + "self_attn." + name + sfx] = x
+    if cfg.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            out[dst + f"self_attn.{name}.weight"] = model[src + f"attn.{name}.weight"]
+    for sfx in _suffixes(cfg, "attn.proj"):
+        out[dst + "self_attn.o_proj" + sfx] = model[src + "attn.proj" + sfx]
+    if cfg.is_moe_layer(i):
+        block, (w_gate, w_up, w_down) = EXPERT_NAMES[kind]
+        out[dst + f"{block}.gate.weight"] = model[src + "mlp.router.weight"]
+        fc1, fc2 = model[src + "mlp.experts.fc1.weight"], model[src + "mlp.experts.fc2.weight"]
+        for j in range(cfg.num_experts):
+            gate, up = fc1[j].chunk(2)
+            expert = dst + f"{block}.experts.{j}."
+            for name, x in zip((w_gate, w_up, w_down), (gate, up, fc2[j])):
+                out[expert + name + ".weight"] = x
+        return
+    for sfx in _suffixes(cfg, "mlp.fc1"):
+        gate, up = model[src + "mlp.fc1" + sfx].chunk(2)
+        down = model[src + "mlp.fc2" + sfx]
+        for name, x in zip(("gate_proj", "up_proj", "down_proj"), (gate, up, down)):
+            out[dst + "mlp." + name + sfx] = x
 
 
 class _Taker:
@@ -147,8 +188,11 @@ class _Taker:
             if not k.endswith(IGNORED_SUFFIXES) and not (tied and k == "lm_head.weight")
         ]
         if left:
+            router_bias = [k for k in left if k.endswith("gate.bias")]
+            hint = " (a router with a bias, which ptdp's router lacks)" if router_bias else ""
             raise ConfigError(
-                f"the Hugging Face weights hold tensors ptdp has no place for: {left}"
+                f"the Hugging Face weights hold tensors ptdp has no place for{hint}: "
+                f"{sorted(left)}; the model is not one ptdp converts"
             )
 
 
@@ -165,29 +209,15 @@ def from_hf_state(cfg: ModelConfig, tensors: Tensors) -> Tensors:
     for i in range(cfg.num_layers):
         src = f"h.{i}." if gpt2 else f"model.layers.{i}."
         dst = f"layers.{i}."
-        for sfx in _suffixes(cfg, "attn.qkv"):
-            if gpt2:
+        if gpt2:
+            for sfx in _suffixes(cfg, "attn.qkv"):
                 q, k, v = _conv1d(take(src + "attn.c_attn" + sfx), sfx).chunk(3)
-            else:
-                q, k, v = (
-                    take(src + "self_attn." + m + sfx) for m in ("q_proj", "k_proj", "v_proj")
-                )
-            model[dst + "attn.qkv" + sfx] = fuse_qkv(q, k, v, cfg)
-        for sfx in _suffixes(cfg, "attn.proj"):
-            if gpt2:
-                proj, fc1, fc2 = (
-                    _conv1d(take(src + m + sfx), sfx)
-                    for m in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-                )
-            else:
-                proj = take(src + "self_attn.o_proj" + sfx)
-                gate, up, fc2 = (
-                    take(src + "mlp." + m + sfx) for m in ("gate_proj", "up_proj", "down_proj")
-                )
-                fc1 = torch.cat([gate, up])
-            model[dst + "attn.proj" + sfx] = proj
-            model[dst + "mlp.fc1" + sfx] = fc1
-            model[dst + "mlp.fc2" + sfx] = fc2
+                model[dst + "attn.qkv" + sfx] = fuse_qkv(q, k, v, cfg)
+            for sfx in _suffixes(cfg, "attn.proj"):
+                for ours, theirs in GPT2_LINEARS:
+                    model[dst + ours + sfx] = _conv1d(take(src + theirs + sfx), sfx)
+        else:
+            _rotary_layer_from_hf(cfg, i, take, src, dst, model)
         norms = ("ln_1", "ln_2") if gpt2 else ("input_layernorm", "post_attention_layernorm")
         for ours, theirs in zip(("norm1", "norm2"), norms):
             for sfx in (".weight", ".bias") if gpt2 else (".weight",):
@@ -198,6 +228,48 @@ def from_hf_state(cfg: ModelConfig, tensors: Tensors) -> Tensors:
         model["output.weight"] = take("lm_head.weight")
     take.check_all_used(cfg.tie_embeddings)
     return {k: v.contiguous().clone() for k, v in model.items()}
+
+
+def _rotary_layer_from_hf(
+    cfg: ModelConfig, i: int, take: _Taker, src: str, dst: str, model: Tensors
+) -> None:
+    for sfx in _suffixes(cfg, "attn.qkv"):
+        q, k, v = (take(src + "self_attn." + m + sfx) for m in ("q_proj", "k_proj", "v_proj"))
+        model[dst + "attn.qkv" + sfx] = fuse_qkv(q, k, v, cfg)
+    if cfg.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            model[dst + f"attn.{name}.weight"] = take(src + f"self_attn.{name}.weight")
+    for sfx in _suffixes(cfg, "attn.proj"):
+        model[dst + "attn.proj" + sfx] = take(src + "self_attn.o_proj" + sfx)
+    if cfg.is_moe_layer(i):
+        model |= _experts_from_hf(cfg, take, src, dst)
+        return
+    for sfx in _suffixes(cfg, "mlp.fc1"):
+        gate, up, down = (take(f"{src}mlp.{m}{sfx}") for m in ("gate_proj", "up_proj", "down_proj"))
+        model[dst + "mlp.fc1" + sfx] = torch.cat([gate, up])
+        model[dst + "mlp.fc2" + sfx] = down
+
+
+def _experts_from_hf(cfg: ModelConfig, take: _Taker, src: str, dst: str) -> Tensors:
+    """One MoE block: the router, and the experts either one module each (published
+    checkpoints) or fused [e, 2f, h] `gate_up_proj` and [e, h, f] `down_proj` tensors
+    (`transformers` 5's own modules, the layout of ptdp's fc1 and fc2)."""
+    kind = "mixtral" if cfg.moe_softmax_after_topk and not cfg.qk_norm else "qwen3_moe"
+    block, (w_gate, w_up, w_down) = EXPERT_NAMES[kind]
+    if src + "mlp.experts.gate_up_proj" in take.tensors:
+        block = "mlp"
+        fc1, fc2 = take(src + "mlp.experts.gate_up_proj"), take(src + "mlp.experts.down_proj")
+    else:
+        experts = [f"{src}{block}.experts.{j}." for j in range(cfg.num_experts)]
+        fc1 = torch.stack(
+            [torch.cat([take(e + w_gate + ".weight"), take(e + w_up + ".weight")]) for e in experts]
+        )
+        fc2 = torch.stack([take(e + w_down + ".weight") for e in experts])
+    return {
+        dst + "mlp.router.weight": take(src + f"{block}.gate.weight"),
+        dst + "mlp.experts.fc1.weight": fc1,
+        dst + "mlp.experts.fc2.weight": fc2,
+    }
 
 
 # ---------------------------------------------------------------------- files
@@ -274,6 +346,11 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> ConvertResult:
     out = make_output_dir(out, "OUT")
     entry = state.get("tokenizer", "")
     notes = _export_tokenizer(step_dir, entry, out, cfg)
+    if cfg.moe_capacity_factor:
+        notes.append(
+            f"model.moe_capacity_factor = {cfg.moe_capacity_factor} is not exported: "
+            "transformers computes every token-choice, as ptdp does with the factor 0"
+        )
     eod_id = None
     if entry:
         from ptdp.data.tokenizers import load_tokenizer

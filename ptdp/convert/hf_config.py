@@ -1,8 +1,10 @@
 """`transformers` config.json <-> ptdp ModelConfig, for `ptdp convert` (see convert/hf.py).
 
-A model with learned positions maps to GPT-2; one with rotary positions to Qwen2 when only
-its QKV projection has a bias, to Mistral when it has a sliding window, else to Llama. An
-option the target family has no equivalent for is refused with its name.
+A model with learned positions maps to GPT-2; a mixture of experts to Qwen3-MoE with
+per-head q/k norms (model.qk_norm), else to Mixtral; a dense rotary one to Qwen3 with q/k
+norms, to Qwen2 when only its QKV projection has a bias, to Mistral when it has a sliding
+window, else to Llama. An option the target family has no equivalent for is refused with
+its name.
 """
 
 from __future__ import annotations
@@ -10,18 +12,52 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ptdp.config import Activation, ModelConfig, Normalization, PositionEmbedding, RopeScaling
+from ptdp.config import (
+    Activation,
+    ModelConfig,
+    Normalization,
+    PositionEmbedding,
+    RopeScaling,
+    ScoreFunction,
+)
 from ptdp.errors import ConfigError
 
 TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 """`transformers` activations that are GeLU's tanh approximation (ptdp's GeLU)."""
 
-NAMES = {"gpt2": "GPT-2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+NAMES = {
+    "gpt2": "GPT-2",
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mixtral": "Mixtral",
+    "qwen3_moe": "Qwen3-MoE",
+}
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+SHARED_GATE = "a shared expert scaled by a sigmoid gate (shared_expert_gate), which ptdp's lack"
+UNCONVERTED_MOE = {
+    "qwen2_moe": SHARED_GATE,
+    "qwen3_next": SHARED_GATE + ", and linear attention",
+    "deepseek_v2": "grouped top-k routing and multi-head latent attention",
+    "deepseek_v3": "grouped top-k routing and multi-head latent attention",
+    "gpt_oss": "a router with a bias, and biased, clamped experts",
+    "olmoe": "per-layer q/k norms over the whole width",
+    "phimoe": "sparse-mixer routing",
+    "dbrx": "fused, clipped attention",
+    "granitemoe": "scaled embeddings, residuals and logits",
+    "llama4": "chunked attention and a shared expert",
+    "jamba": "Mamba layers",
+}
+"""Mixture-of-experts model types ptdp does not convert, with what ptdp lacks."""
 LLAMA3_KEYS = {
     "factor": "rope_scaling_factor",
     "low_freq_factor": "rope_low_freq_factor",
@@ -34,24 +70,54 @@ LLAMA3_KEYS = {
 def family(cfg: ModelConfig) -> str:
     """The family (a key of NAMES) that `cfg` exports to; refuses what it lacks."""
     if cfg.num_experts:
-        raise ConfigError(
-            f"cannot export to Hugging Face: model.num_experts = {cfg.num_experts} (a "
-            "mixture-of-experts model) has no exporter; ptdp exports dense GPT-2, Llama, "
-            "Mistral and Qwen2 models, and its checkpoints keep the MoE weights"
-        )
+        return _moe_family(cfg)
     if cfg.position_embedding is PositionEmbedding.LEARNED:
         kind, why = "gpt2", "model.position_embedding = learned"
         wanted = {"normalization": Normalization.LAYERNORM, "activation": Activation.GELU}
         wanted |= {"bias": True, "num_query_groups": cfg.num_heads, "sliding_window": 0}
+        wanted |= {"qk_norm": False, "head_size": 0}
     else:
         wanted = {"normalization": Normalization.RMSNORM, "activation": Activation.SWIGLU}
-        if cfg.qkv_bias and not cfg.bias:
+        if cfg.qk_norm:
+            kind, why = "qwen3", "model.qk_norm = true"
+            wanted |= {"bias": False, "qkv_bias": False}
+        elif cfg.qkv_bias and not cfg.bias:
             kind, why = "qwen2", "model.qkv_bias = true with model.bias = false"
         elif cfg.sliding_window:
             kind, why = "mistral", f"model.sliding_window = {cfg.sliding_window}"
             wanted["bias"] = False
         else:
             kind, why = "llama", "model.position_embedding = rope"
+    _check(cfg, kind, why, wanted)
+    return kind
+
+
+def _moe_family(cfg: ModelConfig) -> str:
+    """Mixtral, or Qwen3-MoE with model.qk_norm; their routers and experts are the same but
+    for the order of softmax and top-k, and which layers are dense."""
+    wanted: dict[str, object] = {
+        "position_embedding": PositionEmbedding.ROPE,
+        "normalization": Normalization.RMSNORM,
+        "activation": Activation.SWIGLU,
+        "bias": False,
+        "qkv_bias": False,
+        "moe_score_function": ScoreFunction.SOFTMAX,
+        "moe_routed_scaling": 1.0,
+        "moe_shared_experts": 0,
+        "moe_bias_update_rate": 0.0,
+    }
+    if cfg.qk_norm:
+        kind, why = "qwen3_moe", f"model.num_experts = {cfg.num_experts} with model.qk_norm"
+    else:
+        kind, why = "mixtral", f"model.num_experts = {cfg.num_experts} without model.qk_norm"
+        wanted |= {"moe_first_dense_layers": 0, "moe_layer_freq": 1}
+        if not cfg.moe_softmax_after_topk:  # softmax, top-k, renormalise: the same weights
+            wanted["moe_renormalize"] = True
+    _check(cfg, kind, why, wanted)
+    return kind
+
+
+def _check(cfg: ModelConfig, kind: str, why: str, wanted: dict[str, object]) -> None:
     got = {k: cfg.query_groups if k == "num_query_groups" else getattr(cfg, k) for k in wanted}
     bad = [k for k in wanted if got[k] != wanted[k]]
     if bad:
@@ -61,7 +127,6 @@ def family(cfg: ModelConfig) -> str:
             f"cannot export to Hugging Face: {why} maps to {NAMES[kind]}, which has no "
             f"equivalent of {have} (it needs {need})"
         )
-    return kind
 
 
 def _show(value: object) -> str:
@@ -115,12 +180,26 @@ def hf_config(cfg: ModelConfig, eod_id: int | None = None) -> dict[str, Any]:
     window = cfg.sliding_window or None
     if kind == "llama":
         rotary |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
-    elif kind == "mistral":
+    elif kind in ("mistral", "mixtral"):
         rotary |= {"sliding_window": window}
-    else:  # Qwen2 slides from layer max_window_layers on: from the first, as ptdp does
+    elif kind == "qwen3_moe":  # every layer slides, or none
+        rotary |= {"use_sliding_window": bool(window), "sliding_window": window}
+    else:  # Qwen2/3 slide from layer max_window_layers on: from the first, as ptdp does
         layer = "sliding_attention" if window else "full_attention"
         rotary |= {"use_sliding_window": bool(window), "sliding_window": window}
         rotary |= {"max_window_layers": 0, "layer_types": [layer] * cfg.num_layers}
+    if kind in ("qwen3", "qwen3_moe"):
+        rotary["attention_bias"] = False
+    if kind == "mixtral":
+        rotary |= {"num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_top_k}
+        rotary |= {"intermediate_size": cfg.moe_ffn_size, "router_jitter_noise": 0.0}
+    elif kind == "qwen3_moe":
+        dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+        rotary |= {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_top_k}
+        rotary |= {"moe_intermediate_size": cfg.moe_ffn_size, "decoder_sparse_step": 1}
+        rotary |= {"mlp_only_layers": dense}
+        # Softmax over the top-k logits = softmax over all, top-k, renormalised.
+        rotary["norm_topk_prob"] = cfg.moe_renormalize or cfg.moe_softmax_after_topk
     return rotary | common
 
 
@@ -150,7 +229,12 @@ def model_config_from_hf(config: dict[str, Any], seq_length: int = 0) -> ModelCo
     kind = config.get("model_type")
     if kind not in NAMES:
         known = ", ".join(repr(k) for k in NAMES)
-        raise ConfigError(f"cannot import model_type {kind!r}: ptdp converts {known}")
+        moe = UNCONVERTED_MOE.get(kind)
+        why = f" (a mixture of experts with {moe})" if moe else ""
+        raise ConfigError(
+            f"cannot import model_type {kind!r}{why}: ptdp converts {known}; its mixtures of "
+            "experts are 'mixtral' and 'qwen3_moe'"
+        )
     cfg = (_gpt2_config if kind == "gpt2" else _rotary_config)(config, seq_length)
     # Leave widths that equal ptdp's defaults at 0 (automatic), as a hand-written config would.
     if cfg.ffn_size == replace(cfg, ffn_hidden_size=0).ffn_size:
@@ -161,7 +245,10 @@ def model_config_from_hf(config: dict[str, Any], seq_length: int = 0) -> ModelCo
 def _refuse(kind: str, bad: dict[str, object]) -> None:
     if bad:
         have = ", ".join(f"{k} = {v!r}" for k, v in bad.items())
-        raise ConfigError(f"cannot import this {kind} model: ptdp has no equivalent of {have}")
+        raise ConfigError(
+            f"cannot import this {kind} model: ptdp has no equivalent of {have}, so it would "
+            f"compute another model; only {kind} models without it convert"
+        )
 
 
 def _context(seq_length: int, maximum: int) -> int:
@@ -204,24 +291,30 @@ def _gpt2_config(c: dict[str, Any], seq_length: int) -> ModelConfig:
 
 
 def _rotary_config(c: dict[str, Any], seq_length: int) -> ModelConfig:
-    """Llama, Mistral or Qwen2 (`c["model_type"]`): one model with three sets of options."""
+    """Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE (`c["model_type"]`): one model with
+    six sets of options."""
     kind = c["model_type"]
     h, n = c["hidden_size"], c["num_attention_heads"]
     bad: dict[str, object] = {}
     if c.get("hidden_act", "silu") != "silu":
         bad["hidden_act"] = c["hidden_act"]
-    if (c.get("head_dim") or h // n) * n != h:
-        bad["head_dim"] = c["head_dim"]  # ptdp's head size is hidden_size / num_heads
+    head = c.get("head_dim") or h // n
     if kind == "llama" and c.get("attention_bias", False) != c.get("mlp_bias", False):
         bad["attention_bias != mlp_bias"] = (c["attention_bias"], c["mlp_bias"])
+    qwen3 = kind in ("qwen3", "qwen3_moe")
+    if qwen3 and c.get("attention_bias", False):
+        bad["attention_bias"] = True  # biases on q, k, v and o but not the MLP
     rope = _rope_options(c, bad)
     window = _sliding_window(c, bad)
+    moe = _moe_options(c, bad) if kind in MOE_FAMILIES else {}
     _refuse(NAMES[kind], bad)
     return ModelConfig(
         num_layers=c["num_hidden_layers"],
         hidden_size=h,
         num_heads=n,
         num_query_groups=c.get("num_key_value_heads") or n,
+        head_size=0 if head * n == h else head,
+        qk_norm=qwen3,
         ffn_hidden_size=c["intermediate_size"],
         vocab_size=c["vocab_size"],
         seq_length=_context(seq_length, c.get("max_position_embeddings", 2048)),
@@ -236,7 +329,52 @@ def _rotary_config(c: dict[str, Any], seq_length: int) -> ModelConfig:
         dropout=c.get("attention_dropout", 0.0),
         init_std=c.get("initializer_range", 0.02),
         **rope,
+        **moe,
     )
+
+
+def _moe_options(c: dict[str, Any], bad: dict[str, object]) -> dict[str, Any]:
+    """The model.moe_* keys of Mixtral (softmax over the top-k logits; every layer) or
+    Qwen3-MoE (softmax, top-k, renormalised with norm_topk_prob; its dense layers are
+    mlp_only_layers and those off decoder_sparse_step, as first dense layers and a period)."""
+    # Mixtral's config.json names the experts num_local_experts, Qwen3-MoE's num_experts;
+    # transformers 5 writes num_local_experts for both.
+    experts = c["num_local_experts"] if "num_local_experts" in c else c["num_experts"]
+    if c["model_type"] == "mixtral":
+        if c.get("router_jitter_noise", 0.0):
+            bad["router_jitter_noise"] = c["router_jitter_noise"]
+        return {
+            "num_experts": experts,
+            "moe_top_k": c["num_experts_per_tok"],
+            "moe_softmax_after_topk": True,
+        }
+    layers = c["num_hidden_layers"]
+    dense_only, step = set(c.get("mlp_only_layers") or ()), c.get("decoder_sparse_step", 1)
+    moe = [i not in dense_only and (i + 1) % step == 0 for i in range(layers)]
+    first, freq = _layer_pattern(moe)
+    if first < 0:
+        bad["mlp_only_layers and decoder_sparse_step"] = (sorted(dense_only), step)
+    options = {
+        "num_experts": experts,
+        "moe_top_k": c["num_experts_per_tok"],
+        "moe_ffn_hidden_size": c["moe_intermediate_size"],
+        "moe_renormalize": bool(c.get("norm_topk_prob", False)),
+    }
+    if any(moe):  # a model with no MoE layer stays dense
+        options |= {"moe_first_dense_layers": max(first, 0), "moe_layer_freq": freq}
+    else:
+        options = {"num_experts": 0}
+    return options
+
+
+def _layer_pattern(moe: list[bool]) -> tuple[int, int]:
+    """(first dense layers, period) whose MoE layers are `moe`'s; (-1, 1) if none is."""
+    n = len(moe)
+    for first in range(n + 1):
+        for freq in range(1, n + 1):
+            if all(moe[i] == (i >= first and (i - first) % freq == 0) for i in range(n)):
+                return first, freq
+    return -1, 1
 
 
 def _rope_options(c: dict[str, Any], bad: dict[str, object]) -> dict[str, Any]:
@@ -263,8 +401,10 @@ def _rope_options(c: dict[str, Any], bad: dict[str, object]) -> dict[str, Any]:
 def _sliding_window(c: dict[str, Any], bad: dict[str, object]) -> int:
     """Mistral's `sliding_window`; Qwen2's when every layer slides (`layer_types`)."""
     window = c.get("sliding_window") or 0
-    if c["model_type"] == "mistral":
+    if c["model_type"] in ("mistral", "mixtral"):
         return window
+    if c["model_type"] == "qwen3_moe":  # every layer slides, or none
+        return window if c.get("use_sliding_window", False) else 0
     if c["model_type"] == "llama" or not c.get("use_sliding_window", False) or not window:
         return 0
     first = c.get("max_window_layers", 0)

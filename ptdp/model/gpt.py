@@ -1,9 +1,9 @@
 """GPT decoder (GPT-2 and Llama options), the single-process reference model.
 
 Shapes: b = micro-batch, s = sequence, h = hidden, v = vocabulary, n = query heads,
-g = key/value groups, d = head size (h / n). The transformer body runs sequence-first,
-[s, b, h], as Megatron does, so that sequence parallelism can later split dim 0
-contiguously. Tokens and labels stay [b, s].
+g = key/value groups, d = head size (h / n, or model.head_size). The transformer body runs
+sequence-first, [s, b, h], as Megatron does, so that sequence parallelism can later split
+dim 0 contiguously. Tokens and labels stay [b, s].
 
 The model is built from swappable parts (embedding, layers keyed by their *global*
 index, final norm + output layer) so that a pipeline stage can hold a range of layers
@@ -59,7 +59,10 @@ class Attention(nn.Module):
     The fused QKV weight is laid out group by group, [q heads of group 0, k0, v0, q heads
     of group 1, k1, v1, ...], so that a contiguous split of its rows over tensor-parallel
     ranks hands each rank whole groups (Megatron's layout); its bias (model.bias or
-    model.qkv_bias) is split with the same rows.
+    model.qkv_bias) is split with the same rows. With model.qk_norm (Qwen3) each query and
+    key head is normalised over d before the rotary positions; the two gains [d] are
+    replicated over the tensor group, each rank applying them to its own heads, so their
+    gradients are partial sums, summed over the group (`param_roles`).
     """
 
     def __init__(self, cfg: ModelConfig, ctx: TPContext, recompute_core: bool) -> None:
@@ -78,8 +81,12 @@ class Attention(nn.Module):
             sequence_parallel=sp,
             wgrad=ctx.wgrad,
         )
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = build_norm(cfg, self.head_dim)
+            self.k_norm = build_norm(cfg, self.head_dim)
         self.proj = RowParallelLinear(
-            cfg.hidden_size,
+            cfg.num_heads * self.head_dim,
             cfg.hidden_size,
             tp=ctx.tp,
             bias=cfg.bias,
@@ -92,6 +99,14 @@ class Attention(nn.Module):
         self.tp, self.cp, self.cp_comm = ctx.tp, ctx.cp, ctx.cp_comm
         if self.cp.size > 1 and self.dropout:
             raise ValueError("context parallelism has no attention dropout; set model.dropout 0")
+
+    def param_roles(self) -> ParamRoles:
+        """The q/k norms' gains: replicated, with partial gradients per tensor rank."""
+        if self.q_norm is None or self.tp.size == 1:
+            return ParamRoles()
+        norms = {"q_norm": self.q_norm, "k_norm": self.k_norm}
+        names = {f"{n}.{leaf}" for n, norm in norms.items() for leaf, _ in norm.named_parameters()}
+        return ParamRoles(sequence_parallel=frozenset(names))
 
     def _core(
         self,
@@ -154,6 +169,8 @@ class Attention(nn.Module):
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.num_heads, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, g, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         offset = 0 if cache is None else cache.offset
         if rotary is not None:
             ids = None if positions is None else positions.ids()

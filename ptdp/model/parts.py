@@ -32,10 +32,12 @@ class TPContext:
     cp_comm: CpComm = CpComm.RING
 
 
-def build_norm(cfg: ModelConfig) -> nn.Module:
+def build_norm(cfg: ModelConfig, size: int = 0) -> nn.Module:
+    """The model's normalisation over `size` features (default: the hidden size)."""
+    size = size or cfg.hidden_size
     if cfg.normalization is Normalization.RMSNORM:
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+        return nn.RMSNorm(size, eps=cfg.norm_eps)
+    return nn.LayerNorm(size, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 class MLP(nn.Module):

@@ -224,6 +224,9 @@ FAMILIES["qwen2-window"] = FAMILIES["llama"] | {
     "qkv_bias": True, "sliding_window": 5, "rope_scaling": "llama3",
     "rope_original_max_positions": 16,
 }
+# Qwen3: per-head q/k norms (replicated gains, gradients summed over tp) and a head size
+# apart from hidden / heads (8 heads of 6 in a 32-wide model).
+FAMILIES["qwen3"] = FAMILIES["llama"] | {"qk_norm": True, "head_size": 6}
 
 
 def _model_cfg(options: dict):
@@ -314,8 +317,8 @@ def _check_model(rank: int, world_size: int) -> None:
                 assert_rel(loss, loss_ref, f"{family} sp={sp} loss at step {step}")
                 loss_ref.backward()
                 loss.backward()
-                if sp:
-                    reduce_sequence_parallel_grads(model, model.roles, tp)
+                # The replicated weights' partial gradients (norms under sp; q/k norms always).
+                reduce_sequence_parallel_grads(model, model.roles, tp)
                 norm_ref = clip_gradients(ref, ref.roles, 0.5, Group.single())
                 norm = clip_gradients(model, model.roles, 0.5, tp)
                 assert_rel(norm, norm_ref, f"{family} sp={sp} grad norm")

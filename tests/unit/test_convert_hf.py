@@ -1,4 +1,5 @@
-"""`ptdp convert`: GPT-2 and Llama checkpoints to and from `transformers`, checked by logits."""
+"""`ptdp convert`: GPT-2, Llama, Qwen3 and MoE checkpoints to and from `transformers`, checked
+by logits."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ SHAPE = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 16, "
 LLAMA31 = {"rope_scaling": "llama3", "rope_theta": 500.0, "rope_original_max_positions": 32}
 """Llama 3.1's scaling on a context where every band shows: head size 8, theta 500 gives
 wavelengths 6.3 (kept: < 32/4), 30 (blended) and 140, 660 (slowed: > 32/1)."""
+MOE = LLAMA | {"num_experts": 4, "moe_top_k": 2, "moe_softmax_after_topk": True}
+MOE |= {"ffn_hidden_size": 24}
+"""Mixtral: four experts of width 24, two per token, softmax over the chosen logits."""
+QWEN3_MOE = LLAMA | {"qk_norm": True, "head_size": 12, "num_experts": 4, "moe_top_k": 3}
+QWEN3_MOE |= {"moe_renormalize": True, "moe_ffn_hidden_size": 16, "moe_first_dense_layers": 1}
+"""Qwen3-MoE: a dense first layer (mlp_only_layers), then experts of width 16."""
 FAMILIES = {
     "gpt2": {},
     "gpt2-untied": {"tie_embeddings": False},
@@ -37,8 +44,14 @@ FAMILIES = {
     "mistral": LLAMA | {"sliding_window": 5},  # shorter than the 16-token sequence
     "qwen2": LLAMA | {"qkv_bias": True, "rope_theta": 1e6},
     "qwen2-tied-window": LLAMA | {"qkv_bias": True, "tie_embeddings": True, "sliding_window": 5},
+    "qwen3": LLAMA | {"qk_norm": True, "head_size": 12},  # 4 heads of 12 in a 32-wide model
+    "qwen3-window": LLAMA | {"qk_norm": True, "sliding_window": 5},
+    "mixtral": MOE,
+    "mixtral-renormalize": MOE | {"moe_softmax_after_topk": False, "moe_renormalize": True},
+    "qwen3_moe": QWEN3_MOE,
+    "qwen3_moe-softmax-after": QWEN3_MOE | {"moe_softmax_after_topk": True},
 }
-KINDS = {"gpt2": "gpt2", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+KINDS = {k: k for k in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")}
 TOL = 1e-5
 
 
@@ -134,6 +147,27 @@ HF_FAMILIES = {
             **ROTARY, vocab_size=v, use_sliding_window=True, sliding_window=5, max_window_layers=0
         )
     ),
+    "qwen3": lambda v: transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(**ROTARY, vocab_size=v, head_dim=12)
+    ),
+    "mixtral": lambda v: transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**ROTARY, vocab_size=v, num_local_experts=4,
+                                   num_experts_per_tok=2)
+    ),
+    "mixtral-window": lambda v: transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**ROTARY, vocab_size=v, num_local_experts=4,
+                                   num_experts_per_tok=2, sliding_window=5)
+    ),
+    "qwen3_moe": lambda v: transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(**ROTARY, vocab_size=v, head_dim=12, num_experts=4,
+                                    num_experts_per_tok=3, moe_intermediate_size=16,
+                                    norm_topk_prob=True, mlp_only_layers=[0])
+    ),
+    "qwen3_moe-step": lambda v: transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(**ROTARY | {"num_hidden_layers": 4}, vocab_size=v,
+                                    num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=16, decoder_sparse_step=2)
+    ),
 }  # fmt: skip
 """Tiny random `transformers` models; the rotary ones with grouped-query attention."""
 
@@ -164,11 +198,12 @@ def test_import_matches_transformers(family: str, tmp_path: Path) -> None:
     # Each family's own option is live: without it the logits are not the same.
     cfg = model.cfg
     own = {"llama3.1": {"rope_scaling": "none"}, "mistral": {"sliding_window": 0}}
-    own |= {"qwen2-window": {"sliding_window": 0}}
+    own |= {"qwen2-window": {"sliding_window": 0}, "mixtral-window": {"sliding_window": 0}}
+    own |= {"qwen3": {"qk_norm": False}, "qwen3_moe": {"moe_renormalize": False}}
     if family in own:
         plain = apply_updates(RunConfig(model=cfg), {"model": own[family]}, "a test").model
         other = GPT(plain)
-        other.load_state_dict(model.state_dict())
+        other.load_state_dict(model.state_dict(), strict=family != "qwen3")  # q/k norms
         with torch.no_grad():
             assert (other.eval()(tokens) - ours).abs().max() > 100 * TOL
     # And back: `transformers` loads the export with the same logits.
@@ -293,3 +328,93 @@ def test_import_refuses_exact_gelu(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="activation_function"):
         import_hf(tmp_path / "hf", tmp_path / "run")
     assert main(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_import_reads_fused_experts(family: str, tmp_path: Path) -> None:
+    """transformers 5 can save experts as fused [e, 2f, h] gate_up_proj and [e, h, f]
+    down_proj tensors; they import to the same weights as one module per expert."""
+    hf = _hf_model(family)
+    hf.save_pretrained(tmp_path / "split")
+    hf.save_pretrained(tmp_path / "fused", save_original_format=False)
+    states = []
+    for name in ("split", "fused"):
+        import_hf(tmp_path / name, tmp_path / f"run-{name}")
+        states.append(ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path / f"run-{name}"))["model"])
+    assert states[0].keys() == states[1].keys()
+    for key, value in states[0].items():
+        assert torch.equal(value, states[1][key]), key
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_imported_moe_generates_as_transformers(family: str, tmp_path: Path) -> None:
+    """Greedy generation (ptdp's KV cache) of an imported MoE model picks transformers'
+    tokens."""
+    from ptdp.model.generate import generate
+
+    hf = _hf_model(family)
+    hf.save_pretrained(tmp_path / "hf")
+    model = load_model(import_hf(tmp_path / "hf", tmp_path / "run").path).eval()
+    prompt = _tokens(64, 5)
+    ours = generate(model, prompt, 8, temperature=0.0)
+    theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                         eos_token_id=None, attention_mask=torch.ones_like(prompt))  # fmt: skip
+    assert ours.shape == (3, 13)
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize(
+    "options,named",
+    [
+        (MOE | {"moe_shared_experts": 1}, "model.moe_shared_experts = 1 .*it needs 0"),
+        (MOE | {"moe_score_function": "sigmoid"}, "model.moe_score_function = sigmoid"),
+        (MOE | {"moe_bias_update_rate": 0.001}, "model.moe_bias_update_rate"),
+        (MOE | {"moe_routed_scaling": 2.5}, "model.moe_routed_scaling = 2.5"),
+        (MOE | {"moe_softmax_after_topk": False}, "Mixtral, .*model.moe_renormalize = false"),
+        (MOE | {"moe_first_dense_layers": 1}, "Mixtral, .*model.moe_first_dense_layers = 1"),
+        (MOE | {"bias": True}, "model.bias = true"),
+        ({"head_size": 4}, "GPT-2, .*model.head_size = 4"),
+        (LLAMA | {"qk_norm": True, "qkv_bias": True}, "Qwen3, .*model.qkv_bias = true"),
+    ],
+)
+def test_export_refuses_moe_options_without_equivalent(
+    options: dict, named: str, tmp_path: Path
+) -> None:
+    cfg = _model_config(**options)
+    _write_checkpoint(tmp_path / "run", cfg, GPT(cfg, seed=1), "bytes")
+    with pytest.raises(ConfigError, match=named):
+        export_hf(tmp_path / "run", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    "family,change,named",
+    [
+        ("mixtral", {"model_type": "qwen2_moe"}, "'qwen2_moe' .*shared_expert_gate"),
+        ("mixtral", {"model_type": "deepseek_v3"}, "'deepseek_v3' .*converts .*'mixtral'"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise = 0.1"),
+        ("qwen3_moe", {"attention_bias": True}, "attention_bias = True"),
+        ("qwen3_moe-step", {"mlp_only_layers": [2], "decoder_sparse_step": 1},
+         "mlp_only_layers and decoder_sparse_step = \\(\\[2\\], 1\\)"),  # MoE: 0, 1, 3
+    ],
+)  # fmt: skip
+def test_import_refuses_moe_configs_ptdp_lacks(
+    family: str, change: dict, named: str, tmp_path: Path
+) -> None:
+    _hf_model(family).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(ConfigError, match=named):
+        import_hf(tmp_path / "hf", tmp_path / "run")
+
+
+def test_import_refuses_a_router_bias(tmp_path: Path) -> None:
+    import safetensors.torch
+
+    _hf_model("mixtral").save_pretrained(tmp_path / "hf")
+    file = tmp_path / "hf" / "model.safetensors"
+    tensors = safetensors.torch.load_file(file)
+    tensors["model.layers.0.block_sparse_moe.gate.bias"] = torch.zeros(4)
+    safetensors.torch.save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="router with a bias.*gate.bias"):
+        import_hf(tmp_path / "hf", tmp_path / "run")

@@ -97,7 +97,7 @@ def test_shorter_context_keeps_the_first_positions(
     assert all(torch.equal(loaded[k], saved[k]) for k in saved if k != "position.weight")
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "mixtral", "qwen3_moe"])
 def test_hf_model_equals_converting_then_loading(
     family: str, tiny_data: str, tmp_path: Path
 ) -> None:
@@ -110,7 +110,7 @@ def test_hf_model_equals_converting_then_loading(
     ref_cfg = tiny_config(tiny_data, tmp_path / "imported", train={"steps": 3})
     ref = train(replace(ref_cfg, model=imported), resume=True)
 
-    model = {"gpt2": {}, "llama": LLAMA, "qwen2": {**LLAMA, "tie_embeddings": True}}[family]
+    model = {"gpt2": {}, "qwen2": {**LLAMA, "tie_embeddings": True}}.get(family, LLAMA)
     cfg = tiny_config(tiny_data, tmp_path / "ft", model=model, checkpoint={"init_from": str(hf)})
     cfg = replace(cfg, train=replace(cfg.train, steps=3))
     result = train(cfg)
