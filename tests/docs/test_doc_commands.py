@@ -92,7 +92,7 @@ def test_every_command_of_the_page_runs_and_prints_what_it_shows(
     assert not problems, "\n\n".join(problems)
 
 
-def test_a_page_without_commands_is_still_read() -> None:
+def test_the_pages_are_found_and_hold_commands() -> None:
     """Guards the parametrisation: the pages exist and hold command blocks."""
     counts = {str(p.relative_to(ROOT)): sum(b.is_command for b in blocks(p)) for p in pages()}
     assert counts["README.md"] >= 2
