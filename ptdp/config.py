@@ -261,6 +261,11 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel size (ranks that split each sequence; 2*cp chunks, rank i holding
     chunks i and 2*cp-1-i so causal attention work is balanced)."""
+    ep: int = 1
+    """Expert-parallel size (mixture-of-experts models): each MoE layer's routed experts are
+    split over ep ranks taken from the data- and context-parallel ranks (ep divides dp * cp
+    and model.num_experts), tokens reaching their experts by all-to-all; 1 = every rank
+    holds every expert."""
     cp_comm: CpComm = CpComm.RING
     """How attention sees the other ranks' keys and values under cp > 1: ring (blocks rotated
     point to point, overlapped with compute) or allgather (gathered once per layer)."""

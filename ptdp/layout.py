@@ -20,7 +20,7 @@ from ptdp.config import (
     Schedule,
 )
 from ptdp.errors import ConfigError
-from ptdp.layout_moe import moe_rules
+from ptdp.layout_moe import expert_rules, moe_rules
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES, check_args
@@ -29,6 +29,10 @@ ORDER = ("tp", "cp", "dp", "pp")
 """How ranks are laid out, fastest-varying first (`ptdp.parallel.mesh` builds the groups)."""
 COMBINED = {"dp_cp": ("cp", "dp")}
 """Groups over several adjacent axes (fastest first); a member's index is its rank in it."""
+EXPERT_AXES = ("ep", "edp")
+"""The two splits of a dp_cp group under expert parallelism: "ep", ep consecutive members
+that hold different experts (tokens travel between them), and "edp", the members a stride
+of ep apart that hold the same experts (their gradients are reduced over it)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class Layout:
     """The ZeRO level (`zero_level`): what of the model state is sharded over dp."""
     cp: int = 1
     """Context-parallel size: ranks that split each sequence."""
+    ep: int = 1
+    """Expert-parallel size: ranks of one dp*cp group that split each layer's experts."""
 
     @cached_property
     def pipeline(self) -> PipelinePlan:
@@ -68,6 +74,7 @@ class Layout:
     def describe(self) -> str:
         sp = " sp=on" if self.sequence_parallel else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
+        cp += f" ep={self.ep}" if self.ep > 1 else ""
         uneven = len(set(self.stage_layers)) > 1
         split = f" layers={','.join(map(str, self.stage_layers))}" if uneven else ""
         zero = f" zero={self.zero}" if self.zero else ""  # absent at 0, as before the levels
@@ -491,6 +498,7 @@ def validate(cfg: RunConfig, world_size: int = 1, *, gpus: bool = False) -> Layo
     _model_rules(cfg, errors)
     moe_rules(cfg, errors, runtime=not gpus)
     dp = _parallel_rules(cfg, world_size, errors, gpus)
+    expert_rules(cfg, dp, errors)
     microbatches = _train_rules(cfg, dp, errors)
     _data_rules(cfg, errors)
     p = cfg.parallel
@@ -520,4 +528,5 @@ def validate(cfg: RunConfig, world_size: int = 1, *, gpus: bool = False) -> Layo
         _stage_layers(cfg),
         zero_level(cfg),
         p.cp,
+        p.ep,
     )

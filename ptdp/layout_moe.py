@@ -122,3 +122,33 @@ def _layout_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
 
 def _show(value: object) -> str:
     return getattr(value, "value", value) if not isinstance(value, bool) else str(value).lower()
+
+
+def expert_rules(cfg: RunConfig, dp: int, errors: list[str]) -> None:
+    """parallel.ep against the model and the layout (`dp`: the derived data-parallel size,
+    0 when it could not be derived)."""
+    m, p = cfg.model, cfg.parallel
+    if p.ep < 1:
+        errors.append(f"parallel.ep = {p.ep} must be >= 1 (1 = no expert parallelism)")
+        return
+    if p.ep == 1:
+        return
+    if m.num_experts == 0:
+        errors.append(
+            f"parallel.ep = {p.ep} splits experts, but model.num_experts = 0 (a dense model); "
+            "set --parallel.ep 1, or --model.num_experts (e.g. 8) for a mixture of experts"
+        )
+        return
+    if m.num_experts > 0 and m.num_experts % p.ep:
+        fits = [e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0 and e <= p.ep]
+        errors.append(
+            f"model.num_experts = {m.num_experts} is not divisible by parallel.ep = {p.ep}: "
+            f"every expert-parallel rank holds the same number of experts; use --parallel.ep "
+            f"{max(fits)} (a divisor of {m.num_experts})"
+        )
+    if dp and (dp * p.cp) % p.ep:
+        errors.append(
+            f"parallel.ep = {p.ep} does not divide dp * cp = {dp} * {p.cp} = {dp * p.cp}: "
+            "expert-parallel ranks are taken from the data- and context-parallel ranks; use "
+            f"an ep that divides {dp * p.cp}, or launch more processes"
+        )

@@ -19,7 +19,7 @@ from itertools import product
 
 import torch.distributed as dist
 
-from ptdp.layout import COMBINED, ORDER
+from ptdp.layout import COMBINED, EXPERT_AXES, ORDER
 from ptdp.parallel.comm import Group
 
 
@@ -29,6 +29,8 @@ class MeshShape:
     dp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
+    """Expert-parallel size: splits each dp_cp group (`ptdp.layout.EXPERT_AXES`), adds no rank."""
 
     @property
     def world_size(self) -> int:
@@ -70,6 +72,17 @@ class MeshShape:
             groups.append(sorted(self.rank_of(**base, **dict(zip(inner, c))) for c in members))
         return sorted(groups)
 
+    def expert_group_ranks(self, axis: str) -> list[list[int]]:
+        """Every "ep" group (ep consecutive members of a dp_cp group: different experts) or
+        "edp" group (members ep apart: the same experts)."""
+        groups = []
+        for members in self.group_ranks("dp_cp"):
+            if axis == "ep":
+                groups += [members[i : i + self.ep] for i in range(0, len(members), self.ep)]
+            else:
+                groups += [members[i :: self.ep] for i in range(self.ep)]
+        return sorted(groups)
+
     def embedding_group_ranks(self) -> list[list[int]]:
         """Pairs of ranks holding the first and last pipeline stage at the same (tp, dp):
         they share the tied input embedding / output layer and sum its gradient."""
@@ -89,17 +102,20 @@ class ParallelMesh:
     @classmethod
     def single(cls) -> ParallelMesh:
         """The one-process mesh (no process group needed)."""
-        return cls(MeshShape(), 0, {axis: None for axis in (*ORDER, *COMBINED, "embedding")})
+        axes = (*ORDER, *COMBINED, *EXPERT_AXES, "embedding")
+        return cls(MeshShape(), 0, {axis: None for axis in axes})
 
     @classmethod
     def build(cls, shape: MeshShape, rank: int) -> ParallelMesh:
         """Create every axis group; all ranks must call this in the same order."""
         groups: dict[str, dist.ProcessGroup | None] = {}
         axes = {axis: shape.group_ranks(axis) for axis in (*ORDER, *COMBINED)}
+        axes.update({axis: shape.expert_group_ranks(axis) for axis in EXPERT_AXES})
         axes["embedding"] = shape.embedding_group_ranks()
         for axis, all_ranks in axes.items():
-            if axis == "dp_cp" and shape.cp == 1:  # the same ranks as dp: no second group
-                groups[axis] = groups["dp"]
+            same = {"dp_cp": shape.cp == 1, "edp": shape.ep == 1}  # as the group before it
+            if same.get(axis):
+                groups[axis] = groups["dp" if axis == "dp_cp" else "dp_cp"]
                 continue
             groups[axis] = None
             for ranks in all_ranks:
@@ -114,12 +130,18 @@ class ParallelMesh:
             return 0 if self.shape.coords(self.rank)["pp"] == 0 else min(self.size(axis) - 1, 1)
         if axis in COMBINED:
             return next(g.index(self.rank) for g in self.shape.group_ranks(axis) if self.rank in g)
+        if axis in EXPERT_AXES:
+            dp_cp = self.coord("dp_cp")
+            return dp_cp % self.shape.ep if axis == "ep" else dp_cp // self.shape.ep
         return self.shape.coords(self.rank)[axis]
 
     def size(self, axis: str) -> int:
         if axis == "embedding":  # 2 on the first and last stage of a pipeline, else 1
             pp = self.shape.coords(self.rank)["pp"]
             return 2 if self.shape.pp > 1 and pp in (0, self.shape.pp - 1) else 1
+        if axis in EXPERT_AXES:
+            ep = self.shape.ep
+            return ep if axis == "ep" else self.shape.size_of("dp_cp") // ep
         return self.shape.size_of(axis)
 
     def axis(self, axis: str) -> Group:

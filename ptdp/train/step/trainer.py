@@ -72,7 +72,9 @@ class Trainer:
         store = init_process_group(env, self.device, t.collective_timeout_s)
         self.owns_process_group = store is not None
         self.mesh = (
-            ParallelMesh.build(MeshShape(layout.tp, layout.dp, layout.pp, layout.cp), env.rank)
+            ParallelMesh.build(
+                MeshShape(layout.tp, layout.dp, layout.pp, layout.cp, layout.ep), env.rank
+            )
             if env.world_size > 1
             else ParallelMesh.single()
         )
