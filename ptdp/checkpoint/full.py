@@ -33,26 +33,34 @@ from ptdp.checkpoint.writer import start_checkpoint
 from ptdp.config import RunConfig
 from ptdp.errors import CheckpointError
 from ptdp.parallel.comm import Group
-from ptdp.parallel.init import full_tensor, shard_spec
+from ptdp.parallel.init import expert_split, full_tensor, global_shape, local_part, shard_spec
 from ptdp.parallel.roles import rank_roles
 
 
 def full_model_state(
-    chunks: list[nn.Module], tp: Group, weights: dict[nn.Parameter, torch.Tensor] | None = None
+    chunks: list[nn.Module],
+    tp: Group,
+    weights: dict[nn.Parameter, torch.Tensor] | None = None,
+    ep: Group | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full fp32 tensors by global name: `weights` (the optimizer's fp32 master weights, by
-    parameter) where given, else the parameters themselves."""
+    parameter) where given, else the parameters themselves; `ep`: the expert-parallel group
+    (collective over it when experts are split)."""
     weights, roles = weights or {}, rank_roles(chunks)
     return {
-        name: full_tensor(weights.get(p, p), shard_spec(p), tp).float().clone()
+        name: full_tensor(weights.get(p, p), shard_spec(p), tp, ep, expert_split(p))
+        .float()
+        .clone()
         for name, p in named_parameters(chunks)
         if not roles.is_tied_copy(name)
     }
 
 
 def _local(value: torch.Tensor, p: torch.Tensor, tp: Group, name: str) -> torch.Tensor:
-    spec = shard_spec(p)
-    local = value if spec is None else spec.shard(value, tp.rank)  # pads, at any tp
+    if tuple(value.shape) != global_shape(p):
+        local = value  # not this model's: refused below with both shapes
+    else:
+        local = local_part(value, p, tp.rank)  # pads, at any tp; this rank's experts
     if local.shape != p.shape:
         raise CheckpointError(
             f"checkpoint tensor {name} has shape {tuple(value.shape)}, which does not fit "

@@ -39,7 +39,7 @@ from ptdp.checkpoint.keys import (
 )
 from ptdp.errors import CheckpointError
 from ptdp.parallel.comm import has_process_group
-from ptdp.parallel.init import ShardSpec, shard_spec
+from ptdp.parallel.init import ShardSpec, expert_split, global_shape, local_part, shard_spec
 from ptdp.parallel.mesh import ParallelMesh
 from ptdp.parallel.roles import rank_roles
 
@@ -94,7 +94,18 @@ def _dtensor(local: torch.Tensor, spec: ShardSpec, sub: DeviceMesh, tp_rank: int
 
 def tensor_place(p: torch.Tensor, sub: DeviceMesh | None, tp_rank: int) -> tuple[str, TensorPlace]:
     """The key suffix ("" or `@parts...`) and the place in the global tensor of this
-    rank's tensor-local `p`, for the boxes a save writes."""
+    rank's tensor-local `p`, for the boxes a save writes: its tensor-parallel place, and
+    under expert parallelism its block of experts along dim 0 (`ExpertSplit`)."""
+    suffix, place = _tensor_place(p, sub, tp_rank)
+    split = expert_split(p)
+    if split is None or split.size == 1:
+        return suffix, place
+    offsets, size = list(place.offsets), list(place.size)
+    offsets[0], size[0] = split.first, split.num_experts
+    return suffix, TensorPlace(place.shape, place.valid, tuple(offsets), tuple(size))
+
+
+def _tensor_place(p: torch.Tensor, sub: DeviceMesh | None, tp_rank: int) -> tuple[str, TensorPlace]:
     spec, shape = shard_spec(p), tuple(p.shape)
     if _sharded(spec, sub) and spec.parts > 1:
         rows = shape[spec.dim] // spec.parts
@@ -159,15 +170,10 @@ class _Target:
     def result(self, tp_rank: int) -> torch.Tensor:
         if self.local is not None:
             return self.local
-        spec = shard_spec(self.p)
         full, dim = self.value, parts_dim(self.key)
         if dim is not None:
             full = full.flatten(dim, dim + 1)
-        if spec is not None and spec.size > 1:
-            return spec.shard(full, tp_rank)
-        if spec is not None and spec.padded_size != spec.full_size:
-            return spec.shard(full, 0)
-        return full
+        return local_part(full, self.p, tp_rank)  # pads; takes this rank's experts
 
 
 def _stored(metadata, key: str) -> str | None:
@@ -178,8 +184,7 @@ def _stored(metadata, key: str) -> str | None:
 
 
 def _target(key: str, stored: str, shape, p: torch.Tensor, sub, tp_rank: int, name: str):
-    spec = shard_spec(p)
-    full_shape = tuple(spec.full_shape(p.shape)) if spec is not None else tuple(p.shape)
+    spec, full_shape = shard_spec(p), global_shape(p)
     flat_shape, dim = list(shape), parts_dim(stored)
     if dim is not None:
         flat_shape[dim : dim + 2] = [flat_shape[dim] * flat_shape[dim + 1]]
@@ -189,7 +194,10 @@ def _target(key: str, stored: str, shape, p: torch.Tensor, sub, tp_rank: int, na
             f"model's {full_shape} ({name}); is it the same model?"
         )
     parts_stored = dim is not None
-    if _sharded(spec, sub) and parts_stored == (spec.parts > 1):
+    # An expert-split tensor is read whole and sliced (`_Target.result`): the ("dp", "tp")
+    # mesh of the DTensor read cannot say which experts a rank holds.
+    whole = expert_split(p) is not None
+    if _sharded(spec, sub) and parts_stored == (spec.parts > 1) and not whole:
         local = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         return _Target(stored, _dtensor(local, spec, sub, tp_rank), p, local)
     value = torch.empty(tuple(shape), dtype=torch.float32, device=p.device)

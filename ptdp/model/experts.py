@@ -1,8 +1,9 @@
 """The routed experts of a mixture-of-experts layer as grouped weights, split over the
 tensor group like the dense MLP.
 
-Shapes: n = rows (token-choices sorted by expert), e = experts on this rank (all of them
-until expert parallelism splits them), h = hidden, f = one expert's inner width, t = tp.
+Shapes: n = rows (token-choices sorted by expert), e = experts on this rank (all of them,
+or under expert parallelism its num_experts / ep), h = hidden, f = one expert's inner
+width, t = tp.
 """
 
 from __future__ import annotations
@@ -12,23 +13,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.parallel.comm import Group
-from ptdp.parallel.init import ShardSpec
+from ptdp.parallel.init import ExpertSplit, ShardSpec
 from ptdp.parallel.wgrad import WeightGradStore, grouped_linear
 
 
-def _param(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
+def _param(shape: tuple[int, ...], spec: ShardSpec | None, split: ExpertSplit) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape))
     if spec is not None and spec.size > 1:
         param.tp_shard = spec  # ptdp.parallel.init: how to slice and gather it
+    if split.size > 1:
+        param.ep_split = split  # this rank's experts of all of them
     return param
 
 
 class GroupedLinear(nn.Module):
     """The parameters of e linear layers side by side: weight [e, out, in], bias [e, out].
-    `split`: the dim (1 = out, 2 = in) split over `tp`, in `parts` blocks (SwiGLU)."""
+    `split`: the dim (1 = out, 2 = in) split over `tp`, in `parts` blocks (SwiGLU); `experts`:
+    which e of all the experts they are."""
 
     def __init__(
-        self, e: int, out: int, inp: int, *, tp: Group, split: int, bias: bool, parts: int = 1
+        self,
+        e: int,
+        out: int,
+        inp: int,
+        *,
+        tp: Group,
+        split: int,
+        bias: bool,
+        experts: ExpertSplit,
+        parts: int = 1,
     ) -> None:
         super().__init__()
         full = out if split == 1 else inp
@@ -37,8 +50,8 @@ class GroupedLinear(nn.Module):
         spec = ShardSpec(dim=split, full_size=full, padded_size=full, size=tp.size, parts=parts)
         shape = [e, out, inp]
         shape[split] //= tp.size
-        self.weight = _param(tuple(shape), spec)
-        self.bias = _param((e, shape[1]), spec if split == 1 else None) if bias else None
+        self.weight = _param(tuple(shape), spec, experts)
+        self.bias = _param((e, shape[1]), spec if split == 1 else None, experts) if bias else None
 
 
 class GroupedExperts(nn.Module):
@@ -64,13 +77,17 @@ class GroupedExperts(nn.Module):
         swiglu: bool,
         bias: bool,
         wgrad: WeightGradStore | None = None,
+        ep: Group | None = None,
     ) -> None:
         super().__init__()
         self.swiglu, self.wgrad = swiglu, wgrad
         parts = 2 if swiglu else 1
-        e, h, f = num_experts, hidden_size, ffn_size
-        self.fc1 = GroupedLinear(e, parts * f, h, tp=tp, split=1, bias=bias, parts=parts)
-        self.fc2 = GroupedLinear(e, h, f, tp=tp, split=2, bias=bias)
+        ep = ep or Group.single()
+        split = ExpertSplit(num_experts, ep.size, ep.rank)
+        e, h, f = split.local, hidden_size, ffn_size
+        kw = {"tp": tp, "bias": bias, "experts": split}
+        self.fc1 = GroupedLinear(e, parts * f, h, split=1, parts=parts, **kw)
+        self.fc2 = GroupedLinear(e, h, f, split=2, **kw)
         self.bias_share = 1.0 if tp.rank == 0 else 0.0
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from ptdp.model.rope import Rotary
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
 from ptdp.parallel.context import context_attention
-from ptdp.parallel.init import ShardSpec, rank_rng, shard_spec
+from ptdp.parallel.init import ShardSpec, global_shape, rank_rng
 from ptdp.parallel.loss import vocab_parallel_cross_entropy
 from ptdp.parallel.roles import ParamRoles
 from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -267,6 +267,8 @@ class GPT(nn.Module):
         tp: this rank's tensor-parallel group (default: none, the reference model).
         cp, cp_comm: this rank's context-parallel group (it holds part of each sequence;
             `ptdp.parallel.context`) and how attention exchanges keys and values.
+        ep: this rank's expert-parallel group (its members split each MoE layer's experts;
+            `ptdp.model.moe`).
         sequence_parallel: split norm/dropout activations along the sequence over `tp`.
         layers: the global indices of the layers this chunk holds (default: all).
         has_embedding / has_head: whether this chunk holds the input embedding /
@@ -282,6 +284,7 @@ class GPT(nn.Module):
         tp: Group | None = None,
         cp: Group | None = None,
         cp_comm: CpComm = CpComm.RING,
+        ep: Group | None = None,
         sequence_parallel: bool = False,
         layers: range | None = None,
         has_embedding: bool = True,
@@ -300,6 +303,7 @@ class GPT(nn.Module):
             self.wgrad,
             cp or Group.single(),
             cp_comm,
+            ep or Group.single(),
         )
         self.has_embedding, self.has_head = has_embedding, has_head
         layers = range(cfg.num_layers) if layers is None else layers
@@ -469,6 +473,5 @@ def count_parameters(model: GPT, *, full: bool = True, skip_tied_copies: bool = 
     for name, p in model.named_parameters():
         if skip_tied_copies and model.roles.is_tied_copy(name):
             continue
-        spec = shard_spec(p) if full else None
-        total += math.prod(spec.full_shape(p.shape)) if spec else p.numel()
+        total += math.prod(global_shape(p)) if full else p.numel()
     return total

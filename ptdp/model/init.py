@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ptdp.parallel.comm import Group
-from ptdp.parallel.init import shard_spec
+from ptdp.parallel.init import global_shape, local_part
 from ptdp.parallel.roles import NO_ROLES, ParamRoles
 
 
@@ -65,9 +65,7 @@ def apply_init(
                 param.zero_()
             else:
                 name = roles.original(name)  # a tied copy starts as its original
-                spec = shard_spec(param)
-                shape = spec.full_shape(param.shape) if spec else tuple(param.shape)
+                shape = global_shape(param)
                 full = init_tensor(name, shape, init_std(name, base_std, num_layers), seed)
-                if spec is not None and tp is not None:
-                    full = spec.shard(full, tp.rank)
+                full = local_part(full, param, tp.rank if tp is not None else 0)
                 param.copy_(full.to(param.dtype))

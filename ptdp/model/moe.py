@@ -4,10 +4,12 @@ arXiv 2006.16668; Switch, arXiv 2101.03961; Mixtral, Qwen3-MoE and DeepSeek-V3 o
 Shapes: s = sequence, b = micro-batch, h = hidden, t = tokens (s * b), e = experts,
 k = experts per token, n = expert rows (the kept token-choices), tp = tensor-parallel size.
 
-A block runs in three steps, kept apart so that expert parallelism can put an all-to-all
-between them: `plan_dispatch` sorts the token-choices by expert (dropping those over
-capacity), the experts compute their rows (`GroupedExperts`), `combine` scatters the rows
-back to their tokens, weighted. Under tensor parallelism every rank routes the whole
+A block runs in three steps: `plan_dispatch` sorts the token-choices by expert (dropping
+those over capacity), the experts compute their rows (`GroupedExperts`), `combine`
+scatters the rows back to their tokens, weighted. Under expert parallelism the experts are
+split over the ep group and an all-to-all takes each row to the member holding its expert
+and back (`MoE._expert_parallel`); every member routes its own tokens, so what a token
+chooses and what it drops does not depend on the layout. Under tensor parallelism every rank routes the whole
 sequence (gathered under sequence parallelism) and computes its 1/tp of every expert; the
 weighted partial sums are reduced once, as the dense MLP's are (all-reduce, or
 reduce-scatter under sequence parallelism).
@@ -181,6 +183,7 @@ class MoE(nn.Module):
             swiglu=cfg.activation is Activation.SWIGLU,
             bias=cfg.bias,
             wgrad=ctx.wgrad,
+            ep=ctx.ep,
         )
         self.shared = None
         if cfg.moe_shared_experts:  # a dense MLP every token goes through
@@ -204,10 +207,11 @@ class MoE(nn.Module):
         routing = self.router(tokens)
         cap = capacity(self.capacity_factor, s * b, self.top_k, self.num_experts)
         plan = plan_dispatch(routing, self.num_experts, cap)
-        # Expert parallelism: an all-to-all of the rows (and counts) here, and back below.
-        rows = self.experts(
-            tokens.index_select(0, plan.choice // self.top_k), plan.counts, plan.expert
-        )
+        rows = tokens.index_select(0, plan.choice // self.top_k)
+        if self.ctx.ep.size > 1:
+            rows = self._expert_parallel(rows, plan)
+        else:
+            rows = self.experts(rows, plan.counts, plan.expert)
         out = combine(rows, plan, routing.weights).view(s, b, h)
         out = comm.reduce_scatter_to_sp(out, tp) if sp else comm.reduce_from_tp(out, tp)
         if self.training:
@@ -215,6 +219,28 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         return out
+
+    def _expert_parallel(self, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+        """Rows [n, h] grouped by expert -> their experts' outputs [n, h], in the same order,
+        the experts living on the members of the expert-parallel group.
+
+        Each member sends every expert's rows to the member holding it (members hold
+        consecutive experts, so the rows for one member are contiguous), computes what it
+        receives grouped by its own experts (source members in rank order within an
+        expert: every source's rows keep their order) and sends the outputs back.
+        """
+        ep = self.ctx.ep
+        local = self.num_experts // ep.size
+        sent = plan.counts.view(ep.size, local)  # [member, its expert]: rows sent
+        got = comm.exchange_counts(sent, ep)  # [source member, my expert]: rows received
+        send, recv = sent.sum(1).tolist(), got.sum(1).tolist()
+        arrived = comm.all_to_all(rows, ep, send, recv)  # by source, then expert
+        expert = torch.arange(local, device=rows.device).repeat(ep.size)
+        expert = expert.repeat_interleave(got.reshape(-1))
+        order = torch.sort(expert, stable=True).indices  # by expert, then source
+        out = self.experts(arrived.index_select(0, order), got.sum(0), expert[order])
+        back = out.index_select(0, torch.argsort(order))  # by source again
+        return comm.all_to_all(back, ep, recv, send)
 
     def _balance(self, out: torch.Tensor, routing: Routing, plan: Dispatch) -> torch.Tensor:
         """Record the figures; attach the balancing losses' gradient to `out`."""

@@ -30,6 +30,8 @@ class TPContext:
     cp: Group = Group(None, 1, 0)
     """The context-parallel group: each member holds part of every sequence."""
     cp_comm: CpComm = CpComm.RING
+    ep: Group = Group(None, 1, 0)
+    """The expert-parallel group: its members hold different experts of each MoE layer."""
 
 
 def build_norm(cfg: ModelConfig, size: int = 0) -> nn.Module:

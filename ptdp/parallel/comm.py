@@ -6,8 +6,9 @@ of Fig. 3) and their sequence-parallel pairs after Korthikanti et al. 2022 (arXi
 Shapes: s = sequence, b = batch, h = hidden, t = tensor-parallel size; the body runs
 sequence-first, so sequence parallelism splits dim 0.
 
-Every collective goes through the four primitives below (`_all_reduce`, `_all_gather`,
-`_reduce_scatter`, `_split`), which is where tests count communication. gloo has no
+Every collective goes through the primitives below (`_all_reduce`, `_all_gather`,
+`_reduce_scatter`, `_split`, and expert parallelism's `_all_to_all`), which is where tests
+count communication. gloo has no
 reduce-scatter, so on gloo it is an all-reduce followed by taking this rank's slice: the
 same numbers, more bytes on the wire (counted as a reduce-scatter all the same).
 """
@@ -66,6 +67,14 @@ def _split(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
     if size % g.size:
         raise ValueError(f"dim {dim} of size {size} does not split over {g.size} ranks")
     return x.narrow(dim, g.rank * (size // g.size), size // g.size).contiguous()
+
+
+def _all_to_all(x: torch.Tensor, g: Group, send: list[int], recv: list[int]) -> torch.Tensor:
+    """Rows [send[0] | send[1] | ...] of `x` go to members 0, 1, ...; the rows received,
+    `recv[i]` from member i, are concatenated in member order."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=g.group)
+    return out
 
 
 # ----------------------------------------------------------------------------- tensor parallel
@@ -194,6 +203,36 @@ class _SumAcross(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_reduce(grad.clone(), ctx.g), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to their members forward; the gradients of the received rows back to where the
+    rows came from, backward (the same exchange with the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, g, send, recv):
+        ctx.g, ctx.send, ctx.recv = g, send, recv
+        return _all_to_all(x, g, send, recv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.g, ctx.recv, ctx.send), None, None, None
+
+
+def all_to_all(x: torch.Tensor, g: Group, send: list[int], recv: list[int]) -> torch.Tensor:
+    """Expert parallelism's exchange of token rows (`_all_to_all`), differentiable; `send`
+    and `recv`: rows to and from each member, which every member must agree on."""
+    return x if g.size == 1 else _AllToAll.apply(x, g, send, recv)
+
+
+def exchange_counts(counts: torch.Tensor, g: Group) -> torch.Tensor:
+    """counts [members, ...] (what this rank sends each member) -> [members, ...] (what each
+    member sends this rank); no autograd. The sizes an `all_to_all` needs before it runs."""
+    if g.size == 1:
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=g.group)
+    return out
 
 
 def sum_across(x: torch.Tensor, g: Group) -> torch.Tensor:

@@ -38,6 +38,15 @@ last allocated; which microbatch a gradient belongs to does not matter for the s
 backward's B and W may interleave). A tied embedding's bucket (deferred) and, without
 overlap, every bucket stay full over the step and are reduced in `finish`.
 
+Under expert parallelism a mixture-of-experts layer's experts differ between the members of
+the expert-parallel group and are replicated only over the members a stride of ep apart
+("edp", `ptdp.parallel.mesh`). Their parameters live in buffers of their own, a second
+`GradBuffers` (`experts`) reduced and sharded over that group instead: the same buckets,
+overlap and ZeRO levels, with the gradients still divided by dp*cp, the replicas the loss
+is averaged over (each expert's gradient already sums the tokens of its ep group, which the
+all-to-all brought to it). The first instance drives the second: every method below that
+the trainer calls also runs on `experts`.
+
 ZeRO-3 (`shard_params`) also keeps only each rank's 1/dp of the parameters: `params` holds
 the shards, buckets never span two units (a transformer layer, or a chunk's other
 parameters) and `ParamGather` (`ptdp.parallel.zero3`) all-gathers a unit's buckets around
@@ -68,6 +77,7 @@ from ptdp.parallel.comm import (
     reduce_scatter_flat_async,
 )
 from ptdp.parallel.grads import sum_tied_
+from ptdp.parallel.init import expert_split
 from ptdp.parallel.roles import ParamRoles
 from ptdp.parallel.zero3 import ParamGather, unit_of
 
@@ -108,8 +118,17 @@ class GradBuffers:
         shard_params: bool = False,
         reshard_after_forward: bool = True,
         overlap: bool = True,
+        expert_dp: Group | None = None,
+        ep: Group | None = None,
+        _experts_only: bool = False,
+        _divisor: int = 0,
     ) -> None:
         self.dp, self.tp, self.embedding, self.roles = dp, tp, embedding, roles
+        self.divisor = _divisor or dp.size
+        """What the reduction divides the summed gradients by: the loss's replicas."""
+        self.ep = (ep if _experts_only else None) or Group.single()
+        """The members holding other experts of the same names (the experts' instance):
+        the gradient norm sums over it."""
         self.shard = (shard or shard_grads or shard_params) and dp.size > 1
         self.shard_grads = (shard_grads or shard_params) and self.shard
         self.shard_params = shard_params and self.shard
@@ -127,13 +146,22 @@ class GradBuffers:
         self.early_launches = 0
         self.chunks: list[ChunkBuffer] = []
         self._bucket_of: dict[nn.Parameter, tuple[ChunkBuffer, Bucket]] = {}
-        names = {n for chunk in chunks for n, _ in chunk.named_parameters()}
+        mine = (lambda p: expert_split(p) is not None) if _experts_only else (
+            (lambda p: expert_split(p) is None) if expert_dp is not None else (lambda p: True)
+        )
+        names = {n for chunk in chunks for n, p in chunk.named_parameters() if mine(p)}
         self._both_ends = "embedding.weight" in names and any(map(roles.is_tied_copy, names))
         """This rank holds the embedding and its tied copy (ZB-V's V): they sum here."""
         bucket_elems = max(1, int(bucket_mb * 2**20 / 4))
         align = dp.size if self.shard else 1
         for chunk in chunks:
-            named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad][::-1]
+            named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad and mine(p)]
+            named = named[::-1]
+            if not named:  # a chunk with no parameter of this instance's kind
+                device = next(chunk.parameters()).device
+                empty = ChunkBuffer(torch.zeros(0, device=device), torch.zeros(0, device=device))
+                self.chunks.append(empty)
+                continue
             unit = unit_of if self.shard_params else (lambda name: "")
             groups = split_into_buckets(named, bucket_elems, self._is_tied, unit)
             buf = allocate_chunk(
@@ -164,6 +192,29 @@ class GradBuffers:
                 reshard_after_forward=reshard_after_forward,
                 count=self._count,
             )
+        self.experts: GradBuffers | None = None
+        """The expert parameters' buffers, reduced over `expert_dp` (module doc)."""
+        if expert_dp is not None and not _experts_only:
+            self.experts = GradBuffers(
+                chunks,
+                roles=roles,
+                dp=expert_dp,
+                tp=tp,
+                embedding=embedding,
+                bucket_mb=bucket_mb,
+                shard=shard,
+                shard_grads=shard_grads,
+                shard_params=shard_params,
+                reshard_after_forward=reshard_after_forward,
+                overlap=overlap,
+                ep=ep,
+                _experts_only=True,
+                _divisor=dp.size,
+            )
+
+    def parts(self) -> list[GradBuffers]:
+        """This instance and, under expert parallelism, the experts' one."""
+        return [self] if self.experts is None else [self, self.experts]
 
     def _count(self, kind: str, tensor: torch.Tensor, times: int = 1) -> None:
         counts = self.traffic.setdefault(kind, [0, 0])
@@ -182,6 +233,8 @@ class GradBuffers:
         """Store the parameters in `dtype` (16-bit training); gradients stay fp32."""
         for buf in self.chunks:
             cast_chunk(buf, dtype, dp=self.dp, shard_params=self.shard_params)
+        if self.experts is not None:
+            self.experts.cast_params(dtype)
 
     # ------------------------------------------------------------------ the step
 
@@ -211,14 +264,18 @@ class GradBuffers:
     def param_bytes(self) -> int:
         """Bytes of parameters this rank holds now: its buffers and any gathered buckets."""
         gathered = self.gather.gathered_bytes() if self.gather else 0
-        return sum(buf.params.nbytes for buf in self.chunks) + gathered
+        experts = self.experts.param_bytes() if self.experts else 0
+        return sum(buf.params.nbytes for buf in self.chunks) + gathered + experts
 
     def grad_bytes(self) -> int:
         """Bytes of fp32 gradient this rank holds now: its buffers and any full buckets."""
-        return sum(buf.grads.nbytes for buf in self.chunks) + self.full_bytes
+        experts = self.experts.grad_bytes() if self.experts else 0
+        return sum(buf.grads.nbytes for buf in self.chunks) + self.full_bytes + experts
 
     def start_final(self, chunk: int) -> None:
         """The next backward of chunk `chunk` is its last of this step."""
+        if self.experts is not None:
+            self.experts.start_final(chunk)
         buf = self.chunks[chunk]
         buf.final = True
         if self.shard_grads:  # counted per allocation of the bucket, every microbatch
@@ -274,7 +331,7 @@ class GradBuffers:
         bucket.full = None
         for p in bucket.params:
             p.main_grad = None
-        full.div_(self.dp.size)
+        full.div_(self.divisor)
         self._count("reduce_scatter", full)
         out = full[self.dp.rank * part : (self.dp.rank + 1) * part]
         self._inflight.append((buf, bucket, reduce_scatter_flat_async(out, full, self.dp), full))
@@ -303,10 +360,11 @@ class GradBuffers:
         if self.shard_grads:
             self._scatter_full(buf, bucket)
             return
+        grads = buf.grads[bucket.start : bucket.end]
+        if self.divisor > 1:
+            grads.div_(self.divisor)
         if self.dp.size == 1:
             return
-        grads = buf.grads[bucket.start : bucket.end]
-        grads.div_(self.dp.size)
         if self.shard:
             first, last = self.shard_range(bucket)
             out = buf.grads[first:last]
@@ -342,6 +400,8 @@ class GradBuffers:
                 if bucket.work is not None:
                     bucket.work.wait()
                 bucket.work, bucket.launched = None, False
+        if self.experts is not None:
+            self.experts.finish()
 
     def zero_grad(self) -> None:
         self._retire(keep=0)  # ZeRO-2: reductions a failed step left running
@@ -355,10 +415,14 @@ class GradBuffers:
                     bucket.full = None
                     for p in bucket.params:
                         p.main_grad = None
+        if self.experts is not None:
+            self.experts.zero_grad()
 
     def gather_params(self) -> None:
         """All-gather each rank's updated shard of the parameters (distributed optimizer);
         under ZeRO-3 the shards are the parameters, gathered when next used."""
+        if self.experts is not None:
+            self.experts.gather_params()
         if not self.shard or self.shard_params:
             return
         works = []

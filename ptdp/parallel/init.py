@@ -1,9 +1,12 @@
-"""How a parameter is split over the tensor-parallel group, and per-rank random streams.
+"""How a parameter is split over the tensor-parallel group (and a mixture-of-experts
+layer's experts over the expert-parallel group), and per-rank random streams.
 
 A sharded parameter carries a `ShardSpec` (attribute `tp_shard`). Its master value is
 the single-process tensor (seeded by name, see model/init.py); each rank keeps its slice.
 The same spec gathers shards back to the full tensor for checkpoints, gradient norms and
-equivalence tests, so tp = 1 and tp = t hold the same model.
+equivalence tests, so tp = 1 and tp = t hold the same model. An expert weight also carries
+an `ExpertSplit` (attribute `ep_split`): its dim 0 (experts) holds this rank's block of
+consecutive experts, a split independent of the tensor one (a later dim).
 """
 
 from __future__ import annotations
@@ -77,19 +80,77 @@ class ShardSpec:
         return torch.cat(blocks, dim=self.dim + 1).flatten(self.dim, self.dim + 1)
 
 
+@dataclass(frozen=True)
+class ExpertSplit:
+    """Dim 0 of a tensor of `num_experts` experts split over `size` expert-parallel ranks:
+    rank `rank` holds experts [rank * local, (rank + 1) * local)."""
+
+    num_experts: int
+    size: int
+    rank: int
+
+    @property
+    def local(self) -> int:
+        return self.num_experts // self.size
+
+    @property
+    def first(self) -> int:
+        return self.rank * self.local
+
+    def full_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (self.num_experts, *local_shape[1:])
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a tensor of all of them."""
+        return full.narrow(0, self.first, self.local)
+
+
+def expert_split(param: torch.Tensor) -> ExpertSplit | None:
+    return getattr(param, "ep_split", None)
+
+
+def global_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The single-process shape of a (possibly tensor- and expert-split) parameter."""
+    spec, split = shard_spec(param), expert_split(param)
+    shape = tuple(spec.full_shape(param.shape)) if spec else tuple(param.shape)
+    return split.full_shape(shape) if split else shape
+
+
+def local_part(full: torch.Tensor, param: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """This rank's part of the single-process tensor `full` of `param` (tensor, expert)."""
+    spec, split = shard_spec(param), expert_split(param)
+    if spec is not None:
+        full = spec.shard(full, tp_rank)  # pads, at any tp
+    return split.take(full) if split is not None else full
+
+
 def padded(n: int, size: int) -> int:
     """n rounded up to a multiple of size."""
     return -(-n // size) * size
 
 
-def full_tensor(param: torch.Tensor, spec: ShardSpec | None, tp: Group) -> torch.Tensor:
-    """Gather a (possibly sharded) tensor back to its full single-process shape."""
-    if spec is None:
-        return param.detach()
-    if tp.size == 1:
-        return spec.unshard([param.detach()])  # drops padded rows, if any
-    gathered = gather_full(param, tp, spec.dim)
-    return spec.unshard(list(gathered.chunk(tp.size, dim=spec.dim)))
+def full_tensor(
+    param: torch.Tensor,
+    spec: ShardSpec | None,
+    tp: Group,
+    ep: Group | None = None,
+    split: ExpertSplit | None = None,
+) -> torch.Tensor:
+    """Gather a (possibly sharded) tensor back to its full single-process shape; `ep`: the
+    expert-parallel group, to gather the experts of an expert-split one (`split`, by default
+    the tensor's own `ep_split`: pass the parameter's for its gradient)."""
+    out = param.detach()
+    if spec is not None and tp.size == 1:
+        out = spec.unshard([out])  # drops padded rows, if any
+    elif spec is not None:
+        gathered = gather_full(out, tp, spec.dim)
+        out = spec.unshard(list(gathered.chunk(tp.size, dim=spec.dim)))
+    split = split or expert_split(param)
+    if split is not None and split.size > 1:
+        if ep is None or ep.size != split.size:
+            raise ValueError("an expert-split tensor needs its expert-parallel group to gather")
+        out = gather_full(out.contiguous(), ep, 0)
+    return out
 
 
 def shard_spec(param: torch.Tensor) -> ShardSpec | None:

@@ -43,6 +43,8 @@ class Layout:
     cp_comm: str = "ring"
     moe: str = ""
     """A key of MOE: the MLPs become mixture-of-experts blocks of that variant."""
+    ep: int = 1
+    """Expert parallelism: the experts split over ep of the dp*cp ranks."""
 
     @property
     def world(self) -> int:
@@ -57,7 +59,7 @@ class Layout:
             parts += [self.schedule] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
         parts += ["sp"] * self.sp + [f"zero{self.zero}"] * (self.zero > 0)
         parts += [f"rc-{self.recompute}"] * (self.recompute != "none") + ["llama"] * self.llama
-        parts += ["keep"] * self.keep + [self.moe] * bool(self.moe)
+        parts += ["keep"] * self.keep + [self.moe] * bool(self.moe) + [f"ep{self.ep}"] * (self.ep > 1)
         return "-".join(parts)
 
 
@@ -137,16 +139,23 @@ GRID = [
     Layout(tp=2, recompute="full", llama=True, moe="moe"),  # SwiGLU experts split over tp
     Layout(pp=2, moe="moe"),
     Layout(pp=2, schedule="zb-h1", moe="moe"),  # expert weight gradients deferred to W
-    Layout(dp=2, zero=1, moe="moe"),
+    Layout(dp=2, zero=1, moe="moe", ep=2),  # experts split over the 2 replicas
     Layout(dp=2, zero=3, recompute="selective", moe="moe"),
     Layout(cp=2, moe="moe"),  # the balancing loss over the whole sequence
-    Layout(dp=2, moe="moe-shared-bias"),
-    Layout(dp=2, moe="moe-capacity"),
+    Layout(dp=2, moe="moe-shared-bias", ep=2),
+    Layout(dp=2, moe="moe-capacity", ep=2),  # dropped before the all-to-all, as one process
+    Layout(cp=2, moe="moe", ep=2),  # experts split over the context-parallel ranks
+    Layout(dp=2, recompute="full", llama=True, moe="moe", ep=2),
     Layout(pp=2, vpp=2, schedule="zb-v", moe="moe-shared-bias"),
-    Layout(tp=2, dp=2, sp=True, zero=1, moe="moe-shared-bias"),
+    Layout(tp=2, dp=2, sp=True, zero=1, moe="moe-shared-bias", ep=2),
     Layout(tp=2, pp=2, schedule="zb-h1", sp=True, llama=True, moe="moe-capacity"),
     Layout(cp=2, pp=2, recompute="full", moe="moe-shared-bias"),
-    Layout(pp=2, dp=2, vpp=2, schedule=I, zero=2, moe="moe-capacity"),
+    Layout(pp=2, dp=2, vpp=2, schedule=I, zero=2, moe="moe-capacity", ep=2),
+    Layout(dp=4, moe="moe", ep=4),
+    Layout(pp=2, dp=2, moe="moe", ep=2),
+    Layout(pp=2, dp=2, schedule="zb-h1", moe="moe-shared-bias", ep=2),
+    Layout(dp=4, zero=3, moe="moe", ep=2),  # expert shards over their 2 replicas
+    Layout(cp=2, dp=2, zero=1, llama=True, moe="moe", ep=2),  # edp = 2, over dp
     # world 8
     Layout(tp=2, pp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule=I, sp=True, zero=1, recompute="full"),
@@ -182,6 +191,7 @@ def _config(
             "zero3_reshard_after_forward": not layout.keep,
             "cp": layout.cp,
             "cp_comm": layout.cp_comm,
+            "ep": layout.ep,
         }
     return tiny_config(
         data,
@@ -237,10 +247,15 @@ def test_grid_covers_the_issue() -> None:
     }.items():  # fmt: skip
         assert values <= {getattr(x, attr) for x in GRID}, attr
     moe = {x for x in GRID if x.moe}
+    ep = {x for x in moe if x.ep > 1}
     for attr, value in {
         "tp": 2, "sp": True, "pp": 2, "schedule": "zb-h1", "zero": 3, "cp": 2, "recompute": "full",
     }.items():  # fmt: skip
         assert any(getattr(x, attr) == value for x in moe), attr
+        assert any(getattr(x, attr) == value for x in ep), ("ep", attr)
+    assert {x.ep for x in ep} == {2, 4} and {x.moe for x in ep} == set(MOE)
+    assert {x.zero for x in ep} >= {1, 3} and {x.schedule for x in ep if x.pp > 1} >= {"1f1b"}
+    assert any(x.ep < x.dp * x.cp for x in ep if x.zero)  # expert state sharded over edp
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

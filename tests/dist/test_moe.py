@@ -1,6 +1,7 @@
-"""Mixture-of-experts blocks split over a tensor group (gloo on CPU) against one process:
-every token's chosen experts in every layer (not only the loss), the loss, every gradient
-gathered back to full shape, and the logits; `sum_across`'s backward. The training-level
+"""Mixture-of-experts blocks split over a tensor group, and experts split over an
+expert-parallel group (gloo on CPU), against one process: every token's chosen experts in
+every layer (not only the loss), the loss, every gradient gathered back to full shape, and
+the logits; `sum_across`'s and the all-to-all's backward. The training-level
 equivalence (every parallel dimension) is the grid's (tests/dist/test_grid.py)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ptdp.model.gpt import GPT
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
 from ptdp.parallel.grads import reduce_sequence_parallel_grads
-from ptdp.parallel.init import full_tensor, shard_spec
+from ptdp.parallel.init import expert_split, full_tensor, shard_spec
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -77,6 +78,58 @@ def _check_sum_across(g: Group) -> None:
     assert torch.equal(x.grad, torch.full((3,), 3.0))  # d(sum of the losses)/dx
 
 
+def _check_expert_parallel(ep: Group, options: dict) -> None:
+    """Each member runs its own tokens (as data-parallel replicas do) through experts split
+    over the group; one process runs every member's tokens through all of them."""
+    cfg = replace(CFG, **options)
+    ref, model = GPT(cfg, seed=3), GPT(cfg, seed=3, ep=ep)
+    for name, p in model.named_parameters():  # this member's experts of all of them
+        assert p.shape[0] == (2 if ".experts." in name else p.shape[0]), name
+    ref_routes, routes = _routes(ref), _routes(model)
+    torch.manual_seed(11)
+    tokens = torch.randint(0, cfg.vocab_size, (ep.size, 2, 17))
+    ref_losses = [ref(t[:, :-1], t[:, 1:]) for t in tokens]
+    loss = model(tokens[ep.rank, :, :-1], tokens[ep.rank, :, 1:])
+    torch.testing.assert_close(loss, ref_losses[ep.rank], rtol=1e-5, atol=0)
+    for i in routes:  # the member routes its tokens as one process does
+        assert torch.equal(routes[i][0], ref_routes[i][ep.rank]), i
+    sum(ref_losses).backward()
+    loss.backward()
+    for name, p in model.named_parameters():
+        grad = p.grad if ".experts." in name else comm.sum_across(p.grad, ep)
+        got = full_tensor(grad, shard_spec(p), Group.single(), ep, expert_split(p))
+        mine = dict(ref.named_parameters())[name]
+        want = full_tensor(mine.grad, shard_spec(mine), Group.single())  # drops padding
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for i, block in model.moe_layers().items():  # the members' loads add up to one's
+        routed = block.state.stats[i].routed.clone()
+        comm.all_reduce_sum_(routed, ep)
+        assert torch.equal(routed, ref.moe.stats[i].routed), i
+
+
+def _check_all_to_all(g: Group) -> None:
+    """Member r sends r + 1 + i rows to member i, and receives them in member order; the
+    gradient of every row goes back to the row it came from."""
+    def count(src: int, dst: int) -> int:
+        return src + 1 + dst
+
+    def first(src: int, dst: int) -> int:  # where src's rows for dst start in its input
+        return sum(count(src, i) for i in range(dst))
+
+    send = [count(g.rank, i) for i in range(g.size)]
+    recv = [count(r, g.rank) for r in range(g.size)]
+    x = (torch.arange(sum(send)) + 100.0 * g.rank).requires_grad_()
+    y = comm.all_to_all(x.view(-1, 1), g, send, recv).view(-1)
+    want = [100.0 * r + first(r, g.rank) + j for r in range(g.size) for j in range(recv[r])]
+    assert y.tolist() == want
+    (y * (torch.arange(len(want)) + 1000.0 * g.rank)).sum().backward()
+    back = []  # the weight member i gave each row this member sent it
+    for i in range(g.size):
+        at = sum(count(r, i) for r in range(g.rank))
+        back += [1000.0 * i + at + j for j in range(send[i])]
+    assert x.grad.tolist() == back
+
+
 def _check(rank: int, world_size: int) -> None:
     tp = Group(None, world_size, rank)
     _check_sum_across(tp)
@@ -87,3 +140,14 @@ def _check(rank: int, world_size: int) -> None:
 
 def test_tensor_parallel_moe_routes_and_computes_as_one_process() -> None:
     run_ranks(_check, 2)
+
+
+def _check_ep(rank: int, world_size: int) -> None:
+    ep = Group(None, world_size, rank)
+    _check_all_to_all(ep)
+    for options in ({}, SWIGLU):
+        _check_expert_parallel(ep, options)
+
+
+def test_expert_parallel_moe_computes_as_one_process() -> None:
+    run_ranks(_check_ep, 2)

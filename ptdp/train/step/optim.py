@@ -48,13 +48,14 @@ class Piece:
     hi: int
     master: torch.Tensor
     """fp32, 1-D; its .grad is the slice [lo, hi) of the parameter's reduced gradient."""
-    where: tuple[Any, Any, int]
-    """(chunk buffer, bucket, offset in `owned_params`): where the slice is stored."""
+    where: tuple[GradBuffers, Any, Any, int]
+    """(buffers, chunk buffer, bucket, offset in `owned_params`): where the slice is stored
+    (the buffers: the rank's, or under expert parallelism the experts' own)."""
 
-    def stored(self, buffers: GradBuffers) -> torch.Tensor:
+    def stored(self) -> torch.Tensor:
         """The slice as the model stores it (16-bit under bf16/fp16; ZeRO-3: the shard)."""
-        buf, bucket, at = self.where
-        return buffers.owned_params(buf, bucket)[at : at + self.hi - self.lo]
+        part, buf, bucket, at = self.where
+        return part.owned_params(buf, bucket)[at : at + self.hi - self.lo]
 
 
 def decays(name: str, param: torch.Tensor) -> bool:
@@ -80,25 +81,13 @@ class Optimizer:
         self.copies = param_dtype != torch.float32
         names = {p: name for chunk in chunks for name, p in chunk.named_parameters()}
         self.pieces: list[Piece] = []
-        self.by_bucket: list[tuple[Any, Any, list[Piece]]] = []
-        for buf in buffers.chunks:
-            for bucket in buf.buckets:
-                first, last = buffers.shard_range(bucket)
-                owned = buffers.owned_grads(buf, bucket)
-                stored = buffers.owned_params(buf, bucket)
-                mine, at = [], bucket.start
-                for p in bucket.params:
-                    lo, hi = max(first, at) - at, min(last, at + p.numel()) - at
-                    if lo < hi:
-                        flat = stored[at + lo - first : at + hi - first]
-                        master = flat.clone() if self.copies else flat
-                        where = (buf, bucket, at + lo - first)
-                        piece = Piece(names[p], p, lo, hi, master, where)
-                        piece.master.grad = owned[at + lo - first : at + hi - first]
-                        mine.append(piece)
-                    at += p.numel()
-                self.pieces += mine
-                self.by_bucket.append((buf, bucket, mine))
+        self.by_bucket: list[tuple[GradBuffers, Any, Any, list[Piece]]] = []
+        for part in buffers.parts():
+            for buf in part.chunks:
+                for bucket in buf.buckets:
+                    mine = self._pieces(part, buf, bucket, names)
+                    self.pieces += mine
+                    self.by_bucket.append((part, buf, bucket, mine))
         decay = [x.master for x in self.pieces if decays(x.name, x.param)]
         no_decay = [x.master for x in self.pieces if not decays(x.name, x.param)]
         self.inner = torch.optim.AdamW(
@@ -113,6 +102,23 @@ class Optimizer:
         )
         self.fused = bool(self.inner.defaults.get("fused"))
 
+    def _pieces(self, part: GradBuffers, buf, bucket, names: dict) -> list[Piece]:
+        """The pieces of the part of `bucket` this rank owns."""
+        first, last = part.shard_range(bucket)
+        owned = part.owned_grads(buf, bucket)
+        stored = part.owned_params(buf, bucket)
+        mine, at = [], bucket.start
+        for p in bucket.params:
+            lo, hi = max(first, at) - at, min(last, at + p.numel()) - at
+            if lo < hi:
+                flat = stored[at + lo - first : at + hi - first]
+                master = flat.clone() if self.copies else flat
+                piece = Piece(names[p], p, lo, hi, master, (part, buf, bucket, at + lo - first))
+                piece.master.grad = owned[at + lo - first : at + hi - first]
+                mine.append(piece)
+            at += p.numel()
+        return mine
+
     @property
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
@@ -124,15 +130,21 @@ class Optimizer:
 
     def grad_norm(self) -> torch.Tensor:
         """The single-process model's gradient norm, the same on every rank."""
-        roles = self.buffers.roles
-        counted = [
-            x.master.grad for x in self.pieces if counted_in_norm(x.name, x.param, roles, self.tp)
-        ]
-        total = squared_sum(counted, self.buffers.chunks[0].grads.device)
+        roles, device = self.buffers.roles, self.buffers.chunks[0].grads.device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for part in self.buffers.parts():
+            counted = [
+                x.master.grad
+                for x in self.pieces
+                if x.where[0] is part and counted_in_norm(x.name, x.param, roles, self.tp)
+            ]
+            squares = squared_sum(counted, device)
+            if part.shard:
+                all_reduce_sum_(squares, part.dp)
+            all_reduce_sum_(squares, part.ep)  # other members' experts (expert parallelism)
+            total += squares
         all_reduce_sum_(total, self.tp)
         all_reduce_sum_(total, self.pp)
-        if self.buffers.shard:
-            all_reduce_sum_(total, self.buffers.dp)
         return total.sqrt()
 
     def scale_grads(self, factor: torch.Tensor | float) -> None:
@@ -163,7 +175,7 @@ class Optimizer:
             self.inner.found_inf = None
         if self.copies and self.pieces:  # one multi-tensor kernel, not a copy per parameter
             torch._foreach_copy_(
-                [x.stored(self.buffers) for x in self.pieces],
+                [x.stored() for x in self.pieces],
                 [x.master for x in self.pieces],
             )
         self.buffers.gather_params()
@@ -185,8 +197,8 @@ class Optimizer:
     def _gather(self, get) -> dict[str, torch.Tensor]:
         """Each parameter's whole (tensor-local) tensor of `get(piece)`, over the dp shards."""
         out = {}
-        for buf, bucket, pieces in self.by_bucket:
-            first, last = self.buffers.shard_range(bucket)
+        for part, buf, bucket, pieces in self.by_bucket:
+            first, last = part.shard_range(bucket)
             device = buf.grads.device
             local = torch.zeros(last - first, dtype=torch.float32, device=device)
             at = 0
@@ -194,9 +206,9 @@ class Optimizer:
                 local[at : at + x.hi - x.lo] = get(x)
                 at += x.hi - x.lo
             whole = local
-            if self.buffers.shard:
+            if part.shard:
                 whole = torch.empty(bucket.size, dtype=torch.float32, device=device)
-                all_gather_flat(whole, local, self.buffers.dp)
+                all_gather_flat(whole, local, part.dp)
             at = 0
             for p in bucket.params:
                 out[p] = whole[at : at + p.numel()].view(p.shape).clone()
@@ -247,7 +259,7 @@ class Optimizer:
         """Set master weights (and parameters) and AdamW state from tensor-local tensors."""
         for x in self.pieces:
             x.master.copy_(masters[x.param].reshape(-1)[x.lo : x.hi])
-            x.stored(self.buffers).copy_(x.master)
+            x.stored().copy_(x.master)
             if x.param in moments:
                 self.inner.state[x.master] = {
                     # The fused kernel keeps the step count on the parameters' device.

@@ -64,6 +64,7 @@ def build_chunks(
             tp=tp,
             cp=mesh.axis("cp") if layout.cp > 1 else None,
             cp_comm=cp_comm,
+            ep=mesh.axis("ep") if layout.ep > 1 else None,
             sequence_parallel=layout.sequence_parallel,
             layers=ranges[stage],
             has_embedding=stage == 0,

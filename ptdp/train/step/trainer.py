@@ -121,6 +121,9 @@ class Trainer:
             shard_params=layout.shards_params,
             reshard_after_forward=cfg.parallel.zero3_reshard_after_forward,
             overlap=cfg.parallel.overlap_grad_reduce,
+            # Expert parallelism: the experts' gradients over the replicas of each expert.
+            expert_dp=self.mesh.axis("edp") if layout.ep > 1 else None,
+            ep=self.mesh.axis("ep") if layout.ep > 1 else None,
         )
         dtype = PARAM_DTYPES[cfg.train.precision]
         # fp32 masters are taken from the fp32 initial weights, then the model is cast.
