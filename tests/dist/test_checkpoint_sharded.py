@@ -199,3 +199,39 @@ def test_moe_experts_and_biases_reshard(tiny_data: str, tmp_path: Path) -> None:
     targets = {"one": (1, {}), "pp2": (2, {"pp": 2})}
     _check_resharding(tmp_path, tiny_data, tmp_path / "ref", targets, MOE)
     _check_resharding(tmp_path, tiny_data, tmp_path / "one", {"from-one": (2, {"tp": 2})}, MOE)
+
+
+def _ep_save(rank: int, world: int, data: str, root: str) -> None:
+    env = LaunchEnv(rank, world, rank)
+    cfg = _config(data, Path(root) / "ref", 5, {"ep": 2}, MOE, train={"save_interval": 3})
+    _write(root, "ref", rank, train(cfg, env=env).losses)
+
+
+def _ep_resume(rank: int, world: int, data: str, root: str, name: str, par: dict) -> None:
+    env, run_dir = LaunchEnv(rank, world, rank), Path(root) / name
+    _write(root, name, rank, train(_config(data, run_dir, 5, par, MOE), env=env, resume=True).losses)
+
+
+def test_expert_parallel_checkpoints_reshard(tiny_data: str, tmp_path: Path) -> None:
+    """Experts saved at ep=2 (each rank its 2 of 4, ZeRO-1 state) restore in one process,
+    whose own checkpoint restores at ep=4 and at tp=2 with ep=2: each continues to the loss
+    the ep=2 run reached (the routing, and so the loss, reads every expert and bias)."""
+    run_ranks(_ep_save, 2, tiny_data, str(tmp_path))
+    ref = _read(tmp_path, "ref")
+    full = ckpt.load_checkpoint(tmp_path / "ref" / "checkpoints" / SAVED)
+    for key in ("weight", "bias"):  # all 4 experts, weights and AdamW moments
+        assert full["model"][f"layers.1.mlp.experts.fc2.{key}"].shape[0] == 4
+        moments = full["optimizer"]["state"][f"layers.1.mlp.experts.fc1.{key}"]
+        assert moments["exp_avg_sq"].shape[0] == 4  # both ranks' experts, each trained
+        assert (moments["exp_avg_sq"].flatten(1).sum(1) > 0).all()
+    _copy_saved(tmp_path / "ref", tmp_path / "one")  # ep = 2 -> 1
+    one = train(_config(tiny_data, tmp_path / "one", 4, {}, MOE), resume=True)
+    assert one.losses == {4: pytest.approx(ref[4], rel=1e-5)}
+    saved = "step_00000004"
+    for name, par in {"ep4": {"ep": 4}, "tp2-ep2": {"tp": 2, "ep": 2}}.items():  # 1 -> 4
+        root = tmp_path / name / "checkpoints"
+        root.mkdir(parents=True)
+        shutil.copytree(tmp_path / "one" / "checkpoints" / saved, root / saved)
+        (root / "latest").write_text(saved + "\n")
+        run_ranks(_ep_resume, 4, tiny_data, str(tmp_path), name, par)
+        assert _read(tmp_path, name) == {5: pytest.approx(ref[5], rel=1e-5)}, name
