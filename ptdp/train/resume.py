@@ -97,13 +97,20 @@ def plan_resume(cfg: RunConfig, resume: bool, restart: bool = False) -> ResumePl
 
 def check_world(cfg: RunConfig, world_size: int) -> None:
     """Before validation, for a run that resumes: a new world that cannot hold the config's
-    tp*pp, or that a fixed dp no longer matches, is refused naming the checkpoint and the
-    fix (files are read only when the world does not fit)."""
+    tp*cp*pp, that a fixed dp no longer matches, or whose replicas (dp*cp) ep no longer
+    divides, is refused naming the checkpoint and the fix (files are read only when the
+    world does not fit). Experts saved at any ep load at the new one."""
     p = cfg.parallel
-    model_ranks = p.tp * p.pp
+    model_ranks = p.tp * p.cp * p.pp
     if world_size == 1 or model_ranks <= 0:
         return
-    if not world_size % model_ranks and (not p.dp or p.dp * model_ranks == world_size):
+    replicas = world_size // model_ranks * p.cp
+    ep_fits = p.ep <= 1 or (replicas and not replicas % p.ep)
+    if (
+        not world_size % model_ranks
+        and (not p.dp or p.dp * model_ranks == world_size)
+        and ep_fits
+    ):
         return
     run_dir = Path(cfg.train.run_dir)
     newest = find_unpublished(run_dir)[0] or (
@@ -112,14 +119,25 @@ def check_world(cfg: RunConfig, world_size: int) -> None:
     if newest is None:
         return  # a fresh start: validation's own message
     saved = ckpt.load_config(newest).parallel
-    was = f"{newest} (saved with tp={saved.tp} pp={saved.pp})"
+    extra = "".join(f" {k}={getattr(saved, k)}" for k in ("cp", "ep") if getattr(saved, k) > 1)
+    was = f"{newest} (saved with tp={saved.tp} pp={saved.pp}{extra})"
     if world_size % model_ranks:
+        axes = ("tp", "pp") if p.cp == 1 else ("tp", "cp", "pp")
+        product = f"{'*'.join(axes)} = {'*'.join(str(getattr(p, a)) for a in axes)}"
         raise ConfigError(
-            f"cannot resume {was} with {world_size} processes: tp*pp = {p.tp}*{p.pp} = "
+            f"cannot resume {was} with {world_size} processes: {product} = "
             f"{model_ranks} processes hold one copy of the model and {world_size} is not a "
             f"multiple of {model_ranks}; a restart may change the number of processes only "
             f"by whole copies (data parallelism): launch a multiple of {model_ranks}, or "
-            "change parallel.tp and parallel.pp"
+            f"change {' and '.join(f'parallel.{a}' for a in axes)}"
+        )
+    if not ep_fits and (not p.dp or p.dp * model_ranks == world_size):
+        fits = max(e for e in range(1, p.ep + 1) if not replicas % e and not p.ep % e)
+        raise ConfigError(
+            f"cannot resume {was} with {world_size} processes: parallel.ep = {p.ep} does not "
+            f"divide the {replicas} data- and context-parallel replicas (dp*cp) this world "
+            f"holds; resume with --parallel.ep {fits} (the experts are re-split on load), or "
+            f"launch a multiple of {model_ranks * p.ep} processes"
         )
     raise ConfigError(
         f"cannot resume {was} with {world_size} processes: parallel.dp = {p.dp} is fixed "
