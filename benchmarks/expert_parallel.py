@@ -178,7 +178,9 @@ def main() -> None:
             print("   |---:|---:|---|---|---|")
             rows = spawn(memory_worker, 2, data, root)
             for row in rows:
-                cells = " | ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(row["measured"], row["model"]))
+                cells = " | ".join(
+                    f"{a:.2f} / {b:.2f}" for a, b in zip(row["measured"], row["model"])
+                )
                 print(f"   | {row['ep']} | {row['zero']} | {cells} |")
             result["memory"] = rows
         if args.part in ("3", "all"):

@@ -48,9 +48,7 @@ def full_model_state(
     (collective over it when experts are split)."""
     weights, roles = weights or {}, rank_roles(chunks)
     return {
-        name: full_tensor(weights.get(p, p), shard_spec(p), tp, ep, expert_split(p))
-        .float()
-        .clone()
+        name: full_tensor(weights.get(p, p), shard_spec(p), tp, ep, expert_split(p)).float().clone()
         for name, p in named_parameters(chunks)
         if not roles.is_tied_copy(name)
     }

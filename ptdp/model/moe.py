@@ -9,10 +9,10 @@ those over capacity), the experts compute their rows (`GroupedExperts`), `combin
 scatters the rows back to their tokens, weighted. Under expert parallelism the experts are
 split over the ep group and an all-to-all takes each row to the member holding its expert
 and back (`MoE._expert_parallel`); every member routes its own tokens, so what a token
-chooses and what it drops does not depend on the layout. Under tensor parallelism every rank routes the whole
-sequence (gathered under sequence parallelism) and computes its 1/tp of every expert; the
-weighted partial sums are reduced once, as the dense MLP's are (all-reduce, or
-reduce-scatter under sequence parallelism).
+chooses and what it drops does not depend on the layout. Under tensor parallelism every
+rank routes the whole sequence (gathered under sequence parallelism) and computes its 1/tp
+of every expert; the weighted partial sums are reduced once, as the dense MLP's are
+(all-reduce, or reduce-scatter under sequence parallelism).
 
 The balancing losses reach the gradient as terms of the step's loss would, on any pipeline
 stage: `_BalancingGrad` returns the block's output unchanged and, in backward, also starts

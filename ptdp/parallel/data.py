@@ -146,8 +146,12 @@ class GradBuffers:
         self.early_launches = 0
         self.chunks: list[ChunkBuffer] = []
         self._bucket_of: dict[nn.Parameter, tuple[ChunkBuffer, Bucket]] = {}
-        mine = (lambda p: expert_split(p) is not None) if _experts_only else (
-            (lambda p: expert_split(p) is None) if expert_dp is not None else (lambda p: True)
+        mine = (
+            (lambda p: expert_split(p) is not None)
+            if _experts_only
+            else (
+                (lambda p: expert_split(p) is None) if expert_dp is not None else (lambda p: True)
+            )
         )
         names = {n for chunk in chunks for n, p in chunk.named_parameters() if mine(p)}
         self._both_ends = "embedding.weight" in names and any(map(roles.is_tied_copy, names))

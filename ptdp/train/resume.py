@@ -106,11 +106,7 @@ def check_world(cfg: RunConfig, world_size: int) -> None:
         return
     replicas = world_size // model_ranks * p.cp
     ep_fits = p.ep <= 1 or (replicas and not replicas % p.ep)
-    if (
-        not world_size % model_ranks
-        and (not p.dp or p.dp * model_ranks == world_size)
-        and ep_fits
-    ):
+    if not world_size % model_ranks and (not p.dp or p.dp * model_ranks == world_size) and ep_fits:
         return
     run_dir = Path(cfg.train.run_dir)
     newest = find_unpublished(run_dir)[0] or (

@@ -209,7 +209,9 @@ def _ep_save(rank: int, world: int, data: str, root: str) -> None:
 
 def _ep_resume(rank: int, world: int, data: str, root: str, name: str, par: dict) -> None:
     env, run_dir = LaunchEnv(rank, world, rank), Path(root) / name
-    _write(root, name, rank, train(_config(data, run_dir, 5, par, MOE), env=env, resume=True).losses)
+    _write(
+        root, name, rank, train(_config(data, run_dir, 5, par, MOE), env=env, resume=True).losses
+    )
 
 
 def test_expert_parallel_checkpoints_reshard(tiny_data: str, tmp_path: Path) -> None:

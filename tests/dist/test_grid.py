@@ -59,7 +59,9 @@ class Layout:
             parts += [self.schedule] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
         parts += ["sp"] * self.sp + [f"zero{self.zero}"] * (self.zero > 0)
         parts += [f"rc-{self.recompute}"] * (self.recompute != "none") + ["llama"] * self.llama
-        parts += ["keep"] * self.keep + [self.moe] * bool(self.moe) + [f"ep{self.ep}"] * (self.ep > 1)
+        parts += (
+            ["keep"] * self.keep + [self.moe] * bool(self.moe) + [f"ep{self.ep}"] * (self.ep > 1)
+        )
         return "-".join(parts)
 
 

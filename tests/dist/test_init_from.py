@@ -1,6 +1,7 @@
 """checkpoint.init_from across layouts: a one-process run's weights, and a Hugging Face
-Llama's, loaded into tp=2, pp=2 and dp=2 (distributed optimizer) hold exactly the source's
-weights, and train with the losses of one process started from the same source."""
+Llama's and Mixtral's, loaded into tp=2, pp=2, dp=2 (distributed optimizer) and, for the
+mixture of experts, ep=2 (each rank 2 of the 4 experts) hold exactly the source's weights,
+and train with the losses of one process started from the same source."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ LAYOUTS = {
     "tp2": ({"tp": 2}, {}),
     "pp2": ({"pp": 2}, {}),
     "dp2": ({}, {"distributed": True}),
+    "ep2": ({"ep": 2}, {"distributed": True}),
 }
+LAYOUTS_OF = {"ptdp": ("tp2", "pp2", "dp2"), "hf": ("tp2",), "mixtral": ("ep2",)}
+"""The Hugging Face path shards the same way in every layout; experts split only with MoE."""
 STEPS = {"steps": 3, "micro_batch_size": 2}
 
 
@@ -50,7 +54,7 @@ def _check_loaded(cfg, env: LaunchEnv, expected: dict[str, torch.Tensor]) -> Non
     load_initial_weights(trainer.checkpoints, open_source(cfg.checkpoint.init_from), ready.model)
     masters = trainer.optimizer.master_weights()
     for weights in (None, masters):  # the parameters, and the optimizer's fp32 masters
-        loaded = ckpt.full_model_state(trainer.chunks, trainer.tp, weights)
+        loaded = ckpt.full_model_state(trainer.chunks, trainer.tp, weights, trainer.mesh.axis("ep"))
         assert loaded and loaded.keys() <= expected.keys()
         for name, value in loaded.items():
             assert torch.equal(value, expected[name]), name
@@ -61,9 +65,8 @@ def _init_in_layouts(rank: int, world: int, data: str, root: str, sources: dict)
     env, root_ = LaunchEnv(rank, world, rank), Path(root)
     for kind, (source, expected_file, model) in sources.items():
         expected = torch.load(expected_file, weights_only=True)
-        for name, (parallel, optim) in LAYOUTS.items():
-            if kind == "hf" and name != "tp2":
-                continue  # the Hugging Face path shards the same way in every layout
+        for name in LAYOUTS_OF[kind]:
+            parallel, optim = LAYOUTS[name]
             cfg = _config(data, root_ / f"{kind}-{name}", Path(source), parallel, optim, model)
             _check_loaded(cfg, env, expected)
             result = train(cfg, env=env)
@@ -85,7 +88,12 @@ def test_init_from_in_other_layouts(tiny_data: str, tmp_path: Path) -> None:
     src = tmp_path / "src"
     train(tiny_config(tiny_data, src, model={"num_layers": 4}, train=STEPS))
     save_tiny_hf(tmp_path / "hf", "llama", positions=32)
-    sources = {"ptdp": (src, {}), "hf": (tmp_path / "hf", LLAMA)}
+    save_tiny_hf(tmp_path / "mixtral", "mixtral", positions=32)
+    sources = {
+        "ptdp": (src, {}),
+        "hf": (tmp_path / "hf", LLAMA),
+        "mixtral": (tmp_path / "mixtral", LLAMA),
+    }
     refs, args = {}, {}
     for kind, (source, model) in sources.items():
         refs[kind] = train(_config(tiny_data, tmp_path / f"{kind}-one", source, {}, {}, model))
@@ -93,7 +101,7 @@ def test_init_from_in_other_layouts(tiny_data: str, tmp_path: Path) -> None:
         args[kind] = (str(source), str(tmp_path / f"{kind}.pt"), model)
     run_ranks(_init_in_layouts, 2, tiny_data, str(tmp_path), args, timeout_s=400)
     for kind in sources:
-        for name in LAYOUTS if kind == "ptdp" else ["tp2"]:
+        for name in LAYOUTS_OF[kind]:
             losses = json.loads((tmp_path / f"{kind}-{name}.json").read_text())
             losses = {int(k): v for k, v in losses.items()}
             assert sorted(losses) == [1, 2, 3]

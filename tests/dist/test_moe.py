@@ -110,6 +110,7 @@ def _check_expert_parallel(ep: Group, options: dict) -> None:
 def _check_all_to_all(g: Group) -> None:
     """Member r sends r + 1 + i rows to member i, and receives them in member order; the
     gradient of every row goes back to the row it came from."""
+
     def count(src: int, dst: int) -> int:
         return src + 1 + dst
 
