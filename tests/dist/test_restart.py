@@ -25,7 +25,15 @@ from tests.helpers import tiny_config
 pytestmark = pytest.mark.dist
 
 
-def _config(data: str, run_dir: Path, steps: int, **train_):
+MOE_EP2 = (
+    {"num_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01, "moe_bias_update_rate": 0.01},
+    {"ep": 2},
+)
+"""A mixture of experts split over 2 expert-parallel ranks (and its balancing bias)."""
+
+
+def _config(data: str, run_dir: Path, steps: int, moe: bool = False, **train_):
+    model, parallel = MOE_EP2 if moe else ({}, {})
     return tiny_config(
         data,
         run_dir,
@@ -33,7 +41,8 @@ def _config(data: str, run_dir: Path, steps: int, **train_):
         optim={"decay_steps": 6, "distributed": True},  # the schedule does not follow steps
         # No biases: the key bias's true gradient is zero, so AdamW scales rounding noise
         # into updates of the learning rate's size, in any two layouts alike.
-        model={"bias": False},
+        model={"bias": False, **model},
+        parallel=parallel,
     )
 
 
@@ -65,29 +74,30 @@ def test_torchrun_restart_resumes_by_itself(tiny_data: str, tmp_path: Path) -> N
     _assert_matches_one_process(args, run.run_dir, tmp_path / "one")
 
 
-def _elastic(rank: int, world: int, data: str, root: str) -> None:
+def _elastic(rank: int, world: int, data: str, root: str, moe: bool) -> None:
     """4 ranks: dp=4 trains steps 1-3 and saves. 2 ranks (a restart with fewer processes):
     resume to step 6 at dp=2, and the same config trained at dp=2 from the start."""
     env = LaunchEnv(rank, world, rank, restart=int(world == 2))
-    losses = {
-        "elastic": train(
-            _config(data, Path(root) / "elastic", 6 if world == 2 else 3), env=env
-        ).losses
-    }
+    steps = 6 if world == 2 else 3
+    losses = {"elastic": train(_config(data, Path(root) / "elastic", steps, moe), env=env).losses}
     if world == 2:
         losses["dp2"] = train(
-            _config(data, Path(root) / "dp2", 6), env=LaunchEnv(rank, world, rank)
+            _config(data, Path(root) / "dp2", 6, moe), env=LaunchEnv(rank, world, rank)
         ).losses
     if rank == 0:
         Path(root, f"losses{world}.json").write_text(json.dumps(losses))
 
 
-def test_elastic_restart_into_a_smaller_world(tiny_data: str, tmp_path: Path, capfd) -> None:
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe-ep2"])
+def test_elastic_restart_into_a_smaller_world(
+    tiny_data: str, tmp_path: Path, capfd, moe: bool
+) -> None:
     """Saved at dp=4 (distributed optimizer: moments sharded over 4), restarted on 2
     processes: dp=2 with twice the microbatches per step; losses, weights and AdamW
-    moments match a dp=2 run from the start to float32 rounding."""
-    run_ranks(_elastic, 4, tiny_data, str(tmp_path))
-    run_ranks(_elastic, 2, tiny_data, str(tmp_path))
+    moments match a dp=2 run from the start to float32 rounding. With experts split over
+    ep=2, their state is sharded over their 2 replicas at dp=4 and over none at dp=2."""
+    run_ranks(_elastic, 4, tiny_data, str(tmp_path), moe)
+    run_ranks(_elastic, 2, tiny_data, str(tmp_path), moe)
     first = json.loads((tmp_path / "losses4.json").read_text())["elastic"]
     runs = json.loads((tmp_path / "losses2.json").read_text())
     assert sorted(map(int, runs["elastic"])) == [4, 5, 6]
@@ -105,9 +115,10 @@ def test_elastic_restart_into_a_smaller_world(tiny_data: str, tmp_path: Path, ca
             torch.testing.assert_close(got, value, rtol=1e-4, atol=1e-9, msg=f"{name} {key}")
     restart = read_events(tmp_path / "elastic")[-1]
     assert restart["event"] == "restart" and restart["step"] == 3
-    assert "world=4 tp=1 pp=1 dp=4" in restart["layout_saved"]
+    ep = " ep=2" if moe else ""
+    assert f"world=4 tp=1{ep} pp=1 dp=4" in restart["layout_saved"]
     assert restart["layout_saved"].endswith("microbatches/step/rank=1")
-    assert "world=2 tp=1 pp=1 dp=2" in restart["layout"]
+    assert f"world=2 tp=1{ep} pp=1 dp=2" in restart["layout"]
     assert restart["layout"].endswith("microbatches/step/rank=2")
     out = capfd.readouterr().out
     assert (
