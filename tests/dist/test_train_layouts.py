@@ -168,12 +168,15 @@ def test_scatter_gather_on_and_off_are_identical(tiny_data: str, tmp_path: Path)
     assert_same_run(tmp_path / "single", tmp_path / "sgTrue", single.losses, single.losses)
 
 
-def _bf16_config(data: str, run_dir: Path, zero: int = 0, precision: str = "bf16", cp: int = 1):
+def _bf16_config(
+    data: str, run_dir: Path, zero: int = 0, precision: str = "bf16", cp: int = 1, ep: int = 0
+):
     # No clipping: the norm's summation order differs between layouts, the update does not.
     optim = {"eps": 1e-6, "grad_clip": 0.0}
     train_ = {"precision": precision, "steps": 4}
-    parallel = {"bucket_mb": 0.01, "zero": zero, "cp": cp}
-    return tiny_config(data, run_dir, optim=optim, train=train_, parallel=parallel)
+    parallel = {"bucket_mb": 0.01, "zero": zero, "cp": cp, "ep": max(ep, 1)}
+    model = {"num_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01} if ep else {}
+    return tiny_config(data, run_dir, optim=optim, train=train_, parallel=parallel, model=model)
 
 
 def _check_bf16_sharded(rank: int, world_size: int, data: str, root: str) -> None:
@@ -202,6 +205,11 @@ def _check_bf16_sharded(rank: int, world_size: int, data: str, root: str) -> Non
     for precision in ("bf16", "fp16"):  # context parallelism in 16 bits: fp32 merges
         cfg = _bf16_config(data, Path(root) / f"{precision}-cp2", 0, precision, cp=2)
         out[f"{precision}-cp2"] = [train(cfg, env=env).losses, 0]
+        for ep in (1, 2):  # a mixture of experts, its experts split over the 2 ranks or not
+            cfg = _bf16_config(
+                data, Path(root) / f"{precision}-moe-ep{ep}", precision=precision, ep=ep
+            )
+            out[f"{precision}-moe-ep{ep}"] = [train(cfg, env=env).losses, 0]
     if rank == 0:
         (Path(root) / "losses.json").write_text(json.dumps(out))
 
@@ -216,7 +224,9 @@ def test_bf16_distributed_optimizer(tiny_data: str, tmp_path: Path) -> None:
     rounding of ZeRO-1's sums. fp16 (loss scaling, unscaled and checked on the shards) too.
     ZeRO-3 (16-bit gathers of the shards, fp32 masters) computes what ZeRO-2 does: the same
     losses, bit for bit, in bf16 and fp16. Context parallelism (cp = 2, ring attention with
-    its partial results merged in fp32) matches one process to 16-bit rounding."""
+    its partial results merged in fp32) matches one process to 16-bit rounding, and a
+    mixture of experts with its experts split over ep = 2 (16-bit rows through the
+    all-to-all) the same model at ep = 1."""
     run_ranks(_check_bf16_sharded, 2, tiny_data, str(tmp_path))
     got = json.loads((tmp_path / "losses.json").read_text())
     (replicated, full_bytes), (sharded, shard_bytes) = got["bf16-zero0"], got["bf16-zero1"]
@@ -237,6 +247,11 @@ def test_bf16_distributed_optimizer(tiny_data: str, tmp_path: Path) -> None:
     for step, loss in single.losses.items():
         assert sharded[str(step)] == pytest.approx(loss, rel=1e-4), step
         assert got["bf16-cp2"][0][str(step)] == pytest.approx(loss, rel=2e-3), step
+    for precision in ("bf16", "fp16"):
+        split, whole = got[f"{precision}-moe-ep2"][0], got[f"{precision}-moe-ep1"][0]
+        assert sorted(split) == ["1", "2", "3", "4"] and split["1"] == whole["1"]
+        for step, loss in whole.items():
+            assert split[step] == pytest.approx(loss, rel=2e-3), (precision, step)
     fp16 = train(_bf16_config(tiny_data, tmp_path / "single-fp16", precision="fp16"))
     for step, loss in fp16.losses.items():
         assert got["fp16-cp2"][0][str(step)] == pytest.approx(loss, rel=2e-3), step
