@@ -41,6 +41,8 @@ def _greedy(rank: int, world_size: int, options: dict) -> None:
 
 
 WINDOW = {**LLAMA, "qkv_bias": True, "sliding_window": 5}  # Qwen2's bias, Mistral's window
+MOE = {**LLAMA, "num_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1}
+"""A mixture of experts (SwiGLU experts split over tp like the MLP, a shared expert)."""
 
 
 @pytest.mark.parametrize(
@@ -49,6 +51,7 @@ WINDOW = {**LLAMA, "qkv_bias": True, "sliding_window": 5}  # Qwen2's bias, Mistr
         pytest.param({}, id="gpt2"),
         pytest.param(LLAMA, id="llama"),
         pytest.param(WINDOW, id="window"),
+        pytest.param(MOE, id="moe"),
     ],
 )
 def test_tp2_greedy_generation_equals_single_process(options: dict) -> None:
@@ -114,6 +117,7 @@ def _pipeline(rank: int, world_size: int, tp: int, run_dir: Path, expected: dict
     [
         pytest.param(1, 2, {}, id="pp2-gpt2"),  # tied embedding: the last stage loads a copy
         pytest.param(2, 2, LLAMA, id="tp2xpp2-llama"),
+        pytest.param(1, 2, MOE, id="pp2-moe"),
     ],
 )
 def test_pipeline_generation_equals_single_process(
