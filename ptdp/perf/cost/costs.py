@@ -63,7 +63,7 @@ from ptdp.perf.cost.hardware import Link, System
 from ptdp.perf.cost.kernels import Call, layer_traffic
 from ptdp.perf.cost.memory import head_activation_bytes, layer_activation_bytes
 from ptdp.perf.cost.moe import dense_equivalent, routed_rows
-from ptdp.perf.cost.parameters import element_bytes
+from ptdp.perf.cost.parameters import attention_width, element_bytes
 
 
 @dataclass(frozen=True)
@@ -263,11 +263,11 @@ def layer_gemms(
     """The four linear layers of a transformer layer on one tensor rank (forward); `moe`:
     with a mixture-of-experts block for the MLP, its router, the e routed experts' GEMMs of
     the busiest expert's rows (`load`: over the mean) and the shared experts' MLP."""
-    h, f, t = model.hidden_size, model.ffn_size, tp
+    h, f, t, q = model.hidden_size, model.ffn_size, tp, attention_width(model)
     tokens = micro_batch * model.seq_length
-    qkv = h + 2 * model.query_groups * model.head_dim
+    qkv = q + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
-    attention = [Gemm(tokens, qkv // t, h), Gemm(tokens, h, h // t)]
+    attention = [Gemm(tokens, qkv // t, h), Gemm(tokens, h, q // t)]
     if not moe:
         return [*attention, Gemm(tokens, f * parts // t, h), Gemm(tokens, h, f // t)]
     rows, e, fe = routed_rows(model, tokens, load), model.num_experts, model.moe_ffn_size

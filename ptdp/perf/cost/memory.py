@@ -88,6 +88,7 @@ from ptdp.perf.cost import context
 from ptdp.perf.cost.activations import activation_bytes_per_layer
 from ptdp.perf.cost.moe import dense_equivalent, dispatch_bytes, moe_layers_per_stage
 from ptdp.perf.cost.parameters import (
+    attention_width,
     bytes_per_parameter,
     element_bytes,
     layer_parameters,
@@ -140,6 +141,7 @@ def layer_activation_bytes(
         dropout=model.dropout > 0,
         ffn_hidden=f,
         norm_input_bytes=_norm_input_bytes(precision, autocast_norms),
+        attention_width=attention_width(model),
     )
 
 
@@ -194,12 +196,12 @@ def layer_backward_bytes(
     dY and dX [n, h], with the MLP's [n, f/t] output-of-activation and [n, parts f/t]
     input-of-activation gradients or attention's dQ, dK, dV and dO, whichever is larger;
     n = s b tokens."""
-    h, t, e = model.hidden_size, tp, element_bytes(precision)
+    h, t, e, q = model.hidden_size, tp, element_bytes(precision), attention_width(model)
     n = model.seq_length * micro_batch
-    qkv = h + 2 * model.query_groups * model.head_dim
+    qkv = q + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
     mlp = model.ffn_size * (1 + parts) // t
-    attention = (qkv + h) // t
+    attention = (qkv + q) // t
     return e * n * (2 * h + max(mlp, attention))
 
 
@@ -249,19 +251,19 @@ def stash_bytes_per_layer(
     (t-1)/t of the QKV and fc1 inputs the activation count shards. Plus the gradients of the
     layer's biases and norms, in the weights' dtype.
     """
-    h, t, e = model.hidden_size, tp, element_bytes(precision)
+    h, t, e, q = model.hidden_size, tp, element_bytes(precision), attention_width(model)
     n = model.seq_length * micro_batch
-    qkv = h + 2 * model.query_groups * model.head_dim
+    qkv = q + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
     f = model.ffn_size
     dy = n * (qkv // t + f * parts // t + 2 * h)
     if recompute is Recompute.FULL:
-        x = n * (2 * h + h // t + f // t)
+        x = n * (2 * h + q // t + f // t)
     elif sequence_parallel:
         x = 2 * n * (h - h // t)
     else:
         x = 0
-    weights = (h * qkv + h * h + h * f * parts + f * h) // t
+    weights = (h * qkv + q * h + h * f * parts + f * h) // t
     return e * (dy + x + layer_parameters(model, tp) - weights)
 
 
