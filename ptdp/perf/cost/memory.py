@@ -15,7 +15,9 @@ holds, gathered for the layer computing, the largest unit it gathers (a layer, o
 embedding or output layer) twice, the next one being prefetched (`gathered_bytes`); kept
 between forward and backward (`parallel.zero3_reshard_after_forward = false`), the rank's
 whole chunk stays gathered. With context parallelism the state is sharded over the dp x cp
-ranks that reduce the gradients (`ptdp.perf.cost.context`).
+ranks that reduce the gradients (`ptdp.perf.cost.context`). Expert parallelism
+(`parallel.ep`) leaves e / ep routed experts on a rank, whose state ZeRO shards over the
+edp = dp cp / ep ranks holding the same experts (`ptdp.perf.cost.moe`).
 
 Context parallelism (`ptdp.perf.cost.context`): activations are those of the s/cp-token model,
 plus all-gather's gathered K/V; the K/V blocks in flight are working memory.
@@ -91,6 +93,7 @@ from ptdp.perf.cost.parameters import (
     attention_width,
     bytes_per_parameter,
     element_bytes,
+    expert_parameters_per_rank,
     layer_parameters,
     parameters_per_rank,
     parameters_per_stage,
@@ -276,7 +279,7 @@ def stage_stash_bytes(cfg: RunConfig, tp: int, pp: int, vpp: int, stage: int) ->
     split = cfg.parallel.pipeline_layers
     layers = len(layer_ranges(model.num_layers, pp, vpp, split or None)[stage])
     if cfg.train.compile:  # plain F.linear: every gradient is computed in B and held
-        return e * parameters_per_stage(model, tp, pp, vpp, split)[stage]
+        return e * parameters_per_stage(model, tp, pp, vpp, split, cfg.parallel.ep)[stage]
     kw = dict(
         micro_batch=cfg.train.micro_batch_size,
         tp=tp,
@@ -376,7 +379,7 @@ def grad_bucket_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
     if not layout.shards_grads or layout.dp * layout.cp == 1:
         return [0.0] * layout.pp
     model, tp, pp, vpp, split = cfg.model, layout.tp, layout.pp, layout.vpp, layout.stage_layers
-    per_stage = parameters_per_stage(model, tp, pp, vpp, split)
+    per_stage = parameters_per_stage(model, tp, pp, vpp, split, layout.ep)
     whole = not cfg.parallel.overlap_grad_reduce or SCHEDULES[layout.schedule].splits_backward
     bucket = max(1, int(cfg.parallel.bucket_mb * 2**20 / 4))
     tied = model.tie_embeddings and pp * vpp > 1
@@ -403,13 +406,13 @@ def gathered_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
         return [0.0] * layout.pp
     model, tp, e = cfg.model, layout.tp, element_bytes(cfg.train.precision)
     per_rank = parameters_per_rank(
-        model, tp, layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement
+        model, tp, layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement, layout.ep
     )
     if not reshard_after_forward(cfg):
         return [e * count for count in per_rank]
     rows = model.padded_vocab_size(tp) // tp * model.hidden_size
     layers = range(model.num_layers) if model.num_experts else [None]
-    unit = max(*(layer_parameters(model, tp, i) for i in layers), rows)
+    unit = max(*(layer_parameters(model, tp, i, layout.ep) for i in layers), rows)
     return [2.0 * e * min(unit, count) for count in per_rank]
 
 
@@ -435,6 +438,8 @@ def estimate_memory(
     stages = layout.stages
     last_held = stage_in_flight(layout.pipeline, stages.last)
     state = bytes_per_parameter(prec, zero=layout.zero, dp=layout.dp * cp)
+    # The routed experts' state: sharded over the edp ranks holding the same experts.
+    expert_state = bytes_per_parameter(prec, zero=layout.zero, dp=layout.dp * cp // layout.ep)
     buckets = grad_bucket_bytes(cfg, layout)
     gathered = gathered_bytes(cfg, layout)
     local = context.local_model(model, cp)  # activations: the s/cp tokens of one cp rank
@@ -485,8 +490,10 @@ def estimate_memory(
             per_mb = stage_stash_bytes(replace(cfg, model=local), tp, pp, vpp, stage)
             stash[stages.rank(stage)] += waiting * per_mb
     out = []
-    per_rank = parameters_per_rank(model, tp, pp, vpp, split, stages.placement)
-    for rank, count in enumerate(per_rank):
+    per_rank = parameters_per_rank(model, tp, pp, vpp, split, stages.placement, layout.ep)
+    routed = expert_parameters_per_rank(model, tp, pp, vpp, split, stages.placement, layout.ep)
+    for rank, (count, experts) in enumerate(zip(per_rank, routed)):
+        rest = count - experts
         with_head = rank == stages.rank(stages.last)
         if model.num_experts:
             acts = held[rank] * chunk_bytes[rank]
@@ -496,9 +503,9 @@ def estimate_memory(
         out.append(
             MemoryEstimate(
                 rank,
-                count * state.params,
-                count * state.grads,
-                count * state.optimizer,
+                rest * state.params + experts * expert_state.params,
+                rest * state.grads + experts * expert_state.grads,
+                rest * state.optimizer + experts * expert_state.optimizer,
                 acts,
                 # The loss's backward, or a layer's once one microbatch's head is freed.
                 max(head_working, working - head) if with_head else working,
