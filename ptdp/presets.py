@@ -10,15 +10,13 @@ was pretrained at (Llama 3: 8192; Qwen2.5: 4096 before its long-context stage; M
 Mixtures of experts, from their `config.json` likewise: Mixtral 8x7B (Jiang et al. 2024,
 arXiv 2401.04088; 32768-token context), Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen3
 technical report, arXiv 2505.09388; 4096 tokens in its first two pretraining stages)
-and DeepSeek-V3 (arXiv 2412.19437; 4096 tokens before its context extension). Where
-ptdp's model cannot express a published shape, the preset says what differs:
+and DeepSeek-V3 (arXiv 2412.19437; 4096 tokens before its context extension). The Qwen3
+presets take the published head_dim = 128 (model.head_size, apart from hidden / heads)
+and the per-head q/k RMSNorm (model.qk_norm): 30.53B total and 3.35B active parameters
+for qwen3-30b-a3b, 235.09B and 22.19B for qwen3-235b-a22b, as published (30.5B and 3.3B,
+235B and 22B). Where ptdp's model cannot express a published shape, the preset says what
+differs:
 
-- Qwen3 sets head_dim = 128 apart from hidden / heads and normalises each head's queries
-  and keys (RMSNorm). ptdp's heads are hidden / heads wide (64 for both Qwen3 presets) and
-  have no q/k norm, so their attention holds half the published weights: 452,997,120
-  fewer parameters in qwen3-30b-a3b (30.08B total, 2.90B active against 30.5B and 3.3B)
-  and 3,351,272,960 fewer in qwen3-235b-a22b (231.7B and 18.8B against 235B and 22B),
-  and half the attention FLOPs.
 - deepseek-v3-moe is DeepSeek-V3's mixture of experts (61 layers, h 7168, 256 routed
   experts of width 2048, top-8, one shared expert, 3 dense layers of width 18432, sigmoid
   scores renormalised and scaled by 2.5, the bias update of its auxiliary-loss-free
@@ -90,10 +88,12 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     | _moe(8, 2, 14336, moe_softmax_after_topk=True, moe_aux_loss_coeff=0.02),
     "qwen3-30b-a3b": _QWEN3
     | _shape(48, 2048, 32, 4, 6144)
+    | {"head_size": 128, "qk_norm": True}
     | _QWEN3_MOE
     | {"moe_ffn_hidden_size": 768},
     "qwen3-235b-a22b": _QWEN3
     | _shape(94, 4096, 64, 4, 12288)
+    | {"head_size": 128, "qk_norm": True}
     | _QWEN3_MOE
     | {"moe_ffn_hidden_size": 1536},
     "deepseek-v3-moe": _LLAMA

@@ -33,6 +33,8 @@ def prediction_dict(p: Prediction) -> dict:
             "num_microbatches": lay.num_microbatches,
             "sequence_parallel": lay.sequence_parallel,
             "zero": lay.zero,
+            "cp": lay.cp,
+            "ep": lay.ep,
         },
         "iteration_seconds": p.iteration_seconds,
         "pipeline_seconds": p.pipeline_seconds,
@@ -46,6 +48,7 @@ def prediction_dict(p: Prediction) -> dict:
         "p2p_ms": p.p2p_seconds * 1e3,
         "dp_reduce_seconds": p.dp_seconds,
         "cp_layer_ms": {"wire": p.cp_seconds[0] * 1e3, "exposed": p.cp_seconds[1] * 1e3},
+        "ep_layer_ms": p.ep_seconds * 1e3,
         "optimizer_seconds": p.optimizer_seconds,
         "busy_seconds": list(p.busy),
         "idle_seconds": list(p.idle),
@@ -94,6 +97,14 @@ def format_prediction(
                 f"{1e3 * p.cp_seconds[0]:.3g} ms, {1e3 * p.cp_seconds[1]:.3g} ms exposed"
             ]
             if lay.cp > 1
+            else []
+        ),
+        *(
+            [
+                f"expert parallel all-to-alls per MoE layer and microbatch (F + B, dispatch and "
+                f"combine each way): {1e3 * p.ep_seconds:.3g} ms"
+            ]
+            if lay.ep > 1
             else []
         ),
         f"memory per GPU (GiB; {usable:.1f} usable on {system.device.name} at the fullest rank,"
@@ -207,6 +218,7 @@ def overrides(o: Option) -> str:
     """The command-line overrides that select this layout in `ptdp train`."""
     p, t, lay = o.config.parallel, o.config.train, o.prediction.layout
     cp = f"--parallel.cp {p.cp} --parallel.cp_comm {p.cp_comm.value} " if p.cp > 1 else ""
+    cp += f"--parallel.ep {p.ep} " if p.ep > 1 else ""
     return (
         f"--parallel.tp {p.tp} {cp}--parallel.pp {p.pp} --parallel.vpp {p.vpp} "
         f"--parallel.zero {lay.zero} "

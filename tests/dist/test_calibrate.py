@@ -1,6 +1,7 @@
-"""`ptdp calibrate` over two gloo ranks: every collective the runtime uses, timed over
-message sizes and fitted to latency + bandwidth, the in-node link written from them, and
-what each blocking collective costs beyond its transfer."""
+"""`ptdp calibrate` over two gloo ranks: every collective the runtime uses (expert
+parallelism's all-to-all too), timed over message sizes and fitted to latency + bandwidth,
+the in-node link written from them, and what each blocking collective costs beyond its
+transfer."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 from ptdp.config import tomllib
 from ptdp.perf.calibrate import microbench as mb
 from ptdp.perf.calibrate.measure import SWEEPS, calibrate, write_calibration
-from ptdp.perf.cost.costs import all_reduce_seconds, gather_seconds
+from ptdp.perf.cost.costs import all_reduce_seconds, all_to_all_seconds, gather_seconds
+from ptdp.perf.cost.experts import alltoall_link
 from ptdp.perf.calibrate.fit import collective_bytes
 from ptdp.perf.cost.hardware import load_system
 from ptdp.perf.calibrate.timing import Timing
@@ -48,7 +50,7 @@ def test_two_rank_calibration_fits_every_collective(tmp_path: Path) -> None:
     assert system.intra.latency > 0 and system.intra.achieved > 0
     raw = tomllib.loads(out.read_text())
     fits = {c["op"]: c for c in raw["calibration"]["collectives"]}
-    assert set(fits) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    assert set(fits) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
     for c in fits.values():
         assert c["ranks"] == 2 and c["span"] == "node", c
         assert "not_fitted" not in c, c
@@ -70,6 +72,15 @@ def test_two_rank_calibration_fits_every_collective(tmp_path: Path) -> None:
         rs["bandwidth_gb_s"] * 1e9
     )
     assert gather_seconds(nbytes, 2, system.intra, "reduce_scatter") == pytest.approx(expected)
+    # The all-to-all's own fit prices expert parallelism's dispatch and combine: latency plus
+    # the bytes a rank sends to the other.
+    a2a = fits["all_to_all"]
+    nbytes = a2a["message_bytes"][-1]
+    sent = collective_bytes("all_to_all", nbytes, 2)
+    assert sent == nbytes / 2
+    expected = a2a["latency_us"] * 1e-6 + sent / (a2a["bandwidth_gb_s"] * 1e9)
+    assert alltoall_link(system, 2, 1) is system.intra
+    assert all_to_all_seconds(sent, 2, system.intra) == pytest.approx(expected)
     # Point-to-point keeps its own fit in the link: pipeline transfers and cp shifts.
     p2p = fits["p2p"]
     assert system.intra.p2p == pytest.approx(
@@ -92,3 +103,27 @@ def test_two_rank_calibration_fits_every_collective(tmp_path: Path) -> None:
     assert system.device.collective_sync == pytest.approx(sync["per_call_us"] * 1e-6)
     # Timings on this shared machine swing several-fold, so the fit's accuracy is not
     # asserted here; BENCHMARKS.md records a calibration and its errors.
+
+
+def _all_to_all(rank: int, world_size: int, out: str) -> None:
+    """The calibration's all-to-all call: what it moves, and its time over three sizes."""
+    group = mb.build_groups(world_size, 2, 1)
+    cpu = torch.device("cpu")
+    seconds = [
+        mb.collective_seconds("all_to_all", n, group, torch.float32, cpu, Timing(0.005, 3))
+        for n in (4 * KIB, 64 * KIB, 512 * KIB)
+    ]
+    # The call itself: rank r's i-th half reaches rank i's r-th half (dispatch's layout).
+    mine = torch.arange(4, dtype=torch.float32) + 10 * rank
+    got = torch.empty(4)
+    torch.distributed.all_to_all_single(got, mine, group=group.group)
+    assert got.tolist() == [0.0 + 2 * rank, 1.0 + 2 * rank, 10.0 + 2 * rank, 11.0 + 2 * rank]
+    if rank == 0:
+        Path(out).write_text(" ".join(map(str, seconds)))
+
+
+def test_the_all_to_all_is_timed_over_two_gloo_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "a2a.txt"
+    run_ranks(_all_to_all, 2, str(out))
+    seconds = [float(x) for x in out.read_text().split()]
+    assert len(seconds) == 3 and all(t > 0 for t in seconds)

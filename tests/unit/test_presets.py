@@ -13,8 +13,13 @@ from ptdp.cli import main
 from ptdp.config import Activation, RopeScaling
 from ptdp.model.gpt import GPT, count_parameters
 from ptdp.parallel.comm import Group
-from ptdp.perf.cost.flops import flops_per_token
-from ptdp.perf.cost.parameters import model_size, parameters_per_stage, tensors_per_stage
+from ptdp.perf.cost.flops import flops_per_token, layer_forward_flops_per_token
+from ptdp.perf.cost.parameters import (
+    layer_parameters,
+    model_size,
+    parameters_per_stage,
+    tensors_per_stage,
+)
 from ptdp.perf.validate.paper import model_config
 from ptdp.presets import MODEL_PRESETS, model_preset
 
@@ -42,12 +47,10 @@ ROUNDED = {
 
 def _published_attention(name: str) -> int:
     """Parameters the published attention holds beyond the preset's (the presets' doc):
-    Qwen3's 128-wide heads with q/k norms, DeepSeek-V3's Multi-head Latent Attention."""
+    DeepSeek-V3's Multi-head Latent Attention."""
     m = model_preset(name)
     h, heads, groups = m.hidden_size, m.num_heads, m.query_groups
     ours = 2 * h * h + 2 * h * groups * m.head_dim
-    if name.startswith("qwen3"):
-        return m.num_layers * (2 * h * heads * 128 + 2 * h * groups * 128 + 2 * 128 - ours)
     if name == "deepseek-v3-moe":  # q_lora 1536, kv_lora 512, rope 64, nope 128, v 128
         q = h * 1536 + 1536 + 1536 * heads * (128 + 64)
         kv = h * (512 + 64) + 512 + 512 * heads * (128 + 128)
@@ -70,11 +73,25 @@ def test_moe_presets_have_their_published_total_and_active(name: str) -> None:
         unit = 10.0 ** -len(published.partition(".")[2])  # the last digit they print
         assert abs(ours / 1e9 - float(published)) < unit, (name, ours, published)
     assert sum(parameters_per_stage(model_preset(name))) == size.total
-    # What ptdp's attention lacks (doc of ptdp.presets): Qwen3's half-width heads, and
-    # DeepSeek-V3's stand-in holding more than MLA.
-    expected = {"qwen3-30b-a3b": 452_997_120, "qwen3-235b-a22b": 3_351_272_960}
-    expected["deepseek-v3-moe"] = -61 * (205_520_896 - 187_107_328)
+    # What ptdp's attention lacks (doc of ptdp.presets): DeepSeek-V3's stand-in holds more
+    # than MLA; Qwen3's 128-wide heads and q/k norms are the presets' own.
+    expected = {"deepseek-v3-moe": -61 * (205_520_896 - 187_107_328)}
     assert extra == expected.get(name, 0)
+
+
+def test_qwen3_presets_count_their_128_wide_heads_and_qk_norms() -> None:
+    # Qwen3-30B-A3B: 32 query heads and 4 key/value heads of 128 in a 2048-wide model, so
+    # QKV [2048, 32*128 + 2*4*128], the projection [32*128, 2048], two gains of 128.
+    m = model_preset("qwen3-30b-a3b")
+    assert (m.head_dim, m.qk_norm, m.num_heads * m.head_dim) == (128, True, 4096)
+    attention = 2048 * (4096 + 1024) + 4096 * 2048 + 2 * 128
+    dense = replace(m, num_experts=0, ffn_hidden_size=8)
+    norms, mlp = 2 * 2048, 3 * 2048 * 8
+    assert layer_parameters(dense, 1) == attention + norms + mlp
+    # Its attention FLOPs per token: QKV and projection 2 x weights, scores and values
+    # 2 s (a d) each.
+    gemm, core = layer_forward_flops_per_token(dense)
+    assert (gemm - 2 * mlp, core) == (2 * (attention - 2 * 128), 4 * 4096 * 4096)
 
 
 def test_active_parameters_are_the_top_k_experts() -> None:

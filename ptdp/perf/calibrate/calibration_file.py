@@ -17,10 +17,11 @@ from ptdp.perf.cost.hardware import BACKWARD_FLOPS, GB, GIB, LINK_OPS, Link, Sys
 DESCRIPTION = (
     "Time GEMMs over the shapes of a transformer layer, fused attention, memory-bound kernels "
     "(norms, activations, the optimizer step) and, under torchrun, all-reduce, all-gather, "
-    "reduce-scatter and point-to-point over message and group sizes; fit the performance "
-    "model's constants (a GEMM efficiency curve, achieved bandwidth, link latency and "
-    "bandwidth) and write a cluster TOML for `ptdp simulate|plan --device FILE`. CPU (gloo) "
-    "or CUDA (NCCL): `torchrun --nproc-per-node N -m ptdp calibrate` measures the links too."
+    "reduce-scatter, all-to-all and point-to-point over message and group sizes; fit the "
+    "performance model's constants (a GEMM efficiency curve, achieved bandwidth, link latency "
+    "and bandwidth) and write a cluster TOML for `ptdp simulate|plan --device FILE`. CPU "
+    "(gloo) or CUDA (NCCL): `torchrun --nproc-per-node N -m ptdp calibrate` measures the "
+    "links too."
 )
 """`ptdp calibrate --help` (here, not in the torch-importing measure.py: parsing stays fast)."""
 

@@ -116,10 +116,13 @@ def fit_latency_bandwidth(samples: Sequence[tuple[float, float]]) -> LinkFit:
 
 
 def collective_bytes(op: str, nbytes: float, ranks: int) -> float:
-    """Bytes each GPU moves in a ring `op` on a full tensor of `nbytes` (the model's count,
-    ptdp/perf/cost/costs.py): what the latency-bandwidth fit divides by bandwidth."""
+    """Bytes each GPU moves in `op` on a full tensor of `nbytes` (the model's count,
+    ptdp/perf/cost/costs.py; an all-to-all's is what it sends to the other ranks, as
+    `ptdp.perf.cost.moe.alltoall_bytes` counts): what the latency-bandwidth fit divides by
+    bandwidth."""
     share = (ranks - 1) / ranks
-    factor = {"all_reduce": 2 * share, "all_gather": share, "reduce_scatter": share, "p2p": 1.0}
+    factor = {"all_reduce": 2 * share, "all_gather": share, "reduce_scatter": share}
+    factor |= {"all_to_all": share, "p2p": 1.0}  # all-to-all: the bytes sent to the others
     if op not in factor:
         raise ValueError(f"unknown collective {op!r}; known: {', '.join(factor)}")
     return factor[op] * nbytes

@@ -38,11 +38,13 @@ What is measured (ptdp/perf/calibrate/microbench.py) and what it becomes in the 
   ranks then out of step (`waits.wait_after_compute`); the same model at cp = 2 against
   none -> `ring_sync_us`: what each key/value shift of ring attention costs beyond what
   the point-to-point fit charges it (`waits.ring_sync`);
-- under torchrun, all-reduce, all-gather, reduce-scatter and point-to-point over message
-  sizes and group sizes -> the `[node]` link (groups inside a node) and the `[network]`
-  link (one rank per node, when there are several nodes) as latency + bandwidth, a least
-  squares fit over every collective of the link's groups; each collective's own fit is
-  kept under `[calibration]`.
+- under torchrun, all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point
+  over message sizes and group sizes -> the `[node]` link (groups inside a node) and the
+  `[network]` link (one rank per node, when there are several nodes) as latency +
+  bandwidth, a least squares fit over every ring collective of the link's groups; each
+  collective's own fit is kept under `[calibration]`, and written into its link as
+  `<op>_latency_us` / `<op>_bandwidth_gb_s` (the all-to-all's prices expert parallelism's
+  dispatch and combine, `ptdp.perf.cost.experts`).
 
 A single process keeps the base cluster's links and node size (`--base`, default: the
 built-in file of this GPU); with none (a CPU), its links are marked not measured.
@@ -223,7 +225,7 @@ def collective_plans(world: int, per_node: int) -> list[tuple[int, int, str, tup
     node (neighbours), and one rank per node when there are several nodes; point-to-point
     once per link, between a pair of neighbours (or of nodes)."""
     sizes = sorted({n for n in (2, 4, 8, 16, 32, 64) if n < per_node} | {per_node} - {1})
-    plans = [(n, 1, "node", mb.COLLECTIVES if n == 2 else mb.COLLECTIVES[:3]) for n in sizes]
+    plans = [(n, 1, "node", mb.COLLECTIVES if n == 2 else mb.COLLECTIVES[:4]) for n in sizes]
     if world > per_node:
         plans.append((world // per_node, per_node, "network", mb.COLLECTIVES))
     return plans
@@ -271,11 +273,12 @@ def planned_figures(sweep: Sweep, world: int, per_node: int, device_type: str = 
 def _link_fits(fits: list[CollectiveFit]) -> dict[str, tuple[LinkFit | None, str]]:
     """One latency + bandwidth per link: the fit over every all-reduce, all-gather and
     reduce-scatter sample of its groups (the ring collectives whose cost formula the model
-    applies to the link; point-to-point, often far cheaper per call on gloo, keeps its own
-    fit under [calibration] and enters only when nothing else was measured)."""
+    applies to the link; point-to-point, often far cheaper per call on gloo, and the
+    all-to-all keep their own fits, written as the link's `<op>_*` keys, and enter only
+    when nothing else was measured)."""
     links: dict[str, tuple[LinkFit | None, str]] = {}
     for span in ("node", "network"):
-        chosen = [f for f in fits if f.span == span and f.op != "p2p"]
+        chosen = [f for f in fits if f.span == span and f.op not in ("p2p", "all_to_all")]
         chosen = chosen or [f for f in fits if f.span == span]
         xs = [(collective_bytes(f.op, n, f.ranks), t) for f in chosen for n, t in f.samples]
         if not xs:

@@ -77,6 +77,7 @@ def paper_terms(
     dropout: bool = True,
     ffn_hidden: int | None = None,
     norm_input_bytes: float | None = None,
+    attention_width: int | None = None,
 ) -> list[Term]:
     """Korthikanti et al.'s per-layer components (Section 4.1-4.2), one Term each.
 
@@ -88,20 +89,23 @@ def paper_terms(
     split over t under sequence parallelism (the paper's table gives 2sbh, without SP).
     `norm_input_bytes` (default: the activations' size) is what a norm's saved input costs
     per element: 4 under CUDA autocast, which runs the norms in fp32 and keeps the fp32 copy.
+    `attention_width` (default h): the heads' a d, the width of Q, K, V and the projection
+    input where model.head_size sets the heads apart from h (K and V counted as wide as Q).
     """
     s, b, h, a, t, e = seq, micro_batch, hidden, heads, tp, bytes_per_element
     norm = e if norm_input_bytes is None else norm_input_bytes
     f = 4 * h if ffn_hidden is None else ffn_hidden
     rep = t if sequence_parallel else 1  # divisor of the "replicated" tensors
     n, scores, inner = s * b * h, a * s * s * b, s * b * f
+    heads_n = n if attention_width is None else s * b * attention_width
     mode = _mode(recompute)
     if mode is Recompute.FULL:
         return [Term("input", "layer input", n / rep, e)]
     terms = [
         Term("norm_inputs", "LayerNorm 1 and 2 inputs", 2 * n / rep, norm),
         Term("qkv_input", "QKV linear input", n / rep, e),
-        Term("qkv", "Q, K (QK^T inputs) and V", 3 * n / t, e),
-        Term("proj_input", "attention output projection input", n / t, e),
+        Term("qkv", "Q, K (QK^T inputs) and V", 3 * heads_n / t, e),
+        Term("proj_input", "attention output projection input", heads_n / t, e),
         Term("fc1_input", "fc1 input", n / rep, e),
         Term("gelu_input", "GeLU input (fc1 output)", inner / t, e),
         Term("fc2_input", "fc2 input (GeLU output)", inner / t, e),
@@ -134,14 +138,16 @@ def activation_bytes_per_layer(
     dropout: bool = True,
     ffn_hidden: int | None = None,
     norm_input_bytes: float | None = None,
+    attention_width: int | None = None,
 ) -> float:
     """Bytes one layer keeps for backward, after Korthikanti et al. 2022 (arXiv 2205.05198).
 
     With the defaults (16-bit, dropout, f = 4h) this is exactly the paper's table, e.g.
     s b h (34 + 5 a s / h) for t = 1 and no recomputation; `bytes_per_element` = 4 gives
     fp32 activations (masks stay 1 byte), `dropout=False` drops the masks and the dropout
-    output, `ffn_hidden` sets the MLP width. `recompute` is "none", "selective" (drop the
-    attention core's s x s tensors) or "full" (keep only the layer input).
+    output, `ffn_hidden` sets the MLP width and `attention_width` the heads' a d (default
+    h). `recompute` is "none", "selective" (drop the attention core's s x s tensors) or
+    "full" (keep only the layer input).
     """
     terms = paper_terms(
         seq=seq,
@@ -155,6 +161,7 @@ def activation_bytes_per_layer(
         dropout=dropout,
         ffn_hidden=ffn_hidden,
         norm_input_bytes=norm_input_bytes,
+        attention_width=attention_width,
     )
     return sum(term.bytes for term in terms)
 

@@ -70,10 +70,12 @@ def cp_layer_seconds(
     cp: int = 1,
     comm: CpComm = CpComm.RING,
     moe: bool = False,
+    ep: int = 1,
 ) -> Passes:
     """`costs.layer_seconds` of one cp rank: the s/cp-token layer, its attention the cp
     blocks of s/cp tokens the ring computes (all-gather: 1/cp of the whole sequence's
-    kernel), plus the exposed K/V transfers (module doc); `moe`: an MoE layer."""
+    kernel), plus the exposed K/V transfers (module doc); `moe`: an MoE layer, its experts
+    split over `ep` ranks (their all-to-alls apart: `ptdp.perf.cost.experts`)."""
     local = local_model(model, cp)
     passes = layer_seconds(
         local,
@@ -83,6 +85,7 @@ def cp_layer_seconds(
         recompute=recompute,
         c=c,
         moe=moe,
+        ep=ep,
     )
     if cp == 1:
         return passes

@@ -47,6 +47,10 @@ collectives, pipeline transfers, the data-parallel reduction's and the distribut
 optimizer's gather's buckets and the step's scalar all-reduces (`ptdp.perf.simulate.simulator`) pay
 it per wait too.
 
+Expert parallelism's all-to-alls (`all_to_all_seconds`, `ptdp.perf.cost.experts`): each of
+the n GPUs sends its bytes for the others in n - 1 pairwise steps at once, one latency per
+call and a step latency per peer.
+
 Letters: b = micro-batch, s = sequence, h = hidden, a = heads, d = head size, f = MLP
 width, v = vocabulary, t = tensor-parallel size, e = bytes per element.
 """
@@ -63,7 +67,7 @@ from ptdp.perf.cost.hardware import Link, System
 from ptdp.perf.cost.kernels import Call, layer_traffic
 from ptdp.perf.cost.memory import head_activation_bytes, layer_activation_bytes
 from ptdp.perf.cost.moe import dense_equivalent, routed_rows
-from ptdp.perf.cost.parameters import element_bytes
+from ptdp.perf.cost.parameters import attention_width, element_bytes
 
 
 @dataclass(frozen=True)
@@ -258,21 +262,28 @@ class Compute:
 
 
 def layer_gemms(
-    model: ModelConfig, micro_batch: int, tp: int, moe: bool = False, load: float = 1.0
+    model: ModelConfig,
+    micro_batch: int,
+    tp: int,
+    moe: bool = False,
+    load: float = 1.0,
+    ep: int = 1,
 ) -> list[Gemm]:
     """The four linear layers of a transformer layer on one tensor rank (forward); `moe`:
-    with a mixture-of-experts block for the MLP, its router, the e routed experts' GEMMs of
-    the busiest expert's rows (`load`: over the mean) and the shared experts' MLP."""
-    h, f, t = model.hidden_size, model.ffn_size, tp
+    with a mixture-of-experts block for the MLP, its router, the GEMMs of the rank's e / ep
+    routed experts at the busiest expert's rows (`load`: over the mean; the rows of ep
+    ranks' tokens) and the shared experts' MLP."""
+    h, f, t, q = model.hidden_size, model.ffn_size, tp, attention_width(model)
     tokens = micro_batch * model.seq_length
-    qkv = h + 2 * model.query_groups * model.head_dim
+    qkv = q + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
-    attention = [Gemm(tokens, qkv // t, h), Gemm(tokens, h, h // t)]
+    attention = [Gemm(tokens, qkv // t, h), Gemm(tokens, h, q // t)]
     if not moe:
         return [*attention, Gemm(tokens, f * parts // t, h), Gemm(tokens, h, f // t)]
-    rows, e, fe = routed_rows(model, tokens, load), model.num_experts, model.moe_ffn_size
+    rows, e, fe = routed_rows(model, tokens, load, ep), model.num_experts, model.moe_ffn_size
     gemms = [*attention, Gemm(tokens, e, h)]  # the router, on every tensor rank
-    gemms += [Gemm(rows, fe * parts // t, h, e), Gemm(rows, h, fe // t, e)]
+    held = e // ep  # the rank's experts
+    gemms += [Gemm(rows, fe * parts // t, h, held), Gemm(rows, h, fe // t, held)]
     if fs := model.moe_shared_ffn_size:
         gemms += [Gemm(tokens, fs * parts // t, h), Gemm(tokens, h, fs // t)]
     return gemms
@@ -318,6 +329,17 @@ def gather_seconds(nbytes: float, n: int, link: Link, op: str = "all_gather") ->
     steps = n - 1
     latency, bandwidth = link.collective(op)
     return latency + steps * link.step_latency + steps / n * nbytes / bandwidth
+
+
+def all_to_all_seconds(sent: float, n: int, link: Link) -> float:
+    """An all-to-all over n GPUs in which each sends `sent` bytes to the others (n - 1
+    pairwise steps, every pair at once on a switched link): one call's latency, a step
+    latency per peer, and the bytes at the link's all-to-all bandwidth (`Link.ops`, from
+    `ptdp calibrate`; else its own figure)."""
+    if n <= 1:
+        return 0.0
+    latency, bandwidth = link.collective("all_to_all")
+    return latency + (n - 1) * link.step_latency + sent / bandwidth
 
 
 def sync_seconds(calls: int, c: Compute, after_compute: int | None = None) -> float:
@@ -388,10 +410,12 @@ def layer_seconds(
     recompute: Recompute,
     c: Compute,
     moe: bool = False,
+    ep: int = 1,
 ) -> Passes:
-    """One transformer layer, one microbatch, on one GPU (communication included); `moe`:
-    one whose MLP is a mixture of experts (`ptdp.perf.cost.moe`)."""
-    gemms = layer_gemms(model, micro_batch, tp, moe, c.software.moe_load_imbalance)
+    """One transformer layer, one microbatch, on one GPU (tensor-parallel communication
+    included); `moe`: one whose MLP is a mixture of experts (`ptdp.perf.cost.moe`), its
+    routed experts split over `ep` ranks (their all-to-alls: `ptdp.perf.cost.experts`)."""
+    gemms = layer_gemms(model, micro_batch, tp, moe, c.software.moe_load_imbalance, ep)
     linears = c.linears(gemms)
     core = attention_core(model, micro_batch, tp, c)
     kw = dict(micro_batch=micro_batch, tp=tp, sequence_parallel=sequence_parallel, moe=moe)

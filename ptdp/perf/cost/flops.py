@@ -12,6 +12,10 @@ and with no recomputation it is the "model FLOPs" form 72 B s l h^2 (1 + s/(6h) 
 of Korthikanti et al. 2022. The generic per-GEMM sum below also covers SwiGLU, other MLP
 widths and grouped-query attention.
 
+The attention's GEMMs and score/value products take the queries' width a d (heads times
+head size), which model.head_size may set apart from h (Qwen3: 32 heads of 128 in a
+2048-wide model); for the paper's GPTs a d = h.
+
 A mixture-of-experts layer (`ModelConfig.is_moe_layer`) counts, for its MLP, what a token
 goes through: the router's logits (2 h e), its k routed experts of width moe_ffn and the
 shared experts' MLP; the experts it was not sent to cost it nothing. With a capacity
@@ -28,6 +32,7 @@ from __future__ import annotations
 import re
 
 from ptdp.config import Activation, ModelConfig, Recompute
+from ptdp.perf.cost.parameters import attention_width
 
 
 def mlp_forward_flops_per_token(cfg: ModelConfig, moe: bool = False) -> float:
@@ -45,13 +50,13 @@ def layer_forward_flops_per_token(
 ) -> tuple[float, float]:
     """(GEMM FLOPs, attention-core FLOPs) of one layer's forward, per token: of layer
     `layer` (global index), a mixture of experts where the config says; None = dense."""
-    h, s = cfg.hidden_size, cfg.seq_length
+    h, s, q = cfg.hidden_size, cfg.seq_length, attention_width(cfg)
     kv = cfg.query_groups * cfg.head_dim
-    qkv = 2 * h * (h + 2 * kv)
-    proj = 2 * h * h
+    qkv = 2 * h * (q + 2 * kv)
+    proj = 2 * q * h
     mlp = mlp_forward_flops_per_token(cfg, layer is not None and cfg.is_moe_layer(layer))
     span = min(s, cfg.sliding_window) if cfg.sliding_window else s  # keys a query may read
-    core = 4 * span * h  # scores QK^T and the weighted sum over V, 2 span h each
+    core = 4 * span * q  # scores QK^T and the weighted sum over V, 2 span a d each
     return qkv + proj + mlp, core
 
 

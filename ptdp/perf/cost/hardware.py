@@ -14,8 +14,8 @@ inter-node link per GPU, e.g. one InfiniBand HCA each). Bandwidths are per GPU a
 direction, in GB/s (1e9 bytes); `latency_us` per message or collective call,
 `step_latency_us` per step of a ring collective; `p2p_latency_us` and `p2p_bandwidth_gb_s`
 (from `ptdp calibrate`) price point-to-point messages apart from the collectives, and
-`<op>_latency_us` / `<op>_bandwidth_gb_s` (op: all_reduce, all_gather, reduce_scatter)
-one collective apart from the others.
+`<op>_latency_us` / `<op>_bandwidth_gb_s` (op: all_reduce, all_gather, reduce_scatter,
+all_to_all) one collective apart from the others.
 
 Built in: `a100-80gb` (the paper's Selene nodes: DGX A100 80GB, 8x 200 Gb/s HDR per
 node), `a100-40gb`, `h100-sxm` and `h200` (their GEMM curve fitted to Megatron-Core's
@@ -66,7 +66,7 @@ class Link:
     from the ring collectives (`ptdp calibrate`: on gloo a send costs a third of an
     all-reduce's latency); None: as the collectives."""
     ops: tuple[tuple[str, float, float], ...] = ()
-    """(collective, latency seconds, achieved bus bytes/s) of each ring collective measured
+    """(collective, latency seconds, achieved bus bytes/s) of each collective measured
     apart (`ptdp calibrate` on CPUs: over gloo a reduce-scatter moved its bytes at a third
     of an all-reduce's rate); the others: the link's own figures."""
 
@@ -237,8 +237,9 @@ def load_system(name_or_path: str | Path) -> System:
 
 
 FORMAT = f"see {BUILTIN_DIR / 'a100-80gb.toml'} for the format"
-LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter")
-"""Ring collectives a link may carry figures of its own for (`Link.ops`)."""
+LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+"""Collectives a link may carry figures of its own for (`Link.ops`): the ring ones and
+expert parallelism's all-to-all."""
 NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
     ("device", "memory_gib", "positive", True),
     ("device", "memory_bandwidth_gb_s", "positive", True),

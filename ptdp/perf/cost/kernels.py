@@ -19,7 +19,8 @@ the single term of costs.py.
 
 What one layer runs per microbatch on one rank (ptdp/model/gpt.py, as a profile of its
 steps shows), with n tokens, n' = n / t under sequence parallelism, h hidden, q the QKV
-width / t, f the MLP width / t, e bytes per element; a read or a write of x elements is x:
+width / t (queries a d wide, keys and values g d), f the MLP width / t, e bytes per
+element; a read or a write of x elements is x:
 
 forward   2 norms                  n'h in, n'h out                       norm
           2 residual adds          2 n'h in, n'h out                     add
@@ -28,6 +29,7 @@ forward   2 norms                  n'h in, n'h out                       norm
           2 copies of n h/t        q to heads, the attention output back add
           activation               GeLU n f in and out; SwiGLU: SiLU on n f, product 3 n f
           2 dropouts (p > 0)       n'h in, n'h out, a byte mask          add
+          q/k norms (qk_norm)      n a d/t and n g d/t in and out        norm
 backward  2 norms                  input and gradient in, gradient out   norm backward
           2 residual gradient adds 3 n'h                                 add
           activation               GeLU 3 n f; SwiGLU: SiLU 3 n f, product 2 x 3 n f
@@ -35,6 +37,7 @@ backward  2 norms                  input and gradient in, gradient out   norm ba
           q, k, v gradients        autograd's slice backward: 3 zero fills of n q, the three
                                    slices copied in (2 n q), 2 adds of 3 n q   add
           2 dropouts (p > 0)       gradient and mask in, gradient out    add
+          q/k norms (qk_norm)      input and gradient in, gradient out   norm backward
           bias gradients           a sum over tokens of each linear's output gradient
 """
 
@@ -66,8 +69,10 @@ def layer_calls(
     local = n // tp if sequence_parallel else n  # tokens of the norms, adds and dropouts
     h, t = model.hidden_size, tp
     x = local * h * e  # one [n', h] tensor
-    heads = n * model.num_heads * model.head_dim // t * e  # q, or the attention output
-    qkv = n * (model.hidden_size + 2 * model.query_groups * model.head_dim) // t * e
+    q = model.num_heads * model.head_dim  # the queries' width (`attention_width`)
+    kv = model.query_groups * model.head_dim
+    heads = n * q // t * e  # q, or the attention output
+    qkv = n * (q + 2 * kv) // t * e
     f = n * model.ffn_size // t * e
     norm = "rms_norm" if model.normalization is Normalization.RMSNORM else "layer_norm"
     forward = [Call(norm, 2 * x, 2), Call("add", 3 * x, 2), Call("add", 2 * heads, 2)]
@@ -79,6 +84,10 @@ def layer_calls(
         Call("add", 2 * qkv / 3, 3),  # the slices copied in
         Call("add", 3 * qkv, 2),  # summed
     ]
+    if model.qk_norm:  # each query and key head normalised over d
+        keys = n * kv // t * e
+        forward += [Call(norm, 2 * heads), Call(norm, 2 * keys)]
+        backward += [Call(f"{norm}_backward", 3 * heads), Call(f"{norm}_backward", 3 * keys)]
     if model.activation is Activation.SWIGLU:
         forward += [Call("silu", 2 * f), Call("add", 3 * f)]
         backward += [Call("silu_backward", 3 * f), Call("add", 3 * f, 2)]

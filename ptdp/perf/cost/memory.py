@@ -15,7 +15,9 @@ holds, gathered for the layer computing, the largest unit it gathers (a layer, o
 embedding or output layer) twice, the next one being prefetched (`gathered_bytes`); kept
 between forward and backward (`parallel.zero3_reshard_after_forward = false`), the rank's
 whole chunk stays gathered. With context parallelism the state is sharded over the dp x cp
-ranks that reduce the gradients (`ptdp.perf.cost.context`).
+ranks that reduce the gradients (`ptdp.perf.cost.context`). Expert parallelism
+(`parallel.ep`) leaves e / ep routed experts on a rank, whose state ZeRO shards over the
+edp = dp cp / ep ranks holding the same experts (`ptdp.perf.cost.moe`).
 
 Context parallelism (`ptdp.perf.cost.context`): activations are those of the s/cp-token model,
 plus all-gather's gathered K/V; the K/V blocks in flight are working memory.
@@ -88,8 +90,10 @@ from ptdp.perf.cost import context
 from ptdp.perf.cost.activations import activation_bytes_per_layer
 from ptdp.perf.cost.moe import dense_equivalent, dispatch_bytes, moe_layers_per_stage
 from ptdp.perf.cost.parameters import (
+    attention_width,
     bytes_per_parameter,
     element_bytes,
+    expert_parameters_per_rank,
     layer_parameters,
     parameters_per_rank,
     parameters_per_stage,
@@ -140,6 +144,7 @@ def layer_activation_bytes(
         dropout=model.dropout > 0,
         ffn_hidden=f,
         norm_input_bytes=_norm_input_bytes(precision, autocast_norms),
+        attention_width=attention_width(model),
     )
 
 
@@ -194,12 +199,12 @@ def layer_backward_bytes(
     dY and dX [n, h], with the MLP's [n, f/t] output-of-activation and [n, parts f/t]
     input-of-activation gradients or attention's dQ, dK, dV and dO, whichever is larger;
     n = s b tokens."""
-    h, t, e = model.hidden_size, tp, element_bytes(precision)
+    h, t, e, q = model.hidden_size, tp, element_bytes(precision), attention_width(model)
     n = model.seq_length * micro_batch
-    qkv = h + 2 * model.query_groups * model.head_dim
+    qkv = q + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
     mlp = model.ffn_size * (1 + parts) // t
-    attention = (qkv + h) // t
+    attention = (qkv + q) // t
     return e * n * (2 * h + max(mlp, attention))
 
 
@@ -249,19 +254,19 @@ def stash_bytes_per_layer(
     (t-1)/t of the QKV and fc1 inputs the activation count shards. Plus the gradients of the
     layer's biases and norms, in the weights' dtype.
     """
-    h, t, e = model.hidden_size, tp, element_bytes(precision)
+    h, t, e, q = model.hidden_size, tp, element_bytes(precision), attention_width(model)
     n = model.seq_length * micro_batch
-    qkv = h + 2 * model.query_groups * model.head_dim
+    qkv = q + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
     f = model.ffn_size
     dy = n * (qkv // t + f * parts // t + 2 * h)
     if recompute is Recompute.FULL:
-        x = n * (2 * h + h // t + f // t)
+        x = n * (2 * h + q // t + f // t)
     elif sequence_parallel:
         x = 2 * n * (h - h // t)
     else:
         x = 0
-    weights = (h * qkv + h * h + h * f * parts + f * h) // t
+    weights = (h * qkv + q * h + h * f * parts + f * h) // t
     return e * (dy + x + layer_parameters(model, tp) - weights)
 
 
@@ -274,7 +279,7 @@ def stage_stash_bytes(cfg: RunConfig, tp: int, pp: int, vpp: int, stage: int) ->
     split = cfg.parallel.pipeline_layers
     layers = len(layer_ranges(model.num_layers, pp, vpp, split or None)[stage])
     if cfg.train.compile:  # plain F.linear: every gradient is computed in B and held
-        return e * parameters_per_stage(model, tp, pp, vpp, split)[stage]
+        return e * parameters_per_stage(model, tp, pp, vpp, split, cfg.parallel.ep)[stage]
     kw = dict(
         micro_batch=cfg.train.micro_batch_size,
         tp=tp,
@@ -374,7 +379,7 @@ def grad_bucket_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
     if not layout.shards_grads or layout.dp * layout.cp == 1:
         return [0.0] * layout.pp
     model, tp, pp, vpp, split = cfg.model, layout.tp, layout.pp, layout.vpp, layout.stage_layers
-    per_stage = parameters_per_stage(model, tp, pp, vpp, split)
+    per_stage = parameters_per_stage(model, tp, pp, vpp, split, layout.ep)
     whole = not cfg.parallel.overlap_grad_reduce or SCHEDULES[layout.schedule].splits_backward
     bucket = max(1, int(cfg.parallel.bucket_mb * 2**20 / 4))
     tied = model.tie_embeddings and pp * vpp > 1
@@ -401,13 +406,13 @@ def gathered_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
         return [0.0] * layout.pp
     model, tp, e = cfg.model, layout.tp, element_bytes(cfg.train.precision)
     per_rank = parameters_per_rank(
-        model, tp, layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement
+        model, tp, layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement, layout.ep
     )
     if not reshard_after_forward(cfg):
         return [e * count for count in per_rank]
     rows = model.padded_vocab_size(tp) // tp * model.hidden_size
     layers = range(model.num_layers) if model.num_experts else [None]
-    unit = max(*(layer_parameters(model, tp, i) for i in layers), rows)
+    unit = max(*(layer_parameters(model, tp, i, layout.ep) for i in layers), rows)
     return [2.0 * e * min(unit, count) for count in per_rank]
 
 
@@ -433,6 +438,8 @@ def estimate_memory(
     stages = layout.stages
     last_held = stage_in_flight(layout.pipeline, stages.last)
     state = bytes_per_parameter(prec, zero=layout.zero, dp=layout.dp * cp)
+    # The routed experts' state: sharded over the edp ranks holding the same experts.
+    expert_state = bytes_per_parameter(prec, zero=layout.zero, dp=layout.dp * cp // layout.ep)
     buckets = grad_bucket_bytes(cfg, layout)
     gathered = gathered_bytes(cfg, layout)
     local = context.local_model(model, cp)  # activations: the s/cp tokens of one cp rank
@@ -483,8 +490,10 @@ def estimate_memory(
             per_mb = stage_stash_bytes(replace(cfg, model=local), tp, pp, vpp, stage)
             stash[stages.rank(stage)] += waiting * per_mb
     out = []
-    per_rank = parameters_per_rank(model, tp, pp, vpp, split, stages.placement)
-    for rank, count in enumerate(per_rank):
+    per_rank = parameters_per_rank(model, tp, pp, vpp, split, stages.placement, layout.ep)
+    routed = expert_parameters_per_rank(model, tp, pp, vpp, split, stages.placement, layout.ep)
+    for rank, (count, experts) in enumerate(zip(per_rank, routed)):
+        rest = count - experts
         with_head = rank == stages.rank(stages.last)
         if model.num_experts:
             acts = held[rank] * chunk_bytes[rank]
@@ -494,9 +503,9 @@ def estimate_memory(
         out.append(
             MemoryEstimate(
                 rank,
-                count * state.params,
-                count * state.grads,
-                count * state.optimizer,
+                rest * state.params + experts * expert_state.params,
+                rest * state.grads + experts * expert_state.grads,
+                rest * state.optimizer + experts * expert_state.optimizer,
                 acts,
                 # The loss's backward, or a layer's once one microbatch's head is freed.
                 max(head_working, working - head) if with_head else working,

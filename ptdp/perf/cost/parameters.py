@@ -3,13 +3,20 @@ rank, and the model state's bytes per parameter as the runtime keeps them
 (`ptdp/parallel/buckets.py`, `ptdp/train/step/optim.py`; ZeRO levels in `ptdp.perf.cost.memory`'s
 module doc). Pure arithmetic on the model config: the planner calls it for every layout.
 
+A layer's attention holds QKV [h, a d + 2 g d] and the projection [a d, h]: the queries
+are a d wide (`attention_width`), h unless model.head_size sets the heads apart (Qwen3),
+and model.qk_norm adds a norm over d for the queries and one for the keys.
+
 A mixture-of-experts layer (`ModelConfig.is_moe_layer`) holds, for its MLP, a router
 [e, h] (replicated), e routed experts of width moe_ffn and the shared experts' MLP, each
-split over t like the dense MLP; every rank holds every expert (no expert parallelism).
-`model_size` gives the total and active (per token) parameters as publishers count them.
+split over t like the dense MLP. Expert parallelism (`parallel.ep`) leaves e / ep routed
+experts on a rank (`routed_parameters`); their gradients are reduced, and ZeRO shards
+their state, over the edp = dp cp / ep ranks holding the same experts
+(`expert_parameters_per_stage` gives that part apart). `model_size` gives the total and
+active (per token) parameters as publishers count them.
 
-Letters: h = hidden, f = MLP width, v = vocabulary, t = tensor-parallel size, e = routed
-experts, k = experts per token.
+Letters: h = hidden, a = heads, d = head size, g = key/value groups, f = MLP width,
+v = vocabulary, t = tensor-parallel size, e = routed experts, k = experts per token.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config import Activation, ModelConfig, Normalization, PositionEmbedding, Precision
+from ptdp.perf.cost.moe import moe_layers_per_stage
 from ptdp.pipeline.placement import Placement, StageMap
 
 
@@ -45,27 +53,45 @@ def element_bytes(precision: Precision) -> int:
     return 4 if precision is Precision.FP32 else 2
 
 
-def layer_parameters(model: ModelConfig, tp: int = 1, layer: int | None = None) -> int:
+def attention_width(model: ModelConfig) -> int:
+    """Width of the queries and of the output projection's input, a d: the hidden size
+    unless model.head_size sets the heads apart (Qwen3: 32 heads of 128 in a 2048-wide
+    model), so the attention's weights and FLOPs scale with it, not with h."""
+    return model.num_heads * model.head_dim
+
+
+def _norm_parameters(model: ModelConfig, size: int) -> int:
+    """One norm over `size` features: a gain, and a bias for LayerNorm with model.bias."""
+    return size * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
+
+
+def layer_parameters(
+    model: ModelConfig, tp: int = 1, layer: int | None = None, ep: int = 1
+) -> int:
     """Parameters of one transformer layer on one tensor-parallel rank: of layer `layer`
-    (global index), whose MLP may be a mixture of experts; None = a dense layer.
+    (global index), whose MLP may be a mixture of experts (its routed experts split over
+    `ep` expert-parallel ranks); None = a dense layer.
 
     Column-parallel weights and biases (QKV, fc1) and row-parallel weights (projection,
     fc2) are split over t; row-parallel biases and the norms are replicated. With
-    model.qkv_bias alone (Qwen2) only QKV has a bias.
+    model.qkv_bias alone (Qwen2) only QKV has a bias. The queries are a d wide
+    (`attention_width`); model.qk_norm adds two norms over d (replicated).
     """
     if layer is not None and model.is_moe_layer(layer):
         dense = layer_parameters(model, tp)
-        return dense - mlp_parameters(model, model.ffn_size, tp) + moe_parameters(model, tp)
-    h, f, t = model.hidden_size, model.ffn_size, tp
-    qkv = h + 2 * model.query_groups * model.head_dim
+        experts = model.num_experts // ep
+        moe = moe_parameters(model, tp, experts)
+        return dense - mlp_parameters(model, model.ffn_size, tp) + moe
+    h, f, t, q = model.hidden_size, model.ffn_size, tp, attention_width(model)
+    qkv = q + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
-    weights = (h * qkv + h * h + h * f * parts + f * h) // t
+    weights = (h * qkv + q * h + h * f * parts + f * h) // t
     if model.bias:
         biases = (qkv + f * parts) // t + 2 * h
     else:
         biases = qkv // t if model.qkv_bias else 0
-    norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
-    return weights + biases + 2 * norm
+    qk_norms = 2 * _norm_parameters(model, model.head_dim) if model.qk_norm else 0
+    return weights + biases + 2 * _norm_parameters(model, h) + qk_norms
 
 
 def mlp_parameters(model: ModelConfig, width: int, tp: int = 1) -> int:
@@ -89,11 +115,17 @@ def moe_parameters(model: ModelConfig, tp: int = 1, experts: int | None = None) 
     return count
 
 
-def _layers_parameters(model: ModelConfig, tp: int, first: int, count: int) -> int:
+def routed_parameters(model: ModelConfig, tp: int = 1, ep: int = 1) -> int:
+    """Routed-expert parameters of one MoE layer on one rank: its e / ep experts, split over
+    t (what expert parallelism divides; reduced and ZeRO-sharded over the edp ranks)."""
+    return model.num_experts // ep * mlp_parameters(model, model.moe_ffn_size, tp)
+
+
+def _layers_parameters(model: ModelConfig, tp: int, first: int, count: int, ep: int = 1) -> int:
     """Parameters of the `count` layers from global index `first` on one tensor rank."""
     if not model.num_experts:
         return count * layer_parameters(model, tp)
-    return sum(layer_parameters(model, tp, i) for i in range(first, first + count))
+    return sum(layer_parameters(model, tp, i, ep) for i in range(first, first + count))
 
 
 def _starts(layers: tuple[int, ...]) -> list[int]:
@@ -128,17 +160,23 @@ def model_size(model: ModelConfig) -> ModelSize:
 
 
 def parameters_per_stage(
-    model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int = 1, layers: tuple[int, ...] = ()
+    model: ModelConfig,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
+    layers: tuple[int, ...] = (),
+    ep: int = 1,
 ) -> list[int]:
     """Local parameters of each virtual stage on one tensor-parallel rank.
 
     `layers`: each stage's layer count (`Layout.stage_layers`); empty = an even split.
     Stage 0 holds the embedding; the last stage the final norm and the output layer,
-    which with pp * vpp > 1 is a separate copy even when tied to the embedding.
+    which with pp * vpp > 1 is a separate copy even when tied to the embedding. `ep`: the
+    routed experts split over that many expert-parallel ranks.
     """
     h, v, stages = model.hidden_size, model.padded_vocab_size(tp), pp * vpp
     layers = layers or (model.num_layers // stages,) * stages
-    counts = [_layers_parameters(model, tp, a, n) for a, n in zip(_starts(layers), layers)]
+    counts = [_layers_parameters(model, tp, a, n, ep) for a, n in zip(_starts(layers), layers)]
     counts[0] += v // tp * h
     if model.position_embedding is PositionEmbedding.LEARNED:
         counts[0] += model.seq_length * h
@@ -156,7 +194,7 @@ def layer_tensors(model: ModelConfig, layer: int | None = None) -> int:
     experts' fc1 and fc2 are one grouped tensor each, as the dense MLP's are)."""
     biases = 4 if model.bias else 1 if model.qkv_bias else 0
     norm = 2 if model.normalization is Normalization.LAYERNORM and model.bias else 1
-    count = 4 + biases + 2 * norm
+    count = 4 + biases + (4 if model.qk_norm else 2) * norm  # q/k norms: two more
     if layer is not None and model.is_moe_layer(layer):
         count += 1 + (2 + (2 if model.bias else 0) if model.moe_shared_experts else 0)
     return count
@@ -202,10 +240,45 @@ def parameters_per_rank(
     vpp: int = 1,
     layers: tuple[int, ...] = (),
     placement: Placement = Placement.LOOPED,
+    ep: int = 1,
 ) -> list[int]:
     """Local parameters on one tensor rank of each pipeline rank (its stages by `placement`)."""
-    stages = StageMap(pp, vpp, placement)
-    counts = [0] * pp
-    for stage, count in enumerate(parameters_per_stage(model, tp, pp, vpp, layers)):
+    per_stage = parameters_per_stage(model, tp, pp, vpp, layers, ep)
+    return _by_rank(per_stage, StageMap(pp, vpp, placement))
+
+
+def expert_parameters_per_stage(
+    model: ModelConfig,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
+    layers: tuple[int, ...] = (),
+    ep: int = 1,
+) -> list[int]:
+    """The routed-expert part of `parameters_per_stage` (`routed_parameters` per MoE layer):
+    the parameters whose gradients go over the edp ranks rather than all of dp x cp."""
+    stages = pp * vpp
+    layers = layers or (model.num_layers // stages,) * stages
+    per_layer = routed_parameters(model, tp, ep) if model.num_experts else 0
+    return [per_layer * n for n in moe_layers_per_stage(model, layers)]
+
+
+def expert_parameters_per_rank(
+    model: ModelConfig,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
+    layers: tuple[int, ...] = (),
+    placement: Placement = Placement.LOOPED,
+    ep: int = 1,
+) -> list[int]:
+    """The routed-expert part of `parameters_per_rank`."""
+    per_stage = expert_parameters_per_stage(model, tp, pp, vpp, layers, ep)
+    return _by_rank(per_stage, StageMap(pp, vpp, placement))
+
+
+def _by_rank(per_stage: list[int], stages: StageMap) -> list[int]:
+    counts = [0] * stages.pp
+    for stage, count in enumerate(per_stage):
         counts[stages.rank(stage)] += count
     return counts

@@ -138,9 +138,10 @@ class Reserve:
 
 def communicators(cfg: RunConfig, layout: Layout, rank: int) -> list[Communicator]:
     """The NCCL communicators of global `rank` (`ptdp.parallel.mesh`): each axis group of more
-    than one rank, dp_cp under cp, the tied embedding's pair, and the world, on which the
-    pipeline's sends and receives run (`comm.send_recv_async` names global peers). Only this
-    rank's groups are built, by arithmetic (the planner asks for thousands of ranks)."""
+    than one rank, dp_cp under cp, ep and edp under expert parallelism, the tied embedding's
+    pair, and the world, on which the pipeline's sends and receives run
+    (`comm.send_recv_async` names global peers). Only this rank's groups are built, by
+    arithmetic (the planner asks for thousands of ranks)."""
     sizes = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp}
     world = math.prod(sizes.values())
     if world == 1:
@@ -155,12 +156,29 @@ def communicators(cfg: RunConfig, layout: Layout, rank: int) -> list[Communicato
         ring_p2p = axis == "cp" and cfg.parallel.cp_comm is CpComm.RING
         peers = _neighbours(ranks, rank, wrap=True) if ring_p2p else ()
         out.append(Communicator(axis, ranks, collectives=not ring_p2p, peers=peers))
+    out += _expert_communicators(layout, _group(sizes, rank, "dp_cp"), rank)
     stages = _group(sizes, rank, "pp")
     if layout.pp > 1 and cfg.model.tie_embeddings and rank in (stages[0], stages[-1]):
         out.append(Communicator("embedding", (stages[0], stages[-1]), collectives=True))
     # An interleaved (looped) pipeline also sends from the last stage to the first.
     looped = layout.vpp > 1 and layout.stages.placement is Placement.LOOPED
     out.append(Communicator("world", range(world), True, _neighbours(stages, rank, looped)))
+    return out
+
+
+def _expert_communicators(layout: Layout, dp_cp: range, rank: int) -> list[Communicator]:
+    """Under expert parallelism: the ep group, whose all-to-alls connect every member to
+    every other point to point, and the edp group reducing the experts' gradients (both
+    split from `rank`'s dp_cp group, `ptdp.layout.EXPERT_AXES`)."""
+    ep = layout.ep
+    if ep <= 1:
+        return []
+    i = dp_cp.index(rank)
+    members = dp_cp[i - i % ep : i - i % ep + ep]
+    peers = tuple(r for r in members if r != rank)
+    out = [Communicator("ep", members, collectives=False, peers=peers)]
+    if len(dp_cp) > ep:
+        out.append(Communicator("edp", dp_cp[i % ep :: ep], collectives=True))
     return out
 
 

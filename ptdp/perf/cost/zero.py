@@ -26,7 +26,9 @@ the cores the compute runs on (`Device.gloo`). The exposed seconds join the stag
 gradients), so the pipeline replay places them per microbatch; levels 0 and 1 keep the
 simulator's reduction after the last backward.
 
-The ZeRO group is the dp cp ranks that reduce the gradients (tp apart; `cost.context`),
+The ZeRO group is the dp cp ranks that reduce the gradients (tp apart; `cost.context`);
+under expert parallelism the routed experts' state is sharded over their edp = dp cp / ep
+ranks (tp ep apart; `cost.experts`), each group's collectives one after the other,
 on `costs.group_link` (at `Software.sharded_comm_efficiency` of its bandwidth: the paper's
 DeepSpeed reached a tenth, `costs.DEEPSPEED_2021`). Weights move in the training
 precision's element size, gradients at `Software.grad_reduce_bytes`.
@@ -39,8 +41,16 @@ from dataclasses import replace
 from ptdp.config import RunConfig
 from ptdp.layout import Layout
 from ptdp.perf.cost.costs import Compute, Passes, gather_seconds, group_link, sync_seconds
+from ptdp.perf.cost.experts import reduction_groups
+from ptdp.perf.cost.hardware import Link
 from ptdp.perf.cost.memory import reshard_after_forward
-from ptdp.perf.cost.parameters import parameters_per_stage
+from ptdp.perf.cost.parameters import expert_parameters_per_stage, parameters_per_stage
+
+
+def _sharded_link(c: Compute, size: int, stride: int) -> Link:
+    """The group's link at the software's share of its bandwidth (module doc)."""
+    ring = group_link(c.system, size, stride)
+    return replace(ring, efficiency=ring.efficiency * c.software.sharded_comm_efficiency)
 
 
 def exposed_seconds(comm: float, compute: float, layers: int) -> float:
@@ -70,16 +80,22 @@ def sharded_passes(
     group = layout.dp * layout.cp
     if layout.zero < 2 or group == 1:
         return passes, 0.0
-    ring = group_link(c.system, group, layout.tp)
-    efficiency = ring.efficiency * c.software.sharded_comm_efficiency
-    link = replace(ring, efficiency=efficiency)
-    params = parameters_per_stage(cfg.model, layout.tp, layout.pp, layout.vpp, layout.stage_layers)
+    split = (layout.pp, layout.vpp, layout.stage_layers, layout.ep)
+    params = parameters_per_stage(cfg.model, layout.tp, *split)
+    experts = expert_parameters_per_stage(cfg.model, layout.tp, *split)
     regather = reshard_after_forward(cfg)
     m = layout.num_microbatches
     out, wire = [], [0.0] * layout.pp
     for stage, (p, n, layers) in enumerate(zip(passes, params, layout.stage_layers)):
-        reduce = gather_seconds(c.software.grad_reduce_bytes * n, group, link, "reduce_scatter")
-        gather = gather_seconds(c.e * n, group, link) if layout.zero >= 3 else 0.0
+        reduce = gather = 0.0
+        for part, size, stride in reduction_groups(
+            n, experts[stage], tp=layout.tp, dp_cp=group, ep=layout.ep
+        ):
+            link = _sharded_link(c, size, stride)
+            reduce += gather_seconds(
+                c.software.grad_reduce_bytes * part, size, link, "reduce_scatter"
+            )
+            gather += gather_seconds(c.e * part, size, link) if layout.zero >= 3 else 0.0
         again = gather if regather else 0.0
         if c.system.device.gloo:  # nothing hides (module doc)
             forward, backward = gather, again + reduce

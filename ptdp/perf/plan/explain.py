@@ -89,6 +89,14 @@ def explain(
             f"{where}: each rank holds {cfg.model.seq_length // lay.cp} tokens of a sequence "
             f"and 1/{lay.cp} of its activations"
         )
+    if lay.ep > 1:
+        e, edp = cfg.model.num_experts, lay.dp * lay.cp // lay.ep
+        lines.append(
+            f"expert parallel ep={lay.ep}: each rank holds {e // lay.ep} of a layer's {e} "
+            f"experts, their tokens sent and returned by all-to-all "
+            f"({1e3 * pred.ep_seconds:.3g} ms per MoE layer and microbatch, F + B); their "
+            f"gradients reduced over the {edp} ranks holding the same experts"
+        )
     if lay.zero:
         lines.append(
             f"ZeRO-{lay.zero} over d*cp = {lay.dp * lay.cp} ranks ({ZERO_LEVELS[lay.zero]}): "

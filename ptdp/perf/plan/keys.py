@@ -16,6 +16,7 @@ SEARCHED: dict[str, str] = {
     "parallel.pp": "pp",
     "parallel.cp": "cp",
     "parallel.cp_comm": "cp_comm",
+    "parallel.ep": "ep",
     "parallel.zero": "zero",
     "parallel.vpp": "vpp",
     "parallel.schedule": "schedules",

@@ -7,8 +7,11 @@ The search follows the paper's guidelines (Narayanan et al., section 3 and takea
    stay on NVLink; larger t would cross the network), context parallel size cp among the
    powers of 2 that leave each rank at least `MIN_CP_TOKENS` tokens of a sequence divisible
    by 2 cp (cp = 1 for short sequences), pipeline size p among the divisors of the layer
-   count, data parallel d = n / (t cp p) dividing the global batch B;
-2. for each (t, cp, p), the least recomputation whose model state and activations fit in
+   count, data parallel d = n / (t cp p) dividing the global batch B; for a mixture of
+   experts, expert parallel size ep among the divisors of the expert count that divide
+   d cp (ep = 1 for a dense model), each ep a layout of its own (its memory and speed
+   differ: e / ep experts per rank, the all-to-alls);
+2. for each (t, cp, p, ep), the least recomputation whose model state and activations fit in
    memory (1F1B's in-flight bound), at ZeRO level 0, or a higher level (1, 2, 3: the
    layouts of d, up to `Software.max_zero`) where it lets less recomputation fit, the
    level whose best micro-batch equation (1) finds fastest; with cp > 1 the faster
@@ -129,6 +132,7 @@ def plan(
     pp: int | None = None,
     cp: int | None = None,
     cp_comm: CpComm | None = None,
+    ep: int | None = None,
     zero: int | None = None,
     vpp: int | None = None,
     micro_batch: int | None = None,
@@ -143,7 +147,7 @@ def plan(
 ) -> PlanResult:
     """Rank the layouts of `base.model` for `gpus` devices and `base.train.global_batch_size`.
 
-    Fixed arguments (tp, pp, cp, cp_comm, zero, vpp, micro_batch, recompute,
+    Fixed arguments (tp, pp, cp, cp_comm, ep, zero, vpp, micro_batch, recompute,
     sequence_parallel) restrict the search; precision, optimizer and the other parallel
     options come from `base`. Schedules that split the backward are searched only if
     `software.split_backward`, ZeRO levels up to `software.max_zero`.
@@ -194,6 +198,7 @@ def plan(
         cp=cp,
         pp=pp,
         cp_comm=cp_comm,
+        ep=ep,
         zero=zero,
         vpp=vpp,
         micro_batch=micro_batch,
@@ -218,6 +223,6 @@ def plan(
         return PlanResult((), 0, tuple(rejected), (), ("no layout fits",))
     chosen = recommend(options, tolerance)
     lay = options[chosen].prediction.layout
-    table = tuple(eq1.get((lay.tp, lay.cp, lay.pp, lay.zero), ()))
+    table = tuple(eq1.get((lay.tp, lay.cp, lay.pp, lay.ep, lay.zero), ()))
     lines = explain(options, chosen, table, system, tolerance, unranked)
     return PlanResult(tuple(options), chosen, tuple(rejected), table, tuple(lines), unranked)

@@ -39,6 +39,7 @@ def describe(config: RunConfig, layout: Layout) -> str:
     sp = " sp" if p.sequence_parallel else ""
     b = config.train.micro_batch_size
     cp = f" cp={layout.cp} {p.cp_comm.value}" if layout.cp > 1 else ""
+    cp += f" ep={layout.ep}" if layout.ep > 1 else ""
     zero = f" zero={layout.zero}" if layout.zero else ""
     return (
         f"t={layout.tp}{sp}{cp} p={layout.pp} d={layout.dp}{zero} v={layout.vpp} b={b} "

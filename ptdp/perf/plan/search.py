@@ -1,7 +1,8 @@
 """The planner's search space: the sizes, ZeRO levels, micro-batches and schedules it tries.
 
 Steps 1-3 of `ptdp.perf.plan.planner`'s search, up to the candidates it replays: (t, cp, p) from
-the GPUs per node, the sequence and the layers (`sizes`); for each, the least recomputation
+the GPUs per node, the sequence and the layers (`sizes`), and for a mixture of experts each
+ep that splits its experts over d cp ranks (`expert_sizes`); for each, the least recomputation
 that fits at the ZeRO level whose best micro-batch equation (1) finds fastest
 (`fitting_micro_batches`, `equation_1`); for that micro-batch, every schedule and
 interleaving v that validates (`schedule_candidates`). What does not qualify is kept as a
@@ -71,10 +72,11 @@ def layout_config(
     cp: int = 1,
     zero: int | None = None,
     cp_comm: CpComm | None = None,
+    ep: int = 1,
 ) -> RunConfig:
     """`base` with a layout filled in (dp derived from the world size). A given split of
     layers (parallel.pipeline_layers) is kept where it has pp*vpp stages; every other layout
-    gets the even split. cp, zero and cp_comm default to `base`'s."""
+    gets the even split. zero and cp_comm default to `base`'s, cp and ep to 1."""
     if schedule is None:
         schedule = Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B
     split = base.parallel.pipeline_layers
@@ -90,6 +92,7 @@ def layout_config(
         sequence_parallel=sequence_parallel,
         pipeline_layers=split if len(split) == pp * vpp else (),
         cp=cp,
+        ep=ep,
         zero=level,
         cp_comm=cp_comm or base.parallel.cp_comm,
         # keeping gathered parameters is ZeRO-3's option; other levels are refused with it
@@ -124,6 +127,7 @@ class Space:
     cp: int | None = None
     pp: int | None = None
     cp_comm: CpComm | None = None
+    ep: int | None = None
     zero: int | None = None
     vpp: int | None = None
     micro_batch: int | None = None
@@ -136,15 +140,15 @@ class Candidates:
 
     configs: list[RunConfig]
     rejected: list[Rejected]
-    eq1: dict[tuple[int, int, int, int], list[tuple[int, float]]]
-    """For each (t, cp, p, zero) chosen: equation (1)'s seconds for each b that fits."""
+    eq1: dict[tuple[int, int, int, int, int], list[tuple[int, float]]]
+    """For each (t, cp, p, ep, zero) chosen: equation (1)'s seconds for each b that fits."""
 
 
 def search(base: RunConfig, gpus: int, c: Compute, space: Space, plans: Plans) -> Candidates:
     """The layouts of `base.model` on `gpus` devices worth replaying (module doc)."""
     rejected: list[Rejected] = []
     candidates: list[RunConfig] = []
-    eq1: dict[tuple[int, int, int, int], list[tuple[int, float]]] = {}
+    eq1: dict[tuple[int, int, int, int, int], list[tuple[int, float]]] = {}
     model, batch, software = base.model, base.train.global_batch_size, c.software
     sequence_parallel, zero = space.sequence_parallel, space.zero
     for t, k, p in sizes(model.num_layers, model.seq_length, gpus, space):
@@ -156,27 +160,44 @@ def search(base: RunConfig, gpus: int, c: Compute, space: Space, plans: Plans) -
         if batch % d:
             rejected.append(Rejected(where, f"batch {batch} not divisible by d = {d}"))
             continue
+        eps = expert_sizes(model.num_experts, d * k, space.ep)
+        if not eps:
+            why = f"ep = {space.ep} does not divide both {model.num_experts} experts and d*cp"
+            rejected.append(Rejected(where, f"{why} = {d * k}"))
         sp = (t > 1) if sequence_parallel is None else sequence_parallel
         lowest = 1 if base.optim.distributed else 0  # its old spelling of zero = 1
         top = software.max_zero if d * k > 1 else 0
         levels = [zero] if zero is not None else list(range(lowest, max(lowest, top) + 1))
-        least, best = len(Recompute), None
-        for level in levels:
-            fitting, why = fitting_micro_batches(base, gpus, (t, k, p, level), sp, space, c, plans)
-            mode = list(Recompute).index(fitting[0].parallel.recompute) if fitting else least
-            if mode >= least:  # a higher level only where it lets less recomputation fit
-                continue
-            least = mode
-            costs = [(cfg.train.micro_batch_size, equation_1(cfg, gpus, c)) for cfg in fitting]
-            i = min(range(len(costs)), key=lambda i: costs[i][1])
-            if best is None or costs[i][1] < best[0]:  # the level equation (1) finds faster
-                best = (costs[i][1], level, fitting[i], costs)
-        if best is not None:
-            eq1[(t, k, p, best[1])] = best[3]
-            candidates += schedule_candidates(best[2], gpus, space, rejected)
-        else:
-            rejected.append(Rejected(where, why))
+        for ep in eps:
+            at = f"{where} ep={ep}" if ep > 1 else where
+            dims = (t, k, p, ep)
+            least, best = len(Recompute), None
+            for level in levels:
+                fitting, why = fitting_micro_batches(
+                    base, gpus, (*dims, level), sp, space, c, plans
+                )
+                mode = list(Recompute).index(fitting[0].parallel.recompute) if fitting else least
+                if mode >= least:  # a higher level only where it lets less recomputation fit
+                    continue
+                least = mode
+                costs = [(cfg.train.micro_batch_size, equation_1(cfg, gpus, c)) for cfg in fitting]
+                i = min(range(len(costs)), key=lambda i: costs[i][1])
+                if best is None or costs[i][1] < best[0]:  # the level equation (1) finds faster
+                    best = (costs[i][1], level, fitting[i], costs)
+            if best is not None:
+                eq1[(*dims, best[1])] = best[3]
+                candidates += schedule_candidates(best[2], gpus, space, rejected)
+            else:
+                rejected.append(Rejected(at, why))
     return Candidates(candidates, rejected, eq1)
+
+
+def expert_sizes(experts: int, dp_cp: int, pinned: int | None = None) -> list[int]:
+    """ep sizes to search: the divisors of the routed experts that divide d cp (the ranks
+    they are split over; `ptdp.layout_moe.expert_rules`), or `pinned` where it is one;
+    [1] for a dense model."""
+    found = [e for e in divisors(experts) if dp_cp % e == 0] if experts else [1]
+    return [pinned] if pinned and pinned in found else [] if pinned else found
 
 
 def context_sizes(seq_length: int, most: int) -> list[int]:
@@ -205,15 +226,15 @@ def sizes(layers: int, seq_length: int, gpus: int, space: Space) -> list[tuple[i
 def fitting_micro_batches(
     base: RunConfig,
     gpus: int,
-    dims: tuple[int, int, int, int],
+    dims: tuple[int, int, int, int, int],
     sp: bool,
     space: Space,
     c: Compute,
     plans: Plans,
 ) -> tuple[list[RunConfig], str]:
     """1F1B configs of each micro-batch that fits, at the least recomputation that fits any,
-    for (t, cp, p, zero) = `dims`; under cp > 1 each at the faster cp_comm that fits."""
-    t, k, p, zero = dims
+    for (t, cp, p, ep, zero) = `dims`; under cp > 1 each at the faster cp_comm that fits."""
+    t, k, p, ep, zero = dims
     d = gpus // (t * k * p)
     per_rank = base.train.global_batch_size // d
     micro_batch, cp_comm = space.micro_batch, space.cp_comm
@@ -236,6 +257,7 @@ def fitting_micro_batches(
                 sequence_parallel=sp,
                 cp=k,
                 zero=zero,
+                ep=ep,
             )
             comms = [cp_comm] if cp_comm or k == 1 else _comm_order(cfg, c)
             variants = [replace_comm(cfg, comm) for comm in comms]

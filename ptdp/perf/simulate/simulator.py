@@ -8,7 +8,10 @@ reports iteration time, the paper's bubble (bubble time / ideal time), TFLOP/s p
 device, memory and the per-rank timeline. Context parallelism (`ptdp.perf.cost.context`): a
 rank computes its s/cp tokens and 1/cp of the causal attention, plus the exposed K/V
 transfers. A zero-bubble schedule's W pays what its split backward costs beyond the fused
-one (`Device.split_backward_ratio`: it reads its operands back after B).
+one (`Device.split_backward_ratio`: it reads its operands back after B). Expert
+parallelism (`ptdp.perf.cost.experts`): an MoE layer's rank computes its e / ep experts'
+rows and waits on its four all-to-alls; its routed experts' gradients are reduced over
+their edp ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from ptdp.config import Precision, Recompute, RunConfig
 from ptdp.errors import ConfigError
@@ -36,12 +39,15 @@ from ptdp.perf.cost.costs import (
     head_seconds,
     sync_seconds,
 )
+from ptdp.perf.cost.experts import ep_comm_seconds, reduction_groups
 from ptdp.perf.cost.flops import flops_per_iteration, utilisation
 from ptdp.perf.cost.hardware import System
 from ptdp.perf.cost.kernels import Call
 from ptdp.perf.cost.memory import MemoryEstimate, estimate_memory
 from ptdp.perf.cost.moe import moe_layers_per_stage
 from ptdp.perf.cost.parameters import (
+    expert_parameters_per_rank,
+    expert_parameters_per_stage,
     parameters_per_rank,
     parameters_per_stage,
     tensors_per_rank,
@@ -92,6 +98,9 @@ class Prediction:
     cp_seconds: tuple[float, float] = (0.0, 0.0)
     """Context parallelism, one layer and microbatch, forward + backward: seconds of K/V
     transfers on the wire and the part of them exposed (not hidden behind attention)."""
+    ep_seconds: float = 0.0
+    """Expert parallelism, one MoE layer and microbatch, forward + backward: seconds of its
+    all-to-alls (dispatch and combine each way, none hidden; in `layer` too)."""
 
     @property
     def idle(self) -> tuple[float, ...]:
@@ -104,9 +113,10 @@ class Prediction:
 
 def layer_costs(cfg: RunConfig, layout: Layout, c: Compute, moe: bool = False) -> Passes:
     """F, B, W seconds of one layer and microbatch on one rank (its s/cp tokens under cp);
-    `moe`: a mixture-of-experts layer (`ptdp.perf.cost.moe`)."""
+    `moe`: a mixture-of-experts layer (`ptdp.perf.cost.moe`), its all-to-alls under expert
+    parallelism included (`ptdp.perf.cost.experts`)."""
     par = cfg.parallel
-    return cp_layer_seconds(
+    passes = cp_layer_seconds(
         cfg.model,
         micro_batch=cfg.train.micro_batch_size,
         tp=layout.tp,
@@ -116,6 +126,20 @@ def layer_costs(cfg: RunConfig, layout: Layout, c: Compute, moe: bool = False) -
         cp=layout.cp,
         comm=par.cp_comm,
         moe=moe,
+        ep=layout.ep if moe else 1,
+    )
+    return passes + (_ep_passes(cfg, layout, c) if moe else Passes())
+
+
+def _ep_passes(cfg: RunConfig, layout: Layout, c: Compute) -> Passes:
+    """One MoE layer's all-to-alls, one microbatch (`experts.ep_comm_seconds`)."""
+    return ep_comm_seconds(
+        local_model(cfg.model, layout.cp),
+        micro_batch=cfg.train.micro_batch_size,
+        tp=layout.tp,
+        ep=layout.ep,
+        recompute=cfg.parallel.recompute,
+        c=c,
     )
 
 
@@ -148,7 +172,9 @@ def accumulation(cfg: RunConfig, layout: Layout, c: Compute) -> list[float]:
     """Per global stage: one microbatch's weight gradients added into the gradient buffers
     as autograd writes them (`costs.accumulation_seconds`), a part of W."""
     model, stages = cfg.model, layout.pp * layout.vpp
-    params = parameters_per_stage(model, layout.tp, layout.pp, layout.vpp, layout.stage_layers)
+    params = parameters_per_stage(
+        model, layout.tp, layout.pp, layout.vpp, layout.stage_layers, layout.ep
+    )
     tensors = tensors_per_stage(model, stages, layout.stage_layers)
     return [accumulation_seconds(n, k, c) for n, k in zip(params, tensors)]
 
@@ -251,21 +277,25 @@ def buckets(params: float, bucket_mb: float) -> int:
 
 def stage_reductions(cfg: RunConfig, layout: Layout, c: Compute) -> list[tuple[float, float]]:
     """Per global stage: (seconds of its data-parallel gradient reduction, the part left after
-    its last backward ends under overlap: the last bucket's share). See `_reduce_gradients`."""
+    its last backward ends under overlap: the last bucket's share). See `_reduce_gradients`.
+    Under expert parallelism the routed experts' gradients go over their edp group
+    (`experts.reduction_groups`), after the rest."""
     model, par, d, t = cfg.model, cfg.parallel, layout.dp * layout.cp, layout.tp
-    link = group_link(c.system, d, t)
-    params = parameters_per_stage(model, t, layout.pp, layout.vpp, layout.stage_layers)
+    split = (layout.pp, layout.vpp, layout.stage_layers, layout.ep)
+    params = parameters_per_stage(model, t, *split)
+    experts = expert_parameters_per_stage(model, t, *split)
     bucket = par.bucket_mb * 2**20
     tied_copies = model.tie_embeddings and layout.pp * layout.vpp > 1
     out = []
-    for stage, count in enumerate(params):
+    for stage, (count, routed) in enumerate(zip(params, experts)):
         nbytes = float(c.software.grad_reduce_bytes * count)
-        if layout.shards_grads:
-            seconds = 0.0  # per microbatch, in the passes
-        elif layout.shards_optimizer:
-            seconds = gather_seconds(nbytes, d, link, "reduce_scatter")
-        else:
-            seconds = all_reduce_seconds(nbytes, d, link)
+        seconds = 0.0  # ZeRO-2 and 3: per microbatch, in the passes
+        for n, size, stride in reduction_groups(count, routed, tp=t, dp_cp=d, ep=layout.ep):
+            part, link = float(c.software.grad_reduce_bytes * n), group_link(c.system, size, stride)
+            if layout.shards_optimizer and not layout.shards_grads:
+                seconds += gather_seconds(part, size, link, "reduce_scatter")
+            elif not layout.shards_grads:
+                seconds += all_reduce_seconds(part, size, link)
         if seconds and d > 1:  # `finish` waits on each bucket, the first right after compute
             seconds += sync_seconds(buckets(count, par.bucket_mb), c, 1)
         if tied_copies and stage in (0, layout.pp * layout.vpp - 1):
@@ -316,23 +346,21 @@ def optimizer_seconds(
     this rank's optimizer shard, 28 B (fp32: read weight, gradient, 2 moments; write
     weight, 2 moments) or 30 B (16-bit: fp32 master in place of the weight, plus writing
     the 16-bit copy); ZeRO-1 and 2 then all-gather the updated weights (ZeRO-3 gathers them
-    in the next forward). Shards are over the dp x cp ranks. A file that measured the step's
+    in the next forward). Shards are over the dp x cp ranks, the routed experts' over their
+    edp ranks under expert parallelism (`experts.reduction_groups`). A file that measured the step's
     own overhead (`optimizer_overhead`, CPUs) adds it per step and per parameter tensor.
     """
-    per_rank = max(
-        parameters_per_rank(
-            cfg.model,
-            layout.tp,
-            layout.pp,
-            layout.vpp,
-            layout.stage_layers,
-            layout.stages.placement,
-        )
-    )
+    split = (layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement, layout.ep)
+    counts = parameters_per_rank(cfg.model, layout.tp, *split)
+    busiest = max(range(layout.pp), key=lambda r: counts[r])
+    per_rank = counts[busiest]
+    routed = expert_parameters_per_rank(cfg.model, layout.tp, *split)[busiest]
     fp32 = cfg.train.precision is Precision.FP32
     group = layout.dp * layout.cp
     shard = group if layout.shards_optimizer else 1
-    step = Call("adamw", per_rank * (28 if fp32 else 30) / shard)
+    groups = reduction_groups(per_rank, routed, tp=layout.tp, dp_cp=group, ep=layout.ep)
+    state = 28 if fp32 else 30
+    step = Call("adamw", sum(n * state / (size if shard > 1 else 1) for n, size, _ in groups))
     seconds = step.seconds(c.system.device) + Call("add", 8 * per_rank).seconds(c.system.device)
     fixed, per_tensor = c.system.device.optimizer_overhead
     if fixed or per_tensor:  # a CPU's per-tensor loops (the shard's pieces under ZeRO)
@@ -340,8 +368,10 @@ def optimizer_seconds(
         tensors = max(tensors_per_rank(cfg.model, layout.pp, layout.vpp, **kw))
         seconds += fixed + per_tensor * -(-tensors // shard)
     if layout.shards_optimizer and layout.zero < 3:
-        link = group_link(c.system, group, layout.tp)
-        gather = gather_seconds(per_rank * (4 if fp32 else 2), group, link)
+        gather = sum(
+            gather_seconds(n * (4 if fp32 else 2), size, group_link(c.system, size, stride))
+            for n, size, stride in groups
+        )
         # each bucket waited on, the first right after AdamW
         gather += sync_seconds(buckets(per_rank, cfg.parallel.bucket_mb), c, 1)
         if c.software.overlap_param_gather:
@@ -521,6 +551,7 @@ def simulate(
         optimizer_seconds=step,
         events=run.events + tuple(dp_events) + tuple(opt_events),
         cp_seconds=_cp_seconds(cfg, layout, c),
+        ep_seconds=sum(astuple(_ep_passes(cfg, layout, c))) if cfg.model.num_experts else 0.0,
     )
 
 

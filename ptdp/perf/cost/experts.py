@@ -1,0 +1,94 @@
+"""Seconds of expert parallelism: the all-to-alls of an MoE layer (the bytes and what a rank
+holds are in `ptdp.perf.cost.moe` and `ptdp.perf.cost.parameters`).
+
+Per MoE layer and microbatch a rank runs 4 all-to-alls over its ep group: dispatch and
+combine in forward, their conjugates in backward, each sending `moe.alltoall_bytes` to the
+other ranks, times `Software.moe_load_imbalance` (the rank holding the busiest expert
+receives that much over the mean: exact with one expert per rank, a bound above). They
+block the layer (the experts wait for their rows, the next layer for the combined output),
+so none is hidden; full recomputation runs the forward pair again in the backward.
+
+Links. An ep group is ep members of a dp_cp group, tp ranks apart in the global order
+(`ptdp.layout.ORDER`). Inside one node it runs on the NVLink/NVSwitch link. Across nodes
+each GPU sends its rows for the peers on other nodes through its own network card while
+those for its node's peers go over NVLink, at once: the GPU with the fewest group members
+on its node (k) sends (ep - k)/(ep - 1) of its bytes over the network (`alltoall_link`).
+
+Letters: t = tokens of a microbatch on a rank (s b / cp), k = experts per token, h =
+hidden, e = bytes per element.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import Counter
+
+from ptdp.config import ModelConfig, Recompute
+from ptdp.perf.cost.costs import Compute, Passes, all_to_all_seconds, group_members, sync_seconds
+from ptdp.perf.cost.hardware import Link, System
+from ptdp.perf.cost.moe import alltoall_bytes
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks again for every layout it weighs
+def alltoall_link(system: System, size: int, stride: int) -> Link:
+    """The link an all-to-all of `size` GPUs spaced `stride` apart runs at (module doc): the
+    in-node link, or for a group across nodes one whose bandwidth takes each GPU's bytes
+    split between its network card and NVLink, at the all-to-all figures of each
+    (`Link.collective`), with the network's latencies."""
+    per_node = system.gpus_per_node
+    if size <= 1:
+        return system.intra
+    period = math.lcm(size * stride, per_node)
+    local = min(
+        min(Counter(system.node_of(gpu) for gpu in group).values())
+        for group in group_members(size, stride, period)
+    )
+    if local == size:
+        return system.intra
+    _, intra = system.intra.collective("all_to_all")
+    latency, inter = system.inter.collective("all_to_all")
+    off, on = (size - local) / (size - 1), (local - 1) / (size - 1)
+    bandwidth = 1.0 / max(off / inter, on / intra)
+    name = f"{size - local} of {size - 1} peers over {system.inter.name}"
+    step = system.inter.step_latency
+    return Link(name, bandwidth, 1.0, latency, step, ops=(("all_to_all", latency, bandwidth),))
+
+
+def alltoall_seconds(
+    model: ModelConfig, *, micro_batch: int, tp: int, ep: int, c: Compute
+) -> float:
+    """One all-to-all (a dispatch or a combine) of one MoE layer and microbatch on a rank:
+    `model` is the rank's (s/cp tokens under context parallelism)."""
+    if ep <= 1:
+        return 0.0
+    tokens = model.seq_length * micro_batch
+    sent = alltoall_bytes(tokens, model.moe_top_k, model.hidden_size, ep, c.e)
+    sent *= c.software.moe_load_imbalance
+    return all_to_all_seconds(sent, ep, alltoall_link(c.system, ep, tp))
+
+
+def ep_comm_seconds(
+    model: ModelConfig, *, micro_batch: int, tp: int, ep: int, recompute: Recompute, c: Compute
+) -> Passes:
+    """The 4 all-to-alls of one MoE layer and microbatch as F and B seconds (module doc):
+    dispatch and combine in each pass, each waited on right after compute (CPUs: its
+    resynchronisation); full recomputation repeats the forward pair in B."""
+    if ep <= 1:
+        return Passes()
+    one = alltoall_seconds(model, micro_batch=micro_batch, tp=tp, ep=ep, c=c)
+    pair = 2 * one + sync_seconds(2, c)
+    again = pair if recompute is Recompute.FULL else 0.0
+    return Passes(pair, pair + again, 0.0)
+
+
+def reduction_groups(
+    params: int, experts: int, *, tp: int, dp_cp: int, ep: int
+) -> list[tuple[int, int, int]]:
+    """(parameters, group size, stride in GPUs) of the groups a rank's gradients of `params`
+    parameters, `experts` of them routed experts', are reduced over (and ZeRO shards their
+    state over): all over the dp cp ranks tp apart at ep = 1; else the routed experts' over
+    the edp = dp cp / ep ranks holding the same experts (tp ep apart), the rest over dp cp."""
+    if ep <= 1:
+        return [(params, dp_cp, tp)]
+    return [(params - experts, dp_cp, tp), (experts, dp_cp // ep, tp * ep)]
