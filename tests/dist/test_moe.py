@@ -6,6 +6,7 @@ equivalence (every parallel dimension) is the grid's (tests/dist/test_grid.py)."
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -131,6 +132,44 @@ def _check_all_to_all(g: Group) -> None:
     assert x.grad.tolist() == back
 
 
+def _check_bytes(ep: Group) -> None:
+    """Under uniform routing (token i's j-th choice: expert (k i + j) mod e) the rows the
+    all-to-alls send to other members in one forward and backward are 4 x the performance
+    model's `alltoall_bytes` per MoE layer: dispatch and combine, and their conjugates."""
+    from ptdp.perf.cost.moe import alltoall_bytes
+
+    cfg = replace(CFG, moe_capacity_factor=0.0)
+    model = GPT(cfg, seed=3, ep=ep)
+    for block in model.moe_layers().values():
+        routed = block.router.forward
+
+        def uniform(x, routed=routed):
+            got = routed(x)
+            t, k = got.experts.shape
+            choice = torch.arange(t * k).view(t, k) % cfg.num_experts
+            return dataclasses.replace(got, experts=choice)
+
+        block.router.forward = uniform
+    sent, plain = [], comm._all_to_all
+
+    def counted(x, g, send, recv):
+        sent.append(sum(n for i, n in enumerate(send) if i != g.rank) * x[0].nbytes)
+        return plain(x, g, send, recv)
+
+    comm._all_to_all = counted
+    try:
+        tokens = torch.randint(
+            0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(ep.rank)
+        )
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    finally:
+        comm._all_to_all = plain
+    layers = len(model.moe_layers())
+    per_call = alltoall_bytes(2 * 16, cfg.moe_top_k, cfg.hidden_size, ep.size, 4)
+    assert len(sent) == 4 * layers and per_call > 0
+    assert sum(sent) == 4 * layers * per_call
+
+
 def _check(rank: int, world_size: int) -> None:
     tp = Group(None, world_size, rank)
     _check_sum_across(tp)
@@ -146,9 +185,18 @@ def test_tensor_parallel_moe_routes_and_computes_as_one_process() -> None:
 def _check_ep(rank: int, world_size: int) -> None:
     ep = Group(None, world_size, rank)
     _check_all_to_all(ep)
+    _check_bytes(ep)
     for options in ({}, SWIGLU):
         _check_expert_parallel(ep, options)
 
 
 def test_expert_parallel_moe_computes_as_one_process() -> None:
     run_ranks(_check_ep, 2)
+
+
+def _check_bytes_ep4(rank: int, world_size: int) -> None:
+    _check_bytes(Group(None, world_size, rank))
+
+
+def test_alltoall_bytes_equal_the_performance_model_at_ep4() -> None:
+    run_ranks(_check_bytes_ep4, 4)

@@ -7,10 +7,9 @@ median batch on CPU (`collective_seconds`); attention and the memory-bound kerne
 in batches timed by events, on CPU one call at a time between the others, as a training
 step runs them (`in_context_seconds`).
 
-Collectives go through `ptdp.parallel.comm` (the only module that calls them), except the
-all-to-all, which comm.py does not have yet (it comes with expert parallelism's runtime):
-`dist.all_to_all_single` here until then. Every rank runs the same number of calls, and a
-batch's time is the slowest rank's.
+Collectives go through `ptdp.parallel.comm` (the only module that calls them), the
+all-to-all through the primitive expert parallelism's dispatch and combine call. Every rank
+runs the same number of calls, and a batch's time is the slowest rank's.
 
 Letters: m, n, k = GEMM sizes ([m, k] x [k, n]); b = batch, a = heads, s = sequence,
 d = head size; e = bytes per element.
@@ -289,8 +288,9 @@ def _collective_call(
     if op == "reduce_scatter":
         return lambda: comm.reduce_scatter_flat_async(shard, full, g).wait()
     if op == "all_to_all":  # each rank sends 1/n of `full` to each rank (dispatch/combine)
-        out = torch.empty_like(full)
-        return lambda: dist.all_to_all_single(out, full, group=g.group)
+        rows = full.view(g.size, -1)  # whole rows, as the dispatch sends them
+        split = [1] * g.size
+        return lambda: comm.all_to_all(rows, g, split, split)
     if op == "p2p":  # one direction: a group's first rank sends to its second
         peer = dist.get_global_rank(g.group, 1 - g.rank) if g.rank < 2 else -1
         sends = [(full, peer, 0)] if g.rank == 0 else []
