@@ -90,7 +90,8 @@ def _generate_parser(sub: Subparsers) -> None:
         help="sample text from a checkpoint",
         description="Sample text from a trained checkpoint, with a KV cache. Launched "
         "with torchrun --nproc-per-node N, the N processes form --pp pipeline stages (a "
-        "near-even share of the layers each), each split tensor-parallel over N / pp ranks "
+        "near-even share of the layers each; up to layers + 2 stages, the last and then the "
+        "first holding none), each split tensor-parallel over N / pp ranks "
         "(dividing the heads, key/value groups and MLP width); rank 0 prints the texts one "
         "process would.",
     )
@@ -149,6 +150,9 @@ def _schedule_parser(sub: Subparsers) -> None:
     _opt(p, "--microbatches", 8, "microbatches per pipeline per step", metavar="M")
     no_comms = "show compute actions only (no SEND/RECV rows)"
     p.add_argument("--no-comms", action="store_true", help=no_comms)
+    layers = "each stage's layers (the first and last may be 0): a replay costing them"
+    _opt(p, "--layers --parallel.pipeline_layers", "", layers, metavar="A,B,..")
+    _opt(p, "--end-costs", "1,1", "with --layers: embedding, loss cost in layers", metavar="E,H")
 
 
 def _model_option(p: argparse.ArgumentParser) -> None:
@@ -363,19 +367,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
-    from ptdp.pipeline.plan import build_plan
-    from ptdp.pipeline.schedules import implied_vpp
-    from ptdp.pipeline.verify import ScheduleError, format_table
+    from ptdp.pipeline.report import schedule_report
 
-    vpp = args.vpp if args.vpp is not None else implied_vpp(args.schedule) or 1
+    a = args
     try:
-        plan = build_plan(args.schedule, args.pp, args.microbatches, vpp)
-        verdict = plan.check_line()
-    except (ValueError, ScheduleError) as exc:
+        sizes = (a.schedule, a.pp, a.microbatches, a.vpp)
+        print(schedule_report(*sizes, comms=not a.no_comms, layers=a.layers, ends=a.end_costs))
+    except ValueError as exc:  # a ScheduleError too
         print(f"ptdp schedule: error: {exc}", file=sys.stderr)
         return 2
-    print(format_table(plan.compute if args.no_comms else plan.lowered))
-    print(f"\n{verdict}")
     return 0
 
 

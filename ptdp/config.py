@@ -275,7 +275,9 @@ class ParallelConfig:
     pipeline_layers: tuple[int, ...] = ()
     """Layers of each virtual stage in stage order, pp * vpp entries summing to
     model.num_layers (e.g. 3,4,4,3 on the command line or [3, 4, 4, 3] in TOML, to give the
-    stages holding the embedding and the loss one layer fewer); empty = an even split."""
+    stages holding the embedding and the loss one layer fewer); the first and the last entry
+    may be 0 (a stage of the embedding alone, one of the final norm, output layer and loss
+    alone: 0,7,7,0), every other is at least 1; empty = an even split."""
     schedule: Schedule = Schedule.ONE_F_ONE_B
     """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2 or zb-v (vpp = 2)."""
     sequence_parallel: bool = False

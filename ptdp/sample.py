@@ -28,7 +28,7 @@ from ptdp.model.pipeline_generate import StagePeers, generate_pipelined
 from ptdp.parallel.comm import Group, world_group
 from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
-from ptdp.pipeline.partition import layer_ranges
+from ptdp.pipeline.partition import layer_ranges, near_even_split
 
 
 def split_processes(world_size: int, pp: int) -> int:
@@ -86,15 +86,16 @@ def fit_prompt(ids: list[int], context: int) -> tuple[list[int], str]:
 
 
 def stage_layers(cfg: RunConfig, step_dir: Path, tp: int, pp: int) -> list[range]:
-    """Each stage's layers (a near-even split), after checking that the checkpoint's model
-    splits into pp stages over tp ranks; pure, so it runs before any process group."""
+    """Each stage's layers (`near_even_split`: up to two more stages than layers, the last
+    and then the first holding none), after checking that the checkpoint's model splits into
+    pp stages over tp ranks; pure, so it runs before any process group."""
     n = cfg.model.num_layers
-    if pp > n:
+    split = near_even_split(n, pp)
+    if split is None:
         raise ConfigError(
-            f"{step_dir}'s model has {n} layers, too few for --pp {pp} stages of at least one "
-            f"layer each; use --pp {n} or fewer"
+            f"{step_dir}'s model has {n} layers, too few for --pp {pp} stages (at least one "
+            f"layer on each but the first and the last); use --pp {n + 2} or fewer"
         )
-    split = tuple(n // pp + (i < n % pp) for i in range(pp))
     if tp * pp == 1:  # the whole model, as trained
         return [range(n)]
     parallel = ParallelConfig(tp=tp, pp=pp, dp=1, pipeline_layers=split if pp > 1 else ())

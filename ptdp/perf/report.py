@@ -219,8 +219,10 @@ def overrides(o: Option) -> str:
     p, t, lay = o.config.parallel, o.config.train, o.prediction.layout
     cp = f"--parallel.cp {p.cp} --parallel.cp_comm {p.cp_comm.value} " if p.cp > 1 else ""
     cp += f"--parallel.ep {p.ep} " if p.ep > 1 else ""
+    split = ",".join(map(str, p.pipeline_layers))
+    layers = f"--parallel.pipeline_layers {split} " if split else ""
     return (
-        f"--parallel.tp {p.tp} {cp}--parallel.pp {p.pp} --parallel.vpp {p.vpp} "
+        f"--parallel.tp {p.tp} {cp}--parallel.pp {p.pp} --parallel.vpp {p.vpp} {layers}"
         f"--parallel.zero {lay.zero} "
         f"--parallel.schedule {p.schedule.value} --parallel.recompute {p.recompute.value} "
         f"--parallel.sequence_parallel {str(p.sequence_parallel).lower()} "

@@ -151,7 +151,8 @@ def test_damaged_shard_is_named(tiny_data: str, tmp_path: Path) -> None:
         ckpt.load_checkpoint(step_dir)
 
 
-UNEVEN = {"pp": 2, "pipeline_layers": [1, 3]}
+UNEVEN = {"pp": 2, "pipeline_layers": [0, 4]}
+"""The first stage holds the embedding alone."""
 
 
 def _uneven_save(rank: int, world: int, data: str, root: str) -> None:
@@ -161,12 +162,17 @@ def _uneven_save(rank: int, world: int, data: str, root: str) -> None:
 
 
 def test_uneven_stages_reshard(tiny_data: str, tmp_path: Path) -> None:
-    """Layers are keyed by global index: a checkpoint saved with stages of 1 and 3 layers
-    restores in one process and under the opposite split."""
+    """Layers are keyed by global index: a checkpoint saved with stages of 0 and 4 layers
+    (the embedding alone, then every layer and the loss) restores in one process, under
+    stages of 3 and 1, and under the opposite split (the last stage the loss alone)."""
     run_ranks(_uneven_save, 2, tiny_data, str(tmp_path))
     full = ckpt.load_checkpoint(tmp_path / "ref" / "checkpoints" / SAVED)["model"]
     assert {k.split(".")[1] for k in full if k.startswith("layers.")} == {"0", "1", "2", "3"}
-    targets = {"one": (1, {}), "pp2-3-1": (2, {"pp": 2, "pipeline_layers": [3, 1]})}
+    targets = {
+        "one": (1, {}),
+        "pp2-3-1": (2, {"pp": 2, "pipeline_layers": [3, 1]}),
+        "pp2-4-0": (2, {"pp": 2, "pipeline_layers": [4, 0]}),
+    }
     _check_resharding(tmp_path, tiny_data, tmp_path / "ref", targets, {})
 
 

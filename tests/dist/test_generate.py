@@ -113,17 +113,19 @@ def _pipeline(rank: int, world_size: int, tp: int, run_dir: Path, expected: dict
 
 
 @pytest.mark.parametrize(
-    "tp,pp,options",
-    [
-        pytest.param(1, 2, {}, id="pp2-gpt2"),  # tied embedding: the last stage loads a copy
-        pytest.param(2, 2, LLAMA, id="tp2xpp2-llama"),
-        pytest.param(1, 2, MOE, id="pp2-moe"),
+    "tp,pp,options,layers",
+    [  # 3 layers over 2 stages: an uneven split
+        pytest.param(1, 2, {}, 3, id="pp2-gpt2"),  # tied embedding: the last stage loads a copy
+        pytest.param(2, 2, LLAMA, 3, id="tp2xpp2-llama"),
+        pytest.param(1, 2, MOE, 3, id="pp2-moe"),
+        # 0,1,1,0: the embedding alone, then the output layer alone
+        pytest.param(1, 4, LLAMA, 2, id="pp4-ends-without-layers"),
     ],
 )
 def test_pipeline_generation_equals_single_process(
-    tiny_data: str, tmp_path: Path, tp: int, pp: int, options: dict
+    tiny_data: str, tmp_path: Path, tp: int, pp: int, options: dict, layers: int
 ) -> None:
-    model = {"num_layers": 3, **options}  # 3 layers over 2 stages: an uneven split
+    model = {"num_layers": layers, **options}
     train(tiny_config(tiny_data, tmp_path / "run", train={"steps": 2}, model=model))
     expected: dict = _pipeline_ids(tmp_path / "run", None)
     assert not torch.equal(expected["greedy"], expected["sampled"])  # the sampling sampled

@@ -45,6 +45,8 @@ class Layout:
     """A key of MOE: the MLPs become mixture-of-experts blocks of that variant."""
     ep: int = 1
     """Expert parallelism: the experts split over ep of the dp*cp ranks."""
+    layers: tuple[int, ...] = ()
+    """parallel.pipeline_layers: each stage's layers (empty: an even split)."""
 
     @property
     def world(self) -> int:
@@ -59,9 +61,9 @@ class Layout:
             parts += [self.schedule] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
         parts += ["sp"] * self.sp + [f"zero{self.zero}"] * (self.zero > 0)
         parts += [f"rc-{self.recompute}"] * (self.recompute != "none") + ["llama"] * self.llama
-        parts += (
-            ["keep"] * self.keep + [self.moe] * bool(self.moe) + [f"ep{self.ep}"] * (self.ep > 1)
-        )
+        parts += ["keep"] * self.keep + [self.moe] * bool(self.moe)
+        parts += [f"ep{self.ep}"] * (self.ep > 1)
+        parts += [f"L{'-'.join(map(str, self.layers))}"] * bool(self.layers)
         return "-".join(parts)
 
 
@@ -102,6 +104,10 @@ GRID = [
     Layout(cp=2),
     Layout(cp=2, cp_comm="allgather", llama=True),
     Layout(cp=2, recompute="selective", llama=True),  # GQA, RoPE, a window across chunks
+    # stages without layers: the embedding alone first, the norm, output layer and loss last
+    Layout(pp=2, layers=(0, 8)),
+    Layout(pp=2, vpp=2, schedule=I, layers=(0, 4, 4, 0), llama=True),
+    Layout(pp=2, vpp=2, schedule="zb-v", layers=(0, 3, 5, 0)),  # both ends on rank 0, tied
     # world 4
     Layout(tp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, dp=2, recompute="selective", llama=True),
@@ -136,6 +142,9 @@ GRID = [
     Layout(cp=2, dp=2, zero=3),  # parameters and state sharded over the 4 replicas of dp*cp
     Layout(cp=2, pp=2, schedule="zb-h1", llama=True),
     Layout(cp=2, dp=2, zero=2, recompute="full"),
+    Layout(tp=2, pp=2, sp=True, recompute="selective", layers=(8, 0)),
+    Layout(pp=2, dp=2, vpp=2, schedule=I, zero=3, layers=(0, 4, 4, 0)),  # a unit of no layer
+    Layout(cp=2, pp=2, schedule="zb-h1", layers=(0, 8), llama=True),
     # mixture of experts, world 2 and 4
     Layout(tp=2, sp=True, moe="moe"),
     Layout(tp=2, recompute="full", llama=True, moe="moe"),  # SwiGLU experts split over tp
@@ -194,6 +203,7 @@ def _config(
             "cp": layout.cp,
             "cp_comm": layout.cp_comm,
             "ep": layout.ep,
+            "pipeline_layers": layout.layers,
         }
     return tiny_config(
         data,
@@ -248,6 +258,10 @@ def test_grid_covers_the_issue() -> None:
         "cp_comm": {"ring", "allgather"}, "moe": {"", *MOE},
     }.items():  # fmt: skip
         assert values <= {getattr(x, attr) for x in GRID}, attr
+    # Stages without layers (the embedding alone first, the loss alone last) under each kind
+    # of schedule: one chunk per rank, interleaved, and ZB-V's V (both ends on rank 0).
+    ends = {x.schedule for x in GRID if x.layers and 0 in (x.layers[0], x.layers[-1])}
+    assert {"1f1b", "interleaved", "zb-v"} <= ends
     moe = {x for x in GRID if x.moe}
     ep = {x for x in moe if x.ep > 1}
     for attr, value in {

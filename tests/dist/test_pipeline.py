@@ -3,7 +3,8 @@
 For p in {2, 4}, v in {1, 2}, m in {p, 2p}, tp in {1, 2} and every schedule: the loss
 and every parameter's gradient (gathered over tensor and pipeline ranks to full shape)
 match the single-process model within 1e-5 relative; with pp = 2 also uneven stages
-(`parallel.pipeline_layers`). Several schedules share one spawn.
+(`parallel.pipeline_layers`), first and last stages without layers among them. Several
+schedules share one spawn.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ UNEVEN = [  # (schedule, vpp, layers per virtual stage) over pp = 2, 6 layers
     ("zb-h1", 1, (4, 2)),
     ("interleaved", 2, (1, 2, 2, 1)),
     ("zb-v", 2, (2, 1, 1, 2)),
+    # stages without layers: the embedding alone first, the norm, output layer and loss last
+    ("gpipe", 1, (0, 6)),
+    ("zb-h2", 1, (6, 0)),
+    ("interleaved", 2, (0, 3, 3, 0)),
+    ("zb-v", 2, (0, 3, 3, 0)),  # both on rank 0
 ]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -141,7 +143,12 @@ INVALID = [
     (
         {"parallel": {"pp": 4}, "model": {"num_layers": 6}},
         4,
-        "or give each stage's layers with --parallel.pipeline_layers (4 entries summing to 6)",
+        "or give each stage's layers, e.g. --parallel.pipeline_layers 1,2,2,1",
+    ),
+    (  # no split of 1 layer over 4 stages exists: none is suggested
+        {"parallel": {"pp": 4}, "model": {"num_layers": 1}},
+        4,
+        "multiple of 4, or use fewer stages: at most pp*vpp = 3 for model.num_layers = 1",
     ),
     (
         {"parallel": {"pp": 2, "pipeline_layers": [1, 2, 1]}},
@@ -149,9 +156,16 @@ INVALID = [
         "parallel.pipeline_layers = 1,2,1 has 3 entries but pp*vpp = 2*1 = 2 stages",
     ),
     (
-        {"parallel": {"pp": 2, "pipeline_layers": [0, 4]}},
+        {"parallel": {"pp": 2, "pipeline_layers": [-1, 5]}},
         2,
-        "parallel.pipeline_layers = 0,4 has an entry below 1",
+        "parallel.pipeline_layers = -1,5 has an entry below 0",
+    ),
+    (
+        {"parallel": {"pp": 4, "pipeline_layers": [1, 0, 3, 0]}},
+        4,
+        "parallel.pipeline_layers = 1,0,3,0 gives stage 1 no layer; only the first stage (the "
+        "embedding alone) and the last one (the final norm, output layer and loss alone) may "
+        "hold 0 layers; give each stage's layers, e.g. --parallel.pipeline_layers 1,1,1,1",
     ),
     (
         {"parallel": {"pp": 2, "pipeline_layers": [2, 3]}},
@@ -382,3 +396,28 @@ def test_a_command_line_data_source_replaces_the_files_other(tmp_path: Path) -> 
     toml.write_text('[data]\npath = "data/one"\npaths = ["1", "data/a"]\n')
     with pytest.raises(ConfigError, match=f"both set in one place \\({toml}\\); give data.path"):
         resolve(str(toml), [])
+
+
+@pytest.mark.parametrize("num_layers", range(1, 10))
+def test_a_suggested_split_always_validates(num_layers: int) -> None:
+    """Every `--parallel.pipeline_layers` a message suggests is one that validates; where no
+    split exists (a middle stage would have no layer), none is suggested."""
+    for pp, given in itertools.product((2, 3, 4, 8), ((), (1,), (0, 9, 0))):
+        updates = {
+            "model": {"num_layers": num_layers},
+            "parallel": {"pp": pp, "pipeline_layers": list(given)},
+            "train": {"micro_batch_size": 1},
+        }
+        try:
+            validate(apply_updates(RunConfig(), updates, "t"), pp)
+            continue
+        except ConfigError as exc:
+            message = str(exc)
+        suggested = re.findall(r"--parallel\.pipeline_layers (\d+(?:,\d+)*)", message)
+        assert suggested or "use fewer stages" in message, message
+        for split in suggested:
+            updates["parallel"]["pipeline_layers"] = split
+            layout = validate(apply_updates(RunConfig(), updates, "t"), pp)
+            assert sum(layout.stage_layers) == num_layers and len(layout.stage_layers) == pp
+        if "use fewer stages" in message:
+            assert num_layers + 2 < pp  # a split of one layer a stage, the ends none

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.pipeline.partition import layer_ranges
+from ptdp.pipeline.partition import is_split, layer_ranges, near_even_split
 from ptdp.pipeline.placement import StageMap
 
 
@@ -35,9 +35,41 @@ def test_explicit_split() -> None:
     assert layer_ranges(8, 2, 2, ()) == layer_ranges(8, 2, 2)  # empty = even
 
 
-@pytest.mark.parametrize("layers", [(2, 3), (1, 1, 4), (0, 6)])
+@pytest.mark.parametrize("layers", [(2, 3), (1, 1, 4), (-1, 7)])
 def test_explicit_split_never_drops_layers(layers: tuple[int, ...]) -> None:
     with pytest.raises(
-        ValueError, match="must have pp\\*vpp = 2\\*1 = 2 entries, each >= 1, summing"
+        ValueError, match="must have pp\\*vpp = 2\\*1 = 2 entries, each >= 1 \\(the first"
     ):
         layer_ranges(6, 2, 1, layers)
+
+
+def test_first_and_last_stage_may_hold_no_layer() -> None:
+    # The embedding alone first, the final norm, output layer and loss alone last.
+    assert layer_ranges(6, 2, 1, (0, 6)) == [range(0, 0), range(0, 6)]
+    ranges = layer_ranges(4, 2, 2, (0, 2, 2, 0))
+    assert [list(r) for r in ranges] == [[], [0, 1], [2, 3], []]
+    with pytest.raises(ValueError, match="the first and the last may be 0"):
+        layer_ranges(4, 2, 2, (1, 0, 3, 0))  # a middle stage of no layer: never
+
+
+@pytest.mark.parametrize(
+    ("layers", "stages", "split"),
+    [
+        (14, 4, (3, 4, 4, 3)),  # the ends, holding the embedding and the loss, lightest
+        (6, 4, (1, 2, 2, 1)),
+        (7, 4, (2, 2, 2, 1)),  # then the first stage before the last (the output layer)
+        (8, 4, (2, 2, 2, 2)),
+        (2, 4, (0, 1, 1, 0)),
+        (3, 4, (1, 1, 1, 0)),
+        (1, 2, (1, 0)),
+        (1, 3, (0, 1, 0)),
+        (5, 1, (5,)),
+        (1, 4, None),  # a middle stage would hold no layer
+        (0, 1, None),
+    ],
+)
+def test_near_even_split(layers: int, stages: int, split: tuple[int, ...] | None) -> None:
+    assert near_even_split(layers, stages) == split
+    if split is not None:
+        assert is_split(split, layers, stages)
+        assert [i for r in layer_ranges(layers, stages, 1, split) for i in r] == list(range(layers))

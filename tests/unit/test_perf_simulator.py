@@ -221,6 +221,37 @@ def test_uneven_stages_cost_in_proportion_to_their_layers() -> None:
 
 
 @pytest.mark.parametrize(
+    "parallel",
+    [{}, {"vpp": 2, "schedule": "interleaved"}, {"vpp": 2, "schedule": "zb-v"}],
+    ids=["1f1b", "interleaved", "zb-v"],
+)
+def test_stages_without_layers_cost_the_embedding_or_the_loss_alone(parallel: dict) -> None:
+    c = Compute(A100, Precision.BF16, PTDP)
+    stages = 4 * parallel.get("vpp", 1)
+    split = [0] + [8 // (stages - 2) + (i < 8 % (stages - 2)) for i in range(stages - 2)] + [0]
+    even_cfg, ends_cfg = small_run(**parallel), small_run(**parallel, pipeline_layers=split)
+    even = stage_costs(even_cfg, validate(even_cfg, 16), c)
+    ends = stage_costs(ends_cfg, validate(ends_cfg, 16), c)
+    layer = even[1].f / (8 // stages)
+    # The first stage embeds only, the last runs the final norm, output layer and loss only.
+    per = 8 // stages  # layers of an even stage
+    assert ends[0].f == pytest.approx(even[0].f - per * layer)
+    assert ends[-1].f == pytest.approx(even[-1].f - per * layer)
+    assert [p.f for p in ends[1:-1]] == pytest.approx([n * layer for n in split[1:-1]])
+    prediction = simulate(ends_cfg, A100, 16)
+    assert prediction.iteration_seconds > 0 and "layers=0," in prediction.layout.describe()
+    # A rank holding no layer (1F1B's first and last, ZB-V's first) stores no layer's
+    # activations and needs no layer's transients: the loss's backward at most.
+    placement = validate(ends_cfg, 16).stages
+    for m in prediction.memory:
+        held = placement.stages_of(m.rank)
+        if any(split[s] for s in held):
+            continue
+        with_head = stages - 1 in held
+        assert (m.working > 0) == with_head and (m.activations > 0) == with_head, m.rank
+
+
+@pytest.mark.parametrize(
     "parallel,world,calls",
     [
         ({}, 1, 0),  # one process: nothing to reduce

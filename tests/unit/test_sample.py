@@ -31,11 +31,19 @@ def test_layers_split_near_evenly_over_stages() -> None:
     assert stage_layers(run_cfg(), Path("ckpt"), 1, 2) == [range(0, 2), range(2, 3)]
     assert stage_layers(run_cfg(num_layers=4), Path("c"), 2, 2) == [range(0, 2), range(2, 4)]
     assert stage_layers(run_cfg(), Path("ckpt"), 1, 3) == [range(i, i + 1) for i in range(3)]
+    # More stages than layers: the last, then the first stage holds none (the head, the
+    # embedding alone).
+    ones = [range(i, i + 1) for i in range(3)]
+    assert stage_layers(run_cfg(), Path("ckpt"), 1, 4) == [*ones, range(3, 3)]
+    assert stage_layers(run_cfg(), Path("ckpt"), 1, 5) == [range(0, 0), *ones, range(3, 3)]
+    assert stage_layers(run_cfg(num_layers=6), Path("c"), 1, 4) == [
+        range(0, 1), range(1, 3), range(3, 5), range(5, 6)
+    ]  # fmt: skip
 
 
 def test_layouts_the_model_cannot_take_are_refused() -> None:
-    with pytest.raises(ConfigError, match="3 layers, too few for --pp 4 stages"):
-        stage_layers(run_cfg(), Path("ckpt"), 1, 4)  # more stages than layers
+    with pytest.raises(ConfigError, match="3 layers, too few for --pp 6 stages.*--pp 5 or"):
+        stage_layers(run_cfg(), Path("ckpt"), 1, 6)  # a middle stage would have no layer
     with pytest.raises(ConfigError, match=r"ckpt's model over tp=3 x pp=1(.|\n)*num_heads = 4"):
         stage_layers(run_cfg(), Path("ckpt"), 3, 1)
 

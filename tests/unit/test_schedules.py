@@ -17,6 +17,7 @@ from ptdp.config import Schedule
 from ptdp.pipeline.actions import Action, Kind, Plan
 from ptdp.pipeline.placement import Placement, StageMap
 from ptdp.pipeline.plan import build_plan
+from ptdp.pipeline.report import layer_weighted_line
 from ptdp.pipeline.schedules import (
     SCHEDULES,
     add_comms,
@@ -469,3 +470,41 @@ def test_cli_prints_the_table_and_the_bubble(capsys) -> None:
     assert "bubble 0.1875 (theory 0.1875)" in out and "0SEND_F0" in out
     assert schedule(6) == 2
     assert "multiple of pp = 4" in capsys.readouterr().err
+
+
+def test_layer_weighted_replay_of_stages_without_layers() -> None:
+    # 24 layers over 8 stages, an output layer and loss costing 3 layers: the even split
+    # leaves the last stage at 6, stages 0 and 7 without layers (the embedding alone, the
+    # loss alone) bring the busiest stage to 4.
+    plan = build_plan("1f1b", 8, 16)
+    even = layer_weighted_line(plan, (3,) * 8, (1, 3))
+    ends = layer_weighted_line(plan, (0, 4, 4, 4, 4, 4, 4, 0), (1, 3))
+    assert "stage costs 4,3,3,3,3,3,3,6 " in even and "stage costs 1,4,4,4,4,4,4,3 " in ends
+    assert "work per rank: busiest 288, mean 168" in even  # 16 microbatches x 3 passes x 6
+    assert "work per rank: busiest 192, mean 168" in ends
+    makespan = [int(line.split("makespan ")[1].split()[0]) for line in (even, ends)]
+    assert makespan == [354, 261]
+    # At unit costs (one layer a stage, the ends free) the replay is the verifier's.
+    for name, pp, vpp in (("1f1b", 4, 1), ("interleaved", 2, 2), ("zb-v", 2, 2)):
+        plan = build_plan(name, pp, 2 * pp, vpp)
+        line = layer_weighted_line(plan, (1,) * (pp * vpp), (0, 0))
+        assert f"makespan {plan.report.makespan} " in line, name
+    with pytest.raises(ValueError, match="gives stage 1 no layer; only the first and the last"):
+        layer_weighted_line(build_plan("1f1b", 4, 8), (1, 0, 3, 0), (1, 1))
+    with pytest.raises(ValueError, match="has 3 entries for 4 stages"):
+        layer_weighted_line(build_plan("1f1b", 4, 8), (0, 3, 0), (1, 1))
+
+
+def test_cli_replays_a_split_of_layers(capsys) -> None:
+    from ptdp.cli import main
+
+    args = "schedule --schedule zb-v --pp 2 --microbatches 4 --no-comms --layers 0,2,2,0"
+    assert main(args.split()) == 0
+    out = capsys.readouterr().out
+    assert "zb-v: pp=2 vpp=2" in out and "layers 0,2,2,0 | stage costs 1,2,2,1 " in out
+    assert main([*args.split(), "--end-costs", "1"]) == 2
+    assert "--end-costs takes two numbers" in capsys.readouterr().err
+    assert main([*args.split()[:-1], "0,4"]) == 2
+    assert "--layers 0,4 has 2 entries for 4 stages" in capsys.readouterr().err
+    assert main([*args.split()[:-1], "0,x"]) == 2
+    assert "--layers 0,x: give comma-separated numbers" in capsys.readouterr().err

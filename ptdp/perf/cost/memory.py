@@ -500,6 +500,9 @@ def estimate_memory(
         else:
             acts = held[rank] * per_chunk[rank] * layer
         acts += last_held * head if with_head else 0.0
+        # A rank of stages without layers (the embedding or the loss alone) has no layer's
+        # transients.
+        rank_working = working if per_chunk[rank] else 0.0
         out.append(
             MemoryEstimate(
                 rank,
@@ -508,7 +511,7 @@ def estimate_memory(
                 rest * state.optimizer + experts * expert_state.optimizer,
                 acts,
                 # The loss's backward, or a layer's once one microbatch's head is freed.
-                max(head_working, working - head) if with_head else working,
+                max(head_working, rank_working - head) if with_head else rank_working,
                 held[rank],
                 stash[rank],
                 buckets[rank],

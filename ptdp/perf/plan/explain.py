@@ -71,10 +71,12 @@ def explain(
         )
     spec = SCHEDULES[cfg.parallel.schedule.value]
     formula = spec.bubble(lay.pp, lay.num_microbatches, lay.vpp)
+    split = cfg.parallel.pipeline_layers  # given, or lighter ends (`ptdp.perf.plan.ends`)
     lines.append(
         f"schedule {cfg.parallel.schedule.value} v={lay.vpp}: m={lay.num_microbatches} "
         f"microbatches, simulated bubble {pred.bubble_fraction:.3f} (formula {spec.formula} = "
         f"{formula:.3f}); recompute={cfg.parallel.recompute.value} (the least that fits)"
+        + (f"; stages of {','.join(map(str, lay.stage_layers))} layers" * bool(split))
     )
     lines.append(
         f"data parallel d={lay.dp}: {pred.dp_seconds:.3g} s of gradient reduction per step; "

@@ -41,8 +41,9 @@ def describe(config: RunConfig, layout: Layout) -> str:
     cp = f" cp={layout.cp} {p.cp_comm.value}" if layout.cp > 1 else ""
     cp += f" ep={layout.ep}" if layout.ep > 1 else ""
     zero = f" zero={layout.zero}" if layout.zero else ""
+    split = f" layers={','.join(map(str, p.pipeline_layers))}" if p.pipeline_layers else ""
     return (
-        f"t={layout.tp}{sp}{cp} p={layout.pp} d={layout.dp}{zero} v={layout.vpp} b={b} "
+        f"t={layout.tp}{sp}{cp} p={layout.pp} d={layout.dp}{zero} v={layout.vpp}{split} b={b} "
         f"m={layout.num_microbatches} {p.schedule.value} recompute={p.recompute.value}"
     )
 
@@ -122,7 +123,9 @@ def rank(
     weighed = []
     for i, cfg in enumerate(candidates):
         layout = plans.layout(cfg, gpus)
-        what = f"t={layout.tp} p={layout.pp} v={layout.vpp} b={cfg.train.micro_batch_size}"
+        split = ",".join(map(str, cfg.parallel.pipeline_layers))
+        what = f"t={layout.tp} p={layout.pp} v={layout.vpp}" + (f" layers={split}" * bool(split))
+        what += f" b={cfg.train.micro_batch_size}"
         if progress is not None:
             progress(i, len(candidates), what)
         need, room = fit(predicted_memory(cfg, layout, system, software, gpus), system.device)

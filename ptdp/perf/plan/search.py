@@ -5,7 +5,8 @@ the GPUs per node, the sequence and the layers (`sizes`), and for a mixture of e
 ep that splits its experts over d cp ranks (`expert_sizes`); for each, the least recomputation
 that fits at the ZeRO level whose best micro-batch equation (1) finds fastest
 (`fitting_micro_batches`, `equation_1`); for that micro-batch, every schedule and
-interleaving v that validates (`schedule_candidates`). What does not qualify is kept as a
+interleaving v that validates (`schedule_candidates`), each also with lighter first and last
+stages where they help (`ptdp.perf.plan.ends`). What does not qualify is kept as a
 `Rejected` with the reason.
 """
 
@@ -20,6 +21,7 @@ from ptdp.perf.cost.context_costs import MIN_CP_TOKENS, best_comm
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import GIB
 from ptdp.perf.cost.reserve import fit
+from ptdp.perf.plan.ends import lighter_ends
 from ptdp.perf.simulate.simulator import predicted_memory, stage_costs
 from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES
@@ -186,7 +188,8 @@ def search(base: RunConfig, gpus: int, c: Compute, space: Space, plans: Plans) -
                     best = (costs[i][1], level, fitting[i], costs)
             if best is not None:
                 eq1[(*dims, best[1])] = best[3]
-                candidates += schedule_candidates(best[2], gpus, space, rejected)
+                found = schedule_candidates(best[2], gpus, space, rejected)
+                candidates += found + lighter_ends(found, gpus, c)  # first and last stages lighter
             else:
                 rejected.append(Rejected(at, why))
     return Candidates(candidates, rejected, eq1)
