@@ -4,12 +4,14 @@
 # benchmarks/mfu.py compares (predicted by the file just calibrated, with the memory each
 # run holds beside its tensors), every CUDA-only test, the memory of a 1.3B and a 4B model
 # phase by phase against the performance model's count (benchmarks/memory_phases.py; the 4B
-# one near the capacity of an 80 GB GPU), and last a short bf16 training demo on a local
-# text corpus (no network needed). Every figure goes into one results folder, with
-# BENCHMARKS-snippet.md, a markdown table for BENCHMARKS.md.
+# one near the capacity of an 80 GB GPU), one MoE layer's grouped GEMM against its loop over
+# experts and a small MoE model's MFU beside the dense one of the same active size
+# (benchmarks/moe_gpu.py), and last a short bf16 training demo on a local text corpus (no
+# network needed). Every figure goes into one results folder, with BENCHMARKS-snippet.md, a
+# markdown table for BENCHMARKS.md.
 #
-# Without CUDA it says so, runs the CPU parts (calibrate --quick, a tiny CPU MFU run, a
-# few fp32 demo steps), lists what it skipped and exits 0.
+# Without CUDA it says so, runs the CPU parts (calibrate --quick, a tiny CPU MFU run, a tiny
+# MoE run of the loop kernel, a few fp32 demo steps), lists what it skipped and exits 0.
 #
 # Environment: PTDP_GPU_CHECK_OUT=DIR the results folder (default runs/gpu-check/DATE);
 # PTDP_GPU_CHECK_QUICK=1 only calibrate --quick and the report (the script's own test);
@@ -70,16 +72,20 @@ if [ "$CUDA" = 1 ]; then
   part cuda-tests 180 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}"
   part memory 120 "$PY" benchmarks/memory_phases.py --models 1.3b,4b --no-compile \
     --json "$OUT/memory.json"
+  part moe 120 "$PY" benchmarks/moe_gpu.py --reps 20 --steps 10 --warmup 3 --json "$OUT/moe.json"
   DEMO_ARGS=(--train.precision bf16 --train.device cuda --train.steps 60)
 else
   skip cuda-tests "no CUDA: ${#CUDA_TESTS[@]} tests need a GPU: ${CUDA_TESTS[*]}"
   part calibrate 300 "$PY" -m ptdp calibrate --quick --out "$OUT/calibration.toml"
   if [ "$QUICK" = 1 ]; then
     skip mfu "no CUDA; quick mode: no CPU run either"
+    skip moe "no CUDA; quick mode: no CPU run either"
   else
     part mfu 300 "$PY" benchmarks/mfu.py --device cpu --models tiny --steps 3 --warmup 1 \
       --no-compile --compare --peers plain-gpt --precision fp32 \
       --predict "$OUT/calibration.toml" --json "$OUT/mfu.json"
+    part moe 60 "$PY" benchmarks/moe_gpu.py --device cpu --reps 3 --steps 2 --warmup 1 \
+      --vocab-size 512 --json "$OUT/moe.json"
   fi
   DEMO_ARGS=(--train.device cpu --train.steps 6)
 fi
@@ -95,7 +101,7 @@ else
 fi
 if [ "$CUDA" = 0 ]; then
   skip memory "no CUDA: it reads torch.cuda's memory counters"
-  echo "skipped without CUDA: the CUDA-only tests, ptdp calibrate's full GPU sweep, the 125M/1.3B MFU runs, the bf16 demo, the memory phases"
+  echo "skipped without CUDA: the CUDA-only tests, ptdp calibrate's full GPU sweep, the 125M/1.3B MFU runs, the bf16 demo, the memory phases, the grouped MoE kernel"
 fi
 
 "$PY" scripts/gpu_check_report.py report "$OUT"

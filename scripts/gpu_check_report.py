@@ -130,6 +130,56 @@ def _memory_rows(path: Path) -> list[str]:
     return lines
 
 
+def _moe_rows(path: Path) -> list[str]:
+    """benchmarks/moe_gpu.py's rows: one MoE layer's grouped kernel against the loop over
+    experts, and the MoE model's MFU beside the dense one of the same active size."""
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    rows = data.get("rows", [])
+    layers = [r for r in rows if r["part"] == "layer"]
+    models = [r for r in rows if r["part"] == "model"]
+    return (_moe_layer_rows(layers, data.get("skipped", [])) if layers else []) + (
+        _moe_model_rows(models) if models else []
+    )
+
+
+def _moe_layer_rows(rows: list[dict], skipped: list[dict]) -> list[str]:
+    lines = [
+        "",
+        "| MoE layer (e x f, top-k; tokens) | scope | kernel | ms fwd+bwd | expert GEMM TFLOP/s "
+        "| loop / grouped |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = f"{r['loop_over_grouped']:.2f}" if r.get("loop_over_grouped") else ""
+        lines.append(
+            f"| {r['experts']} x {r['ffn']}, top-{r['top_k']}; {r['tokens']} | {r['scope']} | "
+            f"{r['kernel']} | {r['ms']:.3g} | {r['expert_tflops']:.3g} | {ratio} |"
+        )
+    lines += [f"| {s['layer']} | | {s['kernel']} | skipped: {s['reason']} | | |" for s in skipped]
+    return lines
+
+
+def _moe_model_rows(rows: list[dict]) -> list[str]:
+    lines = [
+        "",
+        "| model, no compile (MoE against dense) | params total / active | micro-batch "
+        "| tokens/s | TFLOP/s | MFU | peak GiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
+        experts = f", {r['num_experts']} x {r['moe_ffn']} top-{r['top_k']}" if r["top_k"] else ""
+        lines.append(
+            f"| {r['model']} ({r['layers']} x {r['hidden']}{experts}) | "
+            f"{r['total_params'] / 1e6:,.1f}M / {r['active_params'] / 1e6:,.1f}M | "
+            f"{r['micro_batch']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | {mfu} | "
+            f"{r['peak_gib']:.1f} |"
+        )
+    return lines
+
+
 def report(out: Path) -> str:
     status = {}
     if (out / "status.tsv").is_file():
@@ -145,6 +195,7 @@ def report(out: Path) -> str:
         *_calibration_rows(out / "calibration.toml"),
         *_mfu_rows(out / "mfu.json"),
         *_memory_rows(out / "memory.json"),
+        *_moe_rows(out / "moe.json"),
         "",
         f"Commands and logs: `{out}` (run by `bash scripts/gpu-check.sh`).",
     ]

@@ -55,3 +55,27 @@ def test_the_snippet_holds_the_memory_each_run_held_and_the_phases(tmp_path: Pat
 def test_a_folder_without_results_still_gives_a_table(tmp_path: Path) -> None:
     text = _report_module().report(tmp_path)
     assert "| calibration | not run | |" in text and "memory phases" not in text
+
+
+def test_the_snippet_holds_the_moe_kernels_and_the_moe_model_beside_the_dense(tmp_path) -> None:
+    layer = {"part": "layer", "layer": "e8-f4096-k2", "experts": 8, "ffn": 4096, "top_k": 2}
+    layer |= {"tokens": 8192, "scope": "layer", "loop_over_grouped": None}
+    loop = layer | {"kernel": "loop", "ms": 12.5, "expert_tflops": 300.0}
+    fused = layer | {"kernel": "grouped", "ms": 10.0, "expert_tflops": 375.0}
+    fused["loop_over_grouped"] = 1.25
+    model = {"part": "model", "layers": 24, "hidden": 1024, "micro_batch": 8, "peak_gib": 21.04}
+    model |= {"tokens_per_s": 150000.0, "tflops": 330.0, "mfu": 0.3337}
+    dense = model | {"model": "dense", "num_experts": 0, "moe_ffn": 0, "top_k": 0}
+    dense |= {"total_params": 354_871_296, "active_params": 354_871_296}
+    moe = model | {"model": "moe", "num_experts": 8, "moe_ffn": 2048, "top_k": 2}
+    moe |= {"total_params": 959_000_000, "active_params": 355_100_000, "mfu": None}
+    skipped = {"layer": "tiny", "kernel": "grouped", "reason": "no CUDA"}
+    data = {"rows": [loop, fused, dense, moe], "skipped": [skipped]}
+    (tmp_path / "moe.json").write_text(json.dumps(data))
+    lines = _report_module().report(tmp_path).splitlines()
+    assert "| 8 x 4096, top-2; 8192 | layer | loop | 12.5 | 300 |  |" in lines
+    assert "| 8 x 4096, top-2; 8192 | layer | grouped | 10 | 375 | 1.25 |" in lines
+    assert "| tiny | | grouped | skipped: no CUDA | | |" in lines
+    assert "| dense (24 x 1024) | 354.9M / 354.9M | 8 | 150,000 | 330 | 33.4% | 21.0 |" in lines
+    moe_line = "| moe (24 x 1024, 8 x 2048 top-2) | 959.0M / 355.1M | 8 | 150,000 | 330 | n/a |"
+    assert moe_line + " 21.0 |" in lines
