@@ -261,6 +261,7 @@ def _convert_parser(sub: Subparsers) -> None:
     p.add_argument("out", metavar="OUT", help="model directory (--to) or run directory (--from)")
     seq = "--from: training context length (default: the model's maximum positions)"
     p.add_argument("--seq-length", type=int, default=0, metavar="N", help=seq)
+    p.add_argument("--overwrite", action="store_true", help="--to: into an OUT holding files")
 
 
 def _config_reference_parser(sub: Subparsers) -> None:
@@ -303,7 +304,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(dry_run(cfg, env, given=given))
         return 0
     try:
-        result = train(cfg, resume=args.resume, env=env, given=given)
+        result = train(cfg, resume=args.resume, env=env, given=given, config_file=args.config)
     except BaseException as exc:
         if env.world_size == 1:
             raise
@@ -401,7 +402,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from ptdp.convert import export_hf, import_hf
 
     if args.to:
-        result = export_hf(args.src, args.out)
+        result = export_hf(args.src, args.out, overwrite=args.overwrite)
         print(f"wrote {result.family} model to {result.path} (transformers format)")
     else:
         result = import_hf(args.src, args.out, seq_length=args.seq_length)

@@ -441,6 +441,11 @@ def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
         )
     if t.eval_interval and not t.eval_iters:
         errors.append("train.eval_iters = 0 with train.eval_interval > 0; set eval_iters >= 1")
+    if not t.run_dir.strip():
+        errors.append(
+            "train.run_dir is empty: a run writes only where it is told, never into the "
+            "current directory by default; set --train.run_dir runs/NAME"
+        )
     if t.on_nan is OnNan.ROLLBACK and not t.save_interval:
         errors.append(
             "train.on_nan = rollback with train.save_interval = 0 leaves no checkpoint to roll "

@@ -18,8 +18,9 @@ import torch
 
 from ptdp.checkpoint import find_checkpoint, load_config
 from ptdp.checkpoint.partial import load_model_weights, read_scalar
+from ptdp.checkpoint.store import damaged_advice, verify_file
 from ptdp.config import ParallelConfig, RunConfig
-from ptdp.data.tokenizers import load_tokenizer
+from ptdp.data.tokenizers import Tokenizer, load_tokenizer
 from ptdp.errors import CheckpointError, ConfigError
 from ptdp.layout import validate
 from ptdp.model.generate import generate
@@ -152,6 +153,26 @@ def stage_peers(mesh: ParallelMesh) -> StagePeers:
     return StagePeers(mesh.axis("pp"), ranks)
 
 
+def checkpoint_tokenizer(step_dir: Path, entry: str) -> Tokenizer:
+    """The checkpoint's tokenizer, checked as training checks the data's: its file against
+    checksums.json, its vocabulary against the model's (an id the model has no row for
+    cannot be encoded)."""
+    if entry != "bytes":
+        problem = verify_file(step_dir, entry)
+        if problem:
+            raise CheckpointError(f"{problem}; {damaged_advice(step_dir)}")
+    tokenizer = load_tokenizer("bytes" if entry == "bytes" else str(step_dir / entry))
+    vocab = load_config(step_dir).model.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise CheckpointError(
+            f"the tokenizer of {step_dir} ({tokenizer.name}) has {tokenizer.vocab_size} tokens "
+            f"but the model's model.vocab_size is {vocab}, so ids {vocab}.."
+            f"{tokenizer.vocab_size - 1} have no embedding: the tokenizer is not the one it "
+            "was trained with; copy the checkpoint's own tokenizer.json back"
+        )
+    return tokenizer
+
+
 def sample_from_checkpoint(
     path: Path,
     prompt: str,
@@ -177,7 +198,7 @@ def sample_from_checkpoint(
             f"{step_dir} records no tokenizer (its data was preprocessed elsewhere); "
             "train with --data.tokenizer PATH/tokenizer.json to make it self-contained"
         )
-    tokenizer = load_tokenizer("bytes" if entry == "bytes" else str(step_dir / entry))
+    tokenizer = checkpoint_tokenizer(step_dir, entry)
     model = load_model(step_dir, device, mesh)
     ids, note = fit_prompt(
         tokenizer.encode(prompt) if prompt else [tokenizer.eod_id], model.cfg.seq_length

@@ -6,6 +6,7 @@ sharded.py (a rank's DCP/DTensor entries and resharding on load), full.py (the f
 single-process state used by convert and inspect), partial.py (one rank's model weights,
 read by each process alone, for generate), manager.py (a training run's save and restore),
 recover.py (a save in flight when a run failed, published when every rank wrote it),
+retention.py (the newest whole checkpoints kept; after a rollback, later ones set aside),
 inspect.py (`ptdp inspect`). Only ptdp/parallel/comm.py issues collectives; this package
 uses DCP, DTensor and DeviceMesh directly.
 """

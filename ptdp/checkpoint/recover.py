@@ -17,6 +17,7 @@ import json
 import re
 from pathlib import Path
 
+from ptdp.checkpoint.retention import published_after
 from ptdp.checkpoint.store import LATEST, METADATA, checkpoint_root, checksum, read_metadata
 from ptdp.checkpoint.writer import WRITTEN_PREFIX, install, read_written
 from ptdp.errors import CheckpointError
@@ -80,6 +81,8 @@ def find_unpublished(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     if not root.is_dir():
         return None, []
     published = _published_step(root)
+    if published >= 0 and published_after(root, published):
+        return None, []  # `latest` was moved back: later saves are of an abandoned future
     found = sorted(
         ((int(m.group(1)), p) for p in root.iterdir() if (m := _TMP.match(p.name))),
         reverse=True,

@@ -183,6 +183,12 @@ def _problems(step_dir: Path) -> list[str]:
     return verify_files(step_dir, metadata, checksums=False)
 
 
+def damage(step_dir: Path) -> list[str]:
+    """What makes a step directory incomplete or damaged, from names and sizes alone (no
+    checksums); empty when it is whole."""
+    return _problems(step_dir)
+
+
 def _check_present(step_dir: Path) -> Path:
     problems = _problems(step_dir)
     if problems:
@@ -249,6 +255,23 @@ def verify_files(
                 f"copy it back from a backup or use an earlier checkpoint"
             )
     return problems
+
+
+def verify_file(step_dir: Path, name: str) -> str | None:
+    """The problem with one file written beside the shards (tokenizer.json) against
+    checksums.json, or None; a checkpoint saved before checksums.json listed it passes."""
+    sums, problem = _read_checksums(step_dir)
+    file = step_dir / name
+    if problem or name not in sums:
+        return problem
+    if not file.is_file():
+        return f"checkpoint file {file} is missing"
+    if checksum(file) != sums[name]:
+        return (
+            f"checkpoint file {file} differs from the size and checksum recorded in "
+            f"{CHECKSUMS} (it was replaced or damaged)"
+        )
+    return None
 
 
 def _read_checksums(step_dir: Path) -> tuple[dict[str, dict[str, int]], str | None]:

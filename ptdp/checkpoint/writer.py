@@ -14,7 +14,6 @@ first, the records tell the next start that it was complete on every rank
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -26,18 +25,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.tensor import DTensor
 
 from ptdp.checkpoint.boxes import Boxes
+from ptdp.checkpoint.retention import prune, set_aside_after
 from ptdp.checkpoint.store import CHECKSUMS, LATEST, checkpoint_root, checksum, step_dir_name
 from ptdp.config import RunConfig, to_toml
 from ptdp.errors import CheckpointError
+from ptdp.files import FULL, free_bytes, replacing, size_text, write_file
 from ptdp.parallel.comm import Group, barrier, world_group
 
+SUMMED_BESIDE = ("tokenizer.json",)
+"""Files written beside the shards whose size and checksum checksums.json holds too."""
 WRITTEN_PREFIX = "written.rank"
 """`written.rank<r>.json`: what rank r wrote of a checkpoint (see the module docstring)."""
 
@@ -52,6 +57,7 @@ class PendingCheckpoint:
     tmp: Path
     keep: int
     distributed: bool
+    nbytes: int = 0  # this rank's tensors: about what the save needs on disk
     future: Future | None = None  # the background write of an asynchronous save
 
     def finish(self) -> Path:
@@ -91,12 +97,14 @@ def start_checkpoint(
         root / f"{step_dir_name(step)}.tmp",
         keep,
         distributed,
+        _state_bytes(state),
     )
     if world.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(pending.tmp, ignore_errors=True)
         pending.tmp.mkdir()
-        _write_beside(pending.tmp, cfg, tokenizer_file)
+        with _write_errors(pending):  # a full disk already here: the same message
+            _write_beside(pending.tmp, cfg, tokenizer_file)
     barrier(world.group, world.size)
     kwargs = {
         "storage_writer": dcp.FileSystemWriter(pending.tmp, thread_count=1),
@@ -128,6 +136,19 @@ class BoxesStager(BlockingAsyncStager):
         return super().stage(rest) | boxes
 
 
+def _state_bytes(state: dict[str, Any]) -> int:
+    """The bytes of this rank's tensors in `state` (an optimizer's boxes: their chunks)."""
+    total = 0
+    for value in state.values():
+        if isinstance(value, Boxes):
+            total += sum(t.numel() * t.element_size() for _, t in value.boxes)
+        elif isinstance(value, DTensor):
+            total += value.to_local().numel() * value.element_size()
+        elif torch.is_tensor(value):
+            total += value.numel() * value.element_size()
+    return total
+
+
 def _write_beside(tmp: Path, cfg: RunConfig, tokenizer_file: Path | bytes | None) -> None:
     """config.toml and tokenizer.json, written first so that a save complete on every rank
     is a whole checkpoint even if nobody could publish it."""
@@ -148,9 +169,8 @@ def record_written(tmp: Path, rank: int, world: int) -> None:
     sizes and CRC-32s and the saving world size, atomically (a record that exists is
     whole)."""
     files = {f.name: checksum(f) for f in sorted(tmp.glob(f"__{rank}_*.distcp"))}
-    part = tmp / f"{written_record(rank)}.part"
-    part.write_text(json.dumps({"world": world, "files": files}, sort_keys=True))
-    os.replace(part, tmp / written_record(rank))
+    record = json.dumps({"world": world, "files": files}, sort_keys=True)
+    write_file(tmp / written_record(rank), record)
 
 
 def _then_record(written: Future, tmp: Path, rank: int, world: int) -> Future:
@@ -210,8 +230,14 @@ def _write_errors(p: PendingCheckpoint) -> Iterator[None]:
             if latest.is_file()
             else "no earlier checkpoint was published"
         )
-        if error.errno in (errno.ENOSPC, errno.EDQUOT):
-            problem = f"the disk is full (no space left on device) writing checkpoint {p.tmp}"
+        if error.errno in FULL:
+            free = free_bytes(p.root)
+            problem = (
+                f"the disk is full (no space left on device) writing checkpoint {p.tmp} "
+                f"(about {size_text(p.nbytes)} needed on rank {_rank(p)}"
+                + (f", {size_text(free)} free" if free is not None else "")
+                + "); its partial files were removed"
+            )
             fix = (
                 f"free space on the disk holding {p.root}, or keep fewer checkpoints "
                 "(--train.keep_checkpoints 2)"
@@ -244,23 +270,26 @@ def read_written(tmp: Path, world: int) -> dict[str, dict[str, int]]:
     return sums
 
 
-def install(tmp: Path, final: Path, sums: dict[str, dict[str, int]], keep: int) -> None:
-    """Rank 0: write checksums.json, rename `tmp` to `final`, move `latest` to it, prune."""
-    (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
+def install(tmp: Path, final: Path, sums: dict[str, dict[str, int]], keep: int) -> list[Path]:
+    """Rank 0: write checksums.json (the shards' and tokenizer.json's), set aside the
+    checkpoints of an abandoned future (ptdp/checkpoint/retention.py), rename `tmp` to
+    `final`, move `latest` to it, prune; returns what was set aside. Both files are
+    written before anything is renamed, so a full disk leaves `latest` and every step
+    directory as they were."""
+    summed = {n: checksum(tmp / n) for n in SUMMED_BESIDE if (tmp / n).is_file()}
+    write_file(tmp / CHECKSUMS, json.dumps(sums | summed, indent=1, sort_keys=True) + "\n")
     for record in tmp.glob(f"{WRITTEN_PREFIX}*"):
         record.unlink()
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
     root = final.parent
-    pointer = root / f"{LATEST}.tmp"
-    pointer.write_text(final.name + "\n")
-    os.replace(pointer, root / LATEST)
-    if keep:
-        _prune(root, keep)
+    with replacing(root / LATEST) as pointer:
+        pointer.write_text(final.name + "\n")
+        step = int(final.name.removeprefix("step_"))
+        moved = set_aside_after(root, step, including=True)
+        shutil.rmtree(final, ignore_errors=True)  # a leftover that is no checkpoint
+        os.replace(tmp, final)
+    prune(root, keep, final)
+    return moved
 
 
-def _prune(root: Path, keep: int) -> None:
-    """Remove all but the newest `keep` complete step directories."""
-    complete = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp"))
-    for old in complete[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def _rank(p: PendingCheckpoint) -> int:
+    return world_group().rank if p.distributed else 0

@@ -33,7 +33,6 @@ is needed to load the result.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -41,10 +40,20 @@ import torch
 
 from ptdp import checkpoint as ckpt
 from ptdp.config import ModelConfig, PositionEmbedding, RunConfig, to_dict, to_toml
-from ptdp.convert.hf_config import family, hf_config
-from ptdp.convert.hf_files import INDEX_FILE, WEIGHTS_FILE, read_hf_config, weight_files
+from ptdp.convert.hf_check import check_config_numbers, check_hf_shapes
+from ptdp.convert.hf_config import family, hf_config, model_config_from_hf
+from ptdp.convert.hf_files import (
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    check_export_dir,
+    read_hf_config,
+    read_hf_json,
+    weight_files,
+    weight_shapes,
+)
 from ptdp.errors import CheckpointError, ConfigError
-from ptdp.outputs import make_output_dir
+from ptdp.files import replacing, write_file
+from ptdp.outputs import check_output_dir, make_output_dir, refuse_empty
 
 TOKENIZER_FILE = "tokenizer.json"
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -285,6 +294,26 @@ def _safetensors():  # noqa: ANN202 - a module
     return safetensors.torch
 
 
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The `transformers` tensors of `cfg` and their shapes: `to_hf_state` of the model
+    built on the meta device (no memory), so the check follows the conversion's mapping."""
+    from ptdp.checkpoint.full import full_model_state
+    from ptdp.model.gpt import GPT
+    from ptdp.parallel.comm import Group
+
+    with torch.device("meta"):
+        tensors = to_hf_state(cfg, full_model_state([GPT(cfg)], Group.single()))
+    return {k: tuple(v.shape) for k, v in tensors.items()}
+
+
+def check_hf_model(directory: Path, config: dict) -> None:
+    """A model directory's config.json against its weights' shapes, before any conversion
+    (`convert --from hf` and `checkpoint.init_from`; ptdp/convert/hf_check.py)."""
+    check_config_numbers(directory, config)
+    want = expected_hf_shapes(model_config_from_hf(config))  # every position, as stored
+    check_hf_shapes(directory, config, weight_shapes(directory), want)
+
+
 def read_hf_weights(directory: Path) -> Tensors:
     """A `transformers` model directory's weights: safetensors (one file or an index),
     each checked whole first (convert/hf_files.py), or pytorch_model.bin."""
@@ -321,7 +350,7 @@ def _export_tokenizer(step_dir: Path, entry: str, out: Path, cfg: ModelConfig) -
 
     from ptdp.data.tokenizers import load_tokenizer
 
-    shutil.copyfile(step_dir / entry, out / TOKENIZER_FILE)
+    write_file(out / TOKENIZER_FILE, (step_dir / entry).read_bytes())
     eod = Tokenizer.from_file(str(step_dir / entry)).id_to_token(
         load_tokenizer(step_dir / entry).eod_id
     )
@@ -331,13 +360,16 @@ def _export_tokenizer(step_dir: Path, entry: str, out: Path, cfg: ModelConfig) -
         "eos_token": eod,
         "model_max_length": cfg.seq_length,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    write_file(out / "tokenizer_config.json", json.dumps(tok_config, indent=2) + "\n")
     return []
 
 
-def export_hf(checkpoint: str | Path, out: str | Path) -> ConvertResult:
+def export_hf(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> ConvertResult:
     """Write a ptdp checkpoint (run, checkpoints or step directory) as a `transformers`
-    model directory: config.json, model.safetensors (fp32), tokenizer.json when it has one."""
+    model directory: config.json, model.safetensors (fp32), tokenizer.json when it has one.
+    A directory that holds files is refused unless `overwrite`."""
+    refuse_empty(out, "OUT")
+    check_export_dir(Path(out), overwrite)
     step_dir = ckpt.find_checkpoint(checkpoint)
     cfg = ckpt.load_config(step_dir).model
     kind = family(cfg)  # refuse before reading the weights
@@ -356,9 +388,11 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> ConvertResult:
         from ptdp.data.tokenizers import load_tokenizer
 
         eod_id = load_tokenizer("bytes" if entry == "bytes" else step_dir / entry).eod_id
-    _safetensors().save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    with replacing(out / WEIGHTS_FILE, nbytes) as tmp:
+        _safetensors().save_file(tensors, tmp, metadata={"format": "pt"})
     config = hf_config(cfg, eod_id)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_file(out / "config.json", json.dumps(config, indent=2) + "\n")
     return ConvertResult(out, kind, tuple(notes))
 
 
@@ -369,12 +403,23 @@ def import_hf(directory: str | Path, run_dir: str | Path, *, seq_length: int = 0
     resolved config in run_dir/config.toml, so training starts from it in any layout with
     `ptdp train --config RUN_DIR/config.toml --resume --data.path PREFIX ...`.
     """
+    refuse_empty(run_dir, "OUT")
     directory, run_dir = Path(directory), Path(run_dir)
+    config = read_hf_json(directory)
     cfg = read_hf_config(directory, seq_length)
     if ckpt.has_checkpoint(run_dir):
         raise CheckpointError(f"{run_dir} already holds checkpoints; choose another directory")
-    make_output_dir(run_dir, "OUT")
+    held = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    if held:
+        raise ConfigError(
+            f"OUT = '{run_dir}' already holds files ({', '.join(held[:5])}), which the new "
+            "run's config.toml and checkpoints would replace or mix with; choose a new or "
+            "empty directory"
+        )
+    check_output_dir(run_dir, "OUT")  # made only once the model has converted
+    check_hf_model(directory, config)  # before any conversion
     model = from_hf_state(cfg, read_hf_weights(directory))
+    make_output_dir(run_dir, "OUT")
     base = RunConfig()
     run_cfg = replace(base, model=cfg, train=replace(base.train, run_dir=str(run_dir)))
     tokenizer = directory / TOKENIZER_FILE
@@ -390,6 +435,6 @@ def import_hf(directory: str | Path, run_dir: str | Path, *, seq_length: int = 0
         "tokenizer": TOKENIZER_FILE if tokenizer else "",
     }
     step_dir = ckpt.save_checkpoint(run_dir, 0, state, run_cfg, tokenizer)
-    (run_dir / "config.toml").write_text(to_toml(run_cfg))
+    write_file(run_dir / "config.toml", to_toml(run_cfg))
     notes = [] if tokenizer else [f"{directory} has no {TOKENIZER_FILE}; none recorded"]
     return ConvertResult(step_dir, family(cfg), tuple(notes))

@@ -5,7 +5,9 @@ giving each tensor's `data_offsets` [begin, end) in the data that follows, then 
 data. So whether a file is whole is known from its header and its size alone, without
 reading the tensors: a download or copy cut short is named as truncated, with the sizes,
 instead of surfacing as the reader's "incomplete metadata" error. Used by `ptdp convert
---from hf` and `checkpoint.init_from` (both through ptdp/convert/hf.py's reader).
+--from hf` and `checkpoint.init_from` (both through ptdp/convert/hf.py's reader), which
+also compare the tensors' shapes in the headers with what config.json implies
+(ptdp/convert/hf_check.py). And the export's folder: empty, new, or --overwrite.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
+
+import torch
 
 from ptdp.config import ModelConfig
+from ptdp.convert.hf_check import check_config_numbers
 from ptdp.convert.hf_config import model_config_from_hf
 from ptdp.errors import CheckpointError, ConfigError
+from ptdp.outputs import check_output_dir
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = f"{WEIGHTS_FILE}.index.json"
@@ -26,20 +32,56 @@ MAX_HEADER_BYTES = 100_000_000
 FIX = "download or export the model again"
 
 
-def read_hf_config(directory: Path, seq_length: int = 0) -> ModelConfig:
-    """The model of a directory's config.json; a missing or unreadable one is named."""
+EXPORTED = (WEIGHTS_FILE, "config.json", "tokenizer.json", "tokenizer_config.json")
+"""The files `ptdp convert --to hf` writes (with --overwrite, only these are replaced)."""
+
+
+def check_export_dir(out: Path, overwrite: bool) -> None:
+    """OUT is empty or new; with `overwrite`, files there are allowed (only EXPORTED are
+    replaced, the others left as they are)."""
+    check_output_dir(out, "OUT")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        raise ConfigError(
+            f"OUT = '{out}' already holds files ({shown}), which an export would replace or "
+            "mix with; choose a new or empty directory, or pass --overwrite to replace "
+            f"{', '.join(EXPORTED)} there (other files are left alone)"
+        )
+
+
+def read_hf_json(directory: Path) -> dict[str, Any]:
+    """A directory's config.json as a dict; a missing or unreadable one is named."""
     file = directory / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{directory} has no config.json: not a Hugging Face model")
     try:
-        return model_config_from_hf(json.loads(file.read_text(encoding="utf-8")), seq_length)
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise _unreadable(file, exc) from None
+    if not isinstance(config, dict):
+        raise _unreadable(file, TypeError("not a JSON object"))
+    return config
+
+
+def read_hf_config(directory: Path, seq_length: int = 0) -> ModelConfig:
+    """The model of a directory's config.json; a missing or unreadable one is named, and
+    one whose heads do not divide its width, or key/value heads its heads, is refused."""
+    config = read_hf_json(directory)
+    check_config_numbers(directory, config)
+    try:
+        return model_config_from_hf(config, seq_length)
     except ConfigError:
         raise
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(
-            f"cannot read the Hugging Face model config {file} ({type(exc).__name__}: {exc}); "
-            "is it a transformers config.json (save_pretrained output)?"
-        ) from None
+    except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
+        raise _unreadable(directory / "config.json", exc) from None
+
+
+def _unreadable(file: Path, exc: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"cannot read the Hugging Face model config {file} ({type(exc).__name__}: {exc}); "
+        "is it a transformers config.json (save_pretrained output)?"
+    )
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -62,6 +104,22 @@ def weight_files(directory: Path) -> list[Path]:
     for file in files:
         check_safetensors(file)
     return files
+
+
+def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the safetensors headers (files checked whole first) or
+    pytorch_model.bin (mapped, not read); {} when there are no weights."""
+    files = weight_files(directory)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with file.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        shapes |= {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    if not files and (directory / "pytorch_model.bin").is_file():
+        state = torch.load(directory / "pytorch_model.bin", mmap=True, weights_only=True)
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
+    return shapes
 
 
 def check_safetensors(file: Path) -> None:

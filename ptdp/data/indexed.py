@@ -21,13 +21,15 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
 import numpy as np
 
 from ptdp.errors import DataError
+from ptdp.files import full_disk_error, size_text
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -115,7 +117,9 @@ class IndexedWriter:
                     f"{self._bin}: token ids {lo}..{hi} do not fit in {self.dtype}; "
                     f"write with a wider dtype, e.g. optimal_dtype(vocab_size)"
                 )
-        self._file.write(np.ascontiguousarray(arr, dtype=self.dtype).tobytes())
+        data = np.ascontiguousarray(arr, dtype=self.dtype).tobytes()
+        with self._disk_full(self._bin, self._file.tell() + len(data)):
+            self._file.write(data)
         self._sizes.append(int(arr.size))
         self._doc_idx.append(len(self._sizes))
 
@@ -130,21 +134,22 @@ class IndexedWriter:
         offset = len(self._sizes)
         self._sizes.extend(int(n) for n in other.sizes)
         self._doc_idx.extend(offset + int(d) for d in other.doc_idx[1:])
-        with open(bin_path(prefix), "rb") as src:
+        with open(bin_path(prefix), "rb") as src, self._disk_full(self._bin):
             shutil.copyfileobj(src, self._file, _COPY_CHUNK)
 
     def finalize(self) -> None:
         """Write the index and move both files to their real names."""
         if self._finalized:
             return
-        self._file.close()
+        with self._disk_full(self._bin):
+            self._file.close()  # writes what is buffered
         sizes = np.asarray(self._sizes, dtype=np.int64)
         if sizes.size and sizes.max() > np.iinfo(np.int32).max:
             raise DataError(f"{self._bin}: a document exceeds 2**31 tokens; split it")
         pointers = np.zeros(len(sizes), dtype=np.int64)
         np.cumsum(sizes[:-1] * self.dtype.itemsize, out=pointers[1:])
         doc_idx = np.asarray(self._doc_idx, dtype=np.int64)
-        with open(_tmp(self._idx), "wb") as f:
+        with self._disk_full(self._idx), open(_tmp(self._idx), "wb") as f:
             f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(sizes), len(doc_idx)))
             f.write(sizes.astype("<i4").tobytes())
             f.write(pointers.astype("<i8").tobytes())
@@ -154,9 +159,27 @@ class IndexedWriter:
         os.replace(_tmp(self._idx), self._idx)
         self._finalized = True
 
+    @contextmanager
+    def _disk_full(self, path: Path, needed: int | None = None) -> Iterator[None]:
+        """A full disk: the temporary files are removed and the error names `path` (and at
+        least the bytes `needed` in all)."""
+        closed = self._file.closed
+        written = "" if closed else f"{size_text(self._file.tell())} of tokens written; "
+        what = f"{written}the temporary files were removed and {self.prefix}.* is as it was"
+        try:
+            yield
+        except OSError as exc:
+            if full_disk_error(exc, path) is None:
+                raise
+            self.abort()  # first, so the message counts the space it frees
+            raise full_disk_error(exc, path, needed, what) from exc
+
     def abort(self) -> None:
         """Close and delete the temporary files; the real names are left untouched."""
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:
+            pass  # a full disk cannot take the buffered rest: the file is removed anyway
         for path in (_tmp(self._bin), _tmp(self._idx)):
             path.unlink(missing_ok=True)
         self._finalized = True

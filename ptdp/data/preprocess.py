@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ptdp.data.indexed import IndexedWriter, optimal_dtype
+from ptdp.data.indexed import IndexedWriter, bin_path, idx_path, optimal_dtype
 from ptdp.data.readers import SUFFIXES, find_input_files, iter_documents
 from ptdp.data.tokenizers import (
     TOKENIZER_FILE,
@@ -35,7 +35,8 @@ from ptdp.data.tokenizers import (
     train_bpe_from_iterator,
 )
 from ptdp.errors import DataError
-from ptdp.outputs import make_output_dir
+from ptdp.files import replacing, write_file
+from ptdp.outputs import make_output_dir, refuse_empty
 
 FORMAT = "ptdp-indexed-v1"
 _DOCS_PER_CHUNK = 64
@@ -86,23 +87,62 @@ def _encode_chunk(task: tuple[str, str, list[str]]) -> list[np.ndarray]:
     return _encode_docs(_worker_tokenizer(spec), dtype, texts)
 
 
-def _check_tokenizer_slot(target: Path, prefix: Path) -> None:
-    """Refuse to overwrite a tokenizer.json that another dataset's sidecar relies on."""
-    if not target.exists():
-        return
-    for other in sorted(target.parent.glob("*.json")):
-        if other == target or other == sidecar_path(prefix):
-            continue
+def _sidecar_entries(folder: Path) -> dict[Path, str]:
+    """The ptdp dataset sidecars in `folder` and the tokenizer entry each names."""
+    found = {}
+    for other in sorted(folder.glob("*.json")):
         try:
             meta = json.loads(other.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
         if isinstance(meta, dict) and meta.get("format") == FORMAT:
-            if meta.get("tokenizer") == TOKENIZER_FILE:
-                raise DataError(
-                    f"{target}: already used by the dataset described in {other}, and "
-                    f"replacing it would break that dataset; write to another directory"
-                )
+            found[other] = str(meta.get("tokenizer"))
+    return found
+
+
+def _check_tokenizer_slot(target: Path, prefix: Path) -> None:
+    """Refuse to replace a tokenizer.json that preprocessing did not write for this prefix:
+    one another dataset's sidecar relies on, or one no sidecar names (a Hugging Face model
+    folder's, a user's)."""
+    if not target.exists():
+        return
+    users = [s for s, entry in _sidecar_entries(target.parent).items() if entry == TOKENIZER_FILE]
+    others = [s for s in users if s != sidecar_path(prefix)]
+    if others:
+        raise DataError(
+            f"{target}: already used by the dataset described in {others[0]}, and "
+            f"replacing it would break that dataset; write to another directory"
+        )
+    if not users:
+        raise DataError(
+            f"{target}: already there and not written by `ptdp preprocess` (no dataset "
+            f"sidecar in {target.parent} names it), so it is left alone; write the dataset "
+            f"to another directory, or pass --tokenizer {target} to encode with it"
+        )
+
+
+def _check_prefix(output_prefix: str | Path) -> Path:
+    """The prefix names files to write, never a directory, and never replaces a file that
+    preprocessing did not write: PREFIX.json must be a ptdp sidecar if it is there, and
+    PREFIX.bin/.idx must have one."""
+    raw = str(output_prefix)
+    refuse_empty(raw, "--output-prefix")
+    prefix = Path(raw)
+    if raw.endswith(("/", os.sep)) or prefix.name in ("", ".", "..") or prefix.is_dir():
+        raise DataError(
+            f"--output-prefix '{raw}' names a directory; a prefix names the files to write, "
+            f"PREFIX.bin/.idx/.json: give one inside it, e.g. {prefix / 'corpus'}"
+        )
+    sidecar = sidecar_path(prefix)
+    ours = sidecar.is_file() and _sidecar_entries(prefix.parent).get(sidecar) is not None
+    for path in (sidecar, bin_path(prefix), idx_path(prefix)):
+        if path.exists() and not ours:
+            raise DataError(
+                f"{path} is already there and not written by `ptdp preprocess` (it has no "
+                f"dataset sidecar {sidecar.name}), so it is left alone; choose another "
+                "--output-prefix"
+            )
+    return prefix
 
 
 def _resolve_tokenizer(
@@ -117,9 +157,7 @@ def _resolve_tokenizer(
     if not (target.is_file() and target.read_bytes() == text.encode("utf-8")):
         _check_tokenizer_slot(target, prefix)
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_bytes(text.encode("utf-8"))
-        os.replace(tmp, target)
+        write_file(target, text)
     return load_tokenizer(target)
 
 
@@ -153,7 +191,7 @@ def preprocess(
         )
     if workers < 1:
         raise DataError(f"workers={workers}; use 1 or more encoding processes")
-    prefix = Path(output_prefix)
+    prefix = _check_prefix(output_prefix)
     make_output_dir(prefix.parent, "--output-prefix", prefix)
     files = find_input_files(inputs)
     if next(iter_documents(files, text_key), None) is None:
@@ -161,7 +199,28 @@ def preprocess(
             f"no documents found in {len(files)} input file(s) (first: {files[0]}): every "
             f"input is empty; pass files with text"
         )
-    tok = _resolve_tokenizer(str(tokenizer), files, prefix, vocab_size, text_key)
+    new_tokenizer = not (prefix.parent / TOKENIZER_FILE).exists()
+    try:
+        return _write_dataset(
+            files, prefix, str(tokenizer), vocab_size, workers, progress, text_key
+        )
+    except BaseException:
+        if new_tokenizer:  # a failed run leaves no tokenizer.json it wrote behind either
+            (prefix.parent / TOKENIZER_FILE).unlink(missing_ok=True)
+        raise
+
+
+def _write_dataset(
+    files: list[Path],
+    prefix: Path,
+    tokenizer: str,
+    vocab_size: int,
+    workers: int,
+    progress: bool,
+    text_key: str,
+) -> PreprocessResult:
+    """The tokenizer.json, then PREFIX.bin/.idx, then the sidecar that names them."""
+    tok = _resolve_tokenizer(tokenizer, files, prefix, vocab_size, text_key)
     spec = str(prefix.parent / TOKENIZER_FILE)
     dtype = optimal_dtype(tok.vocab_size)
     chunks = _chunks(iter_documents(files, text_key), _DOCS_PER_CHUNK)
@@ -170,20 +229,29 @@ def preprocess(
     else:
         results = _ordered_map(((spec, dtype.str, chunk) for chunk in chunks), workers)
     bar = tqdm(desc=f"tokenizing {prefix.name}", unit="doc", file=sys.stderr, disable=not progress)
-    with IndexedWriter(prefix, dtype) as writer, bar:
-        for docs in results:
-            for doc in docs:
-                writer.add_document(doc)
-            bar.update(len(docs))
-    result = PreprocessResult(
-        prefix=prefix,
-        num_docs=writer.num_docs,
-        num_tokens=writer.num_tokens,
-        vocab_size=tok.vocab_size,
-        eod_id=tok.eod_id,
-        tokenizer=spec,
-    )
-    _write_sidecar(result, TOKENIZER_FILE, files)
+    writer = IndexedWriter(prefix, dtype)
+    try:
+        with bar:
+            for docs in results:
+                for doc in docs:
+                    writer.add_document(doc)
+                bar.update(len(docs))
+        result = PreprocessResult(
+            prefix=prefix,
+            num_docs=writer.num_docs,
+            num_tokens=writer.num_tokens,
+            vocab_size=tok.vocab_size,
+            eod_id=tok.eod_id,
+            tokenizer=spec,
+        )
+        # The sidecar is written before the data take their names, so a full disk at any
+        # point leaves the previous dataset (or none) whole under PREFIX.
+        with replacing(sidecar_path(prefix)) as tmp:
+            tmp.write_text(_sidecar_text(result, TOKENIZER_FILE, files), encoding="utf-8")
+            writer.finalize()
+    except BaseException:
+        writer.abort()
+        raise
     return result
 
 
@@ -213,7 +281,7 @@ def _ordered_map(
         ) from e
 
 
-def _write_sidecar(result: PreprocessResult, tok_entry: str, files: list[Path]) -> None:
+def _sidecar_text(result: PreprocessResult, tok_entry: str, files: list[Path]) -> str:
     meta = {
         "format": FORMAT,
         "tokenizer": tok_entry,
@@ -223,10 +291,7 @@ def _write_sidecar(result: PreprocessResult, tok_entry: str, files: list[Path]) 
         "num_tokens": result.num_tokens,
         "inputs": [str(f) for f in files],
     }
-    path = sidecar_path(result.prefix)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    return json.dumps(meta, indent=2) + "\n"
 
 
 def read_metadata(prefix: str | Path) -> dict[str, object] | None:

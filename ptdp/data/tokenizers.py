@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +23,7 @@ import tokenizers as hf
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 
 from ptdp.errors import DataError
+from ptdp.files import replacing
 
 EOD_TOKEN = "<|endoftext|>"
 EOD_FALLBACKS = ("</s>", "<|end_of_text|>", "<eos>")
@@ -223,10 +223,8 @@ def train_bpe_from_iterator(
     tok.train_from_iterator(texts, trainer=trainer)
     save_path = Path(save_path)
     save_path.parent.mkdir(parents=True, exist_ok=True)
-    # Save then rename, so an interrupted run never leaves a half-written tokenizer.
-    tmp = save_path.with_name(save_path.name + ".tmp")
-    tok.save(str(tmp))
-    os.replace(tmp, save_path)
+    with replacing(save_path) as tmp:  # never a half-written tokenizer.json
+        tok.save(str(tmp))
     return HFTokenizer(save_path)
 
 

@@ -28,8 +28,8 @@ from ptdp.config import (
     PositionEmbedding,
     RunConfig,
 )
-from ptdp.convert.hf import TOKENIZER_FILE, from_hf_state, read_hf_weights
-from ptdp.convert.hf_files import read_hf_config, weight_files
+from ptdp.convert.hf import TOKENIZER_FILE, check_hf_model, from_hf_state, read_hf_weights
+from ptdp.convert.hf_files import read_hf_config, read_hf_json, weight_files
 from ptdp.data.preprocess import read_metadata
 from ptdp.errors import CheckpointError, ConfigError
 from ptdp.train.data_setup import tokenizer_spec_for
@@ -96,6 +96,7 @@ def _saved_tokenizer(step_dir: Path) -> str:
 def _hf_source(directory: Path) -> InitSource:
     model = read_hf_config(directory)
     _check_weight_files(directory)
+    check_hf_model(directory, read_hf_json(directory))  # as `ptdp convert --from hf` does
     tokenizer = directory / TOKENIZER_FILE
     return InitSource(directory, True, model, str(tokenizer) if tokenizer.is_file() else "")
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ptdp.errors import ConfigError
+from ptdp.files import append_line
 from ptdp.train.progress import format_duration
 
 WANDB_MISSING = (
@@ -73,7 +74,6 @@ class MetricsWriter:
     ) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a")
         self._tb = None
         if tensorboard:
             try:
@@ -95,8 +95,7 @@ class MetricsWriter:
             )
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        append_line(self.path, json.dumps(record))  # whole, or not at all on a full disk
         scalars = _scalars(record)
         if self._tb is not None:
             for key, value in scalars.items():
@@ -106,7 +105,6 @@ class MetricsWriter:
 
     def close(self, failed: bool = False) -> None:
         """`failed`: training stopped on an error; the wandb run is marked so."""
-        self._file.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

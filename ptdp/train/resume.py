@@ -12,6 +12,7 @@ so the batches, their order and the schedule do not change (ptdp/train/step/trai
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 
 from ptdp import checkpoint as ckpt
 from ptdp.checkpoint.recover import find_unpublished, publish_unpublished, verify_unpublished
+from ptdp.checkpoint.retention import set_aside_after
 from ptdp.checkpoint.store import find_restart_checkpoint
 from ptdp.config import LAYOUT_ONLY_MODEL_KEYS, Resume, RunConfig, to_dict
 from ptdp.errors import CheckpointError, ConfigError
@@ -53,6 +55,10 @@ class ResumePlan:
     """The config of the newest of the two."""
     ending: dict[str, Any] | None = None
     """The failure or interruption that ended the previous run (events.jsonl)."""
+    note: str | None = None
+    """Why the checkpoint continued from was chosen when `latest` named none."""
+    set_aside: list[Path] = field(default_factory=list)
+    """Rank 0: the later checkpoints a rollback moved aside (publish_in_flight)."""
     started: float = field(default_factory=time.time)
 
     @property
@@ -146,7 +152,31 @@ def publish_in_flight(
     plan: ResumePlan, rank: int, world_size: int, keep: int, say: Callable[[str], None]
 ) -> Path | None:
     """Collective, after the process group exists: verify the unpublished save's checksums
-    (each rank a share), publish it (rank 0) and return it; else the published checkpoint."""
+    (each rank a share), publish it (rank 0) and return it; else the published checkpoint.
+    If published checkpoints after it exist (a rollback), rank 0 sets them aside
+    (ptdp/checkpoint/retention.py) so that keeping the newest never deletes this one."""
+    step_dir = _continue_from(plan, rank, world_size, keep, say)
+    match = re.fullmatch(r"step_(\d+)", step_dir.name) if step_dir else None
+    if match is None:
+        return step_dir
+    plan.note = ckpt.latest_note(step_dir)  # before the newer ones it names move
+    if rank == 0:
+        plan.set_aside = set_aside_after(step_dir.parent, int(match.group(1)))
+    barrier(None, world_size)
+    if plan.set_aside:
+        folder = plan.set_aside[0].parent
+        say(
+            f"rollback: continuing from {step_dir.name} while later checkpoints exist; set "
+            f"aside {', '.join(p.name for p in plan.set_aside)} in {folder} (not counted as "
+            "kept, never pruned; move one back to return to it)"
+        )
+    return step_dir
+
+
+def _continue_from(
+    plan: ResumePlan, rank: int, world_size: int, keep: int, say: Callable[[str], None]
+) -> Path | None:
+    """The checkpoint to continue from, an unpublished save published first."""
     tmp = plan.unpublished
     for reason in plan.skipped:
         name = plan.step_dir.name if plan.step_dir else "nothing"
@@ -237,6 +267,7 @@ def record_continued(
         layout_saved=layouts[0] or None,
         layout=layouts[1],
         skipped=plan.skipped or None,
+        set_aside=[str(p) for p in plan.set_aside] or None,
     )
     line = (
         f"{record['event']} ({env.restart_text()}): "

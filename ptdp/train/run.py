@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ptdp import checkpoint as ckpt
 from ptdp.config import RunConfig, to_toml
 from ptdp.errors import CheckpointError
+from ptdp.files import write_file
 from ptdp.layout import Layout, validate
 from ptdp.outputs import make_output_dir
 from ptdp.parallel.comm import all_gather_objects, barrier
@@ -92,10 +92,11 @@ def train(
     resume: bool = False,
     env: LaunchEnv | None = None,
     given: frozenset[str] | None = None,
+    config_file: str | Path | None = None,
 ) -> TrainResult:
     """Train as one process, or as one rank of a torchrun launch (`given`: see prepare).
     `resume`: --resume; train.resume and a launcher restart may also make the run resume
-    (ptdp/train/resume.py)."""
+    (ptdp/train/resume.py). `config_file`: the --config file, never rewritten."""
     env = env or LaunchEnv.from_environ()
     resume = wants_resume(cfg.train.resume, resume, env)
     cfg, layout, data, source = _prepare(cfg, env, given, resume)
@@ -112,7 +113,7 @@ def train(
             trainer.restore(step_dir)
             how = f" ({env.restart_text()})" if env.is_restart else ""
             trainer.say(f"resumed from {step_dir} at step {trainer.step}{how}")
-            if note := ckpt.latest_note(step_dir):  # `latest` was lost: say which was taken
+            if note := plan.note:  # `latest` was lost: say which was taken
                 trainer.say(note)
             saved_layout = trainer.checkpoints.restored_layout
             change = layout_change(saved_layout, layout, plan.saved, cfg)
@@ -135,7 +136,7 @@ def train(
             run_dir.mkdir(parents=True, exist_ok=True)
             if step_dir is None:
                 (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-            (run_dir / "config.toml").write_text(to_toml(cfg))
+            _write_config(run_dir, cfg, config_file, trainer.say)
         n_params, n_local = (trainer.parameter_count(full=f) for f in (True, False))
         split = layout.tp * layout.pp > 1  # n_local also counts padded vocabulary rows
         local = f" ({n_local / 1e6:.2f}M on this rank)" if split else ""
@@ -188,10 +189,31 @@ def _recorder(trainer: Trainer, plan: ResumePlan, step_dir: Path | None) -> Call
     return record
 
 
+def _write_config(
+    run_dir: Path, cfg: RunConfig, config_file: str | Path | None, say: Callable[[str], None]
+) -> None:
+    """RUN_DIR/config.toml, the resolved config; unless it is the --config file the user
+    passed (e.g. the one `ptdp convert --from hf` wrote), which is never rewritten: the
+    resolved config is in every checkpoint's config.toml too."""
+    target = run_dir / "config.toml"
+    if config_file and target.exists() and target.samefile(config_file):
+        if target.read_text() != to_toml(cfg):
+            say(
+                f"{target} is the --config file: left as it is (the overrides are in each "
+                "checkpoint's config.toml)"
+            )
+        return
+    write_file(target, to_toml(cfg))
+
+
 def _record_failure(trainer: Trainer, exc: Exception) -> None:
-    """One process has no watchdog: its failure goes to events.jsonl here."""
+    """One process has no watchdog: its failure goes to events.jsonl here, if the disk
+    can still hold it (the failure itself may be a full disk): the error matters more."""
     text = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-    append_event(
-        trainer.run_dir, "failure", rank=0, how="raised", error=text, step=trainer.step + 1,
-        done=trainer.step, fault_time=wall_ms(),
-    )  # fmt: skip
+    try:
+        append_event(
+            trainer.run_dir, "failure", rank=0, how="raised", error=text,
+            step=trainer.step + 1, done=trainer.step, fault_time=wall_ms(),
+        )  # fmt: skip
+    except OSError as record_error:
+        trainer.say(f"the failure could not be recorded in events.jsonl: {record_error}")

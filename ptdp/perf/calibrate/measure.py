@@ -67,6 +67,8 @@ from tqdm import tqdm
 
 from ptdp.config import ModelConfig
 from ptdp.errors import ConfigError
+from ptdp.files import write_file
+from ptdp.outputs import check_output_file
 from ptdp.parallel import comm
 from ptdp.perf.calibrate import microbench as mb
 from ptdp.perf.calibrate import waits
@@ -473,7 +475,7 @@ def resolve_base(base: str, device: torch.device) -> System | None:
 def write_calibration(cal: Calibration, path: Path) -> System:
     """Write the cluster TOML and load it back (so a file that cannot load is never left)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_toml(cal, path.stem))
+    write_file(path, render_toml(cal, path.stem))
     try:
         return load_system(path)
     except ConfigError:
@@ -492,6 +494,8 @@ def run_calibrate(out: str, *, quick: bool, base: str, precision: str) -> int:
     )
 
     env = LaunchEnv.from_environ()
+    if env.rank == 0:  # before anything is measured: the output can be written
+        check_output_file(out or "runs/calibration/cpu.toml", "--out")
     device = pick_device("auto", env.local_rank)
     init_process_group(env, device)
     try:

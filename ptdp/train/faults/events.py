@@ -9,11 +9,13 @@
   restored and the completed steps lost (their batches are skipped);
 - `resume` / `restart`: a run continued from a checkpoint, by `--resume` or by a launcher
   restart (torchrun --max-restarts, a SLURM requeue): the checkpoint and its step, the
-  cause read from the previous failure, steps lost, the layout change, and the seconds
-  from the fault to the restarted run's first step.
+  cause read from the previous failure, steps lost, the layout change, the seconds
+  from the fault to the restarted run's first step, and (`set_aside`) the later
+  checkpoints a rollback moved aside (ptdp/checkpoint/retention.py).
 
 One rank writes each record, in one `write` to a file opened for appending (O_APPEND), so
-records of several processes do not interleave. The next start reads them back to tell a
+records of several processes do not interleave; a record a full disk cannot hold is cut
+back off (ptdp/files.py). The next start reads them back to tell a
 restart why it happened.
 """
 
@@ -24,6 +26,8 @@ import math
 import time
 from pathlib import Path
 from typing import Any
+
+from ptdp.files import append_line
 
 EVENTS = "events.jsonl"
 ENDINGS = ("failure", "interrupted")
@@ -43,8 +47,7 @@ def append_event(run_dir: str | Path, event: str, **fields: Any) -> dict[str, An
     record = {"event": event, "time": round(time.time(), 3), **fields}
     path = Path(run_dir) / EVENTS
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_line(path, json.dumps(record))  # a full disk: an OutputError, no partial line
     return record
 
 
