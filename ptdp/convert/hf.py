@@ -21,7 +21,8 @@ r = n / g, d head size, f MLP width, v vocabulary):
 - GPT-2's `Conv1D` stores weights as [in, out], the transpose of `nn.Linear`.
 - ptdp's SwiGLU fc1 rows are [gate; up] (an expert's too: fc1 [e, 2f, h], fc2 [e, h, f],
   which is `transformers` 5's fused gate_up_proj / down_proj); ptdp's GeLU is the tanh
-  approximation, which `transformers` calls "gelu_pytorch_tanh" (the same `F.gelu(approximate="tanh")`).
+  approximation, which `transformers` calls "gelu_pytorch_tanh" (the same
+  `F.gelu(approximate="tanh")`).
 - Checkpoints hold full, unpadded fp32 tensors under global names, whatever the layout
   they were trained in (checkpoint/full.py), so tensor-parallel vocabulary padding and
   pipeline stages never appear here.

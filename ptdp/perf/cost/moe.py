@@ -74,9 +74,7 @@ def routed_rows(model: ModelConfig, tokens: int, load: float = 1.0, ep: int = 1)
     return math.ceil(tokens * ep * model.moe_top_k / model.num_experts * load)
 
 
-def alltoall_bytes(
-    tokens: int, top_k: int, hidden: int, ep: int, bytes_per_element: int
-) -> float:
+def alltoall_bytes(tokens: int, top_k: int, hidden: int, ep: int, bytes_per_element: int) -> float:
     """Bytes one rank sends to the other ranks of its ep group in ONE all-to-all (a dispatch
     or a combine) under a uniform routing:
 
@@ -88,9 +86,7 @@ def alltoall_bytes(
     return tokens * top_k * hidden * bytes_per_element * (ep - 1) / ep
 
 
-def dispatch_bytes(
-    model: ModelConfig, *, micro_batch: int, recompute: Recompute, e: int
-) -> float:
+def dispatch_bytes(model: ModelConfig, *, micro_batch: int, recompute: Recompute, e: int) -> float:
     """What an MoE block keeps for backward beyond its dense equivalent (module doc); none
     under full recomputation, which keeps only the layer's input."""
     if recompute is Recompute.FULL:

@@ -65,9 +65,7 @@ def _norm_parameters(model: ModelConfig, size: int) -> int:
     return size * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
 
 
-def layer_parameters(
-    model: ModelConfig, tp: int = 1, layer: int | None = None, ep: int = 1
-) -> int:
+def layer_parameters(model: ModelConfig, tp: int = 1, layer: int | None = None, ep: int = 1) -> int:
     """Parameters of one transformer layer on one tensor-parallel rank: of layer `layer`
     (global index), whose MLP may be a mixture of experts (its routed experts split over
     `ep` expert-parallel ranks); None = a dense layer.
