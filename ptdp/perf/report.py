@@ -13,6 +13,7 @@ from tqdm import tqdm
 from ptdp.config import Precision, RunConfig, to_dict
 from ptdp.outputs import make_output_dir
 from ptdp.perf.cost.hardware import GIB, System
+from ptdp.perf.cost.memory import MemoryEstimate
 from ptdp.perf.cost.reserve import fit
 from ptdp.perf.plan.compare import Comparison
 from ptdp.perf.plan.planner import Option, PlanResult, Progress
@@ -20,8 +21,39 @@ from ptdp.perf.simulate.plot import plot_timelines, write_chrome_trace
 from ptdp.perf.simulate.simulator import Prediction
 
 
+def memory_terms(m: MemoryEstimate) -> dict[str, float]:
+    """One pipeline rank's memory by term, in GiB: `total` is the model's count (the terms
+    before it), `reserve` what the framework holds beside it (`ptdp.perf.cost.reserve`)."""
+    terms = ("params", "gathered", "grads", "grad_buckets", "optimizer", "activations")
+    return {
+        **{name: getattr(m, name) / GIB for name in (*terms, "working", "stash", "total")},
+        "reserve": m.reserved / GIB,
+    }
+
+
+def fit_dict(p: Prediction) -> dict:
+    """Whether the layout fits, at its limiting pipeline rank (the most memory with its
+    reserve): where that rank sits, what it needs against the device's memory, by term."""
+    lay, m = p.layout, p.limiting
+    span = lay.tp * lay.cp * lay.dp  # the global ranks of one pipeline rank (pp slowest)
+    return {
+        "fits": p.fits,
+        "limiting_rank": {
+            "pp_rank": m.rank,
+            "stages": lay.stages.stages_of(m.rank),
+            "first_global_rank": m.rank * span,
+            "last_global_rank": (m.rank + 1) * span - 1,
+        },
+        "need_gib": (m.total + m.reserved) / GIB,
+        "capacity_gib": p.device_memory / GIB,
+        "over_by_gib": p.over_by / GIB,
+        "limiting_memory_gib": memory_terms(m),
+    }
+
+
 def prediction_dict(p: Prediction) -> dict:
-    """The numbers of a prediction (no events), JSON-ready."""
+    """The numbers of a prediction (no events), JSON-ready: its layout, then its fit
+    (`fit_dict`)."""
     lay = p.layout
     return {
         "layout": {
@@ -36,6 +68,7 @@ def prediction_dict(p: Prediction) -> dict:
             "cp": lay.cp,
             "ep": lay.ep,
         },
+        **fit_dict(p),
         "iteration_seconds": p.iteration_seconds,
         "pipeline_seconds": p.pipeline_seconds,
         "bubble_fraction": p.bubble_fraction,
@@ -55,15 +88,7 @@ def prediction_dict(p: Prediction) -> dict:
         "memory_gib": [
             {
                 "pp_rank": m.rank,
-                "params": m.params / GIB,
-                "gathered": m.gathered / GIB,
-                "grads": m.grads / GIB,
-                "grad_buckets": m.grad_buckets / GIB,
-                "optimizer": m.optimizer / GIB,
-                "activations": m.activations / GIB,
-                "working": m.working / GIB,
-                "stash": m.stash / GIB,
-                "total": m.total / GIB,
+                **{k: v for k, v in memory_terms(m).items() if k != "reserve"},
                 "reserved": m.reserved / GIB,
                 "in_flight": m.in_flight,
             }
@@ -77,7 +102,7 @@ def format_prediction(
 ) -> str:
     """A human summary: time, model TFLOP/s and MFU first (what a layout achieves), executed
     FLOPs apart, bubble, per-pass costs and memory per rank."""
-    lay, mem = p.layout, system.device.memory_bytes / GIB
+    lay = p.layout
     usable = fit(p.memory, system.device)[1] / GIB
     lines = [
         f"system: {system.name} ({system.description})",
@@ -116,22 +141,39 @@ def format_prediction(
         lines.append("  (grads: ZeRO-2/3's 1/dp plus its full-size buckets in flight)")
     if any(m.gathered for m in p.memory):
         lines.append("  (params: ZeRO-3's 1/dp plus the layers gathered for compute and prefetch)")
-    shown = list(p.memory)
-    if len(shown) > 8:  # long pipelines: the first ranks (most in flight) and the last
-        shown = shown[:3] + [None] + shown[-2:]
-    for m in shown:
-        if m is None:
+    n, limiting = len(p.memory), p.limiting.rank
+    # long pipelines: the first ranks (most in flight), the last and the limiting one
+    shown = sorted({*range(3), n - 2, n - 1, limiting}) if n > 8 else range(n)
+    for before, r in zip([-1, *shown], shown):
+        if r > before + 1:
             lines.append("      ... |")
-            continue
+        m = p.memory[r]
         lines.append(
             f"  {m.rank:7d} | {(m.params + m.gathered) / GIB:6.2f} | "
             f"{(m.grads + m.grad_buckets) / GIB:5.2f} | "
             f"{m.optimizer / GIB:9.2f} | {m.activations / GIB:11.2f} ({m.in_flight:3d}) | "
             f"{m.working / GIB:7.2f} | {m.stash / GIB:5.2f} | {m.total / GIB:5.2f} | "
             f"{m.reserved / GIB:7.2f}"
-            + ("  DOES NOT FIT" if (m.total + m.reserved) / GIB > mem else "")
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, fit_line(p, system)])
+
+
+def fit_line(p: Prediction, system: System) -> str:
+    """The verdict, once: whether the layout fits, what its limiting pipeline rank needs
+    (count and reserve) of the device's memory, and by how much it is over or under."""
+    m, capacity = p.limiting, p.device_memory / GIB
+    need = (m.total + m.reserved) / GIB
+    over = sum(x.total + x.reserved > p.device_memory for x in p.memory)
+    what = (
+        f"needs {need:.2f} GiB of {capacity:.2f} GiB on pp rank {m.rank}"
+        f" ({m.total / GIB:.2f} counted + {m.reserved / GIB:.2f} reserve"
+    )
+    if p.fits:
+        return f"fits: {what}, the fullest rank), {capacity - need:.2f} GiB to spare"
+    ranks = f"; {over} of {len(p.memory)} pp ranks over" if over > 1 else ""
+    return (
+        f"does not fit on {system.device.name}: {what}{ranks}), over by {p.over_by / GIB:.2f} GiB"
+    )
 
 
 def write_timeline(p: Prediction, out: Path, title: str) -> tuple[Path | None, Path]:
@@ -210,7 +252,10 @@ def plan_dict(result: PlanResult, top: int, mine: Comparison | None = None) -> d
         "options": [option_dict(o) for o in result.options[:top]],
         "explanation": list(result.explanation),
         "micro_batch_equation_1_seconds": dict(result.micro_batch_costs),
-        "rejected": [{"layout": r.layout, "reason": r.reason} for r in result.rejected],
+        "rejected": [
+            {"layout": r.layout, "reason": r.reason, "constraint": r.kind.name.lower()}
+            for r in result.rejected
+        ],
     }
 
 
@@ -266,9 +311,13 @@ def format_plan(
 ) -> str:
     """The ranking (model TFLOP/s and MFU first; executed FLOPs, which count recomputation,
     apart), the user's layout where compared, and why the recommended one."""
-    if result.best is None:
-        reasons = "\n".join(f"  {r.layout}: {r.reason}" for r in result.rejected[:20])
-        text = f"no layout fits on {system.name}:\n{reasons}"
+    if result.best is None:  # what binds, then the layouts refused
+        head, *why = result.explanation
+        more = len(result.rejected) - 20
+        lines = [head, *(f"  - {line}" for line in why), "refused:"]
+        lines += [f"  {r.layout}: {r.reason}" for r in result.rejected[:20]]
+        lines += [f"  ... and {more} more (--json lists them all)"] if more > 0 else []
+        text = "\n".join(lines)
         return text + (f"\n\n{format_comparison(mine, result)}" if mine else "")
     count = result.fitting
     precision = result.best.config.train.precision.value

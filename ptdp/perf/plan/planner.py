@@ -33,8 +33,9 @@ Every candidate goes through `ptdp.layout.validate`, so what the planner returns
 config the runtime accepts.
 
 Steps 1-3 up to the candidates live in `ptdp.perf.plan.search`, their replay and step 4 in
-`ptdp.perf.plan.ranking`, the reasons printed in `ptdp.perf.plan.explain`, and the command line's
-pins in `ptdp.perf.plan.keys`; `plan` runs them in turn.
+`ptdp.perf.plan.ranking`, the reasons printed in `ptdp.perf.plan.explain` (where nothing
+fits, what binds in `ptdp.perf.plan.refusal`), and the command line's pins in
+`ptdp.perf.plan.keys`; `plan` runs them in turn.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from ptdp.perf.cost.costs import PTDP, Compute, Software
 from ptdp.perf.cost.hardware import System
 from ptdp.perf.plan.explain import explain
 from ptdp.perf.plan.ranking import Option, Progress, Unranked, rank, recommend
-from ptdp.perf.plan.search import Plans, Rejected, Space, divisors, search
+from ptdp.perf.plan.refusal import Rejected, Search, refusal
+from ptdp.perf.plan.search import Plans, Space, divisors, search
 from ptdp.perf.simulate.simulator import require_software, require_vocab
 from ptdp.pipeline.schedules import SCHEDULES
 
@@ -84,6 +86,7 @@ class PlanResult:
     micro_batch_costs: tuple[tuple[int, float], ...]
     """For the best (t, p): equation (1)'s estimate in seconds for each b that fits."""
     explanation: tuple[str, ...]
+    """Why the recommended layout; where none fits, what binds (`refusal.refusal`)."""
     unranked: tuple[Unranked, ...] = ()
     """The other layouts that fit, by lower bound on their step time: each slower than every
     option. Those the search replayed anyway (the fastest of their t) carry their option."""
@@ -219,8 +222,9 @@ def plan(
         prune=prune,
     )
     options, unranked = ranking.options, tuple(ranking.unranked)
-    if not options:
-        return PlanResult((), 0, tuple(rejected), (), ("no layout fits",))
+    if not options:  # what binds, by constraint (`ptdp.perf.plan.refusal`)
+        limits = Search(gpus, base.train.global_batch_size, base.model.num_layers, node, tp, cp, pp)
+        return PlanResult((), 0, tuple(rejected), (), tuple(refusal(rejected, system.name, limits)))
     chosen = recommend(options, tolerance)
     lay = options[chosen].prediction.layout
     table = tuple(eq1.get((lay.tp, lay.cp, lay.pp, lay.ep, lay.zero), ()))

@@ -24,7 +24,8 @@ from ptdp.layout import Layout
 from ptdp.perf.cost.costs import Compute, Software
 from ptdp.perf.cost.hardware import GIB, System
 from ptdp.perf.cost.reserve import fit
-from ptdp.perf.plan.search import Plans, Rejected
+from ptdp.perf.plan.refusal import Constraint, Rejected
+from ptdp.perf.plan.search import Plans
 from ptdp.perf.simulate.bound import step_lower_bound
 from ptdp.perf.simulate.simulator import Prediction, predicted_memory, simulate
 
@@ -130,7 +131,8 @@ def rank(
             progress(i, len(candidates), what)
         need, room = fit(predicted_memory(cfg, layout, system, software, gpus), system.device)
         if need > room:
-            rejected.append(Rejected(what, f"needs {need / GIB:.1f} GiB, {room / GIB:.1f} usable"))
+            why = f"needs {need / GIB:.1f} GiB, {room / GIB:.1f} usable"
+            rejected.append(Rejected(what, why, Constraint.MEMORY, need=need, usable=room))
             continue
         c = Compute(system, cfg.train.precision, software)
         bound = step_lower_bound(cfg, layout, c) if prune else 0.0

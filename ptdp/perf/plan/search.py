@@ -7,7 +7,7 @@ that fits at the ZeRO level whose best micro-batch equation (1) finds fastest
 (`fitting_micro_batches`, `equation_1`); for that micro-batch, every schedule and
 interleaving v that validates (`schedule_candidates`), each also with lighter first and last
 stages where they help (`ptdp.perf.plan.ends`). What does not qualify is kept as a
-`Rejected` with the reason.
+`Rejected` with the reason and the constraint that binds (`ptdp.perf.plan.refusal`).
 """
 
 from __future__ import annotations
@@ -22,17 +22,10 @@ from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import GIB
 from ptdp.perf.cost.reserve import fit
 from ptdp.perf.plan.ends import lighter_ends
+from ptdp.perf.plan.refusal import Constraint, Rejected, constraint_of
 from ptdp.perf.simulate.simulator import predicted_memory, stage_costs
 from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """A layout the search did not keep, and why."""
-
-    layout: str
-    reason: str
 
 
 class Plans:
@@ -156,16 +149,18 @@ def search(base: RunConfig, gpus: int, c: Compute, space: Space, plans: Plans) -
     for t, k, p in sizes(model.num_layers, model.seq_length, gpus, space):
         where = f"t={t} cp={k} p={p}" if k > 1 else f"t={t} p={p}"
         if gpus % (t * k * p):
-            rejected.append(Rejected(where, f"t*cp*p = {t * k * p} does not divide {gpus} GPUs"))
+            reason = f"t*cp*p = {t * k * p} does not divide {gpus} GPUs"
+            rejected.append(Rejected(where, reason, Constraint.WORLD, product=t * k * p))
             continue
         d = gpus // (t * k * p)
         if batch % d:
-            rejected.append(Rejected(where, f"batch {batch} not divisible by d = {d}"))
+            reason = f"batch {batch} not divisible by d = {d}"
+            rejected.append(Rejected(where, reason, Constraint.BATCH, dp=d))
             continue
         eps = expert_sizes(model.num_experts, d * k, space.ep)
         if not eps:
-            why = f"ep = {space.ep} does not divide both {model.num_experts} experts and d*cp"
-            rejected.append(Rejected(where, f"{why} = {d * k}"))
+            reason = f"ep = {space.ep} does not divide both {model.num_experts} experts and d*cp"
+            rejected.append(Rejected(where, f"{reason} = {d * k}", Constraint.EXPERTS))
         sp = (t > 1) if sequence_parallel is None else sequence_parallel
         lowest = 1 if base.optim.distributed else 0  # its old spelling of zero = 1
         top = software.max_zero if d * k > 1 else 0
@@ -191,7 +186,7 @@ def search(base: RunConfig, gpus: int, c: Compute, space: Space, plans: Plans) -
                 found = schedule_candidates(best[2], gpus, space, rejected)
                 candidates += found + lighter_ends(found, gpus, c)  # first and last stages lighter
             else:
-                rejected.append(Rejected(at, why))
+                rejected.append(replace(why, layout=at))
     return Candidates(candidates, rejected, eq1)
 
 
@@ -234,9 +229,10 @@ def fitting_micro_batches(
     space: Space,
     c: Compute,
     plans: Plans,
-) -> tuple[list[RunConfig], str]:
+) -> tuple[list[RunConfig], Rejected]:
     """1F1B configs of each micro-batch that fits, at the least recomputation that fits any,
-    for (t, cp, p, ep, zero) = `dims`; under cp > 1 each at the faster cp_comm that fits."""
+    for (t, cp, p, ep, zero) = `dims`; under cp > 1 each at the faster cp_comm that fits.
+    Where none fits, why (its `layout` left for the caller to name)."""
     t, k, p, ep, zero = dims
     d = gpus // (t * k * p)
     per_rank = base.train.global_batch_size // d
@@ -246,7 +242,7 @@ def fitting_micro_batches(
         if micro_batch
         else [b for b in divisors(per_rank) if b <= space.max_micro_batch]
     )
-    why = "no micro-batch size divides the batch"
+    why = Rejected("", "no micro-batch size divides the batch", Constraint.BATCH)
     for mode in space.modes:
         fitting = []
         for b in batches:
@@ -267,19 +263,21 @@ def fitting_micro_batches(
             try:
                 needs = [_need(x, gpus, c, plans) for x in variants]
             except ConfigError as exc:
-                why = str(exc).replace("invalid configuration:\n  - ", "").split("\n")[0]
+                reason = str(exc).replace("invalid configuration:\n  - ", "").split("\n")[0]
+                why = Rejected("", reason, constraint_of(reason))
                 continue
             fits = [x for x, (need, room) in zip(variants, needs) if need <= room]
             need, room = min(needs, key=lambda n: n[0] - n[1])
             if fits:
                 fitting.append(fits[0])
             elif b == batches[0]:
-                why = (
+                reason = (
                     f"needs {need / GIB:.1f} GiB per GPU with recompute={mode.value} at b={b}, "
                     f"{room / GIB:.1f} GiB usable"
                 )
+                why = Rejected("", reason, Constraint.MEMORY, need=need, usable=room)
         if fitting:
-            return fitting, ""
+            return fitting, why
     return [], why
 
 
@@ -336,10 +334,10 @@ def schedule_candidates(
                 m = validate(candidate, gpus, gpus=True).num_microbatches
             except ConfigError as exc:
                 reason = str(exc).replace("invalid configuration:\n  - ", "").split("\n")[0]
-                rejected.append(Rejected(where, reason))
+                rejected.append(Rejected(where, reason, constraint_of(reason)))
                 continue
             if name == "zb-v" and m > ZB_V_MAX * p:
-                rejected.append(Rejected(where, _zb_v_skipped(p, m)))
+                rejected.append(Rejected(where, _zb_v_skipped(p, m), Constraint.SCHEDULE))
                 continue
             out.append(candidate)
     return out

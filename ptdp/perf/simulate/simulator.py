@@ -95,6 +95,9 @@ class Prediction:
     reduction, and ZeRO-2/3's per-microbatch reduce-scatters and ZeRO-3's gathers."""
     optimizer_seconds: float
     events: tuple[Event, ...]
+    device_memory: float
+    """Bytes of one device's memory (`Device.memory_bytes`): what `fits` holds each rank's
+    count and reserve against."""
     cp_seconds: tuple[float, float] = (0.0, 0.0)
     """Context parallelism, one layer and microbatch, forward + backward: seconds of K/V
     transfers on the wire and the part of them exposed (not hidden behind attention)."""
@@ -109,6 +112,24 @@ class Prediction:
     @property
     def peak_memory(self) -> float:
         return max(m.total for m in self.memory)
+
+    @property
+    def limiting(self) -> MemoryEstimate:
+        """The pipeline rank nearest its limit: the most memory with its reserve (as in
+        `reserve.fit`)."""
+        return max(self.memory, key=lambda m: m.total + m.reserved)
+
+    @property
+    def fits(self) -> bool:
+        """Whether every pipeline rank's count fits beside its reserve (`reserve.fit`)."""
+        m = self.limiting
+        return m.total <= self.device_memory - m.reserved
+
+    @property
+    def over_by(self) -> float:
+        """Bytes the limiting rank needs beyond the device's memory; 0 where it fits."""
+        m = self.limiting
+        return 0.0 if self.fits else m.total + m.reserved - self.device_memory
 
 
 def layer_costs(cfg: RunConfig, layout: Layout, c: Compute, moe: bool = False) -> Passes:
@@ -550,6 +571,7 @@ def simulate(
         dp_seconds=max(dp_totals) + sharded,
         optimizer_seconds=step,
         events=run.events + tuple(dp_events) + tuple(opt_events),
+        device_memory=system.device.memory_bytes,
         cp_seconds=_cp_seconds(cfg, layout, c),
         ep_seconds=sum(astuple(_ep_passes(cfg, layout, c))) if cfg.model.num_experts else 0.0,
     )
