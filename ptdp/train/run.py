@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ptdp import checkpoint as ckpt
-from ptdp.config import RunConfig, to_toml
+from ptdp.config import RunConfig, to_toml, write_config
 from ptdp.errors import CheckpointError
 from ptdp.layout import Layout, validate
 from ptdp.outputs import make_output_dir
@@ -31,6 +31,7 @@ from ptdp.train.resume import (
     record_continued,
     wants_resume,
 )
+from ptdp.train.run_dir import delete_previous_run, hold_run_dir
 from ptdp.train.step.trainer import Trainer
 
 
@@ -99,9 +100,34 @@ def train(
     env = env or LaunchEnv.from_environ()
     resume = wants_resume(cfg.train.resume, resume, env)
     cfg, layout, data, source = _prepare(cfg, env, given, resume)
-    plan = plan_resume(cfg, resume, restart=env.is_restart)
     run_dir = Path(cfg.train.run_dir)
     make_output_dir(run_dir, "--train.run_dir")  # before any process group
+    lock = hold_run_dir(run_dir, env.rank)  # refuses a directory a live run holds
+    try:
+        if lock and lock.unsupported:
+            why = f"{run_dir} cannot be locked ({lock.unsupported})"
+            print(f"note: {why}: nothing stops a second training into it")
+        plan = plan_resume(cfg, resume, restart=env.is_restart)  # refuses a previous run
+        if plan.previous and env.rank == 0:  # train.overwrite
+            delete_previous_run(run_dir, plan.previous)
+            print(f"train.overwrite: deleted the previous run's {', '.join(plan.previous)}")
+        return _run(cfg, layout, data, source, env, plan, resume)
+    finally:
+        if lock:
+            lock.release()
+
+
+def _run(
+    cfg: RunConfig,
+    layout: Layout,
+    data: RunData,
+    source: InitSource | None,
+    env: LaunchEnv,
+    plan: ResumePlan,
+    resume: bool,
+) -> TrainResult:
+    """`train` once the run directory is this run's: build, restore, train, leave."""
+    run_dir = Path(cfg.train.run_dir)
     trainer = None
     try:
         trainer = Trainer(cfg, layout, env, data)  # creates the process group if none
@@ -135,7 +161,7 @@ def train(
             run_dir.mkdir(parents=True, exist_ok=True)
             if step_dir is None:
                 (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-            (run_dir / "config.toml").write_text(to_toml(cfg))
+            write_config(run_dir / "config.toml", cfg)
         n_params, n_local = (trainer.parameter_count(full=f) for f in (True, False))
         split = layout.tp * layout.pp > 1  # n_local also counts padded vocabulary rows
         local = f" ({n_local / 1e6:.2f}M on this rank)" if split else ""
