@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ptdp import __version__
-from ptdp.errors import PtdpError
+from ptdp.errors import PtdpError, report_error
 
 Subparsers = argparse._SubParsersAction
 
@@ -432,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except PtdpError as exc:
-        print(f"ptdp {args.command}: error: {exc}", file=sys.stderr)
+        report_error(f"ptdp {args.command}: error: {exc}")
         return 2
-    except KeyboardInterrupt:
-        print(f"ptdp {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # ptdp train's Interrupted says what was lost
+        print(f"ptdp {args.command}: interrupted{f': {exc}' if str(exc) else ''}", file=sys.stderr)
         return 130

@@ -14,6 +14,7 @@ import difflib
 import enum
 import inspect
 import json
+import math
 import sys
 import textwrap
 from dataclasses import dataclass, field, fields, replace
@@ -27,6 +28,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from ptdp.errors import ConfigError
+from ptdp.files import write_file
 
 
 class PositionEmbedding(str, enum.Enum):
@@ -410,7 +412,12 @@ class TrainConfig:
     resume: Resume = Resume.AUTO
     """Continue from the newest complete checkpoint in run_dir: auto (when the launcher
     restarted the job: torchrun --max-restarts, a SLURM requeue; a first launch continues
-    only with --resume), always (as --resume), never (a run_dir with checkpoints is refused)."""
+    only with --resume), always (as --resume), never (a run_dir holding a previous run is
+    refused, as a first launch without --resume is)."""
+    overwrite: bool = False
+    """A new run (not resuming) in a run_dir that holds a previous run's files (config.toml,
+    metrics.jsonl, events.jsonl, checkpoints, TensorBoard and timeline files): delete them
+    first and start afresh; false = such a run_dir is refused (--resume continues it)."""
     on_nan: OnNan = OnNan.STOP
     """A step with a non-finite loss or gradient norm (not an fp16 overflow): stop (save the
     last good step, the bad update not applied, and end with an error naming it), skip
@@ -651,15 +658,59 @@ def from_dict(data: dict[str, dict[str, Any]]) -> RunConfig:
 
 
 def to_toml(cfg: RunConfig) -> str:
-    """TOML text of the resolved config; json.dumps quoting is valid TOML for our types."""
+    """TOML text of the resolved config, for every value a field can hold: TOML's `nan` and
+    `inf` for non-finite floats, escapes for the control characters of a string. Text that
+    is not Unicode cannot be written (`ptdp.domains` refuses it before a run)."""
     lines = []
     for section, values in to_dict(cfg).items():
         lines.append(f"[{section}]")
-        for key, value in values.items():
-            text = str(value).lower() if isinstance(value, bool) else json.dumps(value)
-            lines.append(f"{key} = {text}")
+        lines += [f"{key} = {toml_value(v, f'{section}.{key}')}" for key, v in values.items()]
         lines.append("")
     return "\n".join(lines)
+
+
+def toml_value(value: Any, where: str) -> str:
+    """One value of a config field as TOML spells it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+    if isinstance(value, (int, float)):
+        return repr(value)  # a float's shortest round-trip form: 0.0003, 1e-05, 10000.0
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v, f"{where}[{i}]") for i, v in enumerate(value)) + "]"
+    if isinstance(value, str):
+        return _toml_string(value, where)
+    raise ConfigError(f"{where} = {value!r} has no TOML spelling")  # pragma: no cover
+
+
+def _toml_string(text: str, where: str) -> str:
+    """A TOML basic string: quote and backslash escaped, control characters (DEL included) as
+    \\uXXXX, everything else as itself (json.dumps would write an emoji as two surrogate
+    escapes, which TOML forbids)."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if 0xD800 <= code <= 0xDFFF:
+            raise ConfigError(f"{where} = {text!r} holds characters that are not Unicode")
+        out.append(
+            "\\" + ch if ch in '"\\' else f"\\u{code:04x}" if code < 0x20 or code == 0x7F else ch
+        )
+    return '"' + "".join(out) + '"'
+
+
+def write_config(path: Path, cfg: RunConfig) -> None:
+    """Write the resolved config as TOML and read the file back: it must parse and hold the
+    same config, or the run stops here rather than leave a checkpoint nobody can resume."""
+    text = to_toml(cfg)
+    write_file(path, text)  # atomic; a full disk named
+    try:
+        back = to_toml(from_dict(tomllib.loads(path.read_text(encoding="utf-8"))))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, ConfigError) as exc:
+        raise ConfigError(f"{path} does not read back as the config written: {exc}") from None
+    if back != text:
+        changed = sorted(set(back.splitlines()) ^ set(text.splitlines()))
+        raise ConfigError(f"{path} reads back otherwise than written: {'; '.join(changed)}")
 
 
 @cache

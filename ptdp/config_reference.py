@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 from ptdp.config import SECTIONS, field_docs
+from ptdp.domains import CONFIG_RULES
 from ptdp.errors import PtdpError
 
 COMMAND = "ptdp config-reference --output docs/configuration.md"
@@ -61,9 +62,11 @@ def type_name(typ: Any) -> str:
     return typ.__name__
 
 
-def allowed(typ: Any) -> str:
-    """The values a field takes when they can be listed (an enum's, a bool's); "" otherwise,
-    where the meaning states the range."""
+def allowed(typ: Any, key: str = "") -> str:
+    """The values a field takes when they can be listed (an enum's, a bool's), or a float's
+    range (ptdp/domains.py); "" otherwise, where the meaning states the range."""
+    if key in CONFIG_RULES:
+        return f"finite, {CONFIG_RULES[key].text}"
     if isinstance(typ, type) and issubclass(typ, enum.Enum):
         return ", ".join(f"`{m.value}`" for m in typ)
     if typ is bool:
@@ -100,7 +103,7 @@ def section_table(section: str, cls: type) -> str:
             f"`{section}.{f.name}`",
             type_name(typ),
             default_text(f),
-            allowed(typ),
+            allowed(typ, f"{section}.{f.name}"),
             docs.get(f.name, ""),
         )
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")

@@ -1,6 +1,12 @@
-"""Errors a user can act on. Each message names the problem and the fix."""
+"""Errors a user can act on, each message naming the problem and the fix, and how one is
+reported (`report_error`: one line, also handed to torchrun's agent)."""
 
 from __future__ import annotations
+
+import json
+import os
+import sys
+import time
 
 
 class PtdpError(Exception):
@@ -17,3 +23,17 @@ class DataError(PtdpError):
 
 class CheckpointError(PtdpError):
     """A checkpoint that is missing, incomplete or does not match the model."""
+
+
+def report_error(line: str) -> None:
+    """Print ptdp's one-line error; under torchrun also hand it to the agent (the error file
+    it names in TORCHELASTIC_ERROR_FILE), whose failure summary, printed after this line,
+    then shows it as the failed rank's `traceback` instead of a pointer to its docs."""
+    print(line, file=sys.stderr)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # the summary then points to torchrun's docs, as without this

@@ -79,19 +79,14 @@ def _value_rules(m: ModelConfig, errors: list[str]) -> None:
         errors.append(
             f"model.moe_layer_freq = {m.moe_layer_freq} must be >= 1 (1 = every layer is MoE)"
         )
-    at_least_zero = (
+    at_least_zero = (  # the float keys: ptdp/domains.py
         "moe_ffn_hidden_size", "moe_shared_experts", "moe_shared_ffn_hidden_size",
-        "moe_first_dense_layers", "moe_capacity_factor", "moe_aux_loss_coeff",
-        "moe_z_loss_coeff", "moe_bias_update_rate",
+        "moe_first_dense_layers",
     )  # fmt: skip
     for name in at_least_zero:
         value = getattr(m, name)
         if value < 0:
             errors.append(f"model.{name} = {value} must be >= 0")
-    if not m.moe_routed_scaling > 0:
-        errors.append(
-            f"model.moe_routed_scaling = {m.moe_routed_scaling} must be > 0 (1 = unscaled)"
-        )
 
 
 def _layout_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:

@@ -21,6 +21,7 @@ from ptdp.checkpoint.partial import load_model_weights, read_scalar
 from ptdp.checkpoint.store import damaged_advice, verify_file
 from ptdp.config import ParallelConfig, RunConfig
 from ptdp.data.tokenizers import Tokenizer, load_tokenizer
+from ptdp.domains import FRACTION, NON_NEGATIVE
 from ptdp.errors import CheckpointError, ConfigError
 from ptdp.layout import validate
 from ptdp.model.generate import generate
@@ -52,11 +53,11 @@ def check_sampling(
     for flag, value in (("--max-new-tokens", max_new_tokens), ("--num-samples", samples)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be 1 or more")
-    if not temperature >= 0:
-        raise ConfigError(f"--temperature {temperature} must be >= 0 (0 = greedy)")
+    if not NON_NEGATIVE.holds(temperature):  # finite too: inf would sample uniformly
+        raise ConfigError(f"--temperature {temperature} must be a finite number >= 0 (0 = greedy)")
     if top_k < 0:
         raise ConfigError(f"--top-k {top_k} must be >= 0 (0 = all tokens)")
-    if not 0 < top_p <= 1:
+    if not FRACTION.holds(top_p):
         raise ConfigError(f"--top-p {top_p} must be in (0, 1] (1 = off)")
     try:
         prompt.encode("utf-8")

@@ -32,15 +32,43 @@ from ptdp.checkpoint.sharded import (
     stage_mesh,
     unpack,
 )
-from ptdp.checkpoint.store import STATE_FILE, load_entries, read_metadata, verify_files
+from ptdp.checkpoint.store import (
+    STATE_FILE,
+    find_checkpoint,
+    has_checkpoint,
+    load_entries,
+    read_metadata,
+    verify_files,
+)
 from ptdp.checkpoint.writer import PendingCheckpoint, start_checkpoint
 from ptdp.config import RunConfig, to_dict
 from ptdp.data.tokenizers import load_tokenizer
 from ptdp.errors import CheckpointError
-from ptdp.parallel.comm import Group, all_gather_objects, new_world_group
+from ptdp.parallel.comm import Group, all_gather_objects, all_reduce_max_value, new_world_group
 from ptdp.parallel.mesh import ParallelMesh
 
 Moments = dict[nn.Parameter, dict[str, torch.Tensor]]
+
+
+class NonFiniteState(CheckpointError):
+    """A save refused: the weights or optimizer state to write hold a NaN or an infinity."""
+
+    def __init__(self, step: int, run_dir: Path) -> None:
+        self.step = step
+        self.last_good = find_checkpoint(run_dir) if has_checkpoint(run_dir) else None
+        self.where = (
+            f"the last checkpoint is {self.last_good}"
+            if self.last_good
+            else "no checkpoint of this run was saved before"
+        )
+        super().__init__(
+            f"the weights or optimizer state after step {step} hold a NaN or an infinity, so "
+            f"no checkpoint of step {step} was written; {self.where}. The loss and gradient "
+            "norm were finite: the update itself overflowed; lower optim.lr or raise "
+            "optim.warmup_steps, then continue from that checkpoint with --resume"
+        )
+
+
 POSITIONS = "position.weight"  # the learned position table: [seq_length, h], replicated
 
 
@@ -155,6 +183,8 @@ class CheckpointManager:
         background; it is published by the next `save` or `finish_save` (all ranks call
         both at the same steps), so `latest` names it only then."""
         self.finish_save()  # the previous asynchronous save first
+        if not self.state_is_finite():
+            raise NonFiniteState(step, self.run_dir)
         tok = self._tokenizer_json()
         asynchronous = self.cfg.train.async_save
         pending = start_checkpoint(
@@ -172,6 +202,18 @@ class CheckpointManager:
             return pending.finish()
         self._pending = pending
         return pending.final
+
+    def state_is_finite(self) -> bool:
+        """Collective: whether every rank's fp32 master weights, AdamW moments and buffers are
+        finite. `save` asks first (one all-reduce, one host sync per save), so no checkpoint
+        is ever written from a NaN or an infinity."""
+        slices = self.optimizer.owned_slices().values()
+        tensors = [t for s in slices for t in (s.master, *s.moments.values())]
+        tensors += [b for _, b in named_buffers(self.chunks) if b.is_floating_point()]
+        bad = torch.zeros((), device=self.device)
+        for t in tensors:
+            bad = torch.maximum(bad, (~torch.isfinite(t)).any().to(bad.dtype))
+        return not all_reduce_max_value(bad, self.world).item()
 
     def finish_save(self) -> Path | None:
         """Wait for the asynchronous save in flight, if any, and publish it (collective)."""

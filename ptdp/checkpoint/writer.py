@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from ptdp.checkpoint.boxes import Boxes
 from ptdp.checkpoint.retention import prune, set_aside_after
 from ptdp.checkpoint.store import CHECKSUMS, LATEST, checkpoint_root, checksum, step_dir_name
-from ptdp.config import RunConfig, to_toml
+from ptdp.config import RunConfig, write_config
 from ptdp.errors import CheckpointError
 from ptdp.files import FULL, free_bytes, replacing, size_text, write_file
 from ptdp.parallel.comm import Group, barrier, world_group
@@ -151,8 +151,9 @@ def _state_bytes(state: dict[str, Any]) -> int:
 
 def _write_beside(tmp: Path, cfg: RunConfig, tokenizer_file: Path | bytes | None) -> None:
     """config.toml and tokenizer.json, written first so that a save complete on every rank
-    is a whole checkpoint even if nobody could publish it."""
-    (tmp / "config.toml").write_text(to_toml(cfg))
+    is a whole checkpoint even if nobody could publish it; config.toml is read back (a config
+    that does not parse as written would make the checkpoint impossible to resume)."""
+    write_config(tmp / "config.toml", cfg)
     if isinstance(tokenizer_file, bytes):
         (tmp / "tokenizer.json").write_bytes(tokenizer_file)
     elif tokenizer_file is not None:

@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ptdp.data.indexed import IndexedWriter, bin_path, idx_path, optimal_dtype
-from ptdp.data.readers import SUFFIXES, find_input_files, iter_documents
+from ptdp.data.readers import SUFFIXES, find_input_files, iter_documents, text_bytes_bound
 from ptdp.data.tokenizers import (
     TOKENIZER_FILE,
     ByteTokenizer,
@@ -152,7 +152,8 @@ def _resolve_tokenizer(
     target = prefix.parent / TOKENIZER_FILE
     if spec == "bpe":
         _check_tokenizer_slot(target, prefix)
-        return train_bpe_from_iterator(iter_documents(files, text_key), vocab_size, target)
+        corpus = text_bytes_bound(files)  # checks vocab_size against it before training
+        return train_bpe_from_iterator(iter_documents(files, text_key), vocab_size, target, corpus)
     text = (ByteTokenizer() if spec == "bytes" else load_tokenizer(spec)).to_json()
     if not (target.is_file() and target.read_bytes() == text.encode("utf-8")):
         _check_tokenizer_slot(target, prefix)

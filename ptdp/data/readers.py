@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,9 @@ def _column_texts(batches: Iterable[Any], text_key: str, where: str) -> Iterator
                 f"{where}: column '{text_key}' holds {column.type}, not text; pick the text "
                 f"column with --text-key"
             )
+        # Offsets and UTF-8 checked before Python reads them: a damaged memory-mapped file
+        # (a saved dataset, an Arrow stream) would otherwise crash the process.
+        column.validate(full=True)
         for i, text in enumerate(column.to_pylist()):
             if text is None:
                 raise DataError(f"{where}: row {row + i} has no '{text_key}' (null); drop it")
@@ -146,9 +150,26 @@ def _column_texts(batches: Iterable[Any], text_key: str, where: str) -> Iterator
         row += len(column)
 
 
+@contextmanager
+def _damaged(path: Path, what: str) -> Iterator[None]:
+    """pyarrow's errors on a damaged table (a truncated file, a corrupt page or message, text
+    that is not UTF-8, which Arrow's string columns always are) as a DataError naming it."""
+    pa = _import("pyarrow", f"{path} ({what})")
+    try:
+        yield
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+        detail = " ".join(str(e).split())[:200]
+        if isinstance(e, (FileNotFoundError, PermissionError)):
+            raise DataError(f"{path}: cannot be read ({detail}); check the path") from e
+        raise DataError(
+            f"{path}: the {what} is damaged or cut short ({detail}); re-create or "
+            "re-download it, or leave it out of --input"
+        ) from e
+
+
 def _parquet_texts(path: Path, text_key: str) -> Iterator[str]:
     pq = _import("pyarrow.parquet", f"{path} (Parquet)")
-    with pq.ParquetFile(path) as f:
+    with _damaged(path, "Parquet file"), pq.ParquetFile(path) as f:
         _require_column(f.schema_arrow.names, text_key, str(path))
         batches = f.iter_batches(batch_size=_ROWS_PER_BATCH, columns=[text_key])
         yield from _column_texts(batches, text_key, str(path))
@@ -157,15 +178,18 @@ def _parquet_texts(path: Path, text_key: str) -> Iterator[str]:
 def _arrow_texts(path: Path, text_key: str) -> Iterator[str]:
     """An Arrow IPC file, or an IPC stream (the format of Hugging Face ``datasets`` caches)."""
     pa = _import("pyarrow", f"{path} (Arrow)")
-    with pa.memory_map(str(path)) as source:
+    with _damaged(path, "Arrow file"), pa.memory_map(str(path)) as source:
         try:
             reader = pa.ipc.open_file(source)
             batches: Iterable[Any] = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        except pa.ArrowInvalid:
+        except pa.ArrowInvalid as e:
+            source.seek(0)
+            if source.read(6) == b"ARROW1":
+                raise  # an IPC file's magic: a damaged file, not a stream
             source.seek(0)
             try:
                 batches = pa.ipc.open_stream(source)
-            except pa.ArrowInvalid as e:
+            except pa.ArrowInvalid:
                 raise DataError(
                     f"{path}: not an Arrow IPC file or stream ({e}); pass .arrow files written "
                     f"by pyarrow or Hugging Face datasets"
@@ -175,11 +199,32 @@ def _arrow_texts(path: Path, text_key: str) -> Iterator[str]:
 
 def _saved_dataset_texts(path: Path, text_key: str) -> Iterator[str]:
     datasets = _import("datasets", f"{path} (a saved Hugging Face dataset)")
-    ds = datasets.load_from_disk(str(path))
-    _require_column(ds.column_names, text_key, str(path))
-    # Arrow tables of rows in the dataset's order (a saved selection or shuffle included).
-    tables = ds.select_columns([text_key]).with_format("arrow").iter(batch_size=_ROWS_PER_BATCH)
-    yield from _column_texts(tables, text_key, str(path))
+    with _damaged(path, "saved dataset"):
+        ds = datasets.load_from_disk(str(path))
+        _require_column(ds.column_names, text_key, str(path))
+        # Arrow tables of rows in the dataset's order (a saved selection or shuffle included).
+        tables = ds.select_columns([text_key]).with_format("arrow").iter(batch_size=_ROWS_PER_BATCH)
+        yield from _column_texts(tables, text_key, str(path))
+
+
+def text_bytes_bound(files: Iterable[Path]) -> int | None:
+    """At least the bytes of text `files` hold, from their sizes without reading them (a BPE
+    learns at most that many merges from them): a text or JSON file's size, a Parquet file's
+    uncompressed data size; None with an Arrow file or a saved dataset (maybe compressed)."""
+    total = 0
+    for path in files:
+        if path.is_dir() or path.suffix == ".arrow":
+            return None
+        if path.suffix != ".parquet":
+            total += path.stat().st_size
+            continue
+        pq = _import("pyarrow.parquet", f"{path} (Parquet)")
+        try:
+            meta = pq.read_metadata(path)
+        except (OSError, ValueError):  # damaged: reading it says so
+            return None
+        total += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    return total
 
 
 def iter_documents(files: Iterable[Path], text_key: str = "text") -> Iterator[str]:

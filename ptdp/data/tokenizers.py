@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -196,21 +197,67 @@ class HFTokenizer:
         return cls(path, auto.backend_tokenizer.to_str())
 
 
-def train_bpe_from_iterator(
-    texts: Iterable[str], vocab_size: int, save_path: str | Path
-) -> HFTokenizer:
-    """Train a byte-level BPE on ``texts`` and save it as a ``tokenizer.json``.
+MAX_VOCAB = 2**31 - 1
+"""The most token ids a dataset can store (int32 from 65,500 ids: ptdp/data/indexed.py)."""
+BPE_SLOT_BYTES = 33
+"""What the BPE trainer's table takes per slot; it reserves vocab_size entries at once, in
+the next power of two of slots above 8/7 of them (hashbrown: 1e9 asked 70.9 GB of memory)."""
 
-    The initial alphabet is all 256 byte symbols, so any text encodes, even characters the
-    corpus never showed. ``vocab_size`` counts the alphabet and ``<|endoftext|>``; the result is
-    smaller when the corpus runs out of merges.
-    """
+
+def bpe_vocab(vocab_size: int, corpus_bytes: int | None = None) -> int:
+    """The vocabulary size to train with, checked before training: at least the alphabet,
+    at most what int32 ids hold, and a table the trainer can allocate. A corpus of at most
+    `corpus_bytes` of text teaches at most that many merges, so a larger size is cut to it
+    (the same tokenizer, without reserving memory it never fills)."""
     minimum = len(pre_tokenizers.ByteLevel.alphabet()) + 1
     if vocab_size < minimum:
         raise DataError(
             f"vocab_size {vocab_size} is too small for byte-level BPE: the 256 byte symbols and "
             f"{EOD_TOKEN} need {minimum}; use a vocab_size of at least {minimum}"
         )
+    teaches = minimum + corpus_bytes if corpus_bytes is not None else None
+    corpus = f"; these inputs teach at most {teaches:,} tokens" if teaches else ""
+    if vocab_size > MAX_VOCAB:
+        raise DataError(
+            f"vocab_size {vocab_size:,} exceeds {MAX_VOCAB:,}, the most token ids a dataset can "
+            f"store (int32){corpus}; use a smaller --vocab-size, e.g. 32000"
+        )
+    size = min(vocab_size, teaches or vocab_size)
+    slots = 1 << max(3, -(-size * 8 // 7) - 1).bit_length()
+    need, memory = slots * BPE_SLOT_BYTES, _memory_bytes()
+    if memory and need > memory:
+        raise DataError(
+            f"vocab_size {vocab_size:,} makes the BPE trainer reserve {need / 2**30:,.1f} GiB, "
+            f"more than this machine's {memory / 2**30:,.1f} GiB of memory and swap{corpus}; "
+            "use a smaller --vocab-size, e.g. 32000"
+        )
+    return size
+
+
+def _memory_bytes() -> int | None:
+    """RAM plus swap (what the kernel lets one allocation reserve), None if unknown."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        kib = {line.split(":")[0]: int(line.split()[1]) for line in lines if line.strip()}
+        return (kib["MemTotal"] + kib.get("SwapTotal", 0)) * 1024
+    except (OSError, ValueError, KeyError, IndexError):
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            return None
+
+
+def train_bpe_from_iterator(
+    texts: Iterable[str], vocab_size: int, save_path: str | Path, corpus_bytes: int | None = None
+) -> HFTokenizer:
+    """Train a byte-level BPE on ``texts`` and save it as a ``tokenizer.json``.
+
+    The initial alphabet is all 256 byte symbols, so any text encodes, even characters the
+    corpus never showed. ``vocab_size`` counts the alphabet and ``<|endoftext|>``; the result is
+    smaller when the corpus runs out of merges. ``corpus_bytes``: at least the bytes of text
+    ``texts`` holds, if known (see `bpe_vocab`).
+    """
+    vocab_size = bpe_vocab(vocab_size, corpus_bytes)
     tok = hf.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -238,7 +285,8 @@ def _file_texts(files: list[Path]) -> Iterator[str]:
 
 def train_bpe(files: list[Path], vocab_size: int, save_path: Path) -> HFTokenizer:
     """Train a byte-level BPE on plain-text files (each read whole) and save it."""
-    return train_bpe_from_iterator(_file_texts(files), vocab_size, save_path)
+    corpus = sum(Path(f).stat().st_size for f in files)
+    return train_bpe_from_iterator(_file_texts(files), vocab_size, save_path, corpus)
 
 
 def load_tokenizer(spec: str | Path) -> ByteTokenizer | HFTokenizer:

@@ -18,7 +18,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ptdp.errors import ConfigError, PtdpError
+from ptdp.errors import ConfigError, PtdpError, report_error
 from ptdp.parallel.slurm import is_srun_task, read_slurm_task
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -227,7 +227,10 @@ def leave_failed_rank(command: str, rank: int, exc: BaseException) -> NoReturn:
     """A rank of a multi-process run failed (or stopped because another did): report it and
     exit now, with 130 for an interrupt, 2 for a ptdp error (bad input), 1 otherwise."""
     if isinstance(exc, PtdpError):
-        print(f"ptdp {command}: error: rank {rank}: {exc}", file=sys.stderr)
-    elif not isinstance(exc, KeyboardInterrupt):
+        report_error(f"ptdp {command}: error: rank {rank}: {exc}")
+    elif isinstance(exc, KeyboardInterrupt):
+        if str(exc):  # what a second Ctrl-C lost
+            report_error(f"ptdp {command}: interrupted: rank {rank}: {exc}")
+    else:
         traceback.print_exception(exc)
     exit_now(130 if isinstance(exc, KeyboardInterrupt) else 2 if isinstance(exc, PtdpError) else 1)

@@ -17,13 +17,19 @@ import torch
 from tqdm import tqdm
 
 from ptdp import checkpoint as ckpt
+from ptdp.checkpoint.manager import NonFiniteState
 from ptdp.checkpoint.store import step_dir_name
 from ptdp.config import OnNan, to_dict
 from ptdp.parallel.comm import gather_objects
 from ptdp.perf.cost.flops import utilisation
 from ptdp.pipeline.timeline import from_dicts, to_dicts
 from ptdp.train.faults.events import append_event
-from ptdp.train.faults.numerical import NumericalFault, TrainingError
+from ptdp.train.faults.numerical import (
+    Interrupted,
+    NumericalFault,
+    TrainingError,
+    lost_to_interrupt,
+)
 from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
 from ptdp.train.peak import Peak, device_name, resolve_peak
 from ptdp.train.profile import write_timeline
@@ -113,6 +119,7 @@ def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) 
     )
     pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     timer = _IntervalTimer(trainer.device)
+    saving = False  # the save a signal asked for is being written
     try:
         with trainer.faults.stop:  # SIGINT/SIGTERM: save at the end of the step and stop
             while trainer.step < t.steps:
@@ -155,6 +162,7 @@ def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) 
                     timer.resume()
                 if (t.save_interval and trainer.step % t.save_interval == 0) or last or stopping:
                     timer.pause()
+                    saving = stopping
                     with trainer.around("checkpoint save"):
                         step_dir = trainer.save()
                     if t.async_save and not stopping:
@@ -177,6 +185,10 @@ def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) 
                     )
                     break
         trainer.finish_save()  # the last asynchronous save is published before the run ends
+    except KeyboardInterrupt as exc:  # a second SIGINT: say what it cost
+        run_dir = trainer.run_dir
+        last = ckpt.find_checkpoint(run_dir) if ckpt.has_checkpoint(run_dir) else None
+        raise Interrupted(lost_to_interrupt(trainer.step, last, saving)) from exc
     except Exception:
         trainer.publish_save_after_failure()
         raise
@@ -213,7 +225,15 @@ def _on_fault(trainer: Trainer, fault: NumericalFault, result: TrainResult) -> N
     if policy is OnNan.STOP:
         where = f"the last good checkpoint is {good}"
         if good is None or good.name != step_dir_name(trainer.step):
-            good = trainer.save()  # trainer.step is the last good step: nothing applied since
+            try:
+                good = trainer.save()  # trainer.step: the last good step, nothing applied since
+            except NonFiniteState as bad:  # its weights are not: an earlier update broke them
+                raise TrainingError(
+                    f"{fault}; stopped (train.on_nan = stop); no good state to save: the "
+                    f"weights after step {trainer.step} already hold a NaN or an infinity, so "
+                    f"nothing was written and {bad.where} (continue from it with --resume, or "
+                    "start again). Lower optim.lr or raise optim.warmup_steps"
+                ) from None
             trainer.finish_save()
             where = (
                 f"saved the last good step {trainer.step} (the bad update not applied) as {good}"

@@ -29,6 +29,7 @@ from ptdp.layout import Layout
 from ptdp.parallel.comm import all_gather_objects, barrier
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.faults.events import append_event, previous_ending, read_events
+from ptdp.train.run_dir import check_init_source, refuse_previous_run
 
 
 def wants_resume(mode: Resume, explicit: bool, env: LaunchEnv) -> bool:
@@ -59,6 +60,8 @@ class ResumePlan:
     """Why the checkpoint continued from was chosen when `latest` named none."""
     set_aside: list[Path] = field(default_factory=list)
     """Rank 0: the later checkpoints a rollback moved aside (publish_in_flight)."""
+    previous: list[str] = field(default_factory=list)
+    """A new run with train.overwrite: the previous run's files rank 0 deletes."""
     started: float = field(default_factory=time.time)
 
     @property
@@ -70,15 +73,13 @@ def plan_resume(cfg: RunConfig, resume: bool, restart: bool = False) -> ResumePl
     """The checkpoint a run continues from; refuses to overwrite or mix runs. A launcher
     `restart` continues from an older complete checkpoint when the latest is damaged."""
     run_dir = Path(cfg.train.run_dir)
-    plan = ResumePlan(ending=previous_ending(read_events(run_dir)))
     has_checkpoint = ckpt.has_checkpoint(run_dir)
-    if has_checkpoint and not resume:
-        raise CheckpointError(
-            f"{run_dir} already holds checkpoints; pass --resume (or --train.resume always) "
-            "to continue that run or choose another --train.run_dir"
-        )
     if not resume:
-        return plan
+        previous = refuse_previous_run(run_dir, cfg.train.overwrite, has_checkpoint)
+        if previous and cfg.checkpoint.init_from:
+            check_init_source(run_dir, cfg.checkpoint.init_from, previous)
+        return ResumePlan(previous=previous)
+    plan = ResumePlan(ending=previous_ending(read_events(run_dir)))
     if has_checkpoint and restart:
         plan.step_dir, plan.skipped = find_restart_checkpoint(run_dir)
     elif has_checkpoint:

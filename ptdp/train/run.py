@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ptdp.config import RunConfig, to_toml
+from ptdp.config import RunConfig, to_toml, write_config
 from ptdp.errors import CheckpointError
-from ptdp.files import write_file
 from ptdp.layout import Layout, validate
 from ptdp.outputs import make_output_dir
 from ptdp.parallel.comm import all_gather_objects, barrier
@@ -31,6 +30,7 @@ from ptdp.train.resume import (
     record_continued,
     wants_resume,
 )
+from ptdp.train.run_dir import delete_previous_run, hold_run_dir
 from ptdp.train.step.trainer import Trainer
 
 
@@ -100,9 +100,35 @@ def train(
     env = env or LaunchEnv.from_environ()
     resume = wants_resume(cfg.train.resume, resume, env)
     cfg, layout, data, source = _prepare(cfg, env, given, resume)
-    plan = plan_resume(cfg, resume, restart=env.is_restart)
     run_dir = Path(cfg.train.run_dir)
     make_output_dir(run_dir, "--train.run_dir")  # before any process group
+    lock = hold_run_dir(run_dir, env.rank)  # refuses a directory a live run holds
+    try:
+        if lock and lock.unsupported:
+            why = f"{run_dir} cannot be locked ({lock.unsupported})"
+            print(f"note: {why}: nothing stops a second training into it")
+        plan = plan_resume(cfg, resume, restart=env.is_restart)  # refuses a previous run
+        if plan.previous and env.rank == 0:  # train.overwrite
+            delete_previous_run(run_dir, plan.previous)
+            print(f"train.overwrite: deleted the previous run's {', '.join(plan.previous)}")
+        return _run(cfg, layout, data, source, env, plan, resume, config_file)
+    finally:
+        if lock:
+            lock.release()
+
+
+def _run(
+    cfg: RunConfig,
+    layout: Layout,
+    data: RunData,
+    source: InitSource | None,
+    env: LaunchEnv,
+    plan: ResumePlan,
+    resume: bool,
+    config_file: str | Path | None = None,
+) -> TrainResult:
+    """`train` once the run directory is this run's: build, restore, train, leave."""
+    run_dir = Path(cfg.train.run_dir)
     trainer = None
     try:
         trainer = Trainer(cfg, layout, env, data)  # creates the process group if none
@@ -203,7 +229,7 @@ def _write_config(
                 "checkpoint's config.toml)"
             )
         return
-    write_file(target, to_toml(cfg))
+    write_config(target, cfg)
 
 
 def _record_failure(trainer: Trainer, exc: Exception) -> None:

@@ -35,6 +35,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10 only
     import tomli as tomllib
 
+from ptdp import domains
 from ptdp.errors import ConfigError
 from ptdp.perf.calibrate.fit import interpolate_log
 from ptdp.perf.cost.flops import DENSE_PEAK_TFLOPS
@@ -271,11 +272,11 @@ NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
     ),
 )
 """(table, key, rule, required) for every number of a hardware file."""
-RULES = {
-    "positive": (lambda v: v > 0, "must be > 0"),
-    "fraction": (lambda v: 0 < v <= 1, "must be a fraction in (0, 1]"),
-    "non-negative": (lambda v: v >= 0, "must be >= 0"),
-    "count": (lambda v: v >= 1 and float(v).is_integer(), "must be a whole number >= 1"),
+RULES = {  # ptdp/domains.py's, shared with the config keys: finite, and in the range
+    "positive": domains.POSITIVE,
+    "fraction": domains.FRACTION,
+    "non-negative": domains.NON_NEGATIVE,
+    "count": domains.COUNT,
 }
 
 
@@ -291,6 +292,8 @@ def check_numbers(data: dict[str, Any], path: Path) -> None:
         _check_number(path, f"[{table}] {key}", values[key], rule)
     for precision, value in _table(data, "device.peak_tflops", path).items():
         _check_number(path, f"[device] peak_tflops.{precision}", value, "positive")
+    if bad := domains.non_finite(data):  # the curves, pairs and keys without a rule above
+        raise ConfigError(f"hardware file {path}: {bad[0]} is not a finite number; {FORMAT}")
     memory = data["device"]["memory_gib"]
     reserved = data["device"].get("achieved", {}).get("reserved_gib", 0)
     if reserved >= memory:
@@ -312,11 +315,8 @@ def _table(data: dict[str, Any], dotted: str, path: Path) -> dict[str, Any]:
 
 
 def _check_number(path: Path, where: str, value: Any, rule: str) -> None:
-    ok, text = RULES[rule]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"hardware file {path}: {where} = {value!r} is not a number; {FORMAT}")
-    if not ok(value):
-        raise ConfigError(f"hardware file {path}: {where} = {value!r} {text}; {FORMAT}")
+    if problem := domains.number_problem(where, value, RULES[rule]):
+        raise ConfigError(f"hardware file {path}: {problem}; {FORMAT}")
 
 
 def system_for_device_name(device_name: str) -> System | None:

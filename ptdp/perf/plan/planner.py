@@ -48,6 +48,7 @@ from functools import wraps
 from typing import TypeVar
 
 from ptdp.config import CpComm, Recompute, RunConfig
+from ptdp.domains import check_config
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.costs import PTDP, Compute, Software
 from ptdp.perf.cost.hardware import System
@@ -162,6 +163,7 @@ def plan(
     if not software.split_backward:
         schedules = tuple(s for s in schedules if not SCHEDULES[s].splits_backward)
     require_vocab(base)
+    check_config(base)  # NaN and ranges, before the search takes them for layouts' faults
     pins = replace(base.parallel, sequence_parallel=bool(sequence_parallel), recompute=recompute)
     require_software(replace(base, parallel=pins), software)  # pinned sp / selective: refused
     if not software.sequence_parallel:  # the 2021 code: neither sp nor selective to search

@@ -18,6 +18,7 @@ import statistics
 import threading
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -45,19 +46,39 @@ class NumericalFault(Exception):
         self.step, self.loss, self.norm = step, loss, norm
 
 
+class Interrupted(KeyboardInterrupt):
+    """A second SIGINT stopped the run at once; the message says what was lost."""
+
+
 class StopRequest:
     """While entered (in the main thread), SIGINT and SIGTERM only record the signal; the
-    loop acts on it at the end of a step. A second SIGINT interrupts at once. The previous
+    loop acts on it at the end of a step, and `notice` says so at once. A second SIGINT
+    interrupts at once (KeyboardInterrupt; the loop says what was lost). The previous
     handlers are restored on exit. Elsewhere than the main thread it installs nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, notice: Callable[[str], None] | None = None) -> None:
         self.signum = 0
+        self.notice = notice
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        first = not self.signum
         self.signum = signum
+        if first and self.notice is not None:
+            again = (
+                "; Ctrl-C again stops at once, losing the steps since the last checkpoint"
+                if signum == signal.SIGINT
+                else ""
+            )
+            try:  # inside a signal handler: never let the message break the run
+                self.notice(
+                    f"{signal.Signals(signum).name} received: the step in progress finishes, "
+                    f"a checkpoint of it is saved, then the run stops{again}"
+                )
+            except (OSError, RuntimeError, ValueError):
+                pass
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -78,7 +99,7 @@ class FaultMonitor:
         self, on_nan: OnNan, world: Group, device: torch.device, say: Callable[[str], None]
     ) -> None:
         self.on_nan, self.world, self.device, self.say = on_nan, world, device, say
-        self.stop = StopRequest()
+        self.stop = StopRequest(say)
         self.signum = 0
         """The signal all ranks agreed to stop for (0: none)."""
         self.skipped = 0
@@ -125,3 +146,32 @@ class FaultMonitor:
                     f"median {median:.4f} of the last {SPIKE_WINDOW} steps"
                 )
         self.recent.append(loss)
+
+
+def lost_to_interrupt(done: int, last_good: Path | None, saving: bool) -> str:
+    """What a second SIGINT lost: `done` steps were completed, `last_good` is the newest
+    published checkpoint, `saving`: the first SIGINT's checkpoint was being written."""
+    if saving:
+        head = (
+            f"a second SIGINT stopped the run at once while the checkpoint of step {done} that "
+            "the first one asked for was being written (it is not published)"
+        )
+    else:
+        head = (
+            f"a second SIGINT stopped the run at once in step {done + 1}, before the checkpoint "
+            "the first one asked for was written"
+        )
+    if last_good is None:
+        return f"{head}; no checkpoint was saved, so all {done} completed steps are lost"
+    saved = int(last_good.name.removeprefix("step_"))
+    lost = (
+        "no completed step is lost"
+        if done <= saved
+        else f"step {done} is lost"
+        if done == saved + 1
+        else f"steps {saved + 1}..{done} are lost"
+    )
+    return (
+        f"{head}; the last checkpoint is {last_good} (step {saved}), {lost}; --resume "
+        "continues from it"
+    )
