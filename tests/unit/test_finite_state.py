@@ -90,7 +90,7 @@ def overflow_after(monkeypatch: pytest.MonkeyPatch):
         real(self, found_inf)
         if self.step_count() == armed.get("step"):
             self.pieces[0].master.view(-1)[0] = math.inf
-            self.pieces[0].stored(self.buffers).copy_(self.pieces[0].master)
+            self.pieces[0].stored().copy_(self.pieces[0].master)
 
     monkeypatch.setattr(Optimizer, "step", step_then_overflow)
     return lambda step: armed.update(step=step)
