@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ptdp.config import Precision, RunConfig, given_keys
+from ptdp.domains import Rule, number_problem
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.costs import SOFTWARE, Software
 from ptdp.perf.cost.hardware import System, load_system
@@ -35,8 +36,9 @@ def modelled_config(
 def software_of(args: argparse.Namespace) -> Software:
     """The runtime `--software` names, with `--moe-load-imbalance`."""
     load = getattr(args, "moe_load_imbalance", 1.0)
-    if not load >= 1.0:
-        raise ConfigError(f"--moe-load-imbalance {load} must be >= 1 (1 = a perfect balance)")
+    at_least_one = Rule(">= 1 (1 = a perfect balance)", lambda v: v >= 1, (0.5,))
+    if problem := number_problem("--moe-load-imbalance", load, at_least_one):
+        raise ConfigError(problem)
     return replace(SOFTWARE[args.software], moe_load_imbalance=load)
 
 

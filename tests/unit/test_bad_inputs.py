@@ -343,6 +343,30 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         ("model.moe_capacity_factor = 1.25 with parallel.cp = 2", "--model.moe_capacity_factor 0"),
     ),
     (
+        "ep-not-dividing-the-experts",
+        lambda c: c.train(world=3, parallel={"ep": 3}, model={"num_experts": 4}),
+        ConfigError,
+        ("model.num_experts = 4 is not divisible by parallel.ep = 3", "--parallel.ep 2"),
+    ),
+    (
+        "ep-not-dividing-dp-cp",
+        lambda c: c.train(world=2, parallel={"ep": 4}, model={"num_experts": 8}),
+        ConfigError,
+        ("parallel.ep = 4 does not divide dp * cp = 2 * 1 = 2", "an ep that divides 2"),
+    ),
+    (
+        "ep-on-a-dense-model",
+        lambda c: c.train(world=2, parallel={"ep": 2}),
+        ConfigError,
+        ("parallel.ep = 2 splits experts, but model.num_experts = 0", "--parallel.ep 1"),
+    ),
+    (
+        "ep-below-one",
+        lambda c: c.train(parallel={"ep": 0}, model={"num_experts": 4}),
+        ConfigError,
+        ("parallel.ep = 0 must be >= 1",),
+    ),
+    (
         "tp-not-dividing-heads",
         lambda c: c.train(world=3, parallel={"tp": 3}),
         ConfigError,

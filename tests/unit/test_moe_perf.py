@@ -188,5 +188,7 @@ def test_simulate_takes_the_load_imbalance(tmp_path, capsys) -> None:
         assert main([*args, "--moe-load-imbalance", load]) == 0
         seconds.append(json.loads(capsys.readouterr().out)["iteration_seconds"])
     assert seconds[1] > seconds[0]
-    assert main([*args, "--moe-load-imbalance", "0.5"]) == 2
-    assert "must be >= 1" in capsys.readouterr().err
+    for bad in ("0.5", "inf", "nan"):
+        assert main([*args, "--moe-load-imbalance", bad]) == 2
+        assert "--moe-load-imbalance" in (err := capsys.readouterr().err), bad
+        assert "must be" in err and ">= 1" in err, err
