@@ -82,6 +82,16 @@ from ptdp.parallel.roles import ParamRoles
 from ptdp.parallel.zero3 import ParamGather, unit_of
 
 
+def _holds(*, experts_only: bool, experts_apart: bool) -> Callable[[nn.Parameter], bool]:
+    """Which parameters an instance holds: the expert-split ones (the experts' instance),
+    all others (the rank's, when the experts have their own), or every one."""
+    if experts_only:
+        return lambda p: expert_split(p) is not None
+    if experts_apart:
+        return lambda p: expert_split(p) is None
+    return lambda p: True
+
+
 def _weak_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
     """`method` called while its object lives; the hook itself keeps nothing alive."""
     ref = weakref.WeakMethod(method)
@@ -101,7 +111,10 @@ class GradBuffers:
     reduce-scatter so that each rank owns 1/dp of every bucket (ZeRO-1); `shard_grads`:
     also keep only that 1/dp of the gradients (ZeRO-2, module doc; implies `shard`);
     `shard_params`: and of the parameters (ZeRO-3, `ptdp.parallel.zero3`; implies both),
-    re-gathered before each backward unless `reshard_after_forward` is off.
+    re-gathered before each backward unless `reshard_after_forward` is off. `expert_dp`
+    (expert parallelism): the group over which the expert parameters, kept in an instance of
+    their own (`experts`), are reduced and sharded; `ep`: the group holding the other
+    experts. `_experts_only` and `_divisor` build that instance.
     """
 
     def __init__(
@@ -146,13 +159,7 @@ class GradBuffers:
         self.early_launches = 0
         self.chunks: list[ChunkBuffer] = []
         self._bucket_of: dict[nn.Parameter, tuple[ChunkBuffer, Bucket]] = {}
-        mine = (
-            (lambda p: expert_split(p) is not None)
-            if _experts_only
-            else (
-                (lambda p: expert_split(p) is None) if expert_dp is not None else (lambda p: True)
-            )
-        )
+        mine = _holds(experts_only=_experts_only, experts_apart=expert_dp is not None)
         names = {n for chunk in chunks for n, p in chunk.named_parameters() if mine(p)}
         self._both_ends = "embedding.weight" in names and any(map(roles.is_tied_copy, names))
         """This rank holds the embedding and its tied copy (ZB-V's V): they sum here."""
