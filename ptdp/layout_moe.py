@@ -134,16 +134,23 @@ def expert_rules(cfg: RunConfig, dp: int, errors: list[str]) -> None:
             "set --parallel.ep 1, or --model.num_experts (e.g. 8) for a mixture of experts"
         )
         return
-    if m.num_experts > 0 and m.num_experts % p.ep:
-        fits = [e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0 and e <= p.ep]
+    replicas = dp * p.cp
+    # The largest ep below the asked one that meets both rules: never a fix that fails.
+    fits = max(
+        e
+        for e in range(1, p.ep + 1)
+        if m.num_experts % e == 0 and (replicas == 0 or replicas % e == 0)
+    )
+    if m.num_experts % p.ep:
         errors.append(
             f"model.num_experts = {m.num_experts} is not divisible by parallel.ep = {p.ep}: "
             f"every expert-parallel rank holds the same number of experts; use --parallel.ep "
-            f"{max(fits)} (a divisor of {m.num_experts})"
+            f"{fits} (a divisor of {m.num_experts}{' and of dp * cp' if replicas else ''})"
         )
-    if dp and (dp * p.cp) % p.ep:
+    if replicas and replicas % p.ep:
         errors.append(
-            f"parallel.ep = {p.ep} does not divide dp * cp = {dp} * {p.cp} = {dp * p.cp}: "
+            f"parallel.ep = {p.ep} does not divide dp * cp = {dp} * {p.cp} = {replicas}: "
             "expert-parallel ranks are taken from the data- and context-parallel ranks; use "
-            f"an ep that divides {dp * p.cp}, or launch more processes"
+            f"--parallel.ep {fits}, or launch a multiple of {p.ep} data- and context-parallel "
+            "ranks"
         )

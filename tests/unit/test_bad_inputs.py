@@ -346,13 +346,14 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         "ep-not-dividing-the-experts",
         lambda c: c.train(world=3, parallel={"ep": 3}, model={"num_experts": 4}),
         ConfigError,
-        ("model.num_experts = 4 is not divisible by parallel.ep = 3", "--parallel.ep 2"),
+        # 2 divides the 4 experts but not dp = 3: the fix is 1
+        ("model.num_experts = 4 is not divisible by parallel.ep = 3", "--parallel.ep 1 (a"),
     ),
     (
         "ep-not-dividing-dp-cp",
         lambda c: c.train(world=2, parallel={"ep": 4}, model={"num_experts": 8}),
         ConfigError,
-        ("parallel.ep = 4 does not divide dp * cp = 2 * 1 = 2", "an ep that divides 2"),
+        ("parallel.ep = 4 does not divide dp * cp = 2 * 1 = 2", "use --parallel.ep 2,"),
     ),
     (
         "ep-on-a-dense-model",
