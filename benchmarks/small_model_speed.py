@@ -16,10 +16,18 @@ bound by kernel launches and Python (many small kernels), a large one's by its G
 table says where each cure pays. A mode the device cannot run (CUDA graphs and fused AdamW
 on a CPU, compile without --compile-on-cpu) is a row with its reason, not a gap.
 
+`--profile DIR` then runs two more steps of each measured row under PyTorch's profiler and
+writes DIR/trace_<model>_<mode>.json.gz (Chrome trace: open in https://ui.perfetto.dev;
+host-side gaps show as idle stretches of the CUDA stream) and DIR/top_<model>_<mode>.txt
+(the operators by device time, then by CPU time): where a 1.3B step goes, by kernel
+(GEMMs, attention, the optimizer, elementwise).
+
     python benchmarks/small_model_speed.py --models 125m,1.3b --json out.json   # a GPU
+    python benchmarks/small_model_speed.py --models 1.3b --modes compile --profile out/
     python benchmarks/small_model_speed.py --device cpu --models tiny --steps 2 # smoke
 
-Writes only the `--json` file. scripts/gpu-check.sh runs it on a lent GPU.
+Writes only the `--json` file and the `--profile` folder. scripts/gpu-check.sh runs it on a
+lent GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import argparse
 import json
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -113,6 +122,8 @@ def measure(name: str, mode: str, args: argparse.Namespace) -> dict:
         step()
     sync()
     seconds = time.perf_counter() - start
+    if args.profile:
+        profile(step, device, Path(args.profile), f"{name}_{mode}")
     tokens = shape.micro_batch * shape.seq * args.steps
     return {
         **row,
@@ -121,6 +132,27 @@ def measure(name: str, mode: str, args: argparse.Namespace) -> dict:
         "tokens_per_s": tokens / seconds,
         "last_loss": float(losses[-1]),
     }
+
+
+def profile(step, device: torch.device, out: Path, tag: str) -> None:
+    """Two steps of `step` under the profiler: the trace and the operator tables."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    out.mkdir(parents=True, exist_ok=True)
+    with profiler(activities=activities, record_shapes=True) as prof:
+        for _ in range(2):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(out / f"trace_{tag}.json.gz"))
+    table = prof.key_averages()
+    keys = ["self_device_time_total"] if device.type == "cuda" else []
+    text = [table.table(sort_by=key, row_limit=30) for key in [*keys, "self_cpu_time_total"]]
+    (out / f"top_{tag}.txt").write_text("\n\n".join(text))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -133,6 +165,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--vocab", type=int, default=0, help="0 = 50304 (GPT-2's, padded)")
     p.add_argument("--compile-on-cpu", action="store_true")
     p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--profile", help="folder for a profiler trace of each measured row")
     args = p.parse_args(argv)
     rows: list[dict] = []
     machine = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

@@ -20,7 +20,14 @@ def test_every_mode_is_a_row_measured_or_refused_with_its_reason(tmp_path: Path)
     bench = load_benchmark("small_model_speed")
     out = tmp_path / "speed.json"
     argv = ["--device", "cpu", "--models", "tiny", "--steps", "2", "--warmup", "1"]
-    rows = bench.main([*argv, "--vocab", "256", "--json", str(out)])
+    rows = bench.main([*argv, "--vocab", "256", "--json", str(out), "--profile", str(tmp_path)])
+    # The profiled row's trace and operator table (on a GPU: the 1.3B step's, by kernel).
+    assert (tmp_path / "trace_tiny_eager.json.gz").stat().st_size > 0
+    assert "aten::mm" in (tmp_path / "top_tiny_eager.txt").read_text()
+    assert sorted(p.name for p in tmp_path.glob("t*_tiny_*")) == [
+        "top_tiny_eager.txt",
+        "trace_tiny_eager.json.gz",
+    ]  # skipped modes profile nothing
     assert json.loads(out.read_text())["rows"] == rows
     assert [r["mode"] for r in rows] == list(bench.MODES)
     eager, *rest = rows
