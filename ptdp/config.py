@@ -449,9 +449,10 @@ class TrainConfig:
     region instead of one per kernel. Static steps only: no pipeline or context
     parallelism, no MoE, no ZeRO-3."""
     attention_backend: AttentionBackend = AttentionBackend.AUTO
-    """The attention kernel: auto (on CUDA, time flash, cudnn and efficient once on the
-    model's shape and keep the fastest that runs; elsewhere PyTorch's own choice), flash,
-    cudnn, efficient or math (the reference)."""
+    """The attention kernel tried first: auto (on CUDA, time flash, cudnn and efficient
+    once on the model's shape and keep the fastest that runs; elsewhere PyTorch's own
+    choice), flash, cudnn, efficient or math (the reference); a call it refuses (a mask,
+    a dtype) takes the next kernel that accepts it."""
 
 
 @dataclass(kw_only=True, frozen=True)

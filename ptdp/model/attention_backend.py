@@ -4,9 +4,11 @@ PyTorch picks a kernel by a fixed priority (flash, then memory-efficient, then c
 math reference, depending on the version), not by speed; on H100s cuDNN's attention can be
 faster than flash for some head sizes and sequence lengths, slower for others. `auto`
 times the fused CUDA kernels once, forward and backward on the run's own attention shape
-and dtype, and keeps the fastest that runs; a named kernel is used where it accepts the
-inputs and the math reference elsewhere (a masked block, an fp32 run on flash). On a CPU
-`auto` leaves PyTorch's own choice (its flash kernel or the reference: nothing to time).
+and dtype, and keeps the fastest that runs. The kept (or named) kernel goes first in
+PyTorch's priority order, the others stay behind it, so a call it refuses (a masked block:
+flash takes no mask; an fp32 run) takes the next that accepts it, not the math reference.
+On a CPU `auto` leaves PyTorch's own choice (its flash kernel or the reference: nothing to
+time).
 """
 
 from __future__ import annotations
@@ -79,9 +81,22 @@ def pick_backend(
     return min(ran, key=ran.__getitem__) if ran else None
 
 
+FALLBACK = (
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.MATH,
+)
+"""Behind the chosen kernel, in this order: the math reference last."""
+
+
+def priority(backend: AttentionBackend) -> list[SDPBackend]:
+    """`backend` first, then every other kernel (each call takes the first that accepts it)."""
+    return list(dict.fromkeys([KERNELS[backend], *FALLBACK]))
+
+
 def attention_context(backend: AttentionBackend | None) -> contextlib.AbstractContextManager:
-    """Around a forward and backward: `backend` where it accepts the inputs, else the math
-    reference (PyTorch's priority puts every fused kernel before it)."""
+    """Around a forward and backward: `backend` first in PyTorch's priority order."""
     if backend is None:
         return contextlib.nullcontext()
-    return sdpa_kernel(list(dict.fromkeys([KERNELS[backend], SDPBackend.MATH])))
+    return sdpa_kernel(priority(backend), set_priority=True)

@@ -15,7 +15,7 @@ from ptdp.config import AttentionBackend as AB
 from ptdp.config import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.model import compile as regional
-from ptdp.model.attention_backend import attention_context, pick_backend
+from ptdp.model.attention_backend import attention_context, pick_backend, priority
 from ptdp.model.gpt import GPT
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.run import train
@@ -44,14 +44,26 @@ def test_auto_keeps_the_fastest_kernel_that_ran_and_a_named_one_as_asked() -> No
     assert pick_backend(AB.FLASH, device=cpu, **kw) is AB.FLASH and asked == []
 
 
+def test_the_chosen_kernel_goes_first_and_the_others_stay_behind_it() -> None:
+    from torch.nn.attention import SDPBackend as K
+
+    assert priority(AB.CUDNN) == [K.CUDNN_ATTENTION, K.FLASH_ATTENTION,
+                                  K.EFFICIENT_ATTENTION, K.MATH]  # fmt: skip
+    assert priority(AB.MATH)[0] is K.MATH and len(priority(AB.MATH)) == 4
+
+
 @pytest.mark.parametrize("backend", [None, AB.MATH, AB.FLASH, AB.CUDNN, AB.EFFICIENT])
 def test_every_kernel_choice_computes_attention_on_a_cpu(backend: AB | None) -> None:
-    """A CUDA-only kernel named on a CPU tensor falls back to the math reference."""
+    """A CUDA-only kernel named on a CPU tensor gives way to one the CPU runs; a masked
+    call too (flash takes no mask)."""
     q, k, v = torch.randn(3, *SHAPE, generator=torch.Generator().manual_seed(0)).unbind(0)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = torch.ones(SHAPE[2], SHAPE[2], dtype=torch.bool).tril()
     with attention_context(backend):
         got = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        masked = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(masked, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_cuda_graphs_compile_each_region_in_reduce_overhead_mode(
