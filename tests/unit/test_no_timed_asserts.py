@@ -9,10 +9,12 @@ and finite, never bounded or compared with another measurement). An expression i
 measured when it contains
 
 * a call to `time.time`, `time.monotonic`, `time.perf_counter` (or their `_ns` forms)
-  that is part of a subtraction (a duration; a timestamp alone is not one), or a name
-  assigned in the same function from such a call or such a duration;
+  that is part of a subtraction (a duration; a timestamp alone is not one);
 * a subscript with a key of `MEASURED_KEYS` (what benchmarks and run logs record as
-  measured), or an attribute named in `MEASURED_ATTRS`.
+  measured), or an attribute named in `MEASURED_ATTRS`;
+* a call of one of `MEASURED_CALLS` (ptdp's calibration timers);
+
+or is a name assigned in the same function from a measured expression.
 
 Predicted figures (`iteration_seconds`, `mfu` of the performance model) are deterministic
 and not measured. An assert whose ordering holds by construction on any clock (a total
@@ -36,6 +38,21 @@ MEASURED_KEYS = {
     "split_backward_ratio",
 }
 MEASURED_ATTRS = {"seconds", "split_backward_ratio", "elapsed"}
+MEASURED_CALLS = {
+    "split_backward_ratio",
+    "time_call",
+    "collective_seconds",
+    "launch_seconds",
+    "gemm_seconds",
+    "attention_seconds",
+    "stream_seconds",
+    "framework_overhead",
+    "optimizer_overhead",
+    "interleaved_seconds",
+    "in_context_seconds",
+    "wait_after_compute",
+    "ring_sync",
+}
 MARK = "# not a timing:"
 
 
@@ -66,7 +83,14 @@ def _is_measured(node: ast.AST, timed_names: set[str]) -> bool:
                 return True
         if isinstance(n, ast.Attribute) and n.attr in MEASURED_ATTRS:
             return True
+        if isinstance(n, ast.Call) and _called(n) in MEASURED_CALLS:
+            return True
     return False
+
+
+def _called(call: ast.Call) -> str:
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
 
 
 def _is_trivial_bound(node: ast.AST) -> bool:
@@ -88,12 +112,21 @@ def _is_trivial_bound(node: ast.AST) -> bool:
 
 
 def _timed_names(scope: ast.AST) -> set[str]:
-    """Names assigned from a clock call or a duration in this scope."""
+    """Names assigned from a clock call or a measured expression in this scope (repeated
+    until no new name turns up: `took = end - start` after `end = time.monotonic()`)."""
     names: set[str] = set()
-    for n in ast.walk(scope):
-        if isinstance(n, ast.Assign) and (_is_clock_call(n.value) or _is_duration(n.value)):
-            names.update(t.id for t in n.targets if isinstance(t, ast.Name))
-    return names
+    assigns = [n for n in ast.walk(scope) if isinstance(n, ast.Assign)]
+    while True:
+        found = {
+            t.id
+            for n in assigns
+            if _is_clock_call(n.value) or _is_measured(n.value, names)
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        }
+        if found <= names:
+            return names
+        names |= found
 
 
 def timed_asserts(source: str) -> list[int]:
@@ -141,8 +174,10 @@ def f(r, chaos, clean, event):
     assert chaos["wall_s"] > clean["wall_s"]
     assert 0.5 < r.device.split_backward_ratio < 3.0
     assert 0.045 < event.seconds < 0.15
+    ratio = split_backward_ratio(torch.float32, torch.device("cpu"), Timing(0.01, 3))
+    assert 0.8 < ratio < 2.0
 """
-    assert timed_asserts(flagged) == [5, 7, 8, 9, 10]
+    assert timed_asserts(flagged) == [5, 7, 8, 9, 10, 12]
     kept = """
 import time
 def f(r, out, rec):
@@ -151,5 +186,7 @@ def f(r, out, rec):
     assert out["iteration_seconds"] > 20 * rec["iteration_seconds"]
     assert rec["fault_time"] <= time.time()
     assert rec["elapsed_s"] >= 2 * rec["step_time_s"]  # not a timing: covers each step
+    ratio = split_backward_ratio(torch.float32, torch.device("cpu"), Timing(0.01, 3))
+    assert 0 < ratio < float("inf")
 """
     assert timed_asserts(kept) == []
