@@ -73,15 +73,16 @@ if [ "$CUDA" = 1 ]; then
   part memory 120 "$PY" benchmarks/memory_phases.py --models 1.3b,4b --no-compile \
     --json "$OUT/memory.json"
   part moe 120 "$PY" benchmarks/moe_gpu.py --reps 20 --steps 10 --warmup 3 --json "$OUT/moe.json"
-  # Launch overhead (eager, fused AdamW, compile, CUDA graphs at 125M), a profiler trace
-  # of the 1.3B step (eager + fused AdamW: no compile time in the part), and the
-  # zero-bubble split's (B + W) / fused on the 1.3B layer (issue 43 items 3, 4 and 6).
+  # The zero-bubble split's (B + W) / fused on the 1.3B layer phase by phase (calibrate
+  # wrote the model's figure above), launch overhead at 125M (eager, fused AdamW, compile,
+  # CUDA graphs; rows written as measured) and a profiler trace of the 1.3B step (eager +
+  # fused AdamW: no compile time in the part): issue 43 items 6, 3 and 4.
+  part split-backward 40 "$PY" benchmarks/split_backward.py --device cuda --dtype bf16 \
+    --preset 1.3b --rounds 5 --json "$OUT/split_backward.json"
   part small-speed 90 "$PY" benchmarks/small_model_speed.py --models 125m --steps 10 \
     --warmup 3 --json "$OUT/small_speed.json"
   part profile-1.3b 60 "$PY" benchmarks/small_model_speed.py --models 1.3b --modes fused-adamw \
     --steps 3 --warmup 2 --profile "$OUT/profile" --json "$OUT/profile_1.3b.json"
-  part split-backward 45 "$PY" benchmarks/split_backward.py --device cuda --dtype bf16 \
-    --preset 1.3b --rounds 5 --json "$OUT/split_backward.json"
   DEMO_ARGS=(--train.precision bf16 --train.device cuda --train.steps 60)
 else
   skip cuda-tests "no CUDA: ${#CUDA_TESTS[@]} tests need a GPU: ${CUDA_TESTS[*]}"
