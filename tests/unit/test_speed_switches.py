@@ -91,3 +91,26 @@ def test_cuda_graphs_on_a_device_that_resolves_to_a_cpu_are_refused(
     cfg = tiny_config(tiny_data, tmp_path, train=switches)
     with pytest.raises(ConfigError, match="train.cuda_graphs = true needs a CUDA device"):
         train(cfg, env=LaunchEnv(rank=0, world_size=1, local_rank=0))
+
+
+def test_cuda_graphs_pass_a_static_step_and_name_every_reason_otherwise() -> None:
+    from ptdp.config import RunConfig, apply_updates
+    from ptdp.layout import validate
+
+    def cfg(**sections: dict):
+        base = {
+            "model": {"num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": 32},
+            "train": {"compile": True, "cuda_graphs": True, "device": "cuda"},
+        }
+        for section, values in sections.items():
+            base.setdefault(section, {}).update(values)
+        return apply_updates(RunConfig(), base, "a test")
+
+    assert validate(cfg(), 1).dp == 1  # one GPU, compiled, static: captured
+    assert validate(cfg(parallel={"tp": 2}), 2).tp == 2  # tensor parallelism: not refused
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg(parallel={"cp": 2}, train={"compile": False}), 2)
+    said = str(refused.value)
+    assert "train.compile = false" in said and "parallel.cp = 2 (the ring's" in said
+    # A modelled run (ptdp simulate --gpus) is not refused for its device.
+    assert validate(cfg(train={"device": "cpu"}), 1, gpus=True).dp == 1
