@@ -15,15 +15,21 @@ own `GPT`, in each round, alternately:
 
 Times are medians over `--rounds` rounds; each ratio is the median over rounds of the
 ratio within a round (the machine's load drifts less within one round than across rounds).
-W's share is time(W) / (time(B) + time(W)). Prints a table; writes nothing.
+W's share is time(W) / (time(B) + time(W)). Prints a table; writes a JSON file only with
+`--json PATH`. On a GPU (`--device cuda --dtype bf16`) each phase is timed between device
+synchronisations; `--preset 1.3b` is the 1.3B GPT's layer (h 2048, 16 heads, s 2048,
+micro-batch 8: benchmarks/mfu.py's shape), the (B + W) / fused that `ptdp calibrate`
+writes for a GPU as `split_backward_ratio` (scripts/gpu-check.sh runs both).
 
     python benchmarks/split_backward.py                        # h 256 (demo) and h 512
     python benchmarks/split_backward.py --hidden 256 1024 --rounds 9
+    python benchmarks/split_backward.py --device cuda --dtype bf16 --preset 1.3b --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import time
@@ -35,6 +41,10 @@ from ptdp.config import ModelConfig
 from ptdp.model.gpt import GPT
 from ptdp.parallel.wgrad import accumulate_grads
 
+PRESETS = {"1.3b": {"hidden": [2048], "heads": 16, "seq": 2048, "batch": 8, "layers": 2}}
+"""Named layer shapes (benchmarks/mfu.py's 1.3B: two of its 24 layers, a stage's chunk)."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 def build(hidden: int, args: argparse.Namespace) -> GPT:
     cfg = ModelConfig(
@@ -45,12 +55,20 @@ def build(hidden: int, args: argparse.Namespace) -> GPT:
         vocab_size=128,  # unused: the chunk has neither embedding nor output layer
         dropout=0.0,
     )
-    return GPT(cfg, seed=0, has_embedding=False, has_head=False)
+    chunk = GPT(cfg, seed=0, has_embedding=False, has_head=False)
+    return chunk.to(device=args.device, dtype=DTYPES[args.dtype])
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _timed(fn: Callable[[], object]) -> float:
+    _sync()
     start = time.perf_counter()
     fn()
+    _sync()
     return time.perf_counter() - start
 
 
@@ -87,8 +105,9 @@ def before(chunk: GPT, x: torch.Tensor, dy: torch.Tensor) -> dict[str, float]:
 def measure(hidden: int, args: argparse.Namespace) -> dict[str, list[float]]:
     chunk = build(hidden, args)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(args.seq, args.batch, hidden, generator=g, requires_grad=True)
-    dy = torch.randn(args.seq, args.batch, hidden, generator=g)
+    like = {"device": args.device, "dtype": DTYPES[args.dtype]}
+    x = torch.randn(args.seq, args.batch, hidden, generator=g).to(**like).requires_grad_()
+    dy = torch.randn(args.seq, args.batch, hidden, generator=g).to(**like)
     times: dict[str, list[float]] = {}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for run in (fused, split, before):
@@ -106,7 +125,7 @@ def per_round(rounds: dict[str, list[float]], *parts: str) -> float:
     return statistics.median(sum(x[:-1]) / x[-1] for x in each)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--layers", type=int, default=4)
@@ -114,16 +133,27 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="a named layer shape")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    for key, value in PRESETS.get(args.preset, {}).items():
+        setattr(args, key, value)
+    machine = (
+        torch.cuda.get_device_name(args.device)
+        if args.device.startswith("cuda")
+        else f"{platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} threads"
+    )
     print(
-        f"{platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; {args.layers} layers, s {args.seq}, "
-        f"b {args.batch}, {args.heads} heads, median of {args.rounds} rounds"
+        f"{machine}, torch {torch.__version__}, {args.dtype}; {args.layers} layers, "
+        f"s {args.seq}, b {args.batch}, {args.heads} heads, median of {args.rounds} rounds"
     )
     print(
         "| h | fused ms | B ms | W ms | (B+W)/fused | W share | before: (B+W)/fused |\n"
         "|---:|---:|---:|---:|---:|---:|---:|"
     )
+    rows = []
     for hidden in args.hidden:
         rounds = measure(hidden, args)
         t = {k: statistics.median(v) * 1e3 for k, v in rounds.items()}
@@ -133,6 +163,14 @@ def main() -> None:
             f"| {hidden} | {t['fused']:.1f} | {t['B']:.1f} | {t['W']:.1f} | {ratio:.3f} "
             f"| {share:.1%} | {old:.3f} |"
         )
+        rows.append({"hidden": hidden, "ms": t, "split_over_fused": ratio, "w_share": share})
+        rows[-1]["before_over_fused"] = old
+    if args.json:
+        shape = {k: getattr(args, k) for k in ("layers", "heads", "seq", "batch", "dtype")}
+        record = {"machine": machine, "torch": torch.__version__, **shape, "rows": rows}
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

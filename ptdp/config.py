@@ -70,6 +70,16 @@ class CpComm(str, enum.Enum):
     ALLGATHER = "allgather"
 
 
+class AttentionBackend(str, enum.Enum):
+    """`scaled_dot_product_attention`'s kernel (`torch.nn.attention.SDPBackend`)."""
+
+    AUTO = "auto"
+    FLASH = "flash"
+    CUDNN = "cudnn"
+    EFFICIENT = "efficient"
+    MATH = "math"
+
+
 class Recompute(str, enum.Enum):
     NONE = "none"
     SELECTIVE = "selective"
@@ -433,6 +443,16 @@ class TrainConfig:
     """Compile each transformer layer and the loss with torch.compile (fused bias+GeLU,
     bias+dropout+residual and softmax kernels); the first steps are slower while it
     compiles."""
+    cuda_graphs: bool = False
+    """With train.compile on a CUDA device: capture each compiled region in CUDA graphs
+    (torch.compile's mode "reduce-overhead"), so a small model's step pays one launch per
+    region instead of one per kernel. Static steps only: no pipeline or context
+    parallelism, no MoE, no ZeRO-3."""
+    attention_backend: AttentionBackend = AttentionBackend.AUTO
+    """The attention kernel tried first: auto (on CUDA, time flash, cudnn and efficient
+    once on the model's shape and keep the fastest that runs; elsewhere PyTorch's own
+    choice), flash, cudnn, efficient or math (the reference); a call it refuses (a mask,
+    a dtype) takes the next kernel that accepts it."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -22,6 +22,7 @@ from ptdp.config import (
 from ptdp.domains import FLOAT32_MAX, check_config, refuse
 from ptdp.errors import ConfigError
 from ptdp.layout_moe import expert_rules, moe_rules
+from ptdp.layout_speed import speed_rules
 from ptdp.pipeline.partition import empty_middle, near_even_split
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import PipelinePlan, build_plan
@@ -501,6 +502,7 @@ def validate(cfg: RunConfig, world_size: int = 1, *, gpus: bool = False) -> Layo
     errors: list[str] = []
     _model_rules(cfg, errors)
     moe_rules(cfg, errors, runtime=not gpus)
+    speed_rules(cfg, errors, runtime=not gpus)
     dp = _parallel_rules(cfg, world_size, errors, gpus)
     expert_rules(cfg, dp, errors)
     microbatches = _train_rules(cfg, dp, errors)

@@ -73,6 +73,16 @@ if [ "$CUDA" = 1 ]; then
   part memory 120 "$PY" benchmarks/memory_phases.py --models 1.3b,4b --no-compile \
     --json "$OUT/memory.json"
   part moe 120 "$PY" benchmarks/moe_gpu.py --reps 20 --steps 10 --warmup 3 --json "$OUT/moe.json"
+  # The zero-bubble split's (B + W) / fused on the 1.3B layer phase by phase (calibrate
+  # wrote the model's figure above), launch overhead at 125M (eager, fused AdamW, compile,
+  # CUDA graphs; rows written as measured) and a profiler trace of the 1.3B step (eager +
+  # fused AdamW: no compile time in the part): issue 43 items 6, 3 and 4.
+  part split-backward 40 "$PY" benchmarks/split_backward.py --device cuda --dtype bf16 \
+    --preset 1.3b --rounds 5 --json "$OUT/split_backward.json"
+  part small-speed 90 "$PY" benchmarks/small_model_speed.py --models 125m --steps 10 \
+    --warmup 3 --json "$OUT/small_speed.json"
+  part profile-1.3b 60 "$PY" benchmarks/small_model_speed.py --models 1.3b --modes fused-adamw \
+    --steps 3 --warmup 2 --profile "$OUT/profile" --json "$OUT/profile_1.3b.json"
   DEMO_ARGS=(--train.precision bf16 --train.device cuda --train.steps 60)
 else
   skip cuda-tests "no CUDA: ${#CUDA_TESTS[@]} tests need a GPU: ${CUDA_TESTS[*]}"
@@ -86,6 +96,14 @@ else
       --predict "$OUT/calibration.toml" --json "$OUT/mfu.json"
     part moe 60 "$PY" benchmarks/moe_gpu.py --device cpu --reps 3 --steps 2 --warmup 1 \
       --vocab-size 512 --json "$OUT/moe.json"
+  fi
+  skip small-speed "no CUDA: fused AdamW, compile and CUDA graphs are measured on a GPU"
+  skip profile-1.3b "no CUDA: the 1.3B step is profiled on a GPU"
+  if [ "$QUICK" = 1 ]; then
+    skip split-backward "quick mode"
+  else
+    part split-backward 60 "$PY" benchmarks/split_backward.py --hidden 256 --rounds 3 \
+      --json "$OUT/split_backward.json"
   fi
   DEMO_ARGS=(--train.device cpu --train.steps 6)
 fi

@@ -37,15 +37,31 @@ import torch
 from torch import nn
 
 
-def apply_compile(chunks: Iterable[nn.Module]) -> int:
+def compile_mode(cuda_graphs: bool) -> str | None:
+    """torch.compile's mode: "reduce-overhead" records each region's kernels in a CUDA
+    graph (PyTorch's cudagraph trees) and replays it with one launch (train.cuda_graphs);
+    the default mode launches each fused kernel from Python."""
+    return "reduce-overhead" if cuda_graphs else None
+
+
+def apply_compile(chunks: Iterable[nn.Module], *, cuda_graphs: bool = False) -> int:
     """Compile each transformer layer of `chunks`, and the loss of the chunk that has the
     output layer, in place (lazily: on the first call); returns the number of layers.
-    Parameter names and the state dict are unchanged."""
+    Parameter names and the state dict are unchanged. `cuda_graphs`: CUDA devices only
+    (`ptdp.layout_speed` refuses the rest before this runs)."""
+    mode = compile_mode(cuda_graphs)
     count = 0
     for chunk in chunks:
         for layer in chunk.layers.values():
-            layer.compile()
+            layer.compile(mode=mode)
             count += 1
         if chunk.has_head:
-            chunk.loss = torch.compile(chunk.loss)
+            chunk.loss = torch.compile(chunk.loss, mode=mode)
     return count
+
+
+def mark_step(cuda_graphs: bool) -> None:
+    """Before a microbatch's forward under CUDA graphs: a new replay may reuse the memory
+    of the previous one's outputs (consumed by its backward by then)."""
+    if cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()

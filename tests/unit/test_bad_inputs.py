@@ -323,6 +323,24 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         ("train.on_nan = 'rewind' is not valid", "skip, stop, rollback"),
     ),
     (
+        "cuda-graphs-on-cpu",
+        lambda c: c.train(train={"cuda_graphs": True, "device": "cpu"}),
+        ConfigError,
+        ("train.cuda_graphs = true cannot capture", "train.compile = false", "train.device = cpu"),
+    ),
+    (
+        "cuda-graphs-with-a-pipeline",
+        lambda c: c.train(2, parallel={"pp": 2}, train={"compile": True, "cuda_graphs": True}),
+        ConfigError,
+        ("parallel.pp = 2 (a pipeline", "set --train.cuda_graphs false"),
+    ),
+    (
+        "cuda-attention-kernel-on-cpu",
+        lambda c: c.train(train={"attention_backend": "cudnn", "device": "cpu"}),
+        ConfigError,
+        ("train.attention_backend = cudnn is a CUDA kernel", "--train.attention_backend auto"),
+    ),
+    (
         "moe-key-on-a-dense-model",
         lambda c: c.train(model={"moe_top_k": 4}),
         ConfigError,

@@ -130,6 +130,7 @@ def test_gpu_check_without_cuda_exits_0_and_says_what_it_skipped(tmp_path: Path)
     assert "skipped without CUDA" in done.stdout, said
     status = (out / "status.tsv").read_text()
     assert "calibrate\tok" in status and "mfu\tskipped" in status, said
+    assert "small-speed\tskipped: no CUDA" in status and "split-backward\tskipped" in status
     load_system(out / "calibration.toml")
     table = (out / "BENCHMARKS-snippet.md").read_text()
     assert "| GEMM efficiency, smallest to largest |" in table and "| calibrate | ok" in table

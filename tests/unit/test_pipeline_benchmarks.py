@@ -3,7 +3,7 @@ included), per-chunk costs from measured events, and compute timing without inpu
 
 from __future__ import annotations
 
-import time
+import types
 
 import pytest
 import torch
@@ -57,19 +57,23 @@ def test_measured_costs_are_per_chunk_medians() -> None:
     assert fused.backward_input == (6.0, 0.0) and fused.backward_weight == (0.0, 0.0)
 
 
-def test_compute_clock_leaves_out_the_wait_for_input() -> None:
-    clock = load_benchmark("pipeline_real").ComputeClock(rank=1)
+def test_compute_clock_leaves_out_the_wait_for_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a fixed clock (action starts at 10, waits 10 to 10.2, ends at 10.25) the event
+    holds the compute after the wait: 0.05 s, whatever the machine's load."""
+    bench = load_benchmark("pipeline_real")
+    reads = iter([10.0, 10.0, 10.2, 10.25])
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: next(reads)))
+    clock = bench.ComputeClock(rank=1)
     clock.recording = True
     with clock.around_action(Action(Kind.F, 1, 0)):
         with clock.around_wait("the activation"):
-            time.sleep(0.2)
-        time.sleep(0.05)
+            pass
     (event,) = clock.events
     assert (event.rank, event.stage, event.kind) == (1, 1, "F")
-    assert 0.045 < event.seconds < 0.15
+    assert event.seconds == pytest.approx(0.05)
 
 
-def test_synthetic_stage_defers_its_weight_gradient_to_w() -> None:
+def test_synthetic_stage_defers_its_weight_gradient_to_w(monkeypatch: pytest.MonkeyPatch) -> None:
     """ptdp's B leaves the weight path's sleep and gradient to W; a fused backward sleeps
     both paths and gives the same gradients."""
     bench = load_benchmark("pipeline_efficiency")
@@ -79,12 +83,13 @@ def test_synthetic_stage_defers_its_weight_gradient_to_w() -> None:
     fused = (stage.weight.grad.clone(), stage.embed.grad.clone())
     stage.weight.grad = stage.embed.grad = None
     out = stage(x)
+    slept: list[float] = []
+    monkeypatch.setattr(bench, "_sleep", slept.append)  # the sleeps each side asks for
     with stage.wgrad.deferring((0, 0)):
-        start = time.perf_counter()
         grads = torch.autograd.grad(out.sum(), [stage.embed, stage.weight], allow_unused=True)
-        assert time.perf_counter() - start < 0.04  # B did not sleep T_W
+    assert slept == [0.0]  # B slept T_B only, not T_W
     assert grads[1] is None and torch.equal(grads[0], fused[1])
-    start = time.perf_counter()
+    slept.clear()
     ((param, grad),) = stage.wgrad.flush((0, 0))
-    assert time.perf_counter() - start >= 0.05 and param is stage.weight
+    assert slept == [0.05] and param is stage.weight  # W sleeps T_W
     assert torch.equal(grad, fused[0])

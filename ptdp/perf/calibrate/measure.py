@@ -25,9 +25,9 @@ What is measured (ptdp/perf/calibrate/microbench.py) and what it becomes in the 
 - on a CPU, ptdp's optimizer step (gradient norm, clipping, AdamW, the 16-bit copy) on
   the same model at 0 and 2 layers -> `optimizer_overhead_us`: per step and per parameter
   tensor, beyond the bytes it moves (a CPU's foreach AdamW runs each op tensor by tensor);
-- on a CPU, ptdp's zero-bubble split backward (B, then W's deferred weight-gradient GEMMs)
-  against autograd's fused one on two layers -> `split_backward_ratio`
-  (`wgrad_cost.split_backward_ratio`);
+- ptdp's zero-bubble split backward (B, then W's deferred weight-gradient GEMMs)
+  against autograd's fused one on two layers (on a GPU, two of the 1.3B GPT's) ->
+  `split_backward_ratio` (`wgrad_cost.split_backward_ratio`);
 - on CPUs under torchrun, the same model at tp = 2 over two ranks against tp = 1 ->
   `collective_sync_us`: what each blocking collective between compute costs in place
   beyond what the fitted link charges it (the ranks' resynchronisation, the
@@ -336,7 +336,7 @@ def calibrate(
             mb.optimizer_overhead(dtype, device, sweep.timing) if device.type == "cpu" else None
         )
         step("split backward")
-        split = split_backward_ratio(dtype, device, sweep.timing) if device.type == "cpu" else None
+        split = split_backward_ratio(dtype, device, sweep.timing)  # GPUs: the 1.3B layer
         waited = world.size > 1 and device.type == "cpu"  # the waits' own figures
         pair = mb.build_groups(world.size, 2, 1) if waited else None
         rounds: list[float] = []  # collective_sync's, in spells apart (waits.SYNC_SPELLS)

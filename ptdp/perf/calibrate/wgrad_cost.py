@@ -17,13 +17,21 @@ from ptdp.perf.calibrate.timing import Timing, synchronize
 
 SPLIT_CHUNK = {"hidden_size": 128, "seq_length": 128, "num_heads": 4, "num_layers": 2}
 """Two layers at benchmarks/prediction.py's base size, batch 2: a pipeline stage's chunk
-of its zero-bubble cases."""
+of its zero-bubble cases (CPUs)."""
+GPU_SPLIT_CHUNK = {"hidden_size": 2048, "seq_length": 2048, "num_heads": 16, "num_layers": 2}
+"""Two layers of the 1.3B GPT (benchmarks/mfu.py's shape), batch 2 (GPUs): on a CPU-sized
+chunk a GPU measures its launches, not the GEMMs a real stage runs."""
 SPLIT_ROUNDS = 9
+
+
+def split_chunk(device: torch.device) -> dict[str, int]:
+    """The chunk whose split `split_backward_ratio` measures on `device`."""
+    return GPU_SPLIT_CHUNK if device.type == "cuda" else SPLIT_CHUNK
 
 
 def split_backward_ratio(dtype: torch.dtype, device: torch.device, timing: Timing) -> float:
     """1 + what the split costs beyond the fused backward, over the fused backward, on
-    `SPLIT_CHUNK`: (F under capture - F) + (B + W - fused backward). The forward counts too:
+    `split_chunk(device)`: (F under capture - F) + (B + W - fused backward). The forward counts too:
     under `capture` the linear layers keep their inputs for W (0.23 ms more a forward of the
     chunk, 3.39 against 3.16 ms, on the 2-vCPU Xeon; B + W alone gave 1.12-1.22 there).
     The median over rounds of each round's ratio (a round runs both, back to back, so a
@@ -32,7 +40,7 @@ def split_backward_ratio(dtype: torch.dtype, device: torch.device, timing: Timin
     from ptdp.model.gpt import GPT
     from ptdp.parallel.wgrad import accumulate_grads
 
-    cfg = ModelConfig(**SPLIT_CHUNK, vocab_size=128, dropout=0.0)
+    cfg = ModelConfig(**split_chunk(device), vocab_size=128, dropout=0.0)
     chunk = GPT(cfg, seed=0, has_embedding=False, has_head=False).to(device=device, dtype=dtype)
     params = list(chunk.parameters())
     shape = (cfg.seq_length, 2, cfg.hidden_size)

@@ -23,10 +23,12 @@ from torch import nn
 from tqdm import tqdm
 
 from ptdp.checkpoint import CheckpointManager
-from ptdp.config import Precision, RunConfig
+from ptdp.config import AttentionBackend, Precision, RunConfig
 from ptdp.data.documents import microbatch_positions
+from ptdp.errors import ConfigError
 from ptdp.layout import Layout
-from ptdp.model.compile import apply_compile
+from ptdp.model.attention_backend import attention_context, pick_backend
+from ptdp.model.compile import apply_compile, mark_step
 from ptdp.model.gpt import count_parameters
 from ptdp.parallel.comm import Group, all_reduce_mean_, all_reduce_sum_
 from ptdp.parallel.context import split_sequence
@@ -69,6 +71,11 @@ class Trainer:
         self.cfg, self.layout, self.env, self.data = cfg, layout, env, data
         self.device = pick_device(cfg.train.device, env.local_rank)
         t = cfg.train
+        if t.cuda_graphs and self.device.type != "cuda":  # train.device = auto on a CPU
+            raise ConfigError(
+                f"train.cuda_graphs = true needs a CUDA device, and this run has "
+                f"{self.device.type}; set --train.cuda_graphs false"
+            )
         store = init_process_group(env, self.device, t.collective_timeout_s)
         self.owns_process_group = store is not None
         self.mesh = (
@@ -106,7 +113,7 @@ class Trainer:
             cp_comm=cfg.parallel.cp_comm,
         )
         if cfg.train.compile:  # regional: each transformer layer (ptdp/model/compile.py)
-            apply_compile(by_stage.values())
+            apply_compile(by_stage.values(), cuda_graphs=t.cuda_graphs)
         self.chunks = list(by_stage.values())
         self.model = nn.ModuleList(self.chunks).to(self.device)
         self.grads = GradBuffers(
@@ -177,8 +184,19 @@ class Trainer:
             cfg.model, cfg.train.global_batch_size
         )
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+        self.attention = self._attention_kernel(dtype)
         if self.watchdog:
             self.watchdog.start()
+
+    def _attention_kernel(self, dtype: torch.dtype) -> AttentionBackend | None:
+        """train.attention_backend, `auto` timed once on this rank's attention shape."""
+        m, t = self.cfg.model, self.cfg.train
+        heads = max(1, m.num_heads // self.layout.tp)
+        shape = (t.micro_batch_size, heads, m.seq_length // self.layout.cp, m.head_dim)
+        kernel = pick_backend(t.attention_backend, shape=shape, dtype=dtype, device=self.device)
+        if t.attention_backend is AttentionBackend.AUTO and kernel is not None:
+            self.say(f"attention kernel: {kernel.value} (the fastest on {list(shape)})")
+        return kernel
 
     def _pipeline_step(self, by_stage: dict[int, nn.Module], dtype: torch.dtype) -> PipelineStep:
         """The layout's plan on this rank's chunks; the gradient reduction, timeline and
@@ -252,6 +270,7 @@ class Trainer:
         timed = self.around
         for j in range(n):
             tokens, labels, positions = batch(j)
+            mark_step(self.cfg.train.cuda_graphs)
             with timed(Action(Kind.F, 0, j)), self._autocast():
                 loss = self.chunks[0](tokens, labels, positions=positions) / n
             if j == n - 1:  # its buckets reduce while the rest of this backward runs
@@ -317,7 +336,7 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (mean loss over the global batch, MoE balancing losses
         included, grad norm)."""
-        with self.around("forward-backward"):
+        with self.around("forward-backward"), attention_context(self.attention):
             total = self.forward_backward()
         with self.around("optimizer step"):
             grad_norm, skipped = self.optimizer_step(total)
