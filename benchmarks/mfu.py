@@ -568,10 +568,11 @@ def run_rows(args, names: list[str], peers: list[str], data: str, record) -> Non
     at the base precision, then the same at each fp8 recipe; then --fill. A peer's failure
     (not installed, needs CUDA, its library's version) and a ptdp fp8 row this ptdp cannot
     run become rows with the error text; a ptdp failure at the base precision is raised."""
+    fp8_names = [m for m in args.fp8_models.split(",") if m] or names
     precisions = [args.precision] + [f"fp8-{r}" for r in args.fp8.split(",") if r]
     for precision in precisions:
         for impl in ["ptdp", *peers]:
-            for name in names:
+            for name in names if precision == args.precision else fp8_names:
                 try:
                     record(measure(args, name, impl, MODELS[name], data, "none", precision))
                 except Exception as e:  # noqa: BLE001 -- a peer's failure is reported, not ours
@@ -605,10 +606,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.peer_compile is None:
         args.peer_compile = args.compile
     names = [m for m in args.models.split(",") if m]
+    every = names + [m for m in args.fp8_models.split(",") if m]
     peers = (args.peers or DEFAULT_PEERS[args.arch]).split(",") if args.compare else []
     peers = [p for p in peers if p]
     recipes = [r for r in args.fp8.split(",") if r]
-    for given, known in ((names, MODELS), (peers, PEERS), (recipes, FP8_RECIPES)):
+    for given, known in ((every, MODELS), (peers, PEERS), (recipes, FP8_RECIPES)):
         if unknown := [x for x in given if x not in known]:
             raise SystemExit(f"unknown {unknown}; known: {', '.join(known)}")
     device = args.device
@@ -625,7 +627,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
 
     with tempfile.TemporaryDirectory() as tmp:
-        longest = max([MODELS[m].seq for m in names] + ([2048] if args.fill else []))
+        longest = max([MODELS[m].seq for m in every] + ([2048] if args.fill else []))
         data = synthetic_tokens(Path(tmp), args.vocab_size, 64 * (longest + 1))
         run_rows(args, names, peers, data, record)
     compiled = f"compile {'on' if args.compile else 'off'}"
