@@ -10,16 +10,23 @@ bf16 peak, and peak allocated memory; on CUDA also what the process holds beside
 (the allocator's cache, the context and libraries), which `--predict` sets beside the
 performance model's count and reserve.
 
-With --compare, the same model, batch and sequence length also train through peers in
-the same process: Hugging Face `GPT2LMHeadModel` (SDPA attention) and a small GPT written
-here in plain PyTorch, both in the usual hand-written style: fp32 weights, bf16 autocast,
-torch AdamW (fused on CUDA), gradient clipping, the vocabulary as given (50,257; ptdp pads
-its rows to 50,304, `--pad-peers` gives the peers the same shapes, as nanoGPT does), and
-whole-model torch.compile when ptdp compiles (`--no-peer-compile`: eager peers). The
-ratio ptdp / peer of tokens/s is printed for each. Model FLOPs count the unpadded
-vocabulary for every row.
+With --compare, the same model, batch, sequence length and precision also train through
+peers in the same process (benchmarks/peers/, one module each), all in one loop: fp32
+weights, bf16 autocast, torch AdamW (fused on CUDA), gradient clipping, the vocabulary as
+given (50,257; ptdp pads its rows to 50,304, `--pad-peers` gives the peers the same). With
+GPT-2 layers (`--arch gpt`): Hugging Face `GPT2LMHeadModel`, a GPT written in plain PyTorch
+(both compiled whole when ptdp compiles; `--no-peer-compile`: eager) and Megatron-Core's
+GPTModel; with Llama 3 layers (`--arch llama`, ptdp's Llama layer at the same sizes):
+TorchTitan's Llama 3 (its per-block compile, FlexAttention and fp8 converter) and
+Megatron-Core. `--fp8 tensorwise,rowwise` adds the same rows with fp8 GEMMs (ptdp's
+`train.precision = "fp8"` and `train.fp8_recipe`). A peer that cannot run a row (not
+installed, CUDA only, no such recipe) leaves the row with the reason. The ratio ptdp / peer
+of tokens/s is printed for each pair of rows at one precision. Model FLOPs (ptdp's count of
+the ptdp model, unpadded vocabulary) are the same for every row of a model, and MFU is
+against the dense bf16 peak for fp8 rows too, as the peers report it.
 
     python benchmarks/mfu.py --models 125m,350m,760m,1.3b --compare   # on an H100 / H200
+    python benchmarks/mfu.py --arch llama --models 125m,1.3b --compare --fp8 tensorwise,rowwise
     python benchmarks/mfu.py --fill          # largest GPT that fits with full recomputation
     python benchmarks/mfu.py --device cpu --models tiny --steps 3 --no-compile --compare
 """
@@ -55,8 +62,11 @@ from ptdp.train.step.optim import adamw_kernel
 from ptdp.train.step.trainer import Trainer
 
 try:
+    from benchmarks._mfu_table import against_prediction, format_table, ratios
     from benchmarks.peers import ARCHS, DEFAULT_PEERS, PEERS, PeerShape, PeerUnavailable, build_peer
 except ModuleNotFoundError:  # run as `python benchmarks/mfu.py` without the repo root on sys.path
+    from _mfu_table import against_prediction, format_table, ratios
+
     from peers import ARCHS, DEFAULT_PEERS, PEERS, PeerShape, PeerUnavailable, build_peer
 
 
@@ -384,86 +394,6 @@ def measure(
     }
 
 
-def format_table(rows: list[dict]) -> str:
-    head = (
-        f"{'model':>6} | {'impl':>13} | {'precision':>14} | {'params':>8} | {'l/h/n/s':>17} | "
-        f"{'mbs':>3} | {'tokens/s':>10} | {'TFLOP/s':>7} | {'MFU':>6} | {'peak GiB':>8}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        shape = f"{r['layers']}/{r['hidden']}/{r['heads']}/{r['seq']}"
-        left = f"{r['model']:>6} | {r['impl']:>13} | {r.get('precision', ''):>14} | "
-        if "error" in r:
-            lines.append(f"{left}{'':>8} | {shape:>17} | failed: {r['error']}")
-            continue
-        mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "   n/a"
-        lines.append(
-            f"{left}{r['params'] / 1e6:7.1f}M | {shape:>17} | "
-            f"{r['micro_batch']:>3} | {r['tokens_per_s']:>10,.0f} | {r['tflops']:>7.3g} | "
-            f"{mfu} | {r['peak_gib']:>8.2f}"
-        )
-    return "\n".join(lines)
-
-
-def ratios(rows: list[dict]) -> list[str]:
-    """ptdp / peer tokens/s per model and precision, flagged where an out-of-memory retry
-    left the two at different micro-batches (then the ratio compares unequal batches); and
-    ptdp's fp8 rows against its own first (bf16) row of the model. Failed rows are left out
-    (the table names why)."""
-    done = [r for r in rows if "error" not in r]
-    ours = {(r["model"], r.get("precision")): r for r in done if r["impl"] == "ptdp"}
-    first = {}
-    for r in done:
-        if r["impl"] == "ptdp":
-            first.setdefault(r["model"], r)
-    lines = []
-    for r in done:
-        key = (r["model"], r.get("precision"))
-        if r["impl"] == "ptdp":
-            base = first[r["model"]]
-            if base is not r:
-                lines.append(
-                    f"{r['model']}: ptdp {r['precision']} / {base['precision']} tokens/s = "
-                    f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}"
-                )
-            continue
-        if key not in ours:
-            continue
-        mine = ours[key]
-        fp8 = f" {key[1]}" if key[1] and key[1].startswith("fp8") else ""
-        line = f"{r['model']}{fp8}: ptdp / {r['impl']} tokens/s = "
-        line += f"{mine['tokens_per_s'] / r['tokens_per_s']:.3f}"
-        if mine["micro_batch"] != r["micro_batch"]:
-            line += (
-                f" (micro-batch {mine['micro_batch']} against {r['micro_batch']}: "
-                "not the same batch; pass --micro-batch-size to compare like with like)"
-            )
-        lines.append(line)
-    return lines
-
-
-def against_prediction(rows: list[dict]) -> list[str]:
-    """Measured against the performance model, for each ptdp row that has a prediction."""
-    lines = []
-    for r in rows:
-        if p := r.get("predicted"):
-            lines.append(
-                f"{r['model']}: measured / predicted on {p['system']} tokens/s = "
-                f"{r['tokens_per_s'] / p['tokens_per_s']:.3f} (predicted "
-                f"{p['tokens_per_s']:,.0f} tokens/s, MFU {100 * p['mfu']:.1f}%)"
-            )
-            if "allocator_gib" in r:
-                held = r["allocator_gib"] + r["context_gib"]
-                lines.append(
-                    f"{r['model']}: memory GiB: peak allocated {r['peak_gib']:.2f} against the "
-                    f"model's count {p['memory_gib']:.2f}; held beside it {held:.2f} (allocator "
-                    f"{r['allocator_gib']:.2f}, context and libraries {r['context_gib']:.2f}) "
-                    f"against the reserve {p['reserve_gib']:.2f}; the model: "
-                    f"{'fits' if p['fits'] else 'does not fit'}"
-                )
-    return lines
-
-
 def resolve_peak(args) -> float | None:
     """Dense bf16 (or fp16/fp32) TFLOP/s of the device: --peak-tflops, else by its name."""
     if args.peak_tflops:
@@ -504,6 +434,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="comma-separated fp8 recipes (tensorwise, rowwise): after the bf16 rows, the same "
         "rows again with fp8 GEMMs; MFU stays against the dense bf16 peak, as the peers count it",
+    )
+    p.add_argument(
+        "--fp8-models", default="", help="the models of the fp8 rows (default: --models)"
     )
     p.add_argument(
         "--peer-compile",

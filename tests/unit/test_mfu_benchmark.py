@@ -153,7 +153,7 @@ def test_peers_that_cannot_run_leave_rows_that_say_why(tmp_path: Path, capsys) -
     mfu = load_benchmark("mfu")
     out = tmp_path / "mfu.json"
     argv = "--device cpu --models tiny --steps 1 --warmup 0 --no-compile --compare --arch llama"
-    argv += f" --vocab-size 512 --fp8 tensorwise --json {out}"
+    argv += f" --vocab-size 512 --fp8 tensorwise --fp8-models tiny --json {out}"
     rows = mfu.main(argv.split())
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
     got = {(r["impl"], r["precision"]): r for r in rows}
