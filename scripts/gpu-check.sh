@@ -22,7 +22,7 @@
 # PTDP_GPU_CHECK_BUDGET_S=N seconds for the whole check (default 540, so that a lent GPU's
 # ten-minute call still returns the report): each part's time limit is cut to what is left,
 # and a part that would start with under 30 s left is skipped and named;
-# PTDP_GPU_CHECK_PARTS=a,b only these parts (names as in the table; --suite sets "suite");
+# PTDP_GPU_CHECK_PARTS=a,b only these parts (names as in the table; --suite: peers-install,suite);
 # PTDP_PEER_WHEELS=DIR the peers' wheels (default peers/wheels);
 # PYTHON the interpreter with torch (default: python3). Writes no tracked file.
 set -uo pipefail
@@ -34,7 +34,9 @@ QUICK=${PTDP_GPU_CHECK_QUICK:-0}
 BUDGET=${PTDP_GPU_CHECK_BUDGET_S:-540}
 PARTS=${PTDP_GPU_CHECK_PARTS:-}
 WHEELS=${PTDP_PEER_WHEELS:-peers/wheels}
-[ "${1:-}" = "--suite" ] && PARTS=suite
+[ "${1:-}" = "--suite" ] && PARTS=peers-install,suite
+SUITE=0
+[[ ",$PARTS," == *",suite,"* ]] && SUITE=1
 mkdir -p "$OUT"
 : > "$OUT/status.tsv"
 tracked_before=$(git status --porcelain --untracked-files=no 2>/dev/null || true)
@@ -90,7 +92,7 @@ fi
 "$PY" -m pip freeze > "$OUT/pip-freeze.txt" 2>/dev/null || true
 mapfile -t CUDA_TESTS < <("$PY" scripts/gpu_check_report.py cuda-tests)
 
-if [ "$PARTS" = suite ]; then
+if [ "$SUITE" = 1 ]; then
   # The whole CPU suite under this machine's torch (the bound in pyproject.toml is the oldest
   # torch it has passed on); pytest-xdist spreads it over the cores when it is there.
   [ "$CUDA" = 1 ] && install_peers
@@ -127,7 +129,7 @@ else
   DEMO_ARGS=(--train.device cpu --train.steps 6)
 fi
 
-if [ "$PARTS" = suite ]; then
+if [ "$SUITE" = 1 ]; then
   :
 elif [ "$QUICK" = 1 ]; then
   skip demo "quick mode"

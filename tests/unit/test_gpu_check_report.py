@@ -116,18 +116,24 @@ def test_only_the_peers_and_what_this_python_lacks_are_installed() -> None:
 
 
 def test_gpu_check_runs_only_the_parts_asked_for(tmp_path: Path) -> None:
-    """PTDP_GPU_CHECK_PARTS (and --suite) picks parts; the rest are named as left out."""
+    """PTDP_GPU_CHECK_PARTS picks parts, the rest named as left out; --suite runs the test
+    suite alone (here out of time at once: a 20 s budget)."""
     import os
     import subprocess
 
-    out = tmp_path / "check"
-    env = dict(os.environ, PTDP_GPU_CHECK_OUT=str(out), PTDP_GPU_CHECK_PARTS="none")
-    env |= {"PYTHON": sys.executable, "PTDP_GPU_CHECK_QUICK": "1"}
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu-check.sh")],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    status = dict(line.split("\t") for line in (out / "status.tsv").read_text().splitlines())
+    def check(out: Path, *argv: str, **env: str) -> dict[str, str]:
+        env = dict(os.environ, PTDP_GPU_CHECK_OUT=str(out), PYTHON=sys.executable, **env)
+        done = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "gpu-check.sh"), *argv],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        lines = (out / "status.tsv").read_text().splitlines()
+        return dict(line.split("\t") for line in lines)
+
+    status = check(tmp_path / "a", PTDP_GPU_CHECK_PARTS="none", PTDP_GPU_CHECK_QUICK="1")
     assert status["calibrate"] == "skipped: not in PTDP_GPU_CHECK_PARTS=none", status
-    assert (out / "torch.txt").read_text().split()[0] == __import__("torch").__version__
+    assert (tmp_path / "a" / "torch.txt").read_text().split()[0] == __import__("torch").__version__
+    status = check(tmp_path / "b", "--suite", PTDP_GPU_CHECK_BUDGET_S="20")
+    assert status["suite"].startswith("skipped: out of time"), status
+    assert "calibrate" not in status and "demo" not in status, status
