@@ -191,3 +191,21 @@ def test_ratios_pair_rows_of_one_precision_and_leave_failures_out() -> None:
         "1.3b: ptdp fp8-rowwise / bf16 tokens/s = 1.500",
         "1.3b fp8-rowwise: ptdp / torchtitan tokens/s = 1.200",
     ]
+
+
+def test_megatron_core_takes_the_mapped_config_where_installed() -> None:
+    """Megatron-Core's own TransformerConfig accepts what mcore_kwargs gives, for GPT-2 and
+    Llama layers (its forward pass needs CUDA; building the config does not)."""
+    pytest.importorskip("megatron.core")
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from benchmarks.peers.megatron import mcore_kwargs
+
+    mfu = load_benchmark("mfu")
+    for arch, activation in (("gpt", F.gelu), ("llama", F.silu)):
+        shape = mfu.peer_shape(_args(mfu, f"--arch {arch}"), mfu.MODELS["tiny"], "bf16")
+        config, _ = mcore_kwargs(shape, te=False)
+        assert config.pop("activation") == activation.__name__
+        built = TransformerConfig(**config, activation_func=activation)
+        assert built.ffn_hidden_size == shape.ffn and built.num_layers == 2
