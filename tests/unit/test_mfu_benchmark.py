@@ -209,3 +209,21 @@ def test_megatron_core_takes_the_mapped_config_where_installed() -> None:
         assert config.pop("activation") == activation.__name__
         built = TransformerConfig(**config, activation_func=activation)
         assert built.ffn_hidden_size == shape.ffn and built.num_layers == 2
+
+
+def test_a_ptdp_failure_keeps_its_row_lets_the_peers_run_and_exits_non_zero(
+    tmp_path: Path, monkeypatch
+) -> None:
+    mfu = load_benchmark("mfu")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("compiled graph broke")
+
+    monkeypatch.setattr(mfu, "run_ptdp", broken)
+    out = tmp_path / "mfu.json"
+    argv = "--device cpu --models tiny --steps 1 --warmup 0 --no-compile --compare"
+    argv += f" --peers plain-gpt --vocab-size 512 --json {out}"
+    with pytest.raises(SystemExit, match="ptdp failed: tiny: RuntimeError: compiled graph broke"):
+        mfu.main(argv.split())
+    ptdp, peer = json.loads(out.read_text())["rows"]
+    assert ptdp["error"] == "RuntimeError: compiled graph broke" and peer["tokens_per_s"] > 0
