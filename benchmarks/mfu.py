@@ -183,7 +183,7 @@ def model_keys(args, shape: Shape) -> dict:
         "vocab_size": args.vocab_size,
         "dropout": 0.0,
     }
-    return keys | (LLAMA_KEYS if args.arch == "llama" else {})
+    return keys | (LLAMA_KEYS if getattr(args, "arch", "gpt") == "llama" else {})
 
 
 def model_config(args, shape: Shape) -> ModelConfig:
