@@ -132,7 +132,17 @@ def _mfu_rows(path: Path) -> list[str]:
             f"{left} {r['micro_batch']} | {r['tokens_per_s']:,.0f} | "
             f"{r['tflops']:.3g} | {mfu} | {r['peak_gib']:.1f} | {predicted} | {counted} | {held} |"
         )
-    return lines
+    pairs = _ratios(rows)
+    return lines + (["", *(f"- {line}" for line in pairs)] if pairs else [])
+
+
+def _ratios(rows: list[dict]) -> list[str]:
+    """benchmarks/mfu.py's ptdp / peer (and ptdp fp8 / bf16) tokens/s lines."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks._mfu_table import ratios
+
+    return ratios(rows)
 
 
 def _suite_rows(out: Path) -> list[str]:

@@ -91,6 +91,7 @@ def test_the_snippet_holds_every_implementation_and_precision_and_why_a_row_fail
     done |= {"peak_gib": 50.0, "predicted": None}
     rows = [
         done | {"impl": "ptdp", "precision": "bf16"},
+        done | {"impl": "torchtitan", "precision": "bf16", "tokens_per_s": 32000.0},
         done | {"impl": "torchtitan", "precision": "fp8-rowwise", "tokens_per_s": 50000.0},
         shape
         | {"impl": "megatron-core", "precision": "fp8-rowwise"}
@@ -107,6 +108,8 @@ def test_the_snippet_holds_every_implementation_and_precision_and_why_a_row_fail
     failed = "| 1.3b llama | megatron-core | fp8-rowwise | failed: Megatron-Core has no rowwise "
     assert failed + "fp8 recipe / it has tensorwise | | | | | | | |" in lines
     assert "| torch 2.11.0+cu130, Python 3.12.3 | 1157 | 3 | 40 | 202 |" in lines
+    assert "- 1.3b: ptdp / torchtitan tokens/s = 1.250" in lines  # the pair in bf16 only
+    assert not any("fp8-rowwise: ptdp /" in line for line in lines)  # no ptdp fp8 row to pair
 
 
 def test_only_the_peers_and_what_this_python_lacks_are_installed() -> None:
