@@ -104,7 +104,8 @@ elif [ "$CUDA" = 1 ]; then
   # Each MFU row is written as it is measured, so a part cut at its limit keeps its rows.
   install_peers
   part mfu 330 "$PY" benchmarks/mfu.py --arch llama --models 125m,1.3b --compare \
-    --fp8 tensorwise,rowwise --fp8-models 1.3b --steps 10 --warmup 3 --json "$OUT/mfu.json"
+    --fp8 tensorwise,rowwise --fp8-models 1.3b --steps 10 --warmup 3 --time-limit 300 \
+    --json "$OUT/mfu.json"
   part mfu-gpt 90 "$PY" benchmarks/mfu.py --models 125m,1.3b --steps 10 --warmup 3 \
     --json "$OUT/mfu-gpt.json"
   part cuda-tests 50 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}"

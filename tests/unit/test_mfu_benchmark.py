@@ -227,3 +227,17 @@ def test_a_ptdp_failure_keeps_its_row_lets_the_peers_run_and_exits_non_zero(
         mfu.main(argv.split())
     ptdp, peer = json.loads(out.read_text())["rows"]
     assert ptdp["error"] == "RuntimeError: compiled graph broke" and peer["tokens_per_s"] > 0
+
+
+def test_rows_past_the_time_limit_are_named_not_run(tmp_path: Path) -> None:
+    """--time-limit: a row that would end past it is recorded as not run (a caller's hard
+    limit would otherwise cut it midway and lose it)."""
+    out = tmp_path / "mfu.json"
+    argv = "--device cpu --models tiny --no-compile --compare --peers plain-gpt --fp8 rowwise"
+    argv += f" --vocab-size 512 --time-limit 1e-9 --json {out}"
+    rows = load_benchmark("mfu").main(argv.split())
+    assert [(r["impl"], r["precision"]) for r in rows] == [
+        ("ptdp", "bf16"), ("plain-gpt", "bf16"), ("ptdp", "fp8-rowwise"),
+        ("plain-gpt", "fp8-rowwise"),
+    ]  # fmt: skip
+    assert all(r["error"] == "not run: --time-limit 1e-09 s would pass during it" for r in rows)
