@@ -10,16 +10,23 @@ bf16 peak, and peak allocated memory; on CUDA also what the process holds beside
 (the allocator's cache, the context and libraries), which `--predict` sets beside the
 performance model's count and reserve.
 
-With --compare, the same model, batch and sequence length also train through peers in
-the same process: Hugging Face `GPT2LMHeadModel` (SDPA attention) and a small GPT written
-here in plain PyTorch, both in the usual hand-written style: fp32 weights, bf16 autocast,
-torch AdamW (fused on CUDA), gradient clipping, the vocabulary as given (50,257; ptdp pads
-its rows to 50,304, `--pad-peers` gives the peers the same shapes, as nanoGPT does), and
-whole-model torch.compile when ptdp compiles (`--no-peer-compile`: eager peers). The
-ratio ptdp / peer of tokens/s is printed for each. Model FLOPs count the unpadded
-vocabulary for every row.
+With --compare, the same model, batch, sequence length and precision also train through
+peers in the same process (benchmarks/peers/, one module each), all in one loop: fp32
+weights, bf16 autocast, torch AdamW (fused on CUDA), gradient clipping, the vocabulary as
+given (50,257; ptdp pads its rows to 50,304, `--pad-peers` gives the peers the same). With
+GPT-2 layers (`--arch gpt`): Hugging Face `GPT2LMHeadModel`, a GPT written in plain PyTorch
+(both compiled whole when ptdp compiles; `--no-peer-compile`: eager) and Megatron-Core's
+GPTModel; with Llama 3 layers (`--arch llama`, ptdp's Llama layer at the same sizes):
+TorchTitan's Llama 3 (its per-block compile, FlexAttention and fp8 converter) and
+Megatron-Core. `--fp8 tensorwise,rowwise` adds the same rows with fp8 GEMMs (ptdp's
+`train.precision = "fp8"` and `train.fp8_recipe`). A peer that cannot run a row (not
+installed, CUDA only, no such recipe) leaves the row with the reason. The ratio ptdp / peer
+of tokens/s is printed for each pair of rows at one precision. Model FLOPs (ptdp's count of
+the ptdp model, unpadded vocabulary) are the same for every row of a model, and MFU is
+against the dense bf16 peak for fp8 rows too, as the peers report it.
 
     python benchmarks/mfu.py --models 125m,350m,760m,1.3b --compare   # on an H100 / H200
+    python benchmarks/mfu.py --arch llama --models 125m,1.3b --compare --fp8 tensorwise,rowwise
     python benchmarks/mfu.py --fill          # largest GPT that fits with full recomputation
     python benchmarks/mfu.py --device cpu --models tiny --steps 3 --no-compile --compare
 """
@@ -42,7 +49,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ptdp.config import ModelConfig, RunConfig, apply_updates
 from ptdp.data.indexed import IndexedWriter
@@ -54,6 +60,14 @@ from ptdp.perf.simulate.simulator import simulate
 from ptdp.train.run import prepare
 from ptdp.train.step.optim import adamw_kernel
 from ptdp.train.step.trainer import Trainer
+
+try:
+    from benchmarks._mfu_table import against_prediction, format_table, ratios
+    from benchmarks.peers import ARCHS, DEFAULT_PEERS, PEERS, PeerShape, PeerUnavailable, build_peer
+except ModuleNotFoundError:  # run as `python benchmarks/mfu.py` without the repo root on sys.path
+    from _mfu_table import against_prediction, format_table, ratios
+
+    from peers import ARCHS, DEFAULT_PEERS, PEERS, PeerShape, PeerUnavailable, build_peer
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,7 @@ FILL = {
     "13b": Shape(40, 5120, 40, 2048, 1),
 }
 GPT2_VOCAB = 50257
+FP8_RECIPES = ("tensorwise", "rowwise")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -147,8 +162,20 @@ def synthetic_tokens(directory: Path, vocab: int, tokens: int) -> str:
     return str(prefix)
 
 
-def ptdp_config(args, shape: Shape, micro_batch: int, data: str, recompute: str) -> RunConfig:
-    model = {
+LLAMA_KEYS = {
+    "position_embedding": "rope",
+    "normalization": "rmsnorm",
+    "activation": "swiglu",
+    "tie_embeddings": False,
+    "bias": False,
+    "rope_theta": 500000.0,
+}
+"""--arch llama: Llama 3's layer (ptdp/presets.py) at the GPT sizes of MODELS."""
+
+
+def model_keys(args, shape: Shape) -> dict:
+    """ptdp's `model` keys for this shape and --arch (also what every row's FLOPs count)."""
+    keys = {
         "num_layers": shape.layers,
         "hidden_size": shape.hidden,
         "num_heads": shape.heads,
@@ -156,6 +183,18 @@ def ptdp_config(args, shape: Shape, micro_batch: int, data: str, recompute: str)
         "vocab_size": args.vocab_size,
         "dropout": 0.0,
     }
+    return keys | (LLAMA_KEYS if getattr(args, "arch", "gpt") == "llama" else {})
+
+
+def model_config(args, shape: Shape) -> ModelConfig:
+    """The checked ModelConfig of model_keys (names such as "swiglu" become their enums)."""
+    return apply_updates(RunConfig(), {"model": model_keys(args, shape)}, "mfu.py").model
+
+
+def ptdp_updates(args, shape: Shape, micro_batch: int, data: str, recompute: str, precision: str):
+    """The overrides of ptdp's RunConfig for one row; an fp8 row sets `train.precision =
+    "fp8"` and `train.fp8_recipe` (tensorwise or rowwise), which a ptdp without fp8 training
+    refuses by name (the row then says so)."""
     train = {
         "micro_batch_size": micro_batch,
         "global_batch_size": micro_batch * args.grad_accum,
@@ -163,22 +202,32 @@ def ptdp_config(args, shape: Shape, micro_batch: int, data: str, recompute: str)
         "eval_interval": 0,
         "progress": False,
         "device": args.device,
-        "precision": args.precision,
+        "precision": precision,
         "compile": args.compile,
         "run_dir": str(Path(data).parent / "run"),
     }
-    updates = {
-        "model": model,
+    if precision.startswith("fp8-"):
+        train |= {"precision": "fp8", "fp8_recipe": precision.removeprefix("fp8-")}
+    return {
+        "model": model_keys(args, shape),
         "parallel": {"recompute": recompute},
         "data": {"path": data, "valid_fraction": 0.01},
         "optim": {"warmup_steps": 1},
         "train": train,
     }
+
+
+def ptdp_config(
+    args, shape: Shape, micro_batch: int, data: str, recompute: str, precision: str = ""
+) -> RunConfig:
+    updates = ptdp_updates(args, shape, micro_batch, data, recompute, precision or args.precision)
     return apply_updates(RunConfig(), updates, "benchmarks/mfu.py")
 
 
-def run_ptdp(args, shape: Shape, micro_batch: int, data: str, recompute: str) -> dict:
-    cfg = ptdp_config(args, shape, micro_batch, data, recompute)
+def run_ptdp(
+    args, shape: Shape, micro_batch: int, data: str, recompute: str, precision: str
+) -> dict:
+    cfg = ptdp_config(args, shape, micro_batch, data, recompute, precision)
     env = LaunchEnv(0, 1, 0)
     cfg, layout, run_data = prepare(cfg, env)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -214,89 +263,30 @@ def predict(args, shape: Shape, micro_batch: int, recompute: str) -> dict:
 # ----------------------------------------------------------------------------- peers
 
 
-class _Block(nn.Module):
-    """Pre-norm GPT-2 block in plain PyTorch (the hand-written peer)."""
-
-    def __init__(self, h: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv, self.out = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.up, self.down = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h]
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, -1).unbind(2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(y.transpose(1, 2).reshape(b, s, h))
-        return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
-
-
-class PlainGPT(nn.Module):
-    """GPT-2 (learned positions, tied output layer), returns logits [b, s, v]."""
-
-    def __init__(self, vocab: int, shape: Shape) -> None:
-        super().__init__()
-        h = shape.hidden
-        self.tokens, self.positions = nn.Embedding(vocab, h), nn.Embedding(shape.seq, h)
-        self.blocks = nn.ModuleList(_Block(h, shape.heads) for _ in range(shape.layers))
-        self.ln = nn.LayerNorm(h)
-        for p in self.parameters():
-            if p.dim() >= 2:
-                nn.init.normal_(p, std=0.02)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return F.linear(self.ln(x), self.tokens.weight)
-
-
-def build_hf_gpt2(vocab: int, shape: Shape) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=vocab,
-        n_positions=shape.seq,
-        n_embd=shape.hidden,
-        n_layer=shape.layers,
-        n_head=shape.heads,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        bos_token_id=vocab - 1,
-        eos_token_id=vocab - 1,
+def peer_shape(args, shape: Shape, precision: str) -> PeerShape:
+    """The peer's copy of ptdp's row: the same layers, widths, heads, sequence, vocabulary
+    (padded as ptdp's with --pad-peers) and precision."""
+    model = model_config(args, shape)
+    return PeerShape(
+        arch=args.arch,
+        layers=shape.layers,
+        hidden=shape.hidden,
+        heads=shape.heads,
+        ffn=model.ffn_size,
+        seq=shape.seq,
+        vocab=model.padded_vocab_size() if args.pad_peers else args.vocab_size,
+        precision=precision,
+        rope_theta=model.rope_theta,
     )
-    config._attn_implementation = "sdpa"
-    model = GPT2LMHeadModel(config)
-
-    class Logits(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = model
-
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            return self.inner(input_ids=idx).logits
-
-    return Logits()
 
 
-PEERS: dict[str, Callable[[int, Shape], nn.Module]] = {
-    "hf-gpt2": build_hf_gpt2,
-    "plain-gpt": PlainGPT,
-}
-
-
-def run_peer(args, name: str, shape: Shape, micro_batch: int) -> dict:
+def run_peer(args, name: str, shape: Shape, micro_batch: int, precision: str) -> dict:
     """A hand-written loop: fp32 weights, bf16 autocast, AdamW, clipping, accumulation."""
     device = torch.device(args.device)
     torch.manual_seed(0)
-    vocab = ModelConfig(vocab_size=args.vocab_size)
-    rows = vocab.padded_vocab_size() if args.pad_peers else args.vocab_size
-    model = PEERS[name](rows, shape).to(device)  # tokens stay below args.vocab_size
-    params = [p for p in model.parameters()]
+    # tokens stay below args.vocab_size
+    forward = build_peer(name, peer_shape(args, shape, precision), device, args.peer_compile)
+    params = [p for p in forward.parameters()]
     decay = [p for p in params if p.dim() >= 2]
     other = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -305,8 +295,7 @@ def run_peer(args, name: str, shape: Shape, micro_batch: int) -> dict:
         betas=(0.9, 0.95),
         **adamw_kernel(params),
     )
-    forward = torch.compile(model) if args.peer_compile else model
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+    dtype = {"fp16": torch.float16, "fp32": None}.get(precision, torch.bfloat16)
     autocast = (
         (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
     )
@@ -333,21 +322,42 @@ def run_peer(args, name: str, shape: Shape, micro_batch: int) -> dict:
 # ----------------------------------------------------------------------------- report
 
 
-def measure(args, name: str, impl: str, shape: Shape, data: str, recompute: str) -> dict:
+def _shape_fields(args, name: str, impl: str, shape: Shape, precision: str) -> dict:
+    return {
+        "model": name,
+        "impl": impl,
+        "arch": args.arch,
+        "precision": precision,
+        "layers": shape.layers,
+        "hidden": shape.hidden,
+        "heads": shape.heads,
+        "seq": shape.seq,
+    }
+
+
+def error_row(args, name: str, impl: str, shape: Shape, precision: str, error: str) -> dict:
+    """The row of a run that could not train: its shape and why, in place of figures."""
+    return _shape_fields(args, name, impl, shape, precision) | {"error": error}
+
+
+def measure(
+    args, name: str, impl: str, shape: Shape, data: str, recompute: str, precision: str = ""
+) -> dict:
     """One row; on CUDA out-of-memory the micro-batch is halved and the run retried."""
+    precision = precision or args.precision
     device = torch.device(args.device)
     micro_batch = args.micro_batch_size or shape.micro_batch
     while True:
         _free(device)
         try:
             if impl == "ptdp":
-                got = run_ptdp(args, shape, micro_batch, data, recompute)
+                got = run_ptdp(args, shape, micro_batch, data, recompute, precision)
             else:
-                got = run_peer(args, impl, shape, micro_batch)
+                got = run_peer(args, impl, shape, micro_batch, precision)
             break
         except torch.OutOfMemoryError:
             said = ""
-            if impl == "ptdp" and args.system:
+            if impl == "ptdp" and args.system and precision == args.precision:
                 p = predict(args, shape, micro_batch, recompute)
                 fits = "fits" if p["fits"] else "does not fit"
                 said = f" (the model: {fits}, {p['memory_gib']:.1f} + {p['reserve_gib']:.1f} GiB)"
@@ -357,24 +367,12 @@ def measure(args, name: str, impl: str, shape: Shape, data: str, recompute: str)
             micro_batch //= 2
             print(f"  {name} {impl}: out of memory{said}, retrying with micro-batch {micro_batch}")
     _free(device)
-    model = ModelConfig(
-        num_layers=shape.layers,
-        hidden_size=shape.hidden,
-        num_heads=shape.heads,
-        seq_length=shape.seq,
-        vocab_size=args.vocab_size,
-    )
+    model = model_config(args, shape)
     batch = micro_batch * args.grad_accum
     flops_per_step = model_flops_per_iteration(model, batch)
     seconds = got["seconds"]
     tflops = flops_per_step * args.steps / seconds / 1e12
-    return {
-        "model": name,
-        "impl": impl,
-        "layers": shape.layers,
-        "hidden": shape.hidden,
-        "heads": shape.heads,
-        "seq": shape.seq,
+    return _shape_fields(args, name, impl, shape, precision) | {
         "micro_batch": micro_batch,
         "global_batch": batch,
         "recompute": recompute,
@@ -389,68 +387,11 @@ def measure(args, name: str, impl: str, shape: Shape, data: str, recompute: str)
         "peak_gib": got["peak_gib"],
         **{k: got[k] for k in ("allocator_gib", "context_gib", "device_gib") if k in got},
         "predicted": (
-            predict(args, shape, micro_batch, recompute) if impl == "ptdp" and args.system else None
+            predict(args, shape, micro_batch, recompute)
+            if impl == "ptdp" and args.system and precision == args.precision
+            else None
         ),
     }
-
-
-def format_table(rows: list[dict]) -> str:
-    head = (
-        f"{'model':>6} | {'impl':>9} | {'params':>8} | {'l/h/n/s':>17} | {'mbs':>3} | "
-        f"{'tokens/s':>10} | {'TFLOP/s':>7} | {'MFU':>6} | {'peak GiB':>8}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        shape = f"{r['layers']}/{r['hidden']}/{r['heads']}/{r['seq']}"
-        mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "   n/a"
-        lines.append(
-            f"{r['model']:>6} | {r['impl']:>9} | {r['params'] / 1e6:7.1f}M | {shape:>17} | "
-            f"{r['micro_batch']:>3} | {r['tokens_per_s']:>10,.0f} | {r['tflops']:>7.3g} | "
-            f"{mfu} | {r['peak_gib']:>8.2f}"
-        )
-    return "\n".join(lines)
-
-
-def ratios(rows: list[dict]) -> list[str]:
-    """ptdp / peer tokens/s per model, flagged where an out-of-memory retry left the two
-    at different micro-batches (then the ratio compares unequal batches)."""
-    ours = {r["model"]: r for r in rows if r["impl"] == "ptdp"}
-    lines = []
-    for r in rows:
-        if r["impl"] == "ptdp" or r["model"] not in ours:
-            continue
-        mine = ours[r["model"]]
-        line = f"{r['model']}: ptdp / {r['impl']} tokens/s = "
-        line += f"{mine['tokens_per_s'] / r['tokens_per_s']:.3f}"
-        if mine["micro_batch"] != r["micro_batch"]:
-            line += (
-                f" (micro-batch {mine['micro_batch']} against {r['micro_batch']}: "
-                "not the same batch; pass --micro-batch-size to compare like with like)"
-            )
-        lines.append(line)
-    return lines
-
-
-def against_prediction(rows: list[dict]) -> list[str]:
-    """Measured against the performance model, for each ptdp row that has a prediction."""
-    lines = []
-    for r in rows:
-        if p := r.get("predicted"):
-            lines.append(
-                f"{r['model']}: measured / predicted on {p['system']} tokens/s = "
-                f"{r['tokens_per_s'] / p['tokens_per_s']:.3f} (predicted "
-                f"{p['tokens_per_s']:,.0f} tokens/s, MFU {100 * p['mfu']:.1f}%)"
-            )
-            if "allocator_gib" in r:
-                held = r["allocator_gib"] + r["context_gib"]
-                lines.append(
-                    f"{r['model']}: memory GiB: peak allocated {r['peak_gib']:.2f} against the "
-                    f"model's count {p['memory_gib']:.2f}; held beside it {held:.2f} (allocator "
-                    f"{r['allocator_gib']:.2f}, context and libraries {r['context_gib']:.2f}) "
-                    f"against the reserve {p['reserve_gib']:.2f}; the model: "
-                    f"{'fits' if p['fits'] else 'does not fit'}"
-                )
-    return lines
 
 
 def resolve_peak(args) -> float | None:
@@ -475,8 +416,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=0, help="0 = per-model default")
     p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--compare", action="store_true", help="also train the plain peers")
-    p.add_argument("--peers", default="hf-gpt2,plain-gpt", help=f"of {', '.join(PEERS)}")
+    p.add_argument("--compare", action="store_true", help="also train the peers")
+    p.add_argument(
+        "--peers",
+        help=f"of {', '.join(PEERS)}; default: "
+        + "; ".join(f"--arch {a}: {v}" for a, v in DEFAULT_PEERS.items()),
+    )
+    p.add_argument(
+        "--arch",
+        default="gpt",
+        choices=ARCHS,
+        help="gpt: GPT-2 layers; llama: Llama 3 layers (RoPE, RMSNorm, SwiGLU, no biases, "
+        "untied output layer) at the same sizes, as TorchTitan trains",
+    )
+    p.add_argument(
+        "--fp8",
+        default="",
+        help="comma-separated fp8 recipes (tensorwise, rowwise): after the bf16 rows, the same "
+        "rows again with fp8 GEMMs; MFU stays against the dense bf16 peak, as the peers count it",
+    )
+    p.add_argument(
+        "--fp8-models", default="", help="the models of the fp8 rows (default: --models)"
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=0.0,
+        help="seconds for all rows: a row that would end past it (judged by the longest so "
+        "far) is recorded as not run, so a caller's hard limit does not cut one midway",
+    )
     p.add_argument(
         "--peer-compile",
         action=argparse.BooleanOptionalAction,
@@ -535,6 +503,40 @@ def prediction_table(args, names: list[str]) -> list[dict]:
     return rows
 
 
+def run_rows(args, names: list[str], peers: list[str], data: str, record) -> None:
+    """Every row, the most wanted first (a run cut short keeps them): ptdp, then each peer,
+    at the base precision, then the same at each fp8 recipe; then --fill. A peer's failure
+    (not installed, needs CUDA, its library's version) and a ptdp row that fails become rows
+    with the error text, and the rest still run; main() exits non-zero after the report if
+    a ptdp row at the base precision failed (that is a bug of ptdp's, not a missing peer)."""
+    fp8_names = [m for m in args.fp8_models.split(",") if m] or names
+    precisions = [args.precision] + [f"fp8-{r}" for r in args.fp8.split(",") if r]
+    start, longest = time.perf_counter(), 0.0
+    for precision in precisions:
+        for impl in ["ptdp", *peers]:
+            for name in names if precision == args.precision else fp8_names:
+                began = time.perf_counter()
+                if args.time_limit and began - start + longest > args.time_limit:
+                    said = f"not run: --time-limit {args.time_limit:g} s would pass during it"
+                    record(error_row(args, name, impl, MODELS[name], precision, said))
+                    continue
+                try:
+                    record(measure(args, name, impl, MODELS[name], data, "none", precision))
+                except Exception as e:  # noqa: BLE001 -- reported in its row; main() judges
+                    said = str(e) if isinstance(e, PeerUnavailable) else f"{type(e).__name__}: {e}"
+                    record(error_row(args, name, impl, MODELS[name], precision, said))
+                    _free(torch.device(args.device))
+                longest = max(longest, time.perf_counter() - began)
+    if args.fill:
+        for name, shape in FILL.items():
+            try:
+                record(measure(args, name, "ptdp", shape, data, "full"))
+            except torch.OutOfMemoryError:
+                print(f"fill: {name} does not fit; the largest that does is above it")
+                _free(torch.device(args.device))
+                break
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     args.system = resolve_system(args)
@@ -550,8 +552,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.peer_compile is None:
         args.peer_compile = args.compile
     names = [m for m in args.models.split(",") if m]
-    peers = [p for p in args.peers.split(",") if p] if args.compare else []
-    for given, known in ((names, MODELS), (peers, PEERS)):
+    every = names + [m for m in args.fp8_models.split(",") if m]
+    peers = (args.peers or DEFAULT_PEERS[args.arch]).split(",") if args.compare else []
+    peers = [p for p in peers if p]
+    recipes = [r for r in args.fp8.split(",") if r]
+    for given, known in ((every, MODELS), (peers, PEERS), (recipes, FP8_RECIPES)):
         if unknown := [x for x in given if x not in known]:
             raise SystemExit(f"unknown {unknown}; known: {', '.join(known)}")
     device = args.device
@@ -568,27 +573,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
 
     with tempfile.TemporaryDirectory() as tmp:
-        longest = max([MODELS[m].seq for m in names] + ([2048] if args.fill else []))
+        longest = max([MODELS[m].seq for m in every] + ([2048] if args.fill else []))
         data = synthetic_tokens(Path(tmp), args.vocab_size, 64 * (longest + 1))
-        # ptdp's rows first (a run cut short keeps them); a peer that fails (its library's
-        # version, say) is named and skipped, and the rest still run.
-        for impl in ["ptdp", *peers]:
-            for name in names:
-                try:
-                    record(measure(args, name, impl, MODELS[name], data, "none"))
-                except Exception as e:  # noqa: BLE001 -- a peer's failure is reported, not ours
-                    if impl == "ptdp":
-                        raise
-                    print(f"peer {impl} on {name} failed, skipped: {type(e).__name__}: {e}")
-                    _free(torch.device(args.device))
-        if args.fill:
-            for name, shape in FILL.items():
-                try:
-                    record(measure(args, name, "ptdp", shape, data, "full"))
-                except torch.OutOfMemoryError:
-                    print(f"fill: {name} does not fit; the largest that does is above it")
-                    _free(torch.device(args.device))
-                    break
+        run_rows(args, names, peers, data, record)
     compiled = f"compile {'on' if args.compile else 'off'}"
     if peers:
         compiled += f" (peers {'on' if args.peer_compile else 'off'})"
@@ -599,7 +586,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(line)
     for line in against_prediction(rows):
         print(line)
-    assert all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in rows)
+    for r in rows:
+        assert "error" in r or (math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0)
+    ours = [r for r in rows if r["impl"] == "ptdp" and r["precision"] == args.precision]
+    failed = [f"{r['model']}: {r['error']}" for r in ours if "error" in r]
+    if failed := [f for f in failed if ": not run: " not in f]:
+        raise SystemExit("ptdp failed: " + "; ".join(failed))
     return rows
 
 

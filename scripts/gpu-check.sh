@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# One call on a lent GPU (one H100 or H200, under ten minutes): `ptdp calibrate` for the
-# GPU, the one-GPU MFU benchmark for the ~125M and ~1.3B models beside the peers
-# benchmarks/mfu.py compares (predicted by the file just calibrated, with the memory each
-# run holds beside its tensors), every CUDA-only test, the memory of a 1.3B and a 4B model
-# phase by phase against the performance model's count (benchmarks/memory_phases.py; the 4B
-# one near the capacity of an 80 GB GPU), one MoE layer's grouped GEMM against its loop over
-# experts and a small MoE model's MFU beside the dense one of the same active size
-# (benchmarks/moe_gpu.py), and last a short bf16 training demo on a local text corpus (no
-# network needed). Every figure goes into one results folder, with BENCHMARKS-snippet.md, a
-# markdown table for BENCHMARKS.md.
+# One call on a lent GPU (one H100 or H200, under ten minutes), the most wanted figures first:
+# the peers installed from peers/wheels (scripts/fetch-peers.sh, run beforehand where an index
+# is reachable), then benchmarks/mfu.py with Llama layers for the ~125M and ~1.3B models: ptdp,
+# TorchTitan and Megatron-Core side by side in bf16, then the 1.3B in fp8 (tensorwise, rowwise)
+# for each (a row that cannot run says why), ptdp's own GPT rows, every CUDA-only test,
+# `ptdp calibrate` for the GPU, and as time allows the memory phases of a 1.3B and a 4B model
+# (benchmarks/memory_phases.py), the MoE kernels and model (benchmarks/moe_gpu.py) and a short
+# bf16 training demo on a local text corpus. Every figure goes into one results folder, with
+# BENCHMARKS-snippet.md, a markdown table for BENCHMARKS.md, and pip-freeze.txt (the
+# machine's packages: PTDP_PEER_HAVE for the next fetch).
+#
+#   bash scripts/gpu-check.sh            # the ten-minute check
+#   bash scripts/gpu-check.sh --suite    # a second call: the whole CPU test suite under this
+#                                        # machine's own torch (pytest -n 16), counts recorded
 #
 # Without CUDA it says so, runs the CPU parts (calibrate --quick, a tiny CPU MFU run, a tiny
 # MoE run of the loop kernel, a few fp32 demo steps), lists what it skipped and exits 0.
@@ -18,6 +22,8 @@
 # PTDP_GPU_CHECK_BUDGET_S=N seconds for the whole check (default 540, so that a lent GPU's
 # ten-minute call still returns the report): each part's time limit is cut to what is left,
 # and a part that would start with under 30 s left is skipped and named;
+# PTDP_GPU_CHECK_PARTS=a,b only these parts (names as in the table; --suite: peers-install,suite);
+# PTDP_PEER_WHEELS=DIR the peers' wheels (default peers/wheels);
 # PYTHON the interpreter with torch (default: python3). Writes no tracked file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,15 +32,24 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${PTDP_GPU_CHECK_OUT:-runs/gpu-check/$(date +%Y-%m-%d-%H%M%S)}
 QUICK=${PTDP_GPU_CHECK_QUICK:-0}
 BUDGET=${PTDP_GPU_CHECK_BUDGET_S:-540}
+PARTS=${PTDP_GPU_CHECK_PARTS:-}
+WHEELS=${PTDP_PEER_WHEELS:-peers/wheels}
+[ "${1:-}" = "--suite" ] && PARTS=peers-install,suite
+SUITE=0
+[[ ",$PARTS," == *",suite,"* ]] && SUITE=1
 mkdir -p "$OUT"
 : > "$OUT/status.tsv"
 tracked_before=$(git status --porcelain --untracked-files=no 2>/dev/null || true)
 
 # part NAME SECONDS COMMAND...: run it with a time limit (cut to the budget left), log it,
-# record ok/failed; skipped when the budget has under 30 s left.
+# record ok/failed; skipped when the budget has under 30 s left or PARTS leaves it out.
 part() {
   local name=$1 limit=$2; shift 2
   local left=$((BUDGET - SECONDS))
+  if [ -n "$PARTS" ] && [[ ",$PARTS," != *",$name,"* ]]; then
+    skip "$name" "not in PTDP_GPU_CHECK_PARTS=$PARTS"
+    return
+  fi
   if [ "$left" -lt 30 ]; then
     skip "$name" "out of time: ${left}s of the ${BUDGET}s budget left"
     return
@@ -53,6 +68,18 @@ skip() {
   echo "== $1: skipped ($2)"
   printf '%s\tskipped: %s\n' "$1" "$2" >> "$OUT/status.tsv"
 }
+# The peers and what else the machine lacks of peers/wheels, into peers/site (on PYTHONPATH
+# after this repository); the machine's own torch is never replaced.
+install_peers() {
+  if [ ! -f "$WHEELS/pins.txt" ]; then
+    skip peers-install "no $WHEELS/pins.txt: run scripts/fetch-peers.sh where an index is reachable"
+    return
+  fi
+  mapfile -t PINS < <("$PY" scripts/gpu_check_report.py peer-pins "$WHEELS/pins.txt")
+  part peers-install 30 "$PY" -m pip install --quiet --no-index --no-deps --no-compile \
+    --upgrade --target peers/site --find-links "$WHEELS" "${PINS[@]}"
+  export PYTHONPATH="$PYTHONPATH:$PWD/peers/site"
+}
 
 if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   CUDA=1
@@ -61,15 +88,28 @@ else
   CUDA=0
   echo "no CUDA device here: running the CPU parts only"
 fi
+"$PY" -c 'import sys, torch; print(torch.__version__, sys.version.split()[0])' > "$OUT/torch.txt" 2>&1
+"$PY" -m pip freeze > "$OUT/pip-freeze.txt" 2>/dev/null || true
 mapfile -t CUDA_TESTS < <("$PY" scripts/gpu_check_report.py cuda-tests)
 
-if [ "$CUDA" = 1 ]; then
-  # The measurements first (a lent GPU's call may end before the rest); each MFU row is
-  # written as it is measured, so a cut run keeps the rows it has.
-  part calibrate 180 "$PY" -m ptdp calibrate --out "$OUT/calibration.toml"
-  part mfu 300 "$PY" benchmarks/mfu.py --models 125m,1.3b --compare --steps 10 --warmup 3 \
-    --predict "$OUT/calibration.toml" --json "$OUT/mfu.json"
-  part cuda-tests 180 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}"
+if [ "$SUITE" = 1 ]; then
+  # The whole CPU suite under this machine's torch (the bound in pyproject.toml is the oldest
+  # torch it has passed on); pytest-xdist spreads it over the cores when it is there.
+  [ "$CUDA" = 1 ] && install_peers
+  XDIST=()
+  "$PY" -c 'import xdist' 2>/dev/null && XDIST=(-n "${PTDP_GPU_CHECK_WORKERS:-16}")
+  part suite 540 "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
+    --junitxml "$OUT/suite.xml" tests
+elif [ "$CUDA" = 1 ]; then
+  # Each MFU row is written as it is measured, so a part cut at its limit keeps its rows.
+  install_peers
+  part mfu 330 "$PY" benchmarks/mfu.py --arch llama --models 125m,1.3b --compare \
+    --fp8 tensorwise,rowwise --fp8-models 1.3b --steps 10 --warmup 3 --time-limit 300 \
+    --json "$OUT/mfu.json"
+  part mfu-gpt 90 "$PY" benchmarks/mfu.py --models 125m,1.3b --steps 10 --warmup 3 \
+    --json "$OUT/mfu-gpt.json"
+  part cuda-tests 50 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}"
+  part calibrate 40 "$PY" -m ptdp calibrate --out "$OUT/calibration.toml"
   part memory 120 "$PY" benchmarks/memory_phases.py --models 1.3b,4b --no-compile \
     --json "$OUT/memory.json"
   part moe 120 "$PY" benchmarks/moe_gpu.py --reps 20 --steps 10 --warmup 3 --json "$OUT/moe.json"
@@ -92,7 +132,7 @@ else
     skip moe "no CUDA; quick mode: no CPU run either"
   else
     part mfu 300 "$PY" benchmarks/mfu.py --device cpu --models tiny --steps 3 --warmup 1 \
-      --no-compile --compare --peers plain-gpt --precision fp32 \
+      --no-compile --compare --arch llama --fp8 tensorwise --precision fp32 \
       --predict "$OUT/calibration.toml" --json "$OUT/mfu.json"
     part moe 60 "$PY" benchmarks/moe_gpu.py --device cpu --reps 3 --steps 2 --warmup 1 \
       --vocab-size 512 --json "$OUT/moe.json"
@@ -108,7 +148,9 @@ else
   DEMO_ARGS=(--train.device cpu --train.steps 6)
 fi
 
-if [ "$QUICK" = 1 ]; then
+if [ "$SUITE" = 1 ]; then
+  :
+elif [ "$QUICK" = 1 ]; then
   skip demo "quick mode"
 else
   # A local corpus (this repository's documentation), bytes as tokens: no download.
@@ -119,7 +161,7 @@ else
 fi
 if [ "$CUDA" = 0 ]; then
   skip memory "no CUDA: it reads torch.cuda's memory counters"
-  echo "skipped without CUDA: the CUDA-only tests, ptdp calibrate's full GPU sweep, the 125M/1.3B MFU runs, the bf16 demo, the memory phases, the grouped MoE kernel"
+  echo "skipped without CUDA: the CUDA-only tests, ptdp calibrate's full GPU sweep, the 125M/1.3B MFU runs beside TorchTitan and Megatron-Core (bf16 and fp8), the bf16 demo, the memory phases, the grouped MoE kernel"
 fi
 
 "$PY" scripts/gpu_check_report.py report "$OUT"

@@ -1,6 +1,7 @@
 """Helpers of scripts/gpu-check.sh: find the CUDA-only tests, write the results table.
 
     python scripts/gpu_check_report.py cuda-tests       # node ids, one a line
+    python scripts/gpu_check_report.py peer-pins PINS   # of PINS, what to install here
     python scripts/gpu_check_report.py report DIR       # DIR/BENCHMARKS-snippet.md, printed
 
 A test is CUDA-only when a `skipif` whose condition mentions cuda marks it: directly, through
@@ -12,7 +13,10 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import sys
+import xml.etree.ElementTree as ET
+from importlib import metadata
 from pathlib import Path
 
 try:
@@ -21,6 +25,26 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
+PEERS = ("torchtitan", "megatron-core", "torchao")
+"""Installed from the wheels at the fetched version whatever this machine has."""
+
+
+def peer_pins(pins: list[str], peers: tuple[str, ...] = PEERS) -> list[str]:
+    """Of scripts/fetch-peers.sh's `name==version` lines, those to install here: the peers,
+    and each other package this Python does not have (its own versions are kept)."""
+    chosen = []
+    for pin in (line.strip() for line in pins):
+        name = re.split(r"[=<>]", pin, maxsplit=1)[0]
+        if not name:
+            continue
+        try:
+            metadata.version(name)
+            have = True
+        except metadata.PackageNotFoundError:
+            have = False
+        if name in peers or not have:
+            chosen.append(pin)
+    return chosen
 
 
 def _is_cuda_skip(node: ast.AST) -> bool:
@@ -76,16 +100,25 @@ def _calibration_rows(path: Path) -> list[str]:
 
 
 def _mfu_rows(path: Path) -> list[str]:
+    """benchmarks/mfu.py's rows, one per model, implementation and precision; a row that
+    could not run (a peer not installed, no such recipe) gives its error text instead."""
     if not path.is_file():
         return []
     rows = json.loads(path.read_text()).get("rows", [])
     lines = [
         "",
-        "| model | impl | micro-batch | tokens/s | TFLOP/s | MFU | peak GiB | predicted tokens/s "
-        "| model's GiB | held beside the peak: allocator + context = measured (reserve) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| model ({path.name}) | impl | precision | micro-batch | tokens/s | TFLOP/s | MFU | "
+        "peak GiB | predicted tokens/s | model's GiB | held beside the peak: allocator + context "
+        "= measured (reserve) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        model = f"{r['model']} {r['arch']}" if r.get("arch") else r["model"]
+        left = f"| {model} | {r['impl']} | {r.get('precision', '')} |"
+        if "error" in r:
+            error = r["error"].replace("|", "/").replace("\n", " ")
+            lines.append(f"{left} failed: {error} | | | | | | | |")
+            continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
         pred = r.get("predicted") or {}
         predicted = f"{pred['tokens_per_s']:,.0f}" if pred else ""
@@ -96,10 +129,43 @@ def _mfu_rows(path: Path) -> list[str]:
             held = f"{allocator:.2f} + {context:.2f} = {allocator + context:.2f}"
             held += f" ({pred['reserve_gib']:.2f})" if "reserve_gib" in pred else ""
         lines.append(
-            f"| {r['model']} | {r['impl']} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | "
+            f"{left} {r['micro_batch']} | {r['tokens_per_s']:,.0f} | "
             f"{r['tflops']:.3g} | {mfu} | {r['peak_gib']:.1f} | {predicted} | {counted} | {held} |"
         )
-    return lines
+    pairs = _ratios(rows)
+    return lines + (["", *(f"- {line}" for line in pairs)] if pairs else [])
+
+
+def _ratios(rows: list[dict]) -> list[str]:
+    """benchmarks/mfu.py's ptdp / peer (and ptdp fp8 / bf16) tokens/s lines."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks._mfu_table import ratios
+
+    return ratios(rows)
+
+
+def _suite_rows(out: Path) -> list[str]:
+    """`gpu-check.sh --suite`: the CPU test suite's counts under this machine's torch."""
+    path = out / "suite.xml"
+    if not path.is_file():
+        return []
+    torch = (out / "torch.txt").read_text().split() if (out / "torch.txt").is_file() else []
+    counts = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+    seconds = 0.0
+    for suite in ET.parse(path).getroot().iter("testsuite"):
+        for key in counts:
+            counts[key] += int(suite.get(key, 0))
+        seconds += float(suite.get("time", 0))
+    failed = counts["failures"] + counts["errors"]
+    passed = counts["tests"] - failed - counts["skipped"]
+    version = f"torch {torch[0]}, Python {torch[1]}" if len(torch) >= 2 else "torch ?"
+    return [
+        "",
+        "| test suite | passed | failed | skipped | seconds |",
+        "|---|---|---|---|---|",
+        f"| {version} | {passed} | {failed} | {counts['skipped']} | {seconds:.0f} |",
+    ]
 
 
 def _memory_rows(path: Path) -> list[str]:
@@ -194,6 +260,8 @@ def report(out: Path) -> str:
         *(f"| {part} | {result} | |" for part, result in status.items()),
         *_calibration_rows(out / "calibration.toml"),
         *_mfu_rows(out / "mfu.json"),
+        *_mfu_rows(out / "mfu-gpt.json"),
+        *_suite_rows(out),
         *_memory_rows(out / "memory.json"),
         *_moe_rows(out / "moe.json"),
         "",
@@ -207,6 +275,9 @@ def report(out: Path) -> str:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["cuda-tests"]:
         print("\n".join(cuda_only_tests()))
+        return 0
+    if argv[:1] == ["peer-pins"] and len(argv) == 2:
+        print("\n".join(peer_pins(Path(argv[1]).read_text().splitlines())))
         return 0
     if argv[:1] == ["report"] and len(argv) == 2:
         print(report(Path(argv[1])), end="")

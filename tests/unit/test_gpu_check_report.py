@@ -79,3 +79,64 @@ def test_the_snippet_holds_the_moe_kernels_and_the_moe_model_beside_the_dense(tm
     assert "| dense (24 x 1024) | 354.9M / 354.9M | 8 | 150,000 | 330 | 33.4% | 21.0 |" in lines
     moe_line = "| moe (24 x 1024, 8 x 2048 top-2) | 959.0M / 355.1M | 8 | 150,000 | 330 | n/a |"
     assert moe_line + " 21.0 |" in lines
+
+
+def test_the_snippet_holds_every_implementation_and_precision_and_why_a_row_failed(
+    tmp_path: Path,
+) -> None:
+    """mfu.json: one row per model, implementation and precision; a peer that could not run
+    keeps its row with the error text. --suite: the test counts under the machine's torch."""
+    shape = {"model": "1.3b", "arch": "llama", "layers": 24, "hidden": 2048, "heads": 16}
+    done = shape | {"micro_batch": 8, "tokens_per_s": 40000.0, "tflops": 600.0, "mfu": 0.6}
+    done |= {"peak_gib": 50.0, "predicted": None}
+    rows = [
+        done | {"impl": "ptdp", "precision": "bf16"},
+        done | {"impl": "torchtitan", "precision": "bf16", "tokens_per_s": 32000.0},
+        done | {"impl": "torchtitan", "precision": "fp8-rowwise", "tokens_per_s": 50000.0},
+        shape
+        | {"impl": "megatron-core", "precision": "fp8-rowwise"}
+        | {"error": "Megatron-Core has no rowwise fp8 recipe | it has tensorwise"},
+    ]
+    (tmp_path / "mfu.json").write_text(json.dumps({"rows": rows}))
+    suite = '<testsuites><testsuite tests="1200" failures="2" errors="1" skipped="40" '
+    suite += 'time="201.5"/></testsuites>'
+    (tmp_path / "suite.xml").write_text(suite)
+    (tmp_path / "torch.txt").write_text("2.11.0+cu130 3.12.3\n")
+    lines = _report_module().report(tmp_path).splitlines()
+    assert "| 1.3b llama | ptdp | bf16 | 8 | 40,000 | 600 | 60.0% | 50.0 |  |  |  |" in lines
+    assert "| 1.3b llama | torchtitan | fp8-rowwise | 8 | 50,000 |" in "\n".join(lines)
+    failed = "| 1.3b llama | megatron-core | fp8-rowwise | failed: Megatron-Core has no rowwise "
+    assert failed + "fp8 recipe / it has tensorwise | | | | | | | |" in lines
+    assert "| torch 2.11.0+cu130, Python 3.12.3 | 1157 | 3 | 40 | 202 |" in lines
+    assert "- 1.3b: ptdp / torchtitan tokens/s = 1.250" in lines  # the pair in bf16 only
+    assert not any("fp8-rowwise: ptdp /" in line for line in lines)  # no ptdp fp8 row to pair
+
+
+def test_only_the_peers_and_what_this_python_lacks_are_installed() -> None:
+    pins = ["torchtitan==0.3.0", "pytest==1.0", "no-such-package-here==0.1", ""]
+    chosen = _report_module().peer_pins(pins, peers=("torchtitan",))
+    assert chosen == ["torchtitan==0.3.0", "no-such-package-here==0.1"]  # pytest: kept as is
+
+
+def test_gpu_check_runs_only_the_parts_asked_for(tmp_path: Path) -> None:
+    """PTDP_GPU_CHECK_PARTS picks parts, the rest named as left out; --suite runs the test
+    suite alone (here out of time at once: a 20 s budget)."""
+    import os
+    import subprocess
+
+    def check(out: Path, *argv: str, **env: str) -> dict[str, str]:
+        env = dict(os.environ, PTDP_GPU_CHECK_OUT=str(out), PYTHON=sys.executable, **env)
+        done = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "gpu-check.sh"), *argv],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        lines = (out / "status.tsv").read_text().splitlines()
+        return dict(line.split("\t") for line in lines)
+
+    status = check(tmp_path / "a", PTDP_GPU_CHECK_PARTS="none", PTDP_GPU_CHECK_QUICK="1")
+    assert status["calibrate"] == "skipped: not in PTDP_GPU_CHECK_PARTS=none", status
+    assert (tmp_path / "a" / "torch.txt").read_text().split()[0] == __import__("torch").__version__
+    status = check(tmp_path / "b", "--suite", PTDP_GPU_CHECK_BUDGET_S="20")
+    assert status["suite"].startswith("skipped: out of time"), status
+    assert "calibrate" not in status and "demo" not in status, status
