@@ -235,6 +235,15 @@ class Compute:
 
     @property
     def peak(self) -> float:
+        """FLOP/s of attention and of every GEMM outside the linear layers: the bf16 rate
+        under fp8, which casts only the linear layers' operands to float8."""
+        fp8 = self.precision is Precision.FP8
+        return self.system.device.peak_flops("bf16" if fp8 else self.precision.value)
+
+    @property
+    def linear_peak(self) -> float:
+        """FLOP/s of the linear layers' GEMMs: the device's fp8 rate under fp8, reached at
+        the same fraction as bf16's (the fitted curve; unmeasured for fp8)."""
         return self.system.device.peak_flops(self.precision.value)
 
     @property
@@ -242,11 +251,12 @@ class Compute:
         d = self.system.device
         return d.memory_bandwidth * d.memory_efficiency
 
-    def gemm(self, g: Gemm) -> float:
-        d = self.system.device
+    def gemm(self, g: Gemm, peak: float = 0.0) -> float:
+        """Seconds of GEMM `g` at `peak` FLOP/s (default: `self.peak`)."""
+        d, peak = self.system.device, peak or self.peak
         if d.gemm_curve:
-            return g.flops / (self.peak * d.gemm_efficiency_at(g.flops))
-        compute = g.flops / (self.peak * d.gemm_efficiency)
+            return g.flops / (peak * d.gemm_efficiency_at(g.flops))
+        compute = g.flops / (peak * d.gemm_efficiency)
         return compute + g.nbytes(self.e) / self.bandwidth + d.kernel_overhead
 
     def stream(self, nbytes: float) -> float:
@@ -254,10 +264,11 @@ class Compute:
         return nbytes / self.bandwidth
 
     def linears(self, gemms: list[Gemm]) -> Passes:
+        peak = self.linear_peak
         return Passes(
-            sum(self.gemm(g) for g in gemms),
-            sum(self.gemm(g.dgrad()) for g in gemms),
-            sum(self.gemm(g.wgrad()) for g in gemms),
+            sum(self.gemm(g, peak) for g in gemms),
+            sum(self.gemm(g.dgrad(), peak) for g in gemms),
+            sum(self.gemm(g.wgrad(), peak) for g in gemms),
         )
 
 

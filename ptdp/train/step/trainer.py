@@ -58,7 +58,18 @@ PARAM_DTYPES = {
     Precision.FP32: torch.float32,
     Precision.BF16: torch.bfloat16,
     Precision.FP16: torch.float16,
+    Precision.FP8: torch.bfloat16,  # bf16 but for the linear layers' GEMMs
 }
+
+
+def _fp8_gemms(cfg: RunConfig):
+    """precision = fp8: the float8 GEMMs of the linear layers (torchao, imported only here
+    among the trainer's modules: an optional dependency); else None."""
+    if cfg.train.precision is not Precision.FP8:
+        return None
+    from ptdp.parallel.fp8 import Fp8Gemms
+
+    return Fp8Gemms.build(cfg.train.fp8_recipe)
 
 
 class Trainer:
@@ -104,6 +115,7 @@ class Trainer:
             seed=t.seed,
             recompute=cfg.parallel.recompute,
             cp_comm=cfg.parallel.cp_comm,
+            fp8=_fp8_gemms(cfg),
         )
         if cfg.train.compile:  # regional: each transformer layer (ptdp/model/compile.py)
             apply_compile(by_stage.values())
