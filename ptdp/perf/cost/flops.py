@@ -121,16 +121,15 @@ def hardware_flops_per_iteration(
     return flops_per_iteration(cfg, global_batch_size, recompute)
 
 
-# Dense (not 2:4-sparse) tensor-core peaks per device in TFLOP/s, by precision. fp32 is the
-# plain FP32 rate (PyTorch does not use TF32 for matmuls unless asked; on AMD, the FP32
-# matrix rate); fp8 the float8 (E4M3/E5M2) rate, which only fp8 runs' linear-layer GEMMs
-# use (their MFU stays against bf16). 0 or absent = no such tensor rate. Sources: NVIDIA
-# V100, A10, A100, L40S, H100 (SXM5, PCIe, NVL), H200 (SXM, NVL) and HGX B200 datasheets
-# (the B200 table's 8-GPU, with-sparsity figures divided by 8 and by 2; the others' sparse
-# figures divided by 2); AMD Instinct MI250X and MI300X datasheets; an MI250X is two dies
-# that torch sees as two devices, so its row is half the package figures (383 bf16, 95.7 fp32). This is the one
-# table: `ptdp/perf/cost/hardware/*.toml` take their peaks from it by `kind`, and the training
-# log's MFU (ptdp/train/peak.py) looks the device up here.
+# Dense (not 2:4-sparse) tensor-core peaks per device in TFLOP/s, by precision. fp32 is the plain
+# FP32 rate (PyTorch does not use TF32 for matmuls unless asked; on AMD, the FP32 matrix rate); fp8
+# the float8 (E4M3/E5M2) rate, which only fp8 runs' linear-layer GEMMs use (their MFU stays against
+# bf16). 0 or absent = no such tensor rate. Sources: NVIDIA V100, A10, A100, L40S, H100 (SXM5, PCIe,
+# NVL), H200 (SXM, NVL) and HGX B200 datasheets (the B200 table's 8-GPU, with-sparsity figures
+# divided by 8 and by 2; the others' sparse figures divided by 2); AMD Instinct MI250X and MI300X
+# datasheets; an MI250X is two dies that torch sees as two devices, so its row is half the package
+# figures (383 bf16, 95.7 fp32). This is the one table: `ptdp/perf/cost/hardware/*.toml` take their
+# peaks from it by `kind`, and the training log's MFU (ptdp/train/peak.py) looks the device up here.
 DENSE_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "v100": {"fp16": 125.0, "bf16": 0.0, "tf32": 0.0, "fp32": 15.7},
     "a10": {"fp16": 125.0, "bf16": 125.0, "tf32": 62.5, "fp32": 31.2},
