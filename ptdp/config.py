@@ -403,8 +403,9 @@ class TrainConfig:
     column- and row-parallel linears' and the output layer's GEMMs in float8 through
     torchao: pip install torchao; MFU is still logged against the dense bf16 peak)."""
     fp8_recipe: Fp8Recipe = Fp8Recipe.TENSORWISE
-    """precision = fp8 only: tensorwise (one scale per tensor, torchao's default and the
-    faster) or rowwise (one scale per row, closer to bf16)."""
+    """precision = fp8 only: how torchao scales each GEMM operand into float8: tensorwise
+    (one scale per tensor, torchao's default recipe) or rowwise (one scale per row, powers of
+    2); each rank scales its own shard."""
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
     tensorboard: bool = False
