@@ -6,8 +6,8 @@ Y = X W^T + b.
 A linear layer's three GEMMs (Y = X W^T, dX = dY W, dW = dY^T X) each cast their two
 operands to float8 with torchao's dynamic scaling (`hp_tensor_to_float8_dynamic`: one
 scale per tensor, or per row under the rowwise recipe) and multiply the scaled tensors
-(`torch._scaled_mm` on a GPU, torchao's emulation in the operands' own precision
-elsewhere). This is what torchao's `Float8Linear` does; it is taken apart here into the
+(`torch._scaled_mm` on a GPU; elsewhere torchao's emulation, the float8 values multiplied
+in float32). This is what torchao's `Float8Linear` does; it is taken apart here into the
 three GEMMs so that the weight-gradient one can run later, at a zero-bubble W action, from
 the kept high-precision X and dY (`ptdp.parallel.wgrad`), and so that the tensor-parallel
 layers keep their own collectives: each rank scales its own shard. Weights, activations,
@@ -50,7 +50,7 @@ class Fp8Gemms:
     native: LinearMMConfig
     """For a GPU with float8 tensor cores (`torch._scaled_mm`)."""
     emulated: LinearMMConfig
-    """Elsewhere (a CPU): the same casts, the products in the operands' precision."""
+    """Elsewhere (a CPU): the same casts, the products of the float8 values in float32."""
 
     @classmethod
     def build(cls, recipe: Fp8Recipe) -> Fp8Gemms:

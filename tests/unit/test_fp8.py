@@ -1,5 +1,5 @@
-"""fp8 training on a CPU, by torchao's emulation (the casts are real, the products run in
-the operands' precision): ptdp's float8 GEMMs are torchao's Float8Linear, the zero-bubble W
+"""fp8 training on a CPU, by torchao's emulation (the casts are real, the float8 values are
+multiplied in float32): ptdp's float8 GEMMs are torchao's Float8Linear, the zero-bubble W
 GEMM is the same GEMM run later, a short run's loss stays near bf16's, and the log's MFU
 and the performance model use the rates the issue names."""
 
