@@ -21,7 +21,7 @@ from ptdp.config import Fp8Recipe, ModelConfig, Precision  # noqa: E402
 from ptdp.model.gpt import GPT  # noqa: E402
 from ptdp.parallel.fp8 import Fp8Gemms  # noqa: E402
 from ptdp.parallel.wgrad import accumulate_grads, linear  # noqa: E402
-from ptdp.perf.cost.costs import PTDP, Compute, Gemm  # noqa: E402
+from ptdp.perf.cost.costs import FP8_CAST_BYTES, PTDP, Compute, Gemm  # noqa: E402
 from ptdp.perf.cost.hardware import load_system  # noqa: E402
 from ptdp.train.peak import resolve_peak  # noqa: E402
 from ptdp.train.run import train  # noqa: E402
@@ -107,10 +107,12 @@ def test_mfu_is_against_the_bf16_peak() -> None:
 
 
 def test_performance_model_runs_linears_at_the_fp8_rate() -> None:
-    """The linear layers' GEMMs at H100's fp8 peak (2x bf16), attention at bf16's."""
+    """The linear layers' GEMMs at H100's fp8 peak (2x bf16) plus their operands' casts,
+    attention at bf16's."""
     system = load_system("h100-sxm")
     bf16 = Compute(system, Precision.BF16, PTDP)
     fp8 = Compute(system, Precision.FP8, PTDP)
     assert fp8.linear_peak == 1979e12 and fp8.peak == bf16.peak == bf16.linear_peak == 989e12
     big = Gemm(8192, 8192, 8192)
-    assert fp8.linears([big]).f == pytest.approx(bf16.linears([big]).f * 989 / 1979)
+    casts = fp8.stream(FP8_CAST_BYTES * 2 * 8192 * 8192)
+    assert fp8.linears([big]).f == pytest.approx(bf16.linears([big]).f * 989 / 1979 + casts)

@@ -221,6 +221,11 @@ class Passes:
         return Passes(self.f * k, self.b * k, self.w * k)
 
 
+FP8_CAST_BYTES = 5
+"""HBM bytes per element of casting a 16-bit GEMM operand to float8 with a dynamic scale:
+read for its amax (2), read again (2) and written in 8 bits (1)."""
+
+
 @dataclass(frozen=True)
 class Compute:
     """One device at one precision: the pieces of the compute model."""
@@ -263,12 +268,20 @@ class Compute:
         """Memory-bound kernels moving `nbytes` through HBM."""
         return nbytes / self.bandwidth
 
+    def linear(self, g: Gemm) -> float:
+        """Seconds of a linear layer's GEMM `g`; under fp8 with the casts of its two operands
+        (torchao's dynamic scaling: each read for its amax, read again and written in 8 bits,
+        `FP8_CAST_BYTES` per element at the streaming bandwidth)."""
+        if self.precision is not Precision.FP8:
+            return self.gemm(g)
+        operands = g.batch * (g.m * g.k + g.k * g.n)
+        return self.gemm(g, self.linear_peak) + self.stream(FP8_CAST_BYTES * operands)
+
     def linears(self, gemms: list[Gemm]) -> Passes:
-        peak = self.linear_peak
         return Passes(
-            sum(self.gemm(g, peak) for g in gemms),
-            sum(self.gemm(g.dgrad(), peak) for g in gemms),
-            sum(self.gemm(g.wgrad(), peak) for g in gemms),
+            sum(self.linear(g) for g in gemms),
+            sum(self.linear(g.dgrad()) for g in gemms),
+            sum(self.linear(g.wgrad()) for g in gemms),
         )
 
 
