@@ -18,13 +18,18 @@ FP8_MULTIPLE = 16
 """What each dimension of a float8 GEMM's operands must be a multiple of."""
 
 
+def has_torchao() -> bool:
+    """Whether torchao (the `fp8` extra) is installed; it is not imported here."""
+    return importlib.util.find_spec("torchao") is not None
+
+
 def fp8_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
     """Append what keeps `cfg` from training in fp8 to `errors` (nothing unless precision
     = fp8). `runtime`: also whether torchao is installed, which a modelled run needs not."""
     if cfg.train.precision is not Precision.FP8:
         return
     m, p = cfg.model, cfg.parallel
-    if runtime and importlib.util.find_spec("torchao") is None:
+    if runtime and not has_torchao():
         errors.append(
             "train.precision = fp8 needs torchao's float8 training, which is not installed; "
             "pip install 'ptdp[fp8]' (or pip install torchao), or use --train.precision bf16"

@@ -28,8 +28,24 @@ from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tenso
 from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, ScaledMMConfig
 
 from ptdp.config import Fp8Recipe
+from ptdp.errors import ConfigError
 
 _ROLE = {"x": GemmInputRole.INPUT, "w": GemmInputRole.WEIGHT, "dy": GemmInputRole.GRAD_OUTPUT}
+
+
+def check_device(device: torch.device) -> None:
+    """Refuse a GPU without float8 tensor cores (`torch._scaled_mm` needs compute capability
+    8.9: Ada, Hopper, Blackwell); a CPU emulates them."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
+        return
+    name, (major, minor) = (
+        torch.cuda.get_device_name(device),
+        torch.cuda.get_device_capability(device),
+    )
+    raise ConfigError(
+        f"train.precision = fp8 needs float8 tensor cores (compute capability 8.9 or later: "
+        f"L40S, H100, H200, B200); {name} has {major}.{minor}; use --train.precision bf16"
+    )
 
 
 def _mm_config(config: Float8LinearConfig, *, emulate: bool) -> LinearMMConfig:

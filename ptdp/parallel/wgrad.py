@@ -20,6 +20,9 @@ What a store changes is opted into per microbatch: only a forward run under `cap
 plain `F.linear`, so a backward that is not split is autograd's own, bit for bit. Under
 `torch.compile` the plain `F.linear` is used too (Dynamo would have to trace the stash, a
 Python side effect in backward): compiled layers compute their weight gradients in B.
+With float8 GEMMs (precision = fp8, `ptdp.parallel.fp8`) every forward goes through
+`_Fp8Linear`, deferrable or not, and a deferred W GEMM runs in float8 too (torchao's own
+function under `torch.compile`).
 
 No global state: each model chunk owns its store and hands it to its layers; the pipeline
 runtime receives the same stores. The store keeps a plain attribute, not a thread-local,

@@ -356,6 +356,15 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         ("parallel.ep = 4 does not divide dp * cp = 2 * 1 = 2", "use --parallel.ep 2,"),
     ),
     (
+        "fp8-without-torchao",
+        lambda c: (
+            c.monkeypatch.setattr("ptdp.layout_fp8.has_torchao", lambda: False),
+            c.train(train={"precision": "fp8"}),
+        ),
+        ConfigError,
+        ("fp8 needs torchao's float8 training, which is not installed", "pip install 'ptdp[fp8]'"),
+    ),
+    (
         "fp8-with-experts",
         lambda c: c.train(model={"num_experts": 2}, train={"precision": "fp8"}),
         ConfigError,

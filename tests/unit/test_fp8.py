@@ -18,8 +18,9 @@ pytest.importorskip("torchao")
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
 
 from ptdp.config import Fp8Recipe, ModelConfig, Precision  # noqa: E402
+from ptdp.errors import ConfigError  # noqa: E402
 from ptdp.model.gpt import GPT  # noqa: E402
-from ptdp.parallel.fp8 import Fp8Gemms  # noqa: E402
+from ptdp.parallel.fp8 import Fp8Gemms, check_device  # noqa: E402
 from ptdp.parallel.wgrad import accumulate_grads, linear  # noqa: E402
 from ptdp.perf.cost.costs import FP8_CAST_BYTES, PTDP, Compute, Gemm  # noqa: E402
 from ptdp.perf.cost.hardware import load_system  # noqa: E402
@@ -30,17 +31,29 @@ from tests.helpers import tiny_config  # noqa: E402
 RECIPES = list(Fp8Recipe)
 
 
+FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not FP8_GPU, reason="needs a GPU with float8 (sm89+)")
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
-def test_gemms_are_torchaos_float8_linear(recipe: Fp8Recipe) -> None:
-    """Forward, input and weight gradients equal torchao's own Float8Linear, bit for bit."""
+def test_gemms_are_torchaos_float8_linear(recipe: Fp8Recipe, device: str) -> None:
+    """Forward, input and weight gradients equal torchao's own Float8Linear, bit for bit:
+    emulated on a CPU, `torch._scaled_mm` on a GPU."""
     torch.manual_seed(0)
-    plain = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    plain = torch.nn.Linear(64, 48, bias=False).to(device, torch.bfloat16)
     ao = torch.nn.Sequential(copy.deepcopy(plain))
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe.value), emulate=True)
-    convert_to_float8_training(ao, config=config)
-    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    emulate = device == "cpu"
+    config = Float8LinearConfig.from_recipe_name(recipe.value)
+    convert_to_float8_training(ao, config=dataclasses.replace(config, emulate=emulate))
+    x = torch.randn(32, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
     x_ao = x.detach().clone().requires_grad_()
-    dy = torch.randn(32, 48, dtype=torch.bfloat16)
+    dy = torch.randn(32, 48, device=device, dtype=torch.bfloat16)
     y = linear(x, plain.weight, None, None, Fp8Gemms.build(recipe))
     y.backward(dy)
     ao(x_ao).backward(dy)
@@ -116,3 +129,13 @@ def test_performance_model_runs_linears_at_the_fp8_rate() -> None:
     big = Gemm(8192, 8192, 8192)
     casts = fp8.stream(FP8_CAST_BYTES * 2 * 8192 * 8192)
     assert fp8.linears([big]).f == pytest.approx(bf16.linears([big]).f * 989 / 1979 + casts)
+
+
+def test_a_gpu_without_float8_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An A100 (compute capability 8.0) has no float8 tensor cores: refused with the fix; a
+    CPU emulates them."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    check_device(torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"NVIDIA A100 has 8\.0; use --train.precision bf16"):
+        check_device(torch.device("cuda"))

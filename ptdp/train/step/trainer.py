@@ -62,13 +62,15 @@ PARAM_DTYPES = {
 }
 
 
-def _fp8_gemms(cfg: RunConfig):
+def _fp8_gemms(cfg: RunConfig, device: torch.device):
     """precision = fp8: the float8 GEMMs of the linear layers (torchao, imported only here
-    among the trainer's modules: an optional dependency); else None."""
+    among the trainer's modules: an optional dependency), if `device` can run them; else
+    None."""
     if cfg.train.precision is not Precision.FP8:
         return None
-    from ptdp.parallel.fp8 import Fp8Gemms
+    from ptdp.parallel.fp8 import Fp8Gemms, check_device
 
+    check_device(device)
     return Fp8Gemms.build(cfg.train.fp8_recipe)
 
 
@@ -79,6 +81,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, layout: Layout, env: LaunchEnv, data: RunData) -> None:
         self.cfg, self.layout, self.env, self.data = cfg, layout, env, data
         self.device = pick_device(cfg.train.device, env.local_rank)
+        fp8 = _fp8_gemms(cfg, self.device)  # a GPU without float8 is refused before any group
         t = cfg.train
         store = init_process_group(env, self.device, t.collective_timeout_s)
         self.owns_process_group = store is not None
@@ -115,7 +118,7 @@ class Trainer:
             seed=t.seed,
             recompute=cfg.parallel.recompute,
             cp_comm=cfg.parallel.cp_comm,
-            fp8=_fp8_gemms(cfg),
+            fp8=fp8,
         )
         if cfg.train.compile:  # regional: each transformer layer (ptdp/model/compile.py)
             apply_compile(by_stage.values())
