@@ -32,7 +32,7 @@ def fp8_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
     if runtime and not has_torchao():
         errors.append(
             "train.precision = fp8 needs torchao's float8 training, which is not installed; "
-            "pip install 'ptdp[fp8]' (or pip install torchao), or use --train.precision bf16"
+            "pip install -e '.[fp8]' (or pip install torchao), or use --train.precision bf16"
         )
     if m.num_experts > 0:
         errors.append(

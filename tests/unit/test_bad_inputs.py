@@ -362,7 +362,7 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
             c.train(train={"precision": "fp8"}),
         ),
         ConfigError,
-        ("fp8 needs torchao's float8 training, which is not installed", "pip install 'ptdp[fp8]'"),
+        ("fp8 needs torchao's float8 training, which is not installed", "pip install -e '.[fp8]'"),
     ),
     (
         "fp8-with-experts",
