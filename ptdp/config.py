@@ -102,6 +102,14 @@ class Precision(str, enum.Enum):
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
+    FP8 = "fp8"
+
+
+class Fp8Recipe(str, enum.Enum):
+    """How torchao's float8 training scales a GEMM's operands (`ptdp.parallel.fp8`)."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
 
 
 LAYOUT_ONLY_MODEL_KEYS = frozenset({"make_vocab_size_divisible_by"})
@@ -401,7 +409,13 @@ class TrainConfig:
     """Write checkpoints in a background thread while training continues."""
     precision: Precision = Precision.FP32
     """fp32; bf16 (16-bit weights and compute, fp32 master weights and gradient
-    accumulation); fp16 (the same with dynamic loss scaling)."""
+    accumulation); fp16 (the same with dynamic loss scaling); fp8 (bf16, with the
+    column- and row-parallel linears' and the output layer's GEMMs in float8 through
+    torchao: pip install torchao; MFU is still logged against the dense bf16 peak)."""
+    fp8_recipe: Fp8Recipe = Fp8Recipe.TENSORWISE
+    """precision = fp8 only: how torchao scales each GEMM operand into float8: tensorwise
+    (one scale per tensor, torchao's default recipe) or rowwise (one scale per row, powers of
+    2); each rank scales its own shard."""
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
     tensorboard: bool = False

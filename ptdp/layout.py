@@ -21,6 +21,7 @@ from ptdp.config import (
 )
 from ptdp.domains import FLOAT32_MAX, check_config, refuse
 from ptdp.errors import ConfigError
+from ptdp.layout_fp8 import fp8_rules
 from ptdp.layout_moe import expert_rules, moe_rules
 from ptdp.layout_speed import speed_rules
 from ptdp.pipeline.partition import empty_middle, near_even_split
@@ -506,6 +507,7 @@ def validate(cfg: RunConfig, world_size: int = 1, *, gpus: bool = False) -> Layo
     dp = _parallel_rules(cfg, world_size, errors, gpus)
     expert_rules(cfg, dp, errors)
     microbatches = _train_rules(cfg, dp, errors)
+    fp8_rules(cfg, errors, runtime=not gpus)
     _data_rules(cfg, errors)
     p = cfg.parallel
     if microbatches and p.pp > 1 and _chunks_fit(p):  # a mismatch is _parallel_rules' error

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,9 @@ from ptdp.parallel.loss import vocab_parallel_cross_entropy
 from ptdp.parallel.roles import ParamRoles
 from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ptdp.parallel.wgrad import WeightGradStore, linear
+
+if TYPE_CHECKING:
+    from ptdp.parallel.fp8 import Fp8Gemms
 
 __all__ = ["GPT", "MLP", "Attention", "TPContext", "TransformerLayer", "build_norm"]
 
@@ -80,6 +84,7 @@ class Attention(nn.Module):
             bias=cfg.bias or cfg.qkv_bias,
             sequence_parallel=sp,
             wgrad=ctx.wgrad,
+            fp8=ctx.fp8,
         )
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
@@ -92,6 +97,7 @@ class Attention(nn.Module):
             bias=cfg.bias,
             sequence_parallel=sp,
             wgrad=ctx.wgrad,
+            fp8=ctx.fp8,
         )
         self.dropout = cfg.dropout
         self.window = cfg.sliding_window
@@ -273,6 +279,8 @@ class GPT(nn.Module):
         layers: the global indices of the layers this chunk holds (default: all).
         has_embedding / has_head: whether this chunk holds the input embedding /
             the final norm, output layer and loss.
+        fp8: the float8 recipe of the linear layers' and the output layer's GEMMs
+            (precision = fp8, `ptdp.parallel.fp8`); None: the parameters' dtype.
     """
 
     def __init__(
@@ -289,6 +297,7 @@ class GPT(nn.Module):
         layers: range | None = None,
         has_embedding: bool = True,
         has_head: bool = True,
+        fp8: Fp8Gemms | None = None,
     ) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:
@@ -304,6 +313,7 @@ class GPT(nn.Module):
             cp or Group.single(),
             cp_comm,
             ep or Group.single(),
+            fp8,
         )
         self.has_embedding, self.has_head = has_embedding, has_head
         layers = range(cfg.num_layers) if layers is None else layers
@@ -337,6 +347,7 @@ class GPT(nn.Module):
                     bias=False,
                     pad_to_multiple=cfg.make_vocab_size_divisible_by,
                     wgrad=self.wgrad,
+                    fp8=fp8,
                 )
         self.roles = self._param_roles()
         """Which parameters are tied copies or sequence-parallel (`ptdp.parallel.roles`)."""
@@ -414,7 +425,7 @@ class GPT(nn.Module):
             x = comm.copy_to_tp(x, self.ctx.tp)
         # The output weight is the embedding's when tied (on a single stage): its deferred
         # gradient is added to the embedding's own, computed in B, at W.
-        return linear(x, self.output_weight(), None, self.wgrad)
+        return linear(x, self.output_weight(), None, self.wgrad, self.ctx.fp8)
 
     def forward(
         self,

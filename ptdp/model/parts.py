@@ -8,6 +8,7 @@ Shapes: s = sequence, b = micro-batch, h = hidden; activations are [s, b, h].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from ptdp.config import Activation, CpComm, ModelConfig, Normalization
 from ptdp.parallel.comm import Group
 from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from ptdp.parallel.wgrad import WeightGradStore
+
+if TYPE_CHECKING:
+    from ptdp.parallel.fp8 import Fp8Gemms
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,8 @@ class TPContext:
     cp_comm: CpComm = CpComm.RING
     ep: Group = Group(None, 1, 0)
     """The expert-parallel group: its members hold different experts of each MoE layer."""
+    fp8: Fp8Gemms | None = None
+    """precision = fp8: the float8 recipe of the linear layers' GEMMs (`ptdp.parallel.fp8`)."""
 
 
 def build_norm(cfg: ModelConfig, size: int = 0) -> nn.Module:
@@ -60,6 +66,7 @@ class MLP(nn.Module):
             sequence_parallel=sp,
             parts=parts,
             wgrad=ctx.wgrad,
+            fp8=ctx.fp8,
         )
         self.fc2 = RowParallelLinear(
             ffn_size,
@@ -68,6 +75,7 @@ class MLP(nn.Module):
             bias=cfg.bias,
             sequence_parallel=sp,
             wgrad=ctx.wgrad,
+            fp8=ctx.fp8,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

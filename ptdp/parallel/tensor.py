@@ -12,10 +12,14 @@ backward (replicated weights that see only a sequence slice under sequence paral
 names them in its `param_roles()` (`ptdp.parallel.roles`).
 Given a `WeightGradStore` (`wgrad=`), the linear layers' weight-gradient GEMM can be put
 off to a zero-bubble W action (`ptdp.parallel.wgrad`); under sequence parallelism the
-column-parallel layer keeps its all-gathered input for it.
+column-parallel layer keeps its all-gathered input for it. Given an `Fp8Gemms` (`fp8=`,
+precision = fp8), the linear layers' GEMMs run in float8, each rank scaling its own shard
+(`ptdp.parallel.fp8`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +30,9 @@ from ptdp.parallel.comm import Group
 from ptdp.parallel.init import ShardSpec, padded
 from ptdp.parallel.roles import NO_ROLES, ParamRoles
 from ptdp.parallel.wgrad import WeightGradStore, linear
+
+if TYPE_CHECKING:
+    from ptdp.parallel.fp8 import Fp8Gemms
 
 
 def _sharded(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
@@ -56,10 +63,11 @@ class ColumnParallelLinear(nn.Module):
         parts: int = 1,
         pad_to_multiple: int = 0,
         wgrad: WeightGradStore | None = None,
+        fp8: Fp8Gemms | None = None,
     ) -> None:
         super().__init__()
         self.tp, self.gather_output, self.sequence_parallel = tp, gather_output, sequence_parallel
-        self.wgrad = wgrad
+        self.wgrad, self.fp8 = wgrad, fp8
         full = padded(out_features, pad_to_multiple * tp.size) if pad_to_multiple else out_features
         if full % (tp.size * parts):
             raise ValueError(f"{out_features} output features do not split over {tp.size} ranks")
@@ -75,7 +83,7 @@ class ColumnParallelLinear(nn.Module):
             if self.sequence_parallel
             else comm.copy_to_tp(x, self.tp)
         )
-        y = linear(x, self.weight, self.bias, self.wgrad)
+        y = linear(x, self.weight, self.bias, self.wgrad, self.fp8)
         return comm.gather_from_tp(y, self.tp) if self.gather_output else y
 
 
@@ -97,9 +105,11 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         sequence_parallel: bool = False,
         wgrad: WeightGradStore | None = None,
+        fp8: Fp8Gemms | None = None,
     ) -> None:
         super().__init__()
         self.tp, self.sequence_parallel, self.wgrad = tp, sequence_parallel, wgrad
+        self.fp8 = fp8
         if in_features % tp.size:
             raise ValueError(f"{in_features} input features do not split over {tp.size} ranks")
         spec = ShardSpec(dim=1, full_size=in_features, padded_size=in_features, size=tp.size)
@@ -114,7 +124,7 @@ class RowParallelLinear(nn.Module):
         return NO_ROLES
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.wgrad)
+        y = linear(x, self.weight, None, self.wgrad, self.fp8)
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_sp(y, self.tp)
         else:

@@ -20,6 +20,9 @@ What a store changes is opted into per microbatch: only a forward run under `cap
 plain `F.linear`, so a backward that is not split is autograd's own, bit for bit. Under
 `torch.compile` the plain `F.linear` is used too (Dynamo would have to trace the stash, a
 Python side effect in backward): compiled layers compute their weight gradients in B.
+With float8 GEMMs (precision = fp8, `ptdp.parallel.fp8`) every forward goes through
+`_Fp8Linear`, deferrable or not, and a deferred W GEMM runs in float8 too (torchao's own
+function under `torch.compile`).
 
 No global state: each model chunk owns its store and hands it to its layers; the pipeline
 runtime receives the same stores. The store keeps a plain attribute, not a thread-local,
@@ -28,14 +31,18 @@ because autograd runs a GPU backward on its own device thread.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ptdp.parallel.grouped import GemmKernel, choose_gemm, grouped_mm, grouped_wgrad
+
+if TYPE_CHECKING:  # torchao is optional: only an fp8 run imports ptdp.parallel.fp8
+    from ptdp.parallel.fp8 import Fp8Gemms
 
 
 class Kept(NamedTuple):
@@ -48,6 +55,8 @@ class Kept(NamedTuple):
     """[n, m]"""
     counts: torch.Tensor | None = None
     """Rows per expert of a grouped weight [e, m, k] (`grouped_linear`); None: [m, k]."""
+    fp8: Fp8Gemms | None = None
+    """The float8 recipe the GEMM runs in (precision = fp8); None: the operands' dtype."""
 
 
 class WeightGradStore:
@@ -92,18 +101,22 @@ class WeightGradStore:
         x: torch.Tensor,
         dy: torch.Tensor,
         counts: torch.Tensor | None = None,
+        fp8: Fp8Gemms | None = None,
     ) -> None:
         """Keep x [n, k] and dy [n, m] for param [m, k] (or [e, m, k] with each expert's
-        rows `counts`) under the current key."""
-        self._pending.setdefault(self._key, []).append(Kept(param, x, dy, counts))
+        rows `counts`) under the current key; `fp8`: the GEMM runs in float8."""
+        self._pending.setdefault(self._key, []).append(Kept(param, x, dy, counts, fp8))
 
     def flush(self, key: Hashable) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The W action: compute the GEMMs kept under `key`, in the order B produced them;
         returns (parameter, gradient) pairs, each gradient in the parameter's dtype, as
         autograd would accumulate it (the GEMM runs in the forward's compute dtype)."""
         grads = []
-        for param, x, dy, counts in self._pending.pop(key, []):
-            grad = dy.t().mm(x) if counts is None else grouped_wgrad(dy, x, counts)
+        for param, x, dy, counts, fp8 in self._pending.pop(key, []):
+            if counts is not None:
+                grad = grouped_wgrad(dy, x, counts)
+            else:
+                grad = dy.t().mm(x) if fp8 is None else fp8.grad_weight(dy, x)
             grads.append((param, grad.to(param.dtype)))
         return grads
 
@@ -155,28 +168,70 @@ class _DeferrableLinear(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+class _Fp8Linear(torch.autograd.Function):
+    """`_DeferrableLinear` with its three GEMMs in float8 (`ptdp.parallel.fp8`): the
+    operands are kept in their own dtype and cast by each GEMM, dW's at W if deferred."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, param, store, fp8):
+        ctx.save_for_backward(x, weight)
+        (ctx.param,) = param
+        ctx.store, ctx.fp8, ctx.has_bias = store, fp8, bias is not None
+        y = fp8.forward(x.reshape(-1, x.shape[-1]), weight)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        fp8, store = ctx.fp8, ctx.store
+        dy2 = dy.reshape(-1, dy.shape[-1])  # [n, m]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = fp8.grad_input(dy2, weight).reshape(*dy.shape[:-1], weight.shape[-1])
+        dw = None
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1])  # [n, k]
+            if store is not None and store.deferring_key is not None:
+                store.put(ctx.param, x2, dy2, fp8=fp8)
+            else:
+                dw = fp8.grad_weight(dy2, x2)
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     store: WeightGradStore | None = None,
+    fp8: Fp8Gemms | None = None,
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, whose weight gradient `store` may defer (see module doc).
+    """`F.linear(x, weight, bias)`, whose weight gradient `store` may defer (see module doc),
+    with its GEMMs in float8 when `fp8` is given (always through this module's function,
+    deferrable or not; torchao's own under torch.compile).
 
     `weight` must be a leaf (a parameter): a deferred gradient is accumulated into it.
     Under autocast the operands are cast here as autocast would cast them, and the
     function runs with autocast off, so it computes in the same dtype as `F.linear` would.
     """
-    if store is None or not store.active or torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if fp8 is None and (store is None or not store.active or compiling):
         return F.linear(x, weight, bias)
     param, device = weight, x.device.type
-    if torch.is_autocast_enabled(device):
+    autocast = torch.is_autocast_enabled(device)
+    if autocast:
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-        with torch.autocast(device, enabled=False):
+    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
+        if fp8 is None:
             return _DeferrableLinear.apply(x, weight, bias, (param,), store)
-    return _DeferrableLinear.apply(x, weight, bias, (param,), store)
+        if compiling:
+            y = fp8.compiled(x, weight)
+            return y if bias is None else y + bias
+        store = store if store is not None and store.active else None
+        return _Fp8Linear.apply(x, weight, bias, (param,), store, fp8)
 
 
 class _DeferrableGroupedLinear(torch.autograd.Function):

@@ -3,7 +3,9 @@
 MFU (model FLOPs utilisation) = the job's model FLOP/s (ptdp.perf.cost.flops, no recomputation
 counted) / world size / one device's dense peak at the run's precision. The peak is
 train.peak_tflops when set, else the row of ptdp.perf.cost.flops.DENSE_PEAK_TFLOPS that the
-device name torch reports maps to. A device not in the table (a CPU, an unknown GPU) has no
+device name torch reports maps to. An fp8 run's MFU is against the dense bf16 peak, as
+TorchTitan and Megatron-Core report theirs: fp8 shows as a higher MFU, not as a second
+scale. A device not in the table (a CPU, an unknown GPU) has no
 peak: MFU is left out rather than invented, and the log says once how to set it.
 """
 
@@ -28,7 +30,8 @@ class Peak:
 
 def resolve_peak(override_tflops: float, device_name: str | None, precision: str) -> Peak:
     """The peak for MFU: `override_tflops` if > 0, else the table's `precision` rate (fp32,
-    bf16 or fp16) of the device named `device_name` (None for a CPU)."""
+    bf16 or fp16; bf16 for fp8) of the device named `device_name` (None for a CPU)."""
+    precision = "bf16" if precision == "fp8" else precision
     if override_tflops > 0:
         return Peak(
             override_tflops * 1e12,

@@ -47,6 +47,8 @@ class Layout:
     """Expert parallelism: the experts split over ep of the dp*cp ranks."""
     layers: tuple[int, ...] = ()
     """parallel.pipeline_layers: each stage's layers (empty: an even split)."""
+    fp8: bool = False
+    """train.precision = fp8 (tensorwise), against one fp8 process (`FP8_GRID`)."""
 
     @property
     def world(self) -> int:
@@ -64,7 +66,7 @@ class Layout:
         parts += ["keep"] * self.keep + [self.moe] * bool(self.moe)
         parts += [f"ep{self.ep}"] * (self.ep > 1)
         parts += [f"L{'-'.join(map(str, self.layers))}"] * bool(self.layers)
-        return "-".join(parts)
+        return "-".join(parts + ["fp8"] * self.fp8)
 
 
 ROTARY_FAMILIES = {"qkv_bias": True, "sliding_window": 6}
@@ -182,9 +184,21 @@ GRID = [
     Layout(cp=2, pp=2, dp=2, vpp=2, schedule="zb-v", cp_comm="allgather"),
 ]
 
+FP8_GRID = [
+    Layout(tp=2, sp=True, fp8=True),
+    Layout(pp=2, schedule="zb-h1", recompute="selective", llama=True, fp8=True),
+    Layout(dp=2, zero=3, recompute="full", fp8=True),
+    Layout(cp=2, llama=True, fp8=True),
+]
+"""fp8 layouts, each against one fp8 process: each rank scales its own shard of a tensor
+(a tensor-parallel slice of a weight, a context-parallel slice of the tokens), so they agree
+to float8's rounding, not float32's (`FP8_RTOL`)."""
+FP8_RTOL = 0.01
+"""Relative tolerance of fp8 layouts' losses and gradient norms against one fp8 process."""
+
 
 def _config(
-    data: str, run_dir: Path, layout: Layout | None, llama: bool, moe: str = ""
+    data: str, run_dir: Path, layout: Layout | None, llama: bool, moe: str = "", fp8: bool = False
 ) -> RunConfig:
     model = {"num_layers": 8, "hidden_size": 32, "num_heads": 4, "seq_length": 16}
     model |= LLAMA | ROTARY_FAMILIES if llama else {"tie_embeddings": True}
@@ -213,14 +227,16 @@ def _config(
         # eps = 1e-6: see tests/dist/test_tensor.py (rounding-level gradients under Adam);
         # grad_clip below the norms seen here, so that clipping is exercised.
         optim={"eps": 1e-6, "grad_clip": 0.5},
-        train={"micro_batch_size": 1, "global_batch_size": 8, "steps": 3},
+        # fp8: a microbatch's 2 * 16 tokens (16 per rank under cp = 2), as float8 GEMMs need
+        train={"micro_batch_size": 1, "global_batch_size": 8, "steps": 3}
+        | ({"micro_batch_size": 2, "precision": "fp8"} if fp8 else {}),
     )
 
 
 def _run_layouts(rank: int, world_size: int, data: str, root: str, names: list[str]) -> None:
-    for layout in (x for x in GRID if x.name in names):
+    for layout in (x for x in GRID + FP8_GRID if x.name in names):
         run_dir = Path(root) / layout.name
-        cfg = _config(data, run_dir, layout, layout.llama, layout.moe)
+        cfg = _config(data, run_dir, layout, layout.llama, layout.moe, layout.fp8)
         result = train(cfg, env=LaunchEnv(rank, world_size, rank))
         if rank == 0:
             (run_dir / "result.json").write_text(
@@ -234,9 +250,11 @@ def _run_layouts(rank: int, world_size: int, data: str, root: str, names: list[s
             )
 
 
-def _reference(data: str, root: Path, llama: bool, moe: str = "") -> tuple[Path, dict, dict]:
-    run_dir = root / ("-".join(["single"] + ["llama"] * llama + [moe] * bool(moe)))
-    result = train(_config(data, run_dir, None, llama, moe))
+def _reference(
+    data: str, root: Path, llama: bool, moe: str = "", fp8: bool = False
+) -> tuple[Path, dict, dict]:
+    run_dir = root / "-".join(["single"] + ["llama"] * llama + [moe] * bool(moe) + ["fp8"] * fp8)
+    result = train(_config(data, run_dir, None, llama, moe, fp8))
     as_json = json.loads(json.dumps({"l": result.losses, "g": result.grad_norms}))
     return run_dir, as_json["l"], as_json["g"]
 
@@ -302,3 +320,26 @@ def test_every_layout_matches_one_process(tiny_data: str, tmp_path: Path, world:
             if full is not None:
                 per_rank = full["optimizer_bytes"] / (layout.dp * layout.cp)
                 assert got["optimizer_bytes"] == pytest.approx(per_rank, rel=0.05), layout.name
+
+
+def test_fp8_layouts_match_one_fp8_process(tiny_data: str, tmp_path: Path) -> None:
+    """tp + sp, pp with the zero-bubble split (W in fp8), ZeRO-3 with full recomputation,
+    and cp, each in fp8 against one fp8 process: losses and gradient norms within
+    `FP8_RTOL`. A pipeline splits no tensor, so there each rank's casts are one process's
+    and the run is one process's to float32 rounding, final weights included. (Elsewhere the
+    weights are not compared: Adam moves a weight whose gradient is near zero by ~lr a step
+    either way, and float8 rounding flips such signs.)"""
+    pytest.importorskip("torchao")
+    assert {2} == {x.world for x in FP8_GRID}  # one spawn
+    refs = {llama: _reference(tiny_data, tmp_path, llama, fp8=True) for llama in (False, True)}
+    names = [x.name for x in FP8_GRID]
+    run_ranks(_run_layouts, 2, tiny_data, str(tmp_path), names, timeout_s=120 * len(names))
+    for layout in FP8_GRID:
+        single, losses, norms = refs[layout.llama]
+        got = json.loads((tmp_path / layout.name / "result.json").read_text())
+        assert got["losses"].keys() == losses.keys() == {"1", "2", "3"}, layout.name
+        for step in losses:
+            assert got["losses"][step] == pytest.approx(losses[step], rel=FP8_RTOL), layout.name
+            assert got["grad_norms"][step] == pytest.approx(norms[step], rel=FP8_RTOL)
+        if layout.world == layout.pp:
+            assert_same_run(single, tmp_path / layout.name, losses, got["losses"])

@@ -374,6 +374,33 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         ("parallel.ep = 4 does not divide dp * cp = 2 * 1 = 2", "use --parallel.ep 2,"),
     ),
     (
+        "fp8-without-torchao",
+        lambda c: (
+            c.monkeypatch.setattr("ptdp.layout_fp8.has_torchao", lambda: False),
+            c.train(train={"precision": "fp8"}),
+        ),
+        ConfigError,
+        ("fp8 needs torchao's float8 training, which is not installed", "pip install -e '.[fp8]'"),
+    ),
+    (
+        "fp8-with-experts",
+        lambda c: c.train(model={"num_experts": 2}, train={"precision": "fp8"}),
+        ConfigError,
+        ("train.precision = fp8 with model.num_experts = 2", "--train.precision bf16"),
+    ),
+    (
+        "fp8-width-not-a-multiple-of-16",
+        lambda c: c.train(model={"hidden_size": 24, "num_heads": 4}, train={"precision": "fp8"}),
+        ConfigError,
+        ("fp8 needs model.hidden_size (= 24) to be a multiple of 16", "change the model's widths"),
+    ),
+    (
+        "fp8-tokens-not-a-multiple-of-16",
+        lambda c: c.train(model={"seq_length": 10}, train={"precision": "fp8"}),
+        ConfigError,
+        ("micro_batch_size * model.seq_length / parallel.cp = 40)", "raise micro_batch_size"),
+    ),
+    (
         "ep-on-a-dense-model",
         lambda c: c.train(world=2, parallel={"ep": 2}),
         ConfigError,

@@ -221,6 +221,11 @@ class Passes:
         return Passes(self.f * k, self.b * k, self.w * k)
 
 
+FP8_CAST_BYTES = 5
+"""HBM bytes per element of casting a 16-bit GEMM operand to float8 with a dynamic scale:
+read for its amax (2), read again (2) and written in 8 bits (1)."""
+
+
 @dataclass(frozen=True)
 class Compute:
     """One device at one precision: the pieces of the compute model."""
@@ -235,6 +240,15 @@ class Compute:
 
     @property
     def peak(self) -> float:
+        """FLOP/s of attention and of every GEMM outside the linear layers: the bf16 rate
+        under fp8, which casts only the linear layers' operands to float8."""
+        fp8 = self.precision is Precision.FP8
+        return self.system.device.peak_flops("bf16" if fp8 else self.precision.value)
+
+    @property
+    def linear_peak(self) -> float:
+        """FLOP/s of the linear layers' GEMMs: the device's fp8 rate under fp8, reached at
+        the same fraction as bf16's (the fitted curve; unmeasured for fp8)."""
         return self.system.device.peak_flops(self.precision.value)
 
     @property
@@ -242,22 +256,32 @@ class Compute:
         d = self.system.device
         return d.memory_bandwidth * d.memory_efficiency
 
-    def gemm(self, g: Gemm) -> float:
-        d = self.system.device
+    def gemm(self, g: Gemm, peak: float = 0.0) -> float:
+        """Seconds of GEMM `g` at `peak` FLOP/s (default: `self.peak`)."""
+        d, peak = self.system.device, peak or self.peak
         if d.gemm_curve:
-            return g.flops / (self.peak * d.gemm_efficiency_at(g.flops))
-        compute = g.flops / (self.peak * d.gemm_efficiency)
+            return g.flops / (peak * d.gemm_efficiency_at(g.flops))
+        compute = g.flops / (peak * d.gemm_efficiency)
         return compute + g.nbytes(self.e) / self.bandwidth + d.kernel_overhead
 
     def stream(self, nbytes: float) -> float:
         """Memory-bound kernels moving `nbytes` through HBM."""
         return nbytes / self.bandwidth
 
+    def linear(self, g: Gemm) -> float:
+        """Seconds of a linear layer's GEMM `g`; under fp8 with the casts of its two operands
+        (torchao's dynamic scaling: each read for its amax, read again and written in 8 bits,
+        `FP8_CAST_BYTES` per element at the streaming bandwidth)."""
+        if self.precision is not Precision.FP8:
+            return self.gemm(g)
+        operands = g.batch * (g.m * g.k + g.k * g.n)
+        return self.gemm(g, self.linear_peak) + self.stream(FP8_CAST_BYTES * operands)
+
     def linears(self, gemms: list[Gemm]) -> Passes:
         return Passes(
-            sum(self.gemm(g) for g in gemms),
-            sum(self.gemm(g.dgrad()) for g in gemms),
-            sum(self.gemm(g.wgrad()) for g in gemms),
+            sum(self.linear(g) for g in gemms),
+            sum(self.linear(g.dgrad()) for g in gemms),
+            sum(self.linear(g.wgrad()) for g in gemms),
         )
 
 

@@ -121,28 +121,28 @@ def hardware_flops_per_iteration(
     return flops_per_iteration(cfg, global_batch_size, recompute)
 
 
-# Dense (not 2:4-sparse) tensor-core peaks per device in TFLOP/s, by precision. fp32 is the
-# plain FP32 rate (PyTorch does not use TF32 for matmuls unless asked; on AMD, the FP32
-# matrix rate). 0 = no such tensor rate. Sources: NVIDIA V100, A10, A100, L40S, H100 (SXM5,
-# PCIe, NVL), H200 (SXM, NVL) and HGX B200 datasheets (the B200 table's 8-GPU,
-# with-sparsity figures divided by 8 and by 2; the others' sparse figures divided by 2);
-# AMD Instinct MI250X and MI300X datasheets; an MI250X is two dies that torch sees as two
-# devices, so its row is half the package figures (383 bf16, 95.7 fp32). This is the one
-# table: `ptdp/perf/cost/hardware/*.toml` take their peaks from it by `kind`, and the training
-# log's MFU (ptdp/train/peak.py) looks the device up here.
+# Dense (not 2:4-sparse) tensor-core peaks per device in TFLOP/s, by precision. fp32 is the plain
+# FP32 rate (PyTorch does not use TF32 for matmuls unless asked; on AMD, the FP32 matrix rate); fp8
+# the float8 (E4M3/E5M2) rate, which only fp8 runs' linear-layer GEMMs use (their MFU stays against
+# bf16). 0 or absent = no such tensor rate. Sources: NVIDIA V100, A10, A100, L40S, H100 (SXM5, PCIe,
+# NVL), H200 (SXM, NVL) and HGX B200 datasheets (the B200 table's 8-GPU, with-sparsity figures
+# divided by 8 and by 2; the others' sparse figures divided by 2); AMD Instinct MI250X and MI300X
+# datasheets; an MI250X is two dies that torch sees as two devices, so its row is half the package
+# figures (383 bf16, 95.7 fp32). This is the one table: `ptdp/perf/cost/hardware/*.toml` take their
+# peaks from it by `kind`, and the training log's MFU (ptdp/train/peak.py) looks the device up here.
 DENSE_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "v100": {"fp16": 125.0, "bf16": 0.0, "tf32": 0.0, "fp32": 15.7},
     "a10": {"fp16": 125.0, "bf16": 125.0, "tf32": 62.5, "fp32": 31.2},
     "a100": {"fp16": 312.0, "bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "l40s": {"fp16": 362.05, "bf16": 362.05, "tf32": 183.0, "fp32": 91.6},
-    "h100-pcie": {"fp16": 756.0, "bf16": 756.0, "tf32": 378.0, "fp32": 51.2},
-    "h100-nvl": {"fp16": 835.5, "bf16": 835.5, "tf32": 417.5, "fp32": 60.0},
-    "h100-sxm": {"fp16": 989.0, "bf16": 989.0, "tf32": 494.5, "fp32": 66.9},
-    "h200": {"fp16": 989.0, "bf16": 989.0, "tf32": 494.5, "fp32": 66.9},
-    "h200-nvl": {"fp16": 835.5, "bf16": 835.5, "tf32": 417.5, "fp32": 60.0},
-    "b200": {"fp16": 2250.0, "bf16": 2250.0, "tf32": 1125.0, "fp32": 75.0},
+    "l40s": {"fp16": 362.05, "bf16": 362.05, "tf32": 183.0, "fp32": 91.6, "fp8": 733.0},
+    "h100-pcie": {"fp16": 756.0, "bf16": 756.0, "tf32": 378.0, "fp32": 51.2, "fp8": 1513.0},
+    "h100-nvl": {"fp16": 835.5, "bf16": 835.5, "tf32": 417.5, "fp32": 60.0, "fp8": 1670.5},
+    "h100-sxm": {"fp16": 989.0, "bf16": 989.0, "tf32": 494.5, "fp32": 66.9, "fp8": 1979.0},
+    "h200": {"fp16": 989.0, "bf16": 989.0, "tf32": 494.5, "fp32": 66.9, "fp8": 1979.0},
+    "h200-nvl": {"fp16": 835.5, "bf16": 835.5, "tf32": 417.5, "fp32": 60.0, "fp8": 1670.5},
+    "b200": {"fp16": 2250.0, "bf16": 2250.0, "tf32": 1125.0, "fp32": 75.0, "fp8": 4500.0},
     "mi250x": {"fp16": 191.5, "bf16": 191.5, "tf32": 0.0, "fp32": 47.85},
-    "mi300x": {"fp16": 1307.4, "bf16": 1307.4, "tf32": 653.7, "fp32": 163.4},
+    "mi300x": {"fp16": 1307.4, "bf16": 1307.4, "tf32": 653.7, "fp32": 163.4, "fp8": 2614.9},
 }
 
 # Patterns of torch.cuda.get_device_name() -> table key, most specific first. Whole words
@@ -174,7 +174,7 @@ def device_kind(device_name: str) -> str | None:
 
 
 def dense_peak_flops(kind: str, precision: str) -> float:
-    """Dense peak FLOP/s of device `kind` at `precision` (fp32, tf32, bf16, fp16)."""
+    """Dense peak FLOP/s of device `kind` at `precision` (fp32, tf32, bf16, fp16, fp8)."""
     if kind not in DENSE_PEAK_TFLOPS:
         known = ", ".join(DENSE_PEAK_TFLOPS)
         raise KeyError(f"no peak FLOP/s for device {kind!r}; known: {known}")

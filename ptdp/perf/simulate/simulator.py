@@ -547,7 +547,7 @@ def simulate(
     batch = cfg.train.global_batch_size
     executed = flops_per_iteration(cfg.model, batch, cfg.parallel.recompute)
     model_flops = flops_per_iteration(cfg.model, batch, Recompute.NONE)
-    peak = system.device.peak_flops(cfg.train.precision.value)
+    peak = c.peak  # the 16-bit rate under fp8: MFU as the training log reports it
     memory = predicted_memory(cfg, layout, system, software, world_size)
     layer = layer_costs(cfg, layout, c, moe=cfg.model.num_experts > 0)
     return Prediction(

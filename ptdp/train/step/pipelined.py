@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -26,6 +26,9 @@ from ptdp.pipeline.p2p import P2P
 from ptdp.pipeline.partition import layer_ranges
 from ptdp.pipeline.plan import PipelinePlan, build_forward_only
 from ptdp.pipeline.runtime import PipelineRuntime
+
+if TYPE_CHECKING:
+    from ptdp.parallel.fp8 import Fp8Gemms
 
 
 class Microbatch(NamedTuple):
@@ -49,9 +52,10 @@ def build_chunks(
     seed: int,
     recompute: Recompute,
     cp_comm: CpComm = CpComm.RING,
+    fp8: Fp8Gemms | None = None,
 ) -> dict[int, GPT]:
     """This rank's model chunks by global stage, each initialised as its slice of the
-    single-process model."""
+    single-process model (`fp8`: their linear layers' GEMMs in float8)."""
     pp, vpp, stages = layout.pp, layout.vpp, layout.stages
     ranges = layer_ranges(model.num_layers, pp, vpp, layout.stage_layers)
     last = stages.last
@@ -69,6 +73,7 @@ def build_chunks(
             layers=ranges[stage],
             has_embedding=stage == 0,
             has_head=stage == last,
+            fp8=fp8,
         )
         for stage in stages.stages_of(mesh.coord("pp"))
     }

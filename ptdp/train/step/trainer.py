@@ -60,7 +60,20 @@ PARAM_DTYPES = {
     Precision.FP32: torch.float32,
     Precision.BF16: torch.bfloat16,
     Precision.FP16: torch.float16,
+    Precision.FP8: torch.bfloat16,  # bf16 but for the linear layers' GEMMs
 }
+
+
+def _fp8_gemms(cfg: RunConfig, device: torch.device):
+    """precision = fp8: the float8 GEMMs of the linear layers (torchao, imported only here
+    among the trainer's modules: an optional dependency), if `device` can run them; else
+    None."""
+    if cfg.train.precision is not Precision.FP8:
+        return None
+    from ptdp.parallel.fp8 import Fp8Gemms, check_device
+
+    check_device(device)
+    return Fp8Gemms.build(cfg.train.fp8_recipe)
 
 
 class Trainer:
@@ -70,6 +83,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, layout: Layout, env: LaunchEnv, data: RunData) -> None:
         self.cfg, self.layout, self.env, self.data = cfg, layout, env, data
         self.device = pick_device(cfg.train.device, env.local_rank)
+        fp8 = _fp8_gemms(cfg, self.device)  # a GPU without float8 is refused before any group
         t = cfg.train
         if t.cuda_graphs and self.device.type != "cuda":  # train.device = auto on a CPU
             raise ConfigError(
@@ -111,6 +125,7 @@ class Trainer:
             seed=t.seed,
             recompute=cfg.parallel.recompute,
             cp_comm=cfg.parallel.cp_comm,
+            fp8=fp8,
         )
         if cfg.train.compile:  # regional: each transformer layer (ptdp/model/compile.py)
             apply_compile(by_stage.values(), cuda_graphs=t.cuda_graphs)

@@ -1,0 +1,74 @@
+"""The fp8 rules of `ptdp.layout.validate`: what a run with train.precision = fp8 needs, each
+message naming the key and the fix.
+
+fp8 runs the linear layers' GEMMs through `torch._scaled_mm` (torchao's float8 training,
+`ptdp.parallel.fp8`), whose operands must have every dimension a multiple of 16 on a GPU:
+each rank's input and output features of every linear layer, and the tokens of a
+microbatch on a rank. The same rule holds on a CPU (where the GEMMs are emulated), so that
+a run tried on a laptop does not fail on the cluster. Pure (no torch import).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from ptdp.config import Activation, Precision, RunConfig
+
+FP8_MULTIPLE = 16
+"""What each dimension of a float8 GEMM's operands must be a multiple of."""
+
+
+def has_torchao() -> bool:
+    """Whether torchao (the `fp8` extra) is installed; it is not imported here."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+def fp8_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
+    """Append what keeps `cfg` from training in fp8 to `errors` (nothing unless precision
+    = fp8). `runtime`: also whether torchao is installed, which a modelled run needs not."""
+    if cfg.train.precision is not Precision.FP8:
+        return
+    m, p = cfg.model, cfg.parallel
+    if runtime and not has_torchao():
+        errors.append(
+            "train.precision = fp8 needs torchao's float8 training, which is not installed; "
+            "pip install -e '.[fp8]' (or pip install torchao), or use --train.precision bf16"
+        )
+    if m.num_experts > 0:
+        errors.append(
+            f"train.precision = fp8 with model.num_experts = {m.num_experts}: the experts' "
+            "grouped GEMMs have no fp8 path in ptdp; use --train.precision bf16 for a "
+            "mixture-of-experts model"
+        )
+    if cfg.train.micro_batch_size > 0 and m.seq_length > 0 and p.cp > 0:
+        tokens = cfg.train.micro_batch_size * m.seq_length // p.cp
+        if tokens % FP8_MULTIPLE:
+            errors.append(
+                f"train.precision = fp8 needs the tokens of a microbatch on a rank "
+                f"(train.micro_batch_size * model.seq_length / parallel.cp = {tokens}) to be "
+                f"a multiple of {FP8_MULTIPLE}; raise micro_batch_size or seq_length"
+            )
+    if p.tp > 0 and m.num_heads > 0:
+        _feature_rules(cfg, errors)
+
+
+def _feature_rules(cfg: RunConfig, errors: list[str]) -> None:
+    """Each rank's input and output features of each linear layer."""
+    m, tp = cfg.model, cfg.parallel.tp
+    parts = 2 if m.activation is Activation.SWIGLU else 1
+    qkv = m.query_groups * (m.num_heads // m.query_groups + 2) * m.head_dim
+    widths = {
+        "model.hidden_size": m.hidden_size,
+        "the attention's query/key/value features per tensor-parallel rank": qkv // tp,
+        "the attention's head features per tensor-parallel rank": m.num_heads * m.head_dim // tp,
+        "the MLP's inner features per tensor-parallel rank": m.ffn_size // tp,
+        "the MLP's first-layer features per tensor-parallel rank": m.ffn_size * parts // tp,
+        "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+    }
+    for what, width in widths.items():
+        if width % FP8_MULTIPLE:
+            errors.append(
+                f"train.precision = fp8 needs {what} (= {width}) to be a multiple of "
+                f"{FP8_MULTIPLE} (torch._scaled_mm's operands); change the model's widths "
+                "or parallel.tp, or use --train.precision bf16"
+            )
