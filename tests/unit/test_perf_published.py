@@ -2,7 +2,8 @@
 
 The H100 file's GEMM curve is the law fitted by `benchmarks/h100_fit.py` to Megatron-Core's
 weak-scaling table, and reproduces each row within the error BENCHMARKS.md states for it;
-the H200 shares the H100's compute; the MI250X file comes from vendor specifications.
+the H200 shares the H100's compute; the MI250X file comes from vendor specifications and a
+published single-GCD GEMM measurement.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ptdp.perf.cost.costs import (
     MEGATRON_CORE,
     PTDP,
     Compute,
+    Gemm,
     all_reduce_seconds,
     group_link,
     layer_gemms,
@@ -94,6 +96,22 @@ def test_mi250x_file_from_vendor_specifications() -> None:
     assert s.intra.bandwidth == 50e9  # one Infinity Fabric link per direction
     assert s.inter.bandwidth == 12.5e9  # one 25 GB/s Slingshot NIC per two GCDs
     assert system_for_device_name("AMD Instinct MI250X").name == "mi250x"
+
+
+MI250X_MAMF = (Gemm(1024, 19968, 14080), 147.0e12)
+"""One GCD's maximum achievable bf16 matmul, the shape it was reached at and its rate (the
+source the mi250x file names: Bekman, "Machine Learning Engineering", ROCm 6.2)."""
+
+
+def test_mi250x_gemms_reach_the_published_single_gcd_rate_and_no_more() -> None:
+    """Large GEMMs tend to the measured maximum (not capped below it, not above it); at the
+    measured shape the model's operand traffic keeps it within 15% below."""
+    c = Compute(load_system("mi250x"), Precision.BF16, PTDP)
+    shape, rate = MI250X_MAMF
+    huge = Gemm(2**17, 2**17, 2**17)
+    assert huge.flops / c.gemm(huge) == pytest.approx(rate, rel=0.01)
+    assert huge.flops / c.gemm(huge) <= rate
+    assert 0.85 * rate < shape.flops / c.gemm(shape) < rate
 
 
 def test_one_h100s_calibration_predicts_the_published_runs_fast(capsys, monkeypatch) -> None:
