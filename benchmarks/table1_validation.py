@@ -4,8 +4,9 @@ For every row of Table 1 (Narayanan et al., SC21) the planner takes the paper's 
 count, t, p and batch, chooses the micro-batch (equation (1)) and the interleaving v (by
 simulation) under the paper's software and settings (DGX A100 80GB cluster, Megatron-LM
 2021 kernels, full recomputation), and the simulator predicts TFLOP/s per GPU against
-the published figure. Then the README's GPT-3 175B run (1024 GPUs, batch 1536, b = 1, no
-interleaving), and, with --free, the planner choosing t and p itself for each row.
+the published figure; then every row again at micro-batch 1. Then the README's GPT-3 175B
+run (1024 GPUs, batch 1536, b = 1, no interleaving), and, with --free, the planner choosing
+t and p itself for each row.
 Last, the memory model against single-process CPU runs of a small GPT-2 and Llama-style
 model (fp32, each recompute mode, 1F1B and GPipe orders).
 
@@ -64,6 +65,7 @@ def main() -> None:
         f"\nmean |error| {100 * sum(map(abs, errors)) / len(errors):.1f}%, "
         f"worst {100 * worst:+.1f}%"
     )
+    at_b1(system)
 
     script = readme_gpt3(system)
     planned = check_row(README_GPT3, system)
@@ -111,6 +113,23 @@ def main() -> None:
             )
     memory_table()
     print(f"\n({time.perf_counter() - start:.0f} s)")
+
+
+def at_b1(system) -> None:  # noqa: ANN001 - a script
+    """Every row at micro-batch 1 (the planner's v): where per-microbatch costs weigh most."""
+    print("\nat b = 1 (the paper gives no b; v by the planner):")
+    print("| model | t | p | v | published TFLOP/s | predicted | error |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    errors = []
+    for row in TABLE_1:
+        check = check_row(row, system, micro_batch=1)
+        errors.append(check.error)
+        print(
+            f"| {row.params_billion}B | {row.tp} | {row.pp} | "
+            f"{check.option.prediction.layout.vpp} | {row.tflops:.0f} | "
+            f"{check.predicted:.1f} | {100 * check.error:+.1f}% |"
+        )
+    print(f"worst {100 * max(errors, key=abs):+.1f}%")
 
 
 LLAMA = {

@@ -685,7 +685,8 @@ def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
     from ptdp.config import ModelConfig, Recompute
     from ptdp.perf.cost.costs import gather_seconds, group_link, layer_seconds
 
-    gpu = load_system("a100-80gb")
+    gpu = load_system("a100-80gb")  # no launches: a CPU pays them where a GPU hides them
+    gpu = replace(gpu, device=replace(gpu.device, kernel_overhead=0.0))
     cpu = replace(gpu, device=replace(gpu.device, kind="cpu"))
     model = ModelConfig(num_layers=2, hidden_size=256, num_heads=4, seq_length=128, vocab_size=64)
     boundary = 4 * 128 * 256 * 2  # b s h, bf16

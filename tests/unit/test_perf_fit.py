@@ -124,7 +124,7 @@ def test_a_curve_in_the_file_drives_gemm_and_attention_costs(tmp_path: Path) -> 
     base = attention_core(model, 1, 1, Compute(load_system("a100-80gb"), Precision.BF16, PTDP))
     mine = attention_core(model, 1, 1, c)
     flops = 4 * 2048 * 2048 * model.head_dim * model.num_heads * 0.5
-    assert mine.f == pytest.approx(flops / (312e12 * 0.5) + system.device.kernel_overhead)
+    assert mine.f == pytest.approx(max(flops / (312e12 * 0.5), system.device.kernel_overhead))
     assert mine.b == pytest.approx(3.0 * mine.f) and base.b == pytest.approx(2.5 * base.f)
 
 

@@ -103,16 +103,37 @@ def test_gemm_model_by_hand() -> None:
     c = Compute(A100, Precision.BF16, PTDP)
     g = Gemm(4096, 4096, 4096)
     dev = A100.device
-    expected = (
-        g.flops / (312e12 * dev.gemm_efficiency)
-        + 2 * 3 * 4096**2 / (dev.memory_bandwidth * dev.memory_efficiency)
-        + dev.kernel_overhead
-    )
+    expected = g.flops / (312e12 * dev.gemm_efficiency) + 2 * 3 * 4096**2 / (
+        dev.memory_bandwidth * dev.memory_efficiency
+    )  # its launch hidden: the host queued it while earlier kernels ran
     assert c.gemm(g) == pytest.approx(expected)
     # Efficiency depends on size: a thin GEMM (inner size = head size) runs far slower.
     big, thin = Gemm(8192, 8192, 8192), Gemm(2048, 2048, 96, batch=64)
     assert big.flops / c.gemm(big) > 2 * thin.flops / c.gemm(thin)
     assert g.dgrad().flops == g.wgrad().flops == g.flops
+
+
+def test_a_gpu_hides_launches_behind_longer_kernels_and_a_cpu_pays_them() -> None:
+    """A GPU's host queues kernels ahead: the slower of the kernels and their launches sets
+    the pace. A CPU runs each kernel in the thread that launched it: the two add."""
+    launch = A100.device.kernel_overhead  # 5 us
+    gpu = Compute(A100, Precision.BF16, MEGATRON_2021)
+    cpu_system = replace(A100, device=replace(A100.device, kind="cpu"))
+    cpu = Compute(cpu_system, Precision.BF16, MEGATRON_2021)
+    assert gpu.launched(100e-6, 8) == 100e-6  # 8 launches (40 us) under 100 us of kernels
+    assert gpu.launched(10e-6, 8) == pytest.approx(8 * launch)  # tiny kernels: launch-bound
+    assert cpu.launched(100e-6, 8) == pytest.approx(100e-6 + 8 * launch)
+    tiny = Gemm(16, 16, 16)
+    assert gpu.gemm(tiny) == pytest.approx(launch)
+    assert cpu.gemm(tiny) > launch
+    # A 1.7B layer of the paper (h 2304, t 1, b 1): every kernel outlasts its launch, so the
+    # memory-bound term is its bytes alone; on a CPU its 8 forward launches come on top,
+    m = preset("gpt-1.7b")
+    kw = dict(micro_batch=1, tp=1, sequence_parallel=False, recompute=Recompute.NONE)
+    on_gpu, on_cpu = layer_seconds(m, c=gpu, **kw), layer_seconds(m, c=cpu, **kw)
+    launches = MEGATRON_2021.elementwise_kernels * launch
+    # and the 4 linear layers' and the 2 unfused score GEMMs' launches
+    assert on_cpu.f - on_gpu.f == pytest.approx(launches + 6 * launch, rel=1e-6)
 
 
 def test_layer_costs_follow_recomputation_and_tensor_parallelism() -> None:

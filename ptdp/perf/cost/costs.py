@@ -262,7 +262,17 @@ class Compute:
         if d.gemm_curve:
             return g.flops / (peak * d.gemm_efficiency_at(g.flops))
         compute = g.flops / (peak * d.gemm_efficiency)
-        return compute + g.nbytes(self.e) / self.bandwidth + d.kernel_overhead
+        return self.launched(compute + g.nbytes(self.e) / self.bandwidth)
+
+    def launched(self, seconds: float, kernels: float = 1) -> float:
+        """`kernels` kernels running `seconds` in all, with their launches (the device's
+        `kernel_overhead` each). A GPU's host queues kernels ahead of the stream, so a launch
+        costs only where the kernels are shorter than the launches: the slower of the two
+        sets the pace. A CPU runs each kernel in the thread that launched it: they add."""
+        launches = kernels * self.system.device.kernel_overhead
+        if self.system.device.gloo:
+            return seconds + launches
+        return max(seconds, launches)
 
     def stream(self, nbytes: float) -> float:
         """Memory-bound kernels moving `nbytes` through HBM."""
@@ -327,7 +337,7 @@ def attention_core(model: ModelConfig, micro_batch: int, tp: int, c: Compute) ->
         flops = (scores.flops + values.flops) * (1.0 if masked else c.software.causal_fraction)
         dev = c.system.device
         efficiency, ratio = dev.attention_at(flops / heads)
-        forward = flops / (c.peak * (efficiency or dev.gemm_efficiency)) + dev.kernel_overhead
+        forward = c.launched(flops / (c.peak * (efficiency or dev.gemm_efficiency)))
         return Passes(forward, forward * (ratio or c.software.fused_backward_ratio), 0.0)
     forward = c.gemm(scores) + c.gemm(values)
     backward = sum(c.gemm(g.dgrad()) + c.gemm(g.wgrad()) for g in (scores, values))
@@ -450,14 +460,14 @@ def layer_seconds(
     del kw["moe"]
     fixed_f, fixed_b = c.system.device.layer_overhead  # measured: holds every launch
     launches = 0.0 if fixed_f or fixed_b else c.software.elementwise_kernels
-    launch = launches * c.system.device.kernel_overhead
+    ratio = c.software.backward_traffic_ratio
     if c.system.device.memory_kernels:  # each kernel at its own measured bandwidth
         kernels = dense_equivalent(model) if moe else model
         f, b = layer_traffic(kernels, e=c.e, device=c.system.device, **kw)
-        traffic, traffic_b = f + launch, b + c.software.backward_traffic_ratio * launch
     else:
-        traffic = c.stream(c.software.elementwise_traffic * stored) + launch
-        traffic_b = c.software.backward_traffic_ratio * traffic
+        f = c.stream(c.software.elementwise_traffic * stored)
+        b = ratio * f
+    traffic, traffic_b = c.launched(f, launches), c.launched(b, ratio * launches)
     boundary = micro_batch * model.seq_length * model.hidden_size * c.e
     link = group_link(c.system, tp, 1)
     pairs = 3 if moe and model.moe_shared_experts else 2  # the shared MLP reduces apart

@@ -48,8 +48,12 @@ class Check:
         return self.predicted / self.row.tflops - 1
 
 
-def check_row(row: Table1Row, system: System | None = None) -> Check:
-    """Plan b and v for the row's (t, p) and predict its TFLOP/s per GPU."""
+def check_row(
+    row: Table1Row, system: System | None = None, micro_batch: int | None = None
+) -> Check:
+    """Plan b (unless `micro_batch` fixes it) and v for the row's (t, p) and predict its
+    TFLOP/s per GPU. The paper does not give b; at b = 1 each microbatch's fixed costs
+    (launches, the gradients' accumulation pass) weigh most."""
     result = plan(
         paper_run(row, micro_batch=1, vpp=1),
         gpus=row.gpus,
@@ -57,6 +61,7 @@ def check_row(row: Table1Row, system: System | None = None) -> Check:
         software=MEGATRON_2021,
         tp=row.tp,
         pp=row.pp,
+        micro_batch=micro_batch,
         recompute=Recompute.FULL,
         sequence_parallel=False,
         zero=0,
