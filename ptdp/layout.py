@@ -13,6 +13,7 @@ from functools import cached_property
 from ptdp.config import (
     ModelConfig,
     OnNan,
+    Recovery,
     ParallelConfig,
     PositionEmbedding,
     RopeScaling,
@@ -435,6 +436,11 @@ def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
         errors.append(
             "train.on_nan = rollback with train.save_interval = 0 leaves no checkpoint to roll "
             "back to; set --train.save_interval (e.g. 100) or --train.on_nan stop"
+        )
+    if t.on_nan is OnNan.RETRY and t.recovery is not Recovery.IN_PROCESS:
+        errors.append(
+            "train.on_nan = retry replays the step from memory, which needs train.recovery = "
+            "in_process; set --train.recovery in_process or --train.on_nan stop"
         )
     microbatches = 0
     if dp and t.micro_batch_size > 0 and t.global_batch_size > 0:

@@ -19,11 +19,12 @@ from tqdm import tqdm
 from ptdp import checkpoint as ckpt
 from ptdp.checkpoint.manager import NonFiniteState
 from ptdp.checkpoint.store import step_dir_name
-from ptdp.config import OnNan, to_dict
+from ptdp.config import OnNan, Recovery, to_dict
 from ptdp.parallel.comm import gather_objects
 from ptdp.perf.cost.flops import utilisation
 from ptdp.pipeline.timeline import from_dicts, to_dicts
 from ptdp.train.faults.events import append_event
+from ptdp.train.faults.recovery import InProcessRecovery
 from ptdp.train.faults.numerical import (
     Interrupted,
     NumericalFault,
@@ -120,19 +121,32 @@ def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) 
     pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     timer = _IntervalTimer(trainer.device)
     saving = False  # the save a signal asked for is being written
+    recovery = InProcessRecovery(trainer) if t.recovery is Recovery.IN_PROCESS else None
     try:
         with trainer.faults.stop:  # SIGINT/SIGTERM: save at the end of the step and stop
             while trainer.step < t.steps:
                 if trainer.watchdog:
                     trainer.watchdog.begin_step(trainer.step + 1)
+                if recovery:
+                    recovery.begin_step(trainer)
                 try:
                     loss, grad_norm = trainer.train_step()
                 except NumericalFault as fault:  # on every rank, at the same step
+                    if t.on_nan is OnNan.RETRY:  # validated: only with recovery
+                        trainer = recovery.recover(trainer, fault)
+                        continue
                     _on_fault(trainer, fault, result)
                     pending = []
                     continue
+                except Exception as exc:  # noqa: BLE001 - any fault of the step: agreed
+                    if recovery is None:
+                        raise
+                    trainer = recovery.recover(trainer, exc)  # or RecoveryFallback
+                    continue
                 if trainer.watchdog:
                     trainer.watchdog.end_step()
+                if recovery:
+                    recovery.step_done(trainer)
                 if on_first_step is not None:
                     on_first_step()
                     on_first_step = None
