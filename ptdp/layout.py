@@ -13,9 +13,9 @@ from functools import cached_property
 from ptdp.config import (
     ModelConfig,
     OnNan,
-    Recovery,
     ParallelConfig,
     PositionEmbedding,
+    Recovery,
     RopeScaling,
     RunConfig,
     Schedule,

@@ -14,8 +14,8 @@ mesh is passed explicitly to whatever needs a group (no module-level state).
 from __future__ import annotations
 
 import math
-from datetime import timedelta
 from dataclasses import dataclass, field
+from datetime import timedelta
 from itertools import product
 
 import torch.distributed as dist
@@ -107,9 +107,7 @@ class ParallelMesh:
         return cls(MeshShape(), 0, {axis: None for axis in axes})
 
     @classmethod
-    def build(
-        cls, shape: MeshShape, rank: int, timeout: timedelta | None = None
-    ) -> ParallelMesh:
+    def build(cls, shape: MeshShape, rank: int, timeout: timedelta | None = None) -> ParallelMesh:
         """Create every axis group; all ranks must call this in the same order. `timeout`:
         how long a collective of these groups may wait (torch's default otherwise: 30 min
         on gloo, whatever the default group's)."""
@@ -125,7 +123,11 @@ class ParallelMesh:
             groups[axis] = None
             for ranks in all_ranks:
                 # new_group is collective over the world: every rank creates every group.
-                group = dist.new_group(ranks, timeout=timeout) if shape.world_size > 1 and len(ranks) > 1 else None
+                group = (
+                    dist.new_group(ranks, timeout=timeout)
+                    if shape.world_size > 1 and len(ranks) > 1
+                    else None
+                )
                 if rank in ranks:
                     groups[axis] = group
         return cls(shape, rank, groups)

@@ -24,13 +24,13 @@ from ptdp.parallel.comm import gather_objects
 from ptdp.perf.cost.flops import utilisation
 from ptdp.pipeline.timeline import from_dicts, to_dicts
 from ptdp.train.faults.events import append_event
-from ptdp.train.faults.recovery import InProcessRecovery
 from ptdp.train.faults.numerical import (
     Interrupted,
     NumericalFault,
     TrainingError,
     lost_to_interrupt,
 )
+from ptdp.train.faults.recovery import InProcessRecovery
 from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
 from ptdp.train.peak import Peak, device_name, resolve_peak
 from ptdp.train.profile import write_timeline

@@ -126,13 +126,19 @@ def _check(root: Path, layouts: list, faults: dict) -> None:
                 assert e["seconds_to_next_step"] > 0
 
 
-CAUSES = {"raise": ("exception",), "comm": ("communication error",),
-          "nan": ("non-finite step",), "stop": ("communication error", "collective timeout")}
+CAUSES = {
+    "raise": ("exception",),
+    "comm": ("communication error",),
+    "nan": ("non-finite step",),
+    "stop": ("communication error", "collective timeout"),
+}
 NAMED = ("raise", "comm")  # the faulty rank is named; the others are not told apart
 
 
 def _fault_table(faults: dict) -> dict:
-    return {s: (CAUSES[kind], rank if kind in NAMED else None) for s, (kind, rank) in faults.items()}
+    return {
+        s: (CAUSES[kind], rank if kind in NAMED else None) for s, (kind, rank) in faults.items()
+    }
 
 
 def test_tp2_pp2_every_fault_kind_replays_one_step(tiny_data: str, tmp_path: Path) -> None:

@@ -320,7 +320,7 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         "bad-enum-listed",
         lambda c: resolve(None, ["--train.on_nan", "rewind"]),
         ConfigError,
-        ("train.on_nan = 'rewind' is not valid", "skip, stop, rollback"),
+        ("train.on_nan = 'rewind' is not valid", "skip, stop, rollback, retry"),
     ),
     (
         "moe-key-on-a-dense-model",
@@ -429,6 +429,18 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         lambda c: c.train(train={"on_nan": "rollback"}),
         ConfigError,
         ("train.on_nan = rollback with train.save_interval = 0", "--train.save_interval"),
+    ),
+    (
+        "retry-without-in-process-recovery",
+        lambda c: c.train(train={"on_nan": "retry"}),
+        ConfigError,
+        ("train.on_nan = retry replays the step from memory", "--train.recovery in_process"),
+    ),
+    (
+        "recovery-unknown",
+        lambda c: resolve(None, ["--train.recovery", "inprocess"]),
+        ConfigError,
+        ("train.recovery = 'inprocess' is not valid", "did you mean 'in_process'"),
     ),
     (
         "vpp-without-interleaved",

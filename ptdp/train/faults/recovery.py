@@ -160,9 +160,7 @@ class InProcessRecovery:
         except Exception:  # DistStoreError: the second timeout passed
             here = sorted(r["rank"] for r in self._records(store))
             absent = [r for r in range(self.world) if r not in here]
-            why = (
-                f"ranks {absent} did not join within {2 * self.timeout_s:g} s (dead or frozen)"
-            )
+            why = f"ranks {absent} did not join within {2 * self.timeout_s:g} s (dead or frozen)"
             store.compare_set("verdict", "", why)
         return store.get("verdict").decode()
 

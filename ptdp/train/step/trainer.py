@@ -13,9 +13,9 @@ microbatches, so the accumulated gradient is that of the mean loss over the batc
 from __future__ import annotations
 
 import contextlib
-from datetime import timedelta
 import math
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
