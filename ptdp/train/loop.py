@@ -133,7 +133,7 @@ def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) 
                     loss, grad_norm = trainer.train_step()
                 except NumericalFault as fault:  # on every rank, at the same step
                     if t.on_nan is OnNan.RETRY:  # validated: only with recovery
-                        trainer = recovery.recover(trainer, fault)
+                        trainer = _recover(recovery, trainer, fault, timer)
                         continue
                     _on_fault(trainer, fault, result)
                     pending = []
@@ -141,7 +141,7 @@ def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) 
                 except Exception as exc:  # noqa: BLE001 - any fault of the step: agreed
                     if recovery is None:
                         raise
-                    trainer = recovery.recover(trainer, exc)  # or RecoveryFallback
+                    trainer = _recover(recovery, trainer, exc, timer)  # or RecoveryFallback
                     continue
                 if trainer.watchdog:
                     trainer.watchdog.end_step()
@@ -222,6 +222,16 @@ def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) 
             f"({steps * trainer.tokens_per_step / timer.total:,.0f} tokens/s)"
         )
     return result
+
+
+def _recover(
+    recovery: InProcessRecovery, trainer: Trainer, exc: BaseException, timer: _IntervalTimer
+) -> Trainer:
+    """The Trainer to replay the step with; the recovery is left out of the step times."""
+    timer.pause()
+    trainer = recovery.recover(trainer, exc)
+    timer.resume()
+    return trainer
 
 
 def _on_fault(trainer: Trainer, fault: NumericalFault, result: TrainResult) -> None:

@@ -19,7 +19,7 @@ its Trainer again over them, moving into it the old one's state held in memory: 
 masters, AdamW moments, loss scale, step and RNG. Nothing is copied on the healthy path:
 the optimizer update is the only in-place change of the weights and it comes last, so a
 fault before it leaves the start-of-step state in place; per step only the RNG state
-(a few KiB) is kept.
+(a few KiB: CPU and device generators) is kept.
 """
 
 from __future__ import annotations
@@ -83,12 +83,13 @@ class InProcessRecovery:
         self.prefix = f"ptdp/recovery/{trainer.env.restart}/{run}"
         self.count = 0
         self.tries: dict[int, int] = {}
-        self.rng: torch.Tensor | None = None
+        self.rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.pending: dict | None = None  # a recovery whose next completed step is awaited
 
     def begin_step(self, trainer: Trainer) -> None:
-        """Keep what the step changes besides the update: the RNG state (dropout)."""
-        self.rng = torch.get_rng_state()
+        """Keep what the step changes besides the update: the RNG states (dropout)."""
+        cuda = trainer.device.type == "cuda"
+        self.rng = torch.get_rng_state(), torch.cuda.get_rng_state(trainer.device) if cuda else None
         trainer.update_started = False
 
     def recover(self, trainer: Trainer, exc: BaseException) -> Trainer:
@@ -155,9 +156,11 @@ class InProcessRecovery:
 
     def _wait_verdict(self, store: dist.Store) -> str:
         """The verdict, or, after the second timeout, a fall back naming the absent ranks."""
-        try:
-            store.wait(["verdict"], timedelta(seconds=2 * self.timeout_s))
-        except Exception:  # DistStoreError: the second timeout passed
+        deadline = time.monotonic() + 2 * self.timeout_s
+        # Polled: a blocking store.wait holds the GIL, and the watchdog's heartbeats stop.
+        while not store.check(["verdict"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not store.check(["verdict"]):  # the second timeout passed
             here = sorted(r["rank"] for r in self._records(store))
             absent = [r for r in range(self.world) if r not in here]
             why = f"ranks {absent} did not join within {2 * self.timeout_s:g} s (dead or frozen)"
@@ -184,7 +187,9 @@ class InProcessRecovery:
         new.watchdog, new.owns_process_group = old.watchdog, old.owns_process_group
         move_state(old, new)
         new.step = old.step
-        torch.set_rng_state(self.rng)
+        torch.set_rng_state(self.rng[0])
+        if self.rng[1] is not None:
+            torch.cuda.set_rng_state(self.rng[1], new.device)
         return new
 
 
