@@ -60,6 +60,11 @@ class _IntervalTimer:
     def resume(self) -> None:
         self.clock = time.perf_counter()
 
+    def drop(self, seconds: float) -> None:
+        """Leave the last `seconds` out of the interval (a step abandoned, recovery)."""
+        if self.clock is not None:
+            self.clock += seconds
+
     def take_interval(self) -> float:
         self.pause()
         self.resume()
@@ -227,10 +232,10 @@ def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) 
 def _recover(
     recovery: InProcessRecovery, trainer: Trainer, exc: BaseException, timer: _IntervalTimer
 ) -> Trainer:
-    """The Trainer to replay the step with; the recovery is left out of the step times."""
-    timer.pause()
+    """The Trainer to replay the step with; the failed attempt and the recovery are left
+    out of the step times (the wall time holds them)."""
     trainer = recovery.recover(trainer, exc)
-    timer.resume()
+    timer.drop(time.perf_counter() - recovery.started)  # since the failed attempt began
     return trainer
 
 

@@ -84,11 +84,13 @@ class InProcessRecovery:
         self.count = 0
         self.tries: dict[int, int] = {}
         self.rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.started = 0.0  # perf_counter at the start of the step in flight
         self.pending: dict | None = None  # a recovery whose next completed step is awaited
 
     def begin_step(self, trainer: Trainer) -> None:
         """Keep what the step changes besides the update: the RNG states (dropout)."""
         cuda = trainer.device.type == "cuda"
+        self.started = time.perf_counter()
         self.rng = torch.get_rng_state(), torch.cuda.get_rng_state(trainer.device) if cuda else None
         trainer.update_started = False
 
