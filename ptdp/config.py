@@ -435,7 +435,8 @@ class TrainConfig:
     timeout or communication error, a non-finite step under on_nan = retry): restart (the
     processes exit; the launcher restarts them from the last checkpoint) or in_process
     (the ranks agree through the launcher's store, re-create their process groups and
-    replay the step from memory; ptdp/train/faults/recovery.py). restart is the default:
+    replay the step from memory; ptdp/train/faults/recovery.py; not with async_save).
+    restart is the default:
     in_process recovers only a fault before the optimizer update, waits a collective
     timeout for the blocked ranks, and a stopped or dead rank still needs the restart."""
     collective_timeout_s: float = 300.0

@@ -442,6 +442,12 @@ def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
             "train.on_nan = retry replays the step from memory, which needs train.recovery = "
             "in_process; set --train.recovery in_process or --train.on_nan stop"
         )
+    if t.recovery is Recovery.IN_PROCESS and t.async_save:
+        errors.append(
+            "train.recovery = in_process with train.async_save: a background save in flight "
+            "at a fault would lose its process group when the groups are re-created; set "
+            "--train.async_save false or --train.recovery restart"
+        )
     microbatches = 0
     if dp and t.micro_batch_size > 0 and t.global_batch_size > 0:
         per_step = t.micro_batch_size * dp

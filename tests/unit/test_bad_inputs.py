@@ -437,6 +437,12 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         ("train.on_nan = retry replays the step from memory", "--train.recovery in_process"),
     ),
     (
+        "in-process-recovery-with-async-save",
+        lambda c: c.train(train={"recovery": "in_process", "async_save": True}),
+        ConfigError,
+        ("train.recovery = in_process with train.async_save", "--train.async_save false"),
+    ),
+    (
         "recovery-unknown",
         lambda c: resolve(None, ["--train.recovery", "inprocess"]),
         ConfigError,
