@@ -436,9 +436,9 @@ class TrainConfig:
     processes exit; the launcher restarts them from the last checkpoint) or in_process
     (the ranks agree through the launcher's store, re-create their process groups and
     replay the step from memory; ptdp/train/faults/recovery.py; not with async_save).
-    restart is the default:
-    in_process recovers only a fault before the optimizer update, waits a collective
-    timeout for the blocked ranks, and a stopped or dead rank still needs the restart."""
+    restart is the default, after measuring (docs/fault-tolerance.md): in_process recovers
+    only a fault before the optimizer update, waits a collective timeout for the blocked
+    ranks, and a stopped or dead rank still needs the restart."""
     collective_timeout_s: float = 300.0
     """Seconds a collective or pipeline receive may wait; a rank that dies or hangs is
     named and every other rank stops within this time (ptdp/train/faults/watchdog.py)."""

@@ -140,9 +140,8 @@ class InProcessRecovery:
         if trainer.is_main:
             append_event(trainer.run_dir, "recovery", **rec, seconds_to_next_step=seconds)
         trainer.say(
-            f"recovered in process from a {rec['cause']} on rank {rec['rank']} at step "
-            f"{rec['step']} (try {rec['tries']}): {seconds:.1f} s from the fault to the next "
-            "completed step"
+            f"step {rec['step']} recovered in process ({rec['cause']} on rank {rec['rank']}, "
+            f"try {rec['tries']}): {seconds:.1f} s from the fault to the next completed step"
         )
 
     # ------------------------------------------------------------------ the agreement
