@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -184,3 +185,22 @@ def test_repeating_fault_falls_back_with_its_reason(tiny_data: str, tmp_path: Pa
     assert len(fallback) == 1, fallback
     assert fallback[0]["step"] == 3 and fallback[0]["rank"] == 1
     assert "repeated on the same step 3 times" in fallback[0]["reason"]
+
+
+def _one_process(cfg):
+    return replace(cfg, parallel=replace(cfg.parallel, pp=1))
+
+
+def test_one_process_recovers_an_exception(
+    tiny_data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No process group: the agreement is with itself; the rebuild keeps the state."""
+    base = train(_one_process(_config(tiny_data, tmp_path / "base", 1, 0)))
+    monkeypatch.setattr(Trainer, "forward_backward", FORWARD_BACKWARD)
+    started = _inject(0, {3: ("raise", 0)})
+    cfg = _config(tiny_data, tmp_path / "faulty", 1, 0, recovery="in_process")
+    result = train(_one_process(cfg))
+    assert result.losses == base.losses and started == [1, 2, 3, 3, 4, 5, 6]
+    assert compare(final_state(tmp_path / "base"), final_state(tmp_path / "faulty"))[
+        "bitwise_equal"
+    ]
