@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -186,6 +187,10 @@ class InProcessRecovery:
             )  # fmt: skip
         new = type(old)(old.cfg, old.layout, old.env, old.data)
         new.watchdog, new.owns_process_group = old.watchdog, old.owns_process_group
+        if new.watchdog and new.pipeline:  # built before the watchdog was handed over
+            new.pipeline.hooks = replace(
+                new.pipeline.hooks, around_action=new.around, around_wait=new.watchdog.waiting_for
+            )
         move_state(old, new)
         new.step = old.step
         torch.set_rng_state(self.rng[0])
@@ -212,3 +217,4 @@ def move_state(old: Trainer, new: Trainer) -> None:
     if old.scaler:
         new.scaler.__dict__.update(old.scaler.__dict__)
     new.faults.skipped, new.faults.recent = old.faults.skipped, old.faults.recent
+    new.faults.stop, new.faults.signum = old.faults.stop, old.faults.signum  # its handlers
