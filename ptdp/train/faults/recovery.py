@@ -152,6 +152,9 @@ class InProcessRecovery:
         if any(r["applied"] for r in records):
             ranks = [r["rank"] for r in records if r["applied"]]
             return f"the optimizer update had begun on ranks {ranks} (its state is not kept)"
+        steps = sorted({r["step"] for r in records})
+        if len(steps) > 1:  # one rank was past its update already: the states differ
+            return f"the ranks were at different steps {steps}"
         if tries > MAX_TRIES:
             return f"the fault repeated on the same step {MAX_TRIES + 1} times"
         return "recover"
