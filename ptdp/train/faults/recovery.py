@@ -7,11 +7,12 @@ store, never in the process groups, which may be broken. Keys are under a prefix
 and per recovery (`n`), so a later recovery never reads an earlier one's keys: each rank
 adds itself to `arrived` and writes what it saw; the last to arrive writes the verdict.
 A rank blocked in a collective on the faulty rank joins once that collective times out
-(train.collective_timeout_s: gloo cannot interrupt a blocked call from another thread,
+(train.collective_timeout_s; nothing here aborts a blocked call from another thread,
 so the timeout is the detection time). A rank that has not joined within a second
 timeout (twice the collective timeout: it died, or is frozen) turns the verdict into a
 fall back to the restart path, as does a step replayed MAX_TRIES times (a deterministic
-error, a real NaN) or a fault after the optimizer update began (its weights changed).
+error, a real NaN) or a fault after the optimizer update began (its weights changed;
+the ranks may be at different steps).
 
 Recovering, each rank destroys its process groups, creates the default group again over
 a fresh prefix of the same store (the mesh's groups follow, built as at start) and builds
