@@ -90,6 +90,12 @@ class OnNan(str, enum.Enum):
     SKIP = "skip"
     STOP = "stop"
     ROLLBACK = "rollback"
+    RETRY = "retry"
+
+
+class Recovery(str, enum.Enum):
+    RESTART = "restart"
+    IN_PROCESS = "in_process"
 
 
 class Resume(str, enum.Enum):
@@ -446,7 +452,17 @@ class TrainConfig:
     """A step with a non-finite loss or gradient norm (not an fp16 overflow): stop (save the
     last good step, the bad update not applied, and end with an error naming it), skip
     (leave the step out), or rollback (reload the last checkpoint and skip the batches
-    since it, the bad one included)."""
+    since it, the bad one included), or retry (replay the step from memory, which needs
+    train.recovery = in_process; one that repeats falls back to the restart path)."""
+    recovery: Recovery = Recovery.RESTART
+    """What a fault every process survives costs (an exception on one rank, a collective
+    timeout or communication error, a non-finite step under on_nan = retry): restart (the
+    processes exit; the launcher restarts them from the last checkpoint) or in_process
+    (the ranks agree through the launcher's store, re-create their process groups and
+    replay the step from memory; ptdp/train/faults/recovery.py; not with async_save).
+    restart is the default, after measuring (docs/fault-tolerance.md): in_process recovers
+    only a fault before the optimizer update, waits a collective timeout for the blocked
+    ranks, and a stopped or dead rank still needs the restart."""
     collective_timeout_s: float = 300.0
     """Seconds a collective or pipeline receive may wait; a rank that dies or hangs is
     named and every other rank stops within this time (ptdp/train/faults/watchdog.py)."""

@@ -15,6 +15,7 @@ from ptdp.config import (
     OnNan,
     ParallelConfig,
     PositionEmbedding,
+    Recovery,
     RopeScaling,
     RunConfig,
     Schedule,
@@ -437,6 +438,17 @@ def _train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
         errors.append(
             "train.on_nan = rollback with train.save_interval = 0 leaves no checkpoint to roll "
             "back to; set --train.save_interval (e.g. 100) or --train.on_nan stop"
+        )
+    if t.on_nan is OnNan.RETRY and t.recovery is not Recovery.IN_PROCESS:
+        errors.append(
+            "train.on_nan = retry replays the step from memory, which needs train.recovery = "
+            "in_process; set --train.recovery in_process or --train.on_nan stop"
+        )
+    if t.recovery is Recovery.IN_PROCESS and t.async_save:
+        errors.append(
+            "train.recovery = in_process with train.async_save: a background save in flight "
+            "at a fault would lose its process group when the groups are re-created; set "
+            "--train.async_save false or --train.recovery restart"
         )
     microbatches = 0
     if dp and t.micro_batch_size > 0 and t.global_batch_size > 0:

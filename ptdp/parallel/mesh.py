@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from datetime import timedelta
 from itertools import product
 
 import torch.distributed as dist
@@ -106,8 +107,10 @@ class ParallelMesh:
         return cls(MeshShape(), 0, {axis: None for axis in axes})
 
     @classmethod
-    def build(cls, shape: MeshShape, rank: int) -> ParallelMesh:
-        """Create every axis group; all ranks must call this in the same order."""
+    def build(cls, shape: MeshShape, rank: int, timeout: timedelta | None = None) -> ParallelMesh:
+        """Create every axis group; all ranks must call this in the same order. `timeout`:
+        how long a collective of these groups may wait (torch's default otherwise: 30 min
+        on gloo, whatever the default group's)."""
         groups: dict[str, dist.ProcessGroup | None] = {}
         axes = {axis: shape.group_ranks(axis) for axis in (*ORDER, *COMBINED)}
         axes.update({axis: shape.expert_group_ranks(axis) for axis in EXPERT_AXES})
@@ -120,7 +123,11 @@ class ParallelMesh:
             groups[axis] = None
             for ranks in all_ranks:
                 # new_group is collective over the world: every rank creates every group.
-                group = dist.new_group(ranks) if shape.world_size > 1 and len(ranks) > 1 else None
+                group = (
+                    dist.new_group(ranks, timeout=timeout)
+                    if shape.world_size > 1 and len(ranks) > 1
+                    else None
+                )
                 if rank in ranks:
                     groups[axis] = group
         return cls(shape, rank, groups)

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from ptdp import checkpoint as ckpt
 from ptdp.checkpoint.manager import NonFiniteState
 from ptdp.checkpoint.store import step_dir_name
-from ptdp.config import OnNan, to_dict
+from ptdp.config import OnNan, Recovery, to_dict
 from ptdp.parallel.comm import gather_objects
 from ptdp.perf.cost.flops import utilisation
 from ptdp.pipeline.timeline import from_dicts, to_dicts
@@ -30,6 +30,7 @@ from ptdp.train.faults.numerical import (
     TrainingError,
     lost_to_interrupt,
 )
+from ptdp.train.faults.recovery import InProcessRecovery
 from ptdp.train.metrics import MetricsWriter, format_line, peak_memory_gb
 from ptdp.train.peak import Peak, device_name, resolve_peak
 from ptdp.train.profile import write_timeline
@@ -58,6 +59,11 @@ class _IntervalTimer:
 
     def resume(self) -> None:
         self.clock = time.perf_counter()
+
+    def drop(self, seconds: float) -> None:
+        """Leave the last `seconds` out of the interval (a step abandoned, recovery)."""
+        if self.clock is not None:
+            self.clock += seconds
 
     def take_interval(self) -> float:
         self.pause()
@@ -120,19 +126,32 @@ def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) 
     pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     timer = _IntervalTimer(trainer.device)
     saving = False  # the save a signal asked for is being written
+    recovery = InProcessRecovery(trainer) if t.recovery is Recovery.IN_PROCESS else None
     try:
         with trainer.faults.stop:  # SIGINT/SIGTERM: save at the end of the step and stop
             while trainer.step < t.steps:
                 if trainer.watchdog:
                     trainer.watchdog.begin_step(trainer.step + 1)
+                if recovery:
+                    recovery.begin_step(trainer)
                 try:
                     loss, grad_norm = trainer.train_step()
                 except NumericalFault as fault:  # on every rank, at the same step
+                    if t.on_nan is OnNan.RETRY:  # validated: only with recovery
+                        trainer = _recover(recovery, trainer, fault, timer)
+                        continue
                     _on_fault(trainer, fault, result)
                     pending = []
                     continue
+                except Exception as exc:  # noqa: BLE001 - any fault of the step: agreed
+                    if recovery is None:
+                        raise
+                    trainer = _recover(recovery, trainer, exc, timer)  # or RecoveryFallback
+                    continue
                 if trainer.watchdog:
                     trainer.watchdog.end_step()
+                if recovery:
+                    recovery.step_done(trainer)
                 if on_first_step is not None:
                     on_first_step()
                     on_first_step = None
@@ -208,6 +227,16 @@ def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) 
             f"({steps * trainer.tokens_per_step / timer.total:,.0f} tokens/s)"
         )
     return result
+
+
+def _recover(
+    recovery: InProcessRecovery, trainer: Trainer, exc: BaseException, timer: _IntervalTimer
+) -> Trainer:
+    """The Trainer to replay the step with; the failed attempt and the recovery are left
+    out of the step times (the wall time holds them)."""
+    trainer = recovery.recover(trainer, exc)
+    timer.drop(time.perf_counter() - recovery.started)  # since the failed attempt began
+    return trainer
 
 
 def _on_fault(trainer: Trainer, fault: NumericalFault, result: TrainResult) -> None:

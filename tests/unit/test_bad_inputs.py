@@ -320,7 +320,7 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         "bad-enum-listed",
         lambda c: resolve(None, ["--train.on_nan", "rewind"]),
         ConfigError,
-        ("train.on_nan = 'rewind' is not valid", "skip, stop, rollback"),
+        ("train.on_nan = 'rewind' is not valid", "skip, stop, rollback, retry"),
     ),
     (
         "cuda-graphs-on-cpu",
@@ -474,6 +474,24 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         lambda c: c.train(train={"on_nan": "rollback"}),
         ConfigError,
         ("train.on_nan = rollback with train.save_interval = 0", "--train.save_interval"),
+    ),
+    (
+        "retry-without-in-process-recovery",
+        lambda c: c.train(train={"on_nan": "retry"}),
+        ConfigError,
+        ("train.on_nan = retry replays the step from memory", "--train.recovery in_process"),
+    ),
+    (
+        "in-process-recovery-with-async-save",
+        lambda c: c.train(train={"recovery": "in_process", "async_save": True}),
+        ConfigError,
+        ("train.recovery = in_process with train.async_save", "--train.async_save false"),
+    ),
+    (
+        "recovery-unknown",
+        lambda c: resolve(None, ["--train.recovery", "inprocess"]),
+        ConfigError,
+        ("train.recovery = 'inprocess' is not valid", "did you mean 'in_process'"),
     ),
     (
         "vpp-without-interleaved",

@@ -7,6 +7,11 @@
 - `interrupted`: the run stopped for SIGINT/SIGTERM after saving (a preemption notice);
 - `rollback`: a non-finite step under `train.on_nan = rollback`: the bad step, the step
   restored and the completed steps lost (their batches are skipped);
+- `recovery`: a fault recovered in process (train.recovery = in_process): the step
+  replayed, its `cause` and `rank` (the first rank whose own fault it was, else the
+  lowest), `tries`, `fault_time` (the first rank's detection) and the seconds from it to
+  the next completed step; `recovery_fallback`: in-process recovery gave up (`reason`: a
+  repeating fault, an update already begun, a rank absent) and the restart path follows;
 - `resume` / `restart`: a run continued from a checkpoint, by `--resume` or by a launcher
   restart (torchrun --max-restarts, a SLURM requeue): the checkpoint and its step, the
   cause read from the previous failure, steps lost, the layout change, the seconds

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,9 @@ class Trainer:
         self.owns_process_group = store is not None
         self.mesh = (
             ParallelMesh.build(
-                MeshShape(layout.tp, layout.dp, layout.pp, layout.cp, layout.ep), env.rank
+                MeshShape(layout.tp, layout.dp, layout.pp, layout.cp, layout.ep),
+                env.rank,
+                timeout=timedelta(seconds=t.collective_timeout_s),
             )
             if env.world_size > 1
             else ParallelMesh.single()
@@ -175,6 +178,9 @@ class Trainer:
         """The MoE layers' loss scale, loads, bias updates and log figures (none if dense)."""
         self.pipeline = self._pipeline_step(by_stage, dtype) if layout.pp > 1 else None
         self.step = 0
+        self.update_started = False
+        """The optimizer update of the step in flight began (in-process recovery: the
+        weights are no longer those of the start of the step)."""
         world = Group(None, env.world_size, env.rank) if env.world_size > 1 else Group.single()
         self.checkpoints = CheckpointManager(
             self.chunks,
@@ -344,6 +350,7 @@ class Trainer:
         return norm, skipped
 
     def _update(self, norm: torch.Tensor, found_inf: torch.Tensor | None = None) -> None:
+        self.update_started = True
         set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, self.cfg.train.steps))
         self.optimizer.clip(self.cfg.optim.grad_clip, norm)
         self.optimizer.step(found_inf)
