@@ -249,10 +249,11 @@ def stash_bytes_per_layer(
 
     dY: QKV [n, qkv/t], projection [n, h], fc1 [n, f/t] (x 2 for SwiGLU's gate and up) and
     fc2 [n, h], n = s b tokens; the row-parallel dY is the whole [n, h] (its backward
-    all-reduces or all-gathers before the GEMM). X under full recompute: QKV and fc1 inputs
-    [n, h] each, projection [n, h/t], fc2 [n, f/t]; under sequence parallelism otherwise the
-    (t-1)/t of the QKV and fc1 inputs the activation count shards. Plus the gradients of the
-    layer's biases and norms, in the weights' dtype.
+    all-reduces or all-gathers before the GEMM). X: QKV and fc1 inputs [n, h] each (whole,
+    all-gathered, under sequence parallelism), projection [n, h/t], fc2 [n, f/t]; B frees
+    the rest of the layer's activations, so these are all it keeps of them (measured on CPU
+    ranks, BENCHMARKS.md). Plus the gradients of the layer's biases and norms, in the
+    weights' dtype.
     """
     h, t, e, q = model.hidden_size, tp, element_bytes(precision), attention_width(model)
     n = model.seq_length * micro_batch
@@ -260,14 +261,18 @@ def stash_bytes_per_layer(
     parts = 2 if model.activation is Activation.SWIGLU else 1
     f = model.ffn_size
     dy = n * (qkv // t + f * parts // t + 2 * h)
-    if recompute is Recompute.FULL:
-        x = n * (2 * h + q // t + f // t)
-    elif sequence_parallel:
-        x = 2 * n * (h - h // t)
-    else:
-        x = 0
-    weights = (h * qkv + q * h + h * f * parts + f * h) // t
-    return e * (dy + x + layer_parameters(model, tp) - weights)
+    x = n * (2 * h + q // t + f // t)  # B frees the layer's other stored tensors
+    return e * (dy + x + layer_parameters(model, tp) - linear_weights(model, tp))
+
+
+def linear_weights(model: ModelConfig, tp: int) -> int:
+    """Elements of one layer's four linear weights on a tensor rank: W computes their
+    gradients for a whole (stage, microbatch) before accumulating them (`parallel/wgrad.py`)."""
+    h, q = model.hidden_size, attention_width(model)
+    qkv = q + 2 * model.query_groups * model.head_dim
+    parts = 2 if model.activation is Activation.SWIGLU else 1
+    f = model.ffn_size
+    return (h * qkv + q * h + h * f * parts + f * h) // tp
 
 
 def stage_stash_bytes(cfg: RunConfig, tp: int, pp: int, vpp: int, stage: int) -> float:
@@ -296,10 +301,32 @@ def stage_stash_bytes(cfg: RunConfig, tp: int, pp: int, vpp: int, stage: int) ->
         out += e * v // tp * h
         if model.position_embedding is PositionEmbedding.LEARNED:
             out += e * model.seq_length * h
-    if stage == pp * vpp - 1:
+    if stage == pp * vpp - 1:  # the output layer's dY and X, the final norm's gradient
         norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
-        out += e * (n * v // tp + norm)
+        out += e * (n * v // tp + n * h + norm)
     return out
+
+
+def split_peak(
+    plan: PipelinePlan, rank: int, stored: list[float], stash: list[float]
+) -> tuple[float, float, int]:
+    """A split backward's peak on one rank, walking its actions: each stage's `stored` bytes
+    per microbatch from its F until its B (BW), then its `stash` until its W. Returns the
+    (activations, stash, forwards in flight) at the moment their sum peaks."""
+    acts = kept = 0.0
+    held = 0
+    best = (0.0, 0.0, 0)
+    for a in plan.compute[rank]:
+        if a.kind is Kind.F:
+            acts, held = acts + stored[a.stage], held + 1
+        elif a.kind in (Kind.B, Kind.BW):
+            acts, held = acts - stored[a.stage], held - 1
+            kept += stash[a.stage] if a.kind is Kind.B else 0.0
+        elif a.kind is Kind.W:
+            kept -= stash[a.stage]
+        if acts + kept > best[0] + best[1]:
+            best = (acts, kept, held)
+    return best
 
 
 def stage_awaiting_w(plan: PipelinePlan, stage: int) -> int:
@@ -483,12 +510,16 @@ def estimate_memory(
         max((split[s] - moe[s]) * layer + moe[s] * moe_layer for s in stages.stages_of(rank))
         for rank in range(pp)
     ]
-    stash = [0.0] * pp
-    if SCHEDULES[layout.schedule].splits_backward:
-        for stage in range(pp * vpp):
-            waiting = stage_awaiting_w(layout.pipeline, stage)
-            per_mb = stage_stash_bytes(replace(cfg, model=local), tp, pp, vpp, stage)
-            stash[stages.rank(stage)] += waiting * per_mb
+    split_peaks = None
+    if SCHEDULES[layout.schedule].splits_backward:  # activations until B, the stash until W
+        stored = [
+            (split[s] - moe[s]) * layer + moe[s] * moe_layer + (head if s == stages.last else 0)
+            for s in range(pp * vpp)
+        ]
+        kept = [
+            stage_stash_bytes(replace(cfg, model=local), tp, pp, vpp, s) for s in range(pp * vpp)
+        ]
+        split_peaks = [split_peak(layout.pipeline, r, stored, kept) for r in range(pp)]
     out = []
     per_rank = parameters_per_rank(model, tp, pp, vpp, split, stages.placement, layout.ep)
     routed = expert_parameters_per_rank(model, tp, pp, vpp, split, stages.placement, layout.ep)
@@ -500,9 +531,18 @@ def estimate_memory(
         else:
             acts = held[rank] * per_chunk[rank] * layer
         acts += last_held * head if with_head else 0.0
+        stash = 0.0
+        if split_peaks is not None:
+            acts, stash, _ = split_peaks[rank]
         # A rank of stages without layers (the embedding or the loss alone) has no layer's
         # transients.
         rank_working = working if per_chunk[rank] else 0.0
+        # The loss's backward, or a layer's once one microbatch's head is freed.
+        if with_head:
+            rank_working = max(head_working, rank_working - head)
+        if split_peaks is not None and not compiled:  # W's weight gradients, then accumulated
+            wgrads = element_bytes(prec) * per_chunk[rank] * linear_weights(local, tp)
+            rank_working = max(rank_working, wgrads)
         out.append(
             MemoryEstimate(
                 rank,
@@ -510,10 +550,9 @@ def estimate_memory(
                 rest * state.grads + experts * expert_state.grads,
                 rest * state.optimizer + experts * expert_state.optimizer,
                 acts,
-                # The loss's backward, or a layer's once one microbatch's head is freed.
-                max(head_working, rank_working - head) if with_head else rank_working,
+                rank_working,
                 held[rank],
-                stash[rank],
+                stash,
                 buckets[rank],
                 gathered[rank],
             )
