@@ -17,7 +17,9 @@ from ptdp.perf.cost.memory import (
     in_flight,
     layer_activation_bytes,
     layer_backward_bytes,
+    split_peak,
     stage_in_flight,
+    stage_stash_bytes,
     stash_bytes_per_layer,
 )
 from ptdp.perf.cost.parameters import (
@@ -210,10 +212,9 @@ def test_uneven_stages_scale_parameters_and_activations() -> None:
 @pytest.mark.parametrize("options", [{}, LLAMA], ids=["gpt", "llama"])
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_split_backward_stash_matches_what_b_keeps_for_w(options, recompute) -> None:
-    # ZB-H1 on one rank (F B W per microbatch): one microbatch awaits its W at a time. What
-    # a CPU B really keeps for W (`WeightGradStore` pairs and the other parameters'
-    # gradients) is the estimate's stash plus the X it already counts as activations: the
-    # output layer's input (head) and, without recomputation, every linear's input.
+    # What a CPU B keeps for W (`WeightGradStore` pairs and the other parameters'
+    # gradients) is exactly the stage's stash: every linear layer's X and dY (B frees the
+    # layer's other activations), the output layer's, and the other parameters' gradients.
     import torch
 
     cfg = config(
@@ -238,28 +239,33 @@ def test_split_backward_stash_matches_what_b_keeps_for_w(options, recompute) -> 
     kept = [t for k in model.wgrad._pending[0] for t in (k.x, k.dy)]
     kept += [g for g in grads if g is not None]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
-    measured = sum(storages.values())
-
+    assert sum(storages.values()) == stage_stash_bytes(cfg, 1, 1, 1, 0)
+    # One rank (F B W per microbatch): the peak is one microbatch's activations or its stash.
     est = estimate_memory(cfg, 1)[0]
     one_f_one_b = estimate_memory(apply_updates(cfg, {"parallel": {"schedule": "1f1b"}}, "t"), 1)
-    assert est.stash > 0 and est.total == pytest.approx(one_f_one_b[0].total + est.stash)
-    n, h, f = 4 * 32, 64, cfg.model.ffn_size
-    counted = n * h  # the final norm's output, in the head's activations
-    if recompute == "none":
-        counted += cfg.model.num_layers * n * (3 * h + f)  # QKV, proj, fc1, fc2 inputs
-    assert measured == est.stash + 4 * counted
+    stash = stage_stash_bytes(cfg, 1, 1, 1, 0)
+    assert est.activations + est.stash == max(one_f_one_b[0].activations, stash)
+
+
+def test_split_peak_walks_the_actions() -> None:
+    # ZB-H1, 2 ranks, 3 microbatches, stored 10 and stash 1 per (stage, microbatch): rank 0
+    # runs F0 F1 B0 F2 ... and holds two forwards (20) before its first B; rank 1 one.
+    plan = build_plan("zb-h1", 2, 3)
+    assert split_peak(plan, 0, [10.0, 10.0], [1.0, 1.0])[::2] == (20.0, 2)
+    acts, kept, held = split_peak(plan, 1, [10.0, 10.0], [1.0, 1.0])
+    assert (acts, held) == (10.0, 1) and kept <= 2.0
 
 
 def test_stash_bytes_by_hand() -> None:
     # GPT, one layer, s b = 128 tokens, h = 64, f = 256, fp32: dY of QKV [n, 3h], proj
-    # [n, h], fc1 [n, f], fc2 [n, h]; biases 3h + f + 2h and two LayerNorms 4h.
+    # [n, h], fc1 [n, f], fc2 [n, h]; X of QKV, proj, fc1 [n, h] and fc2 [n, f]; biases
+    # 3h + f + 2h and two LayerNorms 4h. B frees the rest, with or without recomputation.
     model = config(model={"hidden_size": 64, "num_heads": 4, "seq_length": 32}).model
     kw = dict(micro_batch=4, precision=Precision.FP32)
-    per_layer = 128 * (3 * 64 + 256 + 2 * 64) + (3 * 64 + 256 + 2 * 64 + 4 * 64)
+    dy, x = 128 * (3 * 64 + 256 + 2 * 64), 128 * (3 * 64 + 256)
+    per_layer = dy + x + (3 * 64 + 256 + 2 * 64 + 4 * 64)
     assert stash_bytes_per_layer(model, **kw) == 4 * per_layer
-    # Full recompute also keeps the recomputed inputs: 2 [n, h], [n, h/t], [n, f/t].
-    full = stash_bytes_per_layer(model, recompute=Recompute.FULL, **kw)
-    assert full == 4 * (per_layer + 128 * (3 * 64 + 256))
+    assert stash_bytes_per_layer(model, recompute=Recompute.FULL, **kw) == 4 * per_layer
 
 
 def test_backward_transients_at_the_peak() -> None:
