@@ -132,7 +132,7 @@ def worker(rank: int, world: int, data: str, root: str, names: list[str]) -> lis
         with LiveBytes() as meter:
             trainer.train_step()
         assert world == layout.pp, "one rank per pipeline stage: global rank = pp rank"
-        est = estimate_memory(cfg, world, layout=layout)[rank]
+        est = estimate_memory(cfg, world, layout=layout, gloo_sends=True)[rank]
         mine = torch.tensor(
             [meter.peak, est.activations + est.working + est.stash], dtype=torch.float64
         )

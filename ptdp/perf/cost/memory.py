@@ -308,19 +308,29 @@ def stage_stash_bytes(cfg: RunConfig, tp: int, pp: int, vpp: int, stage: int) ->
 
 
 def split_peak(
-    plan: PipelinePlan, rank: int, stored: list[float], stash: list[float]
+    plan: PipelinePlan,
+    rank: int,
+    stored: list[float],
+    stash: list[float],
+    sent: list[float] | None = None,
+    sent_back: list[float] | None = None,
 ) -> tuple[float, float, int]:
-    """A split backward's peak on one rank, walking its actions: each stage's `stored` bytes
-    per microbatch from its F until its B (BW), then its `stash` until its W. Returns the
-    (activations, stash, forwards in flight) at the moment their sum peaks."""
+    """One rank's peak, walking its actions: each stage's `stored` bytes per microbatch from
+    its F until its B or BW, then (split backward) its `stash` until its W; under gloo,
+    `sent` (each stage's output, from its F) and `sent_back` (its input's gradient, from its
+    B or BW) are held until the step's end. Returns the (activations with the sent tensors,
+    stash, forwards in flight) at the moment their sum peaks."""
     acts = kept = 0.0
     held = 0
     best = (0.0, 0.0, 0)
     for a in plan.compute[rank]:
         if a.kind is Kind.F:
-            acts, held = acts + stored[a.stage], held + 1
+            acts, held = acts + stored[a.stage] + (sent[a.stage] if sent else 0.0), held + 1
         elif a.kind in (Kind.B, Kind.BW):
-            acts, held = acts - stored[a.stage], held - 1
+            acts, held = (
+                acts - stored[a.stage] + (sent_back[a.stage] if sent_back else 0.0),
+                held - 1,
+            )
             kept += stash[a.stage] if a.kind is Kind.B else 0.0
         elif a.kind is Kind.W:
             kept -= stash[a.stage]
@@ -450,8 +460,13 @@ def estimate_memory(
     fused_attention: bool = True,
     autocast_norms: bool = True,
     layout: Layout | None = None,
+    gloo_sends: bool = False,
 ) -> list[MemoryEstimate]:
     """Per pipeline rank (all tensor and data-parallel ranks alike), for the config's layout.
+
+    `gloo_sends`: the pipeline's sends complete only when the runtime waits on them, at the
+    step's end (gloo, `PipelineRuntime._release_sent_outputs`), so every stage output and
+    input gradient sent to another rank stays until then; NCCL frees each soon after.
 
     `layout` is `validate(cfg, world_size)` if the caller has it (with its built plan).
     `fused_attention` and `autocast_norms` describe the software (`ptdp.perf.cost.costs.Software`:
@@ -511,15 +526,32 @@ def estimate_memory(
         for rank in range(pp)
     ]
     split_peaks = None
-    if SCHEDULES[layout.schedule].splits_backward:  # activations until B, the stash until W
+    splits = SCHEDULES[layout.schedule].splits_backward
+    if splits or gloo_sends:  # activations until B (BW), the stash until W, sends until the end
         stored = [
             (split[s] - moe[s]) * layer + moe[s] * moe_layer + (head if s == stages.last else 0)
             for s in range(pp * vpp)
         ]
-        kept = [
-            stage_stash_bytes(replace(cfg, model=local), tp, pp, vpp, s) for s in range(pp * vpp)
+        kept = [0.0] * (pp * vpp)
+        if splits:
+            kept = [
+                stage_stash_bytes(replace(cfg, model=local), tp, pp, vpp, s)
+                for s in range(pp * vpp)
+            ]
+        sent = sent_back = None
+        if gloo_sends:
+            shard = tp if par.sequence_parallel else 1
+            output = e * local.seq_length * b * model.hidden_size / shard
+            sent = [
+                output if s < stages.last and not stages.same_rank(s, s + 1) else 0.0
+                for s in range(pp * vpp)
+            ]
+            sent_back = [
+                output if s > 0 and not stages.same_rank(s - 1, s) else 0.0 for s in range(pp * vpp)
+            ]
+        split_peaks = [
+            split_peak(layout.pipeline, r, stored, kept, sent, sent_back) for r in range(pp)
         ]
-        split_peaks = [split_peak(layout.pipeline, r, stored, kept) for r in range(pp)]
     out = []
     per_rank = parameters_per_rank(model, tp, pp, vpp, split, stages.placement, layout.ep)
     routed = expert_parameters_per_rank(model, tp, pp, vpp, split, stages.placement, layout.ep)
@@ -540,7 +572,7 @@ def estimate_memory(
         # The loss's backward, or a layer's once one microbatch's head is freed.
         if with_head:
             rank_working = max(head_working, rank_working - head)
-        if split_peaks is not None and not compiled:  # W's weight gradients, then accumulated
+        if splits and not compiled:  # W's weight gradients, then accumulated
             wgrads = element_bytes(prec) * per_chunk[rank] * linear_weights(local, tp)
             rank_working = max(rank_working, wgrads)
         out.append(
