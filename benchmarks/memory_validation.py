@@ -42,6 +42,11 @@ except ModuleNotFoundError:  # run as `python benchmarks/x.py`
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
 
+# Llama-style: RoPE, RMSNorm, SwiGLU, grouped-query attention (2 groups of 2 heads), untied.
+LLAMA = {
+    "position_embedding": "rope", "normalization": "rmsnorm", "activation": "swiglu",
+    "num_query_groups": 2, "tie_embeddings": False, "bias": False,
+}  # fmt: skip
 # name: (world, model, parallel, micro batch, global batch)
 CASES: dict[str, tuple[int, dict, dict, int, int]] = {
     "h64 s64": (1, {"hidden_size": 64, "seq_length": 64}, {}, 4, 8),
@@ -51,6 +56,14 @@ CASES: dict[str, tuple[int, dict, dict, int, int]] = {
         1, {"hidden_size": 128, "seq_length": 128}, {"recompute": "selective"}, 4, 8,
     ),
     "h128 s128 full": (1, {"hidden_size": 128, "seq_length": 128}, {"recompute": "full"}, 4, 8),
+    "llama h128 s128": (1, {"hidden_size": 128, "seq_length": 128, **LLAMA}, {}, 4, 8),
+    "llama h128 s128 full": (
+        1, {"hidden_size": 128, "seq_length": 128, **LLAMA}, {"recompute": "full"}, 4, 8,
+    ),
+    "h64 s64 pp2 interleaved": (
+        2, {"hidden_size": 64, "seq_length": 64},
+        {"pp": 2, "vpp": 2, "schedule": "interleaved"}, 2, 8,
+    ),
     "h128 s128 pp2 1f1b": (2, {"hidden_size": 128, "seq_length": 128}, {"pp": 2}, 2, 8),
     "h128 s128 pp2 interleaved": (
         2, {"hidden_size": 128, "seq_length": 128},
@@ -60,7 +73,7 @@ CASES: dict[str, tuple[int, dict, dict, int, int]] = {
         2, {"hidden_size": 128, "seq_length": 128}, {"pp": 2, "schedule": "zb-h1"}, 2, 8,
     ),
 }  # fmt: skip
-TINY = ("h64 s64",)
+TINY = ("h64 s64", "h64 s64 pp2 interleaved")  # the suite runs these (tests/unit)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -159,7 +172,6 @@ def run(names: list[str], root: str) -> list[dict]:
     for world in sorted({CASES[n][0] for n in names}):
         group = [n for n in names if CASES[n][0] == world]
         if world == 1:
-            torch.set_num_threads(1)
             rows += worker(0, 1, data, root, group)
         else:
             rows += spawn(worker, world, data, root, group)
@@ -192,6 +204,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
+    torch.set_num_threads(1)  # as each spawned rank runs
     with tempfile.TemporaryDirectory() as root:
         rows = run(names, root)
     print(table(rows))

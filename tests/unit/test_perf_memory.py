@@ -270,8 +270,9 @@ def test_stash_bytes_by_hand() -> None:
 
 def test_backward_transients_at_the_peak() -> None:
     """What is in flight at the peak besides what is stored: one layer's backward gradients
-    (dY, dX [n, h] and the larger of the MLP's [n, f/t] + [n, f/t] and attention's
-    dQ, dK, dV, dO [n, 4h/t]), and on the last stage the loss's fp32 logit gradient with its
+    (compiled: dY, dX [n, h] and the larger of the MLP's [n, f/t] + [n, f/t] and attention's
+    dQ, dK, dV, dO [n, 4h/t]; eager: dY [n, h], fc2's input gradient [n, f/t] and its
+    weight's [h, f/t]), and on the last stage the loss's fp32 logit gradient with its
     16-bit copy, [n, v/t] (4 + 2) bytes, when that is larger."""
     cfg = config(
         model={
@@ -285,8 +286,10 @@ def test_backward_transients_at_the_peak() -> None:
         train={"precision": "bf16", "micro_batch_size": 2, "global_batch_size": 4},
     )
     n, h, f, t = 64, 64, 256, 2
-    layer = 2 * n * (2 * h + max(2 * f // t, 4 * h // t))
-    assert layer_backward_bytes(cfg.model, micro_batch=2, tp=2) == layer
+    compiled = 2 * n * (2 * h + max(2 * f // t, 4 * h // t))
+    assert layer_backward_bytes(cfg.model, micro_batch=2, tp=2) == compiled
+    layer = 2 * (n * (h + f // t) + h * f // t)
+    assert layer_backward_bytes(cfg.model, micro_batch=2, tp=2, eager=True) == layer
     vocab = cfg.model.padded_vocab_size(t)
     head = n * vocab // t * 6
     assert head_backward_bytes(cfg.model, micro_batch=2, tp=2) == head
@@ -416,3 +419,33 @@ def test_tensor_counts_are_the_models_parameters(model: dict) -> None:
             held.append(sum(1 for _ in gpt.parameters()))
         assert tensors_per_rank(cfg, pp) == held, (model, pp)
         assert tensors_per_stage(cfg, pp) == held, (model, pp)  # a stage a rank
+
+
+def _small(**parallel: object) -> RunConfig:
+    model = {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "vocab_size": 128}
+    model |= {"seq_length": 32, "dropout": 0.0}
+    train = {"precision": "fp32", "micro_batch_size": 2, "global_batch_size": 4}
+    return config(model=model, parallel=parallel, train=train)
+
+
+def test_full_recompute_working_by_hand() -> None:
+    # fp32, n = 64 tokens, h = 64, f = 256: the recomputed layer's 16 n h stored elements
+    # (fused attention) less its input, which the checkpoint keeps and the activations
+    # count; eager backward: dY [n, h], fc2's input gradient [n, f] and weight's [h, f].
+    # One rank holds the head too: its stored (8 n h + 4 n v bytes) is freed by then.
+    n, h, f, v = 64, 64, 256, 128
+    (est,) = estimate_memory(_small(recompute="full"), 1)
+    head = 8 * n * h + 4 * n * v
+    assert est.working == 4 * (15 * n * h + n * (h + f) + h * f) - head
+    assert est.activations == 4 * (4 * n * h) + head  # four checkpoint inputs, the head
+
+
+def test_gloo_holds_sent_tensors_until_the_step_ends() -> None:
+    # 1F1B, pp = 2, m = 2: rank 0 runs F0 F1 B0 B1, its peak after F1, with both outputs
+    # [s, b, h] sent and (gloo) still held; rank 1 runs F0 B0 F1 B1, its peak at F1 with
+    # B0's input gradient sent and held.
+    cfg = _small(pp=2)
+    nh = 4 * 64 * 64
+    plain, held = estimate_memory(cfg, 2), estimate_memory(cfg, 2, gloo_sends=True)
+    assert held[0].activations - plain[0].activations == 2 * nh
+    assert held[1].activations - plain[1].activations == nh

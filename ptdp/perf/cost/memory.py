@@ -194,15 +194,21 @@ def layer_backward_bytes(
     micro_batch: int,
     tp: int = 1,
     precision: Precision = Precision.BF16,
+    eager: bool = False,
 ) -> float:
     """Gradients alive at once inside one layer's backward, per microbatch (module doc):
     dY and dX [n, h], with the MLP's [n, f/t] output-of-activation and [n, parts f/t]
     input-of-activation gradients or attention's dQ, dK, dV and dO, whichever is larger;
-    n = s b tokens."""
+    n = s b tokens. `eager`: autograd frees each node's saved tensors as it goes, so the
+    peak is in fc2's backward, all of the layer still stored: dY [n, h], fc2's input
+    gradient [n, parts f/t] and its weight's [h, f/t]; dX comes later, when the MLP's
+    inner tensors are freed (measured on CPU ranks, BENCHMARKS.md)."""
     h, t, e, q = model.hidden_size, tp, element_bytes(precision), attention_width(model)
     n = model.seq_length * micro_batch
     qkv = q + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
+    if eager:
+        return e * (n * (h + parts * model.ffn_size // t) + h * model.ffn_size // t)
     mlp = model.ffn_size * (1 + parts) // t
     attention = (qkv + q) // t
     return e * n * (2 * h + max(mlp, attention))
@@ -490,8 +496,12 @@ def estimate_memory(
     kw_layer = dict(fused_attention=fused_attention, autocast_norms=eager_norms, **kw)
     layer = layer_activation_bytes(local, recompute=par.recompute, **kw_layer)
     full = layer_activation_bytes(local, recompute=Recompute.NONE, **kw_layer)
-    working = {Recompute.NONE: 0.0, Recompute.FULL: full}.get(par.recompute, full - layer)
-    working += layer_backward_bytes(local, micro_batch=b, tp=tp, precision=prec)
+    # Full recompute: the recomputed layer's first norm input is the checkpoint's saved
+    # input, already counted, unless the norm keeps an fp32 copy of it.
+    recomputed = full - (0.0 if eager_norms else layer)
+    working = {Recompute.NONE: 0.0, Recompute.FULL: recomputed}.get(par.recompute, full - layer)
+    eager = not cfg.train.compile
+    working += layer_backward_bytes(local, micro_batch=b, tp=tp, precision=prec, eager=eager)
     moe_layer = layer
     if model.num_experts:  # an MoE layer's (ptdp.perf.cost.moe); the larger transients
         moe_layer = layer_activation_bytes(local, recompute=par.recompute, moe=True, **kw_layer)
