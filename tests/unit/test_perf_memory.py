@@ -449,3 +449,17 @@ def test_gloo_holds_sent_tensors_until_the_step_ends() -> None:
     plain, held = estimate_memory(cfg, 2), estimate_memory(cfg, 2, gloo_sends=True)
     assert held[0].activations - plain[0].activations == 2 * nh
     assert held[1].activations - plain[1].activations == nh
+
+
+def test_megatron_core_kernels_keep_less_by_hand() -> None:
+    # Llama-style, bf16, h = 64 (4 heads of 16, 2 groups), f = 172 (SwiGLU), n = 64 tokens:
+    # native GQA keeps K and V at 2 x 16 wide, not 64 (2 x 2 x 32 fewer elements per
+    # token); a fused SwiGLU keeps gate and up, not silu's output too (f fewer).
+    model = config(
+        model={"hidden_size": 64, "num_heads": 4, "seq_length": 32, "vocab_size": 128, **LLAMA}
+    ).model
+    kw = dict(micro_batch=2, precision=Precision.BF16)
+    plain = layer_activation_bytes(model, **kw)
+    n, f = 64, model.ffn_size
+    assert plain - layer_activation_bytes(model, native_gqa=True, **kw) == 2 * n * 2 * 32
+    assert plain - layer_activation_bytes(model, fused_swiglu=True, **kw) == 2 * n * f

@@ -115,14 +115,18 @@ def layer_activation_bytes(
     fused_attention: bool = True,
     autocast_norms: bool = False,
     moe: bool = False,
+    native_gqa: bool = False,
+    fused_swiglu: bool = False,
 ) -> float:
     """Bytes one layer stores for backward per microbatch (Korthikanti et al.).
 
-    SwiGLU's inner tensors (gate and up, their product) count as a GeLU MLP of twice the
-    width: 4f elements either way. `autocast_norms` (`fp32_norm_inputs`): the two norms'
-    inputs are kept as the fp32 copies CUDA autocast makes, 4 bytes where the paper has 2.
-    `moe`: a mixture-of-experts layer, its dense equivalent plus what dispatch and combine
-    keep (`ptdp.perf.cost.moe`).
+    SwiGLU's inner tensors (gate and up, silu's output and the product) count as a GeLU MLP
+    of twice the width: 4f elements either way; `fused_swiglu` (`Software`): 3f, a fused
+    function keeping only gate and up. `native_gqa` (`Software`): K and V kept at their
+    groups' width, where ptdp keeps them repeated to every head. `autocast_norms`
+    (`fp32_norm_inputs`): the two norms' inputs are kept as the fp32 copies CUDA autocast
+    makes, 4 bytes where the paper has 2. `moe`: a mixture-of-experts layer, its dense
+    equivalent plus what dispatch and combine keep (`ptdp.perf.cost.moe`).
     """
     if fused_attention and recompute is Recompute.NONE:
         recompute = Recompute.SELECTIVE  # no s x s tensor is kept: the core recomputes
@@ -132,6 +136,9 @@ def layer_activation_bytes(
         extra = dispatch_bytes(model, micro_batch=micro_batch, recompute=recompute, e=e)
         model = dense_equivalent(model)
     f = model.ffn_size * (2 if model.activation is Activation.SWIGLU else 1)
+    if fused_swiglu and model.activation is Activation.SWIGLU and recompute is not Recompute.FULL:
+        extra -= element_bytes(precision) * model.seq_length * micro_batch * model.ffn_size / tp
+    kv = model.query_groups * model.head_dim if native_gqa else None
     return extra + activation_bytes_per_layer(
         seq=model.seq_length,
         micro_batch=micro_batch,
@@ -145,6 +152,7 @@ def layer_activation_bytes(
         ffn_hidden=f,
         norm_input_bytes=_norm_input_bytes(precision, autocast_norms),
         attention_width=attention_width(model),
+        kv_width=kv,
     )
 
 
@@ -467,6 +475,8 @@ def estimate_memory(
     autocast_norms: bool = True,
     layout: Layout | None = None,
     gloo_sends: bool = False,
+    native_gqa: bool = False,
+    fused_swiglu: bool = False,
 ) -> list[MemoryEstimate]:
     """Per pipeline rank (all tensor and data-parallel ranks alike), for the config's layout.
 
@@ -475,8 +485,9 @@ def estimate_memory(
     input gradient sent to another rank stays until then; NCCL frees each soon after.
 
     `layout` is `validate(cfg, world_size)` if the caller has it (with its built plan).
-    `fused_attention` and `autocast_norms` describe the software (`ptdp.perf.cost.costs.Software`:
-    ptdp's by default; Megatron's fused LayerNorm keeps 16-bit inputs).
+    `fused_attention`, `autocast_norms`, `native_gqa` and `fused_swiglu` describe the
+    software (`ptdp.perf.cost.costs.Software`: ptdp's by default; Megatron's fused LayerNorm
+    keeps 16-bit inputs, its attention grouped K and V, its SwiGLU gate and up alone).
     """
     layout = layout or validate(cfg, world_size)
     model, par, prec = cfg.model, cfg.parallel, cfg.train.precision
@@ -493,7 +504,13 @@ def estimate_memory(
     local = context.local_model(model, cp)  # activations: the s/cp tokens of one cp rank
     kw = dict(micro_batch=b, tp=tp, sequence_parallel=par.sequence_parallel, precision=prec)
     eager_norms = autocast_norms and fp32_norm_inputs(cfg)
-    kw_layer = dict(fused_attention=fused_attention, autocast_norms=eager_norms, **kw)
+    kw_layer = dict(
+        fused_attention=fused_attention,
+        autocast_norms=eager_norms,
+        native_gqa=native_gqa,
+        fused_swiglu=fused_swiglu,
+        **kw,
+    )
     layer = layer_activation_bytes(local, recompute=par.recompute, **kw_layer)
     full = layer_activation_bytes(local, recompute=Recompute.NONE, **kw_layer)
     # Full recompute: the recomputed layer's first norm input is the checkpoint's saved

@@ -438,6 +438,8 @@ def predicted_memory(
         world_size,
         fused_attention=software.fused_attention,
         autocast_norms=software.autocast_norms,
+        native_gqa=software.native_gqa,
+        fused_swiglu=software.fused_swiglu,
         layout=layout,
     )
     return tuple(with_reserve(memory, cfg, layout, system))
