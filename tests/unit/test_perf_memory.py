@@ -17,10 +17,7 @@ from ptdp.perf.cost.memory import (
     in_flight,
     layer_activation_bytes,
     layer_backward_bytes,
-    split_peak,
     stage_in_flight,
-    stage_stash_bytes,
-    stash_bytes_per_layer,
 )
 from ptdp.perf.cost.parameters import (
     bytes_per_parameter,
@@ -28,6 +25,7 @@ from ptdp.perf.cost.parameters import (
     tensors_per_rank,
     tensors_per_stage,
 )
+from ptdp.perf.cost.stash import split_peak, stage_stash_bytes, stash_bytes_per_layer
 from ptdp.perf.validate.paper import preset
 from ptdp.perf.validate.validation import measure_cpu_memory
 from ptdp.pipeline.partition import layer_ranges

@@ -32,20 +32,22 @@ or until its W when the backward is split (B leaves the graph for W): p - r for 
 rank r, m for GPipe, p on every rank for ZB-H1 and 2p - 1 for ZB-H2 (capped at m), more
 for interleaved (Korthikanti: x (1 + (p-1)/(p v)) on rank 0).
 
-A split backward (ZB-H1, ZB-H2) also holds, per microbatch from its B until its W, what W
-needs (`ptdp/parallel/wgrad.py`, `ptdp/pipeline/runtime.py`): each linear layer's (X, dY)
-and the gradients of every other parameter (norms, biases, embeddings), `stash`. dY is
-always extra. X is counted extra only where the activation count does not already hold
-that tensor: the saved inputs of the linear layers are among Korthikanti's activations,
-which stay counted until W, except under full recomputation (B recomputes them) and, under
-sequence parallelism, the all-gathered inputs of QKV and fc1 (the activation count has
-their [s/t] shard). Compiled layers (`train.compile`) compute every gradient in B, so W
-holds all of the chunk's parameter gradients instead.
+A split backward (ZB-H1, ZB-H2, ZB-V) holds a microbatch's activations from its F until
+its B, which frees all but what W needs (`ptdp/parallel/wgrad.py`, `ptdp/pipeline/runtime.py`):
+each linear layer's (X, dY) and the gradients of every other parameter (norms, biases,
+embeddings), `stash`, held until its W; `split_peak` walks each rank's actions for the
+moment their sum peaks, and W's weight gradients of a stage are working memory. Compiled
+layers (`train.compile`) compute every gradient in B, so W holds all of the chunk's
+parameter gradients instead. Under gloo (`gloo_sends`) the same walk adds every stage output
+and input gradient sent to another rank: gloo completes a send only when the runtime waits
+on it, at the step's end (NCCL frees them at once).
 
 At the peak, besides what is stored, a backward pass holds its transients (`working`): the
-layer being recomputed (full) or its attention core (selective), plus the gradients alive
-inside one layer's backward (`layer_backward_bytes`: the incoming and outgoing [s, b, h]
-gradients and the larger of the MLP's inner gradients and attention's dQ, dK, dV, dO);
+layer being recomputed (full, its input counted once) or its attention core (selective),
+plus the gradients alive inside one layer's backward (`layer_backward_bytes`: eager, at
+fc2's backward, dY, fc2's input gradient and its weight's; compiled, the incoming and
+outgoing [s, b, h] gradients and the larger of the MLP's inner gradients and attention's
+dQ, dK, dV, dO);
 on the last stage, the larger of the loss's backward (`head_backward_bytes`: eager, two
 fp32 [s b, v] gradients, 6 GiB for GPT-2's vocabulary at 16,384 tokens; compiled, only
 the output weight's gradient, the logits' gradient taking the saved logits' buffer) and a
@@ -59,8 +61,12 @@ counted within 0.2% for GPT-2 125M and 1.3B, eager and compiled, and a 4B model 
 recomputation; CPU autocast keeps LayerNorm in 16 bits, where this counts 4 bytes per
 s b h too many.
 
-Known omissions: p2p receive buffers and grouped-query attention's smaller K and V
-(counted as full heads); fused attention's logsumexp and the norms' mean and 1/std (under
+Grouped-query attention's K and V count at every head's width, as ptdp repeats them before
+SDPA (measured on CPU ranks); `native_gqa` (Megatron-Core) at their groups'. SwiGLU keeps
+4f per token (gate, up, silu's output, the product); `fused_swiglu` 3f.
+
+Known omissions: p2p receive buffers; CPU's composite RMSNorm's x rsqrt(mean x^2) (CUDA's
+fused kernel does not keep it); fused attention's logsumexp and the norms' mean and 1/std (under
 0.3% of a layer at s = 1024); with a tied embedding on one stage, the output weight's
 16-bit gradient, alive from the loss's backward to the embedding's; the CUDA context, NCCL
 buffers and allocator waste are the reserve (`ptdp.perf.cost.reserve`). The in-flight count is
@@ -79,8 +85,6 @@ from dataclasses import dataclass, replace
 from ptdp.config import (
     Activation,
     ModelConfig,
-    Normalization,
-    PositionEmbedding,
     Precision,
     Recompute,
     RunConfig,
@@ -98,8 +102,8 @@ from ptdp.perf.cost.parameters import (
     parameters_per_rank,
     parameters_per_stage,
 )
+from ptdp.perf.cost.stash import linear_weights, split_peak, stage_stash_bytes
 from ptdp.pipeline.actions import RELEASE_KINDS, Kind
-from ptdp.pipeline.partition import layer_ranges
 from ptdp.pipeline.plan import PipelinePlan
 from ptdp.pipeline.schedules import SCHEDULES
 
@@ -248,119 +252,6 @@ def head_backward_bytes(
     if compiled:
         return e * padded * model.hidden_size
     return max(8 * n * model.vocab_size, e * n * (model.vocab_size + padded))
-
-
-def stash_bytes_per_layer(
-    model: ModelConfig,
-    *,
-    micro_batch: int,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    recompute: Recompute = Recompute.NONE,
-    precision: Precision = Precision.BF16,
-) -> float:
-    """Bytes one layer holds for W per microbatch beyond its counted activations (module doc).
-
-    dY: QKV [n, qkv/t], projection [n, h], fc1 [n, f/t] (x 2 for SwiGLU's gate and up) and
-    fc2 [n, h], n = s b tokens; the row-parallel dY is the whole [n, h] (its backward
-    all-reduces or all-gathers before the GEMM). X: QKV and fc1 inputs [n, h] each (whole,
-    all-gathered, under sequence parallelism), projection [n, h/t], fc2 [n, f/t]; B frees
-    the rest of the layer's activations, so these are all it keeps of them (measured on CPU
-    ranks, BENCHMARKS.md). Plus the gradients of the layer's biases and norms, in the
-    weights' dtype.
-    """
-    h, t, e, q = model.hidden_size, tp, element_bytes(precision), attention_width(model)
-    n = model.seq_length * micro_batch
-    qkv = q + 2 * model.query_groups * model.head_dim
-    parts = 2 if model.activation is Activation.SWIGLU else 1
-    f = model.ffn_size
-    dy = n * (qkv // t + f * parts // t + 2 * h)
-    x = n * (2 * h + q // t + f // t)  # B frees the layer's other stored tensors
-    return e * (dy + x + layer_parameters(model, tp) - linear_weights(model, tp))
-
-
-def linear_weights(model: ModelConfig, tp: int) -> int:
-    """Elements of one layer's four linear weights on a tensor rank: W computes their
-    gradients for a whole (stage, microbatch) before accumulating them (`parallel/wgrad.py`)."""
-    h, q = model.hidden_size, attention_width(model)
-    qkv = q + 2 * model.query_groups * model.head_dim
-    parts = 2 if model.activation is Activation.SWIGLU else 1
-    f = model.ffn_size
-    return (h * qkv + q * h + h * f * parts + f * h) // tp
-
-
-def stage_stash_bytes(cfg: RunConfig, tp: int, pp: int, vpp: int, stage: int) -> float:
-    """Bytes one virtual stage holds for W per microbatch of a split backward (module doc):
-    its layers' `stash_bytes_per_layer`, the embedding's gradient on the first stage, the
-    output layer's dY [n, v/t] and the final norm's gradient on the last."""
-    model, prec = cfg.model, cfg.train.precision
-    e, n = element_bytes(prec), model.seq_length * cfg.train.micro_batch_size
-    split = cfg.parallel.pipeline_layers
-    layers = len(layer_ranges(model.num_layers, pp, vpp, split or None)[stage])
-    if cfg.train.compile:  # plain F.linear: every gradient is computed in B and held
-        return e * parameters_per_stage(model, tp, pp, vpp, split, cfg.parallel.ep)[stage]
-    kw = dict(
-        micro_batch=cfg.train.micro_batch_size,
-        tp=tp,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        recompute=cfg.parallel.recompute,
-        precision=prec,
-    )
-    layer = stash_bytes_per_layer(model, **kw)
-    if model.num_experts:  # an MoE layer as its dense equivalent (ptdp.perf.cost.moe)
-        layer = max(layer, stash_bytes_per_layer(dense_equivalent(model), **kw))
-    out = layers * layer
-    h, v = model.hidden_size, model.padded_vocab_size(tp)
-    if stage == 0:
-        out += e * v // tp * h
-        if model.position_embedding is PositionEmbedding.LEARNED:
-            out += e * model.seq_length * h
-    if stage == pp * vpp - 1:  # the output layer's dY and X, the final norm's gradient
-        norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
-        out += e * (n * v // tp + n * h + norm)
-    return out
-
-
-def split_peak(
-    plan: PipelinePlan,
-    rank: int,
-    stored: list[float],
-    stash: list[float],
-    sent: list[float] | None = None,
-    sent_back: list[float] | None = None,
-) -> tuple[float, float, int]:
-    """One rank's peak, walking its actions: each stage's `stored` bytes per microbatch from
-    its F until its B or BW, then (split backward) its `stash` until its W; under gloo,
-    `sent` (each stage's output, from its F) and `sent_back` (its input's gradient, from its
-    B or BW) are held until the step's end. Returns the (activations with the sent tensors,
-    stash, forwards in flight) at the moment their sum peaks."""
-    acts = kept = 0.0
-    held = 0
-    best = (0.0, 0.0, 0)
-    for a in plan.compute[rank]:
-        if a.kind is Kind.F:
-            acts, held = acts + stored[a.stage] + (sent[a.stage] if sent else 0.0), held + 1
-        elif a.kind in (Kind.B, Kind.BW):
-            acts, held = (
-                acts - stored[a.stage] + (sent_back[a.stage] if sent_back else 0.0),
-                held - 1,
-            )
-            kept += stash[a.stage] if a.kind is Kind.B else 0.0
-        elif a.kind is Kind.W:
-            kept -= stash[a.stage]
-        if acts + kept > best[0] + best[1]:
-            best = (acts, kept, held)
-    return best
-
-
-def stage_awaiting_w(plan: PipelinePlan, stage: int) -> int:
-    """Most microbatches of one stage whose B ran and whose W has not."""
-    held = peak = 0
-    for a in plan.compute[plan.stages.rank(stage)]:
-        if a.stage == stage:
-            held += 1 if a.kind is Kind.B else -1 if a.kind is Kind.W else 0
-            peak = max(peak, held)
-    return peak
 
 
 def in_flight(plan: PipelinePlan) -> tuple[int, ...]:
