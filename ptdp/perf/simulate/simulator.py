@@ -441,6 +441,7 @@ def predicted_memory(
         native_gqa=software.native_gqa,
         fused_swiglu=software.fused_swiglu,
         layout=layout,
+        gloo_sends=system.device.gloo,  # a CPU's pipeline holds its sends until the step ends
     )
     return tuple(with_reserve(memory, cfg, layout, system))
 
