@@ -207,6 +207,7 @@ def layer_backward_bytes(
     tp: int = 1,
     precision: Precision = Precision.BF16,
     eager: bool = False,
+    weight_gradient: bool = True,
 ) -> float:
     """Gradients alive at once inside one layer's backward, per microbatch (module doc):
     dY and dX [n, h], with the MLP's [n, f/t] output-of-activation and [n, parts f/t]
@@ -214,13 +215,15 @@ def layer_backward_bytes(
     n = s b tokens. `eager`: autograd frees each node's saved tensors as it goes, so the
     peak is in fc2's backward, all of the layer still stored: dY [n, h], fc2's input
     gradient [n, parts f/t] and its weight's [h, f/t]; dX comes later, when the MLP's
-    inner tensors are freed (measured on CPU ranks, BENCHMARKS.md)."""
+    inner tensors are freed (measured on CPU ranks, BENCHMARKS.md). `weight_gradient` False:
+    the GEMM accumulates into the gradient buffer itself (Megatron-Core), no [h, f/t] tensor."""
     h, t, e, q = model.hidden_size, tp, element_bytes(precision), attention_width(model)
     n = model.seq_length * micro_batch
     qkv = q + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
     if eager:
-        return e * (n * (h + parts * model.ffn_size // t) + h * model.ffn_size // t)
+        wgrad = h * model.ffn_size // t if weight_gradient else 0
+        return e * (n * (h + parts * model.ffn_size // t) + wgrad)
     mlp = model.ffn_size * (1 + parts) // t
     attention = (qkv + q) // t
     return e * n * (2 * h + max(mlp, attention))
@@ -368,6 +371,7 @@ def estimate_memory(
     gloo_sends: bool = False,
     native_gqa: bool = False,
     fused_swiglu: bool = False,
+    gemm_accumulates: bool = False,
 ) -> list[MemoryEstimate]:
     """Per pipeline rank (all tensor and data-parallel ranks alike), for the config's layout.
 
@@ -376,9 +380,10 @@ def estimate_memory(
     input gradient sent to another rank stays until then; NCCL frees each soon after.
 
     `layout` is `validate(cfg, world_size)` if the caller has it (with its built plan).
-    `fused_attention`, `autocast_norms`, `native_gqa` and `fused_swiglu` describe the
-    software (`ptdp.perf.cost.costs.Software`: ptdp's by default; Megatron's fused LayerNorm
-    keeps 16-bit inputs, its attention grouped K and V, its SwiGLU gate and up alone).
+    `fused_attention`, `autocast_norms`, `native_gqa`, `fused_swiglu` and `gemm_accumulates`
+    (weight-gradient GEMMs adding into the buffers themselves) describe the software
+    (`ptdp.perf.cost.costs.Software`: ptdp's by default; Megatron's fused LayerNorm keeps
+    16-bit inputs, its attention grouped K and V, its SwiGLU gate and up alone).
     """
     layout = layout or validate(cfg, world_size)
     model, par, prec = cfg.model, cfg.parallel, cfg.train.precision
@@ -409,7 +414,14 @@ def estimate_memory(
     recomputed = full - (0.0 if eager_norms else layer)
     working = {Recompute.NONE: 0.0, Recompute.FULL: recomputed}.get(par.recompute, full - layer)
     eager = not cfg.train.compile
-    working += layer_backward_bytes(local, micro_batch=b, tp=tp, precision=prec, eager=eager)
+    working += layer_backward_bytes(
+        local,
+        micro_batch=b,
+        tp=tp,
+        precision=prec,
+        eager=eager,
+        weight_gradient=not gemm_accumulates,
+    )
     moe_layer = layer
     if model.num_experts:  # an MoE layer's (ptdp.perf.cost.moe); the larger transients
         moe_layer = layer_activation_bytes(local, recompute=par.recompute, moe=True, **kw_layer)

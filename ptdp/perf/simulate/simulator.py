@@ -440,6 +440,7 @@ def predicted_memory(
         autocast_norms=software.autocast_norms,
         native_gqa=software.native_gqa,
         fused_swiglu=software.fused_swiglu,
+        gemm_accumulates=software.accumulation_bytes == 0,
         layout=layout,
         gloo_sends=system.device.gloo,  # a CPU's pipeline holds its sends until the step ends
     )
