@@ -18,7 +18,6 @@ from ptdp.perf.cost.memory import (
     layer_activation_bytes,
     layer_backward_bytes,
     stage_in_flight,
-    stash_bytes_per_layer,
 )
 from ptdp.perf.cost.parameters import (
     bytes_per_parameter,
@@ -26,6 +25,7 @@ from ptdp.perf.cost.parameters import (
     tensors_per_rank,
     tensors_per_stage,
 )
+from ptdp.perf.cost.stash import split_peak, stage_stash_bytes, stash_bytes_per_layer
 from ptdp.perf.validate.paper import preset
 from ptdp.perf.validate.validation import measure_cpu_memory
 from ptdp.pipeline.partition import layer_ranges
@@ -210,10 +210,9 @@ def test_uneven_stages_scale_parameters_and_activations() -> None:
 @pytest.mark.parametrize("options", [{}, LLAMA], ids=["gpt", "llama"])
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_split_backward_stash_matches_what_b_keeps_for_w(options, recompute) -> None:
-    # ZB-H1 on one rank (F B W per microbatch): one microbatch awaits its W at a time. What
-    # a CPU B really keeps for W (`WeightGradStore` pairs and the other parameters'
-    # gradients) is the estimate's stash plus the X it already counts as activations: the
-    # output layer's input (head) and, without recomputation, every linear's input.
+    # What a CPU B keeps for W (`WeightGradStore` pairs and the other parameters'
+    # gradients) is exactly the stage's stash: every linear layer's X and dY (B frees the
+    # layer's other activations), the output layer's, and the other parameters' gradients.
     import torch
 
     cfg = config(
@@ -238,34 +237,40 @@ def test_split_backward_stash_matches_what_b_keeps_for_w(options, recompute) -> 
     kept = [t for k in model.wgrad._pending[0] for t in (k.x, k.dy)]
     kept += [g for g in grads if g is not None]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
-    measured = sum(storages.values())
-
+    assert sum(storages.values()) == stage_stash_bytes(cfg, 1, 1, 1, 0)
+    # One rank (F B W per microbatch): the peak is one microbatch's activations or its stash.
     est = estimate_memory(cfg, 1)[0]
     one_f_one_b = estimate_memory(apply_updates(cfg, {"parallel": {"schedule": "1f1b"}}, "t"), 1)
-    assert est.stash > 0 and est.total == pytest.approx(one_f_one_b[0].total + est.stash)
-    n, h, f = 4 * 32, 64, cfg.model.ffn_size
-    counted = n * h  # the final norm's output, in the head's activations
-    if recompute == "none":
-        counted += cfg.model.num_layers * n * (3 * h + f)  # QKV, proj, fc1, fc2 inputs
-    assert measured == est.stash + 4 * counted
+    stash = stage_stash_bytes(cfg, 1, 1, 1, 0)
+    assert est.activations + est.stash == max(one_f_one_b[0].activations, stash)
+
+
+def test_split_peak_walks_the_actions() -> None:
+    # ZB-H1, 2 ranks, 3 microbatches, stored 10 and stash 1 per (stage, microbatch): rank 0
+    # runs F0 F1 B0 F2 ... and holds two forwards (20) before its first B; rank 1 one.
+    plan = build_plan("zb-h1", 2, 3)
+    assert split_peak(plan, 0, [10.0, 10.0], [1.0, 1.0])[::2] == (20.0, 2)
+    acts, kept, held = split_peak(plan, 1, [10.0, 10.0], [1.0, 1.0])
+    assert (acts, held) == (10.0, 1) and kept <= 2.0
 
 
 def test_stash_bytes_by_hand() -> None:
     # GPT, one layer, s b = 128 tokens, h = 64, f = 256, fp32: dY of QKV [n, 3h], proj
-    # [n, h], fc1 [n, f], fc2 [n, h]; biases 3h + f + 2h and two LayerNorms 4h.
+    # [n, h], fc1 [n, f], fc2 [n, h]; X of QKV, proj, fc1 [n, h] and fc2 [n, f]; biases
+    # 3h + f + 2h and two LayerNorms 4h. B frees the rest, with or without recomputation.
     model = config(model={"hidden_size": 64, "num_heads": 4, "seq_length": 32}).model
     kw = dict(micro_batch=4, precision=Precision.FP32)
-    per_layer = 128 * (3 * 64 + 256 + 2 * 64) + (3 * 64 + 256 + 2 * 64 + 4 * 64)
+    dy, x = 128 * (3 * 64 + 256 + 2 * 64), 128 * (3 * 64 + 256)
+    per_layer = dy + x + (3 * 64 + 256 + 2 * 64 + 4 * 64)
     assert stash_bytes_per_layer(model, **kw) == 4 * per_layer
-    # Full recompute also keeps the recomputed inputs: 2 [n, h], [n, h/t], [n, f/t].
-    full = stash_bytes_per_layer(model, recompute=Recompute.FULL, **kw)
-    assert full == 4 * (per_layer + 128 * (3 * 64 + 256))
+    assert stash_bytes_per_layer(model, recompute=Recompute.FULL, **kw) == 4 * per_layer
 
 
 def test_backward_transients_at_the_peak() -> None:
     """What is in flight at the peak besides what is stored: one layer's backward gradients
-    (dY, dX [n, h] and the larger of the MLP's [n, f/t] + [n, f/t] and attention's
-    dQ, dK, dV, dO [n, 4h/t]), and on the last stage the loss's fp32 logit gradient with its
+    (compiled: dY, dX [n, h] and the larger of the MLP's [n, f/t] + [n, f/t] and attention's
+    dQ, dK, dV, dO [n, 4h/t]; eager: dY [n, h], fc2's input gradient [n, f/t] and its
+    weight's [h, f/t]), and on the last stage the loss's fp32 logit gradient with its
     16-bit copy, [n, v/t] (4 + 2) bytes, when that is larger."""
     cfg = config(
         model={
@@ -279,8 +284,10 @@ def test_backward_transients_at_the_peak() -> None:
         train={"precision": "bf16", "micro_batch_size": 2, "global_batch_size": 4},
     )
     n, h, f, t = 64, 64, 256, 2
-    layer = 2 * n * (2 * h + max(2 * f // t, 4 * h // t))
-    assert layer_backward_bytes(cfg.model, micro_batch=2, tp=2) == layer
+    compiled = 2 * n * (2 * h + max(2 * f // t, 4 * h // t))
+    assert layer_backward_bytes(cfg.model, micro_batch=2, tp=2) == compiled
+    layer = 2 * (n * (h + f // t) + h * f // t)
+    assert layer_backward_bytes(cfg.model, micro_batch=2, tp=2, eager=True) == layer
     vocab = cfg.model.padded_vocab_size(t)
     head = n * vocab // t * 6
     assert head_backward_bytes(cfg.model, micro_batch=2, tp=2) == head
@@ -410,3 +417,47 @@ def test_tensor_counts_are_the_models_parameters(model: dict) -> None:
             held.append(sum(1 for _ in gpt.parameters()))
         assert tensors_per_rank(cfg, pp) == held, (model, pp)
         assert tensors_per_stage(cfg, pp) == held, (model, pp)  # a stage a rank
+
+
+def _small(**parallel: object) -> RunConfig:
+    model = {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "vocab_size": 128}
+    model |= {"seq_length": 32, "dropout": 0.0}
+    train = {"precision": "fp32", "micro_batch_size": 2, "global_batch_size": 4}
+    return config(model=model, parallel=parallel, train=train)
+
+
+def test_full_recompute_working_by_hand() -> None:
+    # fp32, n = 64 tokens, h = 64, f = 256: the recomputed layer's 16 n h stored elements
+    # (fused attention) less its input, which the checkpoint keeps and the activations
+    # count; eager backward: dY [n, h], fc2's input gradient [n, f] and weight's [h, f].
+    # One rank holds the head too: its stored (8 n h + 4 n v bytes) is freed by then.
+    n, h, f, v = 64, 64, 256, 128
+    (est,) = estimate_memory(_small(recompute="full"), 1)
+    head = 8 * n * h + 4 * n * v
+    assert est.working == 4 * (15 * n * h + n * (h + f) + h * f) - head
+    assert est.activations == 4 * (4 * n * h) + head  # four checkpoint inputs, the head
+
+
+def test_gloo_holds_sent_tensors_until_the_step_ends() -> None:
+    # 1F1B, pp = 2, m = 2: rank 0 runs F0 F1 B0 B1, its peak after F1, with both outputs
+    # [s, b, h] sent and (gloo) still held; rank 1 runs F0 B0 F1 B1, its peak at F1 with
+    # B0's input gradient sent and held.
+    cfg = _small(pp=2)
+    nh = 4 * 64 * 64
+    plain, held = estimate_memory(cfg, 2), estimate_memory(cfg, 2, gloo_sends=True)
+    assert held[0].activations - plain[0].activations == 2 * nh
+    assert held[1].activations - plain[1].activations == nh
+
+
+def test_megatron_core_kernels_keep_less_by_hand() -> None:
+    # Llama-style, bf16, h = 64 (4 heads of 16, 2 groups), f = 172 (SwiGLU), n = 64 tokens:
+    # native GQA keeps K and V at 2 x 16 wide, not 64 (2 x 2 x 32 fewer elements per
+    # token); a fused SwiGLU keeps gate and up, not silu's output too (f fewer).
+    model = config(
+        model={"hidden_size": 64, "num_heads": 4, "seq_length": 32, "vocab_size": 128, **LLAMA}
+    ).model
+    kw = dict(micro_batch=2, precision=Precision.BF16)
+    plain = layer_activation_bytes(model, **kw)
+    n, f = 64, model.ffn_size
+    assert plain - layer_activation_bytes(model, native_gqa=True, **kw) == 2 * n * 2 * 32
+    assert plain - layer_activation_bytes(model, fused_swiglu=True, **kw) == 2 * n * f

@@ -78,6 +78,7 @@ def paper_terms(
     ffn_hidden: int | None = None,
     norm_input_bytes: float | None = None,
     attention_width: int | None = None,
+    kv_width: int | None = None,
 ) -> list[Term]:
     """Korthikanti et al.'s per-layer components (Section 4.1-4.2), one Term each.
 
@@ -90,7 +91,8 @@ def paper_terms(
     `norm_input_bytes` (default: the activations' size) is what a norm's saved input costs
     per element: 4 under CUDA autocast, which runs the norms in fp32 and keeps the fp32 copy.
     `attention_width` (default h): the heads' a d, the width of Q, K, V and the projection
-    input where model.head_size sets the heads apart from h (K and V counted as wide as Q).
+    input where model.head_size sets the heads apart from h; `kv_width` (default the same):
+    K's and V's, grouped-query attention's groups x d where its kernel keeps them ungrouped.
     """
     s, b, h, a, t, e = seq, micro_batch, hidden, heads, tp, bytes_per_element
     norm = e if norm_input_bytes is None else norm_input_bytes
@@ -98,13 +100,14 @@ def paper_terms(
     rep = t if sequence_parallel else 1  # divisor of the "replicated" tensors
     n, scores, inner = s * b * h, a * s * s * b, s * b * f
     heads_n = n if attention_width is None else s * b * attention_width
+    kv_n = heads_n if kv_width is None else s * b * kv_width
     mode = _mode(recompute)
     if mode is Recompute.FULL:
         return [Term("input", "layer input", n / rep, e)]
     terms = [
         Term("norm_inputs", "LayerNorm 1 and 2 inputs", 2 * n / rep, norm),
         Term("qkv_input", "QKV linear input", n / rep, e),
-        Term("qkv", "Q, K (QK^T inputs) and V", 3 * heads_n / t, e),
+        Term("qkv", "Q, K (QK^T inputs) and V", (heads_n + 2 * kv_n) / t, e),
         Term("proj_input", "attention output projection input", heads_n / t, e),
         Term("fc1_input", "fc1 input", n / rep, e),
         Term("gelu_input", "GeLU input (fc1 output)", inner / t, e),
@@ -139,6 +142,7 @@ def activation_bytes_per_layer(
     ffn_hidden: int | None = None,
     norm_input_bytes: float | None = None,
     attention_width: int | None = None,
+    kv_width: int | None = None,
 ) -> float:
     """Bytes one layer keeps for backward, after Korthikanti et al. 2022 (arXiv 2205.05198).
 
@@ -162,6 +166,7 @@ def activation_bytes_per_layer(
         ffn_hidden=ffn_hidden,
         norm_input_bytes=norm_input_bytes,
         attention_width=attention_width,
+        kv_width=kv_width,
     )
     return sum(term.bytes for term in terms)
 

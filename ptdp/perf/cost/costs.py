@@ -135,6 +135,13 @@ class Software:
     """The norms run under PyTorch's autocast, which computes them in fp32 and, in eager
     16-bit training, keeps each norm input's fp32 copy for backward (`ptdp.perf.cost.memory`);
     Megatron's fused LayerNorm kernels keep the 16-bit input (False)."""
+    native_gqa: bool = False
+    """Grouped-query attention's kernel reads K and V at their groups' width, so only those
+    are kept; ptdp repeats them to every query head before SDPA, which keeps the copies
+    (measured on CPU ranks, BENCHMARKS.md)."""
+    fused_swiglu: bool = False
+    """SwiGLU as one fused function keeping only its [n, 2f] input (and fc2 its [n, f] input):
+    3f per token where ptdp's silu(gate) * up also keeps silu's output, 4f."""
     moe_load_imbalance: float = 1.0
     """Mixture of experts: the busiest routed expert's token-choices over the mean, scaling
     the routed experts' GEMM time (`ptdp.perf.cost.moe`); 1.0 = a perfect balance, or
@@ -164,10 +171,13 @@ MEGATRON_CORE = Software(
     overlap_param_gather=True,
     accumulation_bytes=0,
     autocast_norms=False,
+    native_gqa=True,
+    fused_swiglu=True,
 )
 """Megatron-Core as its published H100 weak-scaling runs used it (`ptdp.perf.validate.published`):
-fused attention, overlapped tensor-parallel, gradient and parameter communication, and
-gradients reduced in bf16 (its default, grad_reduce_in_fp32 off)."""
+fused attention (reading grouped K and V as they are), overlapped tensor-parallel, gradient
+and parameter communication, gradients reduced in bf16 (its default, grad_reduce_in_fp32
+off), and its fused SwiGLU (bias_swiglu, which keeps only its input)."""
 DEEPSPEED_2021 = replace(MEGATRON_2021, max_zero=3, sharded_comm_efficiency=0.094)
 """The paper's ZeRO-3 baseline (section 5.2: DeepSpeed on the same model code): its
 per-layer collectives reached 0.094 of the ring model's bandwidth, about one 16 GB/s per

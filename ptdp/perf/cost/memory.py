@@ -32,20 +32,22 @@ or until its W when the backward is split (B leaves the graph for W): p - r for 
 rank r, m for GPipe, p on every rank for ZB-H1 and 2p - 1 for ZB-H2 (capped at m), more
 for interleaved (Korthikanti: x (1 + (p-1)/(p v)) on rank 0).
 
-A split backward (ZB-H1, ZB-H2) also holds, per microbatch from its B until its W, what W
-needs (`ptdp/parallel/wgrad.py`, `ptdp/pipeline/runtime.py`): each linear layer's (X, dY)
-and the gradients of every other parameter (norms, biases, embeddings), `stash`. dY is
-always extra. X is counted extra only where the activation count does not already hold
-that tensor: the saved inputs of the linear layers are among Korthikanti's activations,
-which stay counted until W, except under full recomputation (B recomputes them) and, under
-sequence parallelism, the all-gathered inputs of QKV and fc1 (the activation count has
-their [s/t] shard). Compiled layers (`train.compile`) compute every gradient in B, so W
-holds all of the chunk's parameter gradients instead.
+A split backward (ZB-H1, ZB-H2, ZB-V) holds a microbatch's activations from its F until
+its B, which frees all but what W needs (`ptdp/parallel/wgrad.py`, `ptdp/pipeline/runtime.py`):
+each linear layer's (X, dY) and the gradients of every other parameter (norms, biases,
+embeddings), `stash`, held until its W; `split_peak` walks each rank's actions for the
+moment their sum peaks, and W's weight gradients of a stage are working memory. Compiled
+layers (`train.compile`) compute every gradient in B, so W holds all of the chunk's
+parameter gradients instead. Under gloo (`gloo_sends`) the same walk adds every stage output
+and input gradient sent to another rank: gloo completes a send only when the runtime waits
+on it, at the step's end (NCCL frees them at once).
 
 At the peak, besides what is stored, a backward pass holds its transients (`working`): the
-layer being recomputed (full) or its attention core (selective), plus the gradients alive
-inside one layer's backward (`layer_backward_bytes`: the incoming and outgoing [s, b, h]
-gradients and the larger of the MLP's inner gradients and attention's dQ, dK, dV, dO);
+layer being recomputed (full, its input counted once) or its attention core (selective),
+plus the gradients alive inside one layer's backward (`layer_backward_bytes`: eager, at
+fc2's backward, dY, fc2's input gradient and its weight's; compiled, the incoming and
+outgoing [s, b, h] gradients and the larger of the MLP's inner gradients and attention's
+dQ, dK, dV, dO);
 on the last stage, the larger of the loss's backward (`head_backward_bytes`: eager, two
 fp32 [s b, v] gradients, 6 GiB for GPT-2's vocabulary at 16,384 tokens; compiled, only
 the output weight's gradient, the logits' gradient taking the saved logits' buffer) and a
@@ -59,8 +61,12 @@ counted within 0.2% for GPT-2 125M and 1.3B, eager and compiled, and a 4B model 
 recomputation; CPU autocast keeps LayerNorm in 16 bits, where this counts 4 bytes per
 s b h too many.
 
-Known omissions: p2p receive buffers and grouped-query attention's smaller K and V
-(counted as full heads); fused attention's logsumexp and the norms' mean and 1/std (under
+Grouped-query attention's K and V count at every head's width, as ptdp repeats them before
+SDPA (measured on CPU ranks); `native_gqa` (Megatron-Core) at their groups'. SwiGLU keeps
+4f per token (gate, up, silu's output, the product); `fused_swiglu` 3f.
+
+Known omissions: p2p receive buffers; CPU's composite RMSNorm's x rsqrt(mean x^2) (CUDA's
+fused kernel does not keep it); fused attention's logsumexp and the norms' mean and 1/std (under
 0.3% of a layer at s = 1024); with a tied embedding on one stage, the output weight's
 16-bit gradient, alive from the loss's backward to the embedding's; the CUDA context, NCCL
 buffers and allocator waste are the reserve (`ptdp.perf.cost.reserve`). The in-flight count is
@@ -79,8 +85,6 @@ from dataclasses import dataclass, replace
 from ptdp.config import (
     Activation,
     ModelConfig,
-    Normalization,
-    PositionEmbedding,
     Precision,
     Recompute,
     RunConfig,
@@ -98,8 +102,8 @@ from ptdp.perf.cost.parameters import (
     parameters_per_rank,
     parameters_per_stage,
 )
+from ptdp.perf.cost.stash import linear_weights, split_peak, stage_stash_bytes
 from ptdp.pipeline.actions import RELEASE_KINDS, Kind
-from ptdp.pipeline.partition import layer_ranges
 from ptdp.pipeline.plan import PipelinePlan
 from ptdp.pipeline.schedules import SCHEDULES
 
@@ -115,14 +119,18 @@ def layer_activation_bytes(
     fused_attention: bool = True,
     autocast_norms: bool = False,
     moe: bool = False,
+    native_gqa: bool = False,
+    fused_swiglu: bool = False,
 ) -> float:
     """Bytes one layer stores for backward per microbatch (Korthikanti et al.).
 
-    SwiGLU's inner tensors (gate and up, their product) count as a GeLU MLP of twice the
-    width: 4f elements either way. `autocast_norms` (`fp32_norm_inputs`): the two norms'
-    inputs are kept as the fp32 copies CUDA autocast makes, 4 bytes where the paper has 2.
-    `moe`: a mixture-of-experts layer, its dense equivalent plus what dispatch and combine
-    keep (`ptdp.perf.cost.moe`).
+    SwiGLU's inner tensors (gate and up, silu's output and the product) count as a GeLU MLP
+    of twice the width: 4f elements either way; `fused_swiglu` (`Software`): 3f, a fused
+    function keeping only gate and up. `native_gqa` (`Software`): K and V kept at their
+    groups' width, where ptdp keeps them repeated to every head. `autocast_norms`
+    (`fp32_norm_inputs`): the two norms' inputs are kept as the fp32 copies CUDA autocast
+    makes, 4 bytes where the paper has 2. `moe`: a mixture-of-experts layer, its dense
+    equivalent plus what dispatch and combine keep (`ptdp.perf.cost.moe`).
     """
     if fused_attention and recompute is Recompute.NONE:
         recompute = Recompute.SELECTIVE  # no s x s tensor is kept: the core recomputes
@@ -132,6 +140,9 @@ def layer_activation_bytes(
         extra = dispatch_bytes(model, micro_batch=micro_batch, recompute=recompute, e=e)
         model = dense_equivalent(model)
     f = model.ffn_size * (2 if model.activation is Activation.SWIGLU else 1)
+    if fused_swiglu and model.activation is Activation.SWIGLU and recompute is not Recompute.FULL:
+        extra -= element_bytes(precision) * model.seq_length * micro_batch * model.ffn_size / tp
+    kv = model.query_groups * model.head_dim if native_gqa else None
     return extra + activation_bytes_per_layer(
         seq=model.seq_length,
         micro_batch=micro_batch,
@@ -145,6 +156,7 @@ def layer_activation_bytes(
         ffn_hidden=f,
         norm_input_bytes=_norm_input_bytes(precision, autocast_norms),
         attention_width=attention_width(model),
+        kv_width=kv,
     )
 
 
@@ -194,15 +206,24 @@ def layer_backward_bytes(
     micro_batch: int,
     tp: int = 1,
     precision: Precision = Precision.BF16,
+    eager: bool = False,
+    weight_gradient: bool = True,
 ) -> float:
     """Gradients alive at once inside one layer's backward, per microbatch (module doc):
     dY and dX [n, h], with the MLP's [n, f/t] output-of-activation and [n, parts f/t]
     input-of-activation gradients or attention's dQ, dK, dV and dO, whichever is larger;
-    n = s b tokens."""
+    n = s b tokens. `eager`: autograd frees each node's saved tensors as it goes, so the
+    peak is in fc2's backward, all of the layer still stored: dY [n, h], fc2's input
+    gradient [n, parts f/t] and its weight's [h, f/t]; dX comes later, when the MLP's
+    inner tensors are freed (measured on CPU ranks, BENCHMARKS.md). `weight_gradient` False:
+    the GEMM accumulates into the gradient buffer itself (Megatron-Core), no [h, f/t] tensor."""
     h, t, e, q = model.hidden_size, tp, element_bytes(precision), attention_width(model)
     n = model.seq_length * micro_batch
     qkv = q + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
+    if eager:
+        wgrad = h * model.ffn_size // t if weight_gradient else 0
+        return e * (n * (h + parts * model.ffn_size // t) + wgrad)
     mlp = model.ffn_size * (1 + parts) // t
     attention = (qkv + q) // t
     return e * n * (2 * h + max(mlp, attention))
@@ -234,82 +255,6 @@ def head_backward_bytes(
     if compiled:
         return e * padded * model.hidden_size
     return max(8 * n * model.vocab_size, e * n * (model.vocab_size + padded))
-
-
-def stash_bytes_per_layer(
-    model: ModelConfig,
-    *,
-    micro_batch: int,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    recompute: Recompute = Recompute.NONE,
-    precision: Precision = Precision.BF16,
-) -> float:
-    """Bytes one layer holds for W per microbatch beyond its counted activations (module doc).
-
-    dY: QKV [n, qkv/t], projection [n, h], fc1 [n, f/t] (x 2 for SwiGLU's gate and up) and
-    fc2 [n, h], n = s b tokens; the row-parallel dY is the whole [n, h] (its backward
-    all-reduces or all-gathers before the GEMM). X under full recompute: QKV and fc1 inputs
-    [n, h] each, projection [n, h/t], fc2 [n, f/t]; under sequence parallelism otherwise the
-    (t-1)/t of the QKV and fc1 inputs the activation count shards. Plus the gradients of the
-    layer's biases and norms, in the weights' dtype.
-    """
-    h, t, e, q = model.hidden_size, tp, element_bytes(precision), attention_width(model)
-    n = model.seq_length * micro_batch
-    qkv = q + 2 * model.query_groups * model.head_dim
-    parts = 2 if model.activation is Activation.SWIGLU else 1
-    f = model.ffn_size
-    dy = n * (qkv // t + f * parts // t + 2 * h)
-    if recompute is Recompute.FULL:
-        x = n * (2 * h + q // t + f // t)
-    elif sequence_parallel:
-        x = 2 * n * (h - h // t)
-    else:
-        x = 0
-    weights = (h * qkv + q * h + h * f * parts + f * h) // t
-    return e * (dy + x + layer_parameters(model, tp) - weights)
-
-
-def stage_stash_bytes(cfg: RunConfig, tp: int, pp: int, vpp: int, stage: int) -> float:
-    """Bytes one virtual stage holds for W per microbatch of a split backward (module doc):
-    its layers' `stash_bytes_per_layer`, the embedding's gradient on the first stage, the
-    output layer's dY [n, v/t] and the final norm's gradient on the last."""
-    model, prec = cfg.model, cfg.train.precision
-    e, n = element_bytes(prec), model.seq_length * cfg.train.micro_batch_size
-    split = cfg.parallel.pipeline_layers
-    layers = len(layer_ranges(model.num_layers, pp, vpp, split or None)[stage])
-    if cfg.train.compile:  # plain F.linear: every gradient is computed in B and held
-        return e * parameters_per_stage(model, tp, pp, vpp, split, cfg.parallel.ep)[stage]
-    kw = dict(
-        micro_batch=cfg.train.micro_batch_size,
-        tp=tp,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        recompute=cfg.parallel.recompute,
-        precision=prec,
-    )
-    layer = stash_bytes_per_layer(model, **kw)
-    if model.num_experts:  # an MoE layer as its dense equivalent (ptdp.perf.cost.moe)
-        layer = max(layer, stash_bytes_per_layer(dense_equivalent(model), **kw))
-    out = layers * layer
-    h, v = model.hidden_size, model.padded_vocab_size(tp)
-    if stage == 0:
-        out += e * v // tp * h
-        if model.position_embedding is PositionEmbedding.LEARNED:
-            out += e * model.seq_length * h
-    if stage == pp * vpp - 1:
-        norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
-        out += e * (n * v // tp + norm)
-    return out
-
-
-def stage_awaiting_w(plan: PipelinePlan, stage: int) -> int:
-    """Most microbatches of one stage whose B ran and whose W has not."""
-    held = peak = 0
-    for a in plan.compute[plan.stages.rank(stage)]:
-        if a.stage == stage:
-            held += 1 if a.kind is Kind.B else -1 if a.kind is Kind.W else 0
-            peak = max(peak, held)
-    return peak
 
 
 def in_flight(plan: PipelinePlan) -> tuple[int, ...]:
@@ -423,12 +368,22 @@ def estimate_memory(
     fused_attention: bool = True,
     autocast_norms: bool = True,
     layout: Layout | None = None,
+    gloo_sends: bool = False,
+    native_gqa: bool = False,
+    fused_swiglu: bool = False,
+    gemm_accumulates: bool = False,
 ) -> list[MemoryEstimate]:
     """Per pipeline rank (all tensor and data-parallel ranks alike), for the config's layout.
 
+    `gloo_sends`: the pipeline's sends complete only when the runtime waits on them, at the
+    step's end (gloo, `PipelineRuntime._release_sent_outputs`), so every stage output and
+    input gradient sent to another rank stays until then; NCCL frees each soon after.
+
     `layout` is `validate(cfg, world_size)` if the caller has it (with its built plan).
-    `fused_attention` and `autocast_norms` describe the software (`ptdp.perf.cost.costs.Software`:
-    ptdp's by default; Megatron's fused LayerNorm keeps 16-bit inputs).
+    `fused_attention`, `autocast_norms`, `native_gqa`, `fused_swiglu` and `gemm_accumulates`
+    (weight-gradient GEMMs adding into the buffers themselves) describe the software
+    (`ptdp.perf.cost.costs.Software`: ptdp's by default; Megatron's fused LayerNorm keeps
+    16-bit inputs, its attention grouped K and V, its SwiGLU gate and up alone).
     """
     layout = layout or validate(cfg, world_size)
     model, par, prec = cfg.model, cfg.parallel, cfg.train.precision
@@ -445,11 +400,28 @@ def estimate_memory(
     local = context.local_model(model, cp)  # activations: the s/cp tokens of one cp rank
     kw = dict(micro_batch=b, tp=tp, sequence_parallel=par.sequence_parallel, precision=prec)
     eager_norms = autocast_norms and fp32_norm_inputs(cfg)
-    kw_layer = dict(fused_attention=fused_attention, autocast_norms=eager_norms, **kw)
+    kw_layer = dict(
+        fused_attention=fused_attention,
+        autocast_norms=eager_norms,
+        native_gqa=native_gqa,
+        fused_swiglu=fused_swiglu,
+        **kw,
+    )
     layer = layer_activation_bytes(local, recompute=par.recompute, **kw_layer)
     full = layer_activation_bytes(local, recompute=Recompute.NONE, **kw_layer)
-    working = {Recompute.NONE: 0.0, Recompute.FULL: full}.get(par.recompute, full - layer)
-    working += layer_backward_bytes(local, micro_batch=b, tp=tp, precision=prec)
+    # Full recompute: the recomputed layer's first norm input is the checkpoint's saved
+    # input, already counted, unless the norm keeps an fp32 copy of it.
+    recomputed = full - (0.0 if eager_norms else layer)
+    working = {Recompute.NONE: 0.0, Recompute.FULL: recomputed}.get(par.recompute, full - layer)
+    eager = not cfg.train.compile
+    working += layer_backward_bytes(
+        local,
+        micro_batch=b,
+        tp=tp,
+        precision=prec,
+        eager=eager,
+        weight_gradient=not gemm_accumulates,
+    )
     moe_layer = layer
     if model.num_experts:  # an MoE layer's (ptdp.perf.cost.moe); the larger transients
         moe_layer = layer_activation_bytes(local, recompute=par.recompute, moe=True, **kw_layer)
@@ -483,12 +455,33 @@ def estimate_memory(
         max((split[s] - moe[s]) * layer + moe[s] * moe_layer for s in stages.stages_of(rank))
         for rank in range(pp)
     ]
-    stash = [0.0] * pp
-    if SCHEDULES[layout.schedule].splits_backward:
-        for stage in range(pp * vpp):
-            waiting = stage_awaiting_w(layout.pipeline, stage)
-            per_mb = stage_stash_bytes(replace(cfg, model=local), tp, pp, vpp, stage)
-            stash[stages.rank(stage)] += waiting * per_mb
+    split_peaks = None
+    splits = SCHEDULES[layout.schedule].splits_backward
+    if splits or gloo_sends:  # activations until B (BW), the stash until W, sends until the end
+        stored = [
+            (split[s] - moe[s]) * layer + moe[s] * moe_layer + (head if s == stages.last else 0)
+            for s in range(pp * vpp)
+        ]
+        kept = [0.0] * (pp * vpp)
+        if splits:
+            kept = [
+                stage_stash_bytes(replace(cfg, model=local), tp, pp, vpp, s)
+                for s in range(pp * vpp)
+            ]
+        sent = sent_back = None
+        if gloo_sends:
+            shard = tp if par.sequence_parallel else 1
+            output = e * local.seq_length * b * model.hidden_size / shard
+            sent = [
+                output if s < stages.last and not stages.same_rank(s, s + 1) else 0.0
+                for s in range(pp * vpp)
+            ]
+            sent_back = [
+                output if s > 0 and not stages.same_rank(s - 1, s) else 0.0 for s in range(pp * vpp)
+            ]
+        split_peaks = [
+            split_peak(layout.pipeline, r, stored, kept, sent, sent_back) for r in range(pp)
+        ]
     out = []
     per_rank = parameters_per_rank(model, tp, pp, vpp, split, stages.placement, layout.ep)
     routed = expert_parameters_per_rank(model, tp, pp, vpp, split, stages.placement, layout.ep)
@@ -500,9 +493,18 @@ def estimate_memory(
         else:
             acts = held[rank] * per_chunk[rank] * layer
         acts += last_held * head if with_head else 0.0
+        stash = 0.0
+        if split_peaks is not None:
+            acts, stash, _ = split_peaks[rank]
         # A rank of stages without layers (the embedding or the loss alone) has no layer's
         # transients.
         rank_working = working if per_chunk[rank] else 0.0
+        # The loss's backward, or a layer's once one microbatch's head is freed.
+        if with_head:
+            rank_working = max(head_working, rank_working - head)
+        if splits and not compiled:  # W's weight gradients, then accumulated
+            wgrads = element_bytes(prec) * per_chunk[rank] * linear_weights(local, tp)
+            rank_working = max(rank_working, wgrads)
         out.append(
             MemoryEstimate(
                 rank,
@@ -510,10 +512,9 @@ def estimate_memory(
                 rest * state.grads + experts * expert_state.grads,
                 rest * state.optimizer + experts * expert_state.optimizer,
                 acts,
-                # The loss's backward, or a layer's once one microbatch's head is freed.
-                max(head_working, rank_working - head) if with_head else rank_working,
+                rank_working,
                 held[rank],
-                stash[rank],
+                stash,
                 buckets[rank],
                 gathered[rank],
             )

@@ -438,7 +438,11 @@ def predicted_memory(
         world_size,
         fused_attention=software.fused_attention,
         autocast_norms=software.autocast_norms,
+        native_gqa=software.native_gqa,
+        fused_swiglu=software.fused_swiglu,
+        gemm_accumulates=software.accumulation_bytes == 0,
         layout=layout,
+        gloo_sends=system.device.gloo,  # a CPU's pipeline holds its sends until the step ends
     )
     return tuple(with_reserve(memory, cfg, layout, system))
 
