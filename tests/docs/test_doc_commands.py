@@ -67,6 +67,16 @@ def _run(block: Block, cwd: Path) -> tuple[str | None, str]:
     return None, done.stdout
 
 
+def _tracked_changes() -> str:
+    """`git status` of the tracked files: a page's commands see the repository's folders
+    through links, and no command may rewrite a file it was not asked to write."""
+    done = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    return done.stdout if done.returncode == 0 else ""
+
+
 def _ids(paths: list[Path]) -> list[str]:
     return [str(p.relative_to(ROOT)) for p in paths]
 
@@ -76,6 +86,7 @@ def test_every_command_of_the_page_runs_and_prints_what_it_shows(
     page: Path, tmp_path: Path, demo_files: Path
 ) -> None:
     cwd = _scratch(tmp_path, demo_files)
+    before = _tracked_changes()
     problems, printed, last_ran = [], "", False
     for block in blocks(page):
         if block.is_command:
@@ -89,6 +100,9 @@ def test_every_command_of_the_page_runs_and_prints_what_it_shows(
             miss = output_mismatch(block.text, printed, exact="exact" in block.options)
             if miss:
                 problems.append(f"{block.where}: {miss}\nprinted:\n{printed}")
+    after = _tracked_changes()
+    if after != before:
+        problems.append(f"the page's commands changed tracked files:\n{after}")
     assert not problems, "\n\n".join(problems)
 
 
