@@ -88,7 +88,7 @@ def _inject(faults: list[dict], marks: Path, rank: int) -> None:
         if due("raise", step):
             raise RuntimeError(f"injected fault on rank {rank} at step {step}")
         if due("stop", step):
-            wait = 1.5 * TIMEOUT_S
+            wait = next(f.get("for_s", 1.5 * TIMEOUT_S) for f in faults if f["kind"] == "stop")
             subprocess.Popen(["sh", "-c", f"sleep {wait}; kill -CONT {os.getpid()} 2>/dev/null"])
             os.kill(os.getpid(), signal.SIGSTOP)
         if due("comm", step):
