@@ -9,7 +9,7 @@ the mechanism of benchmarks/failures.py; `save` fires inside the checkpoint writ
 run that trains the step again does not fire it again):
 
   kill      SIGKILL of a random rank (the out-of-memory killer)
-  stop      SIGSTOP (a frozen rank: the watchdog names it after T/4)
+  stop      SIGSTOP (a frozen rank: the watchdog names it after T/4; never continued)
   raise     an exception inside the action
   term      SIGTERM to every rank (a scheduler's notice): the step is finished and saved
   save      SIGKILL while the rank writes a checkpoint (its shards on disk, not recorded)
@@ -23,6 +23,12 @@ run that trains the step again does not fire it again):
 
     python benchmarks/chaos.py [--layout dp2pp2] [--steps 450] [--fault-interval 50]
         [--save-interval 10] [--seed 0] [--out runs/benchmarks/chaos.json]
+
+With `--recovery in_process` it runs the in-process comparison of benchmarks/recovery.py
+instead (its options: --zero, --kinds raise,comm,nan,stop, ...): the faults every process
+survives at random steps, under train.recovery = in_process and restart on the same
+schedule, per fault the detection and recovery times and steps lost, and the ratio of
+the two modes' effective training time.
 
 tests/dist/test_chaos.py runs it at a small scale with assertions.
 """
@@ -43,8 +49,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 try:
+    from benchmarks import recovery
     from benchmarks.failures import TIMEOUT_S, _free_port, _inside, tiny_corpus, train_args
 except ImportError:  # run as a script: benchmarks/ is sys.path[0]
+    import recovery
     from failures import TIMEOUT_S, _free_port, _inside, tiny_corpus, train_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -391,7 +399,16 @@ def compare(a: dict, b: dict) -> dict:
 
 
 def main() -> None:
+    mode = argparse.ArgumentParser(add_help=False)
+    mode.add_argument("--recovery", choices=("restart", "in_process"), default="restart")
+    chosen, rest = mode.parse_known_args()
+    if chosen.recovery == "in_process":  # both modes on the faults every process survives
+        parser = argparse.ArgumentParser(description=recovery.__doc__.splitlines()[0])
+        recovery.add_arguments(parser)
+        recovery.compare_modes(parser.parse_args(rest))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recovery", choices=("restart", "in_process"), default="restart")
     parser.add_argument("--layout", choices=("dp2pp2", "tp2pp2"), default="dp2pp2")
     parser.add_argument("--steps", type=int, default=450)
     parser.add_argument("--fault-interval", type=int, default=50)

@@ -7,14 +7,18 @@ per `--fault-interval` steps at a random step and rank:
   comm   a transient error raised by the next all-reduce of one rank
   nan    a NaN in one rank's gradients after the reduction (on_nan = retry in process,
          stop under restart, which then resumes from the last checkpoint)
-  stop   SIGSTOP of one rank, continued 1.5 collective timeouts later (under torchrun
-         the watchdog fails a silent rank after T/4, so both modes restart for it)
+  stop   SIGSTOP of one rank, continued 1.5 collective timeouts later (in process the
+         watchdog waits 2T for a silent rank: recovered; under restart it fails it
+         after T/4)
 
 Each fires once (a marker file), before the step's first forward. Reported per mode:
-per fault the seconds from the fault to the next completed step and the steps lost
+per fault the seconds from the fault to its detection (the first rank in the agreement,
+or the failure record) and to the next completed step, and the steps lost
 (from events.jsonl), the effective-training-time ratio (the kept steps' step time over
 the wall time from the first step's start), and, from a fault-free run of each mode
-launched alternately (`--healthy-runs`), the mean step time: the healthy path's cost.
+launched alternately (`--healthy-runs`), the mean step time: the healthy path's cost;
+and the ratio of the two modes' effective-training-time ratios. `benchmarks/chaos.py
+--recovery in_process` runs the same comparison.
 
     python benchmarks/recovery.py [--layout tp2pp2] [--zero 0] [--steps 60]
         [--fault-interval 15] [--kinds raise,comm,nan,stop] [--seed 0]
@@ -88,7 +92,7 @@ def _inject(faults: list[dict], marks: Path, rank: int) -> None:
         if due("raise", step):
             raise RuntimeError(f"injected fault on rank {rank} at step {step}")
         if due("stop", step):
-            wait = 1.5 * TIMEOUT_S
+            wait = next(f.get("for_s", 1.5 * TIMEOUT_S) for f in faults if f["kind"] == "stop")
             subprocess.Popen(["sh", "-c", f"sleep {wait}; kill -CONT {os.getpid()} 2>/dev/null"])
             os.kill(os.getpid(), signal.SIGSTOP)
         if due("comm", step):
@@ -151,11 +155,30 @@ def report(work: Path, faults: list[dict]) -> dict:
                 **f,
                 "fired": at is not None,
                 "handled_by": e.get("event"),
+                "detection_s": _detection(e, events, at),
                 "fault_to_next_step_s": round(e["time"] - at, 2) if e else None,
                 "steps_lost": e.get("steps_lost", 0 if e.get("event") == "recovery" else None),
             }
         )
     return {"faults": rows, "useful_s": round(sum(kept.values()), 2), "steps": len(kept)}
+
+
+def _detection(end: dict, events: list[dict], at: float | None) -> float | None:
+    """Seconds from the fault to its first record: in process, the first rank's entry into
+    the agreement (the recovery's fault_time); under restart, the failure record."""
+    if not end or at is None:
+        return None
+    if end["event"] == "recovery":
+        return round(end["fault_time"] - at, 2)
+    failure = next((e for e in events if e["event"] == "failure" and e["time"] >= at), None)
+    return round(failure["time"] - at, 2) if failure else None
+
+
+def ratio(faulty: dict) -> float | None:
+    """The effective-training-time ratio in process over restart, on the same schedule."""
+    if not {"in_process", "restart"} <= faulty.keys() or not faulty["restart"]["effective_ratio"]:
+        return None
+    return round(faulty["in_process"]["effective_ratio"] / faulty["restart"]["effective_ratio"], 3)
 
 
 def run_mode(data: str, root: Path, layout: str, zero: int, steps: int, mode: str,
@@ -174,20 +197,31 @@ def run_mode(data: str, root: Path, layout: str, zero: int, steps: int, mode: st
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the comparison (also `benchmarks/chaos.py --recovery in_process`)."""
     parser.add_argument("--layout", choices=tuple(LAYOUTS), default="tp2pp2")
     parser.add_argument("--zero", type=int, default=0)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--fault-interval", type=int, default=15)
     parser.add_argument("--save-interval", type=int, default=10)
-    parser.add_argument("--kinds", default="raise,comm,nan,stop")
+    parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--healthy-runs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/benchmarks/recovery.json")
     parser.add_argument("--work", help="keep the runs here (default: a temporary directory)")
     parser.add_argument("--modes", default="restart,in_process")
-    a = parser.parse_args()
+
+
+RATIO = "effective_ratio_in_process_over_restart"
+KINDS = ("raise", "comm", "nan", "stop")
+"""The faults every process survives."""
+
+
+def compare_modes(a: argparse.Namespace) -> dict:
+    """Both modes on one seeded schedule (and fault-free runs of each); writes a.out."""
+    bad = set(a.kinds.split(",")) - set(KINDS)
+    if bad:
+        raise SystemExit(f"--kinds {sorted(bad)}: in process only {', '.join(KINDS)}")
     faults = schedule(a.steps, a.fault_interval, a.kinds.split(","), a.seed)
     out = {"layout": a.layout, "zero": a.zero, "steps": a.steps, "schedule": faults,
            "collective_timeout_s": TIMEOUT_S, "healthy": {}, "faulty": {}}  # fmt: skip
@@ -206,10 +240,19 @@ def main() -> None:
                          a.save_interval)  # fmt: skip
             out["faulty"][mode] = r
             print(json.dumps(r), flush=True)
+    out[RATIO] = ratio(out["faulty"])
     print(json.dumps(out["healthy"]))
+    print(f"effective ratio, in process over restart: {out[RATIO]}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {a.out}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    compare_modes(parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -462,7 +462,9 @@ class TrainConfig:
     replay the step from memory; ptdp/train/faults/recovery.py; not with async_save).
     restart is the default, after measuring (docs/fault-tolerance.md): in_process recovers
     only a fault before the optimizer update, waits a collective timeout for the blocked
-    ranks, and a stopped or dead rank still needs the restart."""
+    ranks, and a dead rank still needs the restart. Under in_process a silent (frozen)
+    rank is failed only after the second timeout, 2 x collective_timeout_s (restart:
+    after a quarter of it): one continued within it rejoins and the step is replayed."""
     collective_timeout_s: float = 300.0
     """Seconds a collective or pipeline receive may wait; a rank that dies or hangs is
     named and every other rank stops within this time (ptdp/train/faults/watchdog.py)."""

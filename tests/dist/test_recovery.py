@@ -204,3 +204,21 @@ def test_one_process_recovers_an_exception(
     assert compare(final_state(tmp_path / "base"), final_state(tmp_path / "faulty"))[
         "bitwise_equal"
     ]
+
+
+def test_frozen_rank_under_torchrun_rejoins(tiny_data: str, tmp_path: Path) -> None:
+    """Under torchrun (the watchdog on): rank 2 is stopped for 1.5 T, past the collective
+    timeout but within the second one (2 T); no process exits, step 3 is replayed once and
+    the final state equals the fault-free run's bit for bit."""
+    from benchmarks.recovery import launch, train_args
+
+    t = 4.0
+    args = train_args(tiny_data, 2, 2, 5, collective_timeout_s=t, recovery="in_process")
+    launch(tmp_path / "base", args, [], restarts=0)  # raises if torchrun exits non-zero
+    launch(tmp_path / "stop", args, [{"kind": "stop", "rank": 2, "step": 3, "for_s": 1.5 * t}], 0)
+    events = read_events(tmp_path / "stop/run")
+    assert [e["event"] for e in events] == ["recovery"], events
+    assert events[-1]["step"] == 3 and events[-1]["tries"] == 1
+    assert events[-1]["cause"] in CAUSES["stop"] and (tmp_path / "stop/marks/0").is_file()
+    base, stop = (final_state(tmp_path / d / "run") for d in ("base", "stop"))
+    assert compare(base, stop)["bitwise_equal"]

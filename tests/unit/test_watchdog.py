@@ -45,6 +45,7 @@ def test_times_follow_the_collective_timeout() -> None:
     assert WatchdogTimes.from_timeout(300) == WatchdogTimes(5.0, 75.0, 30.0)
     assert WatchdogTimes.from_timeout(12) == WatchdogTimes(0.2, 3.0, 1.2)
     assert WatchdogTimes.from_timeout(1) == WatchdogTimes(0.1, 0.25, 1.0)
+    assert WatchdogTimes.from_timeout(12, in_process=True) == WatchdogTimes(0.2, 24.0, 1.2)
 
 
 def test_a_silent_rank_is_named_and_blocked_ranks_are_forced_out() -> None:

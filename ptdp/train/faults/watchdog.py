@@ -17,8 +17,12 @@ A communication error is not a failure of its own: a rank whose collective break
 because a peer died waits (at most `stale_s`) for the failed rank to be named and reports
 that. Timings all derive from `train.collective_timeout_s` (T): heartbeat every T/60
 (0.1 to 5 s), a silent rank is failed after T/4, a blocked rank exits T/10 later, so every
-rank stops within T of a death. Rank 0's thread also watches the step time: a step longer
-than `train.straggler_factor` times the median logs where every rank is.
+rank stops within T of a death. Under train.recovery = in_process a silent rank is failed
+only after the second timeout, 2T: a rank frozen for less (SIGSTOP then SIGCONT) resumes,
+its collective fails and it joins the in-process recovery (recovery.py); one silent for
+longer is failed as above, and the run takes the restart path. Rank 0's thread also
+watches the step time: a step longer than `train.straggler_factor` times the median logs
+where every rank is.
 
 This module holds the policy: the thread, what it concludes and when a rank exits. The
 store's keys are `heartbeats.py`, the judgements on errors and failure records
@@ -58,10 +62,12 @@ class WatchdogTimes:
     grace_s: float
 
     @classmethod
-    def from_timeout(cls, timeout_s: float) -> WatchdogTimes:
+    def from_timeout(cls, timeout_s: float, *, in_process: bool = False) -> WatchdogTimes:
+        """`in_process` (train.recovery = in_process): a silent rank is failed only after
+        the second timeout, 2T, so a rank frozen for less rejoins the recovery."""
         return cls(
             interval_s=min(5.0, max(0.1, timeout_s / 60)),
-            stale_s=timeout_s / 4,
+            stale_s=2 * timeout_s if in_process else timeout_s / 4,
             grace_s=min(30.0, max(1.0, timeout_s / 10)),
         )
 
@@ -83,15 +89,17 @@ class Watchdog:
         restart: int = 0,
         store_on_rank0: bool = False,
         on_failure: Callable[[dict], None] | None = None,
+        in_process: bool = False,
     ) -> None:
         """`store_host` names who hosts `store` (LaunchEnv.store_host()), `restart` is
         torchrun's restart count; `store_on_rank0`: rank 0 hosts the store (launched without
         torchrun), so a lost store means rank 0 died. `on_failure` receives the failure
-        record this rank wrote first (for RUN_DIR/events.jsonl)."""
+        record this rank wrote first (for RUN_DIR/events.jsonl). `in_process`: the run
+        recovers in process (WatchdogTimes.from_timeout)."""
         self.store = heartbeats.run_store(store, rank, restart)
         self.rank, self.world_size = rank, world_size
-        self.times = WatchdogTimes.from_timeout(timeout_s)
-        self.stragglers = StragglerCheck(straggler_factor, self.times.stale_s)
+        self.times = WatchdogTimes.from_timeout(timeout_s, in_process=in_process)
+        self.stragglers = StragglerCheck(straggler_factor, timeout_s / 4)  # as under restart
         self.say = say or to_stderr
         self.exit_process = exit_process
         self.store_host = store_host

@@ -24,7 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ptdp.checkpoint import CheckpointManager
-from ptdp.config import AttentionBackend, Precision, RunConfig
+from ptdp.config import AttentionBackend, Precision, Recovery, RunConfig
 from ptdp.data.documents import microbatch_positions
 from ptdp.errors import ConfigError
 from ptdp.layout import Layout
@@ -115,6 +115,7 @@ class Trainer:
                 restart=env.restart,
                 store_on_rank0=not env.elastic,
                 on_failure=lambda record: append_event(self.run_dir, "failure", **record),
+                in_process=t.recovery is Recovery.IN_PROCESS,
             )
             if store is not None
             else None
