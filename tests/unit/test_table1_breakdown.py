@@ -3,6 +3,8 @@ adding up to the model's layer, and the roofline variant of the attention core."
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 
 from ptdp.config import Precision
@@ -36,3 +38,12 @@ def test_roofline_core_is_the_slower_of_math_and_bytes() -> None:
     c = Compute(A100, Precision.BF16, MEGATRON_2021)
     model, roof = attention_core(m, 1, 4, c), bench.roofline_core(m, 1, 4, c)
     assert 0.4 * model.f < roof.f < model.f  # the model adds what the roofline overlaps
+
+
+def test_refit_gives_the_22b_layer_its_time_again() -> None:
+    target = bench.korthikanti_layer(MEGATRON_2021)
+    with patch("ptdp.perf.cost.costs.attention_core", bench.roofline_core):
+        assert bench.korthikanti_layer(MEGATRON_2021)[0] < target[0]  # the core got cheaper
+        sw = bench.refit(target)
+        assert bench.korthikanti_layer(sw) == pytest.approx(target, rel=1e-6)
+    assert sw.elementwise_traffic > MEGATRON_2021.elementwise_traffic  # the kernels took it
