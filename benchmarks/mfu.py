@@ -66,7 +66,6 @@ try:
     from benchmarks.peers import ARCHS, DEFAULT_PEERS, PEERS, PeerShape, PeerUnavailable, build_peer
 except ModuleNotFoundError:  # run as `python benchmarks/mfu.py` without the repo root on sys.path
     from _mfu_table import against_prediction, format_table, ratios
-
     from peers import ARCHS, DEFAULT_PEERS, PEERS, PeerShape, PeerUnavailable, build_peer
 
 
