@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -44,23 +44,12 @@ from ptdp.config import ModelConfig
 from ptdp.model.compile import apply_compile, mark_step
 from ptdp.model.gpt import GPT
 
-
-@dataclass(frozen=True)
-class Shape:
-    layers: int
-    hidden: int
-    heads: int
-    seq: int
-    micro_batch: int
+try:
+    from benchmarks.mfu import MODELS  # the same shapes as the MFU benchmark
+except ModuleNotFoundError:  # run as `python benchmarks/small_model_speed.py`
+    from mfu import MODELS
 
 
-MODELS = {
-    "tiny": Shape(2, 64, 4, 64, 4),
-    "125m": Shape(12, 768, 12, 1024, 16),
-    "350m": Shape(24, 1024, 16, 1024, 16),
-    "1.3b": Shape(24, 2048, 16, 2048, 8),
-}
-"""benchmarks/mfu.py's shapes (GPT-2 vocabulary padded to 50304)."""
 MODES = ("eager", "fused-adamw", "compile", "cuda-graphs")
 VOCAB = 50304
 
