@@ -50,10 +50,10 @@ from pathlib import Path
 
 try:
     from benchmarks import recovery
-    from benchmarks.failures import TIMEOUT_S, _free_port, _inside, tiny_corpus, train_args
+    from benchmarks.failures import TIMEOUT_S, _free_port, _inside, claim, tiny_corpus, train_args
 except ImportError:  # run as a script: benchmarks/ is sys.path[0]
     import recovery
-    from failures import TIMEOUT_S, _free_port, _inside, tiny_corpus, train_args
+    from failures import TIMEOUT_S, _free_port, _inside, claim, tiny_corpus, train_args
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("kill", "stop", "raise", "term", "save", "truncate", "nan", "shrink")
@@ -98,17 +98,6 @@ def make_schedule(
 # ----------------------------------------------------------------------------- the driver
 
 
-def _claim(marker: Path) -> bool:
-    """Atomically mark a fault as fired (False if it already was), with the time."""
-    try:
-        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return False
-    os.write(fd, repr(time.time()).encode())
-    os.close(fd)
-    return True
-
-
 def _truncate_latest(run_dir: Path) -> str:
     """Cut the largest shard of the checkpoint `latest` names to half its size."""
     step_dir = run_dir / "checkpoints" / (run_dir / "checkpoints/latest").read_text().strip()
@@ -133,7 +122,7 @@ def _inject(faults: list[Fault], marks: Path) -> None:
         world, rank = trainer.env.world_size, trainer.env.rank
         if fault.step != step or (fault.kind != "term" and fault.rank % world != rank):
             return False
-        return _claim(marks / (f"fault{i}.rank{rank}" if fault.kind == "term" else f"fault{i}"))
+        return claim(marks / (f"fault{i}.rank{rank}" if fault.kind == "term" else f"fault{i}"))
 
     def chaos_around(self, action):
         if isinstance(action, Action) and action.kind in (Kind.B, Kind.BW):
@@ -160,7 +149,7 @@ def _inject(faults: list[Fault], marks: Path) -> None:
         step = int(re.findall(r"\d+", tmp.name)[0])
         for i, f in enumerate(faults):
             if f.kind == "save" and f.step == step and f.rank % world == rank:
-                if _claim(marks / f"fault{i}"):
+                if claim(marks / f"fault{i}"):
                     os.kill(os.getpid(), signal.SIGKILL)  # shards written, record not
         record(tmp, rank, world)
 

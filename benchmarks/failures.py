@@ -125,6 +125,18 @@ def driver(run_dir: str, args: list[str]) -> int:
 # ----------------------------------------------------------------------------- launching
 
 
+def claim(marker: Path) -> bool:
+    """Atomically mark a fault as fired (False if it already was), with the time: the
+    chaos and recovery runs inject each fault once, whichever rank gets there first."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, repr(time.time()).encode())
+    os.close(fd)
+    return True
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

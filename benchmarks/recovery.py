@@ -40,9 +40,9 @@ import time
 from pathlib import Path
 
 try:
-    from benchmarks.failures import _free_port, tiny_corpus, train_args
+    from benchmarks.failures import _free_port, claim, tiny_corpus, train_args
 except ImportError:  # run as a script: benchmarks/ is sys.path[0]
-    from failures import _free_port, tiny_corpus, train_args
+    from failures import _free_port, claim, tiny_corpus, train_args
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = {"tp2pp2": (2, 2), "dp2pp2": (1, 2)}
@@ -60,16 +60,6 @@ def schedule(steps: int, interval: int, kinds: list[str], seed: int) -> list[dic
     return out
 
 
-def _claim(marker: Path) -> bool:
-    try:
-        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return False
-    os.write(fd, str(time.time()).encode())
-    os.close(fd)
-    return True
-
-
 def _inject(faults: list[dict], marks: Path, rank: int) -> None:
     import torch.distributed as dist
 
@@ -83,7 +73,7 @@ def _inject(faults: list[dict], marks: Path, rank: int) -> None:
 
     def due(kind: str, step: int) -> bool:
         return any(
-            f["kind"] == kind and f["step"] == step and f["rank"] == rank and _claim(marks / str(i))
+            f["kind"] == kind and f["step"] == step and f["rank"] == rank and claim(marks / str(i))
             for i, f in enumerate(faults)
         )
 
