@@ -20,7 +20,7 @@ all_to_all) one collective apart from the others.
 Built in: `a100-80gb` (the paper's Selene nodes: DGX A100 80GB, 8x 200 Gb/s HDR per
 node), `a100-40gb`, `h100-sxm` and `h200` (their GEMM curve fitted to Megatron-Core's
 published H100 weak-scaling table, `ptdp.perf.validate.published`), and `mi250x` (Frontier's nodes,
-from AMD's and HPE's specifications and a published single-GCD GEMM measurement).
+from AMD's and HPE's specifications and published GEMM, STREAM, link and RCCL measurements).
 """
 
 from __future__ import annotations
