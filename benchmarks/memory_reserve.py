@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from ptdp.config import RunConfig, apply_updates
+from ptdp.config import RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.layout import validate
 from ptdp.perf.cost.hardware import GIB, System, load_system
 from ptdp.perf.cost.memory import estimate_memory

@@ -50,7 +50,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ptdp.config import ModelConfig, RunConfig, apply_updates
+from ptdp.config import ModelConfig, RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.data.indexed import IndexedWriter
 from ptdp.parallel.env import LaunchEnv
 from ptdp.perf.cost.flops import dense_peak_flops, device_kind, model_flops_per_iteration

@@ -56,7 +56,8 @@ try:
 except ModuleNotFoundError:  # run as `python benchmarks/x.py` without the repo root on sys.path
     import mfu
 
-from ptdp.config import Activation, ModelConfig, Normalization, apply_updates
+from ptdp.config import Activation, ModelConfig, Normalization
+from ptdp.config_files import apply_updates
 from ptdp.model.moe import MoE, MoEState, plan_dispatch
 from ptdp.model.parts import TPContext
 from ptdp.parallel import grouped, wgrad

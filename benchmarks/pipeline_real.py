@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ptdp.config import RunConfig, apply_updates, load_toml
+from ptdp.config import RunConfig
+from ptdp.config_files import apply_updates, load_toml
 from ptdp.layout import validate
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.perf.simulate.plot import plot_timelines

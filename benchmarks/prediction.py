@@ -45,7 +45,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ptdp.config import RunConfig, apply_updates
+from ptdp.config import RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.errors import ConfigError
 from ptdp.layout import ORDER, validate
 from ptdp.parallel.env import LaunchEnv

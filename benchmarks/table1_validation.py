@@ -20,7 +20,8 @@ import argparse
 import time
 from pathlib import Path
 
-from ptdp.config import Recompute, RunConfig, apply_updates
+from ptdp.config import Recompute, RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.perf.cost.costs import MEGATRON_2021
 from ptdp.perf.cost.flops import paper_equation_3
 from ptdp.perf.cost.hardware import GIB, load_system

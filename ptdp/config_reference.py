@@ -1,6 +1,6 @@
 """The configuration reference page (docs/configuration.md), generated from the config
 dataclasses: every key's type, default, allowed values and meaning come from the code
-(`ptdp.config.field_docs`, the same docstrings `ptdp train --help` prints), so the page
+(`ptdp.config_files.field_docs`, the same docstrings `ptdp train --help` prints), so the page
 cannot drift from it. `ptdp config-reference --output docs/configuration.md` writes it, and
 tests/unit/test_config_reference.py checks that the committed page is current.
 """
@@ -15,7 +15,8 @@ from dataclasses import MISSING, Field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
-from ptdp.config import SECTIONS, field_docs
+from ptdp.config import SECTIONS
+from ptdp.config_files import field_docs
 from ptdp.domains import CONFIG_RULES
 from ptdp.errors import PtdpError
 

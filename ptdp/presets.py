@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ptdp.config import ModelConfig, RunConfig, apply_updates
+from ptdp.config import ModelConfig, RunConfig
+from ptdp.config_files import apply_updates
 
 _LLAMA = {
     "position_embedding": "rope",

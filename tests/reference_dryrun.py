@@ -14,12 +14,10 @@ from ptdp.pipeline.dryrun import (
     PipelineCosts,
     Timed,
     Wait,
-    _free,
     _Message,
     _message,
-    _payload,
-    _sender,
 )
+from ptdp.pipeline.dryrun_engine import _free, _payload, _sender
 from ptdp.pipeline.placement import StageMap
 
 

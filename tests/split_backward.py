@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptdp.config import ModelConfig, Recompute, RunConfig, apply_updates
+from ptdp.config import ModelConfig, Recompute, RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.model.gpt import GPT
 from ptdp.parallel.comm import Group
 from ptdp.pipeline.actions import Action, Kind

@@ -8,7 +8,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from ptdp.config import Precision, RunConfig, given_keys
+from ptdp.config import Precision, RunConfig
+from ptdp.config_files import given_keys
 from ptdp.domains import Rule, number_problem
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.costs import SOFTWARE, Software

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ptdp.config import Precision, RunConfig, to_dict
+from ptdp.config import Precision, RunConfig
+from ptdp.config_files import to_dict
 from ptdp.outputs import make_output_dir
 from ptdp.perf.cost.hardware import GIB, System
 from ptdp.perf.cost.memory import MemoryEstimate

@@ -23,7 +23,8 @@ from ptdp import checkpoint as ckpt
 from ptdp.checkpoint.recover import find_unpublished, publish_unpublished, verify_unpublished
 from ptdp.checkpoint.retention import set_aside_after
 from ptdp.checkpoint.store import find_restart_checkpoint
-from ptdp.config import LAYOUT_ONLY_MODEL_KEYS, Resume, RunConfig, to_dict
+from ptdp.config import LAYOUT_ONLY_MODEL_KEYS, Resume, RunConfig
+from ptdp.config_files import to_dict
 from ptdp.errors import CheckpointError, ConfigError
 from ptdp.layout import Layout
 from ptdp.parallel.comm import all_gather_objects, barrier

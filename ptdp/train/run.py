@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ptdp.config import RunConfig, to_toml, write_config
+from ptdp.config import RunConfig
+from ptdp.config_files import to_toml, write_config
 from ptdp.errors import CheckpointError
 from ptdp.layout import Layout, validate
 from ptdp.outputs import make_output_dir

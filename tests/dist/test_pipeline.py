@@ -14,7 +14,8 @@ import contextlib
 import pytest
 import torch
 
-from ptdp.config import RunConfig, apply_updates
+from ptdp.config import RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.layout import validate
 from ptdp.model.gpt import GPT
 from ptdp.parallel.comm import Group, all_reduce_sum_, gather_objects

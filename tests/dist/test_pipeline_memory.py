@@ -20,7 +20,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ptdp.config import RunConfig, apply_updates
+from ptdp.config import RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.layout import validate
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.perf.cost.memory import in_flight

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import ptdp.checkpoint as ckpt
 from ptdp.cli import main
-from ptdp.config import resolve
+from ptdp.config_files import resolve
 from ptdp.convert.hf import export_hf, import_hf
 from ptdp.data.tokenizers import train_bpe
 from ptdp.errors import CheckpointError, ConfigError, DataError, PtdpError

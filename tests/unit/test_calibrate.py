@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.config import Precision, tomllib
+from ptdp.config import Precision
+from ptdp.config_files import tomllib
 from ptdp.perf.calibrate.fit import interpolate_log, monotone_curve
 from ptdp.perf.cost.costs import PTDP, Compute, Gemm
 from ptdp.perf.cost.hardware import load_system
@@ -226,7 +227,8 @@ def test_the_optimizer_step_pays_its_measured_overhead_per_tensor(calibrated: Pa
     fixed + per tensor x the busiest rank's tensors (its shard's under ZeRO) to the step."""
     from dataclasses import replace
 
-    from ptdp.config import RunConfig, apply_updates
+    from ptdp.config import RunConfig
+    from ptdp.config_files import apply_updates
     from ptdp.layout import validate
     from ptdp.perf.cost.parameters import tensors_per_rank
     from ptdp.perf.simulate.simulator import optimizer_seconds
@@ -483,7 +485,8 @@ def test_the_gradient_reduction_waits_on_each_bucket_the_first_right_after_compu
     `wait_after_compute_us`; one rank has no reduction and pays nothing."""
     from dataclasses import replace
 
-    from ptdp.config import RunConfig, apply_updates
+    from ptdp.config import RunConfig
+    from ptdp.config_files import apply_updates
     from ptdp.layout import validate
     from ptdp.perf.cost.parameters import parameters_per_stage
     from ptdp.perf.simulate.simulator import optimizer_seconds, stage_reductions
@@ -576,7 +579,8 @@ def test_a_split_backward_pays_its_measured_cost_in_w_on_zero_bubble_schedules(
 
     import torch
 
-    from ptdp.config import RunConfig, apply_updates
+    from ptdp.config import RunConfig
+    from ptdp.config_files import apply_updates
     from ptdp.errors import ConfigError
     from ptdp.layout import validate
     from ptdp.perf.calibrate.timing import Timing
@@ -721,7 +725,8 @@ def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
 
     # The data-parallel reduction overlaps the backward on GPUs; over gloo its threads
     # need the backward's cores, so an overlapped step costs what an unoverlapped one does.
-    from ptdp.config import RunConfig, apply_updates
+    from ptdp.config import RunConfig
+    from ptdp.config_files import apply_updates
     from ptdp.perf.simulate.simulator import simulate
 
     def step(system, overlap: bool) -> float:
@@ -749,7 +754,7 @@ def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
 def test_zero3_pays_the_sync_per_layer_gather_and_reduce_scatter() -> None:
     from dataclasses import replace
 
-    from ptdp.config import apply_updates
+    from ptdp.config_files import apply_updates
     from ptdp.layout import validate
     from ptdp.perf.cost.zero import sharded_passes
     from ptdp.perf.simulate.simulator import compute_costs
@@ -823,7 +828,7 @@ def test_point_to_point_keys_price_transfers_apart(tmp_path: Path) -> None:
     each pipeline hop also pays the sync of the wait on it."""
     from dataclasses import replace
 
-    from ptdp.config import apply_updates
+    from ptdp.config_files import apply_updates
     from ptdp.errors import ConfigError
     from ptdp.layout import validate
     from ptdp.perf.simulate.simulator import pipeline_costs

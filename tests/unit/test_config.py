@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.config import (
-    Activation,
-    RunConfig,
-    Schedule,
+from ptdp.config import Activation, RunConfig, Schedule
+from ptdp.config_files import (
     apply_updates,
     from_dict,
     help_text,

@@ -6,7 +6,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from ptdp.cli import main
-from ptdp.config import SECTIONS, field_docs
+from ptdp.config import SECTIONS
+from ptdp.config_files import field_docs
 from ptdp.config_reference import COMMAND, _cell, render
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"

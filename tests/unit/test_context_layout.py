@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ptdp.config import CpComm, RunConfig, apply_updates
+from ptdp.config import CpComm, RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.errors import ConfigError
 from ptdp.layout import validate
 from ptdp.model.positions import TokenPositions

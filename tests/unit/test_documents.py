@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from ptdp.config import DataConfig, RunConfig, apply_updates
+from ptdp.config import DataConfig, RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.data.blend import BlendedDataset
 from ptdp.data.dataset import GPTDataset
 from ptdp.data.documents import DocumentIndex, microbatch_positions, window_positions

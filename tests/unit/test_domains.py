@@ -14,7 +14,8 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.cli import main
-from ptdp.config import SECTIONS, resolve, toml_value
+from ptdp.config import SECTIONS
+from ptdp.config_files import resolve, toml_value
 from ptdp.domains import CONFIG_RULES
 from ptdp.errors import ConfigError
 from ptdp.layout import validate
@@ -144,7 +145,7 @@ EXTRA = {  # numbers of a hardware file beyond NUMBERS' keys, with a valid value
 
 
 def _toml(data: dict[str, Any], prefix: str = "") -> str:
-    """A TOML file of nested tables (ptdp.config.toml_value spells each value)."""
+    """A TOML file of nested tables (ptdp.config_files.toml_value spells each value)."""
     scalars = [f"{k} = {toml_value(v, k)}" for k, v in data.items() if not isinstance(v, dict)]
     lines = ([f"[{prefix}]"] if prefix else []) + scalars + [""]
     for k, v in data.items():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ptdp import checkpoint as ckpt
-from ptdp.config import to_toml
+from ptdp.config_files import to_toml
 from ptdp.errors import ConfigError
 from ptdp.train.faults.numerical import SPIKE_WINDOW, FaultMonitor, TrainingError
 from ptdp.train.run import train

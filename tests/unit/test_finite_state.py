@@ -1,6 +1,6 @@
 """A checkpoint is never written from non-finite state, and every file a save writes reads
 back: the weights a save would write are checked first (ptdp/checkpoint/manager.py), and the
-resolved config.toml is valid TOML for every value a field can hold (ptdp/config.py)."""
+resolved config.toml is valid TOML for every value a field can hold (ptdp/config_files.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 
 from ptdp import checkpoint as ckpt
 from ptdp.checkpoint.manager import NonFiniteState
-from ptdp.config import SECTIONS, RunConfig, from_dict, to_toml, write_config
+from ptdp.config import SECTIONS, RunConfig
+from ptdp.config_files import from_dict, to_toml, write_config
 from ptdp.domains import config_problems
 from ptdp.errors import ConfigError
 from ptdp.parallel.env import LaunchEnv

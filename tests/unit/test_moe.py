@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ptdp.config import Activation, ModelConfig, RunConfig, ScoreFunction, apply_updates
+from ptdp.config import Activation, ModelConfig, RunConfig, ScoreFunction
+from ptdp.config_files import apply_updates
 from ptdp.errors import ConfigError
 from ptdp.layout import validate
 from ptdp.model.gpt import GPT, TPContext

@@ -17,8 +17,8 @@ from ptdp.config import (
     Precision,
     Recompute,
     RunConfig,
-    apply_updates,
 )
+from ptdp.config_files import apply_updates
 from ptdp.perf.cost.costs import PTDP, Gemm, layer_gemms
 from ptdp.perf.cost.flops import flops_per_iteration, flops_per_token, model_flops_per_iteration
 from ptdp.perf.cost.hardware import load_system

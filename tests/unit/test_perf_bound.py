@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from ptdp.config import RunConfig, apply_updates
+from ptdp.config import RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.layout import validate
 from ptdp.perf.cost.costs import MEGATRON_2021, PTDP, Compute
 from ptdp.perf.cost.hardware import load_system

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.config import CpComm, Precision, Recompute, RunConfig, apply_updates
+from ptdp.config import CpComm, Precision, Recompute, RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.errors import ConfigError
 from ptdp.layout import validate
 from ptdp.perf.cost import context

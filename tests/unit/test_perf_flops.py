@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from ptdp.config import Recompute, RunConfig, apply_updates
+from ptdp.config import Recompute, RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.model.gpt import GPT, count_parameters
 from ptdp.perf.cost.flops import (
     DENSE_PEAK_TFLOPS,

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.config import Recompute, RunConfig, apply_updates
+from ptdp.config import Recompute, RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.costs import MEGATRON_2021
 from ptdp.perf.cost.hardware import load_system

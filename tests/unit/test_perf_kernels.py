@@ -190,7 +190,8 @@ def test_each_microbatch_adds_its_gradients_into_the_buffers_in_a_pass_of_its_ow
     code's into 16-bit buffers; Megatron-Core's weight-gradient GEMMs accumulate in place.
     Each stage's W pays it once a microbatch, one `add` call a parameter tensor at the
     stage's mean tensor size, so a step pays it m times per rank."""
-    from ptdp.config import RunConfig, apply_updates
+    from ptdp.config import RunConfig
+    from ptdp.config_files import apply_updates
     from ptdp.layout import validate
     from ptdp.perf.cost.costs import MEGATRON_2021, MEGATRON_CORE, accumulation_seconds
     from ptdp.perf.cost.kernels import Call

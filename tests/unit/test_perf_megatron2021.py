@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.config import Precision, RunConfig, apply_updates
+from ptdp.config import Precision, RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.layout import validate
 from ptdp.perf.cost.costs import MEGATRON_2021, Compute
 from ptdp.perf.cost.hardware import load_system

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ptdp.config import Precision, Recompute, RunConfig, apply_updates
+from ptdp.config import Precision, Recompute, RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.model.gpt import GPT
 from ptdp.parallel.comm import Group
 from ptdp.perf.cost.memory import (

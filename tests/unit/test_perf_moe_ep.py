@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.config import Recompute, RunConfig, apply_updates
+from ptdp.config import Recompute, RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.layout import validate
 from ptdp.perf.cost.costs import (
     PTDP,

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from ptdp.config import Precision, RunConfig, apply_updates
+from ptdp.config import Precision, RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.perf.cost.costs import PTDP, Compute
 from ptdp.perf.cost.hardware import load_system
 from ptdp.perf.plan.ends import best_ends

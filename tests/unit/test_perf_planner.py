@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.config import Recompute, RunConfig, apply_updates, parse_overrides, resolve
+from ptdp.config import Recompute, RunConfig
+from ptdp.config_files import apply_updates, parse_overrides, resolve
 from ptdp.errors import ConfigError
 from ptdp.layout import validate
 from ptdp.perf.cost.costs import MEGATRON_2021, Compute

@@ -10,7 +10,8 @@ import pytest
 
 import ptdp.perf.simulate.replay as replay_module
 import ptdp.perf.simulate.simulator as simulator
-from ptdp.config import RunConfig, apply_updates
+from ptdp.config import RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.perf.cost.costs import MEGATRON_2021, PTDP
 from ptdp.perf.cost.hardware import load_system
 from ptdp.perf.plan.planner import PlanResult, plan

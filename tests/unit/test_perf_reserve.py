@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.config import RunConfig, apply_updates
+from ptdp.config import RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.errors import ConfigError
 from ptdp.layout import COMBINED, ORDER, validate
 from ptdp.parallel.mesh import MeshShape

@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from ptdp.config import Precision, Recompute, RunConfig, apply_updates
+from ptdp.config import Precision, Recompute, RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.layout import validate
 from ptdp.perf.cost.costs import (
     MEGATRON_2021,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptdp.config import ModelConfig, Recompute, RunConfig, apply_updates
+from ptdp.config import ModelConfig, Recompute, RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.model.gpt import GPT
 from ptdp.model.positions import TokenPositions
 from tests.helpers import LLAMA

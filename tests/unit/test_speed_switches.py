@@ -94,7 +94,8 @@ def test_cuda_graphs_on_a_device_that_resolves_to_a_cpu_are_refused(
 
 
 def test_cuda_graphs_pass_a_static_step_and_name_every_reason_otherwise() -> None:
-    from ptdp.config import RunConfig, apply_updates
+    from ptdp.config import RunConfig
+    from ptdp.config_files import apply_updates
     from ptdp.layout import validate
 
     def cfg(**sections: dict):

@@ -28,7 +28,8 @@ def test_straggler_report_names_the_rank_that_is_computing() -> None:
 
 @pytest.mark.parametrize("factor", [0.5, 1.0])
 def test_straggler_factor_must_exceed_one(factor: float, tmp_path) -> None:
-    from ptdp.config import RunConfig, apply_updates
+    from ptdp.config import RunConfig
+    from ptdp.config_files import apply_updates
     from ptdp.errors import ConfigError
     from ptdp.layout import validate
 

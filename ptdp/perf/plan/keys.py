@@ -7,7 +7,8 @@ first options (`--tp 8`) stand for config keys.
 
 from __future__ import annotations
 
-from ptdp.config import RunConfig, Schedule, parse_overrides
+from ptdp.config import RunConfig, Schedule
+from ptdp.config_files import parse_overrides
 from ptdp.errors import ConfigError
 from ptdp.layout import ZERO_LEVELS
 

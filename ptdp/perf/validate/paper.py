@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ptdp.config import ModelConfig, RunConfig, apply_updates, load_toml, resolve
+from ptdp.config import ModelConfig, RunConfig
+from ptdp.config_files import apply_updates, load_toml, resolve
 from ptdp.errors import ConfigError
 from ptdp.presets import MODEL_PRESETS, model_preset
 
@@ -102,7 +103,7 @@ def preset_config(name: str) -> RunConfig:
 
 def model_config(model: str) -> RunConfig:
     """`--model NAME|FILE` of `ptdp train`, `simulate` and `plan`: a preset (`preset_config`)
-    or a TOML config file; the base that `ptdp.config.resolve` applies `--config` and
+    or a TOML config file; the base that `ptdp.config_files.resolve` applies `--config` and
     overrides to."""
     if model in ALL_PRESETS:
         return preset_config(model)

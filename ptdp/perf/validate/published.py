@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.config import RunConfig, apply_updates
+from ptdp.config import RunConfig
+from ptdp.config_files import apply_updates
 from ptdp.perf.cost.costs import MEGATRON_CORE
 from ptdp.perf.cost.hardware import System
 from ptdp.perf.simulate.simulator import Prediction, simulate
