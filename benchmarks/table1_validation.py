@@ -4,7 +4,8 @@ For every row of Table 1 (Narayanan et al., SC21) the planner takes the paper's 
 count, t, p and batch, chooses the micro-batch (equation (1)) and the interleaving v (by
 simulation) under the paper's software and settings (DGX A100 80GB cluster, Megatron-LM
 2021 kernels, full recomputation), and the simulator predicts TFLOP/s per GPU against
-the published figure; then every row again at micro-batch 1. Then the README's GPT-3 175B
+the published figure; then every row as the authors' script ran it (its b, v and DDP), and
+again at micro-batch 1 (the planner's v). Then the README's GPT-3 175B
 run (1024 GPUs, batch 1536, b = 1, no interleaving), and, with --free, the planner choosing
 t and p itself for each row.
 Last, the memory model against single-process CPU runs of a small GPT-2 and Llama-style
@@ -28,8 +29,13 @@ from ptdp.perf.cost.hardware import GIB, load_system
 from ptdp.perf.cost.memory import estimate_memory
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.simulate.plot import plot_timelines
-from ptdp.perf.validate.paper import README_GPT3, TABLE_1, paper_run
-from ptdp.perf.validate.validation import check_row, measure_cpu_memory, readme_gpt3
+from ptdp.perf.validate.paper import AUTHORS_SCRIPT, README_GPT3, TABLE_1, paper_run
+from ptdp.perf.validate.validation import (
+    check_row,
+    check_script_row,
+    measure_cpu_memory,
+    readme_gpt3,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = ROOT / "runs" / "benchmarks" / "gpt3_175b_simulated_timeline.png"  # untracked
@@ -66,6 +72,7 @@ def main() -> None:
         f"\nmean |error| {100 * sum(map(abs, errors)) / len(errors):.1f}%, "
         f"worst {100 * worst:+.1f}%"
     )
+    at_script(system)
     at_b1(system)
 
     script = readme_gpt3(system)
@@ -114,6 +121,26 @@ def main() -> None:
             )
     memory_table()
     print(f"\n({time.perf_counter() - start:.0f} s)")
+
+
+def at_script(system) -> None:  # noqa: ANN001 - a script
+    """Every row with the b, v and DDP of the authors' script, nothing searched."""
+    print(f"\nas the authors' script ran each row, {AUTHORS_SCRIPT}:")
+    print("| model | t | p | b | v | DDP | published TFLOP/s | predicted | error |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|")
+    errors = []
+    for row in TABLE_1:
+        predicted = check_script_row(row, system).tflops_per_device
+        errors.append(predicted / row.tflops - 1)
+        print(
+            f"| {row.params_billion}B | {row.tp} | {row.pp} | {row.script_micro_batch} | "
+            f"{row.script_vpp} | {'torch' if row.torch_ddp else 'local'} | {row.tflops:.0f} | "
+            f"{predicted:.1f} | {100 * errors[-1]:+.1f}% |"
+        )
+    print(
+        f"mean |error| {100 * sum(map(abs, errors)) / len(errors):.1f}%, "
+        f"worst {100 * max(errors, key=abs):+.1f}%"
+    )
 
 
 def at_b1(system) -> None:  # noqa: ANN001 - a script

@@ -15,8 +15,9 @@ from ptdp.perf.cost.reserve import fit
 from ptdp.perf.plan.keys import pinned
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.plan.search import equation_1, layout_config
+from ptdp.perf.simulate.simulator import simulate
 from ptdp.perf.validate.paper import README_GPT3, TABLE_1, paper_run
-from ptdp.perf.validate.validation import check_row, readme_gpt3
+from ptdp.perf.validate.validation import check_row, check_script_row, readme_gpt3
 from ptdp.pipeline.schedules import SCHEDULES
 
 A100 = load_system("a100-80gb")
@@ -34,13 +35,46 @@ def test_table_1_within_10_percent(row) -> None:
 
 
 @pytest.mark.parametrize("row", TABLE_1, ids=lambda r: r.name)
-def test_table_1_at_micro_batch_1_within_10_percent(row) -> None:
-    """At b = 1 each microbatch's fixed costs weigh most. Before a GPU's kernel launches hid
-    behind longer kernels (`Compute.launched`) the 1.7B-18B rows were 8-13% low here; the
-    39.1B row moved 2 points, the 76.1B-1T rows, whose layers are long, under 1.5."""
+def test_table_1_at_micro_batch_1_within_8_percent(row) -> None:
+    """At b = 1 each microbatch's fixed costs weigh most. The 1.7B-18B rows were 8-13% low
+    here until a GPU's kernel launches hid behind longer kernels (`Compute.launched`) and
+    the rows the authors ran with torch DDP overlapped their reduction (`torch_ddp`)."""
     check = check_row(row, A100, micro_batch=1)
     assert check.option.config.train.micro_batch_size == 1
-    assert abs(check.error) <= 0.10, f"{row.name}: {check.predicted:.1f} vs {row.tflops}"
+    assert abs(check.error) <= 0.08, f"{row.name}: {check.predicted:.1f} vs {row.tflops}"
+
+
+@pytest.mark.parametrize("row", TABLE_1, ids=lambda r: r.name)
+def test_table_1_as_the_authors_script_ran_it(row) -> None:
+    """b, v and DDP of Megatron-LM's examples/sc21/run_table_1.sh: every row within 6%."""
+    dp = row.gpus // (row.tp * row.pp)
+    assert (row.layers // row.pp) % row.script_vpp == 0
+    assert row.batch % (row.script_micro_batch * dp) == 0
+    p = check_script_row(row, A100)
+    assert (p.layout.tp, p.layout.pp, p.layout.vpp) == (row.tp, row.pp, row.script_vpp)
+    assert row.torch_ddp == (row.pp == 1)  # the script's DDP: torch without pipelining
+    assert abs(p.tflops_per_device / row.tflops - 1) <= 0.06, f"{row.name}: {p.tflops_per_device}"
+
+
+def test_torch_ddp_overlaps_the_reduction_only_without_pipelining() -> None:
+    """megatron-2021 overlaps the data-parallel reduction at p = 1 (torch DDP) and never
+    with a pipeline, whatever the config says; the 7.5B row at b 16: m = 1, so the whole
+    reduction can hide behind its one backward."""
+    row = TABLE_1[2]
+    on = paper_run(row, micro_batch=16, vpp=1)
+    off = apply_updates(on, {"parallel": {"overlap_grad_reduce": False}}, "test")
+    t_on, t_off = (
+        simulate(c, A100, row.gpus, software=MEGATRON_2021).iteration_seconds for c in (on, off)
+    )
+    assert t_on < t_off
+    piped = apply_updates(paper_run(TABLE_1[4], micro_batch=1, vpp=1), {}, "test")
+    assert piped.parallel.overlap_grad_reduce is False
+    forced = apply_updates(piped, {"parallel": {"overlap_grad_reduce": True}}, "test")
+    t_piped, t_forced = (
+        simulate(c, A100, TABLE_1[4].gpus, software=MEGATRON_2021).iteration_seconds
+        for c in (piped, forced)
+    )
+    assert t_piped == t_forced
 
 
 def test_readme_gpt3_example() -> None:
@@ -233,7 +267,10 @@ def test_the_reason_for_t_times_p_names_what_else_fits() -> None:
     ]
     assert min(x.tp * x.pp for x in close) == 24
     # 18.4B on 256 GPUs: ZeRO-3 fits at t*p = 1, ranked last by `recommend`; t*p = 2 is
-    # the smallest without it and is the pick.
+    # the smallest without it and is the pick (with the reduction after the backward, which
+    # holds every gradient whole; overlapped, t*p = 1 fits with ZeRO-2).
     row = TABLE_1[3]
-    result = plan(paper_run(row, micro_batch=1, vpp=1), gpus=row.gpus, system=A100)
+    after = {"parallel": {"overlap_grad_reduce": False}}
+    base = apply_updates(paper_run(row, micro_batch=1, vpp=1), after, "test")
+    result = plan(base, gpus=row.gpus, system=A100)
     assert _model_parallel_clause(result) == "t*p = 2 (smallest that fits: 2, 1 with ZeRO-3)"

@@ -119,8 +119,11 @@ class Software:
     """Fraction of the ring model's bandwidth that ZeRO-2/3's per-layer gathers and
     reduce-scatters reach (`ptdp.perf.cost.zero`); 1 = NCCL on flat buckets."""
     overlap_grad_reduce: bool = True
-    """The data-parallel reduction can overlap the backward pass (`parallel.overlap_grad_reduce`);
-    Megatron-LM in 2021 reduced all gradients after it, whatever the config says."""
+    """The data-parallel reduction can overlap the backward (`parallel.overlap_grad_reduce`)."""
+    overlap_needs_pp1: bool = False
+    """...and only without pipeline parallelism: Megatron-LM in 2021 overlapped it through
+    torch DDP (--DDP-impl torch, no_sync until the last microbatch), which its pipelined
+    schedules did not drive, so with p > 1 it reduced after the backward (--DDP-impl local)."""
     sequence_parallel: bool = True
     """Sequence parallelism exists (Korthikanti et al. 2022 added it, and selective
     recomputation with it); the 2021 code had neither."""
@@ -156,14 +159,15 @@ MEGATRON_2021 = Software(
     blocking_p2p=True,
     split_backward=False,
     max_zero=0,
-    overlap_grad_reduce=False,
+    overlap_needs_pp1=True,
     sequence_parallel=False,
     accumulation_bytes=2,
     autocast_norms=False,
 )
-"""The code of the paper's measurements: unfused attention, fp16 gradients all-reduced
-(its default for fp16 training) after the backward pass, blocking pipeline transfers, no
-zero-bubble schedules, no sequence parallelism or selective recomputation."""
+"""The code of the paper's measurements: unfused attention, fp16 gradients all-reduced (its
+default for fp16 training), overlapping the backward only at p = 1 (torch DDP), blocking
+pipeline transfers, no zero-bubble schedules, no sequence parallelism or selective
+recomputation."""
 
 MEGATRON_CORE = Software(
     grad_reduce_bytes=2,
@@ -178,8 +182,11 @@ MEGATRON_CORE = Software(
 fused attention (reading grouped K and V as they are), overlapped tensor-parallel, gradient
 and parameter communication, gradients reduced in bf16 (its default, grad_reduce_in_fp32
 off), and its fused SwiGLU (bias_swiglu, which keeps only its input)."""
-DEEPSPEED_2021 = replace(MEGATRON_2021, max_zero=3, sharded_comm_efficiency=0.094)
-"""The paper's ZeRO-3 baseline (section 5.2: DeepSpeed on the same model code): its
+DEEPSPEED_2021 = replace(
+    MEGATRON_2021, max_zero=3, sharded_comm_efficiency=0.094, overlap_grad_reduce=False
+)
+"""The paper's ZeRO-3 baseline (section 5.2: DeepSpeed on the same model code), its reduction
+after the backward as the constant below was fitted with: its
 per-layer collectives reached 0.094 of the ring model's bandwidth, about one 16 GB/s per
 GPU where NCCL's rings over a node's 8 cards give 170; one constant fitted to the paper's
 GPT-3 175B row on 1536 GPUs and checked on its other five ZeRO-3 rows (BENCHMARKS.md)."""

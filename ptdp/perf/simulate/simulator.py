@@ -286,6 +286,8 @@ def overlaps_reduction(cfg: RunConfig, c: Compute) -> bool:
     reduction after the backward, 57.9 ms with it overlapped)."""
     if c.system.device.gloo:
         return False
+    if c.software.overlap_needs_pp1 and cfg.parallel.pp > 1:
+        return False
     return cfg.parallel.overlap_grad_reduce and c.software.overlap_grad_reduce
 
 

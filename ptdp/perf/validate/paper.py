@@ -39,20 +39,35 @@ class Table1Row:
     batch: int
     tflops: float
     """Published achieved TFLOP/s per GPU (equation (3) FLOPs, recomputation included)."""
+    script_micro_batch: int = 1
+    """b in the authors' script for the row (`AUTHORS_SCRIPT`); the paper's table has none."""
+    script_vpp: int = 1
+    """Chunks per rank v in that script (its --num-layers-per-virtual-pipeline-stage)."""
+    torch_ddp: bool = False
+    """The script's --DDP-impl torch: PyTorch's DistributedDataParallel, whose bucketed
+    all-reduce overlaps the last microbatch's backward (no_sync before it). `local`, the
+    rows with p > 1, reduced every gradient after the backward."""
 
 
 TABLE_1: tuple[Table1Row, ...] = (
-    Table1Row("gpt-1.7b", 1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    Table1Row("gpt-3.6b", 3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    Table1Row("gpt-7.5b", 7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    Table1Row("gpt-18.4b", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    Table1Row("gpt-39.1b", 39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    Table1Row("gpt-76.1b", 76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    Table1Row("gpt-145.6b", 145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    Table1Row("gpt-310.1b", 310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    Table1Row("gpt-529.6b", 529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    Table1Row("gpt-1t", 1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    Table1Row("gpt-1.7b", 1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1, True),
+    Table1Row("gpt-3.6b", 3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16, 1, True),
+    Table1Row("gpt-7.5b", 7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16, 1, True),
+    Table1Row("gpt-18.4b", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 1, True),
+    Table1Row("gpt-39.1b", 39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 1),
+    Table1Row("gpt-76.1b", 76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 3),
+    Table1Row("gpt-145.6b", 145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 2),
+    Table1Row("gpt-310.1b", 310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 2),
+    Table1Row("gpt-529.6b", 529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3),
+    Table1Row("gpt-1t", 1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1),
 )
+AUTHORS_SCRIPT = (
+    "Megatron-LM examples/sc21/run_table_1.sh (commit de7dc40, 2021-08-10, 'scripts for sc21'; "
+    "now examples/academic_paper_scripts/sc21/)"
+)
+"""Where each row's b, v and DDP come from: the authors' script that ran Table 1 (fp16,
+--checkpoint-activations, --DDP-impl torch for the rows with p = 1, local for the rest).
+The v there is layers per stage over --num-layers-per-virtual-pipeline-stage."""
 
 README_GPT3 = Table1Row("gpt3-175b", 174.6, 96, 12288, 96, 8, 16, 1024, 1536, 138)
 """The README's example: about 32 s per iteration (equation (3) / (1024 x 138e12))."""
@@ -124,9 +139,10 @@ def paper_run(row: Table1Row, *, micro_batch: int, vpp: int) -> RunConfig:
     """The paper's settings for a Table 1 row as a ptdp config, with b and v still to choose.
 
     Mixed precision (bf16 here: the same peak and element size as the paper's fp16), full
-    recomputation, no sequence parallelism (it came later), scatter/gather on, the
-    data-parallel reduction after the backward pass and no distributed optimizer (both as
-    in Megatron-LM at the time), interleaved schedule when v > 1.
+    recomputation, no sequence parallelism (it came later), scatter/gather on, no
+    distributed optimizer (as in Megatron-LM at the time), the data-parallel reduction
+    overlapping the backward where the authors ran torch DDP (`Table1Row.torch_ddp`) and
+    after it elsewhere, interleaved schedule when v > 1.
     """
     sections = {
         "model": {
@@ -145,7 +161,7 @@ def paper_run(row: Table1Row, *, micro_batch: int, vpp: int) -> RunConfig:
             "recompute": "full",
             "sequence_parallel": False,
             "scatter_gather": True,
-            "overlap_grad_reduce": False,
+            "overlap_grad_reduce": row.torch_ddp,
         },
         "optim": {"distributed": False},
         "train": {

@@ -71,6 +71,12 @@ def check_row(
     return Check(row, result.best)
 
 
+def check_script_row(row: Table1Row, system: System | None = None) -> Prediction:
+    """The row as the authors' script ran it (`AUTHORS_SCRIPT`): its b, v and DDP, no search."""
+    cfg = paper_run(row, micro_batch=row.script_micro_batch, vpp=row.script_vpp)
+    return simulate(cfg, system or load_system("a100-80gb"), row.gpus, software=MEGATRON_2021)
+
+
 def check_table_2_row(row: Table2Row, system: System | None = None) -> Prediction:
     """The paper's section 5.2 row: ZeRO-3 simulated as DeepSpeed ran it (`DEEPSPEED_2021`),
     PTD-P with the paper's software, b = 1 and the interleaving v the planner picks."""
