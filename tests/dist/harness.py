@@ -55,9 +55,7 @@ def _child(
     os._exit(0)
 
 
-def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180
-) -> None:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180) -> None:
     """Run `fn(rank, world_size, *args)` in `world_size` processes; raise the first error.
 
     `fn` must be a module-level function (it is pickled into spawned children).
@@ -66,8 +64,11 @@ def run_ranks(
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = mp.start_processes(
-            _child, args=(fn, world_size, os.path.join(tmp, "store"), errors, args),
-            nprocs=world_size, join=False, start_method="spawn",
+            _child,
+            args=(fn, world_size, os.path.join(tmp, "store"), errors, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
         )
         deadline = time.monotonic() + timeout_s
         try:

@@ -2,8 +2,9 @@
 
 One spawn of 2 ranks trains two layouts with train.compile = true, one after the other:
 tp = 2 with sequence parallelism (the layer's all-gather / reduce-scatter pairs, and the
-vocabulary-parallel loss's all-reduces, are traced inside the compiled graphs) and pp = 2 (the pipeline runtime drives compiled chunks). Both
-must give the eager single-process losses and final weights within 1e-5 relative.
+vocabulary-parallel loss's all-reduces, are traced inside the compiled graphs) and pp = 2
+(the pipeline runtime drives compiled chunks). Both must give the eager single-process
+losses and final weights within 1e-5 relative.
 """
 
 from __future__ import annotations

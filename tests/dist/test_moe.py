@@ -101,7 +101,9 @@ def _check_expert_parallel(ep: Group, options: dict) -> None:
         got = full_tensor(grad, shard_spec(p), Group.single(), ep, expert_split(p))
         mine = dict(ref.named_parameters())[name]
         want = full_tensor(mine.grad, shard_spec(mine), Group.single())  # drops padding
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            got, want, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
     for i, block in model.moe_layers().items():  # the members' loads add up to one's
         routed = block.state.stats[i].routed.clone()
         comm.all_reduce_sum_(routed, ep)

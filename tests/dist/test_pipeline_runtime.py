@@ -4,9 +4,9 @@ The runtime test of STYLE's three levels, independent of the GPT model: the stag
 small residual MLPs, each rank runs its lowered action list from `build_plan` with the
 real `P2P`, and the loss and every parameter gradient must match one process to float32
 rounding (rel < 1e-5), for gpipe, 1f1b, interleaved (vpp = 2), zb-h1, zb-h2 and zb-v (B/W
-split), with m in {pp, 2pp} and with a loss scale. The hooks (on_final_backward once per local stage,
-on_step_end once, last) and the freeing of sent outputs are checked on the way. All cases
-of one pipeline size share one spawn.
+split), with m in {pp, 2pp} and with a loss scale. The hooks (on_final_backward once per
+local stage, on_step_end once, last) and the freeing of sent outputs are checked on the
+way. All cases of one pipeline size share one spawn.
 
 Shapes: b = micro-batch rows, h = features (every stage maps [b, h] -> [b, h]).
 """

@@ -53,8 +53,9 @@ def _column(tp: Group, sp: bool, parts: int, gather: bool) -> None:
     y_ref = F.linear(x_ref, weight, bias)
     (y_ref * probe).sum().backward()
 
-    layer = ColumnParallelLinear(n_in, n_out, tp=tp, sequence_parallel=sp, parts=parts,
-                                 gather_output=gather)
+    layer = ColumnParallelLinear(
+        n_in, n_out, tp=tp, sequence_parallel=sp, parts=parts, gather_output=gather
+    )
     spec = ShardSpec(dim=0, full_size=n_out, padded_size=n_out, size=tp.size, parts=parts)
     with torch.no_grad():
         layer.weight.copy_(spec.shard(weight, tp.rank))
@@ -140,17 +141,30 @@ def _embedding_and_loss(tp: Group, sp: bool, divisible_by: int = 1) -> None:
 
 def _count_layer_collectives(tp: Group, sp: bool) -> dict[str, int]:
     """Collectives of one transformer layer, forward and backward, by kind."""
-    cfg = apply_updates(RunConfig(), {"model": {
-        "num_layers": 1, "hidden_size": 16, "num_heads": 4, "seq_length": 8, "vocab_size": 16,
-    }}, "t").model
+    cfg = apply_updates(
+        RunConfig(),
+        {
+            "model": {
+                "num_layers": 1,
+                "hidden_size": 16,
+                "num_heads": 4,
+                "seq_length": 8,
+                "vocab_size": 16,
+            }
+        },
+        "t",
+    ).model
     layer = TransformerLayer(cfg, TPContext(tp, sp))
     counts: dict[str, int] = {}
-    originals = {name: getattr(comm, name) for name in ("_all_reduce", "_all_gather", "_reduce_scatter")}
+    originals = {
+        name: getattr(comm, name) for name in ("_all_reduce", "_all_gather", "_reduce_scatter")
+    }
 
     def counting(name):
         def wrapper(*args, **kwargs):
             counts[f"{phase}{name}"] = counts.get(f"{phase}{name}", 0) + 1
             return originals[name](*args, **kwargs)
+
         return wrapper
 
     for name in originals:
@@ -193,8 +207,10 @@ def _check_layers(rank: int, world_size: int) -> None:
     assert counts == {"forward_all_reduce": 2, "backward_all_reduce": 2}, counts
     counts = _count_layer_collectives(tp, sp=True)
     assert counts == {
-        "forward_all_gather": 2, "forward_reduce_scatter": 2,
-        "backward_all_gather": 2, "backward_reduce_scatter": 2,
+        "forward_all_gather": 2,
+        "forward_reduce_scatter": 2,
+        "backward_all_gather": 2,
+        "backward_reduce_scatter": 2,
     }, counts
 
 
@@ -216,13 +232,22 @@ def test_layers_at_tp1_are_plain() -> None:
 
 FAMILIES = {  # gpt2 pads the vocabulary to a multiple of 128 * t (the default), llama of t
     "gpt2": {},
-    "llama": {"make_vocab_size_divisible_by": 1, "position_embedding": "rope", "normalization": "rmsnorm", "activation": "swiglu",
-              "num_query_groups": 4, "tie_embeddings": False, "bias": False},
+    "llama": {
+        "make_vocab_size_divisible_by": 1,
+        "position_embedding": "rope",
+        "normalization": "rmsnorm",
+        "activation": "swiglu",
+        "num_query_groups": 4,
+        "tie_embeddings": False,
+        "bias": False,
+    },
 }
 # Qwen2's QKV-only bias (split over ranks with its heads) and Mistral's sliding window
 # (shorter than the 16-token sequence: the explicit-mask path), with Llama 3.1's rotary.
 FAMILIES["qwen2-window"] = FAMILIES["llama"] | {
-    "qkv_bias": True, "sliding_window": 5, "rope_scaling": "llama3",
+    "qkv_bias": True,
+    "sliding_window": 5,
+    "rope_scaling": "llama3",
     "rope_original_max_positions": 16,
 }
 # Qwen3: per-head q/k norms (replicated gains, gradients summed over tp) and a head size
@@ -231,8 +256,13 @@ FAMILIES["qwen3"] = FAMILIES["llama"] | {"qk_norm": True, "head_size": 6}
 
 
 def _model_cfg(options: dict):
-    base = {"num_layers": 2, "hidden_size": 32, "num_heads": 8, "seq_length": 16,
-            "vocab_size": 51}  # 51: padded at tp = 2 and 4 whatever the multiple
+    base = {
+        "num_layers": 2,
+        "hidden_size": 32,
+        "num_heads": 8,
+        "seq_length": 16,
+        "vocab_size": 51,
+    }  # 51: padded at tp = 2 and 4 whatever the multiple
     return apply_updates(RunConfig(), {"model": {**base, **options}}, "t").model
 
 
@@ -304,8 +334,12 @@ def _check_model(rank: int, world_size: int) -> None:
             model = GPT(cfg, seed=5, tp=tp, sequence_parallel=sp)
             for name, p in model.named_parameters():  # identical start, any layout
                 r = dict(ref.named_parameters())[name]
-                assert_rel(full_tensor(p, shard_spec(p), tp), _unpadded(r, r),
-                           f"{family} sp={sp} init {name}", tol=1e-7)
+                assert_rel(
+                    full_tensor(p, shard_spec(p), tp),
+                    _unpadded(r, r),
+                    f"{family} sp={sp} init {name}",
+                    tol=1e-7,
+                )
             # Adam divides by sqrt(v) + eps: with eps = 1e-8 a gradient at rounding level
             # becomes a full-size step whose sign is noise; 1e-6 keeps rounding as rounding.
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
@@ -327,8 +361,11 @@ def _check_model(rank: int, world_size: int) -> None:
                     ref_grads = {n: _unpadded(p.grad, p) for n, p in ref.named_parameters()}
                     degenerate = {n for n, g in ref_grads.items() if g.abs().max() < 1e-7}
                     for name, p in model.named_parameters():
-                        assert_rel(full_tensor(p.grad, shard_spec(p), tp), ref_grads[name],
-                                   f"{family} sp={sp} grad {name}")
+                        assert_rel(
+                            full_tensor(p.grad, shard_spec(p), tp),
+                            ref_grads[name],
+                            f"{family} sp={sp} grad {name}",
+                        )
                 opt_ref.step(), opt.step()
                 opt_ref.zero_grad(), opt.zero_grad()
             _compare_params(model, ref, tp, degenerate, f"{family} sp={sp} after 3 steps")
