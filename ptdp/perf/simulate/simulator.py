@@ -54,6 +54,7 @@ from ptdp.perf.cost.parameters import (
     tensors_per_stage,
 )
 from ptdp.perf.cost.reserve import with_reserve
+from ptdp.perf.cost.switches import run_software
 from ptdp.perf.cost.zero import sharded_passes
 from ptdp.perf.simulate.megatron2021 import megatron_2021_interleaved
 from ptdp.perf.simulate.replay import PipelineCosts, PipelineRun, replay, replay_steady
@@ -538,6 +539,7 @@ def simulate(
     """
     require_vocab(cfg)
     require_software(cfg, software)
+    software = run_software(cfg, software, system)  # train.cuda_graphs, attention_backend
     layout = layout or validate(cfg, world_size, gpus=True)
     c = Compute(system, cfg.train.precision, software)
     pp = layout.pp

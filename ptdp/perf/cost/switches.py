@@ -1,0 +1,110 @@
+"""The run's speed switches as the cost model prices them: train.cuda_graphs and
+train.attention_backend.
+
+A profile (`Software`, `--software`) says what a runtime can do; these two keys say what
+one run of it does, so `run_software` folds them into the profile before anything is
+priced (`simulate`, `plan`): the planner keeps the user's setting and never searches them.
+
+- `attention_backend = math` runs PyTorch's reference attention: the s x s scores written,
+  soft-maxed and kept for backward, as the unfused core of Megatron-LM 2021
+  (`Software.fused_attention` False: its GEMMs in `costs.attention_core`, its memory-bound
+  passes and saved scores through the stored bytes, `ptdp.perf.cost.memory`). flash, cudnn,
+  efficient and auto price one fused kernel: the device files hold no figure per kernel, so
+  auto's pick, the fastest fused one, is that same kernel.
+- `cuda_graphs = true` replays each compiled region from a CUDA graph
+  (`Software.cuda_graphs`, `Compute.replayed`); `ptdp.layout_speed` has already refused
+  the layouts it cannot capture (no compile, a pipeline, cp, MoE, ZeRO-3).
+
+A setting the modelled software or device could not run is refused here, naming the key and
+the fix, instead of being priced as if it ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from ptdp.config import AttentionBackend, ModelConfig, Recompute, RunConfig
+from ptdp.errors import ConfigError
+from ptdp.layout_speed import CPU_BACKENDS
+from ptdp.perf.cost.parameters import attention_width, element_bytes
+
+if TYPE_CHECKING:  # costs imports the memory model, which imports this module
+    from ptdp.perf.cost.costs import Software
+    from ptdp.perf.cost.hardware import System
+
+LABEL_BYTES = 8
+"""Bytes per label token (int64), an input of the loss's graph."""
+
+FUSED = (AttentionBackend.FLASH, AttentionBackend.CUDNN, AttentionBackend.EFFICIENT)
+"""The named fused kernels (auto is one of them where the software has any)."""
+
+
+def math_attention(cfg: RunConfig) -> bool:
+    """The run asks for PyTorch's reference (unfused) attention."""
+    return cfg.train.attention_backend is AttentionBackend.MATH
+
+
+def switch_problems(cfg: RunConfig, software: Software, system: System) -> list[str]:
+    """What of train.cuda_graphs and train.attention_backend the modelled software or the
+    device file cannot run, one message each."""
+    t, device, errors = cfg.train, system.device, []
+    backend = t.attention_backend
+    if backend in FUSED and not software.fused_attention:
+        errors.append(
+            f"train.attention_backend = {backend.value} is a fused kernel, which the modelled "
+            "software (--software) did not have; use --train.attention_backend auto or math"
+        )
+    if device.gloo and backend not in CPU_BACKENDS:
+        errors.append(
+            f"train.attention_backend = {backend.value} is a CUDA kernel, and the device file "
+            f"{system.name} models a CPU; use --train.attention_backend auto (or math, flash)"
+        )
+    if t.cuda_graphs and not software.captures_graphs:
+        errors.append(
+            "train.cuda_graphs = true is ptdp's capture of its compiled regions, which the "
+            "modelled software (--software) is priced without; set --train.cuda_graphs false "
+            "or --software ptdp"
+        )
+    if t.cuda_graphs and device.gloo:
+        errors.append(
+            f"train.cuda_graphs = true needs a CUDA device, and the device file {system.name} "
+            "models a CPU; set --train.cuda_graphs false"
+        )
+    return errors
+
+
+def run_software(cfg: RunConfig, software: Software, system: System) -> Software:
+    """`software` as this run's switches set it (module doc); ConfigError where the software
+    or the device cannot run them."""
+    if errors := switch_problems(cfg, software, system):
+        raise ConfigError("; ".join(errors))
+    fused = software.fused_attention and not math_attention(cfg)
+    return replace(software, fused_attention=fused, cuda_graphs=cfg.train.cuda_graphs)
+
+
+def math_copies_bytes(cfg: RunConfig, model: ModelConfig, tp: int) -> float:
+    """Per layer and microbatch, what eager PyTorch's math attention keeps beyond the unfused
+    core's tensors: q and k scaled by d^-1/4, two new [s, b, a d / t] copies (measured on CPU,
+    `activations.ptdp_terms`). Compiled layers let Inductor's partitioner choose what to keep
+    (not measured: not counted); recomputation of the core (selective, full) keeps neither."""
+    if not math_attention(cfg) or cfg.train.compile or cfg.parallel.recompute is not Recompute.NONE:
+        return 0.0
+    e = element_bytes(cfg.train.precision)
+    return 2.0 * e * model.seq_length * cfg.train.micro_batch_size * attention_width(model) / tp
+
+
+def graph_input_bytes(cfg: RunConfig, model: ModelConfig, tp: int) -> float:
+    """Under CUDA graphs, the inputs PyTorch's cudagraph trees copy into their private pool:
+    an input that is neither a parameter nor the output of an earlier graph of the tree is
+    copied to a buffer of the pool at every replay (torch/_inductor/cudagraph_trees.py,
+    `_allocate_and_copy_recording_inputs`). In ptdp's step that is the first layer's input,
+    the eager embedding's output ([s, b, h], split over t under sequence parallelism), and the
+    loss's labels ([b, s] int64); every other layer's input and every saved tensor is an
+    earlier graph's output, in the pool already. One microbatch at a time (pp = 1)."""
+    if not cfg.train.cuda_graphs:
+        return 0.0
+    b, s = cfg.train.micro_batch_size, model.seq_length
+    shard = tp if cfg.parallel.sequence_parallel else 1
+    hidden = element_bytes(cfg.train.precision) * s * b * model.hidden_size / shard
+    return hidden + LABEL_BYTES * s * b
