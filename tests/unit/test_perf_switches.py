@@ -15,6 +15,7 @@ from ptdp.config import apply_updates as _apply
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.costs import MEGATRON_2021, PTDP, Software
 from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.switches import run_software
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.simulate.simulator import simulate
 from ptdp.perf.validate.paper import TABLE_1, paper_run
@@ -186,8 +187,6 @@ def test_the_planner_keeps_the_users_switches() -> None:
 
 
 def test_run_software_is_the_profile_with_the_runs_switches() -> None:
-    from ptdp.perf.cost.switches import run_software
-
     got = run_software(tiny(compile=True, cuda_graphs=True, attention_backend="math"), PTDP, H100)
     assert got == replace(PTDP, fused_attention=False, cuda_graphs=True)
     assert run_software(tiny(), PTDP, H100) == PTDP

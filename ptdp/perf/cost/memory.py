@@ -67,8 +67,8 @@ SDPA (measured on CPU ranks); `native_gqa` (Megatron-Core) at their groups'. Swi
 
 `train.attention_backend = math` (PyTorch's reference attention) stores the unfused core's
 s x s tensors, as `fused_attention` False, and in eager layers its scaled copies of q and k
-(`switches.math_copies_bytes`). `train.cuda_graphs`: the first layer's input and the labels,
-copied into the graphs' private pool (`switches.graph_input_bytes`), count as activations;
+(`switch_bytes.math_copies_bytes`). `train.cuda_graphs`: the first layer's input and the labels,
+copied into the graphs' private pool (`switch_bytes.graph_input_bytes`), count as activations;
 every other tensor of the graphed regions lives in that pool as it would in the allocator's.
 
 Known omissions: p2p receive buffers; CPU's composite RMSNorm's x rsqrt(mean x^2) (CUDA's
@@ -112,7 +112,7 @@ from ptdp.perf.cost.parameters import (
     parameters_per_stage,
 )
 from ptdp.perf.cost.stash import linear_weights, split_peak, stage_stash_bytes
-from ptdp.perf.cost.switches import graph_input_bytes, math_attention, math_copies_bytes
+from ptdp.perf.cost.switch_bytes import graph_input_bytes, math_attention, math_copies_bytes
 from ptdp.pipeline.actions import RELEASE_KINDS, Kind
 from ptdp.pipeline.plan import PipelinePlan
 from ptdp.pipeline.schedules import SCHEDULES

@@ -8,7 +8,8 @@ priced (`simulate`, `plan`): the planner keeps the user's setting and never sear
 - `attention_backend = math` runs PyTorch's reference attention: the s x s scores written,
   soft-maxed and kept for backward, as the unfused core of Megatron-LM 2021
   (`Software.fused_attention` False: its GEMMs in `costs.attention_core`, its memory-bound
-  passes and saved scores through the stored bytes, `ptdp.perf.cost.memory`). flash, cudnn,
+  passes and saved scores through the stored bytes, `ptdp.perf.cost.memory`; what else the
+  switches keep in memory: `ptdp.perf.cost.switch_bytes`). flash, cudnn,
   efficient and auto price one fused kernel: the device files hold no figure per kernel, so
   auto's pick, the fastest fused one, is that same kernel.
 - `cuda_graphs = true` replays each compiled region from a CUDA graph
@@ -22,27 +23,16 @@ the fix, instead of being priced as if it ran.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
-from ptdp.config import AttentionBackend, ModelConfig, Recompute, RunConfig
+from ptdp.config import AttentionBackend, RunConfig
 from ptdp.errors import ConfigError
 from ptdp.layout_speed import CPU_BACKENDS
-from ptdp.perf.cost.parameters import attention_width, element_bytes
-
-if TYPE_CHECKING:  # costs imports the memory model, which imports this module
-    from ptdp.perf.cost.costs import Software
-    from ptdp.perf.cost.hardware import System
-
-LABEL_BYTES = 8
-"""Bytes per label token (int64), an input of the loss's graph."""
+from ptdp.perf.cost.costs import Software
+from ptdp.perf.cost.hardware import System
+from ptdp.perf.cost.switch_bytes import math_attention
 
 FUSED = (AttentionBackend.FLASH, AttentionBackend.CUDNN, AttentionBackend.EFFICIENT)
 """The named fused kernels (auto is one of them where the software has any)."""
-
-
-def math_attention(cfg: RunConfig) -> bool:
-    """The run asks for PyTorch's reference (unfused) attention."""
-    return cfg.train.attention_backend is AttentionBackend.MATH
 
 
 def switch_problems(cfg: RunConfig, software: Software, system: System) -> list[str]:
@@ -81,30 +71,3 @@ def run_software(cfg: RunConfig, software: Software, system: System) -> Software
         raise ConfigError("; ".join(errors))
     fused = software.fused_attention and not math_attention(cfg)
     return replace(software, fused_attention=fused, cuda_graphs=cfg.train.cuda_graphs)
-
-
-def math_copies_bytes(cfg: RunConfig, model: ModelConfig, tp: int) -> float:
-    """Per layer and microbatch, what eager PyTorch's math attention keeps beyond the unfused
-    core's tensors: q and k scaled by d^-1/4, two new [s, b, a d / t] copies (measured on CPU,
-    `activations.ptdp_terms`). Compiled layers let Inductor's partitioner choose what to keep
-    (not measured: not counted); recomputation of the core (selective, full) keeps neither."""
-    if not math_attention(cfg) or cfg.train.compile or cfg.parallel.recompute is not Recompute.NONE:
-        return 0.0
-    e = element_bytes(cfg.train.precision)
-    return 2.0 * e * model.seq_length * cfg.train.micro_batch_size * attention_width(model) / tp
-
-
-def graph_input_bytes(cfg: RunConfig, model: ModelConfig, tp: int) -> float:
-    """Under CUDA graphs, the inputs PyTorch's cudagraph trees copy into their private pool:
-    an input that is neither a parameter nor the output of an earlier graph of the tree is
-    copied to a buffer of the pool at every replay (torch/_inductor/cudagraph_trees.py,
-    `_allocate_and_copy_recording_inputs`). In ptdp's step that is the first layer's input,
-    the eager embedding's output ([s, b, h], split over t under sequence parallelism), and the
-    loss's labels ([b, s] int64); every other layer's input and every saved tensor is an
-    earlier graph's output, in the pool already. One microbatch at a time (pp = 1)."""
-    if not cfg.train.cuda_graphs:
-        return 0.0
-    b, s = cfg.train.micro_batch_size, model.seq_length
-    shard = tp if cfg.parallel.sequence_parallel else 1
-    hidden = element_bytes(cfg.train.precision) * s * b * model.hidden_size / shard
-    return hidden + LABEL_BYTES * s * b
