@@ -109,6 +109,32 @@ def test_math_attention_prices_the_unfused_core() -> None:
     assert math_layer == unfused_software.layer  # the unfused core's pricing, nothing else
 
 
+def test_math_attention_on_a_calibrated_device_adds_the_cores_kernels() -> None:
+    """Where each memory-bound kernel has its measured bandwidth, the unfused core adds its
+    own calls on the S bytes of scores: the causal mask (S in and out) at the streaming rate
+    and the softmax (S in and out) at its measured one forward; the softmax's backward
+    (3 S) at its own."""
+    rates = ((1.0, 100e9), (1e12, 100e9)), ((1.0, 40e9), (1e12, 40e9))
+    kernels = (("softmax", rates[0]), ("softmax_backward", rates[1]))
+    system = device(0.0)
+    system = replace(system, device=replace(system.device, memory_kernels=kernels))
+    e, d, heads = 2, H // A, B * A
+    dev = H100.device
+    peak, bw = dev.peak_flops("bf16"), dev.memory_bandwidth * dev.memory_efficiency
+    unfused = 4 * S * S * d * heads / (peak * dev.gemm_efficiency)
+    unfused += e * heads * (4 * S * d + 2 * S * S) / bw
+    fused = 0.5 * 4 * S * S * d * heads / (peak * dev.attention_efficiency)
+    scores = e * heads * S * S  # bytes of [b, a, s, s]
+    fused_layer = simulate(tiny(), system, 1).layer
+    math_layer = simulate(tiny(attention_backend="math"), system, 1).layer
+    calls_f = 2 * scores / bw + 2 * scores / 100e9
+    assert math_layer.f - fused_layer.f == pytest.approx(unfused - fused + calls_f, rel=1e-9)
+    calls_b = 3 * scores / 40e9
+    assert math_layer.b - fused_layer.b == pytest.approx(
+        2 * unfused - 2.5 * fused + calls_b, rel=1e-9
+    )
+
+
 @pytest.mark.parametrize("compile_", [False, True])
 def test_math_attention_memory_adds_the_scores(compile_: bool) -> None:
     """Per layer the soft-maxed scores [b, a, s, s] in bf16; eager PyTorch's math kernel also

@@ -508,7 +508,7 @@ def layer_seconds(
     ratio = c.software.backward_traffic_ratio
     if c.system.device.memory_kernels:  # each kernel at its own measured bandwidth
         kernels = dense_equivalent(model) if moe else model
-        f, b = layer_traffic(kernels, e=c.e, device=c.system.device, **kw)
+        f, b = layer_traffic(kernels, e=c.e, device=c.system.device, unfused=not fused, **kw)
     else:
         f = c.stream(c.software.elementwise_traffic * stored)
         b = ratio * f
