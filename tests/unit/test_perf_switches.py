@@ -159,8 +159,10 @@ def test_fused_kernels_are_priced_alike(backend: str) -> None:
     assert chosen.memory == base.memory
 
 
-def test_megatron_2021_keeps_its_unfused_core_and_refuses_what_it_lacked() -> None:
-    cfg = apply_updates(tiny(), {"parallel": {"recompute": "full"}})
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_megatron_2021_keeps_its_unfused_core_and_refuses_what_it_lacked(recompute: str) -> None:
+    """Its own unfused core is not PyTorch's math kernel: math changes neither time nor memory."""
+    cfg = apply_updates(tiny(), {"parallel": {"recompute": recompute}})
     base = simulate(cfg, A100, 1, software=MEGATRON_2021)
     math = simulate(apply_updates(cfg, {"train": {"attention_backend": "math"}}), A100, 1,
                     software=MEGATRON_2021)  # fmt: skip
@@ -214,6 +216,6 @@ def test_the_planner_keeps_the_users_switches() -> None:
 
 def test_run_software_is_the_profile_with_the_runs_switches() -> None:
     got = run_software(tiny(compile=True, cuda_graphs=True, attention_backend="math"), PTDP, H100)
-    assert got == replace(PTDP, fused_attention=False, cuda_graphs=True)
+    assert got == replace(PTDP, fused_attention=False, math_kernel=True, cuda_graphs=True)
     assert run_software(tiny(), PTDP, H100) == PTDP
     assert isinstance(got, Software)

@@ -164,6 +164,11 @@ class Software:
     """This run replays each compiled region (a layer's forward, its backward, the loss) from
     a CUDA graph: one launch per replay instead of one per kernel (`Compute.replayed`). Set
     from the config by `ptdp.perf.cost.switches.run_software`, not by a profile."""
+    math_kernel: bool = False
+    """PyTorch's math attention runs the core (`train.attention_backend = math` on a runtime
+    with fused attention): unfused, and eager its scaled q and k copies kept
+    (`ptdp.perf.cost.switch_bytes`). Set by `run_software`; the 2021 codes' own unfused core
+    keeps no such copies."""
 
 
 PTDP = Software()

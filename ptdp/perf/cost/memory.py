@@ -382,6 +382,7 @@ def estimate_memory(
     native_gqa: bool = False,
     fused_swiglu: bool = False,
     gemm_accumulates: bool = False,
+    math_kernel: bool | None = None,
 ) -> list[MemoryEstimate]:
     """Per pipeline rank (all tensor and data-parallel ranks alike), for the config's layout.
 
@@ -394,8 +395,12 @@ def estimate_memory(
     (weight-gradient GEMMs adding into the buffers themselves) describe the software
     (`ptdp.perf.cost.costs.Software`: ptdp's by default; Megatron's fused LayerNorm keeps
     16-bit inputs, its attention grouped K and V, its SwiGLU gate and up alone).
+    `math_kernel`: PyTorch's math attention runs the core (`Software.math_kernel`); None: where
+    `train.attention_backend = math` on a software with fused attention.
     """
     layout = layout or validate(cfg, world_size)
+    if math_kernel is None:
+        math_kernel = fused_attention and math_attention(cfg)
     fused_attention = fused_attention and not math_attention(cfg)  # train.attention_backend
     model, par, prec = cfg.model, cfg.parallel, cfg.train.precision
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp
@@ -453,7 +458,7 @@ def estimate_memory(
         model, micro_batch=b, tp=tp, cp=cp, comm=comm, recompute=par.recompute, e=e
     )
     layer, moe_layer = layer + cp_stored, moe_layer + cp_stored
-    copies = math_copies_bytes(cfg, local, tp)  # eager math attention's scaled q and k
+    copies = math_copies_bytes(cfg, local, tp) if math_kernel else 0.0  # scaled q and k
     layer, moe_layer = layer + copies, moe_layer + copies
     working += context.working_bytes(model, micro_batch=b, tp=tp, cp=cp, comm=comm, e=e)
     head = head_activation_bytes(

@@ -69,5 +69,10 @@ def run_software(cfg: RunConfig, software: Software, system: System) -> Software
     or the device cannot run them."""
     if errors := switch_problems(cfg, software, system):
         raise ConfigError("; ".join(errors))
-    fused = software.fused_attention and not math_attention(cfg)
-    return replace(software, fused_attention=fused, cuda_graphs=cfg.train.cuda_graphs)
+    math = math_attention(cfg) and software.fused_attention  # PyTorch's kernel in place of it
+    return replace(
+        software,
+        fused_attention=software.fused_attention and not math,
+        math_kernel=software.math_kernel or math,
+        cuda_graphs=cfg.train.cuda_graphs,
+    )

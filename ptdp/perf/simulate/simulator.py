@@ -442,6 +442,7 @@ def predicted_memory(
         native_gqa=software.native_gqa,
         fused_swiglu=software.fused_swiglu,
         gemm_accumulates=software.accumulation_bytes == 0,
+        math_kernel=software.math_kernel,
         layout=layout,
         gloo_sends=system.device.gloo,  # a CPU's pipeline holds its sends until the step ends
     )
