@@ -22,6 +22,7 @@ from ptdp.convert.hf import export_hf, import_hf
 from ptdp.data.tokenizers import train_bpe
 from ptdp.errors import CheckpointError, ConfigError, DataError, PtdpError
 from ptdp.parallel.env import LaunchEnv
+from ptdp.perf.cost.costs import MEGATRON_2021
 from ptdp.perf.cost.hardware import BUILTIN_DIR, load_system
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.simulate.simulator import simulate
@@ -824,6 +825,19 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         lambda c: simulate(resolve(None, ["--model.vocab_size", "64"]), load_system("h100-sxm"), 0),
         ConfigError,
         ("world size 0 must be >= 1", "--gpus N"),
+    ),
+    (
+        "simulate-cuda-graphs-on-megatron-2021",
+        lambda c: simulate(
+            resolve(
+                None, "--model.vocab_size 64 --train.compile true --train.cuda_graphs true".split()
+            ),
+            load_system("a100-80gb"),
+            1,
+            software=MEGATRON_2021,
+        ),
+        ConfigError,
+        ("train.cuda_graphs = true is ptdp's capture", "set --train.cuda_graphs false"),
     ),
     (
         "plan-negative-gpus",

@@ -21,6 +21,16 @@ A calibrated CPU also carries the fixed cost of a layer pass that no kernel timi
 (Python, module calls, autograd: ptdp's own model timed at a negligible size), added per
 layer and microbatch, and the same for the embedding, head and loss.
 
+CUDA graphs (`train.cuda_graphs`, `Software.cuda_graphs`): each compiled region's pass (a
+layer's forward, its backward, the loss's) is one graph replay, so its kernels pay no launch
+of their own and the pass takes its kernels' seconds or one launch, whichever is longer
+(`Compute.replayed`). GEMMs priced by a device's measured curve keep their times: the curve
+does not tell a launch from the kernel. The embedding, optimizer and collectives outside
+the regions are priced as without graphs (they stay eager or carry no launch term).
+`train.attention_backend = math` prices the unfused core (`Software.fused_attention`
+False, `ptdp.perf.cost.switches`); the fused kernels (flash, cudnn, efficient, auto) are one
+kernel here: the device files carry no figure per kernel.
+
 Backward of a linear layer: the input gradient (dgrad, [m, n] x [n, k]) goes to B and the
 weight gradient (wgrad, [k, m] x [m, n]) to W; everything else of a backward goes to B
 (the zero-bubble split, Qi et al. arXiv 2401.10241). Full recomputation adds a forward to
@@ -149,6 +159,19 @@ class Software:
     """Mixture of experts: the busiest routed expert's token-choices over the mean, scaling
     the routed experts' GEMM time (`ptdp.perf.cost.moe`); 1.0 = a perfect balance, or
     ptdp's grouped GEMM on a rank holding every expert."""
+    captures_graphs: bool = True
+    """The runtime can replay its compiled regions from CUDA graphs (ptdp's
+    `train.cuda_graphs`); the other profiles' codes are modelled without, and a config
+    asking for graphs there is refused (`ptdp.perf.cost.switches`)."""
+    cuda_graphs: bool = False
+    """This run replays each compiled region (a layer's forward, its backward, the loss) from
+    a CUDA graph: one launch per replay instead of one per kernel (`Compute.replayed`). Set
+    from the config by `ptdp.perf.cost.switches.run_software`, not by a profile."""
+    math_kernel: bool = False
+    """PyTorch's math attention runs the core (`train.attention_backend = math` on a runtime
+    with fused attention): unfused, and eager its scaled q and k copies kept
+    (`ptdp.perf.cost.switch_bytes`). Set by `run_software`; the 2021 codes' own unfused core
+    keeps no such copies."""
 
 
 PTDP = Software()
@@ -163,6 +186,7 @@ MEGATRON_2021 = Software(
     sequence_parallel=False,
     accumulation_bytes=2,
     autocast_norms=False,
+    captures_graphs=False,
 )
 """The code of the paper's measurements: unfused attention, fp16 gradients all-reduced (its
 default for fp16 training), overlapping the backward only at p = 1 (torch DDP), blocking
@@ -177,6 +201,7 @@ MEGATRON_CORE = Software(
     autocast_norms=False,
     native_gqa=True,
     fused_swiglu=True,
+    captures_graphs=False,  # its own CUDA graphs (--enable-cuda-graph) are not modelled
 )
 """Megatron-Core as its published H100 weak-scaling runs used it (`ptdp.perf.validate.published`):
 fused attention (reading grouped K and V as they are), overlapped tensor-parallel, gradient
@@ -285,11 +310,26 @@ class Compute:
         """`kernels` kernels running `seconds` in all, with their launches (the device's
         `kernel_overhead` each). A GPU's host queues kernels ahead of the stream, so a launch
         costs only where the kernels are shorter than the launches: the slower of the two
-        sets the pace. A CPU runs each kernel in the thread that launched it: they add."""
+        sets the pace. A CPU runs each kernel in the thread that launched it: they add.
+        Replayed from a CUDA graph (`Software.cuda_graphs`) the kernels need no launch of
+        their own: `replayed` charges the region's one."""
+        if self.software.cuda_graphs:
+            return seconds
         launches = kernels * self.system.device.kernel_overhead
         if self.system.device.gloo:
             return seconds + launches
         return max(seconds, launches)
+
+    def replayed(self, passes: Passes) -> Passes:
+        """One microbatch's passes of a compiled region (a layer, the loss) under CUDA graphs:
+        each pass is one replay, its kernels' seconds or the graph's one launch (the device's
+        `kernel_overhead`), whichever is longer, as `launched` prices one kernel. One graph
+        holds the backward, so B and W share a launch (charged to B). Without graphs:
+        `passes` as they are."""
+        if not self.software.cuda_graphs:
+            return passes
+        launch, w = self.system.device.kernel_overhead, passes.w
+        return Passes(max(passes.f, launch), max(passes.b + w, launch) - w, w)
 
     def stream(self, nbytes: float) -> float:
         """Memory-bound kernels moving `nbytes` through HBM."""
@@ -480,7 +520,7 @@ def layer_seconds(
     ratio = c.software.backward_traffic_ratio
     if c.system.device.memory_kernels:  # each kernel at its own measured bandwidth
         kernels = dense_equivalent(model) if moe else model
-        f, b = layer_traffic(kernels, e=c.e, device=c.system.device, **kw)
+        f, b = layer_traffic(kernels, e=c.e, device=c.system.device, unfused=not fused, **kw)
     else:
         f = c.stream(c.software.elementwise_traffic * stored)
         b = ratio * f
@@ -513,7 +553,7 @@ def layer_seconds(
         )  # with fused attention nothing of the core is stored, so only the kernel reruns
         redo = core.f + c.stream(c.software.elementwise_traffic * (stored - kept))
         passes += Passes(0.0, redo, 0.0)
-    return passes
+    return c.replayed(passes)
 
 
 def head_seconds(
@@ -537,7 +577,7 @@ def head_seconds(
     fixed_f, fixed_b = c.system.device.head_overhead  # the embedding's too (it is small)
     backward = c.software.backward_traffic_ratio * traffic + fixed_b
     comm = head_sync(tp, sequence_parallel, c)
-    return logits + Passes(traffic + fixed_f, backward, 0.0) + comm
+    return c.replayed(logits + Passes(traffic + fixed_f, backward, 0.0) + comm)
 
 
 def head_sync(tp: int, sequence_parallel: bool, c: Compute) -> Passes:

@@ -39,6 +39,9 @@ backward  2 norms                  input and gradient in, gradient out   norm ba
           2 dropouts (p > 0)       gradient and mask in, gradient out    add
           q/k norms (qk_norm)      input and gradient in, gradient out   norm backward
           bias gradients           a sum over tokens of each linear's output gradient
+
+With the unfused attention core (`train.attention_backend = math`) also its mask, softmax
+and dropout on the s x s scores (`core_calls`).
 """
 
 from __future__ import annotations
@@ -62,9 +65,11 @@ class Call:
 
 
 def layer_calls(
-    model: ModelConfig, *, micro_batch: int, tp: int, sequence_parallel: bool, e: int
-) -> tuple[list[Call], list[Call]]:
-    """(forward, backward) memory-bound calls of one layer, one microbatch, one rank."""
+    model: ModelConfig, *, micro_batch: int, tp: int, sequence_parallel: bool, e: int,
+    unfused: bool = False,
+) -> tuple[list[Call], list[Call]]:  # fmt: skip
+    """(forward, backward) memory-bound calls of one layer, one microbatch, one rank;
+    `unfused`: with the unfused attention core's (`core_calls`)."""
     n = micro_batch * model.seq_length
     local = n // tp if sequence_parallel else n  # tokens of the norms, adds and dropouts
     h, t = model.hidden_size, tp
@@ -104,15 +109,36 @@ def layer_calls(
         forward.append(Call("add", qkv + parts * f))  # addmm's bias broadcast into QKV, MLP in
         outputs = qkv + 2 * (n * h * e) + parts * f  # QKV, projection, MLP in and out
         backward.append(Call("add", outputs))
+    if unfused:
+        core_f, core_b = core_calls(model, micro_batch=micro_batch, tp=tp, e=e)
+        forward, backward = forward + core_f, backward + core_b
+    return forward, backward
+
+
+def core_calls(
+    model: ModelConfig, *, micro_batch: int, tp: int, e: int
+) -> tuple[list[Call], list[Call]]:
+    """(forward, backward) memory-bound calls of the unfused attention core (PyTorch's math
+    kernel, `train.attention_backend = math`) on its [b, a/t, s, s] scores of S bytes: the
+    causal mask written into them (S in, S out) and the softmax (S in, S out); backward the
+    softmax's (output, gradient in, gradient out: 3 S); with dropout, its mask and output
+    each way. The fused kernels keep all of it on chip."""
+    scores = micro_batch * model.num_heads // tp * model.seq_length**2 * e
+    forward = [Call("add", 2 * scores), Call("softmax", 2 * scores)]
+    backward = [Call("softmax_backward", 3 * scores)]
+    if model.dropout > 0:
+        dropout = Call("add", 2 * scores + scores / e)
+        forward, backward = forward + [dropout], backward + [dropout]
     return forward, backward
 
 
 def layer_traffic(
     model: ModelConfig, *, micro_batch: int, tp: int, sequence_parallel: bool, e: int,
-    device: Device,
+    device: Device, unfused: bool = False,
 ) -> tuple[float, float]:  # fmt: skip
     """(forward, backward) seconds of one layer's memory-bound calls on `device`."""
     forward, backward = layer_calls(
-        model, micro_batch=micro_batch, tp=tp, sequence_parallel=sequence_parallel, e=e
-    )
+        model, micro_batch=micro_batch, tp=tp, sequence_parallel=sequence_parallel, e=e,
+        unfused=unfused,
+    )  # fmt: skip
     return sum(c.seconds(device) for c in forward), sum(c.seconds(device) for c in backward)

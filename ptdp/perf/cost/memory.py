@@ -65,12 +65,21 @@ Grouped-query attention's K and V count at every head's width, as ptdp repeats t
 SDPA (measured on CPU ranks); `native_gqa` (Megatron-Core) at their groups'. SwiGLU keeps
 4f per token (gate, up, silu's output, the product); `fused_swiglu` 3f.
 
+`train.attention_backend = math` (PyTorch's reference attention) stores the unfused core's
+s x s tensors, as `fused_attention` False, and in eager layers its scaled copies of q and k
+(`switch_bytes.math_copies_bytes`). `train.cuda_graphs`: the first layer's input and the labels,
+copied into the graphs' private pool (`switch_bytes.graph_input_bytes`), count as activations;
+every other tensor of the graphed regions lives in that pool as it would in the allocator's.
+
 Known omissions: p2p receive buffers; CPU's composite RMSNorm's x rsqrt(mean x^2) (CUDA's
 fused kernel does not keep it); fused attention's logsumexp and the norms' mean and 1/std (under
 0.3% of a layer at s = 1024); with a tied embedding on one stage, the output weight's
 16-bit gradient, alive from the loss's backward to the embedding's; the CUDA context, NCCL
-buffers and allocator waste are the reserve (`ptdp.perf.cost.reserve`). The in-flight count is
-ptdp's plan's: Megatron-LM 2021's interleaved code (`--software megatron-2021`,
+buffers and allocator waste are the reserve (`ptdp.perf.cost.reserve`); under CUDA graphs,
+that the graphs' private pool and the eager allocator cannot reuse each other's free memory
+(the optimizer's transients beside the pool's segments), a graph recorded again when its
+inputs' liveness changes, and the reserve's fit on runs with graphs (not measured). The
+in-flight count is ptdp's plan's: Megatron-LM 2021's interleaved code (`--software megatron-2021`,
 `ptdp.perf.simulate.megatron2021`) at m = p ran all forwards first, so its ranks past the middle
 held m v forwards, more than counted here.
 
@@ -103,6 +112,7 @@ from ptdp.perf.cost.parameters import (
     parameters_per_stage,
 )
 from ptdp.perf.cost.stash import linear_weights, split_peak, stage_stash_bytes
+from ptdp.perf.cost.switch_bytes import graph_input_bytes, math_attention, math_copies_bytes
 from ptdp.pipeline.actions import RELEASE_KINDS, Kind
 from ptdp.pipeline.plan import PipelinePlan
 from ptdp.pipeline.schedules import SCHEDULES
@@ -372,6 +382,7 @@ def estimate_memory(
     native_gqa: bool = False,
     fused_swiglu: bool = False,
     gemm_accumulates: bool = False,
+    math_kernel: bool | None = None,
 ) -> list[MemoryEstimate]:
     """Per pipeline rank (all tensor and data-parallel ranks alike), for the config's layout.
 
@@ -384,8 +395,13 @@ def estimate_memory(
     (weight-gradient GEMMs adding into the buffers themselves) describe the software
     (`ptdp.perf.cost.costs.Software`: ptdp's by default; Megatron's fused LayerNorm keeps
     16-bit inputs, its attention grouped K and V, its SwiGLU gate and up alone).
+    `math_kernel`: PyTorch's math attention runs the core (`Software.math_kernel`); None: where
+    `train.attention_backend = math` on a software with fused attention.
     """
     layout = layout or validate(cfg, world_size)
+    if math_kernel is None:
+        math_kernel = fused_attention and math_attention(cfg)
+    fused_attention = fused_attention and not math_attention(cfg)  # train.attention_backend
     model, par, prec = cfg.model, cfg.parallel, cfg.train.precision
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp
     b, cp = cfg.train.micro_batch_size, layout.cp
@@ -442,6 +458,8 @@ def estimate_memory(
         model, micro_batch=b, tp=tp, cp=cp, comm=comm, recompute=par.recompute, e=e
     )
     layer, moe_layer = layer + cp_stored, moe_layer + cp_stored
+    copies = math_copies_bytes(cfg, local, tp) if math_kernel else 0.0  # scaled q and k
+    layer, moe_layer = layer + copies, moe_layer + copies
     working += context.working_bytes(model, micro_batch=b, tp=tp, cp=cp, comm=comm, e=e)
     head = head_activation_bytes(
         local, micro_batch=b, tp=tp, precision=prec, compiled=compiled, autocast_norms=eager_norms
@@ -496,6 +514,8 @@ def estimate_memory(
         stash = 0.0
         if split_peaks is not None:
             acts, stash, _ = split_peaks[rank]
+        if rank == stages.rank(0):  # CUDA graphs: the eager inputs copied into the pool
+            acts += graph_input_bytes(cfg, local, tp)
         # A rank of stages without layers (the embedding or the loss alone) has no layer's
         # transients.
         rank_working = working if per_chunk[rank] else 0.0

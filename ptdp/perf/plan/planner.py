@@ -52,6 +52,7 @@ from ptdp.domains import check_config
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.costs import PTDP, Compute, Software
 from ptdp.perf.cost.hardware import System
+from ptdp.perf.cost.switches import run_software
 from ptdp.perf.plan.explain import explain
 from ptdp.perf.plan.ranking import Option, Progress, Unranked, rank, recommend
 from ptdp.perf.plan.refusal import Rejected, Search, refusal
@@ -153,8 +154,10 @@ def plan(
 
     Fixed arguments (tp, pp, cp, cp_comm, ep, zero, vpp, micro_batch, recompute,
     sequence_parallel) restrict the search; precision, optimizer and the other parallel
-    options come from `base`. Schedules that split the backward are searched only if
-    `software.split_backward`, ZeRO levels up to `software.max_zero`.
+    options come from `base`, train.cuda_graphs and train.attention_backend too: they are
+    priced as set (`ptdp.perf.cost.switches`), not searched. Schedules that split the
+    backward are searched only if `software.split_backward`, ZeRO levels up to
+    `software.max_zero`.
 
     Layouts are replayed in order of a proven lower bound on their step time, only as far as
     the `top` fastest, the recommendation and the explanation need (`ptdp.perf.plan.ranking`);
@@ -164,6 +167,7 @@ def plan(
         schedules = tuple(s for s in schedules if not SCHEDULES[s].splits_backward)
     require_vocab(base)
     check_config(base)  # NaN and ranges, before the search takes them for layouts' faults
+    software = run_software(base, software, system)  # the user's switches, never searched
     pins = replace(base.parallel, sequence_parallel=bool(sequence_parallel), recompute=recompute)
     require_software(replace(base, parallel=pins), software)  # pinned sp / selective: refused
     if not software.sequence_parallel:  # the 2021 code: neither sp nor selective to search

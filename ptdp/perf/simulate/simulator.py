@@ -54,6 +54,7 @@ from ptdp.perf.cost.parameters import (
     tensors_per_stage,
 )
 from ptdp.perf.cost.reserve import with_reserve
+from ptdp.perf.cost.switches import run_software
 from ptdp.perf.cost.zero import sharded_passes
 from ptdp.perf.simulate.megatron2021 import megatron_2021_interleaved
 from ptdp.perf.simulate.replay import PipelineCosts, PipelineRun, replay, replay_steady
@@ -443,6 +444,7 @@ def predicted_memory(
         native_gqa=software.native_gqa,
         fused_swiglu=software.fused_swiglu,
         gemm_accumulates=software.accumulation_bytes == 0,
+        math_kernel=software.math_kernel,
         layout=layout,
         gloo_sends=system.device.gloo,  # a CPU's pipeline holds its sends until the step ends
     )
@@ -540,6 +542,7 @@ def simulate(
     """
     require_vocab(cfg)
     require_software(cfg, software)
+    software = run_software(cfg, software, system)  # train.cuda_graphs, attention_backend
     layout = layout or validate(cfg, world_size, gpus=True)
     c = Compute(system, cfg.train.precision, software)
     pp = layout.pp
