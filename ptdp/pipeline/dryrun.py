@@ -168,33 +168,6 @@ def _message(a: Action) -> _Message:
     return (a.kind, a.stage, a.mb)
 
 
-def dry_run(
-    plan: Plan | Program,
-    stages: StageMap,
-    cost: PipelineCosts | Cost,
-    *,
-    comms: CommModel = CommModel.ASYNC,
-    events: bool = True,
-) -> DryRun:
-    """Run every rank of `plan` (ranks 0..pp-1) in simulated time (see the module docstring).
-
-    Args:
-        plan: rank -> actions, with or without transfer actions; or its `Program` (`program`),
-            which a caller replaying one plan under many costs compiles once.
-        stages: which rank holds each stage.
-        cost: a `PipelineCosts`, or a function giving each compute action's duration (then
-            every transfer is free), e.g. `lambda a: UNIT_COST[a.kind]`.
-        comms: how transfers occupy the ranks.
-        events: False: `DryRun.events` is empty (the totals and `finals` are the same).
-    """
-    from ptdp.pipeline.dryrun_engine import _Engine  # it imports this module's types
-
-    code = plan if isinstance(plan, Program) else program(plan, stages)
-    if code.stages != stages:
-        raise ValueError(f"program compiled for {code.stages}, run with {stages}")
-    return _Engine(code, cost, comms, events).run()
-
-
 _COMPUTE, _SEND, _RECV = 0, 1, 2  # op codes
 
 

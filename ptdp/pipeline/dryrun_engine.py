@@ -1,14 +1,14 @@
-"""The engine behind `ptdp.pipeline.dryrun.dry_run`, whose module docstring states the rules
-it follows: the state of one run of a compiled `Program` under one set of costs, each rank
-moved as far as its inputs allow until none can; for a deadlock, what each stuck rank waits
-for, named as the plan names it. Pure: no torch.
+"""`dry_run` and its engine, by the rules `ptdp.pipeline.dryrun`'s docstring states: the
+state of one run of a compiled `Program` under one set of costs, each rank moved as far as
+its inputs allow until none can; for a deadlock, what each stuck rank waits for, named as
+the plan names it. Pure: no torch.
 """
 
 from __future__ import annotations
 
 import bisect
 
-from ptdp.pipeline.actions import Action, Kind
+from ptdp.pipeline.actions import Action, Kind, Plan
 from ptdp.pipeline.dryrun import (
     CommModel,
     Cost,
@@ -19,9 +19,37 @@ from ptdp.pipeline.dryrun import (
     Wait,
     _Message,
     _message,
+    program,
 )
+from ptdp.pipeline.placement import StageMap
 
 _SEND_OF = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
+
+
+def dry_run(
+    plan: Plan | Program,
+    stages: StageMap,
+    cost: PipelineCosts | Cost,
+    *,
+    comms: CommModel = CommModel.ASYNC,
+    events: bool = True,
+) -> DryRun:
+    """Run every rank of `plan` (ranks 0..pp-1) in simulated time (the rules are in
+    `ptdp.pipeline.dryrun`'s docstring).
+
+    Args:
+        plan: rank -> actions, with or without transfer actions; or its `Program` (`program`),
+            which a caller replaying one plan under many costs compiles once.
+        stages: which rank holds each stage.
+        cost: a `PipelineCosts`, or a function giving each compute action's duration (then
+            every transfer is free), e.g. `lambda a: UNIT_COST[a.kind]`.
+        comms: how transfers occupy the ranks.
+        events: False: `DryRun.events` is empty (the totals and `finals` are the same).
+    """
+    code = plan if isinstance(plan, Program) else program(plan, stages)
+    if code.stages != stages:
+        raise ValueError(f"program compiled for {code.stages}, run with {stages}")
+    return _Engine(code, cost, comms, events).run()
 
 
 def _payload(send: Action) -> Action:

@@ -9,7 +9,8 @@ counts one layer each). Transfers are free, as in the verifier's run.
 
 from __future__ import annotations
 
-from ptdp.pipeline.dryrun import CommModel, PipelineCosts, dry_run
+from ptdp.pipeline.dryrun import CommModel, PipelineCosts
+from ptdp.pipeline.dryrun_engine import dry_run
 from ptdp.pipeline.partition import split_problems
 from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import implied_vpp

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from ptdp.pipeline.actions import BACKWARD_KINDS, RELEASE_KINDS, Action, Kind, Plan
-from ptdp.pipeline.dryrun import CommModel, dry_run
+from ptdp.pipeline.dryrun import CommModel
+from ptdp.pipeline.dryrun_engine import dry_run
 from ptdp.pipeline.placement import StageMap
 
 Cell = tuple[int, int]

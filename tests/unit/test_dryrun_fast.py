@@ -16,7 +16,8 @@ import random
 import pytest
 
 from ptdp.pipeline.actions import Action, Kind
-from ptdp.pipeline.dryrun import CommModel, DryRun, PipelineCosts, dry_run, program
+from ptdp.pipeline.dryrun import CommModel, DryRun, PipelineCosts, program
+from ptdp.pipeline.dryrun_engine import dry_run
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import build_plan
 from ptdp.pipeline.schedules import SCHEDULES, add_comms, one_f_one_b

@@ -13,7 +13,8 @@ from ptdp.perf.cost.hardware import load_system
 from ptdp.perf.simulate.megatron2021 import megatron_2021_interleaved
 from ptdp.perf.simulate.simulator import pipeline_costs, simulate
 from ptdp.pipeline.actions import Kind
-from ptdp.pipeline.dryrun import CommModel, PipelineCosts, dry_run
+from ptdp.pipeline.dryrun import CommModel, PipelineCosts
+from ptdp.pipeline.dryrun_engine import dry_run
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import build_plan
 from tests.helpers import PERF_MODEL

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ptdp.pipeline.actions import Plan
-from ptdp.pipeline.dryrun import CommModel, DryRun, PipelineCosts, Program, Timed, dry_run
+from ptdp.pipeline.dryrun import CommModel, DryRun, PipelineCosts, Program, Timed
+from ptdp.pipeline.dryrun_engine import dry_run
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.timeline import Event
 
