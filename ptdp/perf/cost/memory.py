@@ -393,7 +393,7 @@ def estimate_memory(
     `layout` is `validate(cfg, world_size)` if the caller has it (with its built plan).
     `fused_attention`, `autocast_norms`, `native_gqa`, `fused_swiglu` and `gemm_accumulates`
     (weight-gradient GEMMs adding into the buffers themselves) describe the software
-    (`ptdp.perf.cost.costs.Software`: ptdp's by default; Megatron's fused LayerNorm keeps
+    (`ptdp.perf.cost.software.Software`: ptdp's by default; Megatron's fused LayerNorm keeps
     16-bit inputs, its attention grouped K and V, its SwiGLU gate and up alone).
     `math_kernel`: PyTorch's math attention runs the core (`Software.math_kernel`); None: where
     `train.attention_backend = math` on a software with fused attention.
