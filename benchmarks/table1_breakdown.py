@@ -38,7 +38,7 @@ from ptdp.perf.cost.costs import (
     layer_seconds,
 )
 from ptdp.perf.cost.hardware import System, load_system
-from ptdp.perf.cost.memory import layer_activation_bytes
+from ptdp.perf.cost.layer_bytes import layer_activation_bytes
 from ptdp.perf.cost.parameters import parameters_per_rank
 from ptdp.perf.cost.software import MEGATRON_2021, PTDP, Software
 from ptdp.perf.validate.paper import TABLE_1, Table1Row, paper_run, preset

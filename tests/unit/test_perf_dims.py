@@ -300,7 +300,7 @@ def test_zero_3_kept_between_forward_and_backward(monkeypatch) -> None:
     base = compute_costs(cfg, lay, c)
     _, regathered = sharded_passes(cfg, lay, c, base)
     held = estimate_memory(cfg, 16, layout=lay)
-    for module in ("ptdp.perf.cost.zero", "ptdp.perf.cost.memory"):
+    for module in ("ptdp.perf.cost.zero", "ptdp.perf.cost.zero_bytes"):
         monkeypatch.setattr(f"{module}.reshard_after_forward", lambda cfg: False)
     _, kept = sharded_passes(cfg, lay, c, base)
     link = group_link(A100, lay.dp, lay.tp)

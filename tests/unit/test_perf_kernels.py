@@ -15,7 +15,7 @@ from ptdp.errors import ConfigError
 from ptdp.perf.cost.costs import Compute, attention_core, layer_seconds
 from ptdp.perf.cost.hardware import BUILTIN_DIR, GB, load_system
 from ptdp.perf.cost.kernels import layer_calls, layer_traffic
-from ptdp.perf.cost.memory import layer_activation_bytes
+from ptdp.perf.cost.layer_bytes import layer_activation_bytes
 from ptdp.perf.cost.software import PTDP
 
 MODEL = ModelConfig(num_layers=2, hidden_size=128, num_heads=4, seq_length=128, vocab_size=256)

@@ -64,7 +64,7 @@ from ptdp.config import Activation, ModelConfig, Precision, Recompute
 from ptdp.perf.cost.collectives import all_reduce_seconds, gather_seconds, group_link
 from ptdp.perf.cost.hardware import System
 from ptdp.perf.cost.kernels import Call, layer_traffic
-from ptdp.perf.cost.memory import head_activation_bytes, layer_activation_bytes
+from ptdp.perf.cost.layer_bytes import head_activation_bytes, layer_activation_bytes
 from ptdp.perf.cost.moe import dense_equivalent, routed_rows
 from ptdp.perf.cost.parameters import attention_width, element_bytes
 from ptdp.perf.cost.software import Software

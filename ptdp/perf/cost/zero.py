@@ -1,4 +1,4 @@
-"""Communication of the ZeRO levels in the performance model (their memory: `cost.memory`).
+"""Communication of the ZeRO levels in the performance model (their memory: `cost.zero_bytes`).
 
 Per step and rank, in the ZeRO paper's units (Psi = the rank's parameters, m = microbatches
 per step; a ring reduce-scatter or all-gather of Psi moves Psi, an all-reduce 2 Psi):
@@ -44,8 +44,8 @@ from ptdp.perf.cost.collectives import gather_seconds, group_link
 from ptdp.perf.cost.costs import Compute, Passes, sync_seconds
 from ptdp.perf.cost.experts import reduction_groups
 from ptdp.perf.cost.hardware import Link
-from ptdp.perf.cost.memory import reshard_after_forward
 from ptdp.perf.cost.parameters import expert_parameters_per_stage, parameters_per_stage
+from ptdp.perf.cost.zero_bytes import reshard_after_forward
 
 
 def _sharded_link(c: Compute, size: int, stride: int) -> Link:
