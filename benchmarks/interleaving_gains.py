@@ -25,8 +25,8 @@ from pathlib import Path
 
 from ptdp.config import RunConfig
 from ptdp.config_files import apply_updates
-from ptdp.perf.cost.costs import MEGATRON_2021
 from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.simulate.simulator import simulate
 from ptdp.perf.validate.paper import preset
 

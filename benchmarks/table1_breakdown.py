@@ -27,23 +27,20 @@ from dataclasses import replace
 from unittest.mock import patch
 
 from ptdp.config import Precision, Recompute
+from ptdp.perf.cost.collectives import all_reduce_seconds, group_link
 from ptdp.perf.cost.costs import (
-    MEGATRON_2021,
-    PTDP,
     Compute,
     Gemm,
     Passes,
-    Software,
     accumulation_seconds,
-    all_reduce_seconds,
     attention_core,
-    group_link,
     layer_gemms,
     layer_seconds,
 )
 from ptdp.perf.cost.hardware import System, load_system
-from ptdp.perf.cost.memory import layer_activation_bytes
+from ptdp.perf.cost.layer_bytes import layer_activation_bytes
 from ptdp.perf.cost.parameters import parameters_per_rank
+from ptdp.perf.cost.software import MEGATRON_2021, PTDP, Software
 from ptdp.perf.validate.paper import TABLE_1, Table1Row, paper_run, preset
 from ptdp.perf.validate.validation import check_row
 

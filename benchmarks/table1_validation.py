@@ -23,10 +23,10 @@ from pathlib import Path
 
 from ptdp.config import Recompute, RunConfig
 from ptdp.config_files import apply_updates
-from ptdp.perf.cost.costs import MEGATRON_2021
 from ptdp.perf.cost.flops import paper_equation_3
 from ptdp.perf.cost.hardware import GIB, load_system
 from ptdp.perf.cost.memory import estimate_memory
+from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.simulate.plot import plot_timelines
 from ptdp.perf.validate.paper import AUTHORS_SCRIPT, README_GPT3, TABLE_1, paper_run

@@ -12,8 +12,8 @@ from ptdp.config import Precision, RunConfig
 from ptdp.config_files import given_keys
 from ptdp.domains import Rule, number_problem
 from ptdp.errors import ConfigError
-from ptdp.perf.cost.costs import SOFTWARE, Software
 from ptdp.perf.cost.hardware import System, load_system
+from ptdp.perf.cost.software import SOFTWARE, Software
 from ptdp.perf.validate.paper import ALL_PRESETS, perf_config
 
 

@@ -16,7 +16,7 @@ from ptdp.perf.calibrate import microbench as mb
 from ptdp.perf.calibrate.fit import collective_bytes
 from ptdp.perf.calibrate.measure import SWEEPS, calibrate, write_calibration
 from ptdp.perf.calibrate.timing import Timing
-from ptdp.perf.cost.costs import all_reduce_seconds, all_to_all_seconds, gather_seconds
+from ptdp.perf.cost.collectives import all_reduce_seconds, all_to_all_seconds, gather_seconds
 from ptdp.perf.cost.experts import alltoall_link
 from ptdp.perf.cost.hardware import load_system
 from tests.dist.harness import run_ranks

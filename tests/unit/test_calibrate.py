@@ -15,8 +15,9 @@ from ptdp.cli import main
 from ptdp.config import Precision
 from ptdp.config_files import tomllib
 from ptdp.perf.calibrate.fit import interpolate_log, monotone_curve
-from ptdp.perf.cost.costs import PTDP, Compute, Gemm
+from ptdp.perf.cost.costs import Compute, Gemm
 from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.software import PTDP
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -373,7 +374,8 @@ def test_collective_sync_is_loaded_checked_and_paid_per_blocking_call(tmp_path: 
     from ptdp.config import CpComm, ModelConfig, Recompute
     from ptdp.errors import ConfigError
     from ptdp.perf.cost.context_costs import cp_comm_seconds
-    from ptdp.perf.cost.costs import MEGATRON_CORE, embedding_seconds, head_seconds, layer_seconds
+    from ptdp.perf.cost.costs import embedding_seconds, head_seconds, layer_seconds
+    from ptdp.perf.cost.software import MEGATRON_CORE
 
     assert load_system("a100-80gb").device.collective_sync == 0.0  # absent: none
     path = _a100_with(tmp_path, "collective_sync_us = 750")
@@ -687,7 +689,8 @@ def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
     from dataclasses import replace
 
     from ptdp.config import ModelConfig, Recompute
-    from ptdp.perf.cost.costs import gather_seconds, group_link, layer_seconds
+    from ptdp.perf.cost.collectives import gather_seconds, group_link
+    from ptdp.perf.cost.costs import layer_seconds
 
     gpu = load_system("a100-80gb")  # no launches: a CPU pays them where a GPU hides them
     gpu = replace(gpu, device=replace(gpu.device, kernel_overhead=0.0))
@@ -797,7 +800,7 @@ def test_each_collective_may_carry_its_own_link_figures(tmp_path: Path) -> None:
     fit) price that collective; the others keep the link's figures; given alone or
     impossible, they are refused."""
     from ptdp.errors import ConfigError
-    from ptdp.perf.cost.costs import all_reduce_seconds, gather_seconds
+    from ptdp.perf.cost.collectives import all_reduce_seconds, gather_seconds
 
     text = (ROOT / "ptdp/perf/cost/hardware/a100-80gb.toml").read_text()
     base = load_system("a100-80gb").intra

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from ptdp.config import ModelConfig, Precision
-from ptdp.perf.cost.memory import head_activation_bytes
+from ptdp.perf.cost.layer_bytes import head_activation_bytes
 from tests.helpers import load_benchmark
 
 

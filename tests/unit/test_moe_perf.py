@@ -19,12 +19,14 @@ from ptdp.config import (
     RunConfig,
 )
 from ptdp.config_files import apply_updates
-from ptdp.perf.cost.costs import PTDP, Gemm, layer_gemms
+from ptdp.perf.cost.costs import Gemm, layer_gemms
 from ptdp.perf.cost.flops import flops_per_iteration, flops_per_token, model_flops_per_iteration
 from ptdp.perf.cost.hardware import load_system
-from ptdp.perf.cost.memory import estimate_memory, head_activation_bytes, layer_activation_bytes
+from ptdp.perf.cost.layer_bytes import head_activation_bytes, layer_activation_bytes
+from ptdp.perf.cost.memory import estimate_memory
 from ptdp.perf.cost.moe import dense_equivalent
 from ptdp.perf.cost.parameters import model_size
+from ptdp.perf.cost.software import PTDP
 from ptdp.perf.simulate.simulator import simulate
 from ptdp.presets import MODEL_PRESETS, model_preset
 

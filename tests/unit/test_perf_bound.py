@@ -12,8 +12,9 @@ import pytest
 from ptdp.config import RunConfig
 from ptdp.config_files import apply_updates
 from ptdp.layout import validate
-from ptdp.perf.cost.costs import MEGATRON_2021, PTDP, Compute
+from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.software import MEGATRON_2021, PTDP
 from ptdp.perf.simulate.bound import pipeline_bound, step_lower_bound
 from ptdp.perf.simulate.megatron2021 import megatron_2021_interleaved
 from ptdp.perf.simulate.replay import PipelineCosts, PipelineRun, replay

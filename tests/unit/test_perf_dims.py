@@ -11,19 +11,14 @@ from ptdp.config_files import apply_updates
 from ptdp.errors import ConfigError
 from ptdp.layout import validate
 from ptdp.perf.cost import context
+from ptdp.perf.cost.collectives import gather_seconds, group_link
 from ptdp.perf.cost.context_costs import cp_comm_seconds, ring_link
-from ptdp.perf.cost.costs import (
-    DEEPSPEED_2021,
-    MEGATRON_2021,
-    PTDP,
-    Compute,
-    gather_seconds,
-    group_link,
-)
+from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import GIB, load_system
 from ptdp.perf.cost.memory import estimate_memory
 from ptdp.perf.cost.parameters import bytes_per_parameter, layer_parameters, parameters_per_stage
 from ptdp.perf.cost.reserve import fit
+from ptdp.perf.cost.software import DEEPSPEED_2021, MEGATRON_2021, PTDP
 from ptdp.perf.cost.zero import exposed_seconds, sharded_passes, step_traffic
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.plan.search import context_sizes
@@ -305,7 +300,7 @@ def test_zero_3_kept_between_forward_and_backward(monkeypatch) -> None:
     base = compute_costs(cfg, lay, c)
     _, regathered = sharded_passes(cfg, lay, c, base)
     held = estimate_memory(cfg, 16, layout=lay)
-    for module in ("ptdp.perf.cost.zero", "ptdp.perf.cost.memory"):
+    for module in ("ptdp.perf.cost.zero", "ptdp.perf.cost.zero_bytes"):
         monkeypatch.setattr(f"{module}.reshard_after_forward", lambda cfg: False)
     _, kept = sharded_passes(cfg, lay, c, base)
     link = group_link(A100, lay.dp, lay.tp)

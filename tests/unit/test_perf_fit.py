@@ -17,8 +17,9 @@ from ptdp.perf.calibrate.fit import (
     interpolate_log,
     monotone_curve,
 )
-from ptdp.perf.cost.costs import PTDP, Compute, Gemm
+from ptdp.perf.cost.costs import Compute, Gemm
 from ptdp.perf.cost.hardware import BUILTIN_DIR, list_systems, load_system
+from ptdp.perf.cost.software import PTDP
 
 
 def test_monotone_curve_pools_violators_by_least_squares() -> None:

@@ -14,8 +14,8 @@ from ptdp.cli import main
 from ptdp.config import Recompute, RunConfig
 from ptdp.config_files import apply_updates
 from ptdp.errors import ConfigError
-from ptdp.perf.cost.costs import MEGATRON_2021
 from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.simulate.simulator import simulate
 from ptdp.perf.validate.paper import preset_config

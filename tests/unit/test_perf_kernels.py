@@ -12,10 +12,11 @@ import pytest
 
 from ptdp.config import Activation, ModelConfig, Normalization, Precision, Recompute
 from ptdp.errors import ConfigError
-from ptdp.perf.cost.costs import PTDP, Compute, attention_core, layer_seconds
+from ptdp.perf.cost.costs import Compute, attention_core, layer_seconds
 from ptdp.perf.cost.hardware import BUILTIN_DIR, GB, load_system
 from ptdp.perf.cost.kernels import layer_calls, layer_traffic
-from ptdp.perf.cost.memory import layer_activation_bytes
+from ptdp.perf.cost.layer_bytes import layer_activation_bytes
+from ptdp.perf.cost.software import PTDP
 
 MODEL = ModelConfig(num_layers=2, hidden_size=128, num_heads=4, seq_length=128, vocab_size=256)
 KERNELS = """
@@ -193,9 +194,10 @@ def test_each_microbatch_adds_its_gradients_into_the_buffers_in_a_pass_of_its_ow
     from ptdp.config import RunConfig
     from ptdp.config_files import apply_updates
     from ptdp.layout import validate
-    from ptdp.perf.cost.costs import MEGATRON_2021, MEGATRON_CORE, accumulation_seconds
+    from ptdp.perf.cost.costs import accumulation_seconds
     from ptdp.perf.cost.kernels import Call
     from ptdp.perf.cost.parameters import parameters_per_stage, tensors_per_stage
+    from ptdp.perf.cost.software import MEGATRON_2021, MEGATRON_CORE
     from ptdp.perf.simulate.simulator import accumulation, pipeline_costs, simulate, stage_costs
 
     system = load_system(_file(tmp_path, KERNELS, "split_backward_ratio = 1.5\n"))

@@ -8,8 +8,9 @@ import pytest
 from ptdp.config import Precision, RunConfig
 from ptdp.config_files import apply_updates
 from ptdp.layout import validate
-from ptdp.perf.cost.costs import MEGATRON_2021, Compute
+from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.simulate.megatron2021 import megatron_2021_interleaved
 from ptdp.perf.simulate.simulator import pipeline_costs, simulate
 from ptdp.pipeline.actions import Kind

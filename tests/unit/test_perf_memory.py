@@ -11,15 +11,13 @@ from ptdp.config import Precision, Recompute, RunConfig
 from ptdp.config_files import apply_updates
 from ptdp.model.gpt import GPT
 from ptdp.parallel.comm import Group
-from ptdp.perf.cost.memory import (
-    estimate_memory,
+from ptdp.perf.cost.layer_bytes import (
     head_activation_bytes,
     head_backward_bytes,
-    in_flight,
     layer_activation_bytes,
     layer_backward_bytes,
-    stage_in_flight,
 )
+from ptdp.perf.cost.memory import estimate_memory, in_flight, stage_in_flight
 from ptdp.perf.cost.parameters import (
     bytes_per_parameter,
     parameters_per_rank,

@@ -13,15 +13,8 @@ from ptdp.cli import main
 from ptdp.config import Recompute, RunConfig
 from ptdp.config_files import apply_updates
 from ptdp.layout import validate
-from ptdp.perf.cost.costs import (
-    PTDP,
-    Compute,
-    Gemm,
-    all_reduce_seconds,
-    all_to_all_seconds,
-    group_link,
-    layer_gemms,
-)
+from ptdp.perf.cost.collectives import all_reduce_seconds, all_to_all_seconds, group_link
+from ptdp.perf.cost.costs import Compute, Gemm, layer_gemms
 from ptdp.perf.cost.experts import alltoall_link, ep_comm_seconds
 from ptdp.perf.cost.hardware import load_system
 from ptdp.perf.cost.moe import alltoall_bytes
@@ -31,6 +24,7 @@ from ptdp.perf.cost.parameters import (
     parameters_per_stage,
 )
 from ptdp.perf.cost.reserve import communicators
+from ptdp.perf.cost.software import PTDP
 from ptdp.perf.plan.planner import Plans, plan
 from ptdp.perf.plan.search import Space, expert_sizes, search
 from ptdp.perf.simulate.simulator import simulate, stage_reductions

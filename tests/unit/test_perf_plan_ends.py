@@ -9,8 +9,9 @@ import pytest
 
 from ptdp.config import Precision, RunConfig
 from ptdp.config_files import apply_updates
-from ptdp.perf.cost.costs import PTDP, Compute
+from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.software import PTDP
 from ptdp.perf.plan.ends import best_ends
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.report import overrides

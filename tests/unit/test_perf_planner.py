@@ -8,10 +8,11 @@ from ptdp.config import Recompute, RunConfig
 from ptdp.config_files import apply_updates, parse_overrides, resolve
 from ptdp.errors import ConfigError
 from ptdp.layout import validate
-from ptdp.perf.cost.costs import MEGATRON_2021, Compute
+from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.flops import paper_equation_3
 from ptdp.perf.cost.hardware import load_system
 from ptdp.perf.cost.reserve import fit
+from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.plan.keys import pinned
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.plan.search import equation_1, layout_config

@@ -12,8 +12,8 @@ import ptdp.perf.simulate.replay as replay_module
 import ptdp.perf.simulate.simulator as simulator
 from ptdp.config import RunConfig
 from ptdp.config_files import apply_updates
-from ptdp.perf.cost.costs import MEGATRON_2021, PTDP
 from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.software import MEGATRON_2021, PTDP
 from ptdp.perf.plan.planner import PlanResult, plan
 from ptdp.pipeline.actions import Kind
 from ptdp.pipeline.dryrun import CommModel, DryRun, Program

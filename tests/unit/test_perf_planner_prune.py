@@ -12,8 +12,8 @@ import pytest
 
 from ptdp.config import RunConfig
 from ptdp.config_files import apply_updates
-from ptdp.perf.cost.costs import MEGATRON_2021, PTDP
 from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.software import MEGATRON_2021, PTDP
 from ptdp.perf.plan.compare import compare
 from ptdp.perf.plan.planner import PlanResult, plan
 from ptdp.perf.report import format_plan, plan_dict

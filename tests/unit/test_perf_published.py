@@ -13,18 +13,11 @@ from pathlib import Path
 import pytest
 
 from ptdp.config import Precision, Recompute
-from ptdp.perf.cost.costs import (
-    MEGATRON_CORE,
-    PTDP,
-    Compute,
-    Gemm,
-    all_reduce_seconds,
-    group_link,
-    layer_gemms,
-    layer_seconds,
-)
+from ptdp.perf.cost.collectives import all_reduce_seconds, group_link
+from ptdp.perf.cost.costs import Compute, Gemm, layer_gemms, layer_seconds
 from ptdp.perf.cost.flops import dense_peak_flops
 from ptdp.perf.cost.hardware import load_system, system_for_device_name
+from ptdp.perf.cost.software import MEGATRON_CORE, PTDP
 from ptdp.perf.validate.ground import GemmLaw
 from ptdp.perf.validate.published import MCORE_H100_WEAK_SCALING, mcore_run, predict_row
 from tests.helpers import load_benchmark

@@ -13,7 +13,7 @@ from ptdp.config_files import apply_updates
 from ptdp.errors import ConfigError
 from ptdp.layout import COMBINED, ORDER, validate
 from ptdp.parallel.mesh import MeshShape
-from ptdp.perf.cost.costs import PTDP, Compute
+from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import BUILTIN_DIR, GIB, load_system
 from ptdp.perf.cost.memory import estimate_memory
 from ptdp.perf.cost.reserve import (
@@ -26,6 +26,7 @@ from ptdp.perf.cost.reserve import (
     rank_reserve,
     with_reserve,
 )
+from ptdp.perf.cost.software import PTDP
 from ptdp.perf.plan.search import Plans, _need
 from ptdp.perf.simulate.simulator import simulate
 

@@ -9,17 +9,11 @@ import pytest
 from ptdp.config import Precision, Recompute, RunConfig
 from ptdp.config_files import apply_updates
 from ptdp.layout import validate
-from ptdp.perf.cost.costs import (
-    MEGATRON_2021,
-    PTDP,
-    Compute,
-    Gemm,
-    all_reduce_seconds,
-    group_link,
-    layer_seconds,
-)
+from ptdp.perf.cost.collectives import all_reduce_seconds, group_link
+from ptdp.perf.cost.costs import Compute, Gemm, layer_seconds
 from ptdp.perf.cost.flops import flops_per_iteration
 from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.software import MEGATRON_2021, PTDP
 from ptdp.perf.simulate.replay import PipelineCosts, replay
 from ptdp.perf.simulate.simulator import (
     accumulation,

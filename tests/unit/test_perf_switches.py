@@ -13,8 +13,8 @@ import pytest
 from ptdp.config import RunConfig
 from ptdp.config_files import apply_updates as _apply
 from ptdp.errors import ConfigError
-from ptdp.perf.cost.costs import MEGATRON_2021, PTDP, Software
 from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.software import MEGATRON_2021, PTDP, Software
 from ptdp.perf.cost.switches import run_software
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.simulate.simulator import simulate

@@ -8,8 +8,9 @@ from unittest.mock import patch
 import pytest
 
 from ptdp.config import Precision
-from ptdp.perf.cost.costs import MEGATRON_2021, Compute, attention_core
+from ptdp.perf.cost.costs import Compute, attention_core
 from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.validate.paper import TABLE_1, paper_run
 from tests.helpers import load_benchmark
 

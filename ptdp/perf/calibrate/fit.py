@@ -117,7 +117,7 @@ def fit_latency_bandwidth(samples: Sequence[tuple[float, float]]) -> LinkFit:
 
 def collective_bytes(op: str, nbytes: float, ranks: int) -> float:
     """Bytes each GPU moves in `op` on a full tensor of `nbytes` (the model's count,
-    ptdp/perf/cost/costs.py; an all-to-all's is what it sends to the other ranks, as
+    ptdp/perf/cost/collectives.py; an all-to-all's is what it sends to the other ranks, as
     `ptdp.perf.cost.moe.alltoall_bytes` counts): what the latency-bandwidth fit divides by
     bandwidth."""
     share = (ranks - 1) / ranks

@@ -36,7 +36,7 @@ and two dK/dV blocks, 4 kv; all-gather the gathered dK/dV before the reduce-scat
 Links. Ranks are ordered tp, cp, dp, pp: a cp group is cp ranks tp apart. It stays on
 NVLink while tp cp <= GPUs per node; past that its ring crosses the network, and every
 hop is as slow as the slowest, one GPU's own card (`ring_link`); the all-gather is a ring
-collective over the group (`costs.group_link`).
+collective over the group (`collectives.group_link`).
 
 Gradients. Parameters are replicated over cp; their gradients are reduced over the dp cp
 ranks (tp apart) in one collective, and ZeRO shards the model state over that group.

@@ -4,16 +4,9 @@ the model are in `ptdp.perf.cost.context`)."""
 from __future__ import annotations
 
 from ptdp.config import CpComm, ModelConfig, Recompute
+from ptdp.perf.cost.collectives import gather_seconds, group_link
 from ptdp.perf.cost.context import kv_block_bytes, local_model
-from ptdp.perf.cost.costs import (
-    Compute,
-    Passes,
-    attention_core,
-    gather_seconds,
-    group_link,
-    layer_seconds,
-    sync_seconds,
-)
+from ptdp.perf.cost.costs import Compute, Passes, attention_core, layer_seconds, sync_seconds
 from ptdp.perf.cost.hardware import Link, System
 
 MIN_CP_TOKENS = 4096

@@ -39,27 +39,18 @@ kernel too, so it reruns there as well). Each microbatch's weight gradients are 
 into the software's gradient buffers, a memory-bound pass over the stage's parameters
 (`accumulation_seconds`, in W), unless its weight-gradient GEMMs accumulate in place.
 
-Communication model. A ring all-reduce of N bytes over n GPUs moves 2 (n-1)/n N bytes per
-GPU in 2 (n-1) steps, a reduce-scatter or all-gather (n-1)/n N in n - 1 steps, at the bus
-bandwidth of the group's slowest link, plus one latency per call and one step latency per
-step (the alpha-beta model of Thakur et al. 2005): small messages, as tensor parallelism
-at a small hidden size sends, pay mostly latency. Which link a group uses follows from
-its ranks and the node size (`group_link`). Tensor parallelism runs 2 all-reduces in forward
-and 2 in backward per layer (sequence parallelism: reduce-scatter + all-gather pairs of
-the same volume, costed as the all-reduces; on a CPU, where ptdp's reduce-scatter over
-gloo is an all-reduce of the whole tensor, the all-gathers come on top); they are not
-overlapped with compute, as in the runtime. On a CPU, where the host threads run the
-collective, each blocking call between compute also costs the ranks' resynchronisation
-(`sync_seconds`, measured by `ptdp calibrate`): 2 calls a pass, 4 with sequence
-parallelism, and the head's (the vocabulary-parallel loss's three all-reduces, its input's
-conjugate collective), whose bytes are not counted; cp ring shifts, ZeRO-3's per-layer
-collectives, pipeline transfers, the data-parallel reduction's and the distributed
-optimizer's gather's buckets and the step's scalar all-reduces (`ptdp.perf.simulate.simulator`) pay
-it per wait too.
-
-Expert parallelism's all-to-alls (`all_to_all_seconds`, `ptdp.perf.cost.experts`): each of
-the n GPUs sends its bytes for the others in n - 1 pairwise steps at once, one latency per
-call and a step latency per peer.
+Communication model (a collective's seconds and a group's link: `ptdp.perf.cost.collectives`).
+Tensor parallelism runs 2 all-reduces in forward and 2 in backward per layer (sequence
+parallelism: reduce-scatter + all-gather pairs of the same volume, costed as the
+all-reduces; on a CPU, where ptdp's reduce-scatter over gloo is an all-reduce of the whole
+tensor, the all-gathers come on top); they are not overlapped with compute, as in the
+runtime. On a CPU, where the host threads run the collective, each blocking call between
+compute also costs the ranks' resynchronisation (`sync_seconds`, measured by `ptdp
+calibrate`): 2 calls a pass, 4 with sequence parallelism, and the head's (the
+vocabulary-parallel loss's three all-reduces, its input's conjugate collective), whose
+bytes are not counted; cp ring shifts, ZeRO-3's per-layer collectives, pipeline transfers,
+the data-parallel reduction's and the distributed optimizer's gather's buckets and the
+step's scalar all-reduces (`ptdp.perf.simulate.simulator`) pay it per wait too.
 
 Letters: b = micro-batch, s = sequence, h = hidden, a = heads, d = head size, f = MLP
 width, v = vocabulary, t = tensor-parallel size, e = bytes per element.
@@ -67,162 +58,16 @@ width, v = vocabulary, t = tensor-parallel size, e = bytes per element.
 
 from __future__ import annotations
 
-import functools
-import math
-from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ptdp.config import Activation, ModelConfig, Precision, Recompute
-from ptdp.perf.cost.hardware import Link, System
+from ptdp.perf.cost.collectives import all_reduce_seconds, gather_seconds, group_link
+from ptdp.perf.cost.hardware import System
 from ptdp.perf.cost.kernels import Call, layer_traffic
-from ptdp.perf.cost.memory import head_activation_bytes, layer_activation_bytes
+from ptdp.perf.cost.layer_bytes import head_activation_bytes, layer_activation_bytes
 from ptdp.perf.cost.moe import dense_equivalent, routed_rows
 from ptdp.perf.cost.parameters import attention_width, element_bytes
-
-
-@dataclass(frozen=True)
-class Software:
-    """What the training code does that changes its speed (not the hardware)."""
-
-    fused_attention: bool = True
-    """Flash/memory-efficient attention (ptdp's SDPA on GPUs); False = the s x s scores are
-    materialised, soft-maxed and dropped out in HBM (Megatron-LM in 2021)."""
-    elementwise_traffic: float = 1.6
-    """HBM bytes moved by memory-bound kernels in forward per activation byte stored.
-    Calibrated on Korthikanti et al.'s Table 4: one 22B layer (t = 8, b = 4) takes 7.7 ms
-    forward on A100s."""
-    backward_traffic_ratio: float = 1.6
-    """Backward / forward HBM traffic of the memory-bound kernels (they read the saved
-    input and the incoming gradient and write the outgoing one, against a read and a
-    write forward). Calibrated on the same layer's 11.9 ms backward, whose code hid the
-    two backward all-reduces behind the weight-gradient GEMMs."""
-    grad_reduce_bytes: int = 4
-    """Bytes per gradient element in the data-parallel reduction (ptdp: fp32 buffers)."""
-    causal_fraction: float = 0.5
-    """Share of the s x s score blocks a fused causal kernel computes."""
-    fused_backward_ratio: float = 2.5
-    """Fused attention backward / forward time (5 GEMMs against 2, FlashAttention-2)."""
-    blocking_p2p: bool = False
-    """Pipeline transfers block the rank until done (Megatron-LM in 2021 synchronised after
-    each batch of sends and receives); False = ptdp's runtime, which waits for a receive
-    only when its tensor is needed and for sends at the end of the step."""
-    split_backward: bool = True
-    """The zero-bubble schedules (ZB-H1, ZB-H2: B and W apart) exist; Megatron-LM in 2021
-    had none, so the planner does not search them for it."""
-    elementwise_kernels: int = 8
-    """Memory-bound kernels one layer launches in forward (two norms, two residual adds, the
-    activation, the copies around attention), each paying the device's kernel overhead;
-    backward launches `backward_traffic_ratio` times as many. A fixed cost per layer that
-    weighs most where the per-rank tensors are small (small h / t)."""
-    tp_comm_overlap: bool = False
-    """Tensor-parallel collectives run in chunks under the GEMMs that consume or produce
-    them (Megatron-Core's --tp-comm-overlap through Transformer Engine): only what outlasts
-    a pass's GEMMs is exposed. ptdp runs them between its GEMMs (False)."""
-    overlap_param_gather: bool = False
-    """The distributed optimizer's all-gather of updated weights runs under the next step's
-    first forward (Megatron-Core's --overlap-param-gather): only what outlasts that forward
-    is exposed. ptdp gathers after the step (False)."""
-    max_zero: int = 3
-    """Highest ZeRO level the software has; the planner searches up to it (Megatron-LM in
-    2021 had none: 0)."""
-    sharded_comm_efficiency: float = 1.0
-    """Fraction of the ring model's bandwidth that ZeRO-2/3's per-layer gathers and
-    reduce-scatters reach (`ptdp.perf.cost.zero`); 1 = NCCL on flat buckets."""
-    overlap_grad_reduce: bool = True
-    """The data-parallel reduction can overlap the backward (`parallel.overlap_grad_reduce`)."""
-    overlap_needs_pp1: bool = False
-    """...and only without pipeline parallelism: Megatron-LM in 2021 overlapped it through
-    torch DDP (--DDP-impl torch, no_sync until the last microbatch), which its pipelined
-    schedules did not drive, so with p > 1 it reduced after the backward (--DDP-impl local)."""
-    sequence_parallel: bool = True
-    """Sequence parallelism exists (Korthikanti et al. 2022 added it, and selective
-    recomputation with it); the 2021 code had neither."""
-    accumulation_bytes: int = 4
-    """Bytes per element of the buffers each microbatch's gradients are added into, in a
-    pass of their own once autograd has written them: ptdp's `GradBuffers` hook adds into
-    fp32 buffers (4), the 2021 code's into buffers of the gradients' 16 bits (2); 0 = no such
-    pass: Megatron-Core's weight-gradient GEMMs accumulate into the buffer themselves
-    (`--gradient-accumulation-fusion`, on by default; what stays unfused there, the norms,
-    biases and input embedding, is not counted)."""
-    autocast_norms: bool = True
-    """The norms run under PyTorch's autocast, which computes them in fp32 and, in eager
-    16-bit training, keeps each norm input's fp32 copy for backward (`ptdp.perf.cost.memory`);
-    Megatron's fused LayerNorm kernels keep the 16-bit input (False)."""
-    native_gqa: bool = False
-    """Grouped-query attention's kernel reads K and V at their groups' width, so only those
-    are kept; ptdp repeats them to every query head before SDPA, which keeps the copies
-    (measured on CPU ranks, BENCHMARKS.md)."""
-    fused_swiglu: bool = False
-    """SwiGLU as one fused function keeping only its [n, 2f] input (and fc2 its [n, f] input):
-    3f per token where ptdp's silu(gate) * up also keeps silu's output, 4f."""
-    moe_load_imbalance: float = 1.0
-    """Mixture of experts: the busiest routed expert's token-choices over the mean, scaling
-    the routed experts' GEMM time (`ptdp.perf.cost.moe`); 1.0 = a perfect balance, or
-    ptdp's grouped GEMM on a rank holding every expert."""
-    captures_graphs: bool = True
-    """The runtime can replay its compiled regions from CUDA graphs (ptdp's
-    `train.cuda_graphs`); the other profiles' codes are modelled without, and a config
-    asking for graphs there is refused (`ptdp.perf.cost.switches`)."""
-    cuda_graphs: bool = False
-    """This run replays each compiled region (a layer's forward, its backward, the loss) from
-    a CUDA graph: one launch per replay instead of one per kernel (`Compute.replayed`). Set
-    from the config by `ptdp.perf.cost.switches.run_software`, not by a profile."""
-    math_kernel: bool = False
-    """PyTorch's math attention runs the core (`train.attention_backend = math` on a runtime
-    with fused attention): unfused, and eager its scaled q and k copies kept
-    (`ptdp.perf.cost.switch_bytes`). Set by `run_software`; the 2021 codes' own unfused core
-    keeps no such copies."""
-
-
-PTDP = Software()
-"""This runtime: SDPA (fused attention), non-blocking transfers, fp32 gradient buffers."""
-MEGATRON_2021 = Software(
-    fused_attention=False,
-    grad_reduce_bytes=2,
-    blocking_p2p=True,
-    split_backward=False,
-    max_zero=0,
-    overlap_needs_pp1=True,
-    sequence_parallel=False,
-    accumulation_bytes=2,
-    autocast_norms=False,
-    captures_graphs=False,
-)
-"""The code of the paper's measurements: unfused attention, fp16 gradients all-reduced (its
-default for fp16 training), overlapping the backward only at p = 1 (torch DDP), blocking
-pipeline transfers, no zero-bubble schedules, no sequence parallelism or selective
-recomputation."""
-
-MEGATRON_CORE = Software(
-    grad_reduce_bytes=2,
-    tp_comm_overlap=True,
-    overlap_param_gather=True,
-    accumulation_bytes=0,
-    autocast_norms=False,
-    native_gqa=True,
-    fused_swiglu=True,
-    captures_graphs=False,  # its own CUDA graphs (--enable-cuda-graph) are not modelled
-)
-"""Megatron-Core as its published H100 weak-scaling runs used it (`ptdp.perf.validate.published`):
-fused attention (reading grouped K and V as they are), overlapped tensor-parallel, gradient
-and parameter communication, gradients reduced in bf16 (its default, grad_reduce_in_fp32
-off), and its fused SwiGLU (bias_swiglu, which keeps only its input)."""
-DEEPSPEED_2021 = replace(
-    MEGATRON_2021, max_zero=3, sharded_comm_efficiency=0.094, overlap_grad_reduce=False
-)
-"""The paper's ZeRO-3 baseline (section 5.2: DeepSpeed on the same model code), its reduction
-after the backward as the constant below was fitted with: its
-per-layer collectives reached 0.094 of the ring model's bandwidth, about one 16 GB/s per
-GPU where NCCL's rings over a node's 8 cards give 170; one constant fitted to the paper's
-GPT-3 175B row on 1536 GPUs and checked on its other five ZeRO-3 rows (BENCHMARKS.md)."""
-
-SOFTWARE: dict[str, Software] = {
-    "ptdp": PTDP,
-    "megatron-2021": MEGATRON_2021,
-    "megatron-core": MEGATRON_CORE,
-    "deepspeed-2021": DEEPSPEED_2021,
-}
-"""The runtimes by name, as `--software` of `ptdp simulate` and `ptdp plan` takes them."""
+from ptdp.perf.cost.software import Software
 
 
 @dataclass(frozen=True)
@@ -401,38 +246,6 @@ def attention_core(model: ModelConfig, micro_batch: int, tp: int, c: Compute) ->
     return Passes(forward, backward, 0.0)
 
 
-def all_reduce_seconds(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce over n GPUs: one call's latency, 2 (n-1) steps each paying the
-    link's step latency, and 2 (n-1)/n N bytes per GPU at the achieved bus bandwidth (the
-    link's all-reduce figures where it has them, `Link.ops`)."""
-    if n <= 1:
-        return 0.0
-    steps = 2 * (n - 1)
-    latency, bandwidth = link.collective("all_reduce")
-    return latency + steps * link.step_latency + steps / n * nbytes / bandwidth
-
-
-def gather_seconds(nbytes: float, n: int, link: Link, op: str = "all_gather") -> float:
-    """Ring all-gather (`op` "reduce_scatter": reduce-scatter) of a full tensor of `nbytes`
-    over n GPUs: n - 1 steps, (n-1)/n N bytes per GPU."""
-    if n <= 1:
-        return 0.0
-    steps = n - 1
-    latency, bandwidth = link.collective(op)
-    return latency + steps * link.step_latency + steps / n * nbytes / bandwidth
-
-
-def all_to_all_seconds(sent: float, n: int, link: Link) -> float:
-    """An all-to-all over n GPUs in which each sends `sent` bytes to the others (n - 1
-    pairwise steps, every pair at once on a switched link): one call's latency, a step
-    latency per peer, and the bytes at the link's all-to-all bandwidth (`Link.ops`, from
-    `ptdp calibrate`; else its own figure)."""
-    if n <= 1:
-        return 0.0
-    latency, bandwidth = link.collective("all_to_all")
-    return latency + (n - 1) * link.step_latency + sent / bandwidth
-
-
 def sync_seconds(calls: int, c: Compute, after_compute: int | None = None) -> float:
     """What `calls` blocking collectives cost beyond their bytes, `after_compute` of them
     (default: all) right after a layer's compute rather than after another wait: the
@@ -454,42 +267,6 @@ def accumulation_seconds(params: int, tensors: int, c: Compute) -> float:
         return 0.0
     nbytes = params * (c.e + 2 * buffer)
     return Call("add", nbytes / tensors, tensors).seconds(c.system.device)
-
-
-def group_members(size: int, stride: int, period: int) -> list[list[int]]:
-    """Every group of `size` GPUs spaced `stride` apart in rank order whose first GPU lies
-    in [0, period) (tp groups: stride 1; dp groups: stride t, as `ptdp.parallel.mesh`
-    orders ranks)."""
-    bases = [r for r in range(period) if (r // stride) % size == 0]
-    return [[base + i * stride for i in range(size)] for base in bases]
-
-
-@functools.lru_cache(maxsize=4096)  # the planner asks again for every layout it weighs
-def group_link(system: System, size: int, stride: int) -> Link:
-    """The bottleneck link of the slowest group of `size` GPUs spaced `stride` apart.
-
-    Which nodes a group spans comes from its members' ranks and the node size, over one
-    period of the pattern (groups need not divide a node: t = 3 on 8-GPU nodes puts one
-    group across two). A group inside one node runs on the NVLink/NVSwitch link. A group
-    across nodes runs its ring through the network cards of its members: with k members
-    on the node that holds fewest (k cards there), its bus bandwidth is k times one
-    card's, capped by the in-node link, and every ring step waits for a network hop.
-    """
-    per_node = system.gpus_per_node
-    if size <= 1:
-        return system.intra
-    period = math.lcm(size * stride, per_node)
-    cards = [
-        min(Counter(system.node_of(gpu) for gpu in group).values())
-        for group in group_members(size, stride, period)
-        if system.node_of(group[0]) != system.node_of(group[-1])
-    ]
-    if not cards:
-        return system.intra
-    k = min(cards)
-    inter = system.inter
-    bandwidth = min(system.intra.achieved, k * inter.achieved)
-    return Link(f"{k} x {inter.name}", bandwidth, 1.0, inter.latency, inter.step_latency)
 
 
 def layer_seconds(

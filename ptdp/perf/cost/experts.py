@@ -25,7 +25,8 @@ import math
 from collections import Counter
 
 from ptdp.config import ModelConfig, Recompute
-from ptdp.perf.cost.costs import Compute, Passes, all_to_all_seconds, group_members, sync_seconds
+from ptdp.perf.cost.collectives import all_to_all_seconds, group_members
+from ptdp.perf.cost.costs import Compute, Passes, sync_seconds
 from ptdp.perf.cost.hardware import Link, System
 from ptdp.perf.cost.moe import alltoall_bytes
 

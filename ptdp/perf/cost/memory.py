@@ -91,180 +91,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ptdp.config import (
-    Activation,
-    ModelConfig,
-    Precision,
-    Recompute,
-    RunConfig,
-)
+from ptdp.config import Recompute, RunConfig
 from ptdp.layout import Layout, validate
 from ptdp.perf.cost import context
-from ptdp.perf.cost.activations import activation_bytes_per_layer
-from ptdp.perf.cost.moe import dense_equivalent, dispatch_bytes, moe_layers_per_stage
+from ptdp.perf.cost.layer_bytes import (
+    fp32_norm_inputs,
+    head_activation_bytes,
+    head_backward_bytes,
+    layer_activation_bytes,
+    layer_backward_bytes,
+)
+from ptdp.perf.cost.moe import dense_equivalent, moe_layers_per_stage
 from ptdp.perf.cost.parameters import (
-    attention_width,
     bytes_per_parameter,
     element_bytes,
     expert_parameters_per_rank,
-    layer_parameters,
     parameters_per_rank,
-    parameters_per_stage,
 )
 from ptdp.perf.cost.stash import linear_weights, split_peak, stage_stash_bytes
 from ptdp.perf.cost.switch_bytes import graph_input_bytes, math_attention, math_copies_bytes
+from ptdp.perf.cost.zero_bytes import gathered_bytes, grad_bucket_bytes
 from ptdp.pipeline.actions import RELEASE_KINDS, Kind
 from ptdp.pipeline.plan import PipelinePlan
 from ptdp.pipeline.schedules import SCHEDULES
-
-
-def layer_activation_bytes(
-    model: ModelConfig,
-    *,
-    micro_batch: int,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    recompute: Recompute = Recompute.NONE,
-    precision: Precision = Precision.BF16,
-    fused_attention: bool = True,
-    autocast_norms: bool = False,
-    moe: bool = False,
-    native_gqa: bool = False,
-    fused_swiglu: bool = False,
-) -> float:
-    """Bytes one layer stores for backward per microbatch (Korthikanti et al.).
-
-    SwiGLU's inner tensors (gate and up, silu's output and the product) count as a GeLU MLP
-    of twice the width: 4f elements either way; `fused_swiglu` (`Software`): 3f, a fused
-    function keeping only gate and up. `native_gqa` (`Software`): K and V kept at their
-    groups' width, where ptdp keeps them repeated to every head. `autocast_norms`
-    (`fp32_norm_inputs`): the two norms' inputs are kept as the fp32 copies CUDA autocast
-    makes, 4 bytes where the paper has 2. `moe`: a mixture-of-experts layer, its dense
-    equivalent plus what dispatch and combine keep (`ptdp.perf.cost.moe`).
-    """
-    if fused_attention and recompute is Recompute.NONE:
-        recompute = Recompute.SELECTIVE  # no s x s tensor is kept: the core recomputes
-    extra = 0.0
-    if moe:
-        e = element_bytes(precision)
-        extra = dispatch_bytes(model, micro_batch=micro_batch, recompute=recompute, e=e)
-        model = dense_equivalent(model)
-    f = model.ffn_size * (2 if model.activation is Activation.SWIGLU else 1)
-    if fused_swiglu and model.activation is Activation.SWIGLU and recompute is not Recompute.FULL:
-        extra -= element_bytes(precision) * model.seq_length * micro_batch * model.ffn_size / tp
-    kv = model.query_groups * model.head_dim if native_gqa else None
-    return extra + activation_bytes_per_layer(
-        seq=model.seq_length,
-        micro_batch=micro_batch,
-        hidden=model.hidden_size,
-        heads=model.num_heads,
-        tp=tp,
-        sequence_parallel=sequence_parallel,
-        recompute=recompute,
-        bytes_per_element=element_bytes(precision),
-        dropout=model.dropout > 0,
-        ffn_hidden=f,
-        norm_input_bytes=_norm_input_bytes(precision, autocast_norms),
-        attention_width=attention_width(model),
-        kv_width=kv,
-    )
-
-
-def fp32_norm_inputs(cfg: RunConfig) -> bool:
-    """Eager 16-bit training: CUDA autocast runs LayerNorm and RMSNorm in fp32, so autograd
-    keeps the fp32 copy of each norm's input (measured on an H100, BENCHMARKS.md: 36 bytes
-    per s b h in a GPT-2 layer where the paper counts 32). Compiled layers keep their 16-bit
-    tensors and recompute the casts in backward; CPU autocast keeps LayerNorm in 16 bits
-    (there this counts 4 bytes per s b h too many)."""
-    return not cfg.train.compile and element_bytes(cfg.train.precision) < 4
-
-
-def _norm_input_bytes(precision: Precision, autocast: bool) -> float | None:
-    return 4.0 if autocast and element_bytes(precision) < 4 else None
-
-
-def head_activation_bytes(
-    model: ModelConfig,
-    *,
-    micro_batch: int,
-    tp: int = 1,
-    precision: Precision = Precision.BF16,
-    compiled: bool = False,
-    autocast_norms: bool = False,
-) -> float:
-    """Last stage, per microbatch: final-norm and output-layer inputs, and what the loss's
-    backward keeps per logit (`ptdp/parallel/loss.py`). At tp = 1 eager autograd keeps the
-    fp32 log-probabilities of the unpadded vocabulary (the padding is sliced off), the
-    compiled loss (`train.compile`) the padded logits in the model's precision, recomputing
-    the softmax; at tp > 1 the vocabulary-parallel loss keeps its fp32 softmax slice.
-    `autocast_norms`: the final norm's input is kept as its fp32 copy (`fp32_norm_inputs`)."""
-    n = model.seq_length * micro_batch
-    e = element_bytes(precision)
-    norm = _norm_input_bytes(precision, autocast_norms) or e
-    if tp > 1:
-        logits = 4 * model.padded_vocab_size(tp) // tp
-    elif compiled:
-        logits = element_bytes(precision) * model.padded_vocab_size(tp)
-    else:
-        logits = 4 * model.vocab_size
-    return (norm + e) * n * model.hidden_size + n * logits
-
-
-def layer_backward_bytes(
-    model: ModelConfig,
-    *,
-    micro_batch: int,
-    tp: int = 1,
-    precision: Precision = Precision.BF16,
-    eager: bool = False,
-    weight_gradient: bool = True,
-) -> float:
-    """Gradients alive at once inside one layer's backward, per microbatch (module doc):
-    dY and dX [n, h], with the MLP's [n, f/t] output-of-activation and [n, parts f/t]
-    input-of-activation gradients or attention's dQ, dK, dV and dO, whichever is larger;
-    n = s b tokens. `eager`: autograd frees each node's saved tensors as it goes, so the
-    peak is in fc2's backward, all of the layer still stored: dY [n, h], fc2's input
-    gradient [n, parts f/t] and its weight's [h, f/t]; dX comes later, when the MLP's
-    inner tensors are freed (measured on CPU ranks, BENCHMARKS.md). `weight_gradient` False:
-    the GEMM accumulates into the gradient buffer itself (Megatron-Core), no [h, f/t] tensor."""
-    h, t, e, q = model.hidden_size, tp, element_bytes(precision), attention_width(model)
-    n = model.seq_length * micro_batch
-    qkv = q + 2 * model.query_groups * model.head_dim
-    parts = 2 if model.activation is Activation.SWIGLU else 1
-    if eager:
-        wgrad = h * model.ffn_size // t if weight_gradient else 0
-        return e * (n * (h + parts * model.ffn_size // t) + wgrad)
-    mlp = model.ffn_size * (1 + parts) // t
-    attention = (qkv + q) // t
-    return e * n * (2 * h + max(mlp, attention))
-
-
-def head_backward_bytes(
-    model: ModelConfig,
-    *,
-    micro_batch: int,
-    tp: int = 1,
-    precision: Precision = Precision.BF16,
-    compiled: bool = False,
-) -> float:
-    """What the loss's backward holds at its peak on the last stage, beside the head's
-    stored activations (measured on an H100 and traced on CPU, BENCHMARKS.md):
-
-    - eager, tp = 1: the fp32 gradients [s b, v] of the loss (nll) and of log_softmax, both
-      alive in log_softmax's backward; later the 16-bit copy and its padded width, which
-      is more only in fp32;
-    - compiled, tp = 1: the loss writes the logits' gradient into the saved logits' own
-      buffer, so only the output weight's 16-bit gradient [v, h] is new;
-    - tp > 1 (the vocabulary-parallel loss): the fp32 gradient of the logits [s b, v/t] and
-      its 16-bit copy (not measured).
-    """
-    n, e = model.seq_length * micro_batch, element_bytes(precision)
-    padded = model.padded_vocab_size(tp)
-    if tp > 1:
-        return n * padded // tp * (4 + e)
-    if compiled:
-        return e * padded * model.hidden_size
-    return max(8 * n * model.vocab_size, e * n * (model.vocab_size + padded))
 
 
 def in_flight(plan: PipelinePlan) -> tuple[int, ...]:
@@ -329,48 +178,6 @@ class MemoryEstimate:
         )
 
 
-def grad_bucket_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
-    """ZeRO-2's full-size gradients in flight on each pipeline rank (module doc); 0 below."""
-    if not layout.shards_grads or layout.dp * layout.cp == 1:
-        return [0.0] * layout.pp
-    model, tp, pp, vpp, split = cfg.model, layout.tp, layout.pp, layout.vpp, layout.stage_layers
-    per_stage = parameters_per_stage(model, tp, pp, vpp, split, layout.ep)
-    whole = not cfg.parallel.overlap_grad_reduce or SCHEDULES[layout.schedule].splits_backward
-    bucket = max(1, int(cfg.parallel.bucket_mb * 2**20 / 4))
-    tied = model.tie_embeddings and pp * vpp > 1
-    out = [0.0] * pp
-    for stage, count in enumerate(per_stage):
-        embedding = 0
-        if tied and stage in (0, pp * vpp - 1):
-            embedding = model.padded_vocab_size(tp) // tp * model.hidden_size
-        # One bucket filling while the one before it reduces (`GradBuffers._retire`).
-        held = count if whole else embedding + 2 * min(count - embedding, bucket)
-        out[layout.stages.rank(stage)] += 4.0 * held
-    return out
-
-
-def reshard_after_forward(cfg: RunConfig) -> bool:
-    """ZeRO-3 frees gathered weights after each forward and gathers them again for the backward
-    unless `parallel.zero3_reshard_after_forward` (when the runtime has it) says false."""
-    return bool(getattr(cfg.parallel, "zero3_reshard_after_forward", True))
-
-
-def gathered_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
-    """ZeRO-3's gathered 16-bit weights on each pipeline rank (module doc); 0 below level 3."""
-    if layout.zero < 3 or layout.dp * layout.cp == 1:
-        return [0.0] * layout.pp
-    model, tp, e = cfg.model, layout.tp, element_bytes(cfg.train.precision)
-    per_rank = parameters_per_rank(
-        model, tp, layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement, layout.ep
-    )
-    if not reshard_after_forward(cfg):
-        return [e * count for count in per_rank]
-    rows = model.padded_vocab_size(tp) // tp * model.hidden_size
-    layers = range(model.num_layers) if model.num_experts else [None]
-    unit = max(*(layer_parameters(model, tp, i, layout.ep) for i in layers), rows)
-    return [2.0 * e * min(unit, count) for count in per_rank]
-
-
 def estimate_memory(
     cfg: RunConfig,
     world_size: int,
@@ -393,7 +200,7 @@ def estimate_memory(
     `layout` is `validate(cfg, world_size)` if the caller has it (with its built plan).
     `fused_attention`, `autocast_norms`, `native_gqa`, `fused_swiglu` and `gemm_accumulates`
     (weight-gradient GEMMs adding into the buffers themselves) describe the software
-    (`ptdp.perf.cost.costs.Software`: ptdp's by default; Megatron's fused LayerNorm keeps
+    (`ptdp.perf.cost.software.Software`: ptdp's by default; Megatron's fused LayerNorm keeps
     16-bit inputs, its attention grouped K and V, its SwiGLU gate and up alone).
     `math_kernel`: PyTorch's math attention runs the core (`Software.math_kernel`); None: where
     `train.attention_backend = math` on a software with fused attention.

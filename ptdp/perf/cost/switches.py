@@ -27,8 +27,8 @@ from dataclasses import replace
 from ptdp.config import AttentionBackend, RunConfig
 from ptdp.errors import ConfigError
 from ptdp.layout_speed import CPU_BACKENDS
-from ptdp.perf.cost.costs import Software
 from ptdp.perf.cost.hardware import System
+from ptdp.perf.cost.software import Software
 from ptdp.perf.cost.switch_bytes import math_attention
 
 FUSED = (AttentionBackend.FLASH, AttentionBackend.CUDNN, AttentionBackend.EFFICIENT)

@@ -1,4 +1,4 @@
-"""Communication of the ZeRO levels in the performance model (their memory: `cost.memory`).
+"""Communication of the ZeRO levels in the performance model (their memory: `cost.zero_bytes`).
 
 Per step and rank, in the ZeRO paper's units (Psi = the rank's parameters, m = microbatches
 per step; a ring reduce-scatter or all-gather of Psi moves Psi, an all-reduce 2 Psi):
@@ -29,8 +29,8 @@ simulator's reduction after the last backward.
 The ZeRO group is the dp cp ranks that reduce the gradients (tp apart; `cost.context`);
 under expert parallelism the routed experts' state is sharded over their edp = dp cp / ep
 ranks (tp ep apart; `cost.experts`), each group's collectives one after the other,
-on `costs.group_link` (at `Software.sharded_comm_efficiency` of its bandwidth: the paper's
-DeepSpeed reached a tenth, `costs.DEEPSPEED_2021`). Weights move in the training
+on `collectives.group_link` (at `Software.sharded_comm_efficiency` of its bandwidth: the paper's
+DeepSpeed reached a tenth, `software.DEEPSPEED_2021`). Weights move in the training
 precision's element size, gradients at `Software.grad_reduce_bytes`.
 """
 
@@ -40,11 +40,12 @@ from dataclasses import replace
 
 from ptdp.config import RunConfig
 from ptdp.layout import Layout
-from ptdp.perf.cost.costs import Compute, Passes, gather_seconds, group_link, sync_seconds
+from ptdp.perf.cost.collectives import gather_seconds, group_link
+from ptdp.perf.cost.costs import Compute, Passes, sync_seconds
 from ptdp.perf.cost.experts import reduction_groups
 from ptdp.perf.cost.hardware import Link
-from ptdp.perf.cost.memory import reshard_after_forward
 from ptdp.perf.cost.parameters import expert_parameters_per_stage, parameters_per_stage
+from ptdp.perf.cost.zero_bytes import reshard_after_forward
 
 
 def _sharded_link(c: Compute, size: int, stride: int) -> Link:

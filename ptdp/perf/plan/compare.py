@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from ptdp.config import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.perf.cost.costs import Software
 from ptdp.perf.cost.hardware import GIB, System
 from ptdp.perf.cost.reserve import fit
+from ptdp.perf.cost.software import Software
 from ptdp.perf.plan.planner import Option, PlanResult, Plans
 from ptdp.perf.plan.ranking import faster_than
 from ptdp.perf.simulate.simulator import simulate

@@ -50,8 +50,9 @@ from typing import TypeVar
 from ptdp.config import CpComm, Recompute, RunConfig
 from ptdp.domains import check_config
 from ptdp.errors import ConfigError
-from ptdp.perf.cost.costs import PTDP, Compute, Software
+from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import System
+from ptdp.perf.cost.software import PTDP, Software
 from ptdp.perf.cost.switches import run_software
 from ptdp.perf.plan.explain import explain
 from ptdp.perf.plan.ranking import Option, Progress, Unranked, rank, recommend

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 from ptdp.config import RunConfig
 from ptdp.layout import Layout
-from ptdp.perf.cost.costs import Compute, Software
+from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import GIB, System
 from ptdp.perf.cost.reserve import fit
+from ptdp.perf.cost.software import Software
 from ptdp.perf.plan.refusal import Constraint, Rejected
 from ptdp.perf.plan.search import Plans
 from ptdp.perf.simulate.bound import step_lower_bound
@@ -197,7 +198,7 @@ def recommend(options: list[Option], tolerance: float) -> int:
     Layouts within `tolerance` of the fastest are equal as far as the model can tell;
     among them ZeRO-3 only if nothing else is close (its step rests on per-microbatch
     gathers reaching the ring model's bandwidth, which the paper's ZeRO-3 fell far short
-    of: Table 2, `costs.DEEPSPEED_2021`), then the paper's takeaways: the smallest t * p
+    of: Table 2, `software.DEEPSPEED_2021`), then the paper's takeaways: the smallest t * p
     (#2), then the largest t (#1), then the fastest.
     """
 

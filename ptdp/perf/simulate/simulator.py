@@ -24,18 +24,14 @@ from dataclasses import astuple, dataclass
 from ptdp.config import Precision, Recompute, RunConfig
 from ptdp.errors import ConfigError
 from ptdp.layout import Layout, validate
+from ptdp.perf.cost.collectives import all_reduce_seconds, gather_seconds, group_link
 from ptdp.perf.cost.context import local_model
 from ptdp.perf.cost.context_costs import cp_comm_seconds, cp_layer_seconds
 from ptdp.perf.cost.costs import (
-    PTDP,
     Compute,
     Passes,
-    Software,
     accumulation_seconds,
-    all_reduce_seconds,
     embedding_seconds,
-    gather_seconds,
-    group_link,
     head_seconds,
     sync_seconds,
 )
@@ -54,6 +50,7 @@ from ptdp.perf.cost.parameters import (
     tensors_per_stage,
 )
 from ptdp.perf.cost.reserve import with_reserve
+from ptdp.perf.cost.software import PTDP, Software
 from ptdp.perf.cost.switches import run_software
 from ptdp.perf.cost.zero import sharded_passes
 from ptdp.perf.simulate.megatron2021 import megatron_2021_interleaved

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from ptdp.config import RunConfig
 from ptdp.config_files import apply_updates
-from ptdp.perf.cost.costs import MEGATRON_CORE
 from ptdp.perf.cost.hardware import System
+from ptdp.perf.cost.software import MEGATRON_CORE
 from ptdp.perf.simulate.simulator import Prediction, simulate
 
 SOURCE = (

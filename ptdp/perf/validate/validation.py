@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config import Recompute, RunConfig
-from ptdp.perf.cost.costs import DEEPSPEED_2021, MEGATRON_2021
 from ptdp.perf.cost.hardware import System, load_system
+from ptdp.perf.cost.software import DEEPSPEED_2021, MEGATRON_2021
 from ptdp.perf.plan.planner import Option, plan
 from ptdp.perf.simulate.simulator import Prediction, simulate
 from ptdp.perf.validate.paper import (

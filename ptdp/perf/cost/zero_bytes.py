@@ -1,0 +1,58 @@
+"""What ZeRO-2 and ZeRO-3 hold in memory beyond their shard of the model state: ZeRO-2's
+full-size gradients of the buckets being filled or reduced, ZeRO-3's gathered 16-bit
+weights, per pipeline rank (how: `ptdp.perf.cost.memory`'s module doc; their
+communication: `ptdp.perf.cost.zero`)."""
+
+from __future__ import annotations
+
+from ptdp.config import RunConfig
+from ptdp.layout import Layout
+from ptdp.perf.cost.parameters import (
+    element_bytes,
+    layer_parameters,
+    parameters_per_rank,
+    parameters_per_stage,
+)
+from ptdp.pipeline.schedules import SCHEDULES
+
+
+def grad_bucket_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
+    """ZeRO-2's full-size gradients in flight on each pipeline rank (`cost.memory`); 0 below."""
+    if not layout.shards_grads or layout.dp * layout.cp == 1:
+        return [0.0] * layout.pp
+    model, tp, pp, vpp, split = cfg.model, layout.tp, layout.pp, layout.vpp, layout.stage_layers
+    per_stage = parameters_per_stage(model, tp, pp, vpp, split, layout.ep)
+    whole = not cfg.parallel.overlap_grad_reduce or SCHEDULES[layout.schedule].splits_backward
+    bucket = max(1, int(cfg.parallel.bucket_mb * 2**20 / 4))
+    tied = model.tie_embeddings and pp * vpp > 1
+    out = [0.0] * pp
+    for stage, count in enumerate(per_stage):
+        embedding = 0
+        if tied and stage in (0, pp * vpp - 1):
+            embedding = model.padded_vocab_size(tp) // tp * model.hidden_size
+        # One bucket filling while the one before it reduces (`GradBuffers._retire`).
+        held = count if whole else embedding + 2 * min(count - embedding, bucket)
+        out[layout.stages.rank(stage)] += 4.0 * held
+    return out
+
+
+def reshard_after_forward(cfg: RunConfig) -> bool:
+    """ZeRO-3 frees gathered weights after each forward and gathers them again for the backward
+    unless `parallel.zero3_reshard_after_forward` (when the runtime has it) says false."""
+    return bool(getattr(cfg.parallel, "zero3_reshard_after_forward", True))
+
+
+def gathered_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
+    """ZeRO-3's gathered 16-bit weights on each pipeline rank (`cost.memory`); 0 below level 3."""
+    if layout.zero < 3 or layout.dp * layout.cp == 1:
+        return [0.0] * layout.pp
+    model, tp, e = cfg.model, layout.tp, element_bytes(cfg.train.precision)
+    per_rank = parameters_per_rank(
+        model, tp, layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement, layout.ep
+    )
+    if not reshard_after_forward(cfg):
+        return [e * count for count in per_rank]
+    rows = model.padded_vocab_size(tp) // tp * model.hidden_size
+    layers = range(model.num_layers) if model.num_experts else [None]
+    unit = max(*(layer_parameters(model, tp, i, layout.ep) for i in layers), rows)
+    return [2.0 * e * min(unit, count) for count in per_rank]
