@@ -2,8 +2,7 @@
 tensors of the unfused core and the graphed regions (`ptdp.perf.cost.memory` adds them).
 
 Apart from `ptdp.perf.cost.switches`, which prices the switches' time through the
-`Software` profile: the memory model is imported by the cost model, so what it needs of
-the switches must not import the cost model back.
+`Software` profile and refuses what cannot run: bytes here, time and rules there.
 """
 
 from __future__ import annotations
