@@ -29,7 +29,10 @@ def report_error(line: str) -> None:
     """Print ptdp's one-line error; under torchrun also hand it to the agent (the error file
     it names in TORCHELASTIC_ERROR_FILE), whose failure summary, printed after this line,
     then shows it as the failed rank's `traceback` instead of a pointer to its docs."""
-    print(line, file=sys.stderr)
+    # One write: print() writes the newline apart, and ranks sharing torchrun's stderr then
+    # interleave two errors on one line. A pipe keeps a write under 4 KiB whole.
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         try:
