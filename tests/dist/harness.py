@@ -55,11 +55,29 @@ def _child(
     os._exit(0)
 
 
+MESH_FAILED = "Gloo connectFullMesh failed"
+"""Gloo's error when a rank's TCP pairs do not all connect inside init_process_group: rare
+and transient on a loaded machine (PyTorch's own tests see it, pytorch/pytorch#53270), and
+before any test code has run."""
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180) -> None:
     """Run `fn(rank, world_size, *args)` in `world_size` processes; raise the first error.
 
-    `fn` must be a module-level function (it is pickled into spawned children).
+    `fn` must be a module-level function (it is pickled into spawned children). A spawn
+    whose group failed to connect (`MESH_FAILED`, raised by init_process_group itself) is
+    started once more; any other failure is the test's.
     """
+    try:
+        _spawn(fn, world_size, args, timeout_s)
+    except RankError as exc:
+        if MESH_FAILED not in str(exc) or "init_process_group" not in str(exc):
+            raise
+        print(f"run_ranks: the gloo group did not connect, spawning again:\n{exc}", file=sys.stderr)
+        _spawn(fn, world_size, args, timeout_s)
+
+
+def _spawn(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
