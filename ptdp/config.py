@@ -240,6 +240,11 @@ class ParallelConfig:
     for its backward (false: keep them from forward to backward, one gather per microbatch
     instead of two, for more memory; under pipelining every microbatch in flight holds
     them)."""
+    zero3_fp8_all_gather: bool = False
+    """ZeRO-3 with train.precision = fp8 (tensorwise): all-gather the linear layers' weights
+    as float8 bytes with their scales (1 byte an element instead of 2), cast once per step
+    from each rank's shard, and run their GEMMs on the gathered float8 weights; the 16-bit
+    full weights are then never allocated. Bitwise the same training as without it."""
 
 
 @dataclass(kw_only=True, frozen=True)

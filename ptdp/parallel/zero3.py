@@ -39,8 +39,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ptdp.parallel.buckets import ChunkBuffer
+from ptdp.parallel.buckets import Bucket, ChunkBuffer
 from ptdp.parallel.comm import Group, all_gather_flat_async
+from ptdp.parallel.zero3_fp8 import Fp8Gather
 
 
 def unit_of(name: str) -> str:
@@ -60,9 +61,12 @@ class ParamGather:
         dp: Group,
         *,
         reshard_after_forward: bool = True,
-        count: Callable[[str, torch.Tensor], None] = lambda kind, tensor: None,
+        count: Callable[..., None] = lambda kind, tensor, times=1: None,
+        fp8: Fp8Gather | None = None,
     ) -> None:
         self.dp, self.reshard, self.count = dp, reshard_after_forward, count
+        self.fp8 = fp8
+        """The fp8 all-gather's buckets (`ptdp.parallel.zero3_fp8`), gathered in float8."""
         self.prefetch = True
         """Start the next unit's gather early; off only to measure the gathers' total time."""
         self.wait_s = 0.0
@@ -116,9 +120,12 @@ class ParamGather:
         for b in buckets:
             if b.users or b.gather is not None:
                 continue
-            whole = b.whole
+            whole, shard = b.whole, b.shard
+            if b.whole8 is not None:  # its bytes (gloo and NCCL gather no float8 dtype)
+                self.fp8.prepare(self.count)
+                whole, shard = b.whole8.view(torch.uint8), b.shard8.view(torch.uint8)
             whole.untyped_storage().resize_(whole.numel() * whole.element_size())
-            b.gather = all_gather_flat_async(whole, b.shard, self.dp)
+            b.gather = all_gather_flat_async(whole, shard, self.dp)
             self.count("all_gather", whole)
             self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
 
@@ -140,7 +147,7 @@ class ParamGather:
                 continue
             b.users -= 1
             if b.users == 0:
-                b.whole.untyped_storage().resize_(0)
+                _free(b)
 
     def reset(self) -> None:
         """Free every bucket (end of a step, or after a failed one)."""
@@ -149,8 +156,17 @@ class ParamGather:
                 b.gather.wait()
                 b.gather = None
             b.users = 0
-            b.whole.untyped_storage().resize_(0)
+            _free(b)
+        if self.fp8 is not None:  # the weights change before the next step's gathers
+            self.fp8.invalidate()
 
     def gathered_bytes(self) -> int:
-        """Bytes of full parameters allocated now."""
-        return sum(b.whole.untyped_storage().nbytes() for b in self.buckets)
+        """Bytes of full parameters allocated now (16-bit or float8)."""
+        wholes = [b.whole for b in self.buckets]
+        wholes += [b.whole8 for b in self.buckets if b.whole8 is not None]
+        return sum(t.untyped_storage().nbytes() for t in wholes)
+
+
+def _free(b: Bucket) -> None:
+    """A bucket's full parameters' memory given back."""
+    (b.whole if b.whole8 is None else b.whole8).untyped_storage().resize_(0)
