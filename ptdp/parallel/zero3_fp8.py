@@ -21,11 +21,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ptdp.parallel.buckets import Bucket
-from ptdp.parallel.comm import Group
+from ptdp.parallel.comm import Group, all_reduce_max_value
 
 if TYPE_CHECKING:  # torchao is optional: only an fp8 run imports ptdp.parallel.fp8
     from ptdp.parallel.fp8 import Fp8Gemms
@@ -88,7 +87,7 @@ class Fp8Gather:
         device = self.buckets[0].shard.device
         zero = torch.zeros((), dtype=torch.float32, device=device)
         amax = torch.stack([zero if t is None else t.abs().max().float() for t in parts])
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.dp.group)
+        amax = all_reduce_max_value(amax, self.dp)
         count("all_reduce", amax, 2)
         scales = self.fp8.weight_scales(amax)
         for i, ((b, p, view, own), part) in enumerate(zip(self._segments, parts)):
