@@ -161,9 +161,10 @@ class ParamGather:
             self.fp8.invalidate()
 
     def gathered_bytes(self) -> int:
-        """Bytes of full parameters allocated now (16-bit or float8)."""
+        """Bytes of full parameters allocated now (16-bit or float8), and of the fp8
+        all-gather's float8 shards of this step."""
         wholes = [b.whole for b in self.buckets]
-        wholes += [b.whole8 for b in self.buckets if b.whole8 is not None]
+        wholes += [t for b in self.buckets if b.whole8 is not None for t in (b.whole8, b.shard8)]
         return sum(t.untyped_storage().nbytes() for t in wholes)
 
 

@@ -9,7 +9,8 @@ these weights buckets of their own. Once per step, at the first gather of such a
 (weights change only between steps), `prepare` takes each weight's amax over this rank's
 shard, all-reduces the maxima over dp as one vector, turns them into scales with torchao's
 `amax_to_scale` (bitwise the unsharded cast's scale: a maximum is exact) and casts each
-rank's shard, element by element with its weight's scale, into `Bucket.shard8`. The bucket's
+rank's shard, element by element with its weight's scale, into `Bucket.shard8` (held until
+the end of the step, 1 byte an element of the shard). The bucket's
 gather then fills `Bucket.whole8` from the shards' bytes, and each weight's `fp8_weight`
 attribute (a float8 tensor viewing `whole8`, read by `ptdp.parallel.wgrad._Fp8Linear`)
 is what its GEMMs take. The bucket's 16-bit `whole` is never allocated; its parameters keep
@@ -69,11 +70,14 @@ class Fp8Gather:
                 self._segments.append((b, p, view, own))
                 at += n
             b.whole8.untyped_storage().resize_(0)
+            b.shard8.untyped_storage().resize_(0)
 
     def invalidate(self) -> None:
         """The weights may change (optimizer step, checkpoint load): cast again when next
-        gathered."""
+        gathered. The float8 shards are freed until then."""
         self.ready = False
+        for b in self.buckets:
+            b.shard8.untyped_storage().resize_(0)
 
     @torch.no_grad()
     def prepare(self, count) -> None:
@@ -90,6 +94,9 @@ class Fp8Gather:
         amax = all_reduce_max_value(amax, self.dp)
         count("all_reduce", amax, 2)
         scales = self.fp8.weight_scales(amax)
+        for b in self.buckets:  # padding stays float8 zeros
+            b.shard8.untyped_storage().resize_(b.shard8.numel())
+            b.shard8.view(torch.uint8).zero_()
         for i, ((b, p, view, own), part) in enumerate(zip(self._segments, parts)):
             if part is not None:
                 b.shard8[own[0] : own[1]] = self.fp8.cast_weight(part, scales[i])
