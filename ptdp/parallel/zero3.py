@@ -28,7 +28,9 @@ shards (`GradBuffers.owned_params`), as checkpoints do, never the parameters.
 
 Bytes moved per rank per step: the forward and backward gathers, 2 x (dp-1)/dp x the
 parameters per microbatch (1 x when kept), plus ZeRO-2's reduce-scatter of the gradients:
-the paper's 3 Psi at one microbatch.
+the paper's 3 Psi at one microbatch. With the fp8 all-gather (`ptdp.parallel.zero3_fp8`)
+the buckets of the linear layers' float8 weights gather their float8 bytes into
+`Bucket.whole8` instead, half the bytes.
 """
 
 from __future__ import annotations

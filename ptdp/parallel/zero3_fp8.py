@@ -19,6 +19,7 @@ their shapes for autograd and receive their gradients as before.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +27,7 @@ from torch import nn
 
 from ptdp.parallel.buckets import Bucket
 from ptdp.parallel.comm import Group, all_reduce_max_value
+from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:  # torchao is optional: only an fp8 run imports ptdp.parallel.fp8
     from ptdp.parallel.fp8 import Fp8Gemms
@@ -34,8 +36,6 @@ if TYPE_CHECKING:  # torchao is optional: only an fp8 run imports ptdp.parallel.
 def fp8_weights(chunks: list[nn.Module]) -> set[nn.Parameter]:
     """The weights whose GEMMs run in float8 in the transformer layers: those of the
     tensor-parallel linear layers given an `Fp8Gemms` (the output layer's is left 16-bit)."""
-    from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-
     found = set()
     for chunk in chunks:
         layers = getattr(chunk, "layers", None)
@@ -53,8 +53,8 @@ class Fp8Gather:
         self.ready = False
         """This step's shards are cast; cleared by `invalidate` (end of step)."""
         self._segments = []
-        """(bucket, parameter, float8 view of whole8, [a, b) of the shard, [a, b) of the
-        parameter) for every parameter with elements in this rank's shard or not."""
+        """(bucket, parameter, its float8 view of `whole8`, the [a, b) of this rank's shard
+        that holds its elements, or None) for every parameter of the buckets."""
         dtype = fp8.weight_dtype
         for b in buckets:
             device = b.params[0].device
@@ -66,7 +66,7 @@ class Fp8Gather:
                 n = p.numel()
                 view = b.whole8[at : at + n].view(p.shape)  # made while the storage is there
                 first, last = max(at, lo), min(at + n, hi)
-                own = (first - lo, last - lo, first - at, last - at) if first < last else None
+                own = (first - lo, last - lo) if first < last else None
                 self._segments.append((b, p, view, own))
                 at += n
             b.whole8.untyped_storage().resize_(0)
@@ -80,7 +80,7 @@ class Fp8Gather:
             b.shard8.untyped_storage().resize_(0)
 
     @torch.no_grad()
-    def prepare(self, count) -> None:
+    def prepare(self, count: Callable[..., None]) -> None:
         """Scales and float8 shards of every fp8 weight for this step: one all-reduce."""
         if self.ready:
             return
