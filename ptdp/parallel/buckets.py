@@ -57,7 +57,7 @@ class Bucket:
     """ZeRO-3's fp8 all-gather (`ptdp.parallel.zero3_fp8`): the bucket's weights in float8,
     gathered instead of `whole` (whose storage then stays empty), freed when unused."""
     shard8: torch.Tensor | None = None
-    """This rank's 1/dp of `whole8`: `shard` cast once per step."""
+    """This rank's 1/dp of `whole8`: `shard` cast in float8 while its gather is in flight."""
 
     @property
     def size(self) -> int:

@@ -125,6 +125,7 @@ class ParamGather:
             whole, shard = b.whole, b.shard
             if b.whole8 is not None:  # its bytes (gloo and NCCL gather no float8 dtype)
                 self.fp8.prepare(self.count)
+                b.shard8 = self.fp8.cast(b)
                 whole, shard = b.whole8.view(torch.uint8), b.shard8.view(torch.uint8)
             whole.untyped_storage().resize_(whole.numel() * whole.element_size())
             b.gather = all_gather_flat_async(whole, shard, self.dp)
@@ -139,7 +140,7 @@ class ParamGather:
                 began = time.perf_counter()
                 b.gather.wait()
                 self.wait_s += time.perf_counter() - began
-                b.gather = None
+                b.gather = b.shard8 = None
             b.users += 1
 
     def release(self, buckets) -> None:
@@ -156,7 +157,7 @@ class ParamGather:
         for b in self.buckets:
             if b.gather is not None:
                 b.gather.wait()
-                b.gather = None
+                b.gather = b.shard8 = None
             b.users = 0
             _free(b)
         if self.fp8 is not None:  # the weights change before the next step's gathers
@@ -164,10 +165,10 @@ class ParamGather:
 
     def gathered_bytes(self) -> int:
         """Bytes of full parameters allocated now (16-bit or float8), and of the fp8
-        all-gather's float8 shards of this step."""
-        wholes = [b.whole for b in self.buckets]
-        wholes += [t for b in self.buckets if b.whole8 is not None for t in (b.whole8, b.shard8)]
-        return sum(t.untyped_storage().nbytes() for t in wholes)
+        all-gather's float8 shards cast for gathers in flight."""
+        held = [b.whole for b in self.buckets] + [b.whole8 for b in self.buckets]
+        held += [b.shard8 for b in self.buckets]
+        return sum(t.untyped_storage().nbytes() for t in held if t is not None)
 
 
 def _free(b: Bucket) -> None:

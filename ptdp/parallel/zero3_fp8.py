@@ -7,14 +7,15 @@ Tensorwise scaling only: a weight's scale is max |w| over the whole (tensor-para
 weight, so one cast serves its forward and its input-gradient GEMM. `GradBuffers` gives
 these weights buckets of their own. Once per step, at the first gather of such a bucket
 (weights change only between steps), `prepare` takes each weight's amax over this rank's
-shard, all-reduces the maxima over dp as one vector, turns them into scales with torchao's
-`amax_to_scale` (bitwise the unsharded cast's scale: a maximum is exact) and casts each
-rank's shard, element by element with its weight's scale, into `Bucket.shard8` (held until
-the end of the step, 1 byte an element of the shard). The bucket's
-gather then fills `Bucket.whole8` from the shards' bytes, and each weight's `fp8_weight`
-attribute (a float8 tensor viewing `whole8`, read by `ptdp.parallel.wgrad._Fp8Linear`)
-is what its GEMMs take. The bucket's 16-bit `whole` is never allocated; its parameters keep
-their shapes for autograd and receive their gradients as before.
+shard, all-reduces the maxima over dp as one vector and turns them into scales with
+torchao's `amax_to_scale` (bitwise the unsharded cast's scale: a maximum is exact). Each
+gather of a bucket casts this rank's shard, element by element with its weight's scale,
+into `Bucket.shard8` (as torchao's FSDP2 path casts at each all-gather: no float8 copy of
+the shards is kept between gathers) and fills `Bucket.whole8` from the shards' bytes; each
+weight's `fp8_weight` attribute (a float8 tensor viewing `whole8`, set at `prepare`, read
+by `ptdp.parallel.wgrad._Fp8Linear`) is what its GEMMs take. The bucket's 16-bit `whole` is
+never allocated; its parameters keep their shapes for autograd and receive their gradients
+as before.
 """
 
 from __future__ import annotations
@@ -46,59 +47,66 @@ def fp8_weights(chunks: list[nn.Module]) -> set[nn.Parameter]:
 
 
 class Fp8Gather:
-    """The float8 shards of a rank's fp8 buckets, cast once per step (module doc)."""
+    """The scales of a rank's fp8 buckets' weights (once per step) and their float8 shards
+    (cast at each gather, freed once it is done; module doc)."""
 
     def __init__(self, buckets: list[Bucket], fp8: Fp8Gemms, dp: Group) -> None:
         self.buckets, self.fp8, self.dp = buckets, fp8, dp
-        self.ready = False
-        """This step's shards are cast; cleared by `invalidate` (end of step)."""
-        self._segments = []
-        """(bucket, parameter, its float8 view of `whole8`, the [a, b) of this rank's shard
-        that holds its elements, or None) for every parameter of the buckets."""
+        self.scales: torch.Tensor | None = None
+        """This step's scale of each weight (`_segments` order); None: not taken yet."""
+        self._segments: dict[int, list[tuple[int, nn.Parameter, tuple[int, int] | None]]] = {}
+        """By bucket (its id): (index, parameter, the [a, b) of this rank's shard holding
+        its elements or None) for each parameter of the bucket."""
+        self._views: list[torch.Tensor] = []
+        """Each weight's float8 view of its bucket's `whole8`."""
         dtype = fp8.weight_dtype
         for b in buckets:
-            device = b.params[0].device
             part = b.size // dp.size
-            b.whole8 = torch.zeros(b.size, dtype=dtype, device=device)
-            b.shard8 = torch.zeros(part, dtype=dtype, device=device)
+            b.whole8 = torch.zeros(b.size, dtype=dtype, device=b.params[0].device)
             lo, hi, at = dp.rank * part, (dp.rank + 1) * part, 0
+            segments = self._segments.setdefault(id(b), [])
             for p in b.params:
                 n = p.numel()
-                view = b.whole8[at : at + n].view(p.shape)  # made while the storage is there
                 first, last = max(at, lo), min(at + n, hi)
-                own = (first - lo, last - lo) if first < last else None
-                self._segments.append((b, p, view, own))
+                segments.append(
+                    (len(self._views), p, (first - lo, last - lo) if first < last else None)
+                )
+                self._views.append(b.whole8[at : at + n].view(p.shape))  # while it has storage
                 at += n
             b.whole8.untyped_storage().resize_(0)
-            b.shard8.untyped_storage().resize_(0)
 
     def invalidate(self) -> None:
-        """The weights may change (optimizer step, checkpoint load): cast again when next
-        gathered. The float8 shards are freed until then."""
-        self.ready = False
-        for b in self.buckets:
-            b.shard8.untyped_storage().resize_(0)
+        """The weights may change (optimizer step, checkpoint load): scale again when next
+        gathered."""
+        self.scales = None
 
     @torch.no_grad()
     def prepare(self, count: Callable[..., None]) -> None:
-        """Scales and float8 shards of every fp8 weight for this step: one all-reduce."""
-        if self.ready:
+        """Every fp8 weight's scale for this step, from its amax: one all-reduce (max)."""
+        if self.scales is not None:
             return
-        parts = []
-        for b, _, _, own in self._segments:
-            part = b.shard[own[0] : own[1]] if own is not None else None
-            parts.append(part)
         device = self.buckets[0].shard.device
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        amax = torch.stack([zero if t is None else t.abs().max().float() for t in parts])
+        amax = torch.zeros(len(self._views), dtype=torch.float32, device=device)
+        for b in self.buckets:
+            for i, _, own in self._segments[id(b)]:
+                if own is not None:
+                    amax[i] = b.shard[own[0] : own[1]].abs().max().float()
         amax = all_reduce_max_value(amax, self.dp)
         count("all_reduce", amax, 2)
-        scales = self.fp8.weight_scales(amax)
-        for b in self.buckets:  # padding stays float8 zeros
-            b.shard8.untyped_storage().resize_(b.shard8.numel())
-            b.shard8.view(torch.uint8).zero_()
-        for i, ((b, p, view, own), part) in enumerate(zip(self._segments, parts)):
-            if part is not None:
-                b.shard8[own[0] : own[1]] = self.fp8.cast_weight(part, scales[i])
-            p.fp8_weight = self.fp8.gathered_weight(view, scales[i], p.dtype)
-        self.ready = True
+        self.scales = self.fp8.weight_scales(amax)
+        for segments in self._segments.values():
+            for i, p, _ in segments:
+                p.fp8_weight = self.fp8.gathered_weight(self._views[i], self.scales[i], p.dtype)
+
+    @torch.no_grad()
+    def cast(self, b: Bucket) -> torch.Tensor:
+        """This rank's shard of bucket `b` in float8, each element with its weight's scale
+        (padding: zeros), for one gather (`prepare` first)."""
+        out = torch.zeros(b.shard.numel(), dtype=torch.uint8, device=b.shard.device)
+        out = out.view(self.fp8.weight_dtype)
+        for i, _, own in self._segments[id(b)]:
+            if own is not None:
+                out[own[0] : own[1]] = self.fp8.cast_weight(
+                    b.shard[own[0] : own[1]], self.scales[i]
+                )
+        return out

@@ -314,8 +314,8 @@ def test_zero_3_kept_between_forward_and_backward(monkeypatch) -> None:
 
 def test_zero_3_fp8_all_gather_prices_linear_weights_at_one_byte() -> None:
     """parallel.zero3_fp8_all_gather: each layer's linear weights, by hand 3h^2 + h^2 + 2hf
-    = 49152 elements (h = 64, f = 4h), gathered at 1 byte instead of 2, and their float8
-    shards (1 byte an element of 1/dp) held through the step."""
+    = 49152 elements (h = 64, f = 4h), gathered at 1 byte instead of 2, plus the float8
+    shard (1 byte an element of 1/dp) cast for the layer being gathered."""
     h, n_layers, dp = 64, 4, 4
     model = {"num_layers": n_layers, "hidden_size": h, "num_heads": 4, "seq_length": 64}
     model |= {"vocab_size": 128}
@@ -334,11 +334,11 @@ def test_zero_3_fp8_all_gather_prices_linear_weights_at_one_byte() -> None:
     assert fp8_gathered_weights(cfgs[True], lay) == weights
     assert fp8_gathered_weights(cfgs[False], lay) == 0
     # Memory: two layers gathered (in compute and prefetched; a layer outweighs the
-    # 128 x 64 embedding), 2 bytes an element but the linear weights' 1; plus the shards.
+    # 128 x 64 embedding), 2 bytes an element but the linear weights' 1; plus one shard.
     layer = layer_parameters(cfgs[True].model)
     off, on = (estimate_memory(cfgs[x], dp, layout=lay)[0].gathered for x in (False, True))
     assert off == 2 * 2 * layer
-    assert on == 2 * (2 * layer - weights) + n_layers * weights / dp
+    assert on == 2 * (2 * layer - weights) + weights / dp
     # Communication: each microbatch's two gathers move 4 * 49152 bytes fewer a step pass.
     h100 = load_system("h100-sxm")  # float8 tensor cores
     c = Compute(h100, Precision.FP8, PTDP)

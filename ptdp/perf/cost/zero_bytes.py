@@ -54,8 +54,8 @@ def fp8_gathered_weights(cfg: RunConfig, layout: Layout) -> int:
 
 def gathered_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
     """ZeRO-3's gathered weights on each pipeline rank (`cost.memory`): 16-bit, their fp8
-    linear weights 8-bit under the fp8 all-gather (plus its float8 shards of the step);
-    0 below level 3."""
+    linear weights 8-bit under the fp8 all-gather (plus the float8 shard cast for the layer
+    in flight); 0 below level 3."""
     if layout.zero < 3 or layout.dp * layout.cp == 1:
         return [0.0] * layout.pp
     model, tp, e = cfg.model, layout.tp, element_bytes(cfg.train.precision)
@@ -64,14 +64,13 @@ def gathered_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
     )
     fp8 = fp8_gathered_weights(cfg, layout)
     saved = (e - 1) * fp8  # bytes fewer a gathered layer
-    layers = [0] * layout.pp
-    for stage, count in enumerate(layout.stage_layers):
-        layers[layout.stages.rank(stage)] += count
-    # The fp8 all-gather's float8 shards of the rank's layers, held through the step.
-    shards = [fp8 * n / (layout.dp * layout.cp) for n in layers]
+    cast = fp8 / (layout.dp * layout.cp)  # the float8 shard of the layer being gathered
     if not reshard_after_forward(cfg):
-        return [e * count - saved * n + s for count, n, s in zip(per_rank, layers, shards)]
+        layers = [0] * layout.pp
+        for stage, count in enumerate(layout.stage_layers):
+            layers[layout.stages.rank(stage)] += count
+        return [e * count - saved * n + cast * bool(n) for count, n in zip(per_rank, layers)]
     rows = model.padded_vocab_size(tp) // tp * model.hidden_size
     units = range(model.num_layers) if model.num_experts else [None]
     unit = max(*(e * layer_parameters(model, tp, i, layout.ep) - saved for i in units), e * rows)
-    return [2.0 * min(unit, e * count) + s for count, s in zip(per_rank, shards)]
+    return [2.0 * min(unit, e * count) + cast for count in per_rank]
