@@ -14,8 +14,10 @@ all-reduce 2n) in units of the rank's parameter count Psi, against the paper's 2
 0, 1, 2) and 3 Psi (zero 3) at one microbatch per step (Rajbhandari et al. 2020, Sec. 7:
 more microbatches repeat ZeRO-2's reduce-scatter and ZeRO-3's gathers); the median step
 time, tokens/s, and for ZeRO-3 the seconds blocked on gathers per step with prefetch
-(exposed) and without it (every gather waited for: their whole time). Rows go to
-runs/benchmarks/zero.json (`--out`); a run rewrites no tracked file.
+(exposed) and without it (every gather waited for: their whole time). With `--precision
+fp8` (torchao; emulated float8 GEMMs on a CPU) a last row runs ZeRO-3 with
+parallel.zero3_fp8_all_gather: the linear layers' weights gathered as float8 bytes. Rows go
+to runs/benchmarks/zero.json (`--out`); a run rewrites no tracked file.
 
     python benchmarks/zero.py [--dp 2 --steps 4 --microbatches 1 --precision fp32]
 """
@@ -57,14 +59,16 @@ def corpus(directory: Path) -> str:
     return str(directory / "repo")
 
 
-def _config(args: argparse.Namespace, data: str, run_dir: str, zero: int, world: int):
+def _config(args: argparse.Namespace, data: str, run_dir: str, zero: int, world: int, fp8ag: bool):
     cfg = load_toml(ROOT / "configs" / "demo.toml")
     return apply_updates(
         cfg,
         {
             "model": {"hidden_size": args.hidden_size},
             "data": {"path": data},
-            "parallel": {"zero": zero, "bucket_mb": args.bucket_mb},
+            "parallel": {
+                "zero": zero, "bucket_mb": args.bucket_mb, "zero3_fp8_all_gather": fp8ag,
+            },
             "train": {
                 "micro_batch_size": 4, "global_batch_size": 4 * args.microbatches * world,
                 "progress": False, "device": "cpu", "precision": args.precision,
@@ -103,9 +107,12 @@ def _measure(args: argparse.Namespace, trainer: Trainer, world: int) -> dict:
 
 def worker(rank: int, world: int, args: argparse.Namespace, data: str, run_dir: str) -> list:
     env, rows = LaunchEnv(rank, world, rank), []
-    for zero, prefetch in ((0, True), (1, True), (2, True), (3, True), (3, False)):
-        name = f"zero{zero}" + ("" if prefetch else "-noprefetch")
-        cfg, layout, run_data = prepare(_config(args, data, f"{run_dir}/{name}", zero, world), env)
+    levels = [(0, True, False), (1, True, False), (2, True, False), (3, True, False)]
+    levels += [(3, False, False)] + [(3, True, True)] * (args.precision == "fp8")
+    for zero, prefetch, fp8ag in levels:
+        name = f"zero{zero}" + ("" if prefetch else "-noprefetch") + ("-fp8ag" * fp8ag)
+        cfg = _config(args, data, f"{run_dir}/{name}", zero, world, fp8ag)
+        cfg, layout, run_data = prepare(cfg, env)
         trainer = Trainer(cfg, layout, env, run_data)
         grads = trainer.grads
         if grads.gather:
@@ -116,6 +123,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, data: str, run_dir: 
         row |= {
             "zero": zero,
             "prefetch": prefetch,
+            "fp8_all_gather": fp8ag,
             "psi": psi,
             "params": grads.param_bytes(),
             "grads": grads.grad_bytes(),
@@ -123,6 +131,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, data: str, run_dir: 
             "peak_full": grads.peak_full_bytes,
             "peak_gathered": grads.gather.peak_bytes if grads.gather else 0,
             "model": [est.params, est.grads, est.optimizer, est.grad_buckets],
+            "model_gathered": est.gathered,
             "microbatches": layout.num_microbatches,
         }
         rows.append(row)
@@ -140,6 +149,12 @@ def paper_psi(zero: int, m: int) -> int:
     return {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[zero]
 
 
+def _name(row: dict) -> str:
+    """A row's level, and how it gathers."""
+    name = f"{row['zero']}" + ("" if row["prefetch"] else " (no prefetch)")
+    return name + (" (fp8 all-gather)" if row["fp8_all_gather"] else "")
+
+
 def report(args: argparse.Namespace, rows: list[dict]) -> None:
     m = rows[0]["microbatches"]
     print(
@@ -147,8 +162,8 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
         f"{m} microbatches per rank per step; MiB per rank (measured / model)"
     )
     print(
-        "| zero | params | grads | optimizer | full buckets (peak) | gathered params (peak) "
-        "| model state (peak) |"
+        "| zero | params | grads | optimizer | full buckets (peak) "
+        "| gathered params (peak / model) | model state (peak) |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -157,7 +172,8 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
         got = [r["params"], r["grads"], r["optimizer"], r["peak_full"]]
         cells = " | ".join(f"{g / MIB:.2f} / {e / MIB:.2f}" for g, e in zip(got, r["model"]))
         peak = (sum(got) + r["peak_gathered"]) / MIB
-        print(f"| {r['zero']} | {cells} | {r['peak_gathered'] / MIB:.2f} | {peak:.2f} |")
+        gathered = f"{r['peak_gathered'] / MIB:.2f} / {r['model_gathered'] / MIB:.2f}"
+        print(f"| {_name(r)} | {cells} | {gathered} | {peak:.2f} |")
     print(
         "\n| zero | all-reduce | reduce-scatter | all-gather | total (Psi) | paper (Psi) "
         "| MiB/step on the wire | ms/step | tokens/s | gather wait s/step |"
@@ -168,7 +184,7 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
         kinds = [t.get(k, [0, 0]) for k in ("all_reduce", "reduce_scatter", "all_gather")]
         wire = sum(b for _, b in kinds) * (args.dp - 1) / args.dp / MIB
         units = [e / psi for e, _ in kinds]
-        name = f"{r['zero']}" + ("" if r["prefetch"] else " (no prefetch)")
+        name = _name(r)
         cells = " | ".join(f"{u:.3f}" for u in units)
         print(
             f"| {name} | {cells} | {sum(units):.3f} | {paper_psi(r['zero'], m)} | {wire:.1f} "
@@ -183,7 +199,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=1, help="per rank per step")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--bucket-mb", type=float, default=1.0)
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp8"), default="fp32")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks" / "zero.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

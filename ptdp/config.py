@@ -240,6 +240,13 @@ class ParallelConfig:
     for its backward (false: keep them from forward to backward, one gather per microbatch
     instead of two, for more memory; under pipelining every microbatch in flight holds
     them)."""
+    zero3_fp8_all_gather: bool = False
+    """ZeRO-3 with train.precision = fp8 (tensorwise): all-gather the linear layers' weights
+    as float8 bytes (1 byte an element instead of 2) with their scales (taken once per step,
+    one small all-reduce), and run their GEMMs on the gathered float8 weights; the 16-bit
+    full weights are then never allocated. The same float8 operands as without it (the
+    training differs at most by float32 rounding: other bucket cuts, another order of the
+    gradient norm's sums)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from ptdp.config import Activation, Precision, RunConfig
+from ptdp.config import Activation, Fp8Recipe, Precision, RunConfig
 
 FP8_MULTIPLE = 16
 """What each dimension of a float8 GEMM's operands must be a multiple of."""
@@ -26,6 +26,7 @@ def has_torchao() -> bool:
 def fp8_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
     """Append what keeps `cfg` from training in fp8 to `errors` (nothing unless precision
     = fp8). `runtime`: also whether torchao is installed, which a modelled run needs not."""
+    _all_gather_rules(cfg, errors)
     if cfg.train.precision is not Precision.FP8:
         return
     m, p = cfg.model, cfg.parallel
@@ -72,3 +73,29 @@ def _feature_rules(cfg: RunConfig, errors: list[str]) -> None:
                 f"{FP8_MULTIPLE} (torch._scaled_mm's operands); change the model's widths "
                 "or parallel.tp, or use --train.precision bf16"
             )
+
+
+def _all_gather_rules(cfg: RunConfig, errors: list[str]) -> None:
+    """parallel.zero3_fp8_all_gather gathers ZeRO-3's float8 weights: it needs all three."""
+    p, t = cfg.parallel, cfg.train
+    if not p.zero3_fp8_all_gather:
+        return
+    zero = p.zero if p.zero >= 0 else int(cfg.optim.distributed)
+    key = "parallel.zero3_fp8_all_gather = true"
+    if t.precision is not Precision.FP8:
+        errors.append(
+            f"{key} gathers float8 weights, but train.precision = {t.precision.value}; set "
+            "--train.precision fp8, or drop the option"
+        )
+    if zero != 3:
+        errors.append(
+            f"{key} gathers ZeRO-3's parameters, but parallel.zero = {zero} gathers none; "
+            "set --parallel.zero 3, or drop the option"
+        )
+    if t.precision is Precision.FP8 and t.fp8_recipe is not Fp8Recipe.TENSORWISE:
+        errors.append(
+            f"{key} needs train.fp8_recipe = tensorwise (one scale a weight, one cast for "
+            f"its forward and backward GEMMs), but it is {t.fp8_recipe.value}, whose "
+            "per-row scales differ between the two; set --train.fp8_recipe tensorwise, or "
+            "drop the option"
+        )

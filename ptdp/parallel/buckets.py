@@ -53,6 +53,11 @@ class Bucket:
     """ZeRO-3: forwards and backwards holding `whole` now (`ParamGather`)."""
     gather: dist.Work | None = None
     """ZeRO-3: the all-gather filling `whole`, while in flight."""
+    whole8: torch.Tensor | None = None
+    """ZeRO-3's fp8 all-gather (`ptdp.parallel.zero3_fp8`): the bucket's weights in float8,
+    gathered instead of `whole` (whose storage then stays empty), freed when unused."""
+    shard8: torch.Tensor | None = None
+    """This rank's 1/dp of `whole8`: `shard` cast in float8 while its gather is in flight."""
 
     @property
     def size(self) -> int:

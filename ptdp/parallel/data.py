@@ -50,13 +50,16 @@ the trainer calls also runs on `experts`.
 ZeRO-3 (`shard_params`) also keeps only each rank's 1/dp of the parameters: `params` holds
 the shards, buckets never span two units (a transformer layer, or a chunk's other
 parameters) and `ParamGather` (`ptdp.parallel.zero3`) all-gathers a unit's buckets around
-its forward and its backward. `traffic` counts what the data-parallel collectives move.
+its forward and its backward; with `fp8_gather` the float8 weights of the linear layers
+are gathered as float8 (`ptdp.parallel.zero3_fp8`). `traffic` counts what the data-parallel
+collectives move.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -80,6 +83,10 @@ from ptdp.parallel.grads import sum_tied_
 from ptdp.parallel.init import expert_split
 from ptdp.parallel.roles import ParamRoles
 from ptdp.parallel.zero3 import ParamGather, unit_of
+from ptdp.parallel.zero3_fp8 import Fp8Gather, fp8_weights
+
+if TYPE_CHECKING:  # torchao is optional: only an fp8 run imports ptdp.parallel.fp8
+    from ptdp.parallel.fp8 import Fp8Gemms
 
 
 def _holds(*, experts_only: bool, experts_apart: bool) -> Callable[[nn.Parameter], bool]:
@@ -90,6 +97,21 @@ def _holds(*, experts_only: bool, experts_apart: bool) -> Callable[[nn.Parameter
     if experts_apart:
         return lambda p: expert_split(p) is None
     return lambda p: True
+
+
+def _unit(named: list[tuple[str, nn.Parameter]], fp8: set[nn.Parameter]) -> Callable:
+    """ZeRO-3's bucket cuts by name: at unit boundaries, and where the fp8 all-gather's
+    weights begin or end (they are gathered in float8, in buckets of their own)."""
+    in_fp8 = {n for n, p in named if p in fp8}
+    return lambda name: (unit_of(name), name in in_fp8)
+
+
+def _fp8_gather(
+    buffers: list[ChunkBuffer], params: set[nn.Parameter], fp8: Fp8Gemms | None, dp: Group
+) -> Fp8Gather | None:
+    """The fp8 all-gather of the buckets holding `params` (none: off)."""
+    buckets = [b for buf in buffers for b in buf.buckets if b.params[0] in params]
+    return Fp8Gather(buckets, fp8, dp) if buckets else None
 
 
 def _weak_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
@@ -111,7 +133,8 @@ class GradBuffers:
     reduce-scatter so that each rank owns 1/dp of every bucket (ZeRO-1); `shard_grads`:
     also keep only that 1/dp of the gradients (ZeRO-2, module doc; implies `shard`);
     `shard_params`: and of the parameters (ZeRO-3, `ptdp.parallel.zero3`; implies both),
-    re-gathered before each backward unless `reshard_after_forward` is off. `expert_dp`
+    re-gathered before each backward unless `reshard_after_forward` is off; `fp8_gather`:
+    the fp8 linear weights gathered in float8 (`ptdp.parallel.zero3_fp8`). `expert_dp`
     (expert parallelism): the group over which the expert parameters, kept in an instance of
     their own (`experts`), are reduced and sharded; `ep`: the group holding the other
     experts. `_experts_only` and `_divisor` build that instance.
@@ -130,6 +153,7 @@ class GradBuffers:
         shard_grads: bool = False,
         shard_params: bool = False,
         reshard_after_forward: bool = True,
+        fp8_gather: Fp8Gemms | None = None,
         overlap: bool = True,
         expert_dp: Group | None = None,
         ep: Group | None = None,
@@ -164,6 +188,7 @@ class GradBuffers:
         self._both_ends = "embedding.weight" in names and any(map(roles.is_tied_copy, names))
         """This rank holds the embedding and its tied copy (ZB-V's V): they sum here."""
         bucket_elems = max(1, int(bucket_mb * 2**20 / 4))
+        fp8_params = fp8_weights(chunks) if fp8_gather is not None and self.shard_params else set()
         align = dp.size if self.shard else 1
         for chunk in chunks:
             named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad and mine(p)]
@@ -173,7 +198,7 @@ class GradBuffers:
                 empty = ChunkBuffer(torch.zeros(0, device=device), torch.zeros(0, device=device))
                 self.chunks.append(empty)
                 continue
-            unit = unit_of if self.shard_params else (lambda name: "")
+            unit = _unit(named, fp8_params) if self.shard_params else (lambda name: "")
             groups = split_into_buckets(named, bucket_elems, self._is_tied, unit)
             buf = allocate_chunk(
                 groups,
@@ -202,6 +227,7 @@ class GradBuffers:
                 dp,
                 reshard_after_forward=reshard_after_forward,
                 count=self._count,
+                fp8=_fp8_gather(self.chunks, fp8_params, fp8_gather, dp),
             )
         self.experts: GradBuffers | None = None
         """The expert parameters' buffers, reduced over `expert_dp` (module doc)."""

@@ -25,7 +25,14 @@ import torch
 from torchao.float8.config import Float8LinearConfig
 from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
-from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, ScaledMMConfig
+from torchao.float8.float8_training_tensor import (
+    Float8TrainingTensor,
+    GemmInputRole,
+    LinearMMConfig,
+    ScaledMMConfig,
+    hp_tensor_and_scale_to_float8,
+)
+from torchao.float8.float8_utils import amax_to_scale
 
 from ptdp.config import Fp8Recipe
 from ptdp.errors import ConfigError
@@ -88,19 +95,47 @@ class Fp8Gemms:
             round_scales_to_power_of_2=c.round_scales_to_power_of_2,
         )
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [n, k] @ weight [m, k]^T -> [n, m]."""
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, w8=None) -> torch.Tensor:
+        """x [n, k] @ weight [m, k]^T -> [n, m]; `w8`: the weight already in float8
+        (ZeRO-3's fp8 all-gather, `gathered_weight`), used instead of casting `weight`."""
         c = self.config
         xq = self._cast(x, c.cast_config_input, "x", -1)
-        wq = self._cast(weight.t(), c.cast_config_weight, "w", 0)
+        wq = self._cast(weight.t(), c.cast_config_weight, "w", 0) if w8 is None else w8.t()
         return torch.mm(xq, wq)
 
-    def grad_input(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """dy [n, m] @ weight [m, k] -> dX [n, k]."""
+    def grad_input(self, dy: torch.Tensor, weight: torch.Tensor, w8=None) -> torch.Tensor:
+        """dy [n, m] @ weight [m, k] -> dX [n, k]; `w8` as in `forward` (tensorwise: the
+        same cast serves both GEMMs)."""
         c = self.config
         dyq = self._cast(dy, c.cast_config_grad_output, "dy", -1)
+        if w8 is not None:
+            return torch.mm(dyq, w8)
         wq = self._cast(weight.t(), c.cast_config_weight_for_grad_input, "w", -1)
         return torch.mm(dyq, wq.t())
+
+    # ----------------------------------------------- ZeRO-3's fp8 all-gather (tensorwise)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The float8 dtype a weight is cast to."""
+        return self.config.cast_config_weight.target_dtype
+
+    def weight_scales(self, amax: torch.Tensor) -> torch.Tensor:
+        """Tensorwise scales of weights from their amaxes ([w] float32): torchao's, so
+        bitwise those of casting each whole weight."""
+        return amax_to_scale(amax, self.weight_dtype, self.config.round_scales_to_power_of_2)
+
+    def cast_weight(self, part: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Elements of a weight in float8 with its tensorwise `scale` (torchao's cast: the
+        same bytes as those elements of the whole weight's cast)."""
+        return hp_tensor_and_scale_to_float8(part, scale, self.weight_dtype)._data
+
+    def gathered_weight(
+        self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+    ) -> Float8TrainingTensor:
+        """A weight [m, k] from its float8 bytes `data` and scale, as the GEMMs take it."""
+        mm = self.native if data.device.type == "cuda" else self.emulated
+        return Float8TrainingTensor(data, scale, dtype, mm, GemmInputRole.WEIGHT)
 
     def grad_weight(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """dy [n, m]^T @ x [n, k] -> dW [m, k]: now, or at a zero-bubble W action."""

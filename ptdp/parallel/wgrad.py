@@ -177,7 +177,11 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         (ctx.param,) = param
         ctx.store, ctx.fp8, ctx.has_bias = store, fp8, bias is not None
-        y = fp8.forward(x.reshape(-1, x.shape[-1]), weight)
+        # ZeRO-3's fp8 all-gather (`ptdp.parallel.zero3_fp8`): the gathered float8 weight,
+        # whose bytes stay valid through the unit's backward (gathered again for it); the
+        # 16-bit weight is then never allocated and must not be read.
+        ctx.w8 = getattr(ctx.param, "fp8_weight", None)
+        y = fp8.forward(x.reshape(-1, x.shape[-1]), weight, ctx.w8)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
@@ -188,7 +192,7 @@ class _Fp8Linear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])  # [n, m]
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = fp8.grad_input(dy2, weight).reshape(*dy.shape[:-1], weight.shape[-1])
+            dx = fp8.grad_input(dy2, weight, ctx.w8).reshape(*dy.shape[:-1], weight.shape[-1])
         dw = None
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])  # [n, k]

@@ -28,7 +28,9 @@ shards (`GradBuffers.owned_params`), as checkpoints do, never the parameters.
 
 Bytes moved per rank per step: the forward and backward gathers, 2 x (dp-1)/dp x the
 parameters per microbatch (1 x when kept), plus ZeRO-2's reduce-scatter of the gradients:
-the paper's 3 Psi at one microbatch.
+the paper's 3 Psi at one microbatch. With the fp8 all-gather (`ptdp.parallel.zero3_fp8`)
+the buckets of the linear layers' float8 weights gather their float8 bytes into
+`Bucket.whole8` instead, half the bytes.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ptdp.parallel.buckets import ChunkBuffer
+from ptdp.parallel.buckets import Bucket, ChunkBuffer
 from ptdp.parallel.comm import Group, all_gather_flat_async
+from ptdp.parallel.zero3_fp8 import Fp8Gather
 
 
 def unit_of(name: str) -> str:
@@ -60,9 +63,12 @@ class ParamGather:
         dp: Group,
         *,
         reshard_after_forward: bool = True,
-        count: Callable[[str, torch.Tensor], None] = lambda kind, tensor: None,
+        count: Callable[..., None] = lambda kind, tensor, times=1: None,
+        fp8: Fp8Gather | None = None,
     ) -> None:
         self.dp, self.reshard, self.count = dp, reshard_after_forward, count
+        self.fp8 = fp8
+        """The fp8 all-gather's buckets (`ptdp.parallel.zero3_fp8`), gathered in float8."""
         self.prefetch = True
         """Start the next unit's gather early; off only to measure the gathers' total time."""
         self.wait_s = 0.0
@@ -116,9 +122,13 @@ class ParamGather:
         for b in buckets:
             if b.users or b.gather is not None:
                 continue
-            whole = b.whole
+            whole, shard = b.whole, b.shard
+            if b.whole8 is not None:  # its bytes (gloo and NCCL gather no float8 dtype)
+                self.fp8.prepare(self.count)
+                b.shard8 = self.fp8.cast(b)
+                whole, shard = b.whole8.view(torch.uint8), b.shard8.view(torch.uint8)
             whole.untyped_storage().resize_(whole.numel() * whole.element_size())
-            b.gather = all_gather_flat_async(whole, b.shard, self.dp)
+            b.gather = all_gather_flat_async(whole, shard, self.dp)
             self.count("all_gather", whole)
             self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
 
@@ -130,7 +140,7 @@ class ParamGather:
                 began = time.perf_counter()
                 b.gather.wait()
                 self.wait_s += time.perf_counter() - began
-                b.gather = None
+                b.gather = b.shard8 = None
             b.users += 1
 
     def release(self, buckets) -> None:
@@ -140,17 +150,27 @@ class ParamGather:
                 continue
             b.users -= 1
             if b.users == 0:
-                b.whole.untyped_storage().resize_(0)
+                _free(b)
 
     def reset(self) -> None:
         """Free every bucket (end of a step, or after a failed one)."""
         for b in self.buckets:
             if b.gather is not None:
                 b.gather.wait()
-                b.gather = None
+                b.gather = b.shard8 = None
             b.users = 0
-            b.whole.untyped_storage().resize_(0)
+            _free(b)
+        if self.fp8 is not None:  # the weights change before the next step's gathers
+            self.fp8.invalidate()
 
     def gathered_bytes(self) -> int:
-        """Bytes of full parameters allocated now."""
-        return sum(b.whole.untyped_storage().nbytes() for b in self.buckets)
+        """Bytes of full parameters allocated now (16-bit or float8), and of the fp8
+        all-gather's float8 shards cast for gathers in flight."""
+        held = [b.whole for b in self.buckets] + [b.whole8 for b in self.buckets]
+        held += [b.shard8 for b in self.buckets]
+        return sum(t.untyped_storage().nbytes() for t in held if t is not None)
+
+
+def _free(b: Bucket) -> None:
+    """A bucket's full parameters' memory given back."""
+    (b.whole if b.whole8 is None else b.whole8).untyped_storage().resize_(0)

@@ -402,6 +402,30 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         ("micro_batch_size * model.seq_length / parallel.cp = 40)", "raise micro_batch_size"),
     ),
     (
+        "fp8-all-gather-without-fp8",
+        lambda c: c.train(world=2, parallel={"zero": 3, "zero3_fp8_all_gather": True}),
+        ConfigError,
+        ("zero3_fp8_all_gather = true gathers float8 weights, but", "--train.precision fp8"),
+    ),
+    (
+        "fp8-all-gather-without-zero3",
+        lambda c: c.train(
+            world=2, parallel={"zero": 2, "zero3_fp8_all_gather": True}, train={"precision": "fp8"}
+        ),
+        ConfigError,
+        ("but parallel.zero = 2 gathers none", "--parallel.zero 3"),
+    ),
+    (
+        "fp8-all-gather-rowwise",
+        lambda c: c.train(
+            world=2,
+            parallel={"zero": 3, "zero3_fp8_all_gather": True},
+            train={"precision": "fp8", "fp8_recipe": "rowwise"},
+        ),
+        ConfigError,
+        ("needs train.fp8_recipe = tensorwise", "--train.fp8_recipe tensorwise"),
+    ),
+    (
         "ep-on-a-dense-model",
         lambda c: c.train(world=2, parallel={"ep": 2}),
         ConfigError,

@@ -103,6 +103,26 @@ def one_thread():
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_cast_from_shards_is_the_whole_weights_cast(device: str) -> None:
+    """ZeRO-3's fp8 all-gather: a weight's two shards (split inside a row, as bucket shards
+    are) cast with the scale of the max of their amaxes, their float8 bytes joined, give
+    bitwise the forward and input-gradient GEMMs of casting the whole bf16 weight."""
+    fp8 = Fp8Gemms.build(Fp8Recipe.TENSORWISE)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 16, generator=g).to(device, torch.bfloat16)
+    x = torch.randn(16, 16, generator=g).to(device, torch.bfloat16)
+    dy = torch.randn(16, 32, generator=g).to(device, torch.bfloat16)
+    flat = w.view(-1)
+    shards = (flat[:200], flat[200:])
+    amax = torch.stack([t.abs().max().float() for t in shards]).max().reshape(1)
+    scale = fp8.weight_scales(amax)[0]
+    data = torch.cat([fp8.cast_weight(t, scale).view(torch.uint8) for t in shards])
+    w8 = fp8.gathered_weight(data.view(fp8.weight_dtype).view(32, 16), scale, w.dtype)
+    assert torch.equal(fp8.forward(x, w, w8), fp8.forward(x, w))
+    assert torch.equal(fp8.grad_input(dy, w, w8), fp8.grad_input(dy, w))
+
+
 def test_fp8_loss_stays_within_2_percent_of_bf16(tiny_data: str, tmp_path: Path) -> None:
     """200 steps of a 2-layer, 32-wide model: the mean loss of the last 50 steps of each fp8
     recipe within 2% of bf16's (benchmarks/fp8_loss.py measures the gap: BENCHMARKS.md)."""

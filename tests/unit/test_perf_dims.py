@@ -20,6 +20,7 @@ from ptdp.perf.cost.parameters import bytes_per_parameter, layer_parameters, par
 from ptdp.perf.cost.reserve import fit
 from ptdp.perf.cost.software import DEEPSPEED_2021, MEGATRON_2021, PTDP
 from ptdp.perf.cost.zero import exposed_seconds, sharded_passes, step_traffic
+from ptdp.perf.cost.zero_bytes import fp8_gathered_weights
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.plan.search import context_sizes
 from ptdp.perf.simulate.simulator import compute_costs, simulate
@@ -309,3 +310,44 @@ def test_zero_3_kept_between_forward_and_backward(monkeypatch) -> None:
     whole = estimate_memory(cfg, 16, layout=lay)
     assert [m.gathered for m in whole] == [2 * n for n in parameters_per_stage(cfg.model, 1, 2)]
     assert all(w.gathered > h.gathered for w, h in zip(whole, held))
+
+
+def test_zero_3_fp8_all_gather_prices_linear_weights_at_one_byte() -> None:
+    """parallel.zero3_fp8_all_gather: each layer's linear weights, by hand 3h^2 + h^2 + 2hf
+    = 49152 elements (h = 64, f = 4h), gathered at 1 byte instead of 2, plus the float8
+    shard (1 byte an element of 1/dp) cast for the layer being gathered."""
+    h, n_layers, dp = 64, 4, 4
+    model = {"num_layers": n_layers, "hidden_size": h, "num_heads": 4, "seq_length": 64}
+    model |= {"vocab_size": 128}
+    train = {"precision": "fp8", "micro_batch_size": 1, "global_batch_size": 8}
+    cfgs = {
+        on: apply_updates(
+            RunConfig(),
+            {"model": model, "train": train, "parallel": {"zero": 3, "zero3_fp8_all_gather": on}},
+            "t",
+        )
+        for on in (False, True)
+    }
+    lay = validate(cfgs[True], dp)
+    weights = 3 * h * h + h * h + 2 * h * 4 * h
+    assert weights == 49152
+    assert fp8_gathered_weights(cfgs[True], lay) == weights
+    assert fp8_gathered_weights(cfgs[False], lay) == 0
+    # Memory: two layers gathered (in compute and prefetched; a layer outweighs the
+    # 128 x 64 embedding), 2 bytes an element but the linear weights' 1; plus one shard.
+    layer = layer_parameters(cfgs[True].model)
+    off, on = (estimate_memory(cfgs[x], dp, layout=lay)[0].gathered for x in (False, True))
+    assert off == 2 * 2 * layer
+    assert on == 2 * (2 * layer - weights) + weights / dp
+    # Communication: each microbatch's two gathers move 4 * 49152 bytes fewer a step pass.
+    h100 = load_system("h100-sxm")  # float8 tensor cores
+    c = Compute(h100, Precision.FP8, PTDP)
+    base = compute_costs(cfgs[False], lay, c)
+    _, wire_off = sharded_passes(cfgs[False], lay, c, base)
+    _, wire_on = sharded_passes(cfgs[True], lay, c, base)
+    link = group_link(h100, dp, 1)
+    (params,) = parameters_per_stage(cfgs[True].model)
+    fewer = gather_seconds(2 * params, dp, link) - gather_seconds(
+        2 * params - n_layers * weights, dp, link
+    )
+    assert wire_off - wire_on == pytest.approx(lay.num_microbatches * 2 * fewer)

@@ -17,7 +17,7 @@ from ptdp.perf.plan.keys import pinned
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.plan.search import equation_1, layout_config
 from ptdp.perf.simulate.simulator import simulate
-from ptdp.perf.validate.paper import README_GPT3, TABLE_1, paper_run
+from ptdp.perf.validate.paper import README_GPT3, TABLE_1, paper_run, preset_config
 from ptdp.perf.validate.validation import check_row, check_script_row, readme_gpt3
 from ptdp.pipeline.schedules import SCHEDULES
 
@@ -275,3 +275,18 @@ def test_the_reason_for_t_times_p_names_what_else_fits() -> None:
     base = apply_updates(paper_run(row, micro_batch=1, vpp=1), after, "test")
     result = plan(base, gpus=row.gpus, system=A100)
     assert _model_parallel_clause(result) == "t*p = 2 (smallest that fits: 2, 1 with ZeRO-3)"
+
+
+def test_fp8_all_gather_is_kept_only_at_zero_3() -> None:
+    """parallel.zero3_fp8_all_gather in the base config: candidates at other ZeRO levels
+    drop it (validation refuses it there), so they are still searched."""
+    train = {"global_batch_size": 64, "precision": "fp8"}
+    parallel = {"zero": 3, "zero3_fp8_all_gather": True}
+    base = apply_updates(preset_config("gpt-1.7b"), {"train": train, "parallel": parallel}, "t")
+    h100 = load_system("h100-sxm")
+    free = plan(base, gpus=8, system=h100, tp=1, pp=1, schedules=("1f1b",))
+    pinned3 = plan(base, gpus=8, system=h100, tp=1, pp=1, zero=3, schedules=("1f1b",))
+    options = free.options
+    keys = {(o.prediction.layout.zero, o.config.parallel.zero3_fp8_all_gather) for o in options}
+    assert keys and all(on == (zero == 3) for zero, on in keys) and min(z for z, _ in keys) < 3
+    assert {o.config.parallel.zero3_fp8_all_gather for o in pinned3.options} == {True}

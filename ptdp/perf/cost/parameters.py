@@ -83,13 +83,22 @@ def layer_parameters(model: ModelConfig, tp: int = 1, layer: int | None = None, 
     h, f, t, q = model.hidden_size, model.ffn_size, tp, attention_width(model)
     qkv = q + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
-    weights = (h * qkv + q * h + h * f * parts + f * h) // t
+    weights = linear_weights(model, tp)
     if model.bias:
         biases = (qkv + f * parts) // t + 2 * h
     else:
         biases = qkv // t if model.qkv_bias else 0
     qk_norms = 2 * _norm_parameters(model, model.head_dim) if model.qk_norm else 0
     return weights + biases + 2 * _norm_parameters(model, h) + qk_norms
+
+
+def linear_weights(model: ModelConfig, tp: int = 1) -> int:
+    """Weights of one dense layer's linear layers (QKV, projection, fc1, fc2) on one tensor
+    rank: the operands of its GEMMs, float8 under precision = fp8."""
+    h, f, q = model.hidden_size, model.ffn_size, attention_width(model)
+    qkv = q + 2 * model.query_groups * model.head_dim
+    parts = 2 if model.activation is Activation.SWIGLU else 1
+    return (h * qkv + q * h + h * f * parts + f * h) // tp
 
 
 def mlp_parameters(model: ModelConfig, width: int, tp: int = 1) -> int:

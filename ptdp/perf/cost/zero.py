@@ -31,7 +31,8 @@ under expert parallelism the routed experts' state is sharded over their edp = d
 ranks (tp ep apart; `cost.experts`), each group's collectives one after the other,
 on `collectives.group_link` (at `Software.sharded_comm_efficiency` of its bandwidth: the paper's
 DeepSpeed reached a tenth, `software.DEEPSPEED_2021`). Weights move in the training
-precision's element size, gradients at `Software.grad_reduce_bytes`.
+precision's element size (the linear layers' weights 1 byte each under ZeRO-3's fp8
+all-gather, `parallel.zero3_fp8_all_gather`), gradients at `Software.grad_reduce_bytes`.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from ptdp.perf.cost.costs import Compute, Passes, sync_seconds
 from ptdp.perf.cost.experts import reduction_groups
 from ptdp.perf.cost.hardware import Link
 from ptdp.perf.cost.parameters import expert_parameters_per_stage, parameters_per_stage
-from ptdp.perf.cost.zero_bytes import reshard_after_forward
+from ptdp.perf.cost.zero_bytes import fp8_gathered_weights, reshard_after_forward
 
 
 def _sharded_link(c: Compute, size: int, stride: int) -> Link:
@@ -89,6 +90,7 @@ def sharded_passes(
     out, wire = [], [0.0] * layout.pp
     for stage, (p, n, layers) in enumerate(zip(passes, params, layout.stage_layers)):
         reduce = gather = 0.0
+        fp8 = fp8_gathered_weights(cfg, layout)
         for part, size, stride in reduction_groups(
             n, experts[stage], tp=layout.tp, dp_cp=group, ep=layout.ep
         ):
@@ -96,7 +98,10 @@ def sharded_passes(
             reduce += gather_seconds(
                 c.software.grad_reduce_bytes * part, size, link, "reduce_scatter"
             )
-            gather += gather_seconds(c.e * part, size, link) if layout.zero >= 3 else 0.0
+            if layout.zero >= 3:  # the fp8 all-gather's weights 1 byte each (the dense group)
+                moved = c.e * part - (c.e - 1) * min(part, fp8 * layers)
+                gather += gather_seconds(moved, size, link)
+                fp8 = 0
         again = gather if regather else 0.0
         if c.system.device.gloo:  # nothing hides (module doc)
             forward, backward = gather, again + reduce

@@ -1,15 +1,16 @@
 """What ZeRO-2 and ZeRO-3 hold in memory beyond their shard of the model state: ZeRO-2's
 full-size gradients of the buckets being filled or reduced, ZeRO-3's gathered 16-bit
-weights, per pipeline rank (how: `ptdp.perf.cost.memory`'s module doc; their
-communication: `ptdp.perf.cost.zero`)."""
+weights (their linear layers' 8-bit under the fp8 all-gather), per pipeline rank (how:
+`ptdp.perf.cost.memory`'s module doc; their communication: `ptdp.perf.cost.zero`)."""
 
 from __future__ import annotations
 
-from ptdp.config import RunConfig
+from ptdp.config import Precision, RunConfig
 from ptdp.layout import Layout
 from ptdp.perf.cost.parameters import (
     element_bytes,
     layer_parameters,
+    linear_weights,
     parameters_per_rank,
     parameters_per_stage,
 )
@@ -42,17 +43,34 @@ def reshard_after_forward(cfg: RunConfig) -> bool:
     return bool(getattr(cfg.parallel, "zero3_reshard_after_forward", True))
 
 
+def fp8_gathered_weights(cfg: RunConfig, layout: Layout) -> int:
+    """Elements of one layer's weights that ZeRO-3 gathers in float8, 1 byte each, under
+    `parallel.zero3_fp8_all_gather` (read where the config has it): its linear layers'
+    weights (fp8 refuses experts: every layer is dense); 0 when off."""
+    on = getattr(cfg.parallel, "zero3_fp8_all_gather", False)
+    fp8 = on and cfg.train.precision is Precision.FP8 and layout.zero >= 3
+    return linear_weights(cfg.model, layout.tp) if fp8 else 0
+
+
 def gathered_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
-    """ZeRO-3's gathered 16-bit weights on each pipeline rank (`cost.memory`); 0 below level 3."""
+    """ZeRO-3's gathered weights on each pipeline rank (`cost.memory`): 16-bit, their fp8
+    linear weights 8-bit under the fp8 all-gather (plus the float8 shard cast for the layer
+    in flight); 0 below level 3."""
     if layout.zero < 3 or layout.dp * layout.cp == 1:
         return [0.0] * layout.pp
     model, tp, e = cfg.model, layout.tp, element_bytes(cfg.train.precision)
     per_rank = parameters_per_rank(
         model, tp, layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement, layout.ep
     )
+    fp8 = fp8_gathered_weights(cfg, layout)
+    saved = (e - 1) * fp8  # bytes fewer a gathered layer
+    cast = fp8 / (layout.dp * layout.cp)  # the float8 shard of the layer being gathered
     if not reshard_after_forward(cfg):
-        return [e * count for count in per_rank]
+        layers = [0] * layout.pp
+        for stage, count in enumerate(layout.stage_layers):
+            layers[layout.stages.rank(stage)] += count
+        return [e * count - saved * n + cast * bool(n) for count, n in zip(per_rank, layers)]
     rows = model.padded_vocab_size(tp) // tp * model.hidden_size
-    layers = range(model.num_layers) if model.num_experts else [None]
-    unit = max(*(layer_parameters(model, tp, i, layout.ep) for i in layers), rows)
-    return [2.0 * e * min(unit, count) for count in per_rank]
+    units = range(model.num_layers) if model.num_experts else [None]
+    unit = max(*(e * layer_parameters(model, tp, i, layout.ep) - saved for i in units), e * rows)
+    return [2.0 * min(unit, e * count) + cast for count in per_rank]

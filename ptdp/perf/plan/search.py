@@ -92,6 +92,8 @@ def layout_config(
         cp_comm=cp_comm or base.parallel.cp_comm,
         # keeping gathered parameters is ZeRO-3's option; other levels are refused with it
         zero3_reshard_after_forward=base.parallel.zero3_reshard_after_forward or level != 3,
+        # so is gathering float8 weights
+        zero3_fp8_all_gather=base.parallel.zero3_fp8_all_gather and level == 3,
     )
     return replace(base, parallel=parallel, train=replace(base.train, micro_batch_size=micro_batch))
 

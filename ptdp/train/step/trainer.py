@@ -146,6 +146,7 @@ class Trainer:
             shard_grads=layout.shards_grads,
             shard_params=layout.shards_params,
             reshard_after_forward=cfg.parallel.zero3_reshard_after_forward,
+            fp8_gather=fp8 if cfg.parallel.zero3_fp8_all_gather else None,
             overlap=cfg.parallel.overlap_grad_reduce,
             # Expert parallelism: the experts' gradients over the replicas of each expert.
             expert_dp=self.mesh.axis("edp") if layout.ep > 1 else None,
