@@ -11,10 +11,28 @@ each step) do not give.
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
+
 from ptdp.config import AttentionBackend, RunConfig
 
 CPU_BACKENDS = (AttentionBackend.AUTO, AttentionBackend.FLASH, AttentionBackend.MATH)
 """What PyTorch's CPU attention runs: its flash kernel or the math reference."""
+
+
+COMPILED_TP_TORCH = (2, 13)
+"""The oldest torch whose compiled tensor-parallel layers match eager: under torch 2.11 the
+compiled backward of the sequence-parallel reduce-scatter gives zero gradients, and the
+tensor-parallel all-reduce of a gradient is dropped (tests/dist/test_compile.py)."""
+
+
+def torch_version() -> tuple[int, int] | None:
+    """(major, minor) of the installed torch, read without importing it; None if unknown."""
+    try:
+        found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("torch"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return (int(found[1]), int(found[2])) if found else None
 
 
 def speed_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
@@ -25,6 +43,14 @@ def speed_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
         errors.append(
             f"train.attention_backend = {t.attention_backend.value} is a CUDA kernel, and "
             "train.device = cpu; use --train.attention_backend auto (or math, flash)"
+        )
+    version = torch_version() if runtime and t.compile and p.tp > 1 else None
+    if version is not None and version < COMPILED_TP_TORCH:
+        errors.append(
+            f"train.compile = true with parallel.tp = {p.tp} needs torch "
+            f"{'.'.join(map(str, COMPILED_TP_TORCH))} or newer: torch "
+            f"{'.'.join(map(str, version))}'s compiled tensor-parallel backward gives wrong "
+            "gradients; upgrade torch, or use --train.compile false"
         )
     if not t.cuda_graphs:
         return

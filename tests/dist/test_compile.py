@@ -4,7 +4,9 @@ One spawn of 2 ranks trains two layouts with train.compile = true, one after the
 tp = 2 with sequence parallelism (the layer's all-gather / reduce-scatter pairs, and the
 vocabulary-parallel loss's all-reduces, are traced inside the compiled graphs) and pp = 2
 (the pipeline runtime drives compiled chunks). Both must give the eager single-process
-losses and final weights within 1e-5 relative.
+losses and final weights within 1e-5 relative. Under a torch older than
+`COMPILED_TP_TORCH` the tp layout is refused (its compiled backward is wrong there), so only
+pp = 2 runs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pathlib import Path
 import pytest
 from torch._dynamo.utils import counters
 
+from ptdp import layout_speed
 from ptdp.config import RunConfig
+from ptdp.layout_speed import COMPILED_TP_TORCH
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.run import train
 from tests.dist.harness import run_ranks
@@ -34,6 +38,8 @@ LAYOUTS = {
     "tp2-sp": {"tp": 2, "sequence_parallel": True},
     "pp2": {"pp": 2},
 }
+if (layout_speed.torch_version() or COMPILED_TP_TORCH) < COMPILED_TP_TORCH:
+    del LAYOUTS["tp2-sp"]  # refused there (tests/unit/test_speed_switches.py): wrong gradients
 
 
 def _config(data: str, run_dir: Path, parallel: dict, compile: bool) -> RunConfig:
@@ -73,5 +79,7 @@ def test_compiled_layouts_match_eager_single_process(tiny_data: str, tmp_path: P
         assert_same_run(tmp_path / "single", tmp_path / name, reference, losses)
     # tp = 2 + SP: the layer and the vocabulary-parallel loss (with their collectives) are
     # each one graph (a second pair for evaluation mode), with no breaks.
+    if "tp2-sp" not in LAYOUTS:
+        return
     graphs = json.loads((tmp_path / "tp2-sp" / "graphs.json").read_text())
     assert graphs["breaks"] == {} and 2 <= graphs["graphs"] <= 4, graphs

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ptdp import layout_speed
 from ptdp.config import AttentionBackend as AB
 from ptdp.config import ModelConfig
 from ptdp.errors import ConfigError
@@ -93,20 +94,26 @@ def test_cuda_graphs_on_a_device_that_resolves_to_a_cpu_are_refused(
         train(cfg, env=LaunchEnv(rank=0, world_size=1, local_rank=0))
 
 
-def test_cuda_graphs_pass_a_static_step_and_name_every_reason_otherwise() -> None:
+def _cfg(**sections: dict):
     from ptdp.config import RunConfig
     from ptdp.config_files import apply_updates
+
+    base = {
+        "model": {"num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": 32},
+        "train": {"compile": True, "cuda_graphs": True, "device": "cuda"},
+    }
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    return apply_updates(RunConfig(), base, "a test")
+
+
+def test_cuda_graphs_pass_a_static_step_and_name_every_reason_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from ptdp.layout import validate
 
-    def cfg(**sections: dict):
-        base = {
-            "model": {"num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": 32},
-            "train": {"compile": True, "cuda_graphs": True, "device": "cuda"},
-        }
-        for section, values in sections.items():
-            base.setdefault(section, {}).update(values)
-        return apply_updates(RunConfig(), base, "a test")
-
+    monkeypatch.setattr(layout_speed, "torch_version", lambda: (2, 13))
+    cfg = _cfg
     assert validate(cfg(), 1).dp == 1  # one GPU, compiled, static: captured
     assert validate(cfg(parallel={"tp": 2}), 2).tp == 2  # tensor parallelism: not refused
     with pytest.raises(ConfigError) as refused:
@@ -115,3 +122,33 @@ def test_cuda_graphs_pass_a_static_step_and_name_every_reason_otherwise() -> Non
     assert "train.compile = false" in said and "parallel.cp = 2 (the ring's" in said
     # A modelled run (ptdp simulate --gpus) is not refused for its device.
     assert validate(cfg(train={"device": "cpu"}), 1, gpus=True).dp == 1
+
+
+def test_compiled_tensor_parallelism_is_refused_under_a_torch_that_breaks_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.11's compiled tp backward gives wrong gradients (seen in
+    tests/dist/test_compile.py under 2.11.0): refused there before any group exists, naming
+    both fixes; a modelled run, one rank, or an eager run are not refused."""
+    from ptdp.layout import validate
+
+    tp2 = _cfg(parallel={"tp": 2}, train={"cuda_graphs": False})
+    monkeypatch.setattr(layout_speed, "torch_version", lambda: (2, 11))
+    with pytest.raises(ConfigError) as refused:
+        validate(tp2, 2)
+    said = str(refused.value)
+    assert "train.compile = true with parallel.tp = 2 needs torch 2.13 or newer" in said
+    assert "torch 2.11's" in said and "--train.compile false" in said
+    assert validate(tp2, 2, gpus=True).tp == 2
+    assert validate(_cfg(train={"cuda_graphs": False}), 1).tp == 1
+    eager = _cfg(parallel={"tp": 2}, train={"cuda_graphs": False, "compile": False})
+    assert validate(eager, 2).tp == 2
+    monkeypatch.setattr(layout_speed, "torch_version", lambda: (2, 13))
+    assert validate(tp2, 2).tp == 2
+    monkeypatch.setattr(layout_speed, "torch_version", lambda: None)  # unknown: not refused
+    assert validate(tp2, 2).tp == 2
+
+
+def test_the_installed_torch_version_is_read_without_importing_it() -> None:
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    assert layout_speed.torch_version() == (major, minor)

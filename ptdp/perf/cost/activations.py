@@ -335,9 +335,9 @@ def record_saved_tensors(
     parameters and buffers, and copies of a parameter (autocast's 16-bit weights), are not
     counted at all. Tensors saved inside a non-reentrant checkpoint region go to the
     checkpoint's own hooks, which drop them, so they are not seen here; the checkpoint's
-    inputs are. Submodule paths come from forward hooks, so the labels are only as fine as
-    the modules. Returns (output, records); the saved tensors live until backward runs on
-    the output (or the output is dropped).
+    inputs are. Empty tensors hold nothing and are not listed. Submodule paths come from
+    forward hooks, so the labels are only as fine as the modules. Returns (output, records);
+    the saved tensors live until backward runs on the output (or the output is dropped).
     """
     import torch
 
@@ -349,6 +349,8 @@ def record_saved_tensors(
     records: list[Saved] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.numel() == 0:  # holds nothing (torch 2.11's checkpoint saves one)
+            return tensor
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in counted and _is_weight_copy(tensor, params):
