@@ -394,7 +394,8 @@ class TrainConfig:
     compile: bool = False
     """Compile each transformer layer and the loss with torch.compile (fused bias+GeLU,
     bias+dropout+residual and softmax kernels); the first steps are slower while it
-    compiles."""
+    compiles. With parallel.tp > 1 it needs torch 2.13 or newer (2.11's compiled
+    tensor-parallel backward gives wrong gradients)."""
     cuda_graphs: bool = False
     """With train.compile on a CUDA device: capture each compiled region in CUDA graphs
     (torch.compile's mode "reduce-overhead"), so a small model's step pays one launch per
