@@ -292,6 +292,9 @@ def test_grid_covers_the_issue() -> None:
     assert any(x.ep < x.dp * x.cp for x in ep if x.zero)  # expert state sharded over edp
 
 
+# Over pytest's 300 s default when the machine is loaded (world 4's 54 layouts: ~2 min alone,
+# over 5 under two suites at once); `run_ranks` bounds each spawn by its layouts.
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_every_layout_matches_one_process(tiny_data: str, tmp_path: Path, world: int) -> None:
     layouts = [x for x in GRID if x.world == world]
