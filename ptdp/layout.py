@@ -152,6 +152,12 @@ def _zero_rules(cfg: RunConfig, errors: list[str]) -> None:
             f"between forward and backward, but parallel.zero is {zero_level(cfg)}: nothing "
             "is gathered; set --parallel.zero 3, or drop the option"
         )
+    if cfg.parallel.zero3_fp8_all_gather and zero_level(cfg) != 3:
+        errors.append(
+            "parallel.zero3_fp8_all_gather = true gathers ZeRO-3's parameters, but "
+            f"parallel.zero = {zero_level(cfg)} gathers none; set --parallel.zero 3, or drop "
+            "the option"
+        )
 
 
 def _positive(errors: list[str], name: str, value: int | float, zero_ok: bool = False) -> None:

@@ -76,21 +76,16 @@ def _feature_rules(cfg: RunConfig, errors: list[str]) -> None:
 
 
 def _all_gather_rules(cfg: RunConfig, errors: list[str]) -> None:
-    """parallel.zero3_fp8_all_gather gathers ZeRO-3's float8 weights: it needs all three."""
+    """parallel.zero3_fp8_all_gather gathers ZeRO-3's float8 weights: it needs fp8 and its
+    tensorwise recipe (ZeRO-3 itself: `ptdp.layout`'s ZeRO rules)."""
     p, t = cfg.parallel, cfg.train
     if not p.zero3_fp8_all_gather:
         return
-    zero = p.zero if p.zero >= 0 else int(cfg.optim.distributed)
     key = "parallel.zero3_fp8_all_gather = true"
     if t.precision is not Precision.FP8:
         errors.append(
             f"{key} gathers float8 weights, but train.precision = {t.precision.value}; set "
             "--train.precision fp8, or drop the option"
-        )
-    if zero != 3:
-        errors.append(
-            f"{key} gathers ZeRO-3's parameters, but parallel.zero = {zero} gathers none; "
-            "set --parallel.zero 3, or drop the option"
         )
     if t.precision is Precision.FP8 and t.fp8_recipe is not Fp8Recipe.TENSORWISE:
         errors.append(
