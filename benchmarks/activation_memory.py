@@ -51,7 +51,8 @@ from collections import defaultdict
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ptdp.config import ModelConfig, Recompute
+from ptdp.config.enums import Recompute
+from ptdp.config.sections import ModelConfig
 from ptdp.model.gpt import TPContext, TransformerLayer
 from ptdp.perf.cost.activations import (
     Kernels,

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp import checkpoint as ckpt
-from ptdp.config_files import apply_updates, load_toml
+from ptdp.config.files import apply_updates, load_toml
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.run import prepare
 from ptdp.train.step.trainer import Trainer

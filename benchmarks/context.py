@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 import ptdp.parallel.context as context
-from ptdp.config import CpComm, ModelConfig
+from ptdp.config.enums import CpComm
+from ptdp.config.sections import ModelConfig
 from ptdp.model.gpt import GPT, TPContext, TransformerLayer
 from ptdp.model.positions import TokenPositions
 from ptdp.parallel import comm

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ptdp.config_files import apply_updates, load_toml
+from ptdp.config.files import apply_updates, load_toml
 from ptdp.parallel import comm
 from ptdp.parallel.env import LaunchEnv
 from ptdp.perf.cost.memory import estimate_memory

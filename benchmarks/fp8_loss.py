@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.data.preprocess import preprocess
 from ptdp.train.run import train
 

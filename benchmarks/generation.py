@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.model.generate import generate
 from ptdp.model.gpt import GPT
 

@@ -23,8 +23,8 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.hardware import load_system
 from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.simulate.simulator import simulate

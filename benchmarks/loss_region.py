@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ptdp.config import ModelConfig
+from ptdp.config.sections import ModelConfig
 from ptdp.model.compile import apply_compile
 from ptdp.model.gpt import GPT
 

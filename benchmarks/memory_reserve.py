@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
-from ptdp.layout import validate
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.hardware import GIB, System, load_system
 from ptdp.perf.cost.memory import estimate_memory
 from ptdp.perf.cost.reserve import communicators, rank_reserve
 from ptdp.perf.validate.paper import README_GPT3, TABLE_1, model_config, paper_run
+from ptdp.rules.layout import validate
 
 OLD_GIB = 4.0
 """What a100-80gb, h100-sxm and h200 fixed before (a100-40gb: 3)."""

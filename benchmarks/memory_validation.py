@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ptdp.config_files import apply_updates, load_toml
+from ptdp.config.files import apply_updates, load_toml
 from ptdp.parallel.env import LaunchEnv
 from ptdp.perf.cost.memory import estimate_memory
 from ptdp.train.run import prepare

@@ -50,8 +50,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ptdp.config import ModelConfig, RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.data.indexed import IndexedWriter
 from ptdp.parallel.env import LaunchEnv
 from ptdp.perf.cost.flops import dense_peak_flops, device_kind, model_flops_per_iteration
@@ -170,7 +170,7 @@ LLAMA_KEYS = {
     "bias": False,
     "rope_theta": 500000.0,
 }
-"""--arch llama: Llama 3's layer (ptdp/presets.py) at the GPT sizes of MODELS."""
+"""--arch llama: Llama 3's layer (ptdp/config/presets.py) at the GPT sizes of MODELS."""
 
 
 def model_keys(args, shape: Shape) -> dict:

@@ -56,8 +56,9 @@ try:
 except ModuleNotFoundError:  # run as `python benchmarks/x.py` without the repo root on sys.path
     import mfu
 
-from ptdp.config import Activation, ModelConfig, Normalization
-from ptdp.config_files import apply_updates
+from ptdp.config.enums import Activation, Normalization
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import ModelConfig
 from ptdp.model.moe import MoE, MoEState, plan_dispatch
 from ptdp.model.parts import TPContext
 from ptdp.parallel import grouped, wgrad

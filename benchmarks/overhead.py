@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates, load_toml
+from ptdp.config.files import apply_updates, load_toml
+from ptdp.config.sections import RunConfig
 from ptdp.data.indexed import IndexedWriter
 from ptdp.model.gpt import GPT
 from ptdp.parallel.env import LaunchEnv

@@ -37,15 +37,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates, load_toml
-from ptdp.layout import validate
+from ptdp.config.files import apply_updates, load_toml
+from ptdp.config.sections import RunConfig
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.perf.simulate.plot import plot_timelines
 from ptdp.perf.simulate.replay import PipelineCosts, replay
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.plan import PipelinePlan
 from ptdp.pipeline.timeline import Event, from_dicts, to_dicts
+from ptdp.rules.layout import validate
 from ptdp.train.step.pipelined import (
     Microbatch,
     PipelineStep,

@@ -45,10 +45,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.layout import ORDER, validate
 from ptdp.parallel.env import LaunchEnv
 from ptdp.perf.calibrate.fit import collective_bytes
 from ptdp.perf.calibrate.microbench import build_groups
@@ -58,6 +57,7 @@ from ptdp.perf.cost.hardware import System, load_system
 from ptdp.perf.simulate.plot import plot_timelines, write_chrome_trace
 from ptdp.perf.simulate.simulator import Prediction, simulate
 from ptdp.pipeline.timeline import Event, from_dicts, to_dicts
+from ptdp.rules.layout import ORDER, validate
 from ptdp.train.run import prepare
 from ptdp.train.step.trainer import Trainer
 

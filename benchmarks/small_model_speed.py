@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from ptdp.config import ModelConfig
+from ptdp.config.sections import ModelConfig
 from ptdp.model.compile import apply_compile, mark_step
 from ptdp.model.gpt import GPT
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from ptdp.config import ModelConfig
+from ptdp.config.sections import ModelConfig
 from ptdp.model.gpt import GPT
 from ptdp.parallel.wgrad import accumulate_grads
 

@@ -26,7 +26,7 @@ import argparse
 from dataclasses import replace
 from unittest.mock import patch
 
-from ptdp.config import Precision, Recompute
+from ptdp.config.enums import Precision, Recompute
 from ptdp.perf.cost.collectives import all_reduce_seconds, group_link
 from ptdp.perf.cost.costs import (
     Compute,

@@ -21,8 +21,9 @@ import argparse
 import time
 from pathlib import Path
 
-from ptdp.config import Recompute, RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.enums import Recompute
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.flops import paper_equation_3
 from ptdp.perf.cost.hardware import GIB, load_system
 from ptdp.perf.cost.memory import estimate_memory

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ptdp.config_files import apply_updates, load_toml
+from ptdp.config.files import apply_updates, load_toml
 from ptdp.model.gpt import GPT, TPContext, TransformerLayer
 from ptdp.model.init import apply_init
 from ptdp.parallel import comm

@@ -4,7 +4,7 @@ config-reference`: the only place that reads argv.
 Parsing and printing only. Each subparser names the function that runs it
 (`set_defaults(run=...)`); commands import what they use when they run, so `ptdp --help`
 stays fast. Commands that take a config (train, simulate, plan) read it the same way:
-`--config FILE` (TOML) and `--section.key value` overrides, resolved by `ptdp.config_files.resolve`.
+`--config FILE` (TOML) and `--section.key value` overrides, resolved by `ptdp.config.files.resolve`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _opt(
 
 
 def _train_parser(sub: Subparsers) -> None:
-    from ptdp.config_files import help_text
+    from ptdp.config.files import help_text
 
     p = sub.add_parser(
         "train",
@@ -265,7 +265,7 @@ def _convert_parser(sub: Subparsers) -> None:
 
 
 def _config_reference_parser(sub: Subparsers) -> None:
-    from ptdp.config_reference import DESCRIPTION
+    from ptdp.config.reference import DESCRIPTION
 
     help = "print the reference of every config key (Markdown, docs/configuration.md)"
     p = sub.add_parser("config-reference", help=help, description=DESCRIPTION)
@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ptdp.config_files import given_keys
+    from ptdp.config.files import given_keys
     from ptdp.parallel.env import LaunchEnv, exit_now, leave_failed_rank
     from ptdp.perf.validate.paper import perf_config
     from ptdp.train.run import dry_run, train
@@ -416,7 +416,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_reference(args: argparse.Namespace) -> int:
-    from ptdp.config_reference import write
+    from ptdp.config.reference import write
 
     write(args.output)
     return 0

@@ -19,11 +19,9 @@ import torch
 from ptdp.checkpoint import find_checkpoint, load_config
 from ptdp.checkpoint.partial import load_model_weights, read_scalar
 from ptdp.checkpoint.store import damaged_advice, verify_file
-from ptdp.config import ParallelConfig, RunConfig
+from ptdp.config.sections import ParallelConfig, RunConfig
 from ptdp.data.tokenizers import Tokenizer, load_tokenizer
-from ptdp.domains import FRACTION, NON_NEGATIVE
 from ptdp.errors import CheckpointError, ConfigError
-from ptdp.layout import validate
 from ptdp.model.generate import generate
 from ptdp.model.gpt import GPT
 from ptdp.model.pipeline_generate import StagePeers, generate_pipelined
@@ -31,6 +29,8 @@ from ptdp.parallel.comm import Group, world_group
 from ptdp.parallel.env import LaunchEnv, init_process_group, pick_device
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.pipeline.partition import layer_ranges, near_even_split
+from ptdp.rules.domains import FRACTION, NON_NEGATIVE
+from ptdp.rules.layout import validate
 
 
 def split_processes(world_size: int, pp: int) -> int:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ptdp import checkpoint as ckpt
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 
 LLAMA = {
     "position_embedding": "rope",

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptdp.config import ModelConfig, Recompute, RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.enums import Recompute
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.model.gpt import GPT
 from ptdp.parallel.comm import Group
 from ptdp.pipeline.actions import Action, Kind

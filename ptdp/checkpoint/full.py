@@ -30,7 +30,7 @@ from ptdp.checkpoint.store import (
     verify_files,
 )
 from ptdp.checkpoint.writer import start_checkpoint
-from ptdp.config import RunConfig
+from ptdp.config.sections import RunConfig
 from ptdp.errors import CheckpointError
 from ptdp.parallel.comm import Group
 from ptdp.parallel.init import expert_split, full_tensor, global_shape, local_part, shard_spec

@@ -12,8 +12,8 @@ import torch
 
 from ptdp.checkpoint.full import load_checkpoint
 from ptdp.checkpoint.store import find_checkpoint, load_config
-from ptdp.config import RunConfig
-from ptdp.config_files import to_dict
+from ptdp.config.files import to_dict
+from ptdp.config.sections import RunConfig
 from ptdp.errors import DataError
 
 

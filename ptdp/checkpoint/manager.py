@@ -41,8 +41,8 @@ from ptdp.checkpoint.store import (
     verify_files,
 )
 from ptdp.checkpoint.writer import PendingCheckpoint, start_checkpoint
-from ptdp.config import RunConfig
-from ptdp.config_files import to_dict
+from ptdp.config.files import to_dict
+from ptdp.config.sections import RunConfig
 from ptdp.data.tokenizers import load_tokenizer
 from ptdp.errors import CheckpointError
 from ptdp.parallel.comm import Group, all_gather_objects, all_reduce_max_value, new_world_group

@@ -24,8 +24,8 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
-from ptdp.config import RunConfig
-from ptdp.config_files import load_toml
+from ptdp.config.files import load_toml
+from ptdp.config.sections import RunConfig
 from ptdp.errors import CheckpointError
 
 STATE_FILE = "state.pt"  # the earlier single-writer format

@@ -36,8 +36,8 @@ from torch.distributed.tensor import DTensor
 from ptdp.checkpoint.boxes import Boxes
 from ptdp.checkpoint.retention import prune, set_aside_after
 from ptdp.checkpoint.store import CHECKSUMS, LATEST, checkpoint_root, checksum, step_dir_name
-from ptdp.config import RunConfig
-from ptdp.config_files import write_config
+from ptdp.config.files import write_config
+from ptdp.config.sections import RunConfig
 from ptdp.errors import CheckpointError
 from ptdp.files import FULL, free_bytes, replacing, size_text, write_file
 from ptdp.parallel.comm import Group, barrier, world_group

@@ -40,8 +40,9 @@ from pathlib import Path
 import torch
 
 from ptdp import checkpoint as ckpt
-from ptdp.config import ModelConfig, PositionEmbedding, RunConfig
-from ptdp.config_files import to_dict, to_toml
+from ptdp.config.enums import PositionEmbedding
+from ptdp.config.files import to_dict, to_toml
+from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.convert.hf_check import check_config_numbers, check_hf_shapes
 from ptdp.convert.hf_config import family, hf_config, model_config_from_hf
 from ptdp.convert.hf_files import (

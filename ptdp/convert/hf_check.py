@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ptdp.config import ModelConfig
+from ptdp.config.sections import ModelConfig
 from ptdp.convert.hf_config import model_config_from_hf
 from ptdp.errors import ConfigError
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ptdp.config import (
+from ptdp.config.enums import (
     Activation,
-    ModelConfig,
     Normalization,
     PositionEmbedding,
     RopeScaling,
     ScoreFunction,
 )
+from ptdp.config.sections import ModelConfig
 from ptdp.errors import ConfigError
 
 TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")

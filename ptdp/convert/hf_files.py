@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from ptdp.config import ModelConfig
+from ptdp.config.sections import ModelConfig
 from ptdp.convert.hf_check import check_config_numbers
 from ptdp.convert.hf_config import model_config_from_hf
 from ptdp.errors import CheckpointError, ConfigError

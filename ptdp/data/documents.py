@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ptdp.config import DataConfig
+from ptdp.config.sections import DataConfig
 from ptdp.data.indexed import IndexedDataset
 from ptdp.errors import DataError
 from ptdp.model.positions import TokenPositions

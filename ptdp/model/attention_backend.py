@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ptdp.config import AttentionBackend
+from ptdp.config.enums import AttentionBackend
 
 KERNELS = {
     AttentionBackend.FLASH: SDPBackend.FLASH_ATTENTION,

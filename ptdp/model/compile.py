@@ -48,7 +48,7 @@ def apply_compile(chunks: Iterable[nn.Module], *, cuda_graphs: bool = False) -> 
     """Compile each transformer layer of `chunks`, and the loss of the chunk that has the
     output layer, in place (lazily: on the first call); returns the number of layers.
     Parameter names and the state dict are unchanged. `cuda_graphs`: CUDA devices only
-    (`ptdp.layout_speed` refuses the rest before this runs)."""
+    (`ptdp.rules.speed` refuses the rest before this runs)."""
     mode = compile_mode(cuda_graphs)
     count = 0
     for chunk in chunks:

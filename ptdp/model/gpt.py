@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ptdp.config import CpComm, ModelConfig, PositionEmbedding, Recompute
+from ptdp.config.enums import CpComm, PositionEmbedding, Recompute
+from ptdp.config.sections import ModelConfig
 from ptdp.model.init import apply_init
 from ptdp.model.kv_cache import KVCache, LayerCache
 from ptdp.model.moe import MoE, MoEState

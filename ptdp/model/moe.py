@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ptdp.config import Activation, ModelConfig
+from ptdp.config.enums import Activation
+from ptdp.config.sections import ModelConfig
 from ptdp.model.experts import GroupedExperts
 from ptdp.model.parts import MLP, TPContext
 from ptdp.model.router import Router, RouterOptions, Routing, balancing_loss, z_loss

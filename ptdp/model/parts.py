@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptdp.config import Activation, CpComm, ModelConfig, Normalization
+from ptdp.config.enums import Activation, CpComm, Normalization
+from ptdp.config.sections import ModelConfig
 from ptdp.parallel.comm import Group
 from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from ptdp.parallel.wgrad import WeightGradStore

@@ -18,7 +18,8 @@ import math
 import torch
 from torch import nn
 
-from ptdp.config import ModelConfig, RopeScaling
+from ptdp.config.enums import RopeScaling
+from ptdp.config.sections import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptdp.config import ModelConfig, ScoreFunction
+from ptdp.config.enums import ScoreFunction
+from ptdp.config.sections import ModelConfig
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ptdp.config import CpComm
+from ptdp.config.enums import CpComm
 from ptdp.model.positions import TokenPositions
 from ptdp.parallel.blocks import Block, Kind, block_backward, block_forward
 from ptdp.parallel.comm import Group, gather_from_cp, ring_shift_async

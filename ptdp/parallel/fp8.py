@@ -34,7 +34,7 @@ from torchao.float8.float8_training_tensor import (
 )
 from torchao.float8.float8_utils import amax_to_scale
 
-from ptdp.config import Fp8Recipe
+from ptdp.config.enums import Fp8Recipe
 from ptdp.errors import ConfigError
 
 _ROLE = {"x": GemmInputRole.INPUT, "w": GemmInputRole.WEIGHT, "dy": GemmInputRole.GRAD_OUTPUT}

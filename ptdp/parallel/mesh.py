@@ -3,8 +3,8 @@
 Ranks are laid out tensor-parallel fastest, then context-parallel, then data-parallel,
 then pipeline (rank = tp + t*(cp + c*(dp + d*pp))), so a tensor-parallel group shares a
 node, the context-parallel ring (heavy key/value traffic) sits next to it, and pipeline
-stages cross nodes, as the paper recommends. `ptdp.layout.ORDER` is the one place that says
-so (torch-free, so the performance model reads it too). `ptdp.layout.COMBINED` names groups
+stages cross nodes, as the paper recommends. `ptdp.rules.layout.ORDER` is the one place that says
+so (torch-free, so the performance model reads it too). `ptdp.rules.layout.COMBINED` names groups
 spanning several adjacent axes: "dp_cp" reduces the gradients of the parameters replicated
 over both (context-parallel ranks hold the same weights).
 The coordinate logic is pure; `ParallelMesh.build` creates the groups once, and the
@@ -20,8 +20,8 @@ from itertools import product
 
 import torch.distributed as dist
 
-from ptdp.layout import COMBINED, EXPERT_AXES, ORDER
 from ptdp.parallel.comm import Group
+from ptdp.rules.layout import COMBINED, EXPERT_AXES, ORDER
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,8 @@ class MeshShape:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    """Expert-parallel size: splits each dp_cp group (`ptdp.layout.EXPERT_AXES`), adds no rank."""
+    """Expert-parallel size: splits each dp_cp group (`ptdp.rules.layout.EXPERT_AXES`), adds
+    no rank."""
 
     @property
     def world_size(self) -> int:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ptdp.config import Precision, RunConfig
-from ptdp.config_files import to_dict
+from ptdp.config.enums import Precision
+from ptdp.config.files import to_dict
+from ptdp.config.sections import RunConfig
 from ptdp.outputs import make_output_dir
 from ptdp.perf.cost.hardware import GIB, System
 from ptdp.perf.cost.memory import MemoryEstimate

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ptdp.config import DataConfig, RunConfig
+from ptdp.config.sections import DataConfig, RunConfig
 from ptdp.data.blend import BlendedDataset, parse_blend
 from ptdp.data.dataset import GPTDataset
 from ptdp.data.documents import require_documents

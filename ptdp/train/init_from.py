@@ -21,13 +21,8 @@ import torch
 
 from ptdp import checkpoint as ckpt
 from ptdp.checkpoint.store import load_entries
-from ptdp.config import (
-    LAYOUT_ONLY_MODEL_KEYS,
-    DataConfig,
-    ModelConfig,
-    PositionEmbedding,
-    RunConfig,
-)
+from ptdp.config.enums import PositionEmbedding
+from ptdp.config.sections import LAYOUT_ONLY_MODEL_KEYS, DataConfig, ModelConfig, RunConfig
 from ptdp.convert.hf import TOKENIZER_FILE, check_hf_model, from_hf_state, read_hf_weights
 from ptdp.convert.hf_files import read_hf_config, read_hf_json, weight_files
 from ptdp.data.preprocess import read_metadata

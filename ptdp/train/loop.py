@@ -19,8 +19,8 @@ from tqdm import tqdm
 from ptdp import checkpoint as ckpt
 from ptdp.checkpoint.manager import NonFiniteState
 from ptdp.checkpoint.store import step_dir_name
-from ptdp.config import OnNan, Recovery
-from ptdp.config_files import to_dict
+from ptdp.config.enums import OnNan, Recovery
+from ptdp.config.files import to_dict
 from ptdp.parallel.comm import gather_objects
 from ptdp.perf.cost.flops import utilisation
 from ptdp.pipeline.timeline import from_dicts, to_dicts

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from ptdp.config import RunConfig
-from ptdp.layout import Layout
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.hardware import system_for_device_name
 from ptdp.perf.simulate.plot import plot_timelines, write_chrome_trace
 from ptdp.perf.simulate.replay import PipelineCosts, replay
 from ptdp.perf.simulate.simulator import simulate
 from ptdp.pipeline.timeline import Event
+from ptdp.rules.layout import Layout
 
 
 def _median(events: Sequence[Event], kind: str, stage: int) -> float | None:

@@ -23,12 +23,13 @@ from ptdp import checkpoint as ckpt
 from ptdp.checkpoint.recover import find_unpublished, publish_unpublished, verify_unpublished
 from ptdp.checkpoint.retention import set_aside_after
 from ptdp.checkpoint.store import find_restart_checkpoint
-from ptdp.config import LAYOUT_ONLY_MODEL_KEYS, Resume, RunConfig
-from ptdp.config_files import to_dict
+from ptdp.config.enums import Resume
+from ptdp.config.files import to_dict
+from ptdp.config.sections import LAYOUT_ONLY_MODEL_KEYS, RunConfig
 from ptdp.errors import CheckpointError, ConfigError
-from ptdp.layout import Layout
 from ptdp.parallel.comm import all_gather_objects, barrier
 from ptdp.parallel.env import LaunchEnv
+from ptdp.rules.layout import Layout
 from ptdp.train.faults.events import append_event, previous_ending, read_events
 from ptdp.train.run_dir import check_init_source, refuse_previous_run
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ptdp.config import RunConfig
-from ptdp.config_files import to_toml, write_config
+from ptdp.config.files import to_toml, write_config
+from ptdp.config.sections import RunConfig
 from ptdp.errors import CheckpointError
-from ptdp.layout import Layout, validate
 from ptdp.outputs import make_output_dir
 from ptdp.parallel.comm import all_gather_objects, barrier
 from ptdp.parallel.env import LaunchEnv, destroy_process_group
+from ptdp.rules.layout import Layout, validate
 from ptdp.train.data_setup import RunData, open_data, resolve_vocab
 from ptdp.train.faults.events import append_event, wall_ms
 from ptdp.train.init_from import InitSource, load_initial_weights, resolve_init

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ptdp.config_files import tomllib
+from ptdp.config.files import tomllib
 from ptdp.perf.calibrate import microbench as mb
 from ptdp.perf.calibrate.fit import collective_bytes
 from ptdp.perf.calibrate.measure import SWEEPS, calibrate, write_calibration

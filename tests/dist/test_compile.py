@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from torch._dynamo.utils import counters
 
-from ptdp import layout_speed
-from ptdp.config import RunConfig
-from ptdp.layout_speed import COMPILED_TP_TORCH
+from ptdp.config.sections import RunConfig
 from ptdp.parallel.env import LaunchEnv
+from ptdp.rules import speed
+from ptdp.rules.speed import COMPILED_TP_TORCH
 from ptdp.train.run import train
 from tests.dist.harness import run_ranks
 from tests.helpers import assert_same_run, tiny_config
@@ -38,7 +38,7 @@ LAYOUTS = {
     "tp2-sp": {"tp": 2, "sequence_parallel": True},
     "pp2": {"pp": 2},
 }
-if (layout_speed.torch_version() or COMPILED_TP_TORCH) < COMPILED_TP_TORCH:
+if (speed.torch_version() or COMPILED_TP_TORCH) < COMPILED_TP_TORCH:
     del LAYOUTS["tp2-sp"]  # refused there (tests/unit/test_speed_switches.py): wrong gradients
 
 

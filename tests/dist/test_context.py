@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ptdp.config import CpComm
+from ptdp.config.enums import CpComm
 from ptdp.model.positions import TokenPositions
 from ptdp.parallel.context import context_attention, local_index, split_sequence
 from ptdp.parallel.env import LaunchEnv

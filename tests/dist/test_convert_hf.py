@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ptdp import checkpoint as ckpt
-from ptdp.config_files import apply_updates, load_toml
+from ptdp.config.files import apply_updates, load_toml
 from ptdp.convert.hf import export_hf, import_hf
 from ptdp.parallel.env import LaunchEnv
 from ptdp.sample import load_model

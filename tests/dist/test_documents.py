@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.config import RunConfig
+from ptdp.config.sections import RunConfig
 from ptdp.data.preprocess import preprocess
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.run import train

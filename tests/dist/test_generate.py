@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ptdp.checkpoint import find_checkpoint
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.model.generate import generate, next_logits
 from ptdp.model.gpt import GPT
 from ptdp.model.kv_cache import KVCache

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.config import RunConfig
+from ptdp.config.sections import RunConfig
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.run import train
 from tests.dist.harness import run_ranks

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ptdp.config import ModelConfig
+from ptdp.config.sections import ModelConfig
 from ptdp.model.gpt import GPT
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group

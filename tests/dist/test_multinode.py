@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.config_files import to_toml
+from ptdp.config.files import to_toml
 from ptdp.train.run import train
 from tests.helpers import assert_same_run, tiny_config
 

@@ -14,15 +14,15 @@ import contextlib
 import pytest
 import torch
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
-from ptdp.layout import validate
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.model.gpt import GPT
 from ptdp.parallel.comm import Group, all_reduce_sum_, gather_objects
 from ptdp.parallel.grads import reduce_tied_grads
 from ptdp.parallel.init import full_tensor, shard_spec
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.parallel.roles import rank_roles
+from ptdp.rules.layout import validate
 from ptdp.train.step.pipelined import (
     Microbatch,
     PipelineStep,

@@ -20,14 +20,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
-from ptdp.layout import validate
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.perf.cost.memory import in_flight
 from ptdp.pipeline.actions import Action
 from ptdp.pipeline.runtime import PipelineRuntime
 from ptdp.pipeline.schedules import SCHEDULES
+from ptdp.rules.layout import validate
 from ptdp.train.step.pipelined import boundary_shape, build_chunks, build_p2p
 from tests.dist.harness import run_ranks
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.failures import TIMEOUT_S, launch, train_args
-from ptdp.config_files import resolve
+from ptdp.config.files import resolve
 from ptdp.train.faults.events import read_events
 from ptdp.train.run import train
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.model.gpt import GPT, TPContext, TransformerLayer
 from ptdp.model.init import apply_init
 from ptdp.parallel import comm

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp import checkpoint as ckpt
-from ptdp.config import RunConfig
+from ptdp.config.sections import RunConfig
 from ptdp.parallel.env import LaunchEnv
 from ptdp.sample import sample_from_checkpoint
 from ptdp.train.run import prepare, train

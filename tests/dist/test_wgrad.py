@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.config import Recompute
+from ptdp.config.enums import Recompute
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from tests.dist.harness import run_ranks
 from tests.helpers import LLAMA

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import ptdp.checkpoint as ckpt
 from ptdp.cli import main
-from ptdp.config_files import resolve
+from ptdp.config.files import resolve
 from ptdp.convert.hf import export_hf, import_hf
 from ptdp.data.tokenizers import train_bpe
 from ptdp.errors import CheckpointError, ConfigError, DataError, PtdpError
@@ -377,7 +377,7 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
     (
         "fp8-without-torchao",
         lambda c: (
-            c.monkeypatch.setattr("ptdp.layout_fp8.has_torchao", lambda: False),
+            c.monkeypatch.setattr("ptdp.rules.fp8.has_torchao", lambda: False),
             c.train(train={"precision": "fp8"}),
         ),
         ConfigError,

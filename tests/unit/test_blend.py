@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates, load_toml, parse_overrides
+from ptdp.config.files import apply_updates, load_toml, parse_overrides
+from ptdp.config.sections import RunConfig
 from ptdp.data.blend import BlendedDataset, BlendSchedule, integer_shares, parse_blend
 from ptdp.data.dataset import GPTDataset
 from ptdp.data.preprocess import preprocess

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.config import Precision
-from ptdp.config_files import tomllib
+from ptdp.config.enums import Precision
+from ptdp.config.files import tomllib
 from ptdp.perf.calibrate.fit import interpolate_log, monotone_curve
 from ptdp.perf.cost.costs import Compute, Gemm
 from ptdp.perf.cost.hardware import load_system
@@ -163,7 +163,8 @@ def test_framework_overhead_is_measured_and_enters_each_layer_pass(calibrated: P
     layer's memory-bound kernel launches (which the measurement holds)."""
     from dataclasses import replace
 
-    from ptdp.config import ModelConfig, Recompute
+    from ptdp.config.enums import Recompute
+    from ptdp.config.sections import ModelConfig
     from ptdp.perf.cost.costs import head_seconds, layer_seconds
 
     system = load_system(calibrated)
@@ -228,11 +229,11 @@ def test_the_optimizer_step_pays_its_measured_overhead_per_tensor(calibrated: Pa
     fixed + per tensor x the busiest rank's tensors (its shard's under ZeRO) to the step."""
     from dataclasses import replace
 
-    from ptdp.config import RunConfig
-    from ptdp.config_files import apply_updates
-    from ptdp.layout import validate
+    from ptdp.config.files import apply_updates
+    from ptdp.config.sections import RunConfig
     from ptdp.perf.cost.parameters import tensors_per_rank
     from ptdp.perf.simulate.simulator import optimizer_seconds
+    from ptdp.rules.layout import validate
 
     system = load_system(calibrated)
     raw = tomllib.loads(calibrated.read_text())["device"]["achieved"]
@@ -371,7 +372,8 @@ def test_collective_sync_is_loaded_checked_and_paid_per_blocking_call(tmp_path: 
     reduce-scatters; nothing at tp = 1 or where the collectives overlap the GEMMs."""
     from dataclasses import replace
 
-    from ptdp.config import CpComm, ModelConfig, Recompute
+    from ptdp.config.enums import CpComm, Recompute
+    from ptdp.config.sections import ModelConfig
     from ptdp.errors import ConfigError
     from ptdp.perf.cost.context_costs import cp_comm_seconds
     from ptdp.perf.cost.costs import embedding_seconds, head_seconds, layer_seconds
@@ -434,12 +436,13 @@ def test_a_wait_right_after_compute_pays_its_extra_and_one_after_a_wait_does_not
     step's back-to-back scalar all-reduces, and none when there are none."""
     from dataclasses import replace
 
-    from ptdp.config import CpComm, ModelConfig, Recompute
+    from ptdp.config.enums import CpComm, Recompute
+    from ptdp.config.sections import ModelConfig
     from ptdp.errors import ConfigError
-    from ptdp.layout import Layout
     from ptdp.perf.cost.context_costs import cp_comm_seconds
     from ptdp.perf.cost.costs import head_seconds, layer_seconds
     from ptdp.perf.simulate.simulator import step_reductions
+    from ptdp.rules.layout import Layout
 
     assert load_system("a100-80gb").device.wait_after_compute == 0.0  # absent: none
     path = _a100_with(tmp_path, "wait_after_compute_us = 600")
@@ -487,11 +490,11 @@ def test_the_gradient_reduction_waits_on_each_bucket_the_first_right_after_compu
     `wait_after_compute_us`; one rank has no reduction and pays nothing."""
     from dataclasses import replace
 
-    from ptdp.config import RunConfig
-    from ptdp.config_files import apply_updates
-    from ptdp.layout import validate
+    from ptdp.config.files import apply_updates
+    from ptdp.config.sections import RunConfig
     from ptdp.perf.cost.parameters import parameters_per_stage
     from ptdp.perf.simulate.simulator import optimizer_seconds, stage_reductions
+    from ptdp.rules.layout import validate
 
     sync, after = 1e-3, 5e-3
     base = load_system("a100-80gb")
@@ -542,7 +545,8 @@ def test_a_ring_shift_pays_its_own_measured_sync_else_the_collectives(tmp_path: 
     The all-gather form, a collective, keeps `collective_sync_us`."""
     from dataclasses import replace
 
-    from ptdp.config import CpComm, ModelConfig
+    from ptdp.config.enums import CpComm
+    from ptdp.config.sections import ModelConfig
     from ptdp.errors import ConfigError
     from ptdp.perf.cost.context_costs import cp_comm_seconds
 
@@ -581,13 +585,13 @@ def test_a_split_backward_pays_its_measured_cost_in_w_on_zero_bubble_schedules(
 
     import torch
 
-    from ptdp.config import RunConfig
-    from ptdp.config_files import apply_updates
+    from ptdp.config.files import apply_updates
+    from ptdp.config.sections import RunConfig
     from ptdp.errors import ConfigError
-    from ptdp.layout import validate
     from ptdp.perf.calibrate.timing import Timing
     from ptdp.perf.calibrate.wgrad_cost import split_backward_ratio
     from ptdp.perf.simulate.simulator import accumulation, pipeline_costs
+    from ptdp.rules.layout import validate
 
     assert load_system("a100-80gb").device.split_backward_ratio == 1.0  # absent: free
     with pytest.raises(ConfigError, match="split_backward_ratio = .* must be > 0"):
@@ -688,7 +692,8 @@ def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
     data-parallel reduction that GPUs overlap with the backward."""
     from dataclasses import replace
 
-    from ptdp.config import ModelConfig, Recompute
+    from ptdp.config.enums import Recompute
+    from ptdp.config.sections import ModelConfig
     from ptdp.perf.cost.collectives import gather_seconds, group_link
     from ptdp.perf.cost.costs import layer_seconds
 
@@ -715,7 +720,7 @@ def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
         assert on["cpu"].w == pytest.approx(on["gpu"].w)
     # gloo writes a ring shift's send in the thread that posts it: on a CPU the cp ring's
     # transfers are all exposed; on GPUs they hide under the attention blocks.
-    from ptdp.config import CpComm
+    from ptdp.config.enums import CpComm
     from ptdp.perf.cost.context_costs import cp_comm_seconds
 
     long = replace(model, seq_length=4096)
@@ -728,8 +733,8 @@ def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
 
     # The data-parallel reduction overlaps the backward on GPUs; over gloo its threads
     # need the backward's cores, so an overlapped step costs what an unoverlapped one does.
-    from ptdp.config import RunConfig
-    from ptdp.config_files import apply_updates
+    from ptdp.config.files import apply_updates
+    from ptdp.config.sections import RunConfig
     from ptdp.perf.simulate.simulator import simulate
 
     def step(system, overlap: bool) -> float:
@@ -757,11 +762,11 @@ def test_on_a_cpu_gloo_costs_what_nccl_hides_or_spares() -> None:
 def test_zero3_pays_the_sync_per_layer_gather_and_reduce_scatter() -> None:
     from dataclasses import replace
 
-    from ptdp.config_files import apply_updates
-    from ptdp.layout import validate
+    from ptdp.config.files import apply_updates
     from ptdp.perf.cost.zero import sharded_passes
     from ptdp.perf.simulate.simulator import compute_costs
     from ptdp.perf.validate.paper import preset_config
+    from ptdp.rules.layout import validate
 
     sync = 1e-3
     base = load_system("a100-80gb")
@@ -831,11 +836,11 @@ def test_point_to_point_keys_price_transfers_apart(tmp_path: Path) -> None:
     each pipeline hop also pays the sync of the wait on it."""
     from dataclasses import replace
 
-    from ptdp.config_files import apply_updates
+    from ptdp.config.files import apply_updates
     from ptdp.errors import ConfigError
-    from ptdp.layout import validate
     from ptdp.perf.simulate.simulator import pipeline_costs
     from ptdp.perf.validate.paper import preset_config
+    from ptdp.rules.layout import validate
 
     text = (ROOT / "ptdp/perf/cost/hardware/a100-80gb.toml").read_text()
     assert load_system("a100-80gb").intra.p2p is None  # absent: as the collectives

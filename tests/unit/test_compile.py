@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from ptdp.config import ModelConfig, Recompute
+from ptdp.config.enums import Recompute
+from ptdp.config.sections import ModelConfig
 from ptdp.model.compile import apply_compile
 from ptdp.model.gpt import GPT
 from ptdp.train.run import train

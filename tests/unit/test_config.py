@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.config import Activation, RunConfig, Schedule
-from ptdp.config_files import (
+from ptdp.config.enums import Activation, Schedule
+from ptdp.config.files import (
     apply_updates,
     from_dict,
     help_text,
@@ -19,8 +19,9 @@ from ptdp.config_files import (
     to_dict,
     to_toml,
 )
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.layout import validate
+from ptdp.rules.layout import validate
 
 
 def test_defaults_then_toml_then_command_line(tmp_path: Path) -> None:

@@ -6,16 +6,16 @@ from dataclasses import fields
 from pathlib import Path
 
 from ptdp.cli import main
-from ptdp.config import SECTIONS
-from ptdp.config_files import field_docs
-from ptdp.config_reference import COMMAND, _cell, render
+from ptdp.config.files import field_docs
+from ptdp.config.reference import COMMAND, _cell, render
+from ptdp.config.sections import SECTIONS
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def test_committed_page_is_the_generators_output() -> None:
     assert PAGE.read_text(encoding="utf-8") == render(), (
-        f"docs/configuration.md is out of date with ptdp/config.py; run `{COMMAND}` and "
+        f"docs/configuration.md is out of date with ptdp/config/sections.py; run `{COMMAND}` and "
         "commit the page"
     )
 

@@ -10,14 +10,15 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ptdp.config import CpComm, RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.enums import CpComm
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.layout import validate
 from ptdp.model.positions import TokenPositions
 from ptdp.parallel import context
 from ptdp.parallel.comm import Group
 from ptdp.parallel.context import Kind, context_attention, local_index, plan_block, split_sequence
+from ptdp.rules.layout import validate
 
 
 def test_rank_i_holds_chunks_i_and_2cp_minus_1_minus_i() -> None:

@@ -13,8 +13,8 @@ import torch
 from ptdp import checkpoint as ckpt
 from ptdp.checkpoint import full_model_state
 from ptdp.cli import main
-from ptdp.config import ModelConfig, RunConfig
-from ptdp.config_files import apply_updates, load_toml
+from ptdp.config.files import apply_updates, load_toml
+from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.convert.hf import export_hf, fuse_qkv, import_hf, split_qkv
 from ptdp.errors import ConfigError
 from ptdp.model.gpt import GPT

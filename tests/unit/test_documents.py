@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from ptdp.config import DataConfig, RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import DataConfig, RunConfig
 from ptdp.data.blend import BlendedDataset
 from ptdp.data.dataset import GPTDataset
 from ptdp.data.documents import DocumentIndex, microbatch_positions, window_positions
 from ptdp.data.indexed import IndexedDataset, IndexedWriter
 from ptdp.data.preprocess import preprocess
 from ptdp.errors import ConfigError, DataError
-from ptdp.layout import validate
 from ptdp.model.gpt import GPT
 from ptdp.model.positions import TokenPositions
+from ptdp.rules.layout import validate
 from ptdp.train.data_setup import open_data
 from tests.helpers import LLAMA, tiny_config
 

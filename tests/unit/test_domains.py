@@ -1,6 +1,6 @@
 """Non-finite and out-of-range numbers never pass: every float key of every config section,
 and every number of a hardware file, refuses NaN, the infinities and a value outside its
-range, naming the key, the value and the fix, before any process starts (ptdp/domains.py)."""
+range, naming the key, the value and the fix, before any process starts (ptdp/rules/domains.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.cli import main
-from ptdp.config import SECTIONS
-from ptdp.config_files import resolve, toml_value
-from ptdp.domains import CONFIG_RULES
+from ptdp.config.files import resolve, toml_value
+from ptdp.config.sections import SECTIONS
 from ptdp.errors import ConfigError
-from ptdp.layout import validate
 from ptdp.perf.cost.hardware import BUILTIN_DIR, NUMBERS, RULES, load_system
+from ptdp.rules.domains import CONFIG_RULES
+from ptdp.rules.layout import validate
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -145,7 +145,7 @@ EXTRA = {  # numbers of a hardware file beyond NUMBERS' keys, with a valid value
 
 
 def _toml(data: dict[str, Any], prefix: str = "") -> str:
-    """A TOML file of nested tables (ptdp.config_files.toml_value spells each value)."""
+    """A TOML file of nested tables (ptdp.config.files.toml_value spells each value)."""
     scalars = [f"{k} = {toml_value(v, k)}" for k, v in data.items() if not isinstance(v, dict)]
     lines = ([f"[{prefix}]"] if prefix else []) + scalars + [""]
     for k, v in data.items():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ptdp import checkpoint as ckpt
-from ptdp.config_files import to_toml
+from ptdp.config.files import to_toml
 from ptdp.errors import ConfigError
 from ptdp.train.faults.numerical import SPIKE_WINDOW, FaultMonitor, TrainingError
 from ptdp.train.run import train
@@ -165,7 +165,7 @@ def test_rollback_needs_checkpoints(tiny_data: str, tmp_path: Path) -> None:
 
 def test_loss_spike_is_logged() -> None:
     said: list[str] = []
-    from ptdp.config import OnNan
+    from ptdp.config.enums import OnNan
     from ptdp.parallel.comm import Group
 
     monitor = FaultMonitor(OnNan.STOP, Group.single(), torch.device("cpu"), said.append)

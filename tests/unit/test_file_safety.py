@@ -32,8 +32,8 @@ import torch
 
 from ptdp import checkpoint as ckpt
 from ptdp.cli import main
-from ptdp.config import ModelConfig, RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.convert.hf import export_hf, import_hf
 from ptdp.data.preprocess import preprocess
 from ptdp.data.tokenizers import ByteTokenizer

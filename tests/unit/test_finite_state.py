@@ -1,6 +1,6 @@
 """A checkpoint is never written from non-finite state, and every file a save writes reads
 back: the weights a save would write are checked first (ptdp/checkpoint/manager.py), and the
-resolved config.toml is valid TOML for every value a field can hold (ptdp/config_files.py)."""
+resolved config.toml is valid TOML for every value a field can hold (ptdp/config/files.py)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import pytest
 
 from ptdp import checkpoint as ckpt
 from ptdp.checkpoint.manager import NonFiniteState
-from ptdp.config import SECTIONS, RunConfig
-from ptdp.config_files import from_dict, to_toml, write_config
-from ptdp.domains import config_problems
+from ptdp.config.files import from_dict, to_toml, write_config
+from ptdp.config.sections import SECTIONS, RunConfig
 from ptdp.errors import ConfigError
 from ptdp.parallel.env import LaunchEnv
+from ptdp.rules.domains import config_problems
 from ptdp.train.faults.numerical import TrainingError
 from ptdp.train.run import train
 from ptdp.train.step.optim import Optimizer
@@ -83,7 +83,7 @@ def _steps(run: Path) -> list[str]:
 def overflow_after(monkeypatch: pytest.MonkeyPatch):
     """`overflow_after(k)`: the update of step k leaves an infinity in a master weight while
     that step's loss and gradient norm stay finite (as an update that overflows float32
-    does; ptdp/domains.py refuses the learning rates that would, so it is injected)."""
+    does; ptdp/rules/domains.py refuses the learning rates that would, so it is injected)."""
 
     armed, real = {}, Optimizer.step
 

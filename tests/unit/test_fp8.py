@@ -17,7 +17,8 @@ pytest.importorskip("torchao")
 
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
 
-from ptdp.config import Fp8Recipe, ModelConfig, Precision  # noqa: E402
+from ptdp.config.enums import Fp8Recipe, Precision  # noqa: E402
+from ptdp.config.sections import ModelConfig
 from ptdp.errors import ConfigError  # noqa: E402
 from ptdp.model.gpt import GPT  # noqa: E402
 from ptdp.parallel.fp8 import Fp8Gemms, check_device  # noqa: E402

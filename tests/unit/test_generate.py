@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptdp.config import ModelConfig, RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.model.generate import generate, next_logits
 from ptdp.model.gpt import GPT
 from ptdp.model.kv_cache import KVCache

@@ -13,7 +13,7 @@ import torch
 
 from ptdp import checkpoint as ckpt
 from ptdp.cli import main
-from ptdp.config_files import load_toml
+from ptdp.config.files import load_toml
 from ptdp.convert.hf import import_hf
 from ptdp.data.preprocess import preprocess
 from ptdp.errors import CheckpointError, ConfigError

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from ptdp.config import ModelConfig, Precision
+from ptdp.config.enums import Precision
+from ptdp.config.sections import ModelConfig
 from ptdp.perf.cost.layer_bytes import head_activation_bytes
 from tests.helpers import load_benchmark
 

@@ -6,8 +6,8 @@ from itertools import product
 
 import pytest
 
-from ptdp.layout import COMBINED, ORDER
 from ptdp.parallel.mesh import MeshShape, ParallelMesh
+from ptdp.rules.layout import COMBINED, ORDER
 
 SHAPES = [MeshShape(t, d, p) for t, d, p in product([1, 2, 4], [1, 2, 3], [1, 2, 4])]
 SHAPES += [MeshShape(t, d, p, c) for t, d, p, c in product([1, 2], [1, 2], [1, 2], [2, 4])]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.config import ModelConfig
+from ptdp.config.sections import ModelConfig
 from ptdp.perf.cost.flops import model_flops_per_iteration
 from tests.helpers import load_benchmark
 

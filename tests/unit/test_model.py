@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from ptdp.config import ModelConfig, Recompute, RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.enums import Recompute
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.model.generate import filter_logits, generate
 from ptdp.model.gpt import GPT, Rotary, count_parameters
 from ptdp.model.rope import inverse_frequencies, llama3_scaled

@@ -11,15 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ptdp.config import Activation, ModelConfig, RunConfig, ScoreFunction
-from ptdp.config_files import apply_updates
+from ptdp.config.enums import Activation, ScoreFunction
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.errors import ConfigError
-from ptdp.layout import validate
 from ptdp.model.gpt import GPT, TPContext
 from ptdp.model.moe import MoE, MoEState, capacity, plan_dispatch
 from ptdp.model.router import RouterOptions, route, top_k
 from ptdp.parallel.grouped import GemmKernel, choose_gemm, gemm_for_cuda, grouped_mm, grouped_wgrad
 from ptdp.parallel.wgrad import WeightGradStore, accumulate_grads, grouped_linear
+from ptdp.rules.layout import validate
 
 H, E = 16, 4
 BASE = ModelConfig(
@@ -189,7 +190,7 @@ def test_ties_go_to_the_lower_index() -> None:
 
 def test_recomputation_counts_a_layer_once() -> None:
     cfg = replace(BASE, moe_aux_loss_coeff=0.01)
-    from ptdp.config import Recompute
+    from ptdp.config.enums import Recompute
 
     model = GPT(cfg, recompute=Recompute.FULL).train()
     tokens = torch.randint(0, 32, (2, 8))

@@ -9,16 +9,10 @@ from dataclasses import fields, replace
 import pytest
 
 from ptdp.cli import main
-from ptdp.config import (
-    Activation,
-    ModelConfig,
-    Normalization,
-    PositionEmbedding,
-    Precision,
-    Recompute,
-    RunConfig,
-)
-from ptdp.config_files import apply_updates
+from ptdp.config.enums import Activation, Normalization, PositionEmbedding, Precision, Recompute
+from ptdp.config.files import apply_updates
+from ptdp.config.presets import MODEL_PRESETS, model_preset
+from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.perf.cost.costs import Gemm, layer_gemms
 from ptdp.perf.cost.flops import flops_per_iteration, flops_per_token, model_flops_per_iteration
 from ptdp.perf.cost.hardware import load_system
@@ -28,7 +22,6 @@ from ptdp.perf.cost.moe import dense_equivalent
 from ptdp.perf.cost.parameters import model_size
 from ptdp.perf.cost.software import PTDP
 from ptdp.perf.simulate.simulator import simulate
-from ptdp.presets import MODEL_PRESETS, model_preset
 
 TINY = ModelConfig(
     num_layers=3,

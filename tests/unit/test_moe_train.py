@@ -68,7 +68,7 @@ def test_resume_with_biases_is_bitwise_exact(tiny_data: str, tmp_path: Path) -> 
 
 def test_generation_loads_the_biases(tiny_data: str, tmp_path: Path) -> None:
     from ptdp.checkpoint.partial import load_model_weights
-    from ptdp.config_files import load_toml
+    from ptdp.config.files import load_toml
     from ptdp.model.gpt import GPT
     from ptdp.parallel.comm import Group
     from ptdp.sample import sample_from_checkpoint

@@ -83,7 +83,7 @@ def _cycle_from(graph: dict[str, set[str]], start: str) -> list[str] | None:
 
 def test_graph_is_read() -> None:
     graph = _graph()
-    assert "ptdp.layout" in graph["ptdp.perf.simulate.simulator"]
+    assert "ptdp.rules.layout" in graph["ptdp.perf.simulate.simulator"]
     assert "ptdp.pipeline.actions" in graph["ptdp.pipeline.schedules"]
 
 
@@ -117,6 +117,81 @@ def test_perf_parts_depend_one_way() -> None:
     )
     assert not bad, "a part of ptdp.perf imports a later one:\n" + "\n".join(bad)
     assert any(d.startswith("ptdp.perf.cost.") for d in graph["ptdp.perf.simulate.simulator"])
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    """Top-level names of the non-ptdp packages `path` imports, at any depth."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+    return out - {"ptdp"}
+
+
+CONFIG_READS_RULES = {"ptdp.config.reference"}
+"""The one module of ptdp.config that imports ptdp.rules: the reference page shows each
+number's domain (ptdp.rules.domains) beside its key."""
+
+
+def test_config_comes_before_rules() -> None:
+    """What a run says (ptdp.config) is read by what it may say (ptdp.rules), not the
+    other way round; only the generated reference page reads both."""
+    graph = _graph()
+    assert {n for n in graph if n.startswith("ptdp.config.")} >= {
+        "ptdp.config.sections",
+        "ptdp.config.enums",
+        "ptdp.config.files",
+        "ptdp.config.presets",
+        "ptdp.config.reference",
+    }
+    bad = sorted(
+        f"{name} -> {dep}"
+        for name, deps in graph.items()
+        if name.startswith("ptdp.config") and name not in CONFIG_READS_RULES
+        for dep in deps
+        if dep.startswith("ptdp.rules")
+    )
+    assert not bad, "ptdp.config imports ptdp.rules:\n" + "\n".join(bad)
+    assert "ptdp.rules.domains" in graph["ptdp.config.reference"]  # the exception is seen
+    assert "ptdp.config.sections" in graph["ptdp.rules.layout"]
+
+
+def test_every_rule_is_reached_from_validate() -> None:
+    """Each topic module of ptdp.rules is imported by ptdp.rules.layout (whose validate() is
+    the single entry), so a rule cannot sit in a module that nothing runs."""
+    graph = _graph()
+    topics = {n for n in graph if n.startswith("ptdp.rules.")} - {"ptdp.rules.layout"}
+    reached, todo = set(), ["ptdp.rules.layout"]
+    while todo:
+        for dep in graph[todo.pop()]:
+            if dep not in reached:
+                reached.add(dep)
+                todo.append(dep)
+    assert len(topics) >= 9 and not topics - reached, sorted(topics - reached)
+
+
+@pytest.mark.parametrize("package", ["config", "rules"])
+def test_config_and_rules_are_pure_python(package: str) -> None:
+    """Both run before torch is needed (`ptdp simulate|plan`, any refusal at launch)."""
+    used = {
+        name: _third_party_imports(path)
+        for name, path in _sources().items()
+        if name.startswith(f"ptdp.{package}")
+    }
+    assert used and not {n: u for n, u in used.items() if "torch" in u}
+    assert "torch" in _third_party_imports(ROOT / "parallel" / "comm.py")  # the check sees it
+
+
+def test_no_top_level_config_or_rule_modules() -> None:
+    """The configuration and its rules live in their packages, not beside them at the top."""
+    loose = sorted(
+        p.name
+        for p in ROOT.glob("*.py")
+        if p.stem.startswith(("config", "layout", "domains", "presets"))
+    )
+    assert not loose, f"move {loose} into ptdp/config/ or ptdp/rules/"
 
 
 def _collective_calls(path: Path) -> list[str]:

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ptdp.config import ModelConfig, Recompute
+from ptdp.config.enums import Recompute
+from ptdp.config.sections import ModelConfig
 from ptdp.model.gpt import GPT, TPContext, TransformerLayer
 from ptdp.perf.cost.activations import (
     Kernels,

@@ -9,9 +9,8 @@ import random
 
 import pytest
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
-from ptdp.layout import validate
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import load_system
 from ptdp.perf.cost.software import MEGATRON_2021, PTDP
@@ -21,6 +20,7 @@ from ptdp.perf.simulate.replay import PipelineCosts, PipelineRun, replay
 from ptdp.perf.simulate.simulator import simulate
 from ptdp.pipeline.plan import build_plan
 from ptdp.pipeline.schedules import SCHEDULES
+from ptdp.rules.layout import validate
 
 A100 = load_system("a100-80gb")
 

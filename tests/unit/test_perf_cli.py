@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.config_files import from_dict
-from ptdp.layout import validate
+from ptdp.config.files import from_dict
+from ptdp.rules.layout import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = """
@@ -100,7 +100,7 @@ def test_plan_takes_config_keys_like_train(tmp_path: Path, capsys) -> None:
 
 
 def test_simulate_starts_from_a_preset(tmp_path: Path, capsys) -> None:
-    # Preset < --config < overrides, as `ptdp.config_files.resolve` orders them.
+    # Preset < --config < overrides, as `ptdp.config.files.resolve` orders them.
     toml = tmp_path / "layout.toml"
     toml.write_text("[parallel]\ntp = 8\npp = 4\n[train]\nglobal_batch_size = 64\n")
     args = ["simulate", "--model", "gpt-7.5b", "--config", str(toml), "--parallel.pp", "2"]

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.config import CpComm, Precision, Recompute, RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.enums import CpComm, Precision, Recompute
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.layout import validate
 from ptdp.perf.cost import context
 from ptdp.perf.cost.collectives import gather_seconds, group_link
 from ptdp.perf.cost.context_costs import cp_comm_seconds, ring_link
@@ -26,6 +26,7 @@ from ptdp.perf.plan.search import context_sizes
 from ptdp.perf.simulate.simulator import compute_costs, simulate
 from ptdp.perf.validate.paper import TABLE_2, preset_config, table2_run
 from ptdp.perf.validate.validation import check_table_2_row
+from ptdp.rules.layout import validate
 
 A100 = load_system("a100-80gb")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.config import Precision
+from ptdp.config.enums import Precision
 from ptdp.errors import ConfigError
 from ptdp.perf.calibrate.fit import (
     collective_bytes,

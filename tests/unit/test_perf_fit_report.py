@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.config import Precision
+from ptdp.config.enums import Precision
 from ptdp.perf.cost.hardware import GIB, load_system
 from ptdp.perf.plan.refusal import Constraint, constraint_of
 from ptdp.perf.report import format_prediction

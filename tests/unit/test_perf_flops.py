@@ -7,8 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from ptdp.config import Recompute, RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.enums import Recompute
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.model.gpt import GPT, count_parameters
 from ptdp.perf.cost.flops import (
     DENSE_PEAK_TFLOPS,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.config_files import tomllib  # tomli on Python 3.10
+from ptdp.config.files import tomllib  # tomli on Python 3.10
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.collectives import all_reduce_seconds, gather_seconds, group_link
 from ptdp.perf.cost.hardware import (

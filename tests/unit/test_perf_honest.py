@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.config import Recompute, RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.enums import Recompute
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.hardware import load_system
 from ptdp.perf.cost.software import MEGATRON_2021

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.config import Activation, ModelConfig, Normalization, Precision, Recompute
+from ptdp.config.enums import Activation, Normalization, Precision, Recompute
+from ptdp.config.sections import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.costs import Compute, attention_core, layer_seconds
 from ptdp.perf.cost.hardware import BUILTIN_DIR, GB, load_system
@@ -191,14 +192,14 @@ def test_each_microbatch_adds_its_gradients_into_the_buffers_in_a_pass_of_its_ow
     code's into 16-bit buffers; Megatron-Core's weight-gradient GEMMs accumulate in place.
     Each stage's W pays it once a microbatch, one `add` call a parameter tensor at the
     stage's mean tensor size, so a step pays it m times per rank."""
-    from ptdp.config import RunConfig
-    from ptdp.config_files import apply_updates
-    from ptdp.layout import validate
+    from ptdp.config.files import apply_updates
+    from ptdp.config.sections import RunConfig
     from ptdp.perf.cost.costs import accumulation_seconds
     from ptdp.perf.cost.kernels import Call
     from ptdp.perf.cost.parameters import parameters_per_stage, tensors_per_stage
     from ptdp.perf.cost.software import MEGATRON_2021, MEGATRON_CORE
     from ptdp.perf.simulate.simulator import accumulation, pipeline_costs, simulate, stage_costs
+    from ptdp.rules.layout import validate
 
     system = load_system(_file(tmp_path, KERNELS, "split_backward_ratio = 1.5\n"))
     assert system.device.split_backward_ratio == 1.5

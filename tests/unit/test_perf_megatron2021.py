@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.config import Precision, RunConfig
-from ptdp.config_files import apply_updates
-from ptdp.layout import validate
+from ptdp.config.enums import Precision
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import load_system
 from ptdp.perf.cost.software import MEGATRON_2021
@@ -18,6 +18,7 @@ from ptdp.pipeline.dryrun import CommModel, PipelineCosts
 from ptdp.pipeline.dryrun_engine import dry_run
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import build_plan
+from ptdp.rules.layout import validate
 from tests.helpers import PERF_MODEL
 
 

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ptdp.config import Precision, Recompute, RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.enums import Precision, Recompute
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.model.gpt import GPT
 from ptdp.parallel.comm import Group
 from ptdp.perf.cost.layer_bytes import (

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.config import Recompute, RunConfig
-from ptdp.config_files import apply_updates
-from ptdp.layout import validate
+from ptdp.config.enums import Recompute
+from ptdp.config.files import apply_updates
+from ptdp.config.presets import MODEL_PRESETS, model_preset
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.collectives import all_reduce_seconds, all_to_all_seconds, group_link
 from ptdp.perf.cost.costs import Compute, Gemm, layer_gemms
 from ptdp.perf.cost.experts import alltoall_link, ep_comm_seconds
@@ -28,7 +29,7 @@ from ptdp.perf.cost.software import PTDP
 from ptdp.perf.plan.planner import Plans, plan
 from ptdp.perf.plan.search import Space, expert_sizes, search
 from ptdp.perf.simulate.simulator import simulate, stage_reductions
-from ptdp.presets import MODEL_PRESETS, model_preset
+from ptdp.rules.layout import validate
 
 H100 = load_system("h100-sxm")
 

@@ -7,8 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from ptdp.config import Precision, RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.enums import Precision
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import load_system
 from ptdp.perf.cost.software import PTDP

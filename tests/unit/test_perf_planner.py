@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.config import Recompute, RunConfig
-from ptdp.config_files import apply_updates, parse_overrides, resolve
+from ptdp.config.enums import Recompute
+from ptdp.config.files import apply_updates, parse_overrides, resolve
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.layout import validate
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.flops import paper_equation_3
 from ptdp.perf.cost.hardware import load_system
@@ -20,6 +20,7 @@ from ptdp.perf.simulate.simulator import simulate
 from ptdp.perf.validate.paper import README_GPT3, TABLE_1, paper_run, preset_config
 from ptdp.perf.validate.validation import check_row, check_script_row, readme_gpt3
 from ptdp.pipeline.schedules import SCHEDULES
+from ptdp.rules.layout import validate
 
 A100 = load_system("a100-80gb")
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.hardware import load_system
 from ptdp.perf.cost.software import MEGATRON_2021, PTDP
 from ptdp.perf.plan.compare import compare

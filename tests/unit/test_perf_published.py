@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.config import Precision, Recompute
+from ptdp.config.enums import Precision, Recompute
 from ptdp.perf.cost.collectives import all_reduce_seconds, group_link
 from ptdp.perf.cost.costs import Compute, Gemm, layer_gemms, layer_seconds
 from ptdp.perf.cost.flops import dense_peak_flops

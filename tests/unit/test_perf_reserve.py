@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.layout import COMBINED, ORDER, validate
 from ptdp.parallel.mesh import MeshShape
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import BUILTIN_DIR, GIB, load_system
@@ -29,6 +28,7 @@ from ptdp.perf.cost.reserve import (
 from ptdp.perf.cost.software import PTDP
 from ptdp.perf.plan.search import Plans, _need
 from ptdp.perf.simulate.simulator import simulate
+from ptdp.rules.layout import COMBINED, ORDER, validate
 
 MIB = 2**20
 A100 = load_system("a100-80gb")  # 8 GPUs a node

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from ptdp.config import Precision, Recompute, RunConfig
-from ptdp.config_files import apply_updates
-from ptdp.layout import validate
+from ptdp.config.enums import Precision, Recompute
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.collectives import all_reduce_seconds, group_link
 from ptdp.perf.cost.costs import Compute, Gemm, layer_seconds
 from ptdp.perf.cost.flops import flops_per_iteration
@@ -26,6 +26,7 @@ from ptdp.perf.validate.paper import preset
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.schedules import SCHEDULES, add_comms, build
 from ptdp.pipeline.verify import verify
+from ptdp.rules.layout import validate
 from tests.helpers import PERF_MODEL
 
 A100 = load_system("a100-80gb")

@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates as _apply
+from ptdp.config.files import apply_updates as _apply
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.hardware import load_system
 from ptdp.perf.cost.software import MEGATRON_2021, PTDP, Software

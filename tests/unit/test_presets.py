@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.config import Activation, RopeScaling
+from ptdp.config.enums import Activation, RopeScaling
+from ptdp.config.presets import MODEL_PRESETS, model_preset
 from ptdp.model.gpt import GPT, count_parameters
 from ptdp.parallel.comm import Group
 from ptdp.perf.cost.flops import flops_per_token, layer_forward_flops_per_token
@@ -21,7 +22,6 @@ from ptdp.perf.cost.parameters import (
     tensors_per_stage,
 )
 from ptdp.perf.validate.paper import model_config
-from ptdp.presets import MODEL_PRESETS, model_preset
 
 PUBLISHED = {
     "llama3-8b": 8_030_261_248,
@@ -73,7 +73,7 @@ def test_moe_presets_have_their_published_total_and_active(name: str) -> None:
         unit = 10.0 ** -len(published.partition(".")[2])  # the last digit they print
         assert abs(ours / 1e9 - float(published)) < unit, (name, ours, published)
     assert sum(parameters_per_stage(model_preset(name))) == size.total
-    # What ptdp's attention lacks (doc of ptdp.presets): DeepSeek-V3's stand-in holds more
+    # What ptdp's attention lacks (doc of ptdp.config.presets): DeepSeek-V3's stand-in holds more
     # than MLA; Qwen3's 128-wide heads and q/k norms are the presets' own.
     expected = {"deepseek-v3-moe": -61 * (205_520_896 - 187_107_328)}
     assert extra == expected.get(name, 0)

@@ -18,7 +18,7 @@ from ptdp.checkpoint.recover import (
     publish_unpublished,
     verify_unpublished,
 )
-from ptdp.config import Resume
+from ptdp.config.enums import Resume
 from ptdp.errors import CheckpointError, ConfigError
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.faults.events import previous_ending, read_events

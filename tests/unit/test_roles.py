@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import torch
 
-from ptdp.config import ModelConfig, Normalization
+from ptdp.config.enums import Normalization
+from ptdp.config.sections import ModelConfig
 from ptdp.model.gpt import GPT
 from ptdp.parallel.comm import Group
 from ptdp.parallel.roles import NO_ROLES, ParamRoles, rank_roles

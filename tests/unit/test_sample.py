@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
 from ptdp.sample import launch_generation, split_processes, stage_layers
 

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from ptdp.config import Schedule
+from ptdp.config.enums import Schedule
 from ptdp.pipeline.actions import Action, Kind, Plan
 from ptdp.pipeline.placement import Placement, StageMap
 from ptdp.pipeline.plan import build_plan

@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ptdp import layout_speed
-from ptdp.config import AttentionBackend as AB
-from ptdp.config import ModelConfig
+from ptdp.config.enums import AttentionBackend as AB
+from ptdp.config.sections import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.model import compile as regional
 from ptdp.model.attention_backend import attention_context, pick_backend, priority
 from ptdp.model.gpt import GPT
 from ptdp.parallel.env import LaunchEnv
+from ptdp.rules import speed
 from ptdp.train.run import train
 from tests.helpers import tiny_config
 
@@ -95,8 +95,8 @@ def test_cuda_graphs_on_a_device_that_resolves_to_a_cpu_are_refused(
 
 
 def _cfg(**sections: dict):
-    from ptdp.config import RunConfig
-    from ptdp.config_files import apply_updates
+    from ptdp.config.files import apply_updates
+    from ptdp.config.sections import RunConfig
 
     base = {
         "model": {"num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": 32},
@@ -110,9 +110,9 @@ def _cfg(**sections: dict):
 def test_cuda_graphs_pass_a_static_step_and_name_every_reason_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ptdp.layout import validate
+    from ptdp.rules.layout import validate
 
-    monkeypatch.setattr(layout_speed, "torch_version", lambda: (2, 13))
+    monkeypatch.setattr(speed, "torch_version", lambda: (2, 13))
     cfg = _cfg
     assert validate(cfg(), 1).dp == 1  # one GPU, compiled, static: captured
     assert validate(cfg(parallel={"tp": 2}), 2).tp == 2  # tensor parallelism: not refused
@@ -130,10 +130,10 @@ def test_compiled_tensor_parallelism_is_refused_under_a_torch_that_breaks_it(
     """torch 2.11's compiled tp backward gives wrong gradients (seen in
     tests/dist/test_compile.py under 2.11.0): refused there before any group exists, naming
     both fixes; a modelled run, one rank, or an eager run are not refused."""
-    from ptdp.layout import validate
+    from ptdp.rules.layout import validate
 
     tp2 = _cfg(parallel={"tp": 2}, train={"cuda_graphs": False})
-    monkeypatch.setattr(layout_speed, "torch_version", lambda: (2, 11))
+    monkeypatch.setattr(speed, "torch_version", lambda: (2, 11))
     with pytest.raises(ConfigError) as refused:
         validate(tp2, 2)
     said = str(refused.value)
@@ -143,12 +143,12 @@ def test_compiled_tensor_parallelism_is_refused_under_a_torch_that_breaks_it(
     assert validate(_cfg(train={"cuda_graphs": False}), 1).tp == 1
     eager = _cfg(parallel={"tp": 2}, train={"cuda_graphs": False, "compile": False})
     assert validate(eager, 2).tp == 2
-    monkeypatch.setattr(layout_speed, "torch_version", lambda: (2, 13))
+    monkeypatch.setattr(speed, "torch_version", lambda: (2, 13))
     assert validate(tp2, 2).tp == 2
-    monkeypatch.setattr(layout_speed, "torch_version", lambda: None)  # unknown: not refused
+    monkeypatch.setattr(speed, "torch_version", lambda: None)  # unknown: not refused
     assert validate(tp2, 2).tp == 2
 
 
 def test_the_installed_torch_version_is_read_without_importing_it() -> None:
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    assert layout_speed.torch_version() == (major, minor)
+    assert speed.torch_version() == (major, minor)

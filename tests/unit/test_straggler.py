@@ -28,10 +28,10 @@ def test_straggler_report_names_the_rank_that_is_computing() -> None:
 
 @pytest.mark.parametrize("factor", [0.5, 1.0])
 def test_straggler_factor_must_exceed_one(factor: float, tmp_path) -> None:
-    from ptdp.config import RunConfig
-    from ptdp.config_files import apply_updates
+    from ptdp.config.files import apply_updates
+    from ptdp.config.sections import RunConfig
     from ptdp.errors import ConfigError
-    from ptdp.layout import validate
+    from ptdp.rules.layout import validate
 
     cfg = apply_updates(RunConfig(), {"train": {"straggler_factor": factor}}, "a test")
     with pytest.raises(ConfigError, match="straggler_factor"):

@@ -7,7 +7,7 @@ from unittest.mock import patch
 
 import pytest
 
-from ptdp.config import Precision
+from ptdp.config.enums import Precision
 from ptdp.perf.cost.costs import Compute, attention_core
 from ptdp.perf.cost.hardware import load_system
 from ptdp.perf.cost.software import MEGATRON_2021

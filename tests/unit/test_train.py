@@ -12,7 +12,7 @@ import torch
 
 from ptdp import checkpoint as ckpt
 from ptdp.cli import main
-from ptdp.config_files import load_toml, to_toml
+from ptdp.config.files import load_toml, to_toml
 from ptdp.errors import CheckpointError, ConfigError
 from ptdp.parallel.env import LaunchEnv
 from ptdp.sample import sample_from_checkpoint

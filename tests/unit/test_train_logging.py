@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.errors import ConfigError
-from ptdp.layout import validate
+from ptdp.rules.layout import validate
 from ptdp.train.metrics import MetricsWriter
 from ptdp.train.peak import resolve_peak
 from ptdp.train.progress import format_duration

@@ -10,7 +10,7 @@ import torch
 
 from ptdp import checkpoint as ckpt
 from ptdp.checkpoint import full_model_state
-from ptdp.config import ModelConfig
+from ptdp.config.sections import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.model.gpt import GPT, count_parameters
 from ptdp.parallel.comm import Group

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ptdp.config import Recompute
+from ptdp.config.enums import Recompute
 from ptdp.model.gpt import GPT
 from ptdp.parallel.wgrad import WeightGradStore, accumulate_grads, linear
 from ptdp.pipeline.actions import Action, Kind

@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ptdp.config import ModelConfig
+from ptdp.config.sections import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.files import write_file
 from ptdp.outputs import check_output_file

@@ -362,7 +362,7 @@ def tiny_gpt(
 ) -> tuple[torch.nn.Module, torch.Tensor]:
     """`TINY_GPT` (or its keys changed by `shape`) built with its first `layers` layers (0:
     embedding and head alone), and `batch` sequences of tokens for it."""
-    from ptdp.config import ModelConfig
+    from ptdp.config.sections import ModelConfig
     from ptdp.model.gpt import GPT
 
     cfg = ModelConfig(**(TINY_GPT | shape), dropout=0.0)
@@ -380,7 +380,7 @@ def optimizer_overhead(
     norm reduces each tensor on its own: a cost per tensor that the one-tensor `adamw`
     stream timing does not see.
     """
-    from ptdp.config import OptimConfig
+    from ptdp.config.sections import OptimConfig
     from ptdp.parallel.data import GradBuffers
     from ptdp.parallel.roles import NO_ROLES
     from ptdp.train.step.optim import Optimizer

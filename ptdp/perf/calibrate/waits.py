@@ -111,7 +111,7 @@ def ring_sync(
     log-sum-exp merge, the accumulator): on the Xeon of BENCHMARKS.md a layer's ring cost
     5.1 ms at this size, 1.3 ms a shift, twice a tensor-parallel all-reduce's.
     """
-    from ptdp.config import ModelConfig
+    from ptdp.config.sections import ModelConfig
     from ptdp.model.gpt import GPT
     from ptdp.parallel.context import split_sequence
 

@@ -36,7 +36,7 @@ def split_backward_ratio(dtype: torch.dtype, device: torch.device, timing: Timin
     chunk, 3.39 against 3.16 ms, on the 2-vCPU Xeon; B + W alone gave 1.12-1.22 there).
     The median over rounds of each round's ratio (a round runs both, back to back, so a
     busy spell lands on both)."""
-    from ptdp.config import ModelConfig
+    from ptdp.config.sections import ModelConfig
     from ptdp.model.gpt import GPT
     from ptdp.parallel.wgrad import accumulate_grads
 

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ptdp.config import Recompute
+from ptdp.config.enums import Recompute
 
 if TYPE_CHECKING:  # the formulas are pure Python; only the measurement needs torch
     import torch

@@ -46,7 +46,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ptdp.config import CpComm, ModelConfig, Recompute
+from ptdp.config.enums import CpComm, Recompute
+from ptdp.config.sections import ModelConfig
 
 
 def local_model(model: ModelConfig, cp: int) -> ModelConfig:

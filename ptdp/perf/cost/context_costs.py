@@ -3,7 +3,8 @@ the model are in `ptdp.perf.cost.context`)."""
 
 from __future__ import annotations
 
-from ptdp.config import CpComm, ModelConfig, Recompute
+from ptdp.config.enums import CpComm, Recompute
+from ptdp.config.sections import ModelConfig
 from ptdp.perf.cost.collectives import gather_seconds, group_link
 from ptdp.perf.cost.context import kv_block_bytes, local_model
 from ptdp.perf.cost.costs import Compute, Passes, attention_core, layer_seconds, sync_seconds

@@ -60,7 +60,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.config import Activation, ModelConfig, Precision, Recompute
+from ptdp.config.enums import Activation, Precision, Recompute
+from ptdp.config.sections import ModelConfig
 from ptdp.perf.cost.collectives import all_reduce_seconds, gather_seconds, group_link
 from ptdp.perf.cost.hardware import System
 from ptdp.perf.cost.kernels import Call, layer_traffic

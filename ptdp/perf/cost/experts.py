@@ -9,7 +9,7 @@ block the layer (the experts wait for their rows, the next layer for the combine
 so none is hidden; full recomputation runs the forward pair again in the backward.
 
 Links. An ep group is ep members of a dp_cp group, tp ranks apart in the global order
-(`ptdp.layout.ORDER`). Inside one node it runs on the NVLink/NVSwitch link. Across nodes
+(`ptdp.rules.layout.ORDER`). Inside one node it runs on the NVLink/NVSwitch link. Across nodes
 each GPU sends its rows for the peers on other nodes through its own network card while
 those for its node's peers go over NVLink, at once: the GPU with the fewest group members
 on its node (k) sends (ep - k)/(ep - 1) of its bytes over the network (`alltoall_link`).
@@ -24,7 +24,8 @@ import functools
 import math
 from collections import Counter
 
-from ptdp.config import ModelConfig, Recompute
+from ptdp.config.enums import Recompute
+from ptdp.config.sections import ModelConfig
 from ptdp.perf.cost.collectives import all_to_all_seconds, group_members
 from ptdp.perf.cost.costs import Compute, Passes, sync_seconds
 from ptdp.perf.cost.hardware import Link, System

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import re
 
-from ptdp.config import Activation, ModelConfig, Recompute
+from ptdp.config.enums import Activation, Recompute
+from ptdp.config.sections import ModelConfig
 from ptdp.perf.cost.parameters import attention_width
 
 

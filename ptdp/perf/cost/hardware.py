@@ -35,10 +35,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10 only
     import tomli as tomllib
 
-from ptdp import domains
 from ptdp.errors import ConfigError
 from ptdp.perf.calibrate.fit import interpolate_log
 from ptdp.perf.cost.flops import DENSE_PEAK_TFLOPS
+from ptdp.rules import domains
 
 BUILTIN_DIR = Path(__file__).with_name("hardware")
 GB = 1e9
@@ -272,7 +272,7 @@ NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
     ),
 )
 """(table, key, rule, required) for every number of a hardware file."""
-RULES = {  # ptdp/domains.py's, shared with the config keys: finite, and in the range
+RULES = {  # ptdp/rules/domains.py's, shared with the config keys: finite, and in the range
     "positive": domains.POSITIVE,
     "fraction": domains.FRACTION,
     "non-negative": domains.NON_NEGATIVE,

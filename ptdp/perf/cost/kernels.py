@@ -48,7 +48,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.config import Activation, ModelConfig, Normalization
+from ptdp.config.enums import Activation, Normalization
+from ptdp.config.sections import ModelConfig
 from ptdp.perf.cost.hardware import Device
 
 

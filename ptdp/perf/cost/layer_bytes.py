@@ -11,7 +11,8 @@ t = tensor-parallel size, n = s b tokens.
 
 from __future__ import annotations
 
-from ptdp.config import Activation, ModelConfig, Precision, Recompute, RunConfig
+from ptdp.config.enums import Activation, Precision, Recompute
+from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.perf.cost.activations import activation_bytes_per_layer
 from ptdp.perf.cost.moe import dense_equivalent, dispatch_bytes
 from ptdp.perf.cost.parameters import attention_width, element_bytes

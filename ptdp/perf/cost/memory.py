@@ -91,8 +91,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ptdp.config import Recompute, RunConfig
-from ptdp.layout import Layout, validate
+from ptdp.config.enums import Recompute
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost import context
 from ptdp.perf.cost.layer_bytes import (
     fp32_norm_inputs,
@@ -114,6 +114,7 @@ from ptdp.perf.cost.zero_bytes import gathered_bytes, grad_bucket_bytes
 from ptdp.pipeline.actions import RELEASE_KINDS, Kind
 from ptdp.pipeline.plan import PipelinePlan
 from ptdp.pipeline.schedules import SCHEDULES
+from ptdp.rules.layout import Layout, validate
 
 
 def in_flight(plan: PipelinePlan) -> tuple[int, ...]:

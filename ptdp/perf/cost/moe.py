@@ -49,7 +49,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ptdp.config import ModelConfig, Recompute
+from ptdp.config.enums import Recompute
+from ptdp.config.sections import ModelConfig
 
 
 def dense_equivalent(model: ModelConfig) -> ModelConfig:

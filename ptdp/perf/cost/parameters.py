@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.config import Activation, ModelConfig, Normalization, PositionEmbedding, Precision
+from ptdp.config.enums import Activation, Normalization, PositionEmbedding, Precision
+from ptdp.config.sections import ModelConfig
 from ptdp.perf.cost.moe import moe_layers_per_stage
 from ptdp.pipeline.placement import Placement, StageMap
 

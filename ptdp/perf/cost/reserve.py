@@ -74,13 +74,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ptdp.config import Activation, CpComm, RunConfig
-from ptdp.layout import COMBINED, ORDER, Layout
+from ptdp.config.enums import Activation, CpComm
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.hardware import Device, System
 from ptdp.perf.cost.memory import MemoryEstimate
 from ptdp.perf.cost.moe import dense_equivalent
 from ptdp.perf.cost.parameters import element_bytes
 from ptdp.pipeline.placement import Placement
+from ptdp.rules.layout import COMBINED, ORDER, Layout
 
 MIB = 2**20
 CUDA_CONTEXT_BYTES = 0.75 * 2**30
@@ -169,7 +170,7 @@ def communicators(cfg: RunConfig, layout: Layout, rank: int) -> list[Communicato
 def _expert_communicators(layout: Layout, dp_cp: range, rank: int) -> list[Communicator]:
     """Under expert parallelism: the ep group, whose all-to-alls connect every member to
     every other point to point, and the edp group reducing the experts' gradients (both
-    split from `rank`'s dp_cp group, `ptdp.layout.EXPERT_AXES`)."""
+    split from `rank`'s dp_cp group, `ptdp.rules.layout.EXPERT_AXES`)."""
     ep = layout.ep
     if ep <= 1:
         return []

@@ -11,15 +11,8 @@ Letters: n = s b tokens, h = hidden, f = MLP width, v = vocabulary, t = tensor-p
 
 from __future__ import annotations
 
-from ptdp.config import (
-    Activation,
-    ModelConfig,
-    Normalization,
-    PositionEmbedding,
-    Precision,
-    Recompute,
-    RunConfig,
-)
+from ptdp.config.enums import Activation, Normalization, PositionEmbedding, Precision, Recompute
+from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.perf.cost.moe import dense_equivalent
 from ptdp.perf.cost.parameters import (
     attention_width,

@@ -7,7 +7,8 @@ Apart from `ptdp.perf.cost.switches`, which prices the switches' time through th
 
 from __future__ import annotations
 
-from ptdp.config import AttentionBackend, ModelConfig, Recompute, RunConfig
+from ptdp.config.enums import AttentionBackend, Recompute
+from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.perf.cost.parameters import attention_width, element_bytes
 
 LABEL_BYTES = 8

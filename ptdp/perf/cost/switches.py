@@ -13,7 +13,7 @@ priced (`simulate`, `plan`): the planner keeps the user's setting and never sear
   efficient and auto price one fused kernel: the device files hold no figure per kernel, so
   auto's pick, the fastest fused one, is that same kernel.
 - `cuda_graphs = true` replays each compiled region from a CUDA graph
-  (`Software.cuda_graphs`, `Compute.replayed`); `ptdp.layout_speed` has already refused
+  (`Software.cuda_graphs`, `Compute.replayed`); `ptdp.rules.speed` has already refused
   the layouts it cannot capture (no compile, a pipeline, cp, MoE, ZeRO-3).
 
 A setting the modelled software or device could not run is refused here, naming the key and
@@ -24,12 +24,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ptdp.config import AttentionBackend, RunConfig
+from ptdp.config.enums import AttentionBackend
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.layout_speed import CPU_BACKENDS
 from ptdp.perf.cost.hardware import System
 from ptdp.perf.cost.software import Software
 from ptdp.perf.cost.switch_bytes import math_attention
+from ptdp.rules.speed import CPU_BACKENDS
 
 FUSED = (AttentionBackend.FLASH, AttentionBackend.CUDNN, AttentionBackend.EFFICIENT)
 """The named fused kernels (auto is one of them where the software has any)."""

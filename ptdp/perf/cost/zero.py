@@ -39,14 +39,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ptdp.config import RunConfig
-from ptdp.layout import Layout
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.collectives import gather_seconds, group_link
 from ptdp.perf.cost.costs import Compute, Passes, sync_seconds
 from ptdp.perf.cost.experts import reduction_groups
 from ptdp.perf.cost.hardware import Link
 from ptdp.perf.cost.parameters import expert_parameters_per_stage, parameters_per_stage
 from ptdp.perf.cost.zero_bytes import fp8_gathered_weights, reshard_after_forward
+from ptdp.rules.layout import Layout
 
 
 def _sharded_link(c: Compute, size: int, stride: int) -> Link:

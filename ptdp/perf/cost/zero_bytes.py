@@ -5,8 +5,8 @@ weights (their linear layers' 8-bit under the fp8 all-gather), per pipeline rank
 
 from __future__ import annotations
 
-from ptdp.config import Precision, RunConfig
-from ptdp.layout import Layout
+from ptdp.config.enums import Precision
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.parameters import (
     element_bytes,
     layer_parameters,
@@ -15,6 +15,7 @@ from ptdp.perf.cost.parameters import (
     parameters_per_stage,
 )
 from ptdp.pipeline.schedules import SCHEDULES
+from ptdp.rules.layout import Layout
 
 
 def grad_bucket_bytes(cfg: RunConfig, layout: Layout) -> list[float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.config import RunConfig
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.hardware import GIB, System
 from ptdp.perf.cost.reserve import fit

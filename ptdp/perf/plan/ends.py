@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ptdp.config import RunConfig
-from ptdp.layout import validate
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.simulate.simulator import layer_costs, stage_costs
 from ptdp.pipeline.partition import near_even_split
 from ptdp.pipeline.placement import StageMap
+from ptdp.rules.layout import validate
 
 MIN_GAIN = 0.01
 """A lighter-ends split is tried where its busiest rank is this much less busy (modelled)."""

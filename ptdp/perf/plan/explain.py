@@ -5,11 +5,12 @@ micro-batch from equation (1), the schedule's bubble, and the runners-up.
 
 from __future__ import annotations
 
-from ptdp.layout import ZERO_LEVELS, Layout
 from ptdp.perf.cost.hardware import GIB, System
 from ptdp.perf.cost.reserve import fit
 from ptdp.perf.plan.ranking import Option, Unranked, close_to_fastest
 from ptdp.pipeline.schedules import SCHEDULES
+from ptdp.rules.layout import Layout
+from ptdp.rules.zero import ZERO_LEVELS
 
 
 def explain(

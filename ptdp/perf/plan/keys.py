@@ -7,10 +7,11 @@ first options (`--tp 8`) stand for config keys.
 
 from __future__ import annotations
 
-from ptdp.config import RunConfig, Schedule
-from ptdp.config_files import parse_overrides
+from ptdp.config.enums import Schedule
+from ptdp.config.files import parse_overrides
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.layout import ZERO_LEVELS
+from ptdp.rules.zero import ZERO_LEVELS
 
 SEARCHED: dict[str, str] = {
     "parallel.tp": "tp",

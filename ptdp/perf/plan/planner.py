@@ -29,7 +29,7 @@ The search follows the paper's guidelines (Narayanan et al., section 3 and takea
    first (`recommend`), then the paper's takeaways, the smallest model-parallel size t p
    (#2), then the largest t (#1).
 
-Every candidate goes through `ptdp.layout.validate`, so what the planner returns is a
+Every candidate goes through `ptdp.rules.layout.validate`, so what the planner returns is a
 config the runtime accepts.
 
 Steps 1-3 up to the candidates live in `ptdp.perf.plan.search`, their replay and step 4 in
@@ -47,8 +47,8 @@ from dataclasses import dataclass, replace
 from functools import wraps
 from typing import TypeVar
 
-from ptdp.config import CpComm, Recompute, RunConfig
-from ptdp.domains import check_config
+from ptdp.config.enums import CpComm, Recompute
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import System
@@ -60,6 +60,7 @@ from ptdp.perf.plan.refusal import Rejected, Search, refusal
 from ptdp.perf.plan.search import Plans, Space, divisors, search
 from ptdp.perf.simulate.simulator import require_software, require_vocab
 from ptdp.pipeline.schedules import SCHEDULES
+from ptdp.rules.domains import check_config
 
 __all__ = [
     "Option",

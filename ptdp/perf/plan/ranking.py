@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ptdp.config import RunConfig
-from ptdp.layout import Layout
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import GIB, System
 from ptdp.perf.cost.reserve import fit
@@ -29,6 +28,7 @@ from ptdp.perf.plan.refusal import Constraint, Rejected
 from ptdp.perf.plan.search import Plans
 from ptdp.perf.simulate.bound import step_lower_bound
 from ptdp.perf.simulate.simulator import Prediction, predicted_memory, simulate
+from ptdp.rules.layout import Layout
 
 Progress = Callable[[int, int, str], None]
 """progress(done, total, what): called before each layout's memory check, then before each

@@ -3,7 +3,7 @@ refuses them all.
 
 Each `Rejected` carries its `Constraint`: the search sets it where it refuses a layout
 itself (memory, the global batch against d, the GPU count against t*cp*p, the experts
-against ep, a schedule not simulated); a reason from `ptdp.layout.validate` is sorted by
+against ep, a schedule not simulated); a reason from `ptdp.rules.layout.validate` is sorted by
 the keys it names (`constraint_of`). When nothing fits, `refusal` groups the rejected
 layouts by constraint and gives each group's numbers and what would lift it: the closest
 layout's memory against the usable memory, the data-parallel sizes that do not divide
@@ -60,7 +60,7 @@ _KEYS = (  # the keys of validate's reasons, first match wins
 
 
 def constraint_of(reason: str) -> Constraint:
-    """The constraint a reason from `ptdp.layout.validate` names (OTHER where none)."""
+    """The constraint a reason from `ptdp.rules.layout.validate` names (OTHER where none)."""
     for kind, keys in _KEYS:
         if any(key in reason for key in keys):
             return kind

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ptdp.config import CpComm, Recompute, RunConfig, Schedule
+from ptdp.config.enums import CpComm, Recompute, Schedule
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.layout import Layout, validate
 from ptdp.perf.cost.context_costs import MIN_CP_TOKENS, best_comm
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import GIB
@@ -26,6 +26,7 @@ from ptdp.perf.plan.refusal import Constraint, Rejected, constraint_of
 from ptdp.perf.simulate.simulator import predicted_memory, stage_costs
 from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES
+from ptdp.rules.layout import Layout, validate
 
 
 class Plans:
@@ -194,7 +195,7 @@ def search(base: RunConfig, gpus: int, c: Compute, space: Space, plans: Plans) -
 
 def expert_sizes(experts: int, dp_cp: int, pinned: int | None = None) -> list[int]:
     """ep sizes to search: the divisors of the routed experts that divide d cp (the ranks
-    they are split over; `ptdp.layout_moe.expert_rules`), or `pinned` where it is one;
+    they are split over; `ptdp.rules.moe.expert_rules`), or `pinned` where it is one;
     [1] for a dense model."""
     found = [e for e in divisors(experts) if dp_cp % e == 0] if experts else [1]
     return [pinned] if pinned and pinned in found else [] if pinned else found

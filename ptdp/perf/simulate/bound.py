@@ -50,8 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.config import RunConfig
-from ptdp.layout import Layout
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.simulate.simulator import (
     overlaps_reduction,
@@ -63,6 +62,7 @@ from ptdp.pipeline.actions import Action, Kind, Plan
 from ptdp.pipeline.dryrun import PipelineCosts
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.schedules import apart
+from ptdp.rules.layout import Layout
 
 SLACK = 1e-6
 """Relative margin taken off the bound: far above the replay's rounding and the short replay's

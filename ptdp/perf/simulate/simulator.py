@@ -21,9 +21,9 @@ import math
 from collections.abc import Callable
 from dataclasses import astuple, dataclass
 
-from ptdp.config import Precision, Recompute, RunConfig
+from ptdp.config.enums import Precision, Recompute
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.layout import Layout, validate
 from ptdp.perf.cost.collectives import all_reduce_seconds, gather_seconds, group_link
 from ptdp.perf.cost.context import local_model
 from ptdp.perf.cost.context_costs import cp_comm_seconds, cp_layer_seconds
@@ -59,6 +59,7 @@ from ptdp.pipeline.placement import Placement
 from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES
 from ptdp.pipeline.timeline import Event
+from ptdp.rules.layout import Layout, validate
 
 __all__ = ["PipelineCosts", "PipelineRun", "Prediction", "replay", "simulate"]
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ptdp.config import ModelConfig, RunConfig
-from ptdp.config_files import apply_updates, load_toml, resolve
+from ptdp.config.files import apply_updates, load_toml, resolve
+from ptdp.config.presets import MODEL_PRESETS, model_preset
+from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.errors import ConfigError
-from ptdp.presets import MODEL_PRESETS, model_preset
 
 VOCAB = 51200
 SEQ = 2048
@@ -100,14 +100,14 @@ def preset(name: str) -> ModelConfig:
 
 
 ALL_PRESETS: tuple[str, ...] = (*PRESETS, *MODEL_PRESETS)
-"""Every `--model NAME`: the paper's GPTs, then the published models of `ptdp.presets`."""
+"""Every `--model NAME`: the paper's GPTs, then the published models of `ptdp.config.presets`."""
 
 MODEL_HELP = f"a preset ({', '.join(ALL_PRESETS)}; in bf16) or a TOML config to start from"
 """The help of `--model` (train, simulate, plan)."""
 
 
 def preset_config(name: str) -> RunConfig:
-    """A paper model (`preset`) or a published one (`ptdp.presets`) in mixed precision (bf16,
+    """A paper model (`preset`) or a published one (`ptdp.config.presets`) in mixed precision (bf16,
     as the paper and those models trained), as a whole config."""
     if name not in ALL_PRESETS:
         raise ConfigError(f"unknown model {name!r}; presets: {', '.join(ALL_PRESETS)}")
@@ -118,7 +118,7 @@ def preset_config(name: str) -> RunConfig:
 
 def model_config(model: str) -> RunConfig:
     """`--model NAME|FILE` of `ptdp train`, `simulate` and `plan`: a preset (`preset_config`)
-    or a TOML config file; the base that `ptdp.config_files.resolve` applies `--config` and
+    or a TOML config file; the base that `ptdp.config.files.resolve` applies `--config` and
     overrides to."""
     if model in ALL_PRESETS:
         return preset_config(model)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.config import RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.hardware import System
 from ptdp.perf.cost.software import MEGATRON_CORE
 from ptdp.perf.simulate.simulator import Prediction, simulate

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.config import Recompute, RunConfig
+from ptdp.config.enums import Recompute
+from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.hardware import System, load_system
 from ptdp.perf.cost.software import DEEPSPEED_2021, MEGATRON_2021
 from ptdp.perf.plan.planner import Option, plan

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ptdp.config import OnNan
+from ptdp.config.enums import OnNan
 from ptdp.errors import PtdpError
 from ptdp.parallel.comm import Group, all_reduce_max_value
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from ptdp.checkpoint.keys import STATE_KEYS
 from ptdp.checkpoint.sharded import Slice
-from ptdp.config import OptimConfig
+from ptdp.config.sections import OptimConfig
 from ptdp.parallel.comm import Group, all_gather_flat, all_reduce_sum_
 from ptdp.parallel.data import GradBuffers
 from ptdp.parallel.grads import counted_in_norm, squared_sum

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ptdp.config import CpComm, ModelConfig, Recompute
-from ptdp.layout import Layout
+from ptdp.config.enums import CpComm, Recompute
+from ptdp.config.sections import ModelConfig
 from ptdp.model.gpt import GPT
 from ptdp.model.positions import TokenPositions
 from ptdp.parallel.comm import Group
@@ -26,6 +26,7 @@ from ptdp.pipeline.p2p import P2P
 from ptdp.pipeline.partition import layer_ranges
 from ptdp.pipeline.plan import PipelinePlan, build_forward_only
 from ptdp.pipeline.runtime import PipelineRuntime
+from ptdp.rules.layout import Layout
 
 if TYPE_CHECKING:
     from ptdp.parallel.fp8 import Fp8Gemms

@@ -24,10 +24,10 @@ from torch import nn
 from tqdm import tqdm
 
 from ptdp.checkpoint import CheckpointManager
-from ptdp.config import AttentionBackend, Precision, Recovery, RunConfig
+from ptdp.config.enums import AttentionBackend, Precision, Recovery
+from ptdp.config.sections import RunConfig
 from ptdp.data.documents import microbatch_positions
 from ptdp.errors import ConfigError
-from ptdp.layout import Layout
 from ptdp.model.attention_backend import attention_context, pick_backend
 from ptdp.model.compile import apply_compile, mark_step
 from ptdp.model.gpt import count_parameters
@@ -40,6 +40,7 @@ from ptdp.parallel.roles import rank_roles
 from ptdp.perf.cost.flops import flops_per_iteration, model_flops_per_iteration
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.timeline import TimelineRecorder
+from ptdp.rules.layout import Layout
 from ptdp.train.data_setup import RunData
 from ptdp.train.faults.events import append_event
 from ptdp.train.faults.numerical import FaultMonitor

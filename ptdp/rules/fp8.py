@@ -1,4 +1,4 @@
-"""The fp8 rules of `ptdp.layout.validate`: what a run with train.precision = fp8 needs, each
+"""The fp8 rules of `ptdp.rules.layout.validate`: what a run with train.precision = fp8 needs, each
 message naming the key and the fix.
 
 fp8 runs the linear layers' GEMMs through `torch._scaled_mm` (torchao's float8 training,
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from ptdp.config import Activation, Fp8Recipe, Precision, RunConfig
+from ptdp.config.enums import Activation, Fp8Recipe, Precision
+from ptdp.config.sections import RunConfig
 
 FP8_MULTIPLE = 16
 """What each dimension of a float8 GEMM's operands must be a multiple of."""
@@ -77,7 +78,7 @@ def _feature_rules(cfg: RunConfig, errors: list[str]) -> None:
 
 def _all_gather_rules(cfg: RunConfig, errors: list[str]) -> None:
     """parallel.zero3_fp8_all_gather gathers ZeRO-3's float8 weights: it needs fp8 and its
-    tensorwise recipe (ZeRO-3 itself: `ptdp.layout`'s ZeRO rules)."""
+    tensorwise recipe (ZeRO-3 itself: `ptdp.rules.zero`)."""
     p, t = cfg.parallel, cfg.train
     if not p.zero3_fp8_all_gather:
         return

@@ -1,20 +1,21 @@
 """Typed run configuration: defaults < TOML file < `--section.key value` overrides.
 
 Every field carries a type, a default and an attribute docstring; the docstrings are
-what `ptdp train --help` prints. `validate()` holds every cross-field rule and runs
-before any process group exists, so a layout that cannot work fails in the shell, not
-an hour into a cluster job. Derived numbers live in `Plan`, never written back.
+what `ptdp train --help` prints. `ptdp.rules.layout.validate()` holds every cross-field
+rule and runs before any process group exists, so a layout that cannot work fails in the
+shell, not an hour into a cluster job. Derived numbers live in its `Layout`, never written
+back.
 
-This module holds the dataclasses. The enums of their choices are in `ptdp.config_enums`
-(importable from here too, as the field types need them); reading a config from TOML and
-the command line, writing it back and the help text are in `ptdp.config_files`.
+This module holds the dataclasses. The enums of their choices are in `ptdp.config.enums`;
+reading a config from TOML and the command line, writing it back and the help text are in
+`ptdp.config.files`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from ptdp.config_enums import (
+from ptdp.config.enums import (
     Activation,
     AttentionBackend,
     CpComm,

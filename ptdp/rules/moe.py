@@ -1,4 +1,4 @@
-"""The mixture-of-experts rules of `ptdp.layout.validate`: what the model.moe_* keys must
+"""The mixture-of-experts rules of `ptdp.rules.layout.validate`: what the model.moe_* keys must
 hold on their own and against the layout, each message naming the key and the fix.
 
 Pure (no torch.distributed), so a bad MoE setting fails before any process group exists.
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from ptdp.config import ModelConfig, RunConfig, ScoreFunction
+from ptdp.config.enums import ScoreFunction
+from ptdp.config.sections import ModelConfig, RunConfig
 
 _DEFAULTS = ModelConfig()
 MOE_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name.startswith("moe_"))
@@ -79,7 +80,7 @@ def _value_rules(m: ModelConfig, errors: list[str]) -> None:
         errors.append(
             f"model.moe_layer_freq = {m.moe_layer_freq} must be >= 1 (1 = every layer is MoE)"
         )
-    at_least_zero = (  # the float keys: ptdp/domains.py
+    at_least_zero = (  # the float keys: ptdp/rules/domains.py
         "moe_ffn_hidden_size", "moe_shared_experts", "moe_shared_ffn_hidden_size",
         "moe_first_dense_layers",
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """A config in and out of text: `[section]` TOML files and `--section.key value` overrides
 applied in layers on the defaults (`resolve`), a resolved config written back as TOML that
 must read back the same (`write_config`), and the `--help` text from the dataclasses' field
-docstrings. The dataclasses themselves are in `ptdp.config`.
+docstrings. The dataclasses themselves are in `ptdp.config.sections`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-from ptdp.config import SECTIONS, DataConfig, ParallelConfig, RunConfig
+from ptdp.config.sections import SECTIONS, DataConfig, ParallelConfig, RunConfig
 from ptdp.errors import ConfigError
 from ptdp.files import write_file
 
@@ -229,7 +229,7 @@ def from_dict(data: dict[str, dict[str, Any]]) -> RunConfig:
 def to_toml(cfg: RunConfig) -> str:
     """TOML text of the resolved config, for every value a field can hold: TOML's `nan` and
     `inf` for non-finite floats, escapes for the control characters of a string. Text that
-    is not Unicode cannot be written (`ptdp.domains` refuses it before a run)."""
+    is not Unicode cannot be written (`ptdp.rules.domains` refuses it before a run)."""
     lines = []
     for section, values in to_dict(cfg).items():
         lines.append(f"[{section}]")

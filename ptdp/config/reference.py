@@ -1,6 +1,6 @@
 """The configuration reference page (docs/configuration.md), generated from the config
 dataclasses: every key's type, default, allowed values and meaning come from the code
-(`ptdp.config_files.field_docs`, the same docstrings `ptdp train --help` prints), so the page
+(`ptdp.config.files.field_docs`, the same docstrings `ptdp train --help` prints), so the page
 cannot drift from it. `ptdp config-reference --output docs/configuration.md` writes it, and
 tests/unit/test_config_reference.py checks that the committed page is current.
 """
@@ -15,10 +15,10 @@ from dataclasses import MISSING, Field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
-from ptdp.config import SECTIONS
-from ptdp.config_files import field_docs
-from ptdp.domains import CONFIG_RULES
+from ptdp.config.files import field_docs
+from ptdp.config.sections import SECTIONS
 from ptdp.errors import PtdpError
+from ptdp.rules.domains import CONFIG_RULES
 
 COMMAND = "ptdp config-reference --output docs/configuration.md"
 """The command that writes the committed page."""
@@ -34,7 +34,7 @@ INTRO = f"""\
 
 Every key that `ptdp train`, `ptdp simulate` and `ptdp plan` read, by section.
 
-Generated from the config dataclasses in `ptdp/config.py` (their attribute docstrings,
+Generated from the config dataclasses in `ptdp/config/sections.py` (their attribute docstrings,
 which `ptdp train --help` prints too) by
 
     {COMMAND}
@@ -65,7 +65,7 @@ def type_name(typ: Any) -> str:
 
 def allowed(typ: Any, key: str = "") -> str:
     """The values a field takes when they can be listed (an enum's, a bool's), or a float's
-    range (ptdp/domains.py); "" otherwise, where the meaning states the range."""
+    range (ptdp/rules/domains.py); "" otherwise, where the meaning states the range."""
     if key in CONFIG_RULES:
         return f"finite, {CONFIG_RULES[key].text}"
     if isinstance(typ, type) and issubclass(typ, enum.Enum):

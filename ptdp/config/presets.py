@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ptdp.config import ModelConfig, RunConfig
-from ptdp.config_files import apply_updates
+from ptdp.config.files import apply_updates
+from ptdp.config.sections import ModelConfig, RunConfig
 
 _LLAMA = {
     "position_embedding": "rope",

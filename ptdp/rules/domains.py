@@ -2,7 +2,7 @@
 section (`CONFIG_RULES`) and each number of a hardware file (`ptdp.perf.cost.hardware`) is
 finite and in its range (> 0, >= 0, a fraction, ...).
 
-`check_config(cfg)` is what `ptdp.layout.validate` (and `ptdp plan`, before its search)
+`check_config(cfg)` is what `ptdp.rules.layout.validate` (and `ptdp plan`, before its search)
 checks first, so every command that takes a config (train, simulate, plan, generate)
 refuses NaN, an infinity or a value out of its range before any process starts, naming the
 key, the value and the fix. It also refuses what the resolved config.toml could not hold:
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from ptdp.config import SECTIONS, RunConfig
+from ptdp.config.sections import SECTIONS, RunConfig
 from ptdp.errors import ConfigError
 
 INT64 = (-(2**63), 2**63 - 1)
@@ -134,7 +134,7 @@ def check_config(cfg: RunConfig) -> None:
 
 
 def refuse(errors: list[str]) -> None:
-    """Raise one ConfigError listing `errors`, if any (`ptdp.layout.validate`'s format)."""
+    """Raise one ConfigError listing `errors`, if any (`ptdp.rules.layout.validate`'s format)."""
     if errors:
         bullet = "\n  - "
         raise ConfigError(f"invalid configuration:{bullet}{bullet.join(errors)}")
@@ -153,6 +153,15 @@ def _other_problem(key: str, value: Any) -> str | None:
                 "file name?); give it in UTF-8 (rename the file or folder)"
             )
     return None
+
+
+def require_positive(
+    errors: list[str], name: str, value: int | float, zero_ok: bool = False
+) -> None:
+    """Append to `errors` why a size or count `name` is out of its range (> 0, or >= 0)."""
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        errors.append(f"{name} = {value} must be {bound}")
 
 
 def non_finite(data: Any, where: str = "") -> list[str]:

@@ -1,4 +1,4 @@
-"""The rules of `ptdp.layout.validate` for the launch-overhead switches: train.cuda_graphs
+"""The rules of `ptdp.rules.layout.validate` for the launch-overhead switches: train.cuda_graphs
 and train.attention_backend, each message naming the key and the fix.
 
 Pure (no torch.distributed), so a setting that cannot apply fails before any process group
@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib.metadata
 import re
 
-from ptdp.config import AttentionBackend, RunConfig
+from ptdp.config.enums import AttentionBackend
+from ptdp.config.sections import RunConfig
 
 CPU_BACKENDS = (AttentionBackend.AUTO, AttentionBackend.FLASH, AttentionBackend.MATH)
 """What PyTorch's CPU attention runs: its flash kernel or the math reference."""

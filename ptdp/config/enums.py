@@ -1,6 +1,5 @@
-"""The enumerated choices of the config dataclasses' fields (`ptdp.config`): each member's
-value is the string a TOML file or `--section.key value` gives. `ptdp.config` imports them
-for its field types, and they stay importable from there.
+"""The enumerated choices of the config dataclasses' fields (`ptdp.config.sections`): each
+member's value is the string a TOML file or `--section.key value` gives.
 """
 
 from __future__ import annotations
