@@ -381,7 +381,7 @@ class TrainConfig:
     processes exit; the launcher restarts them from the last checkpoint) or in_process
     (the ranks agree through the launcher's store, re-create their process groups and
     replay the step from memory; ptdp/train/faults/recovery.py; not with async_save).
-    restart is the default, after measuring (docs/fault-tolerance.md): in_process recovers
+    restart is the default, after measuring (docs/in-process-recovery.md): in_process recovers
     only a fault before the optimizer update, waits a collective timeout for the blocked
     ranks, and a dead rank still needs the restart. Under in_process a silent (frozen)
     rank is failed only after the second timeout, 2 x collective_timeout_s (restart:
