@@ -23,8 +23,9 @@ from ptdp.perf.simulate.simulator import (
     step_reductions,
 )
 from ptdp.perf.validate.paper import preset
+from ptdp.pipeline.lowering import add_comms
 from ptdp.pipeline.placement import StageMap
-from ptdp.pipeline.schedules import SCHEDULES, add_comms, build
+from ptdp.pipeline.schedules import SCHEDULES, build
 from ptdp.pipeline.verify import verify
 from ptdp.rules.layout import validate
 from tests.helpers import PERF_MODEL

@@ -60,8 +60,8 @@ from ptdp.perf.simulate.simulator import (
 )
 from ptdp.pipeline.actions import Action, Kind, Plan
 from ptdp.pipeline.dryrun import PipelineCosts
+from ptdp.pipeline.lowering import apart
 from ptdp.pipeline.placement import StageMap
-from ptdp.pipeline.schedules import apart
 from ptdp.rules.layout import Layout
 
 SLACK = 1e-6
