@@ -23,7 +23,8 @@ from ptdp.perf.cost.zero import exposed_seconds, sharded_passes, step_traffic
 from ptdp.perf.cost.zero_bytes import fp8_gathered_weights
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.plan.search import context_sizes
-from ptdp.perf.simulate.simulator import compute_costs, simulate
+from ptdp.perf.simulate.pipeline_costs import compute_costs
+from ptdp.perf.simulate.simulator import simulate
 from ptdp.perf.validate.paper import TABLE_2, preset_config, table2_run
 from ptdp.perf.validate.validation import check_table_2_row
 from ptdp.rules.layout import validate

@@ -198,7 +198,8 @@ def test_each_microbatch_adds_its_gradients_into_the_buffers_in_a_pass_of_its_ow
     from ptdp.perf.cost.kernels import Call
     from ptdp.perf.cost.parameters import parameters_per_stage, tensors_per_stage
     from ptdp.perf.cost.software import MEGATRON_2021, MEGATRON_CORE
-    from ptdp.perf.simulate.simulator import accumulation, pipeline_costs, simulate, stage_costs
+    from ptdp.perf.simulate.pipeline_costs import accumulation, pipeline_costs, stage_costs
+    from ptdp.perf.simulate.simulator import simulate
     from ptdp.rules.layout import validate
 
     system = load_system(_file(tmp_path, KERNELS, "split_backward_ratio = 1.5\n"))

@@ -28,7 +28,8 @@ from ptdp.perf.cost.reserve import communicators
 from ptdp.perf.cost.software import PTDP
 from ptdp.perf.plan.planner import Plans, plan
 from ptdp.perf.plan.search import Space, expert_sizes, search
-from ptdp.perf.simulate.simulator import simulate, stage_reductions
+from ptdp.perf.simulate.reduction import stage_reductions
+from ptdp.perf.simulate.simulator import simulate
 from ptdp.rules.layout import validate
 
 H100 = load_system("h100-sxm")
