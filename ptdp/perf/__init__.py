@@ -9,7 +9,7 @@ simulate/    one step replayed in simulated time from the schedules' own action 
              without the replay, timelines drawn as PNG charts and Chrome traces
 plan/        `ptdp plan`: the layouts that fit, searched, ranked, explained, compared
 calibrate/   `ptdp calibrate`: this machine's kernels and links timed, the cost model's
-             constants fitted, written as a cluster file for cost/hardware.py
+             constants fitted, written as a cluster file for cost/hardware_file.py
 validate/    the model against published results: the paper's presets and tables,
              Megatron-Core's H100 runs, the fit of uncalibrated GPUs to them
 commands.py  `ptdp simulate` and `ptdp plan` behind their parsers

@@ -16,7 +16,7 @@ from ptdp.config.enums import Precision
 from ptdp.config.files import tomllib
 from ptdp.perf.calibrate.fit import interpolate_log, monotone_curve
 from ptdp.perf.cost.costs import Compute, Gemm
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import PTDP
 
 ROOT = Path(__file__).resolve().parents[2]

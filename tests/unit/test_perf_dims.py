@@ -14,7 +14,8 @@ from ptdp.perf.cost import context
 from ptdp.perf.cost.collectives import gather_seconds, group_link
 from ptdp.perf.cost.context_costs import cp_comm_seconds, ring_link
 from ptdp.perf.cost.costs import Compute
-from ptdp.perf.cost.hardware import GIB, load_system
+from ptdp.perf.cost.hardware import GIB
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.memory import estimate_memory
 from ptdp.perf.cost.parameters import bytes_per_parameter, layer_parameters, parameters_per_stage
 from ptdp.perf.cost.reserve import fit

@@ -14,7 +14,8 @@ from ptdp.config.enums import Activation, Normalization, Precision, Recompute
 from ptdp.config.sections import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.costs import Compute, attention_core, layer_seconds
-from ptdp.perf.cost.hardware import BUILTIN_DIR, GB, load_system
+from ptdp.perf.cost.hardware import GB
+from ptdp.perf.cost.hardware_file import BUILTIN_DIR, load_system
 from ptdp.perf.cost.kernels import layer_calls, layer_traffic
 from ptdp.perf.cost.layer_bytes import layer_activation_bytes
 from ptdp.perf.cost.software import PTDP

@@ -9,7 +9,7 @@ from ptdp.config.enums import Precision
 from ptdp.config.files import apply_updates
 from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.costs import Compute
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.simulate.megatron2021 import megatron_2021_interleaved
 from ptdp.perf.simulate.pipeline_costs import pipeline_costs

@@ -17,7 +17,7 @@ from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.collectives import all_reduce_seconds, all_to_all_seconds, group_link
 from ptdp.perf.cost.costs import Compute, Gemm, layer_gemms
 from ptdp.perf.cost.experts import alltoall_link, ep_comm_seconds
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.moe import alltoall_bytes
 from ptdp.perf.cost.parameters import (
     expert_parameters_per_stage,

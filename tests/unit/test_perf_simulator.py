@@ -12,7 +12,7 @@ from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.collectives import all_reduce_seconds, group_link
 from ptdp.perf.cost.costs import Compute, Gemm, layer_seconds
 from ptdp.perf.cost.flops import flops_per_iteration
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import MEGATRON_2021, PTDP
 from ptdp.perf.simulate.optimizer_step import step_reductions
 from ptdp.perf.simulate.pipeline_costs import accumulation, pipeline_costs, stage_costs

@@ -1,7 +1,7 @@
 """`ptdp calibrate`: measure this machine and fit the performance model's constants.
 
 What is measured (ptdp/perf/calibrate/microbench.py) and what it becomes in the cluster TOML that
-`ptdp simulate --device FILE` and `ptdp plan --device FILE` read (ptdp/perf/cost/hardware.py):
+`ptdp simulate --device FILE` and `ptdp plan --device FILE` read (ptdp/perf/cost/hardware_file.py):
 
 - the GEMMs of a transformer layer (QKV, projection, MLP in and out, a weight gradient)
   over hidden sizes, their operands rotating through sets past the last-level cache (in a
@@ -88,7 +88,8 @@ from ptdp.perf.calibrate.sweep import (
 from ptdp.perf.calibrate.wgrad_cost import split_backward_ratio
 from ptdp.perf.cost.context import kv_block_bytes
 from ptdp.perf.cost.flops import DENSE_PEAK_TFLOPS, device_kind
-from ptdp.perf.cost.hardware import GIB, System, load_system, system_for_device_name
+from ptdp.perf.cost.hardware import GIB, System
+from ptdp.perf.cost.hardware_file import load_system, system_for_device_name
 
 
 def _link_fits(fits: list[CollectiveFit]) -> dict[str, tuple[LinkFit | None, str]]:
