@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.validate.ground import GemmLaw, fit_gemm_law
 from ptdp.perf.validate.published import MCORE_H100_WEAK_SCALING, SOURCE, predict_row
 

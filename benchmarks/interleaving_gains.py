@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ptdp.config.files import apply_updates
 from ptdp.config.sections import RunConfig
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.simulate.simulator import simulate
 from ptdp.perf.validate.paper import preset

@@ -18,7 +18,8 @@ from dataclasses import replace
 
 from ptdp.config.files import apply_updates
 from ptdp.config.sections import RunConfig
-from ptdp.perf.cost.hardware import GIB, System, load_system
+from ptdp.perf.cost.hardware import GIB, System
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.memory import estimate_memory
 from ptdp.perf.cost.reserve import communicators, rank_reserve
 from ptdp.perf.validate.paper import README_GPT3, TABLE_1, model_config, paper_run

@@ -55,7 +55,8 @@ from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.data.indexed import IndexedWriter
 from ptdp.parallel.env import LaunchEnv
 from ptdp.perf.cost.flops import dense_peak_flops, device_kind, model_flops_per_iteration
-from ptdp.perf.cost.hardware import System, load_system, system_for_device_name
+from ptdp.perf.cost.hardware import System
+from ptdp.perf.cost.hardware_file import load_system, system_for_device_name
 from ptdp.perf.cost.reserve import fit
 from ptdp.perf.simulate.simulator import simulate
 from ptdp.train.run import prepare

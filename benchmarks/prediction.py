@@ -53,7 +53,8 @@ from ptdp.perf.calibrate.fit import collective_bytes
 from ptdp.perf.calibrate.microbench import build_groups
 from ptdp.perf.calibrate.timing import Timing
 from ptdp.perf.calibrate.waits import collective_sync, sync_rounds
-from ptdp.perf.cost.hardware import System, load_system
+from ptdp.perf.cost.hardware import System
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.simulate.plot import plot_timelines, write_chrome_trace
 from ptdp.perf.simulate.simulator import Prediction, simulate
 from ptdp.pipeline.timeline import Event, from_dicts, to_dicts

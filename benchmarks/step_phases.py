@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ptdp.model.gpt import TransformerLayer
 from ptdp.parallel.env import LaunchEnv
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.train.run import prepare
 from ptdp.train.step.trainer import Trainer
 

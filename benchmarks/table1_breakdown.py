@@ -37,7 +37,8 @@ from ptdp.perf.cost.costs import (
     layer_gemms,
     layer_seconds,
 )
-from ptdp.perf.cost.hardware import System, load_system
+from ptdp.perf.cost.hardware import System
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.layer_bytes import layer_activation_bytes
 from ptdp.perf.cost.parameters import parameters_per_rank
 from ptdp.perf.cost.software import MEGATRON_2021, PTDP, Software

@@ -25,7 +25,8 @@ from ptdp.config.enums import Recompute
 from ptdp.config.files import apply_updates
 from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.flops import paper_equation_3
-from ptdp.perf.cost.hardware import GIB, load_system
+from ptdp.perf.cost.hardware import GIB
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.memory import estimate_memory
 from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.plan.planner import plan

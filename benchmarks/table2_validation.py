@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import time
 
-from ptdp.perf.cost.hardware import GIB, load_system
+from ptdp.perf.cost.hardware import GIB
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.validate.paper import TABLE_2
 from ptdp.perf.validate.validation import check_table_2_row
 

@@ -163,7 +163,7 @@ def _model_option(p: argparse.ArgumentParser) -> None:
 
 def _perf_parser(sub: Subparsers, name: str, **kw: str) -> argparse.ArgumentParser:
     """`simulate` and `plan`: a model and its config, a cluster, a runtime."""
-    from ptdp.perf.cost.hardware import list_systems
+    from ptdp.perf.cost.hardware_file import list_systems
     from ptdp.perf.cost.software import SOFTWARE
 
     p = sub.add_parser(name, allow_abbrev=False, **kw)

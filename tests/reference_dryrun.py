@@ -216,7 +216,7 @@ def _first_gap(busy: list[tuple[float, float]], ready: float, seconds: float) ->
 
 
 def reference_add_comms(plan: Plan, stages: StageMap) -> Plan:
-    """`ptdp.pipeline.schedules.add_comms` as it was before it read the ranks from a table."""
+    """`ptdp.pipeline.lowering.add_comms` as it was before it read the ranks from a table."""
     last = stages.last
     lowered: Plan = {}
     for rank, actions in plan.items():

@@ -16,7 +16,7 @@ refused with the option's name, never silently dropped.
 What the mapping has to know (shapes: h hidden, n query heads, g key/value groups,
 r = n / g, d head size, f MLP width, v vocabulary):
 - ptdp's fused QKV weight [g * (r + 2) * d, h] holds its rows group by group, [q heads of
-  group 0, k0, v0, q heads of group 1, ...] (model/gpt.py); query head i reads group
+  group 0, k0, v0, q heads of group 1, ...] (model/attention.py); query head i reads group
   i // r, which is also how `transformers` repeats k/v heads, so only rows move.
 - GPT-2's `Conv1D` stores weights as [in, out], the transpose of `nn.Linear`.
 - ptdp's SwiGLU fc1 rows are [gate; up] (an expert's too: fc1 [e, 2f, h], fc2 [e, h, f],

@@ -6,7 +6,7 @@ rotary rotation and before the groups are repeated for their query heads: groupe
 attention caches g, not n, heads, and under tensor parallelism each rank caches its own
 groups. The buffers are allocated once, for the model's whole context (`max_length`).
 Under a sliding window (model.sliding_window) the cache still holds every position; the
-attention reads only the window's (model/gpt.py, `Attention._cached_core`).
+attention reads only the window's (model/attention.py, `Attention._cached_core`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from ptdp.config.enums import Precision
 from ptdp.config.files import given_keys
 from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.perf.cost.hardware import System, load_system
+from ptdp.perf.cost.hardware import System
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import SOFTWARE, Software
 from ptdp.perf.validate.paper import ALL_PRESETS, perf_config
 from ptdp.rules.domains import Rule, number_problem

@@ -26,8 +26,8 @@ from enum import Enum
 from functools import cached_property
 
 from ptdp.pipeline.actions import Action, Kind, Plan
+from ptdp.pipeline.lowering import apart
 from ptdp.pipeline.placement import StageMap
-from ptdp.pipeline.schedules import apart
 
 Cost = Callable[[Action], float]
 """Seconds of a compute action (F, B, W, BW); with it alone every transfer is free."""
@@ -183,7 +183,7 @@ class Program:
     results are those of interpreting the actions directly (tests/unit/test_dryrun_fast.py).
 
     With `lowering`, `plan` is compute-only and is compiled as its lowering by `add_comms`
-    (the transfers where `schedules.apart` puts them), which `lowering()` builds only to name
+    (the transfers where `lowering.apart` puts them), which `lowering()` builds only to name
     the actions of a deadlock.
     """
 

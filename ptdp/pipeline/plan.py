@@ -15,16 +15,11 @@ from dataclasses import dataclass, field
 from functools import cached_property, partial
 
 from ptdp.pipeline.actions import Action, Plan
+from ptdp.pipeline.classic import forward_only
 from ptdp.pipeline.dryrun import Program, program
+from ptdp.pipeline.lowering import add_comms
 from ptdp.pipeline.placement import Placement, StageMap
-from ptdp.pipeline.schedules import (
-    SCHEDULES,
-    add_comms,
-    build,
-    forward_only,
-    in_flight_bound,
-    theory_bubble,
-)
+from ptdp.pipeline.schedules import SCHEDULES, build, in_flight_bound, theory_bubble
 from ptdp.pipeline.verify import ScheduleReport, peak_in_flight, verify
 
 

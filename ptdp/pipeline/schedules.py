@@ -1,18 +1,17 @@
-"""Pipeline schedules as pure functions of ints: each builder returns a compute-only `Plan`.
+"""The pipeline schedules by name: each one's builder and what the rest of ptdp reads of it.
 
-A new schedule is one builder here plus its `ScheduleSpec` in `SCHEDULES` (chunks per rank,
-bubble formula, in-flight bound); the runtime never grows a branch for it (DESIGN invariant 1).
-`add_comms` lowers a compute-only plan to one with explicit send/recv actions, which is what
-the runtime executes and `verify` checks.
+A new schedule is one builder (in `ptdp.pipeline.classic` where the backward is one fused BW,
+in `ptdp.pipeline.zero_bubble` where it is split into B and W) plus its `ScheduleSpec` in
+`SCHEDULES` here: chunks per rank and their placement, bubble formula, in-flight bound. The
+runtime never grows a branch for it (DESIGN invariant 1). `build` checks the arguments and
+returns the builder's compute-only plan; `ptdp.pipeline.lowering.add_comms` adds the sends
+and receives that the runtime executes and `verify` checks, and `ptdp.pipeline.plan` does
+both once for every reader.
 
 Letters: pp = pipeline ranks, vpp = model chunks per rank, m = microbatches per pipeline per
 step, r = pipeline rank (0 first). Which rank holds a stage is the schedule's placement
 (`ptdp.pipeline.placement`): looped (rank r holds r, r + pp, r + 2 pp, ..., Megatron's
 interleaving) for all but ZB-V, whose two chunks per rank sit in a V (stages r and 2 pp - 1 - r).
-
-Sources: GPipe (Huang et al., arXiv 1811.06965); 1F1B = PipeDream-Flush and interleaved 1F1B
-(Narayanan et al., arXiv 2104.04473, section 2.2); ZB-H1 and ZB-H2 (Qi et al., arXiv 2401.10241,
-sections 3 and 6).
 
 In flight: a microbatch holds its activations on a stage from its F until its BW, or until its W
 when the backward is split (B leaves the graph, or the weight-gradient inputs, for W), which is
@@ -21,259 +20,16 @@ how `verify` and `ptdp.perf.cost.memory` count.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ptdp.pipeline.actions import Action, Kind, Plan
+from ptdp.pipeline.actions import Plan
+from ptdp.pipeline.classic import check_interleaved, gpipe, interleaved, one_f_one_b
 from ptdp.pipeline.placement import Placement, StageMap
+from ptdp.pipeline.zero_bubble import zb_h1, zb_h2, zb_v
 
 Builder = Callable[[int, int, int], Plan]
 """Registry signature: (pp, m, vpp) -> compute-only plan."""
-
-
-def gpipe(pp: int, m: int) -> Plan:
-    """GPipe: every rank runs all forwards, then all fused backwards.
-
-    Backwards run in increasing microbatch order (as PyTorch's ScheduleGPipe does, rather than
-    the GPipe paper's last-in-first-out), so every schedule accumulates weight gradients in the
-    same microbatch order and gives bitwise-identical sums. The bubble is the same either way.
-    """
-    return {
-        r: [Action(Kind.F, r, mb) for mb in range(m)] + [Action(Kind.BW, r, mb) for mb in range(m)]
-        for r in range(pp)
-    }
-
-
-def one_f_one_b_warmup(rank: int, pp: int, m: int) -> int:
-    """Forwards a rank runs before its first backward in 1F1B (and ZB-H1)."""
-    return min(pp - rank - 1, m)
-
-
-def one_f_one_b(pp: int, m: int) -> Plan:
-    """1F1B (PipeDream-Flush): warm-up forwards, steady one forward + one backward, cool-down.
-
-    At most pp - rank microbatches are in flight on a rank, against m for GPipe, with the same
-    bubble (pp - 1) / m.
-    """
-    plan: Plan = {}
-    for r in range(pp):
-        warmup = one_f_one_b_warmup(r, pp, m)
-        actions = [Action(Kind.F, r, mb) for mb in range(warmup)]
-        for i in range(m - warmup):
-            actions += [Action(Kind.F, r, warmup + i), Action(Kind.BW, r, i)]
-        actions += [Action(Kind.BW, r, mb) for mb in range(m - warmup, m)]
-        plan[r] = actions
-    return plan
-
-
-def interleaved_warmup(rank: int, pp: int, m: int, vpp: int) -> int:
-    """Forwards before the first backward in interleaved 1F1B (Megatron's formula)."""
-    return min(2 * (pp - rank - 1) + (vpp - 1) * pp, m * vpp)
-
-
-def _virtual_mb(k: int, pp: int, vpp: int, *, forward: bool) -> tuple[int, int]:
-    """(chunk, microbatch) of the k-th forward or backward on a rank, in Megatron's order.
-
-    Microbatches go through in groups of pp: a group runs on chunk 0, then chunk 1, ..., before
-    the next group starts; backwards visit the chunks in reverse.
-    """
-    chunk = (k // pp) % vpp
-    mb = (k // (pp * vpp)) * pp + k % pp
-    return (chunk if forward else vpp - 1 - chunk), mb
-
-
-def interleaved(pp: int, m: int, vpp: int) -> Plan:
-    """Interleaved 1F1B: vpp model chunks per rank shrink the bubble to (pp - 1) / (vpp * m).
-
-    Requires vpp >= 2 and m a multiple of pp, as the microbatches go through in groups of pp.
-    """
-    _check_interleaved(pp, m, vpp)
-    return {r: _interleaved_rank(r, pp, m, vpp) for r in range(pp)}
-
-
-def _interleaved_rank(rank: int, pp: int, m: int, vpp: int) -> list[Action]:
-    def act(kind: Kind, k: int) -> Action:
-        chunk, mb = _virtual_mb(k, pp, vpp, forward=kind is Kind.F)
-        return Action(kind, chunk * pp + rank, mb)
-
-    total = m * vpp
-    warmup = interleaved_warmup(rank, pp, m, vpp)
-    actions = [act(Kind.F, k) for k in range(warmup)]
-    for i in range(total - warmup):
-        actions += [act(Kind.F, warmup + i), act(Kind.BW, i)]
-    return actions + [act(Kind.BW, k) for k in range(total - warmup, total)]
-
-
-def zb_h1(pp: int, m: int) -> Plan:
-    """ZB-H1 (Qi et al., arXiv 2401.10241): 1F1B with the backward split into B and W.
-
-    F and B run in 1F1B's order. W needs no neighbour, so it can wait: after each B, rank r
-    runs the oldest pending W only if more than r are pending, and runs the r held back at
-    the end. Counted until W, rank r holds 1F1B's pp - rank forwards plus those r W's: at most
-    pp microbatches on every rank (min(pp, m), checked over pp <= 8, m <= 6 pp), where 1F1B
-    holds pp - rank.
-
-    Why r: the last microbatch's B still has r ranks to pass after it leaves rank r, so rank r
-    would idle r slots at the end; its r deferred W's fill them (at T_F = T_B = T_W every rank
-    then ends together). The bubble falls from 1F1B's (pp - 1)(T_F + T_B + T_W) to the
-    paper's (pp - 1)(T_F + T_B - T_W) for m >= pp; with fewer microbatches the dependency chain
-    through all stages is longer than that (the makespan is 3m + max(pp - 1, 2 pp - 1 - m),
-    as for ZB-H2).
-    """
-    return {r: _zb_h1_rank(r, pp, m) for r in range(pp)}
-
-
-def _zb_h1_rank(rank: int, pp: int, m: int) -> list[Action]:
-    pending: deque[int] = deque()  # microbatches whose B ran and whose W has not
-
-    def backward(mb: int) -> list[Action]:
-        pending.append(mb)
-        done = [Action(Kind.B, rank, mb)]
-        if len(pending) > rank:
-            done.append(Action(Kind.W, rank, pending.popleft()))
-        return done
-
-    warmup = one_f_one_b_warmup(rank, pp, m)
-    actions = [Action(Kind.F, rank, mb) for mb in range(warmup)]
-    for i in range(m - warmup):
-        actions += [Action(Kind.F, rank, warmup + i), *backward(i)]
-    for mb in range(m - warmup, m):
-        actions += backward(mb)
-    return actions + [Action(Kind.W, rank, mb) for mb in pending]
-
-
-def zb_h2(pp: int, m: int) -> Plan:
-    """ZB-H2 (Qi et al., arXiv 2401.10241, section 3): ZB-H1 with up to 2 pp - 1 in flight.
-
-    Built by list scheduling at T_F = T_B = T_W = 1: at each time unit every rank runs, first
-    that can, its next B whose output gradient has arrived, its next F whose input has arrived
-    while fewer than 2 pp - 1 microbatches are in flight (F run, W not), or its oldest pending
-    W; otherwise it waits. Rank r's warm-up is then the paper's 2(pp - r) - 1 forwards, which
-    fill the time until microbatch 0's B comes back, and the W's deferred past the last B make
-    the tail a parallelogram: for m >= 2 pp - 1 every rank computes without a gap from its
-    first action to its last (`ScheduleReport.span` = 3m), the paper's zero bubble.
-
-    That gap-free span is zero bubble only for overlapping steps (the paper bypasses the
-    optimizer's synchronisation to get them; ptdp's step synchronises). Within one step the
-    last rank cannot start before pp - 1 forwards reach it, and rank 0's first B cannot start
-    before 2 pp - 1 (microbatch 0 through pp F's and pp - 1 B's), after which it has m B's and
-    m W's left. So the makespan is at least 3m + max(pp - 1, 2 pp - 1 - m), which ZB-H1 and
-    ZB-H2 both reach: the verifier's bubble is max(pp - 1, 2 pp - 1 - m) / (3m) for both,
-    (pp - 1) / (3m) for m >= pp. Other costs separate them: replayed, ZB-H2's makespan exceeds
-    m (T_F + T_B + T_W) by (pp - 1) max(T_F, T_F + T_B - 2 T_W), ZB-H1's by (pp - 1)
-    max(T_F, T_F + T_B - T_W) (the paper's formulas, floored by the last rank's wait), so
-    ZB-H2 wins when T_B > T_W. It pays with min(2 pp - 1, m) microbatches in flight on every
-    rank against ZB-H1's min(pp, m) (checked over pp <= 8, m <= 6 pp).
-    """
-    limit = 2 * pp - 1
-    plan: Plan = {r: [] for r in range(pp)}
-    f_done = [[-1] * m for _ in range(pp)]  # time each F ends; -1: not run yet
-    b_done = [[-1] * m for _ in range(pp)]
-    done = {kind: [0] * pp for kind in (Kind.F, Kind.B, Kind.W)}  # passes run per rank
-    t = 0
-    done_f, done_b, done_w = done[Kind.F], done[Kind.B], done[Kind.W]
-    while any(w < m for w in done_w):
-        ran = []  # decided on the state at time t, applied after every rank has chosen
-        for r in range(pp):
-            f, b, w = done_f[r], done_b[r], done_w[r]
-            if b < f and 0 <= f_done[r][b] <= t and (r == pp - 1 or 0 <= b_done[r + 1][b] <= t):
-                ran.append(Action(Kind.B, r, b))
-            elif f < m and f - w < limit and (r == 0 or 0 <= f_done[r - 1][f] <= t):
-                ran.append(Action(Kind.F, r, f))
-            elif w < b:
-                ran.append(Action(Kind.W, r, w))
-        for a in ran:
-            plan[a.stage].append(a)
-            done[a.kind][a.stage] += 1
-            if a.kind is not Kind.W:
-                (f_done if a.kind is Kind.F else b_done)[a.stage][a.mb] = t + 1
-        t += 1
-        assert t <= 3 * m + 2 * pp, "zb_h2 list scheduling stalled"  # makespan <= 3m + 2pp - 1
-    return plan
-
-
-_ZB_V_POLICIES = (("B0", "F1", "F0", "B1", "W", 1), ("F1", "F0", "B0", "B1", "W", 0))
-"""(preference order, admission slack) of the list schedules `zb_v` tries; between them they
-reach the (pp - 1) / (6m) bubble for every m >= 2 pp, pp <= 8 (searched over all 240 orders
-and slacks; no single order does)."""
-
-
-def zb_v(pp: int, m: int) -> Plan:
-    """ZB-V (Qi et al., arXiv 2401.10241, section 6): two chunks per rank placed in a V.
-
-    Rank r holds stages r (chunk 0) and 2 pp - 1 - r (chunk 1), so a microbatch goes down the
-    ranks and back up, its loss on rank 0, and the first and last stage share a rank. Built
-    by list scheduling at unit costs (F = B = W = 1 per chunk): at each time unit every rank
-    runs the first pass it can, in one of `_ZB_V_POLICIES`' orders, where a chunk-0 F (a new
-    microbatch on this rank) is admitted only while fewer than 2 pp - slack chunk activations
-    are held and a chunk-1 F while fewer than 2 pp; the builder keeps the policy with the
-    shortest makespan. 2 pp chunk activations are pp whole stages: 1F1B's peak on rank 0,
-    now on every rank.
-
-    Each rank has 6m passes; the last rank cannot start before pp - 1 forwards reach it, so
-    the makespan is at least 6m + pp - 1 and the bubble at least (pp - 1) / (6m), half ZB-H1's
-    (pp - 1) / (3m) at the same memory as 1F1B; the verifier's dry run meets that bound for
-    m >= 2 pp (checked for pp <= 8, m <= 6 pp). With fewer microbatches the chain of one
-    microbatch through all 2 pp stages and back dominates.
-    """
-    plans = [_zb_v_list_schedule(pp, m, order, slack) for *order, slack in _ZB_V_POLICIES]
-    return min(plans, key=lambda timed: timed[1])[0]
-
-
-def _zb_v_list_schedule(pp: int, m: int, order: list[str], slack: int) -> tuple[Plan, int]:
-    """One list schedule of `zb_v` at unit costs; returns it and its makespan."""
-    stages, limit = StageMap(pp, 2, Placement.V), 2 * pp
-    f_done: dict[tuple[int, int], int] = {}  # (stage, mb) -> end of its F
-    b_done: dict[tuple[int, int], int] = {}
-    runs = {kind: [0] * (2 * pp) for kind in (Kind.F, Kind.B)}  # passes run per stage
-    pending: list[deque[Action]] = [deque() for _ in range(pp)]  # B run, W not
-    held = [0] * pp
-    plan: Plan = {r: [] for r in range(pp)}
-    never = 1 << 30
-    held_by = [stages.stages_of(r) for r in range(pp)]  # rank -> its stages, chunk order
-    last, runs_f, runs_b = stages.last, runs[Kind.F], runs[Kind.B]
-    passes = [(name[0], 0 if name == "W" else int(name[1])) for name in order]
-
-    def next_pass(r: int, t: int) -> Action | None:
-        for kind, chunk in passes:
-            if kind == "W":
-                if pending[r]:
-                    return pending[r][0]
-                continue
-            s = held_by[r][chunk]
-            if kind == "B":
-                b = runs_b[s]
-                after_next = s == last or b_done.get((s + 1, b), never) <= t
-                if b < runs_f[s] and f_done[(s, b)] <= t and after_next:
-                    return Action(Kind.B, s, b)
-            else:
-                f = runs_f[s]
-                room = held[r] + (slack if chunk == 0 else 0) < limit
-                if f < m and room and (s == 0 or f_done.get((s - 1, f), never) <= t):
-                    return Action(Kind.F, s, f)
-        return None
-
-    t = 0
-    while any(pending) or any(n < m for n in runs[Kind.B]):
-        chosen = [(r, next_pass(r, t)) for r in range(pp)]  # all decide on the state at t
-        for r, a in chosen:
-            if a is None:
-                continue
-            plan[r].append(a)
-            if a.kind is Kind.W:
-                pending[r].popleft()
-                held[r] -= 1
-                continue
-            runs[a.kind][a.stage] += 1
-            (f_done if a.kind is Kind.F else b_done)[(a.stage, a.mb)] = t + 1
-            if a.kind is Kind.F:
-                held[r] += 1
-            else:
-                pending[r].append(Action(Kind.W, a.stage, a.mb))
-        t += 1
-        assert t <= 6 * m + 4 * pp * pp, "zb_v list scheduling stalled"
-    return plan, t
 
 
 def _one_chunk(builder: Callable[[int, int], Plan]) -> Builder:
@@ -312,7 +68,7 @@ def _zero_bubble(pp: int, m: int, vpp: int) -> float:
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """Everything the rest of ptdp needs to know about one schedule, next to its builder."""
+    """Everything the rest of ptdp needs to know about one schedule, its builder included."""
 
     build: Builder
     """(pp, m, vpp) -> compute-only plan."""
@@ -401,21 +157,6 @@ SCHEDULES: dict[str, ScheduleSpec] = {
 """Schedules by the config's names (`ptdp.config.Schedule` values)."""
 
 
-def _check_interleaved(pp: int, m: int, vpp: int) -> None:
-    if vpp < 2:
-        raise ValueError(
-            f"interleaved needs vpp >= 2 model chunks per rank, got vpp = {vpp}; "
-            "set vpp >= 2 or use the 1f1b schedule"
-        )
-    if m % pp:
-        lower, upper = (m // pp) * pp, (m // pp + 1) * pp
-        near = f"{lower} or {upper}" if lower else f"{upper}"
-        raise ValueError(
-            f"interleaved needs the number of microbatches m = {m} to be a multiple of pp = {pp}; "
-            f"use m = {near}"
-        )
-
-
 def implied_vpp(name: str) -> int | None:
     """The one vpp schedule `name` runs (1, or 2 for zb-v), which a config or `ptdp schedule`
     that leaves vpp unset takes; None for interleaved, which runs any vpp >= 2, so the choice
@@ -433,7 +174,7 @@ def check_args(name: str, pp: int, m: int, vpp: int = 1) -> None:
         raise ValueError(f"m = {m} microbatches must be >= 1")
     spec = SCHEDULES[name]
     if spec.interleaved:
-        _check_interleaved(pp, m, vpp)
+        check_interleaved(pp, m, vpp)
     elif vpp != spec.chunks:
         what = "one model chunk" if spec.chunks == 1 else f"{spec.chunks} model chunks"
         raise ValueError(
@@ -466,59 +207,3 @@ def theory_bubble(name: str, pp: int, m: int, vpp: int = 1) -> float:
     """The paper's bubble fraction of schedule `name` under unit costs (`ScheduleSpec.bubble`)."""
     check_args(name, pp, m, vpp)
     return SCHEDULES[name].bubble(pp, m, vpp)
-
-
-def add_comms(plan: Plan, stages: StageMap) -> Plan:
-    """Lower a compute-only plan: add the sends and receives between neighbouring stages.
-
-    RECV_F goes right before each F of a stage > 0 and SEND_F right after each F of a stage
-    below the last; RECV_B/SEND_B do the same around each B or BW. Transfers whose two stages
-    share a rank (pp == 1, or ZB-V's turn from stage pp - 1 to pp) stay in memory and get no
-    action. Receives are placed as late as possible and sends as early as possible, so a rank
-    blocks only when it must.
-    """
-    apart_below, apart_above = apart(stages)
-    lowered: Plan = {}
-    for r, actions in plan.items():
-        out: list[Action] = []
-        append = out.append
-        for a in actions:
-            kind, s = a.kind, a.stage
-            if kind is Kind.F:
-                if apart_below[s]:
-                    append(Action(Kind.RECV_F, s, a.mb))
-                append(a)
-                if apart_above[s]:
-                    append(Action(Kind.SEND_F, s, a.mb))
-            elif kind is Kind.B or kind is Kind.BW:
-                if apart_above[s]:
-                    append(Action(Kind.RECV_B, s, a.mb))
-                append(a)
-                if apart_below[s]:
-                    append(Action(Kind.SEND_B, s, a.mb))
-            else:
-                append(a)
-        lowered[r] = out
-    return lowered
-
-
-def apart(stages: StageMap) -> tuple[list[bool], list[bool]]:
-    """Per stage: whether its input comes from another rank (`add_comms` puts a RECV_F before
-    its F and a SEND_B after its B), and whether its output goes to another rank (SEND_F after
-    F, RECV_B before B). Neighbours on one rank (pp == 1, ZB-V's turn) pass in memory."""
-    last, rank = stages.last, [stages.rank(s) for s in range(stages.stages)]
-    below = [s > 0 and rank[s - 1] != rank[s] for s in range(stages.stages)]
-    above = [s < last and rank[s + 1] != rank[s] for s in range(stages.stages)]
-    return below, above
-
-
-def forward_only(stages: StageMap, m: int) -> Plan:
-    """Forwards only (evaluation): each rank runs microbatch by microbatch, its stages in order.
-
-    Every wait points to a lower stage of the same microbatch or to an earlier microbatch,
-    so with non-blocking sends it cannot deadlock. Not for `verify` (it has no backward).
-    """
-    return {
-        r: [Action(Kind.F, s, mb) for mb in range(m) for s in sorted(stages.stages_of(r))]
-        for r in range(stages.pp)
-    }

@@ -1,6 +1,6 @@
 """The domain of every number a user gives ptdp, in one table: each float key of each config
-section (`CONFIG_RULES`) and each number of a hardware file (`ptdp.perf.cost.hardware`) is
-finite and in its range (> 0, >= 0, a fraction, ...).
+section (`CONFIG_RULES`) and each number of a hardware file (`ptdp.perf.cost.hardware_file`)
+is finite and in its range (> 0, >= 0, a fraction, ...).
 
 `check_config(cfg)` is what `ptdp.rules.layout.validate` (and `ptdp plan`, before its search)
 checks first, so every command that takes a config (train, simulate, plan, generate)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ptdp.config.sections import RunConfig
-from ptdp.perf.cost.hardware import system_for_device_name
+from ptdp.perf.cost.hardware_file import system_for_device_name
 from ptdp.perf.simulate.plot import plot_timelines, write_chrome_trace
 from ptdp.perf.simulate.replay import PipelineCosts, replay
 from ptdp.perf.simulate.simulator import simulate

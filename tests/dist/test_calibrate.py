@@ -14,11 +14,12 @@ import torch
 from ptdp.config.files import tomllib
 from ptdp.perf.calibrate import microbench as mb
 from ptdp.perf.calibrate.fit import collective_bytes
-from ptdp.perf.calibrate.measure import SWEEPS, calibrate, write_calibration
+from ptdp.perf.calibrate.measure import calibrate, write_calibration
+from ptdp.perf.calibrate.sweep import SWEEPS
 from ptdp.perf.calibrate.timing import Timing
 from ptdp.perf.cost.collectives import all_reduce_seconds, all_to_all_seconds, gather_seconds
 from ptdp.perf.cost.experts import alltoall_link
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist

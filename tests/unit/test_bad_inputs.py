@@ -22,7 +22,7 @@ from ptdp.convert.hf import export_hf, import_hf
 from ptdp.data.tokenizers import train_bpe
 from ptdp.errors import CheckpointError, ConfigError, DataError, PtdpError
 from ptdp.parallel.env import LaunchEnv
-from ptdp.perf.cost.hardware import BUILTIN_DIR, load_system
+from ptdp.perf.cost.hardware_file import BUILTIN_DIR, load_system
 from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.simulate.simulator import simulate

@@ -16,7 +16,7 @@ from ptdp.config.enums import Precision
 from ptdp.config.files import tomllib
 from ptdp.perf.calibrate.fit import interpolate_log, monotone_curve
 from ptdp.perf.cost.costs import Compute, Gemm
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import PTDP
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,7 +232,7 @@ def test_the_optimizer_step_pays_its_measured_overhead_per_tensor(calibrated: Pa
     from ptdp.config.files import apply_updates
     from ptdp.config.sections import RunConfig
     from ptdp.perf.cost.parameters import tensors_per_rank
-    from ptdp.perf.simulate.simulator import optimizer_seconds
+    from ptdp.perf.simulate.optimizer_step import optimizer_seconds
     from ptdp.rules.layout import validate
 
     system = load_system(calibrated)
@@ -441,7 +441,7 @@ def test_a_wait_right_after_compute_pays_its_extra_and_one_after_a_wait_does_not
     from ptdp.errors import ConfigError
     from ptdp.perf.cost.context_costs import cp_comm_seconds
     from ptdp.perf.cost.costs import head_seconds, layer_seconds
-    from ptdp.perf.simulate.simulator import step_reductions
+    from ptdp.perf.simulate.optimizer_step import step_reductions
     from ptdp.rules.layout import Layout
 
     assert load_system("a100-80gb").device.wait_after_compute == 0.0  # absent: none
@@ -493,7 +493,8 @@ def test_the_gradient_reduction_waits_on_each_bucket_the_first_right_after_compu
     from ptdp.config.files import apply_updates
     from ptdp.config.sections import RunConfig
     from ptdp.perf.cost.parameters import parameters_per_stage
-    from ptdp.perf.simulate.simulator import optimizer_seconds, stage_reductions
+    from ptdp.perf.simulate.optimizer_step import optimizer_seconds
+    from ptdp.perf.simulate.reduction import stage_reductions
     from ptdp.rules.layout import validate
 
     sync, after = 1e-3, 5e-3
@@ -590,7 +591,7 @@ def test_a_split_backward_pays_its_measured_cost_in_w_on_zero_bubble_schedules(
     from ptdp.errors import ConfigError
     from ptdp.perf.calibrate.timing import Timing
     from ptdp.perf.calibrate.wgrad_cost import split_backward_ratio
-    from ptdp.perf.simulate.simulator import accumulation, pipeline_costs
+    from ptdp.perf.simulate.pipeline_costs import accumulation, pipeline_costs
     from ptdp.rules.layout import validate
 
     assert load_system("a100-80gb").device.split_backward_ratio == 1.0  # absent: free
@@ -764,7 +765,7 @@ def test_zero3_pays_the_sync_per_layer_gather_and_reduce_scatter() -> None:
 
     from ptdp.config.files import apply_updates
     from ptdp.perf.cost.zero import sharded_passes
-    from ptdp.perf.simulate.simulator import compute_costs
+    from ptdp.perf.simulate.pipeline_costs import compute_costs
     from ptdp.perf.validate.paper import preset_config
     from ptdp.rules.layout import validate
 
@@ -838,7 +839,7 @@ def test_point_to_point_keys_price_transfers_apart(tmp_path: Path) -> None:
 
     from ptdp.config.files import apply_updates
     from ptdp.errors import ConfigError
-    from ptdp.perf.simulate.simulator import pipeline_costs
+    from ptdp.perf.simulate.pipeline_costs import pipeline_costs
     from ptdp.perf.validate.paper import preset_config
     from ptdp.rules.layout import validate
 

@@ -17,7 +17,7 @@ from ptdp.cli import main
 from ptdp.config.files import resolve, toml_value
 from ptdp.config.sections import SECTIONS
 from ptdp.errors import ConfigError
-from ptdp.perf.cost.hardware import BUILTIN_DIR, NUMBERS, RULES, load_system
+from ptdp.perf.cost.hardware_file import BUILTIN_DIR, NUMBERS, RULES, load_system
 from ptdp.rules.domains import CONFIG_RULES
 from ptdp.rules.layout import validate
 

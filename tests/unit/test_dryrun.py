@@ -10,11 +10,13 @@ from __future__ import annotations
 import pytest
 
 from ptdp.pipeline.actions import Action, Kind, Plan
+from ptdp.pipeline.classic import one_f_one_b
 from ptdp.pipeline.dryrun import CommModel, PipelineCosts, Wait
 from ptdp.pipeline.dryrun_engine import dry_run
+from ptdp.pipeline.lowering import add_comms
 from ptdp.pipeline.placement import Placement, StageMap
 from ptdp.pipeline.plan import build_plan
-from ptdp.pipeline.schedules import SCHEDULES, add_comms, one_f_one_b
+from ptdp.pipeline.schedules import SCHEDULES
 from ptdp.pipeline.verify import UNIT_COST
 
 CASES = [

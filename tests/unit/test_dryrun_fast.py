@@ -16,11 +16,13 @@ import random
 import pytest
 
 from ptdp.pipeline.actions import Action, Kind
+from ptdp.pipeline.classic import one_f_one_b
 from ptdp.pipeline.dryrun import CommModel, DryRun, PipelineCosts, program
 from ptdp.pipeline.dryrun_engine import dry_run
+from ptdp.pipeline.lowering import add_comms
 from ptdp.pipeline.placement import StageMap
 from ptdp.pipeline.plan import build_plan
-from ptdp.pipeline.schedules import SCHEDULES, add_comms, one_f_one_b
+from ptdp.pipeline.schedules import SCHEDULES
 from ptdp.pipeline.verify import UNIT_COST
 from tests.reference_dryrun import reference_add_comms, reference_dry_run
 

@@ -24,7 +24,7 @@ from ptdp.model.gpt import GPT  # noqa: E402
 from ptdp.parallel.fp8 import Fp8Gemms, check_device  # noqa: E402
 from ptdp.parallel.wgrad import accumulate_grads, linear  # noqa: E402
 from ptdp.perf.cost.costs import FP8_CAST_BYTES, Compute, Gemm  # noqa: E402
-from ptdp.perf.cost.hardware import load_system  # noqa: E402
+from ptdp.perf.cost.hardware_file import load_system  # noqa: E402
 from ptdp.perf.cost.software import PTDP  # noqa: E402
 from ptdp.train.peak import resolve_peak  # noqa: E402
 from ptdp.train.run import train  # noqa: E402

@@ -15,7 +15,7 @@ from ptdp.config.presets import MODEL_PRESETS, model_preset
 from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.perf.cost.costs import Gemm, layer_gemms
 from ptdp.perf.cost.flops import flops_per_iteration, flops_per_token, model_flops_per_iteration
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.layer_bytes import head_activation_bytes, layer_activation_bytes
 from ptdp.perf.cost.memory import estimate_memory
 from ptdp.perf.cost.moe import dense_equivalent

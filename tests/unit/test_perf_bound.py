@@ -12,7 +12,7 @@ import pytest
 from ptdp.config.files import apply_updates
 from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.costs import Compute
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import MEGATRON_2021, PTDP
 from ptdp.perf.simulate.bound import pipeline_bound, step_lower_bound
 from ptdp.perf.simulate.megatron2021 import megatron_2021_interleaved

@@ -14,7 +14,8 @@ from ptdp.perf.cost import context
 from ptdp.perf.cost.collectives import gather_seconds, group_link
 from ptdp.perf.cost.context_costs import cp_comm_seconds, ring_link
 from ptdp.perf.cost.costs import Compute
-from ptdp.perf.cost.hardware import GIB, load_system
+from ptdp.perf.cost.hardware import GIB
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.memory import estimate_memory
 from ptdp.perf.cost.parameters import bytes_per_parameter, layer_parameters, parameters_per_stage
 from ptdp.perf.cost.reserve import fit
@@ -23,7 +24,8 @@ from ptdp.perf.cost.zero import exposed_seconds, sharded_passes, step_traffic
 from ptdp.perf.cost.zero_bytes import fp8_gathered_weights
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.plan.search import context_sizes
-from ptdp.perf.simulate.simulator import compute_costs, simulate
+from ptdp.perf.simulate.pipeline_costs import compute_costs
+from ptdp.perf.simulate.simulator import simulate
 from ptdp.perf.validate.paper import TABLE_2, preset_config, table2_run
 from ptdp.perf.validate.validation import check_table_2_row
 from ptdp.rules.layout import validate

@@ -18,7 +18,7 @@ from ptdp.perf.calibrate.fit import (
     monotone_curve,
 )
 from ptdp.perf.cost.costs import Compute, Gemm
-from ptdp.perf.cost.hardware import BUILTIN_DIR, list_systems, load_system
+from ptdp.perf.cost.hardware_file import BUILTIN_DIR, list_systems, load_system
 from ptdp.perf.cost.software import PTDP
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from ptdp.cli import main
 from ptdp.config.enums import Precision
-from ptdp.perf.cost.hardware import GIB, load_system
+from ptdp.perf.cost.hardware import GIB
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.plan.refusal import Constraint, constraint_of
 from ptdp.perf.report import format_prediction
 from ptdp.perf.simulate.simulator import simulate

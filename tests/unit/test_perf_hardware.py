@@ -9,10 +9,9 @@ import pytest
 from ptdp.config.files import tomllib  # tomli on Python 3.10
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.collectives import all_reduce_seconds, gather_seconds, group_link
-from ptdp.perf.cost.hardware import (
+from ptdp.perf.cost.hardware import GB, GIB
+from ptdp.perf.cost.hardware_file import (
     BUILTIN_DIR,
-    GB,
-    GIB,
     list_systems,
     load_system,
     system_for_device_name,
@@ -45,7 +44,7 @@ def test_builtins_are_listed_and_shipped_as_package_data() -> None:
     assert {"a100-40gb", "a100-80gb", "h100-sxm", "h200"} <= set(list_systems())
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     data = pyproject["tool"]["setuptools"]["package-data"]
-    package = ".".join(BUILTIN_DIR.parent.relative_to(ROOT).parts)  # where hardware.py lives
+    package = ".".join(BUILTIN_DIR.parent.relative_to(ROOT).parts)  # where hardware_file.py lives
     assert any(p.endswith("*.toml") for p in data.get(package, []))
     assert all((BUILTIN_DIR / f"{n}.toml").is_file() for n in list_systems())
 

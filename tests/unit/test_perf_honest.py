@@ -15,7 +15,7 @@ from ptdp.config.enums import Recompute
 from ptdp.config.files import apply_updates
 from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.simulate.simulator import simulate

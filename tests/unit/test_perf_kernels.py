@@ -14,7 +14,8 @@ from ptdp.config.enums import Activation, Normalization, Precision, Recompute
 from ptdp.config.sections import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.costs import Compute, attention_core, layer_seconds
-from ptdp.perf.cost.hardware import BUILTIN_DIR, GB, load_system
+from ptdp.perf.cost.hardware import GB
+from ptdp.perf.cost.hardware_file import BUILTIN_DIR, load_system
 from ptdp.perf.cost.kernels import layer_calls, layer_traffic
 from ptdp.perf.cost.layer_bytes import layer_activation_bytes
 from ptdp.perf.cost.software import PTDP
@@ -198,7 +199,8 @@ def test_each_microbatch_adds_its_gradients_into_the_buffers_in_a_pass_of_its_ow
     from ptdp.perf.cost.kernels import Call
     from ptdp.perf.cost.parameters import parameters_per_stage, tensors_per_stage
     from ptdp.perf.cost.software import MEGATRON_2021, MEGATRON_CORE
-    from ptdp.perf.simulate.simulator import accumulation, pipeline_costs, simulate, stage_costs
+    from ptdp.perf.simulate.pipeline_costs import accumulation, pipeline_costs, stage_costs
+    from ptdp.perf.simulate.simulator import simulate
     from ptdp.rules.layout import validate
 
     system = load_system(_file(tmp_path, KERNELS, "split_backward_ratio = 1.5\n"))

@@ -9,10 +9,11 @@ from ptdp.config.enums import Precision
 from ptdp.config.files import apply_updates
 from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.costs import Compute
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.simulate.megatron2021 import megatron_2021_interleaved
-from ptdp.perf.simulate.simulator import pipeline_costs, simulate
+from ptdp.perf.simulate.pipeline_costs import pipeline_costs
+from ptdp.perf.simulate.simulator import simulate
 from ptdp.pipeline.actions import Kind
 from ptdp.pipeline.dryrun import CommModel, PipelineCosts
 from ptdp.pipeline.dryrun_engine import dry_run

@@ -17,7 +17,7 @@ from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.collectives import all_reduce_seconds, all_to_all_seconds, group_link
 from ptdp.perf.cost.costs import Compute, Gemm, layer_gemms
 from ptdp.perf.cost.experts import alltoall_link, ep_comm_seconds
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.moe import alltoall_bytes
 from ptdp.perf.cost.parameters import (
     expert_parameters_per_stage,
@@ -28,7 +28,8 @@ from ptdp.perf.cost.reserve import communicators
 from ptdp.perf.cost.software import PTDP
 from ptdp.perf.plan.planner import Plans, plan
 from ptdp.perf.plan.search import Space, expert_sizes, search
-from ptdp.perf.simulate.simulator import simulate, stage_reductions
+from ptdp.perf.simulate.reduction import stage_reductions
+from ptdp.perf.simulate.simulator import simulate
 from ptdp.rules.layout import validate
 
 H100 = load_system("h100-sxm")

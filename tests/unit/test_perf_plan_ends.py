@@ -11,7 +11,7 @@ from ptdp.config.enums import Precision
 from ptdp.config.files import apply_updates
 from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.costs import Compute
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import PTDP
 from ptdp.perf.plan.ends import best_ends
 from ptdp.perf.plan.planner import plan

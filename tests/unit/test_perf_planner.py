@@ -10,7 +10,7 @@ from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.flops import paper_equation_3
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.reserve import fit
 from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.plan.keys import pinned

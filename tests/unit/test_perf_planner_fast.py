@@ -12,7 +12,7 @@ import ptdp.perf.simulate.replay as replay_module
 import ptdp.perf.simulate.simulator as simulator
 from ptdp.config.files import apply_updates
 from ptdp.config.sections import RunConfig
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import MEGATRON_2021, PTDP
 from ptdp.perf.plan.planner import PlanResult, plan
 from ptdp.pipeline.actions import Kind

@@ -12,7 +12,7 @@ import pytest
 
 from ptdp.config.files import apply_updates
 from ptdp.config.sections import RunConfig
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import MEGATRON_2021, PTDP
 from ptdp.perf.plan.compare import compare
 from ptdp.perf.plan.planner import PlanResult, plan

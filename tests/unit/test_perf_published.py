@@ -16,7 +16,7 @@ from ptdp.config.enums import Precision, Recompute
 from ptdp.perf.cost.collectives import all_reduce_seconds, group_link
 from ptdp.perf.cost.costs import Compute, Gemm, layer_gemms, layer_seconds
 from ptdp.perf.cost.flops import dense_peak_flops
-from ptdp.perf.cost.hardware import load_system, system_for_device_name
+from ptdp.perf.cost.hardware_file import load_system, system_for_device_name
 from ptdp.perf.cost.software import MEGATRON_CORE, PTDP
 from ptdp.perf.validate.ground import GemmLaw
 from ptdp.perf.validate.published import MCORE_H100_WEAK_SCALING, mcore_run, predict_row

@@ -13,7 +13,8 @@ from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
 from ptdp.parallel.mesh import MeshShape
 from ptdp.perf.cost.costs import Compute
-from ptdp.perf.cost.hardware import BUILTIN_DIR, GIB, load_system
+from ptdp.perf.cost.hardware import GIB
+from ptdp.perf.cost.hardware_file import BUILTIN_DIR, load_system
 from ptdp.perf.cost.memory import estimate_memory
 from ptdp.perf.cost.reserve import (
     CUDA_CONTEXT_BYTES,

@@ -12,19 +12,16 @@ from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.collectives import all_reduce_seconds, group_link
 from ptdp.perf.cost.costs import Compute, Gemm, layer_seconds
 from ptdp.perf.cost.flops import flops_per_iteration
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import MEGATRON_2021, PTDP
+from ptdp.perf.simulate.optimizer_step import step_reductions
+from ptdp.perf.simulate.pipeline_costs import accumulation, pipeline_costs, stage_costs
 from ptdp.perf.simulate.replay import PipelineCosts, replay
-from ptdp.perf.simulate.simulator import (
-    accumulation,
-    pipeline_costs,
-    simulate,
-    stage_costs,
-    step_reductions,
-)
+from ptdp.perf.simulate.simulator import simulate
 from ptdp.perf.validate.paper import preset
+from ptdp.pipeline.lowering import add_comms
 from ptdp.pipeline.placement import StageMap
-from ptdp.pipeline.schedules import SCHEDULES, add_comms, build
+from ptdp.pipeline.schedules import SCHEDULES, build
 from ptdp.pipeline.verify import verify
 from ptdp.rules.layout import validate
 from tests.helpers import PERF_MODEL

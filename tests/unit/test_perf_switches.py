@@ -13,7 +13,7 @@ import pytest
 from ptdp.config.files import apply_updates as _apply
 from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import MEGATRON_2021, PTDP, Software
 from ptdp.perf.cost.switches import run_software
 from ptdp.perf.plan.planner import plan

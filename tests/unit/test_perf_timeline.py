@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.simulate.plot import chrome_trace, plot_timelines, write_chrome_trace
 from ptdp.perf.simulate.simulator import simulate
 from ptdp.perf.validate.paper import README_GPT3, paper_run

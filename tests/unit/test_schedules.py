@@ -15,25 +15,14 @@ import pytest
 
 from ptdp.config.enums import Schedule
 from ptdp.pipeline.actions import Action, Kind, Plan
+from ptdp.pipeline.classic import gpipe, interleaved, interleaved_warmup, one_f_one_b
+from ptdp.pipeline.lowering import add_comms
 from ptdp.pipeline.placement import Placement, StageMap
 from ptdp.pipeline.plan import build_plan
 from ptdp.pipeline.report import layer_weighted_line
-from ptdp.pipeline.schedules import (
-    SCHEDULES,
-    add_comms,
-    build,
-    check_args,
-    gpipe,
-    in_flight_bound,
-    interleaved,
-    interleaved_warmup,
-    one_f_one_b,
-    theory_bubble,
-    zb_h1,
-    zb_h2,
-    zb_v,
-)
+from ptdp.pipeline.schedules import SCHEDULES, build, check_args, in_flight_bound, theory_bubble
 from ptdp.pipeline.verify import MARK, ScheduleError, format_table, verify
+from ptdp.pipeline.zero_bubble import zb_h1, zb_h2, zb_v
 
 
 def _grid() -> list[tuple[str, int, int, int]]:

@@ -9,7 +9,7 @@ import pytest
 
 from ptdp.config.enums import Precision
 from ptdp.perf.cost.costs import Compute, attention_core
-from ptdp.perf.cost.hardware import load_system
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import MEGATRON_2021
 from ptdp.perf.validate.paper import TABLE_1, paper_run
 from tests.helpers import load_benchmark

@@ -1,8 +1,8 @@
 """What `ptdp calibrate` measured (`Calibration`), the cluster TOML it writes, its summary.
 
-The file has the tables of every cluster file (ptdp/perf/cost/hardware.py reads `[device]`,
-`[device.achieved]`, `[node]`, `[network]`) and a `[calibration]` table the loader skips:
-when, where and how it was measured, and every figure behind the fitted constants.
+The file has the tables of every cluster file (ptdp/perf/cost/hardware_file.py reads
+`[device]`, `[device.achieved]`, `[node]`, `[network]`) and a `[calibration]` table the loader
+skips: when, where and how it was measured, and every figure behind the fitted constants.
 """
 
 from __future__ import annotations

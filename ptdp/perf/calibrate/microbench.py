@@ -187,8 +187,9 @@ def stream_call(
     Bytes are the least each kernel must move: a read and a write per element for norms,
     activations and softmax, two reads and a write for an add, and for the AdamW step on fp32
     state 28 bytes a parameter (read weight, gradient, two moments; write weight and
-    moments), the count of ptdp/perf/simulate/simulator.py. A backward (autograd's input gradient)
-    reads the saved tensor and the incoming gradient and writes the outgoing one: 3 passes.
+    moments), the count of ptdp/perf/simulate/optimizer_step.py. A backward (autograd's input
+    gradient) reads the saved tensor and the incoming gradient and writes the outgoing one: 3
+    passes.
     """
     hidden = 1024
     if kernel == "adamw":

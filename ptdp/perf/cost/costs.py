@@ -50,7 +50,8 @@ calibrate`): 2 calls a pass, 4 with sequence parallelism, and the head's (the
 vocabulary-parallel loss's three all-reduces, its input's conjugate collective), whose
 bytes are not counted; cp ring shifts, ZeRO-3's per-layer collectives, pipeline transfers,
 the data-parallel reduction's and the distributed optimizer's gather's buckets and the
-step's scalar all-reduces (`ptdp.perf.simulate.simulator`) pay it per wait too.
+step's scalar all-reduces (`ptdp.perf.simulate.reduction` and `optimizer_step`) pay it per
+wait too.
 
 Letters: b = micro-batch, s = sequence, h = hidden, a = heads, d = head size, f = MLP
 width, v = vocabulary, t = tensor-parallel size, e = bytes per element.

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.costs import Compute
-from ptdp.perf.simulate.simulator import layer_costs, stage_costs
+from ptdp.perf.simulate.pipeline_costs import layer_costs, stage_costs
 from ptdp.pipeline.partition import near_even_split
 from ptdp.pipeline.placement import StageMap
 from ptdp.rules.layout import validate

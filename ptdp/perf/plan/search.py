@@ -23,7 +23,8 @@ from ptdp.perf.cost.hardware import GIB
 from ptdp.perf.cost.reserve import fit
 from ptdp.perf.plan.ends import lighter_ends
 from ptdp.perf.plan.refusal import Constraint, Rejected, constraint_of
-from ptdp.perf.simulate.simulator import predicted_memory, stage_costs
+from ptdp.perf.simulate.pipeline_costs import stage_costs
+from ptdp.perf.simulate.simulator import predicted_memory
 from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES
 from ptdp.rules.layout import Layout, validate

@@ -2,7 +2,7 @@
 replay: what lets the planner skip the replays that could not change what it prints.
 
 Letters: p pipeline ranks, m microbatches, f_s, b_s, w_s one microbatch's F, B, W on global
-stage s (`simulator.pipeline_costs`, ZeRO-2/3's exposed collectives included), h_s^F the
+stage s (`pipeline_costs.pipeline_costs`, ZeRO-2/3's exposed collectives included), h_s^F the
 activation's hop s -> s + 1 (wire, then the receiver's gather), h_s^B the gradient's s -> s - 1;
 a hop between two stages of one rank (p = 1, ZB-V's turn) costs 0. Rank r's lowest stage is
 s0 = r under both placements (looped: r, r + p, ...; V: r and 2p - 1 - r).
@@ -52,16 +52,13 @@ from dataclasses import dataclass
 
 from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.costs import Compute
-from ptdp.perf.simulate.simulator import (
-    overlaps_reduction,
-    pipeline_costs,
-    stage_reductions,
-    step_seconds,
-)
+from ptdp.perf.simulate.optimizer_step import step_seconds
+from ptdp.perf.simulate.pipeline_costs import pipeline_costs
+from ptdp.perf.simulate.reduction import overlaps_reduction, stage_reductions
 from ptdp.pipeline.actions import Action, Kind, Plan
 from ptdp.pipeline.dryrun import PipelineCosts
+from ptdp.pipeline.lowering import apart
 from ptdp.pipeline.placement import StageMap
-from ptdp.pipeline.schedules import apart
 from ptdp.rules.layout import Layout
 
 SLACK = 1e-6

@@ -1,7 +1,7 @@
 """The interleaved schedule as Megatron-LM's 2021 code ran it, for `--software megatron-2021`.
 
 ptdp's runtime posts each receive right before the pass that needs it and each send right
-after the pass that made it (`ptdp.pipeline.schedules.add_comms`). The paper's code
+after the pass that made it (`ptdp.pipeline.lowering.add_comms`). The paper's code
 (`forward_backward_pipelining_with_interleaving` in megatron/schedules.py, 2021) did not: in
 its steady state a rank runs one forward and one backward, then one batched exchange
 (`send_forward_backward_recv_forward_backward`) that sends the forward's output and the

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from ptdp.config.enums import Recompute
 from ptdp.config.sections import RunConfig
-from ptdp.perf.cost.hardware import System, load_system
+from ptdp.perf.cost.hardware import System
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.software import DEEPSPEED_2021, MEGATRON_2021
 from ptdp.perf.plan.planner import Option, plan
 from ptdp.perf.simulate.simulator import Prediction, simulate
