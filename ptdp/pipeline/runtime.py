@@ -1,4 +1,4 @@
-"""Execute one rank's action list (from schedules.py) on real model chunks.
+"""Execute one rank's action list (built by a schedule of schedules.py) on real model chunks.
 
 The runtime knows nothing of any particular schedule (DESIGN invariant 1): it dispatches
 each action through a {Kind: handler} table and keeps tensors keyed by (stage, mb).
