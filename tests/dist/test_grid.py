@@ -259,6 +259,20 @@ def _reference(
     return run_dir, as_json["l"], as_json["g"]
 
 
+@pytest.fixture(scope="module")
+def references(tiny_data: str, tmp_path_factory: pytest.TempPathFactory):
+    """`_reference` once per kind of model for the whole module: the three world sizes and
+    the fp8 layouts share the single-process runs they are compared with."""
+    root, done = tmp_path_factory.mktemp("grid_references"), {}
+
+    def reference(llama: bool, moe: str = "", fp8: bool = False) -> tuple[Path, dict, dict]:
+        if (llama, moe, fp8) not in done:
+            done[(llama, moe, fp8)] = _reference(tiny_data, root, llama, moe, fp8)
+        return done[(llama, moe, fp8)]
+
+    return reference
+
+
 def _moe_figures(run_dir: Path) -> list[tuple]:
     """Each step's expert loads per layer (exact: counts) and dropped choices."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -296,10 +310,12 @@ def test_grid_covers_the_issue() -> None:
 # over 5 under two suites at once); `run_ranks` bounds each spawn by its layouts.
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_every_layout_matches_one_process(tiny_data: str, tmp_path: Path, world: int) -> None:
+def test_every_layout_matches_one_process(
+    tiny_data: str, tmp_path: Path, world: int, references
+) -> None:
     layouts = [x for x in GRID if x.world == world]
     kinds = {(x.llama, x.moe) for x in layouts}
-    refs = {kind: _reference(tiny_data, tmp_path, *kind) for kind in kinds}
+    refs = {kind: references(*kind) for kind in kinds}
     run_ranks(
         _run_layouts, world, tiny_data, str(tmp_path), [x.name for x in layouts],
         timeout_s=120 * len(layouts),
@@ -325,7 +341,7 @@ def test_every_layout_matches_one_process(tiny_data: str, tmp_path: Path, world:
                 assert got["optimizer_bytes"] == pytest.approx(per_rank, rel=0.05), layout.name
 
 
-def test_fp8_layouts_match_one_fp8_process(tiny_data: str, tmp_path: Path) -> None:
+def test_fp8_layouts_match_one_fp8_process(tiny_data: str, tmp_path: Path, references) -> None:
     """tp + sp, pp with the zero-bubble split (W in fp8), ZeRO-3 with full recomputation,
     and cp, each in fp8 against one fp8 process: losses and gradient norms within
     `FP8_RTOL`. A pipeline splits no tensor, so there each rank's casts are one process's
@@ -334,7 +350,7 @@ def test_fp8_layouts_match_one_fp8_process(tiny_data: str, tmp_path: Path) -> No
     either way, and float8 rounding flips such signs.)"""
     pytest.importorskip("torchao")
     assert {2} == {x.world for x in FP8_GRID}  # one spawn
-    refs = {llama: _reference(tiny_data, tmp_path, llama, fp8=True) for llama in (False, True)}
+    refs = {llama: references(llama, fp8=True) for llama in (False, True)}
     names = [x.name for x in FP8_GRID]
     run_ranks(_run_layouts, 2, tiny_data, str(tmp_path), names, timeout_s=120 * len(names))
     for layout in FP8_GRID:
