@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download, on a machine that reaches the package index, the wheels a GPU machine that reaches
-# none needs for `scripts/gpu-check.sh`: the peers `benchmarks/mfu.py --compare` trains
+# none needs for `scripts/gpu-check.sh`: the peers `benchmarks/speed/mfu.py --compare` trains
 # (TorchTitan 0.3.0, Megatron-Core 0.16.1, torchao 0.18.0 for fp8), their dependencies, and
 # pytest-xdist and ptdp's test extras for `gpu-check.sh --suite`, into peers/wheels (git ignores
 # it). Never torch, triton or nvidia-* / cuda-*: the GPU machine keeps its own CUDA build of

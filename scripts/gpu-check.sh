@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (one H100 or H200, under ten minutes), the most wanted figures first:
 # the peers installed from peers/wheels (scripts/fetch-peers.sh, run beforehand where an index
-# is reachable), then benchmarks/mfu.py with Llama layers for the ~125M and ~1.3B models: ptdp,
+# is reachable), then benchmarks/speed/mfu.py with Llama layers for the ~125M and ~1.3B models: ptdp,
 # TorchTitan and Megatron-Core side by side in bf16, then the 1.3B in fp8 (tensorwise, rowwise)
 # for each (a row that cannot run says why), ptdp's own GPT rows, every CUDA-only test,
 # `ptdp calibrate` for the GPU, and as time allows the memory phases of a 1.3B and a 4B model
-# (benchmarks/memory_phases.py), the MoE kernels and model (benchmarks/moe_gpu.py) and a short
+# (benchmarks/memory/memory_phases.py), the MoE kernels and model (benchmarks/speed/moe_gpu.py) and a short
 # bf16 training demo on a local text corpus. Every figure goes into one results folder, with
 # BENCHMARKS-snippet.md, a markdown table for BENCHMARKS.md, and pip-freeze.txt (the
 # machine's packages: PTDP_PEER_HAVE for the next fetch).
@@ -103,25 +103,25 @@ if [ "$SUITE" = 1 ]; then
 elif [ "$CUDA" = 1 ]; then
   # Each MFU row is written as it is measured, so a part cut at its limit keeps its rows.
   install_peers
-  part mfu 330 "$PY" benchmarks/mfu.py --arch llama --models 125m,1.3b --compare \
+  part mfu 330 "$PY" benchmarks/speed/mfu.py --arch llama --models 125m,1.3b --compare \
     --fp8 tensorwise,rowwise --fp8-models 1.3b --steps 10 --warmup 3 --time-limit 300 \
     --json "$OUT/mfu.json"
-  part mfu-gpt 90 "$PY" benchmarks/mfu.py --models 125m,1.3b --steps 10 --warmup 3 \
+  part mfu-gpt 90 "$PY" benchmarks/speed/mfu.py --models 125m,1.3b --steps 10 --warmup 3 \
     --json "$OUT/mfu-gpt.json"
   part cuda-tests 50 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}"
   part calibrate 40 "$PY" -m ptdp calibrate --out "$OUT/calibration.toml"
-  part memory 120 "$PY" benchmarks/memory_phases.py --models 1.3b,4b --no-compile \
+  part memory 120 "$PY" benchmarks/memory/memory_phases.py --models 1.3b,4b --no-compile \
     --json "$OUT/memory.json"
-  part moe 120 "$PY" benchmarks/moe_gpu.py --reps 20 --steps 10 --warmup 3 --json "$OUT/moe.json"
+  part moe 120 "$PY" benchmarks/speed/moe_gpu.py --reps 20 --steps 10 --warmup 3 --json "$OUT/moe.json"
   # The zero-bubble split's (B + W) / fused on the 1.3B layer phase by phase (calibrate
   # wrote the model's figure above), launch overhead at 125M (eager, fused AdamW, compile,
   # CUDA graphs; rows written as measured) and a profiler trace of the 1.3B step (eager +
   # fused AdamW: no compile time in the part): issue 43 items 6, 3 and 4.
-  part split-backward 40 "$PY" benchmarks/split_backward.py --device cuda --dtype bf16 \
+  part split-backward 40 "$PY" benchmarks/pipeline/split_backward.py --device cuda --dtype bf16 \
     --preset 1.3b --rounds 5 --json "$OUT/split_backward.json"
-  part small-speed 90 "$PY" benchmarks/small_model_speed.py --models 125m --steps 10 \
+  part small-speed 90 "$PY" benchmarks/speed/small_model_speed.py --models 125m --steps 10 \
     --warmup 3 --json "$OUT/small_speed.json"
-  part profile-1.3b 60 "$PY" benchmarks/small_model_speed.py --models 1.3b --modes fused-adamw \
+  part profile-1.3b 60 "$PY" benchmarks/speed/small_model_speed.py --models 1.3b --modes fused-adamw \
     --steps 3 --warmup 2 --profile "$OUT/profile" --json "$OUT/profile_1.3b.json"
   DEMO_ARGS=(--train.precision bf16 --train.device cuda --train.steps 60)
 else
@@ -131,10 +131,10 @@ else
     skip mfu "no CUDA; quick mode: no CPU run either"
     skip moe "no CUDA; quick mode: no CPU run either"
   else
-    part mfu 300 "$PY" benchmarks/mfu.py --device cpu --models tiny --steps 3 --warmup 1 \
+    part mfu 300 "$PY" benchmarks/speed/mfu.py --device cpu --models tiny --steps 3 --warmup 1 \
       --no-compile --compare --arch llama --fp8 tensorwise --precision fp32 \
       --predict "$OUT/calibration.toml" --json "$OUT/mfu.json"
-    part moe 60 "$PY" benchmarks/moe_gpu.py --device cpu --reps 3 --steps 2 --warmup 1 \
+    part moe 60 "$PY" benchmarks/speed/moe_gpu.py --device cpu --reps 3 --steps 2 --warmup 1 \
       --vocab-size 512 --json "$OUT/moe.json"
   fi
   skip small-speed "no CUDA: fused AdamW, compile and CUDA graphs are measured on a GPU"
@@ -142,7 +142,7 @@ else
   if [ "$QUICK" = 1 ]; then
     skip split-backward "quick mode"
   else
-    part split-backward 60 "$PY" benchmarks/split_backward.py --hidden 256 --rounds 3 \
+    part split-backward 60 "$PY" benchmarks/pipeline/split_backward.py --hidden 256 --rounds 3 \
       --json "$OUT/split_backward.json"
   fi
   DEMO_ARGS=(--train.device cpu --train.steps 6)

@@ -100,7 +100,7 @@ def _calibration_rows(path: Path) -> list[str]:
 
 
 def _mfu_rows(path: Path) -> list[str]:
-    """benchmarks/mfu.py's rows, one per model, implementation and precision; a row that
+    """benchmarks/speed/mfu.py's rows, one per model, implementation and precision; a row that
     could not run (a peer not installed, no such recipe) gives its error text instead."""
     if not path.is_file():
         return []
@@ -137,10 +137,10 @@ def _mfu_rows(path: Path) -> list[str]:
 
 
 def _ratios(rows: list[dict]) -> list[str]:
-    """benchmarks/mfu.py's ptdp / peer (and ptdp fp8 / bf16) tokens/s lines."""
+    """benchmarks/speed/mfu.py's ptdp / peer (and ptdp fp8 / bf16) tokens/s lines."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from benchmarks._mfu_table import ratios
+    from benchmarks.common.mfu_table import ratios
 
     return ratios(rows)
 
@@ -169,7 +169,7 @@ def _suite_rows(out: Path) -> list[str]:
 
 
 def _memory_rows(path: Path) -> list[str]:
-    """benchmarks/memory_phases.py's rows: measured GiB after each phase beside the count."""
+    """benchmarks/memory/memory_phases.py's rows: measured GiB after each phase beside the count."""
     if not path.is_file():
         return []
     lines = [
@@ -197,7 +197,7 @@ def _memory_rows(path: Path) -> list[str]:
 
 
 def _moe_rows(path: Path) -> list[str]:
-    """benchmarks/moe_gpu.py's rows: one MoE layer's grouped kernel against the loop over
+    """benchmarks/speed/moe_gpu.py's rows: one MoE layer's grouped kernel against the loop over
     experts, and the MoE model's MFU beside the dense one of the same active size."""
     if not path.is_file():
         return []

@@ -3,9 +3,8 @@ two runs agree."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import random
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -71,13 +70,9 @@ def tiny_config(data_path: str, run_dir: Path, **sections: dict) -> RunConfig:
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """benchmarks/<name>.py as a module (the scripts are not a package)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/<group>/<name>.py, `name` = "group/name", imported as the module
+    benchmarks.group.name (so spawned ranks can unpickle its workers by name)."""
+    return importlib.import_module("benchmarks." + name.replace("/", "."))
 
 
 def assert_same_run(single: Path, parallel: Path, losses: dict[int, float], other: dict) -> None:

@@ -99,7 +99,7 @@ def test_two_rank_calibration_fits_every_collective(tmp_path: Path) -> None:
     assert ring["per_shift_us"] >= 0 and ring["cp2_layer_us"] >= 0
     assert system.device.ring_sync == pytest.approx(ring["per_shift_us"] * 1e-6)
     # And what ptdp's zero-bubble split of a backward costs against the fused one: written
-    # and loaded (its size follows the machine's load: benchmarks/split_backward.py).
+    # and loaded (its size follows the machine's load: benchmarks/pipeline/split_backward.py).
     split = raw["device"]["achieved"]["split_backward_ratio"]
     assert 0 < split < float("inf") and system.device.split_backward_ratio == pytest.approx(split)
     assert raw["device"]["achieved"]["collective_sync_us"] == pytest.approx(sync["per_call_us"])

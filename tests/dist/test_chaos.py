@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.chaos import Fault, compare, final_state, run
-from benchmarks.failures import TIMEOUT_S
+from benchmarks.fault_tolerance.chaos import Fault, compare, final_state, run
+from benchmarks.fault_tolerance.failures import TIMEOUT_S
 
 pytestmark = pytest.mark.dist
 
@@ -79,7 +79,7 @@ def test_transient_faults_leave_the_weights_of_a_fault_free_run(
     same = compare(final_state(tmp_path / "chaos/run"), final_state(tmp_path / "clean/run"))
     assert same == {"bitwise_equal": True, "max_abs_diff": 0.0}
     # Measured figures are recorded, not compared: which run took longer depends on the
-    # machine's load (benchmarks/chaos.py prints both ratios side by side).
+    # machine's load (benchmarks/fault_tolerance/chaos.py prints both ratios side by side).
     assert clean["faults"] == [] and chaos["wall_s"] > 0 and clean["wall_s"] > 0
     assert chaos["effective_training_time_ratio"] > 0 and clean["effective_training_time_ratio"] > 0
 

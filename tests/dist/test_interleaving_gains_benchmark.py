@@ -1,6 +1,6 @@
-"""benchmarks/interleaving_gains.py --measure at a tiny size: ptdp's pp = 2 steps under 1F1B
-and interleaved run for each m, each with its prediction, and the gains are their ratios
-(the figures' own table is the unit test's: tests/unit/test_perf_megatron2021.py)."""
+"""benchmarks/pipeline/interleaving_gains.py --measure at a tiny size: ptdp's pp = 2 steps
+under 1F1B and interleaved run for each m, each with its prediction, and the gains are their
+ratios (the figures' own table is the unit test's: tests/unit/test_perf_megatron2021.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.dist
 
 def test_measured_and_predicted_gains_for_each_m(capsys) -> None:
     # Imported as a module of the repo so that the spawned ranks can unpickle its worker.
-    bench = importlib.import_module("benchmarks.interleaving_gains")
+    bench = importlib.import_module("benchmarks.pipeline.interleaving_gains")
     argv = "--measure --tiny --calibration a100-80gb --steps 1 --microbatches 2 4".split()
     rows = bench.main(argv)
     assert [r["m"] for r in rows] == [2, 4]
@@ -32,6 +32,6 @@ def test_measured_and_predicted_gains_for_each_m(capsys) -> None:
 
 
 def test_an_odd_microbatch_count_is_refused() -> None:
-    bench = importlib.import_module("benchmarks.interleaving_gains")
+    bench = importlib.import_module("benchmarks.pipeline.interleaving_gains")
     with pytest.raises(SystemExit):
         bench.main("--measure --tiny --calibration a100-80gb --microbatches 3".split())

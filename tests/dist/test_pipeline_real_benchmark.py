@@ -1,4 +1,4 @@
-"""benchmarks/pipeline_real.py at a tiny size (2 ranks, demo width, s 16, micro-batch 1):
+"""benchmarks/pipeline/pipeline_real.py at a tiny size (2 ranks, demo width, s 16, micro-batch 1):
 every schedule's steps run and are timed, every compute action is recorded once per
 measured step, and the ideal replay and the zb-v timeline come out."""
 
@@ -19,7 +19,7 @@ def test_tiny_real_chunk_benchmark(tmp_path: Path, capsys) -> None:
     argv = f"--seq 16 --micro-batch 1 --ms 2 4 --iters 2 --warmup 1 --png {png}"
     # Imported as a module of the repo (not by load_benchmark's file path), so that the
     # spawned ranks can unpickle its worker.
-    results = importlib.import_module("benchmarks.pipeline_real").main(argv.split())
+    results = importlib.import_module("benchmarks.pipeline.pipeline_real").main(argv.split())
     printed = capsys.readouterr().out
     names = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v")
     assert [(r["schedule"], r["m"]) for r in results] == [(n, m) for n in names for m in (2, 4)]

@@ -1,4 +1,4 @@
-"""benchmarks/prediction.py at a tiny size: every configuration trains on its ranks and
+"""benchmarks/perf_model/prediction.py at a tiny size: every configuration trains on its ranks and
 gets a positive prediction (the accuracy target lives in the benchmark, not here)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ the mesh take them (ZeRO-3 has landed: dp2-zero3 must run)."""
 def test_every_case_trains_and_is_predicted(tmp_path: Path) -> None:
     # Imported as a module of the repo (not by load_benchmark's file path), so that the
     # spawned ranks can unpickle its worker.
-    bench = importlib.import_module("benchmarks.prediction")
+    bench = importlib.import_module("benchmarks.perf_model.prediction")
     args = ["--tiny", "--calibration", "a100-80gb", "--warmup", "1", "--steps", "1"]
     result = bench.main([*args, "--out", str(tmp_path)])
     rows = {r["name"]: r for r in result["rows"]}

@@ -1,10 +1,10 @@
 """A rank that dies, raises, freezes or lags, in a real 4-process launch (issue 9).
 
-Each test starts `ptdp train` through benchmarks/failures.py's driver, once under torchrun
-and otherwise by hand with torchrun's variables set (as `srun` would: no launcher tears
-the other ranks down, so ptdp's own watchdog must). The driver fires one fault on one rank
-in the middle of a step; the test asserts how long every other process took to exit after
-it and what they said.
+Each test starts `ptdp train` through benchmarks/fault_tolerance/failures.py's driver,
+once under torchrun and otherwise by hand with torchrun's variables set (as `srun` would:
+no launcher tears the other ranks down, so ptdp's own watchdog must). The driver fires one
+fault on one rank in the middle of a step; the test asserts how long every other process
+took to exit after it and what they said.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.failures import TIMEOUT_S, launch, train_args
+from benchmarks.fault_tolerance.failures import TIMEOUT_S, launch, train_args
 from ptdp.config.files import resolve
 from ptdp.train.faults.events import read_events
 from ptdp.train.run import train

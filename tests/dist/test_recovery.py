@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.chaos import compare, final_state
+from benchmarks.fault_tolerance.chaos import compare, final_state
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.faults.events import read_events
 from ptdp.train.faults.recovery import RecoveryFallback
@@ -210,7 +210,7 @@ def test_frozen_rank_under_torchrun_rejoins(tiny_data: str, tmp_path: Path) -> N
     """Under torchrun (the watchdog on): rank 2 is stopped for 1.5 T, past the collective
     timeout but within the second one (2 T); no process exits, step 3 is replayed once and
     the final state equals the fault-free run's bit for bit."""
-    from benchmarks.recovery import launch, train_args
+    from benchmarks.fault_tolerance.recovery import launch, train_args
 
     t = 4.0
     args = train_args(tiny_data, 2, 2, 5, collective_timeout_s=t, recovery="in_process")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.failures import launch, train_args
+from benchmarks.fault_tolerance.failures import launch, train_args
 from ptdp import checkpoint as ckpt
 from ptdp.parallel.env import LaunchEnv
 from ptdp.train.faults.events import read_events

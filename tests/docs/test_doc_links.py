@@ -1,5 +1,5 @@
-"""Relative links in README.md, docs/ and BENCHMARKS.md point at files that exist and, with a
-#fragment into a Markdown page, at one of its headings."""
+"""Relative links in README.md, docs/, BENCHMARKS.md and benchmarks/'s READMEs point at files
+that exist and, with a #fragment into a Markdown page, at one of its headings."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def broken(page: Path, root: Path = ROOT) -> list[str]:
     return problems
 
 
-PAGES = [*pages(), ROOT / "BENCHMARKS.md"]
+PAGES = [*pages(), ROOT / "BENCHMARKS.md", *sorted((ROOT / "benchmarks").rglob("README.md"))]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])

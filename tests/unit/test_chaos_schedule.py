@@ -1,6 +1,6 @@
-"""benchmarks/chaos.py's seeded fault schedule, and the pure parts of its in-process mode
-(benchmarks/recovery.py: schedule, report, ratio); the harness itself runs in
-tests/dist/test_chaos.py."""
+"""benchmarks/fault_tolerance/chaos.py's seeded fault schedule, and the pure parts of its
+in-process mode (benchmarks/fault_tolerance/recovery.py: schedule, report, ratio); the
+harness itself runs in tests/dist/test_chaos.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import recovery
-from benchmarks.chaos import KINDS, make_schedule
+from benchmarks.fault_tolerance import recovery
+from benchmarks.fault_tolerance.chaos import KINDS, make_schedule
 
 
 def test_the_schedule_has_each_kind_once_at_steps_it_can_fire() -> None:

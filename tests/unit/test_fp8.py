@@ -126,7 +126,7 @@ def test_weight_cast_from_shards_is_the_whole_weights_cast(device: str) -> None:
 
 def test_fp8_loss_stays_within_2_percent_of_bf16(tiny_data: str, tmp_path: Path) -> None:
     """200 steps of a 2-layer, 32-wide model: the mean loss of the last 50 steps of each fp8
-    recipe within 2% of bf16's (benchmarks/fp8_loss.py measures the gap: BENCHMARKS.md)."""
+    recipe within 2% of bf16's (benchmarks/speed/fp8_loss.py measures the gap: BENCHMARKS.md)."""
     losses = {}
     for name, train_keys in {
         "bf16": {"precision": "bf16"},

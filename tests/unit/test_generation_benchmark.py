@@ -1,4 +1,4 @@
-"""benchmarks/generation.py on a tiny model: both modes run, agree, and the report is sane."""
+"""benchmarks/speed/generation.py on a tiny model: both modes run, agree, and the report is sane."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tests.helpers import load_benchmark
 
 
 def test_tiny_run_matches_greedy_tokens_and_reports_speeds(tmp_path: Path, capsys) -> None:
-    bench = load_benchmark("generation")
+    bench = load_benchmark("speed/generation")
     out = tmp_path / "generation.json"
     argv = "--device cpu --layers 2 --hidden 32 --heads 2 --vocab-size 64 --prompt-len 4"
     argv += f" --new-tokens 4 12 --rounds 2 --json {out}"
@@ -30,7 +30,7 @@ def test_tiny_run_matches_greedy_tokens_and_reports_speeds(tmp_path: Path, capsy
 
 
 def test_check_same_names_the_first_differing_token() -> None:
-    bench = load_benchmark("generation")
+    bench = load_benchmark("speed/generation")
     cached = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     plain = cached.clone()
     bench.check_same(cached, plain, prompt_len=2)

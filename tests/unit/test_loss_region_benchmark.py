@@ -1,4 +1,4 @@
-"""benchmarks/loss_region.py, tiny: the compiled bf16 loss keeps half the bytes for backward
+"""benchmarks/memory/loss_region.py, tiny: the compiled bf16 loss keeps half the bytes for backward
 (16-bit logits instead of float32 log-probabilities), every variant gives the same loss, and
 the performance model's head term counts what each variant keeps."""
 
@@ -19,7 +19,7 @@ from tests.helpers import load_benchmark
     reason="torch.compile (Inductor) on CPU needs a C++ compiler (g++)",
 )
 def test_compiled_bf16_loss_saves_half_and_agrees(capsys) -> None:
-    rows = load_benchmark("loss_region").main(
+    rows = load_benchmark("memory/loss_region").main(
         "--device cpu --tokens 256 --hidden 32 --vocab-size 1000 --precisions bf16 "
         "--rounds 1".split()
     )

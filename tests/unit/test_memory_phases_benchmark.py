@@ -1,4 +1,4 @@
-"""benchmarks/memory_phases.py off CUDA: the model's count it reports, its rows as printed,
+"""benchmarks/memory/memory_phases.py off CUDA: the model's count it reports, its rows as printed,
 and its refusal without a CUDA device (what it measures needs one: scripts/gpu-check.sh)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ GIB = 2**30
 
 @pytest.fixture(scope="module")
 def phases():
-    return load_benchmark("memory_phases")
+    return load_benchmark("memory/memory_phases")
 
 
 def _config(phases, name: str, tmp_path: Path):

@@ -1,5 +1,5 @@
 """The CPU peak-memory benchmark at its tiny sizes: its counter, and the memory model
-against it (benchmarks/memory_validation.py; the full table is in BENCHMARKS.md)."""
+against it (benchmarks/memory/memory_validation.py; the full table is in BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import memory_validation as bench  # spawned ranks import the worker by name
+from benchmarks.memory import memory_validation as bench  # spawned ranks import the worker by name
 
 
 def test_live_bytes_counts_new_storages_until_freed() -> None:

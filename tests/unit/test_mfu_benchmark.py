@@ -1,4 +1,4 @@
-"""benchmarks/mfu.py's CPU smoke path: ptdp and the peers train, the table is sane; a peer
+"""benchmarks/speed/mfu.py's CPU smoke path: ptdp and the peers train, the table is sane; a peer
 that cannot run here (not installed, CUDA only, no such recipe) leaves a row saying why."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests.helpers import load_benchmark
 
 
 def test_cpu_smoke_run_reports_sane_numbers(tmp_path: Path, capsys) -> None:
-    mfu = load_benchmark("mfu")
+    mfu = load_benchmark("speed/mfu")
     out = tmp_path / "mfu.json"
     argv = "--device cpu --models tiny --steps 2 --warmup 1 --no-compile --compare"
     argv += f" --vocab-size 512 --peak-tflops 0.5 --json {out}"
@@ -49,12 +49,12 @@ def test_cpu_smoke_run_reports_sane_numbers(tmp_path: Path, capsys) -> None:
 
 def test_unknown_model_is_named() -> None:
     with pytest.raises(SystemExit, match="unknown"):
-        load_benchmark("mfu").main(["--device", "cpu", "--models", "7t"])
+        load_benchmark("speed/mfu").main(["--device", "cpu", "--models", "7t"])
 
 
 def test_predictions_from_the_performance_model(capsys) -> None:
     """--predict-only trains nothing; the figures are ptdp simulate's for one device."""
-    mfu = load_benchmark("mfu")
+    mfu = load_benchmark("speed/mfu")
     rows = mfu.main("--predict h100-sxm --predict-only --models 125m,1.3b --fill".split())
     by_name = {r["model"]: r for r in rows}
     assert list(by_name) == ["125m", "1.3b", *mfu.FILL]
@@ -74,7 +74,7 @@ def test_ratio_flags_unequal_micro_batches() -> None:
     row = {"model": "1.3b", "impl": "ptdp", "tokens_per_s": 300.0, "micro_batch": 8}
     peer = row | {"impl": "hf-gpt2", "tokens_per_s": 200.0, "micro_batch": 4}
     same = row | {"impl": "plain-gpt", "tokens_per_s": 250.0}
-    lines = load_benchmark("mfu").ratios([row, peer, same])
+    lines = load_benchmark("speed/mfu").ratios([row, peer, same])
     assert lines[0].startswith("1.3b: ptdp / hf-gpt2 tokens/s = 1.500 (micro-batch 8 against 4")
     assert lines[1] == "1.3b: ptdp / plain-gpt tokens/s = 1.200"
 
@@ -82,7 +82,7 @@ def test_ratio_flags_unequal_micro_batches() -> None:
 def test_a_cuda_row_sets_held_memory_beside_the_reserve() -> None:
     """On CUDA a ptdp row also carries what the process held beside its peak (the
     allocator's cache, the context and libraries): printed against the model's reserve."""
-    mfu = load_benchmark("mfu")
+    mfu = load_benchmark("speed/mfu")
     predicted = {"system": "h100-sxm", "tokens_per_s": 1000.0, "mfu": 0.5}
     predicted |= {"memory_gib": 52.0, "reserve_gib": 0.7, "fits": True}
     row = {"model": "1.3b", "tokens_per_s": 900.0, "peak_gib": 51.3, "predicted": predicted}
@@ -103,10 +103,10 @@ def _args(mfu, argv: str):
 def test_llama_rows_map_the_same_shape_onto_each_peer() -> None:
     """--arch llama: ptdp's Llama layer at the GPT sizes; TorchTitan and Megatron-Core get
     the same layers, widths, heads, MLP width, sequence, vocabulary and rotary base."""
-    mfu = load_benchmark("mfu")
-    from benchmarks.peers import PeerUnavailable
-    from benchmarks.peers.megatron import mcore_kwargs
-    from benchmarks.peers.torchtitan import titan_dims
+    mfu = load_benchmark("speed/mfu")
+    from benchmarks.speed.peers import PeerUnavailable
+    from benchmarks.speed.peers.megatron import mcore_kwargs
+    from benchmarks.speed.peers.torchtitan import titan_dims
 
     args = _args(mfu, "--arch llama --pad-peers")
     shape = mfu.peer_shape(args, mfu.MODELS["1.3b"], "fp8-rowwise")
@@ -137,7 +137,7 @@ def test_llama_rows_map_the_same_shape_onto_each_peer() -> None:
 
 def test_an_fp8_row_asks_ptdp_for_the_fp8_keys() -> None:
     """ptdp's fp8 rows pass train.precision = "fp8" and train.fp8_recipe; the bf16 row not."""
-    mfu = load_benchmark("mfu")
+    mfu = load_benchmark("speed/mfu")
     args = _args(mfu, "--device cpu --fp8 tensorwise,rowwise")
     shape = mfu.MODELS["tiny"]
     train = mfu.ptdp_updates(args, shape, 4, "d", "none", "fp8-rowwise")["train"]
@@ -150,7 +150,7 @@ def test_peers_that_cannot_run_leave_rows_that_say_why(tmp_path: Path, capsys) -
     """Llama rows with fp8: TorchTitan trains where it is installed (else the row says it is
     not importable), Megatron-Core and every fp8 peer row say they need CUDA; ptdp's fp8 row
     trains or names the fp8 key this ptdp lacks."""
-    mfu = load_benchmark("mfu")
+    mfu = load_benchmark("speed/mfu")
     out = tmp_path / "mfu.json"
     argv = "--device cpu --models tiny --steps 1 --warmup 0 --no-compile --compare --arch llama"
     argv += f" --vocab-size 512 --fp8 tensorwise --fp8-models tiny --json {out}"
@@ -186,7 +186,7 @@ def test_ratios_pair_rows_of_one_precision_and_leave_failures_out() -> None:
         row | {"precision": "fp8-rowwise", "tokens_per_s": 150.0},
         row | {"impl": "torchtitan", "precision": "fp8-rowwise", "tokens_per_s": 125.0},
     ]
-    assert load_benchmark("mfu").ratios(rows) == [
+    assert load_benchmark("speed/mfu").ratios(rows) == [
         "1.3b: ptdp / torchtitan tokens/s = 1.250",
         "1.3b: ptdp fp8-rowwise / bf16 tokens/s = 1.500",
         "1.3b fp8-rowwise: ptdp / torchtitan tokens/s = 1.200",
@@ -200,9 +200,9 @@ def test_megatron_core_takes_the_mapped_config_where_installed() -> None:
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from benchmarks.peers.megatron import mcore_kwargs
+    from benchmarks.speed.peers.megatron import mcore_kwargs
 
-    mfu = load_benchmark("mfu")
+    mfu = load_benchmark("speed/mfu")
     for arch, activation in (("gpt", F.gelu), ("llama", F.silu)):
         shape = mfu.peer_shape(_args(mfu, f"--arch {arch}"), mfu.MODELS["tiny"], "bf16")
         config, _ = mcore_kwargs(shape, te=False)
@@ -214,7 +214,7 @@ def test_megatron_core_takes_the_mapped_config_where_installed() -> None:
 def test_a_ptdp_failure_keeps_its_row_lets_the_peers_run_and_exits_non_zero(
     tmp_path: Path, monkeypatch
 ) -> None:
-    mfu = load_benchmark("mfu")
+    mfu = load_benchmark("speed/mfu")
 
     def broken(*args, **kwargs):
         raise RuntimeError("compiled graph broke")
@@ -235,7 +235,7 @@ def test_rows_past_the_time_limit_are_named_not_run(tmp_path: Path) -> None:
     out = tmp_path / "mfu.json"
     argv = "--device cpu --models tiny --no-compile --compare --peers plain-gpt --fp8 rowwise"
     argv += f" --vocab-size 512 --time-limit 1e-9 --json {out}"
-    rows = load_benchmark("mfu").main(argv.split())
+    rows = load_benchmark("speed/mfu").main(argv.split())
     assert [(r["impl"], r["precision"]) for r in rows] == [
         ("ptdp", "bf16"), ("plain-gpt", "bf16"), ("ptdp", "fp8-rowwise"),
         ("plain-gpt", "fp8-rowwise"),

@@ -1,4 +1,4 @@
-"""benchmarks/moe_gpu.py off CUDA: the kernel it forces is the one that runs, the loop's
+"""benchmarks/speed/moe_gpu.py off CUDA: the kernel it forces is the one that runs, the loop's
 output and gradients against the layer written out token by token, the expert GEMM FLOPs
 against ptdp's count, and the rows of a tiny run (the loop timed, GROUPED named as
 skipped; a dense and an MoE model whose active parameters and FLOPs differ by the router).
@@ -22,7 +22,7 @@ from tests.helpers import load_benchmark
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_benchmark("moe_gpu")
+    return load_benchmark("speed/moe_gpu")
 
 
 @pytest.fixture(scope="module")

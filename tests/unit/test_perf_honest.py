@@ -192,7 +192,7 @@ def test_plan_compare(tmp_path: Path, capsys) -> None:
 def test_no_benchmark_defaults_to_a_tracked_file() -> None:
     # Outputs a benchmark writes by default go under runs/ (ignored); tracked records only
     # when named on the command line.
-    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
         for line in path.read_text().splitlines():
             writes = "default=" in line or re.match(r"^[A-Z_]+ = ROOT", line)
             if writes and "runs" not in line:

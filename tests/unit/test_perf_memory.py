@@ -353,7 +353,7 @@ def test_the_loss_backward_holds_what_its_kernels_allocate() -> None:
 
 
 def test_a_step_on_one_h100_is_counted_within_a_percent(tmp_path) -> None:
-    """`benchmarks/memory_phases.py` on one H100 (2026-11-27, BENCHMARKS.md): what a step
+    """`benchmarks/memory/memory_phases.py` on one H100 (2026-11-27, BENCHMARKS.md): what a step
     adds beside the model state (peak minus allocated before it), GPT-2 125M and 1.3B eager
     and compiled and a 4B model with full recomputation, against the count for the same
     run; the model state itself within 0.1 GiB."""
@@ -364,7 +364,7 @@ def test_a_step_on_one_h100_is_counted_within_a_percent(tmp_path) -> None:
     from ptdp.train.run import prepare
     from tests.helpers import load_benchmark
 
-    phases, mfu = load_benchmark("memory_phases"), load_benchmark("mfu")
+    phases, mfu = load_benchmark("memory/memory_phases"), load_benchmark("speed/mfu")
     results = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h100-2026-11-27"
     data = mfu.synthetic_tokens(tmp_path, 50257, 64 * 2049)
     seen = 0

@@ -1,9 +1,9 @@
 """GPU files grounded in published measurements (issue 22 item 3).
 
-The H100 file's GEMM curve is the law fitted by `benchmarks/h100_fit.py` to Megatron-Core's
-weak-scaling table, and reproduces each row within the error BENCHMARKS.md states for it;
-the H200 shares the H100's compute; the MI250X file comes from vendor specifications and
-published single-GCD GEMM, STREAM, link and RCCL measurements.
+The H100 file's GEMM curve is the law fitted by `benchmarks/perf_model/h100_fit.py` to
+Megatron-Core's weak-scaling table, and reproduces each row within the error BENCHMARKS.md
+states for it; the H200 shares the H100's compute; the MI250X file comes from vendor
+specifications and published single-GCD GEMM, STREAM, link and RCCL measurements.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def test_one_h100s_calibration_predicts_the_published_runs_fast(capsys, monkeypa
     root = Path(__file__).resolve().parents[2]
     calibrated = root / "benchmarks" / "results" / "h100-2026-11-27" / "calibration.toml"
     monkeypatch.setattr("sys.argv", ["h100_fit.py", "--check", "--device", str(calibrated)])
-    load_benchmark("h100_fit").main()
+    load_benchmark("perf_model/h100_fit").main()
     rows = {
         line.split("|")[1].strip(): float(line.split("|")[9].strip().rstrip("%"))
         for line in capsys.readouterr().out.splitlines()

@@ -20,7 +20,7 @@ def test_every_synthetic_plan_replays_as_verify(m: int) -> None:
     """`planned` raises unless ptdp.perf.simulate.replay's unit-cost makespan is verify's; ZB-V's
     turn (stage 3 to 4 on rank 3) has no transfer, which the benchmark's old replay could not
     run."""
-    bench = load_benchmark("pipeline_efficiency")
+    bench = load_benchmark("pipeline/pipeline_efficiency")
     for name, v, _ in bench.PAIRS:
         plan = bench.planned(name, v, m)
         assert plan.stages.stages == bench.PP * v
@@ -34,7 +34,7 @@ def test_every_synthetic_plan_replays_as_verify(m: int) -> None:
 
 
 def test_synthetic_costs_and_v_chunks() -> None:
-    bench = load_benchmark("pipeline_efficiency")
+    bench = load_benchmark("pipeline/pipeline_efficiency")
     costs = bench.Costs(0.01, 0.02, 0.03).pipeline(8)
     assert costs.duration(Action(Kind.B, 0, 0)) == pytest.approx(0.02)
     assert costs.duration(Action(Kind.W, 0, 0)) == pytest.approx(0.03)
@@ -47,7 +47,7 @@ def test_synthetic_costs_and_v_chunks() -> None:
 
 
 def test_measured_costs_are_per_chunk_medians() -> None:
-    real = load_benchmark("pipeline_real")
+    real = load_benchmark("pipeline/pipeline_real")
     plan = build_plan("zb-h1", 2, 4)
     events = [Event(0, 0, mb, "F", 0.0, t) for mb, t in enumerate((1.0, 5.0, 2.0))]
     events += [Event(1, 1, 0, "B", 0.0, 3.0), Event(1, 1, 0, "W", 0.0, 4.0)]
@@ -60,7 +60,7 @@ def test_measured_costs_are_per_chunk_medians() -> None:
 def test_compute_clock_leaves_out_the_wait_for_input(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a fixed clock (action starts at 10, waits 10 to 10.2, ends at 10.25) the event
     holds the compute after the wait: 0.05 s, whatever the machine's load."""
-    bench = load_benchmark("pipeline_real")
+    bench = load_benchmark("pipeline/pipeline_real")
     reads = iter([10.0, 10.0, 10.2, 10.25])
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: next(reads)))
     clock = bench.ComputeClock(rank=1)
@@ -76,7 +76,7 @@ def test_compute_clock_leaves_out_the_wait_for_input(monkeypatch: pytest.MonkeyP
 def test_synthetic_stage_defers_its_weight_gradient_to_w(monkeypatch: pytest.MonkeyPatch) -> None:
     """ptdp's B leaves the weight path's sleep and gradient to W; a fused backward sleeps
     both paths and gives the same gradients."""
-    bench = load_benchmark("pipeline_efficiency")
+    bench = load_benchmark("pipeline/pipeline_efficiency")
     stage = bench.SleepStage(bench.Costs(0.0, 0.0, 0.05), first=True)
     x = torch.full(bench.SHAPE, 2.0)
     stage(x).sum().backward()

@@ -1,5 +1,5 @@
-"""benchmarks/small_model_speed.py and benchmarks/split_backward.py at a tiny size on a
-CPU: every mode is a row (measured, or skipped with the reason), the figures are
+"""benchmarks/speed/small_model_speed.py and benchmarks/pipeline/split_backward.py at a tiny
+size on a CPU: every mode is a row (measured, or skipped with the reason), the figures are
 consistent with each other, and the JSON files hold what was printed. Their GPU figures
 are measured by scripts/gpu-check.sh, not here."""
 
@@ -17,7 +17,7 @@ from tests.helpers import load_benchmark
 
 
 def test_every_mode_is_a_row_measured_or_refused_with_its_reason(tmp_path: Path) -> None:
-    bench = load_benchmark("small_model_speed")
+    bench = load_benchmark("speed/small_model_speed")
     out = tmp_path / "speed.json"
     argv = ["--device", "cpu", "--models", "tiny", "--steps", "2", "--warmup", "1"]
     rows = bench.main([*argv, "--vocab", "256", "--json", str(out), "--profile", str(tmp_path)])
@@ -43,7 +43,7 @@ def test_every_mode_is_a_row_measured_or_refused_with_its_reason(tmp_path: Path)
 
 
 def test_the_split_backward_benchmark_writes_its_ratios(tmp_path: Path) -> None:
-    bench = load_benchmark("split_backward")
+    bench = load_benchmark("pipeline/split_backward")
     out = tmp_path / "split.json"
     argv = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "1"]
     rows = bench.main([*argv, "--rounds", "1", "--json", str(out)])
@@ -52,7 +52,7 @@ def test_the_split_backward_benchmark_writes_its_ratios(tmp_path: Path) -> None:
     (row,) = rows
     assert row["hidden"] == 32 and row["split_over_fused"] > 0 and 0 < row["w_share"] < 1
     # The 1.3B layer: the benchmark's preset and what `ptdp calibrate` times on a GPU.
-    big = load_benchmark("mfu").MODELS["1.3b"]
+    big = load_benchmark("speed/mfu").MODELS["1.3b"]
     preset = bench.PRESETS["1.3b"]
     assert (preset["hidden"], preset["heads"], preset["seq"]) == ([big.hidden], big.heads, big.seq)
     gpu = split_chunk(torch.device("cuda"))

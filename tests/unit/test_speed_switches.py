@@ -1,7 +1,7 @@
 """train.cuda_graphs and train.attention_backend on a CPU: the compile mode each asks for,
 the kernel `auto` keeps (timed on CUDA only, so a fake timer stands in here), the math
 fallback of a named kernel, and the refusal of CUDA graphs where the device turns out to
-be a CPU. The GPU path itself is measured by benchmarks/small_model_speed.py."""
+be a CPU. The GPU path itself is measured by benchmarks/speed/small_model_speed.py."""
 
 from __future__ import annotations
 

@@ -1,21 +1,16 @@
-"""benchmarks/step_phases.py at a tiny size: each phase of a step measured and beside the
+"""benchmarks/perf_model/step_phases.py at a tiny size: each phase of a step measured and beside the
 model's figure for it, the phases adding up to the step on both sides; one process and
 two data-parallel ranks."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
-
-def load_benchmark(name: str):  # noqa: ANN201 - the module
-    """Imported as a module of the repo, so that the spawned ranks can unpickle its worker."""
-    return importlib.import_module(f"benchmarks.{name}")
+from tests.helpers import load_benchmark  # a module of the repo: spawned ranks unpickle its worker
 
 
 def test_phases_measured_and_modelled_add_up(capsys) -> None:
-    bench = load_benchmark("step_phases")
+    bench = load_benchmark("perf_model/step_phases")
     argv = "--tiny --calibration a100-80gb --only 1p-base 1p-s32 dp2-zero0 --steps 2 --warmup 1"
     rows = bench.main(argv.split())
     assert [name for name, _, _ in rows] == ["1p-base", "1p-s32", "dp2-zero0"]
@@ -38,7 +33,7 @@ def test_phases_measured_and_modelled_add_up(capsys) -> None:
 
 
 def test_only_cases_whose_phases_follow_each_other() -> None:
-    bench = load_benchmark("step_phases")
+    bench = load_benchmark("perf_model/step_phases")
     for name in ("tp2", "pp2-1f1b", "dp2-zero2"):
         with pytest.raises(SystemExit):
             bench.main(f"--tiny --calibration a100-80gb --only {name}".split())

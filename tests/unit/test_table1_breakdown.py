@@ -1,4 +1,4 @@
-"""`benchmarks/table1_breakdown.py`: its kernel inventory against a hand count, its terms
+"""`benchmarks/perf_model/table1_breakdown.py`: its kernel inventory against a hand count, its terms
 adding up to the model's layer, and the roofline variant of the attention core."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ptdp.perf.validate.paper import TABLE_1, paper_run
 from tests.helpers import load_benchmark
 
 A100 = load_system("a100-80gb")
-bench = load_benchmark("table1_breakdown")
+bench = load_benchmark("perf_model/table1_breakdown")
 
 
 def test_kernel_bytes_by_hand() -> None:

@@ -90,7 +90,7 @@ SWEEPS: dict[tuple[str, bool], Sweep] = {
         max_call_s=0.25,
         timing=Timing(0.03, 7),  # short batches, many: some miss a neighbour's job
     ),
-    ("cpu", True): Sweep(  # the shapes of small CPU runs (benchmarks/prediction.py's)
+    ("cpu", True): Sweep(  # the shapes of small CPU runs (benchmarks/perf_model/prediction.py's)
         hidden=(32, 64, 128, 256),
         tokens=512,
         attention_seq=(128, 512),

@@ -22,7 +22,7 @@ SYNC_ROUNDS = 45
 """Rounds of `collective_sync`. On a 2-vCPU VM (2026-11-25) four back-to-back runs over 15
 rounds gave 1.20-1.84 ms a call, over 45 1.72-1.84 ms; calibrations minutes apart still
 differ up to twofold, as the host's load moves what a wait costs. A tensor-parallel step
-of benchmarks/prediction.py waits on it 40-80 times."""
+of benchmarks/perf_model/prediction.py waits on it 40-80 times."""
 SYNC_SPELLS = 3
 """`ptdp calibrate` takes `SYNC_ROUNDS` in this many spells, apart (before its collectives'
 sweep, after it, and last): on the same VM (2026-11-27) four spells of 15 rounds, 10 s
@@ -141,9 +141,9 @@ AFTER_COMPUTE_CALLS = 20
 """Layers and waits per batch: a wait after compute took 0.4 ms or 2.5-8 ms, a third of
 them the latter, so a batch holds enough of them that its mean is the step's."""
 LAYER_CHUNK = {"hidden_size": 128, "seq_length": 128, "num_heads": 4}
-"""ptdp's GPT layer at benchmarks/prediction.py's base size, batch 2: a forward and backward
-of a few milliseconds whose tensors (about 3 MiB) outgrow a core's private cache, as the
-compute between a real layer's waits does."""
+"""ptdp's GPT layer at benchmarks/perf_model/prediction.py's base size, batch 2: a forward and
+backward of a few milliseconds whose tensors (about 3 MiB) outgrow a core's private cache, as
+the compute between a real layer's waits does."""
 
 
 def wait_after_compute(

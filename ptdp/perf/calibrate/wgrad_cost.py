@@ -4,7 +4,7 @@ against autograd's fused backward, on a chunk of ptdp's own layers. W reads each
 input and output gradient back from memory after B instead of while they are in cache,
 and runs its GEMMs from Python, and the forward before it keeps the linear layers' inputs
 for W: on the 2-vCPU Xeon of BENCHMARKS.md B + W took 1.06-1.22 times the fused backward
-(benchmarks/split_backward.py), the forward 7% more."""
+(benchmarks/pipeline/split_backward.py), the forward 7% more."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import torch
 from ptdp.perf.calibrate.timing import Timing, synchronize
 
 SPLIT_CHUNK = {"hidden_size": 128, "seq_length": 128, "num_heads": 4, "num_layers": 2}
-"""Two layers at benchmarks/prediction.py's base size, batch 2: a pipeline stage's chunk
+"""Two layers at benchmarks/perf_model/prediction.py's base size, batch 2: a pipeline stage's chunk
 of its zero-bubble cases (CPUs)."""
 GPU_SPLIT_CHUNK = {"hidden_size": 2048, "seq_length": 2048, "num_heads": 16, "num_layers": 2}
-"""Two layers of the 1.3B GPT (benchmarks/mfu.py's shape), batch 2 (GPUs): on a CPU-sized
+"""Two layers of the 1.3B GPT (benchmarks/speed/mfu.py's shape), batch 2 (GPUs): on a CPU-sized
 chunk a GPU measures its launches, not the GEMMs a real stage runs."""
 SPLIT_ROUNDS = 9
 
