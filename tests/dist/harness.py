@@ -33,9 +33,10 @@ class RankError(RuntimeError):
     """A child process failed; the message carries its rank and traceback."""
 
 
-PRELOAD = ["torch", "torch.distributed", "ptdp.train.run", "tests.helpers"]
-"""What the forkserver imports once for every child: torch and the trainer, which pulls in
-nearly all of ptdp (a test module's own imports are what is left to each child)."""
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ptdp.train.run", "tests.helpers"]
+"""What the forkserver imports once for every child: torch, torch._dynamo (which the first
+optimizer step imports, 0.5 s), and the trainer, which pulls in nearly all of ptdp (a test
+module's own imports are what is left to each child)."""
 
 
 def _child(

@@ -31,6 +31,7 @@ from pathlib import Path
 
 PRELOAD = (
     "torch",
+    "torch._dynamo",  # imported by the first optimizer step
     "ptdp.cli",
     "ptdp.train.run",
     "ptdp.sample",
