@@ -5,11 +5,11 @@ tests), each child runs on one thread, and a hung or crashed child fails the tes
 its rank named instead of blocking the suite.
 
 Children are forked from a forkserver that has imported torch and ptdp once (`PRELOAD`),
-not spawned: a spawned child imports torch again, 1.5-2.5 s a rank on this machine's 2
-cores, against 0.2 s for a forked one, and the multi-process tests start ~150 groups. A
-forked child starts as clean as a spawned one: the server only imported modules (no CUDA,
-no threads, no process group), and each child takes the caller's environment, working
-directory, stdout and stderr, as a spawned child would.
+not spawned: a spawned child imports torch again (a 2-rank start took 2.5-5.4 s on the
+2-core VM, against 0.2 s forked), and most multi-process tests start one group or more. A
+forked child starts as clean as a spawned one: the server only imported modules (no CUDA
+context, no process group; a fork copies only its main thread), and each child takes the
+caller's environment, working directory, stdout and stderr, as a spawned child would.
 """
 
 from __future__ import annotations
