@@ -37,12 +37,14 @@ def test_warm_commands_print_and_exit_as_cold_ones(warm_bin: Path, tmp_path: Pat
         [*BAD_TRAIN, "--train.run_dir", "runs/bad"],
         ["--bogus"],
     ]
+    codes = set()
     for args in cases:
         warm, cold = _ptdp(warm_bin, args, tmp_path), _ptdp(cold_bin, args, tmp_path)
         assert (warm.returncode, warm.stdout, warm.stderr) == (
             cold.returncode, cold.stdout, cold.stderr
         ), args  # fmt: skip
-    assert {_ptdp(warm_bin, a, tmp_path).returncode for a in cases} == {0, 2}
+        codes.add(warm.returncode)
+    assert codes == {0, 2}  # the cases hold a success and a refusal
 
 
 def test_warm_command_takes_the_callers_cwd_and_environment(

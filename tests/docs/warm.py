@@ -22,7 +22,6 @@ import importlib
 import json
 import os
 import select
-import signal
 import socket
 import struct
 import sys
@@ -179,7 +178,6 @@ def client_script(bin_dir: Path, socket_path: str) -> Path:
 
 
 def _main() -> None:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = serve(sys.argv[1])
     from ptdp.cli import main  # imported by the server already
 
