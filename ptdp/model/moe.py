@@ -208,6 +208,8 @@ class MoE(nn.Module):
         back returns each rank its own tokens (gathered over tp again without sequence
         parallelism)."""
         tp, etp, sp = self.ctx.tp, self.ctx.etp, self.ctx.sequence_parallel
+        if not sp and x.shape[0] % tp.size:
+            return self._replicated(x)
         own = x if sp else comm.scatter_to_sp(x, tp)  # [s/tp, b, h]: this rank's tokens
         s, b, h = own.shape
         tokens = own.reshape(s * b, h)
@@ -233,6 +235,29 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         return out
+
+    def _replicated(self, x: torch.Tensor) -> torch.Tensor:
+        """Generation's sequences that do not split over tp (a decoded token, a prompt):
+        every tensor rank computes every token, reducing the experts' partial sums over
+        etp, without gradients (training splits the sequence: `forward`)."""
+        tp, etp = self.ctx.tp, self.ctx.etp
+        if torch.is_grad_enabled() or tp.size % etp.size:
+            raise ValueError(
+                f"a mixture-of-experts layer splits the sequence over the tensor group: "
+                f"{x.shape[0]} tokens do not split over tp = {tp.size}"
+            )
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)
+        routing = self.router(tokens)
+        cap = capacity(self.capacity_factor, s * b, self.top_k, self.num_experts)
+        plan = plan_dispatch(routing, self.num_experts, cap)
+        rows = tokens.index_select(0, plan.choice // self.top_k)
+        if self.ctx.ep.size > 1:
+            rows = self._expert_parallel(rows, plan)
+        else:
+            rows = self.experts(rows, plan.counts, plan.expert)
+        out = comm.reduce_from_tp(combine(rows, plan, routing.weights), etp).view(s, b, h)
+        return out if self.shared is None else out + self.shared(x)
 
     def _expert_parallel(self, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
         """Rows [n, h] grouped by expert -> their experts' outputs [n, h], in the same order,

@@ -106,6 +106,15 @@ def _layout_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
             "routing of the whole sequence, which reaches one expert group only when etp = "
             f"tp; use dropless routing (--model.moe_capacity_factor 0) or --parallel.etp {p.tp}"
         )
+    local = m.seq_length // p.cp  # a rank's part of the sequence
+    if p.tp > 1 and not p.sequence_parallel and local % p.tp and not m.seq_length % p.cp:
+        errors.append(
+            f"model.seq_length = {m.seq_length}"
+            + (f" / parallel.cp = {local}" if p.cp > 1 else "")
+            + f" is not divisible by parallel.tp = {p.tp}: each tensor rank routes its own "
+            f"slice of the sequence to the experts; use a sequence length that is a multiple "
+            f"of {p.tp * p.cp * (2 if p.cp > 1 else 1)}"
+        )
     widths = (
         ("routed expert", "moe_ffn_hidden_size", m.moe_ffn_size, "etp", p.etp),
         ("shared expert", "moe_shared_ffn_hidden_size", m.moe_shared_ffn_size, "tp", p.tp),

@@ -62,6 +62,7 @@ def _refusal(world: int, model: dict, parallel: dict) -> str:
         (2, {"moe_capacity_factor": 1.25}, {"tp": 2}, "--parallel.etp 2"),
         (1, {"num_experts": 0, "moe_top_k": 2}, {"etp": 2}, "model.num_experts = 0"),
         (2, {}, {"tp": 2, "etp": 0}, "parallel.etp = 0 must be >= 1"),
+        (2, {"seq_length": 33}, {"tp": 2}, "each tensor rank routes its own slice"),
     ],
 )  # fmt: skip
 def test_bad_folded_layouts_are_refused_naming_a_fix(
