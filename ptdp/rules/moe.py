@@ -152,12 +152,12 @@ def expert_rules(cfg: RunConfig, dp: int, errors: list[str]) -> None:
     if p.ep < 1 or p.etp < 1 or (p.ep == 1 and p.etp == 1):
         return
     if m.num_experts == 0:
-        keys = " and ".join(
-            f"parallel.{k} = {v}" for k, v in (("ep", p.ep), ("etp", p.etp)) if v > 1
-        )
+        given = [(k, v) for k, v in (("ep", p.ep), ("etp", p.etp)) if v > 1]
+        keys = " and ".join(f"parallel.{k} = {v}" for k, v in given)
+        fix = " ".join(f"--parallel.{k} 1" for k, _ in given)
         errors.append(
-            f"{keys} split{'s' if ' and ' not in keys else ''} experts, but model.num_experts = "
-            "0 (a dense model); set them to 1, or --model.num_experts (e.g. 8) for a mixture of "
+            f"{keys} split{'s' if len(given) == 1 else ''} experts, but model.num_experts = 0 "
+            f"(a dense model); set {fix}, or --model.num_experts (e.g. 8) for a mixture of "
             "experts"
         )
         return
