@@ -168,6 +168,8 @@ GRID = [
     Layout(tp=2, pp=2, zero=1, moe="moe-shared-bias"),  # expert state sharded over tp ranks
     Layout(tp=2, dp=2, moe="moe", ep=2, etp=2),  # ep over dp, each expert split over tp
     Layout(tp=2, dp=2, sp=True, moe="moe", ep=4),  # ep over tp * dp
+    Layout(tp=2, dp=2, zero=3, sp=True, moe="moe", ep=2),  # folded ep, ZeRO-3 over edp = dp
+    Layout(tp=2, pp=2, zero=2, recompute="full", moe="moe-shared-bias"),  # edp = the tp ranks
     Layout(cp=2, pp=2, recompute="full", moe="moe-shared-bias"),
     Layout(pp=2, dp=2, vpp=2, schedule=I, zero=2, moe="moe-capacity", ep=2),
     Layout(dp=4, moe="moe", ep=4),
