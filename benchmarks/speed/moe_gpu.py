@@ -59,7 +59,8 @@ import benchmarks.speed.mfu as mfu
 from ptdp.config.enums import Activation, Normalization
 from ptdp.config.files import apply_updates
 from ptdp.config.sections import ModelConfig
-from ptdp.model.moe import MoE, MoEState, plan_dispatch
+from ptdp.model.dispatch import plan_dispatch
+from ptdp.model.moe import MoE, MoEState
 from ptdp.model.parts import TPContext
 from ptdp.parallel import grouped, wgrad
 from ptdp.parallel.env import LaunchEnv

@@ -4,15 +4,15 @@ arXiv 2006.16668; Switch, arXiv 2101.03961; Mixtral, Qwen3-MoE and DeepSeek-V3 o
 Shapes: s = sequence, b = micro-batch, h = hidden, t = tokens (s * b), e = experts,
 k = experts per token, n = expert rows (the kept token-choices), tp = tensor-parallel size.
 
-A block runs in three steps: `plan_dispatch` sorts the token-choices by expert (dropping
-those over capacity), the experts compute their rows (`GroupedExperts`), `combine`
-scatters the rows back to their tokens, weighted. Under expert parallelism the experts are
-split over the ep group and an all-to-all takes each row to the member holding its expert
-and back (`MoE._expert_parallel`); every member routes its own tokens, so what a token
-chooses and what it drops does not depend on the layout. Under tensor parallelism every
-rank routes the whole sequence (gathered under sequence parallelism) and computes its 1/tp
-of every expert; the weighted partial sums are reduced once, as the dense MLP's are
-(all-reduce, or reduce-scatter under sequence parallelism).
+A block runs in three steps (`ptdp.model.dispatch`): `plan_dispatch` sorts the
+token-choices by expert (dropping those over capacity), the experts compute their rows
+(`GroupedExperts`), and `dispatch_combine` takes the rows to them and back into their
+tokens, weighted. Under expert parallelism the experts are split over the ep group and an
+all-to-all takes each row to the member holding its expert and back; every member routes
+its own tokens, so what a token chooses and what it drops does not depend on the layout.
+Under tensor parallelism every rank routes the whole sequence (gathered under sequence
+parallelism) and computes its 1/tp of every expert; the weighted partial sums are reduced
+once, as the dense MLP's are (all-reduce, or reduce-scatter under sequence parallelism).
 
 The balancing losses reach the gradient as terms of the step's loss would, on any pipeline
 stage: `_BalancingGrad` returns the block's output unchanged and, in backward, also starts
@@ -24,7 +24,6 @@ loss scale), which the trainer sets each step (Megatron's MoEAuxLossAutoScaler i
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -33,6 +32,7 @@ from torch import nn
 
 from ptdp.config.enums import Activation
 from ptdp.config.sections import ModelConfig
+from ptdp.model.dispatch import PLANS, Dispatch, Dispatcher, capacity, dispatch_combine
 from ptdp.model.experts import GroupedExperts
 from ptdp.model.parts import MLP, TPContext
 from ptdp.model.router import Router, RouterOptions, Routing, balancing_loss, z_loss
@@ -94,55 +94,6 @@ class MoEState:
         self.stats[layer].microbatches += 1
 
 
-@dataclass(frozen=True)
-class Dispatch:
-    """Which token-choice each expert row computes: rows grouped by expert."""
-
-    choice: torch.Tensor
-    """[n] the flat index (token * k + j) of each row's token-choice."""
-    expert: torch.Tensor
-    """[n] each row's expert."""
-    counts: torch.Tensor
-    """[e] rows of each expert."""
-    routed: torch.Tensor
-    """[e] token-choices routed to each expert, before the capacity cut."""
-    dropped: torch.Tensor
-    """Token-choices over capacity (0 when dropless)."""
-
-
-def capacity(factor: float, tokens: int, top_k: int, num_experts: int) -> int:
-    """Token-choices an expert keeps per microbatch: ceil(factor * t * k / e); 0 = all."""
-    return math.ceil(factor * tokens * top_k / num_experts) if factor > 0 else 0
-
-
-def plan_dispatch(routing: Routing, num_experts: int, cap: int = 0) -> Dispatch:
-    """Sort the token-choices by expert, in token order within an expert. With a capacity
-    `cap` > 0 an expert keeps its `cap` choices of highest weight (equal weights: the
-    earlier token), its rows then in that order, and the rest are dropped."""
-    flat = routing.experts.reshape(-1)
-    routed = torch.bincount(flat, minlength=num_experts)
-    if cap <= 0:
-        order = torch.sort(flat, stable=True).indices
-        return Dispatch(order, flat[order], routed, routed, routed.new_zeros(()))
-    by_weight = torch.sort(routing.weights.detach().reshape(-1), descending=True, stable=True)
-    order = by_weight.indices[torch.sort(flat[by_weight.indices], stable=True).indices]
-    expert = flat[order]
-    first = routed.cumsum(0) - routed  # each expert's first row in `order`
-    keep = torch.arange(len(order), device=flat.device) - first[expert] < cap
-    order, expert = order[keep], expert[keep]
-    counts = torch.bincount(expert, minlength=num_experts)
-    return Dispatch(order, expert, counts, routed, len(flat) - counts.sum())
-
-
-def combine(rows: torch.Tensor, plan: Dispatch, weights: torch.Tensor) -> torch.Tensor:
-    """Expert rows [n, h] -> tokens [t, h]: each token's sum of its choices' rows times their
-    weights [t, k], in fp32 and in choice order (deterministic); a dropped choice adds 0."""
-    t, k = weights.shape
-    per_choice = rows.new_zeros(t * k, rows.shape[-1]).index_copy(0, plan.choice, rows)
-    out = (per_choice.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(1)
-    return out.to(rows.dtype)
-
-
 class _BalancingGrad(torch.autograd.Function):
     """Identity on the block's output forward; backward also sends `scale` to `loss` (a
     scalar), the gradient it gets as a term of the step's loss."""
@@ -167,9 +118,18 @@ class MoE(nn.Module):
     have partial gradients per tensor rank, summed over the group (`param_roles`).
     """
 
-    def __init__(self, cfg: ModelConfig, ctx: TPContext, *, layer: int, state: MoEState) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ctx: TPContext,
+        *,
+        layer: int,
+        state: MoEState,
+        dispatch: Dispatcher | str = Dispatcher.FUSED,
+    ) -> None:
         super().__init__()
         self.ctx, self.layer, self.state = ctx, layer, state
+        self.dispatcher = Dispatcher(dispatch)  # REFERENCE: the oracle of tests, benchmarks
         self.num_experts, self.top_k = cfg.num_experts, cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
@@ -220,13 +180,8 @@ class MoE(nn.Module):
             chosen = comm.gather_full(chosen, etp, 0)
             weights = comm.gather_from_sp(weights, etp)
         cap = capacity(self.capacity_factor, len(tokens), self.top_k, self.num_experts)
-        plan = plan_dispatch(Routing(chosen, weights, None, None), self.num_experts, cap)
-        rows = tokens.index_select(0, plan.choice // self.top_k)
-        if self.ctx.ep.size > 1:
-            rows = self._expert_parallel(rows, plan)
-        else:
-            rows = self.experts(rows, plan.counts, plan.expert)
-        out = combine(rows, plan, weights)
+        plan = PLANS[self.dispatcher](Routing(chosen, weights, None, None), self.num_experts, cap)
+        out = dispatch_combine(tokens, plan, weights, self.experts, self.ctx.ep, self.dispatcher)
         out = comm.reduce_scatter_to_sp(out, etp).view(s, b, h)  # partial sums over etp
         if self.training:
             out = self._balance(out, routing, plan)
@@ -250,36 +205,12 @@ class MoE(nn.Module):
         tokens = x.reshape(s * b, h)
         routing = self.router(tokens)
         cap = capacity(self.capacity_factor, s * b, self.top_k, self.num_experts)
-        plan = plan_dispatch(routing, self.num_experts, cap)
-        rows = tokens.index_select(0, plan.choice // self.top_k)
-        if self.ctx.ep.size > 1:
-            rows = self._expert_parallel(rows, plan)
-        else:
-            rows = self.experts(rows, plan.counts, plan.expert)
-        out = comm.reduce_from_tp(combine(rows, plan, routing.weights), etp).view(s, b, h)
+        plan = PLANS[self.dispatcher](routing, self.num_experts, cap)
+        out = dispatch_combine(
+            tokens, plan, routing.weights, self.experts, self.ctx.ep, self.dispatcher
+        )
+        out = comm.reduce_from_tp(out, etp).view(s, b, h)
         return out if self.shared is None else out + self.shared(x)
-
-    def _expert_parallel(self, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
-        """Rows [n, h] grouped by expert -> their experts' outputs [n, h], in the same order,
-        the experts living on the members of the expert-parallel group.
-
-        Each member sends every expert's rows to the member holding it (members hold
-        consecutive experts, so the rows for one member are contiguous), computes what it
-        receives grouped by its own experts (source members in rank order within an
-        expert: every source's rows keep their order) and sends the outputs back.
-        """
-        ep = self.ctx.ep
-        local = self.num_experts // ep.size
-        sent = plan.counts.view(ep.size, local)  # [member, its expert]: rows sent
-        got = comm.exchange_counts(sent, ep)  # [source member, my expert]: rows received
-        send, recv = sent.sum(1).tolist(), got.sum(1).tolist()
-        arrived = comm.all_to_all(rows, ep, send, recv)  # by source, then expert
-        expert = torch.arange(local, device=rows.device).repeat(ep.size)
-        expert = expert.repeat_interleave(got.reshape(-1))
-        order = torch.sort(expert, stable=True).indices  # by expert, then source
-        out = self.experts(arrived.index_select(0, order), got.sum(0), expert[order])
-        back = out.index_select(0, torch.argsort(order))  # by source again
-        return comm.all_to_all(back, ep, recv, send)
 
     def _balance(self, out: torch.Tensor, routing: Routing, plan: Dispatch) -> torch.Tensor:
         """Record the figures; attach the balancing losses' gradient to `out`. `routing`:

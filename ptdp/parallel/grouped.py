@@ -18,6 +18,8 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 """torch.nn.functional.grouped_mm (public since torch 2.10), torch._grouped_mm before."""
 _ALIGN = 8
 """Rows and features a grouped kernel's operands are aligned to: 16 bytes of bf16."""
+_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""What grouped_mm takes on a CPU (torch 2.13 refuses float64)."""
 
 
 class GemmKernel(Enum):
@@ -25,6 +27,7 @@ class GemmKernel(Enum):
 
     LOOP = "loop"  # one torch.mm per expert: any device and dtype; the counts go to the host
     GROUPED = "grouped"  # grouped_mm: one CUTLASS kernel for all experts, no host sync
+    UNPADDED = "unpadded"  # grouped_mm on unpadded rows: PyTorch's CPU kernel (its own C++ loop)
 
 
 def gemm_for_cuda(
@@ -38,11 +41,26 @@ def gemm_for_cuda(
     return GemmKernel.GROUPED if fused and all(d % _ALIGN == 0 for d in dims) else GemmKernel.LOOP
 
 
+def gemm_for_cpu(dtype: torch.dtype, rows: int, dims: tuple[int, ...]) -> GemmKernel:
+    """The kernel on a CPU: UNPADDED where grouped_mm takes the operands (its dtypes, some
+    rows, every feature size a multiple of 16 bytes: its stride check), else LOOP. On a CPU
+    grouped_mm loops over the experts in C++ with the same GEMM per expert as LOOP (the
+    results agree bit for bit, tests/unit/test_moe.py), without LOOP's Python loop and
+    `torch.cat`; nothing needs padding (rows need no alignment there)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    ok = _GROUPED_MM is not None and dtype in _CPU_DTYPES and rows > 0
+    return GemmKernel.UNPADDED if ok and all(d * size % 16 == 0 for d in dims) else GemmKernel.LOOP
+
+
 def choose_gemm(x: torch.Tensor, weight: torch.Tensor) -> GemmKernel:
     """The kernel for x [n, k] times weight [e, k, m]: GROUPED on CUDA where
-    `gemm_for_cuda` allows it; LOOP on a CPU (grouped_mm has no fused CPU kernel) and on
-    other devices."""
-    if x.device.type != "cuda" or x.dtype != weight.dtype:
+    `gemm_for_cuda` allows it, UNPADDED on a CPU where `gemm_for_cpu` does; else LOOP."""
+    if x.dtype != weight.dtype:
+        return GemmKernel.LOOP
+    if x.device.type == "cpu":
+        # every operand's rows: the forward's and the backward's (dy [n, m] too)
+        return gemm_for_cpu(x.dtype, x.shape[0], (x.shape[-1], *weight.shape[-2:]))
+    if x.device.type != "cuda":
         return GemmKernel.LOOP
     capability = torch.cuda.get_device_capability(x.device)
     return gemm_for_cuda(x.dtype, capability, (x.shape[-1], weight.shape[-1]))
@@ -76,6 +94,8 @@ def grouped_mm(
 ) -> torch.Tensor:
     """x [n, k] -> [n, m]: the rows of expert i times weight[i] ([e, k, m], any strides)."""
     kernel = kernel or choose_gemm(x, weight)
+    if kernel is GemmKernel.UNPADDED:
+        return _GROUPED_MM(x, weight, offs=counts.cumsum(0).to(torch.int32))
     if kernel is GemmKernel.GROUPED:
         rows, ends, total = _aligned_rows(counts, x.shape[0])
         return _GROUPED_MM(_pad(x, rows, total), weight, offs=ends)[rows]
@@ -89,6 +109,8 @@ def grouped_wgrad(
     """dy [n, m], x [n, k] -> [e, m, k]: for each expert i, dy_i^T x_i over its rows (zero
     for an expert without rows), the weight gradient of y_i = x_i W_i^T."""
     kernel = kernel or choose_gemm(x, dy.new_empty(0, 0, dy.shape[-1]))
+    if kernel is GemmKernel.UNPADDED:
+        return _GROUPED_MM(dy.t(), x, offs=counts.cumsum(0).to(torch.int32))
     if kernel is GemmKernel.GROUPED:
         rows, ends, total = _aligned_rows(counts, x.shape[0])
         return _GROUPED_MM(_pad(dy, rows, total).t(), _pad(x, rows, total), offs=ends)

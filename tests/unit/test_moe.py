@@ -16,7 +16,8 @@ from ptdp.config.files import apply_updates
 from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.errors import ConfigError
 from ptdp.model.gpt import GPT, TPContext
-from ptdp.model.moe import MoE, MoEState, capacity, plan_dispatch
+from ptdp.model.dispatch import capacity, plan_dispatch
+from ptdp.model.moe import MoE, MoEState
 from ptdp.model.router import RouterOptions, route, top_k
 from ptdp.parallel.grouped import GemmKernel, choose_gemm, gemm_for_cuda, grouped_mm, grouped_wgrad
 from ptdp.parallel.wgrad import WeightGradStore, accumulate_grads, grouped_linear
@@ -203,21 +204,26 @@ def test_recomputation_counts_a_layer_once() -> None:
 
 
 def test_grouped_kernel_matches_the_loop() -> None:
-    """F.grouped_mm (its CPU fallback here) with the aligned layout, against the loop."""
+    """F.grouped_mm (its CPU kernel here), padded (the aligned layout) and not, against the
+    loop; unpadded, bit for bit (the same GEMM per expert)."""
     counts = torch.tensor([3, 0, 9, 1])
     x, w, dy = torch.randn(13, 8), torch.randn(4, 8, 16), torch.randn(13, 16)
+    want = torch.stack([dy[a:b].t() @ x[a:b] for a, b in ((0, 3), (3, 3), (3, 12), (12, 13))])
     for kernel in GemmKernel:
-        torch.testing.assert_close(
-            grouped_mm(x, w, counts, kernel), grouped_mm(x, w, counts, GemmKernel.LOOP)
-        )
-        got = grouped_wgrad(dy, x, counts, kernel)
-        want = torch.stack([dy[a:b].t() @ x[a:b] for a, b in ((0, 3), (3, 3), (3, 12), (12, 13))])
-        torch.testing.assert_close(got, want)
+        got_y, got_w = grouped_mm(x, w, counts, kernel), grouped_wgrad(dy, x, counts, kernel)
+        torch.testing.assert_close(got_y, grouped_mm(x, w, counts, GemmKernel.LOOP))
+        torch.testing.assert_close(got_w, want)
+    loop = grouped_mm(x, w, counts, GemmKernel.LOOP)
+    assert torch.equal(grouped_mm(x, w, counts, GemmKernel.UNPADDED), loop)
+    assert torch.equal(grouped_wgrad(dy, x, counts, GemmKernel.UNPADDED), want)
 
 
 def test_gemm_choice() -> None:
     x = torch.randn(4, 8)
-    assert choose_gemm(x, torch.randn(2, 8, 8)) is GemmKernel.LOOP  # CPU
+    assert choose_gemm(x, torch.randn(2, 8, 8)) is GemmKernel.UNPADDED  # CPU: torch's kernel
+    assert choose_gemm(x.double(), torch.randn(2, 8, 8).double()) is GemmKernel.LOOP  # no fp64
+    assert choose_gemm(x[:, :6], torch.randn(2, 6, 8)) is GemmKernel.LOOP  # 24-byte rows
+    assert choose_gemm(x[:0], torch.randn(2, 8, 8)) is GemmKernel.LOOP  # no rows
     bf16, sm90 = torch.bfloat16, (9, 0)
     assert gemm_for_cuda(bf16, sm90, (64, 128)) is GemmKernel.GROUPED
     assert gemm_for_cuda(bf16, (10, 0), (64, 128)) is GemmKernel.GROUPED
