@@ -139,25 +139,33 @@ class Exchange:
 
 def plan_exchange(counts: torch.Tensor, ep: Group) -> Exchange:
     """The all-to-all's sizes and the receiver's regrouping from the plan's `counts` [e]:
-    one exchange of counts, arithmetic on them (no sort), the sizes to the host."""
-    local = len(counts) // ep.size
-    sent = counts.view(ep.size, local)  # [member, its expert]: rows sent
+    one exchange of counts, then arithmetic on them (`regroup`); the sizes go to the host."""
+    sent = counts.view(ep.size, len(counts) // ep.size)  # [member, its expert]: rows sent
     got = comm.exchange_counts(sent, ep)  # [source member, my expert]: rows received
     send, recv = sent.sum(1).tolist(), got.sum(1).tolist()
-    m, device = sum(recv), counts.device
-    arrival = got.reshape(-1)  # segment (source, expert) lengths, as the rows arrive
+    return Exchange(send, recv, *regroup(got, sum(recv)))
+
+
+def regroup(
+    got: torch.Tensor, m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(to_expert, to_source, counts, expert) of `Exchange` for rows arriving in segments
+    (source s, local expert j) of got[s, j] rows each, source-major, m in all: row i of
+    segment (s, j) in (j, s) order is arrival row start[s, j] + i. No sort."""
+    sources, local = got.shape
+    device = got.device
+    arrival = got.reshape(-1)  # segment lengths, as the rows arrive
     start = arrival.cumsum(0) - arrival  # where each segment starts on arrival
     by_expert = got.t().reshape(-1)  # the same segments in (expert, source) order
-    segment = torch.arange(ep.size * local, device=device).view(ep.size, local).t().reshape(-1)
-    first = by_expert.cumsum(0) - by_expert
+    segment = torch.arange(sources * local, device=device).view(sources, local).t().reshape(-1)
+    first = by_expert.cumsum(0) - by_expert  # where each starts in (expert, source) order
     rows = torch.arange(m, device=device)
     seg = torch.repeat_interleave(segment, by_expert, output_size=m)
-    within = rows - torch.repeat_interleave(first, by_expert, output_size=m)
-    to_expert = start[seg] + within
+    to_expert = start[seg] + rows - torch.repeat_interleave(first, by_expert, output_size=m)
     to_source = torch.empty_like(to_expert).index_copy_(0, to_expert, rows)
-    per_expert = got.sum(0)
-    expert = torch.repeat_interleave(torch.arange(local, device=device), per_expert, output_size=m)
-    return Exchange(send, recv, to_expert, to_source, per_expert, expert)
+    counts = got.sum(0)
+    expert = torch.repeat_interleave(torch.arange(local, device=device), counts, output_size=m)
+    return to_expert, to_source, counts, expert
 
 
 # ----------------------------------------------------------------------------- row movers
@@ -203,9 +211,10 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weights, choice, token):
         t, k = weights.shape
-        w = weights.reshape(-1).index_select(0, choice).float()  # [n]
-        out = rows.new_zeros(t, rows.shape[-1], dtype=torch.float32)
-        out.index_add_(0, token, rows.float() * w.unsqueeze(-1))
+        acc = torch.promote_types(rows.dtype, torch.float32)  # fp32, or fp64 for a gradcheck
+        w = weights.reshape(-1).index_select(0, choice).to(acc)  # [n]
+        out = rows.new_zeros(t, rows.shape[-1], dtype=acc)
+        out.index_add_(0, token, rows.to(acc) * w.unsqueeze(-1))
         ctx.save_for_backward(rows, w, choice, token)
         ctx.weights = (t, k, weights.dtype)
         return out.to(rows.dtype)
@@ -214,11 +223,11 @@ class _Unpermute(torch.autograd.Function):
     def backward(ctx, grad):
         rows, w, choice, token = ctx.saved_tensors
         t, k, dtype = ctx.weights
-        g = grad.float().index_select(0, token)  # [n, h]
+        g = grad.to(w.dtype).index_select(0, token)  # [n, h]
         d_rows = (g * w.unsqueeze(-1)).to(rows.dtype) if ctx.needs_input_grad[0] else None
         d_weights = None
         if ctx.needs_input_grad[1]:
-            d_w = (g * rows.float()).sum(-1).to(dtype)
+            d_w = (g * rows.to(w.dtype)).sum(-1).to(dtype)
             d_weights = d_w.new_zeros(t * k).index_copy_(0, choice, d_w).view(t, k)
         return d_rows, d_weights, None, None
 

@@ -1,8 +1,9 @@
 """Mixture-of-experts blocks split over a tensor group, and experts split over an
 expert-parallel group (gloo on CPU), against one process: every token's chosen experts in
 every layer (not only the loss), the loss, every gradient gathered back to full shape, and
-the logits; `sum_across`'s and the all-to-all's backward. The training-level
-equivalence (every parallel dimension) is the grid's (tests/dist/test_grid.py)."""
+the logits; `sum_across`'s and the all-to-all's backward; the fused dispatch against the
+reference path under expert parallelism. The training-level equivalence (every parallel
+dimension) is the grid's (tests/dist/test_grid.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import pytest
 import torch
 
 from ptdp.config.sections import ModelConfig
+from ptdp.model.dispatch import Dispatcher
 from ptdp.model.gpt import GPT
+from ptdp.model.moe import MoE, MoEState
+from ptdp.model.parts import TPContext
 from ptdp.parallel import comm
 from ptdp.parallel.comm import Group
 from ptdp.parallel.grads import reduce_sequence_parallel_grads
@@ -120,6 +124,43 @@ def _check_expert_parallel(ep: Group, options: dict) -> None:
         assert torch.equal(routed, ref.moe.stats[i].routed), i
 
 
+def _check_dispatchers(ep: Group, options: dict) -> None:
+    """The fused dispatch against the reference path on experts split over the group, this
+    member's own tokens: the rows every member's experts compute equal, token by token; the
+    output, the input's and every parameter's gradient to fp32 rounding; a second run
+    repeats the first bit for bit."""
+    cfg = replace(CFG, **options)
+    ctx = TPContext(ep=ep)
+    gen = torch.Generator().manual_seed(7 + ep.rank)
+    x, r = torch.randn(16, 2, cfg.hidden_size, generator=gen), torch.randn(16, 2, 32)
+    runs = {}
+    for d in (Dispatcher.FUSED, Dispatcher.REFERENCE, Dispatcher.FUSED):
+        torch.manual_seed(5 + ep.rank)  # every member its own experts
+        block = MoE(cfg, ctx, layer=1, state=MoEState(), dispatch=d).train()
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0.0, 0.3)
+        seen = []
+        block.experts.register_forward_hook(lambda _m, a, _o, seen=seen: seen.append(a[0]))
+        inp = x.clone().requires_grad_()
+        out = block(inp)
+        (out * r).sum().backward()
+        got = {"out": out.detach(), "rows": seen[0].detach(), "dx": inp.grad}
+        got |= {n: p.grad for n, p in block.named_parameters()}
+        if d in runs:  # the second fused run
+            for key, value in got.items():
+                assert torch.equal(value, runs[d][key]), key
+        runs.setdefault(d, got)
+        stats = block.state.stats[1]
+    fused, ref = runs[Dispatcher.FUSED], runs[Dispatcher.REFERENCE]
+    assert torch.equal(fused["rows"], ref["rows"])
+    for key in ref:
+        torch.testing.assert_close(fused[key], ref[key], rtol=1e-6, atol=1e-6, msg=key)
+    dropped = stats.dropped.clone()
+    comm.all_reduce_sum_(dropped, ep)
+    assert (int(dropped) > 0) == bool(cfg.moe_capacity_factor)
+
+
 def _check_all_to_all(g: Group) -> None:
     """Member r sends r + 1 + i rows to member i, and receives them in member order; the
     gradient of every row goes back to the row it came from."""
@@ -201,6 +242,8 @@ def _check_ep(rank: int, world_size: int) -> None:
     _check_bytes(ep)
     for options in ({}, SWIGLU):
         _check_expert_parallel(ep, options)
+    for options in ({}, {"moe_capacity_factor": 0.0}, SWIGLU | {"moe_top_k": 3}):
+        _check_dispatchers(ep, options)
 
 
 def test_expert_parallel_moe_computes_as_one_process() -> None:
