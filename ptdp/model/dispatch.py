@@ -7,14 +7,16 @@ a member's experts receive.
 
 Interface (`ptdp.model.moe.MoE` calls it so; any caller that has routed its tokens can):
 
-    plan = plan_dispatch(routing, num_experts, cap)      # routing.experts, .weights [t, k]
-    out = dispatch_combine(tokens, plan, routing.weights, experts, ep)   # [t, h]
+    plan = plan_dispatch(routing, num_experts, cap)  # routing.experts, .weights [t, k]
+    out = dispatch_combine(tokens, plan, routing.weights, experts, ep)  # [t, h]
 
 `experts(rows [m, h], counts [l], expert [m]) -> [m, h]` computes rows grouped by local
 expert (`GroupedExperts.forward`); `ep` is the expert-parallel group (`Group.single()`:
 none). `plan.routed` and `plan.dropped` are the figures the balancing loss and the log
 read. `Dispatcher.REFERENCE` selects the earlier path, kept as the oracle the fused one is
-tested against (tests/unit/test_moe_dispatch.py, tests/dist/test_moe.py).
+tested against (tests/unit/test_moe_dispatch.py, tests/dist/test_moe.py) and measured
+against (benchmarks/parallelism/moe_dispatch.py): `PLANS[dispatcher](...)` plans, and
+`dispatch_combine(..., dispatcher)` moves the rows, either way (`MoE(dispatch=...)`).
 
 The fused path (`Dispatcher.FUSED`, the default) makes one pass over the token rows in
 and one out: `_Permute` gathers each kept choice's token row in expert order (the send
@@ -117,6 +119,10 @@ def plan_dispatch_reference(routing: Routing, num_experts: int, cap: int = 0) ->
     order, expert = order[keep], expert[keep]
     counts = torch.bincount(expert, minlength=num_experts)
     return Dispatch(order, expert, counts, routed, len(flat) - counts.sum())
+
+
+PLANS = {Dispatcher.FUSED: plan_dispatch, Dispatcher.REFERENCE: plan_dispatch_reference}
+"""Each dispatcher's plan (both give the same `Dispatch`)."""
 
 
 @dataclass(frozen=True)

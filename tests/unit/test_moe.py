@@ -15,8 +15,8 @@ from ptdp.config.enums import Activation, ScoreFunction
 from ptdp.config.files import apply_updates
 from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.errors import ConfigError
-from ptdp.model.gpt import GPT, TPContext
 from ptdp.model.dispatch import capacity, plan_dispatch
+from ptdp.model.gpt import GPT, TPContext
 from ptdp.model.moe import MoE, MoEState
 from ptdp.model.router import RouterOptions, route, top_k
 from ptdp.parallel.grouped import GemmKernel, choose_gemm, gemm_for_cuda, grouped_mm, grouped_wgrad
