@@ -14,13 +14,18 @@ running the MoE layers, switched on the same processes between rounds:
 - `fused`: the fused dispatch with grouped_mm's CPU kernel (`GemmKernel.UNPADDED`, the
   default on a CPU now).
 
-1. One MoE layer's forward and backward on its own (the demo's layer shapes; every rank its
-   own 1024 tokens), ms per pass.
-2. Training steps of the whole model, tokens/s.
+1. The dispatch and combine alone, forward and backward: the plan, the rows to the experts'
+   members and back, weighted into their tokens, with a scaling for the experts (the
+   demo's layer shapes: every rank its own 1024 tokens, routed by the layer's router), ms
+   per pass; the GEMM kernel plays no part.
+2. One MoE layer's forward and backward on its own, ms per pass.
+3. Training steps of the whole model, tokens/s.
 
 Each part times alternating rounds (the order rotates every round, so machine noise hits
-every variant alike) and reports medians. The figures go to runs/benchmarks/moe_dispatch.json
-(`--out`); a run rewrites no tracked file.
+every variant alike) and reports medians of the wall time and of the CPU time the ranks
+spent (summed over the ranks, per pass or per token): on a shared machine the CPU time
+moves less with the neighbours' load than the wall time does. The figures go to
+runs/benchmarks/moe_dispatch.json (`--out`); a run rewrites no tracked file.
 
     python benchmarks/parallelism/moe_dispatch.py [--steps 2 --rounds 5 --layer-rounds 9]
 """
@@ -47,7 +52,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/<group>/<name>.py`: f
 from benchmarks.common.corpus import repo_corpus
 from benchmarks.common.spawn import spawn
 from ptdp.config.files import apply_updates, load_toml
-from ptdp.model.dispatch import Dispatcher
+from ptdp.model.dispatch import PLANS, Dispatcher, capacity, dispatch_combine
 from ptdp.model.moe import MoE, MoEState
 from ptdp.model.parts import TPContext
 from ptdp.parallel import comm, grouped, wgrad
@@ -100,24 +105,37 @@ def variant(blocks: list[MoE], name: str) -> Iterator[None]:
             yield
 
 
-def _rounds(run, names: list[str], rounds: int, repeat: int) -> dict[str, list[float]]:
-    """Seconds per call of `run(name)`, `repeat` calls a round, the order rotated each round."""
-    times: dict[str, list[float]] = {n: [] for n in names}
+def _rounds(run, names: list[str], rounds: int, repeat: int) -> dict[str, dict[str, list]]:
+    """Wall seconds per call of `run(name)` and CPU seconds per call summed over the ranks,
+    `repeat` calls a round, the order rotated each round."""
+    times = {n: {"wall": [], "cpu": []} for n in names}
     for name in names:  # warm-up
         run(name)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for _ in range(repeat):
                 run(name)
+            spent = torch.tensor(time.process_time() - cpu, dtype=torch.float64)
             dist.barrier()
-            times[name].append((time.perf_counter() - start) / repeat)
+            times[name]["wall"].append((time.perf_counter() - start) / repeat)
+            dist.all_reduce(spent)
+            times[name]["cpu"].append(spent.item() / repeat)
     return times
 
 
+def _scaled(times: dict[str, dict[str, list]], factor: float, invert: bool = False) -> dict:
+    """times * factor (or factor / times)."""
+    return {
+        n: {k: [factor / t if invert else t * factor for t in v] for k, v in kinds.items()}
+        for n, kinds in times.items()
+    }
+
+
 def layer_worker(rank: int, world: int, data: str, root: str, rounds: int) -> dict:
-    """One MoE layer of the demo model, experts over the 4 ranks: forward and backward."""
+    """The dispatch and combine alone, then one MoE layer of the demo model, experts over
+    the 4 ranks: forward and backward."""
     cfg, _, _ = prepare(_config(data, f"{root}/layer"), LaunchEnv(rank, world, rank))
     m = cfg.model
     torch.manual_seed(rank)
@@ -128,13 +146,29 @@ def layer_worker(rank: int, world: int, data: str, root: str, rounds: int) -> di
     x = torch.randn(m.seq_length, MICRO, m.hidden_size, requires_grad=True)
     dy = torch.randn_like(x)
 
+    tokens = x.detach().reshape(-1, m.hidden_size).requires_grad_()
+    with torch.no_grad():
+        routing = block.router(tokens)
+    weights = routing.weights.requires_grad_()
+    cap = capacity(m.moe_capacity_factor, len(tokens), m.moe_top_k, m.num_experts)
+
+    def scaled(rows: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        return rows * 1.5
+
+    def move(name: str) -> None:
+        dispatcher = Dispatcher(name)
+        plan = PLANS[dispatcher](routing, m.num_experts, cap)
+        out = dispatch_combine(tokens, plan, weights, scaled, block.ctx.ep, dispatcher)
+        out.backward(dy.view_as(out))
+
     def run(name: str) -> None:
         with variant([block], name):
             block.zero_grad()
             block(x).backward(dy)
 
-    times = _rounds(run, list(VARIANTS), rounds, 3)
-    return {k: [1e3 * t for t in v] for k, v in times.items()}
+    names = [d.value for d in Dispatcher]
+    moved = _scaled(_rounds(move, names, rounds, 5), 1e3)
+    return {"dispatch_ms": moved, "layer_ms": _scaled(_rounds(run, list(VARIANTS), rounds, 3), 1e3)}
 
 
 def step_worker(rank: int, world: int, data: str, root: str, steps: int, rounds: int) -> dict:
@@ -148,15 +182,19 @@ def step_worker(rank: int, world: int, data: str, root: str, steps: int, rounds:
             trainer.train_step()
 
     times = _rounds(run, list(VARIANTS), rounds, steps)
-    return {k: [trainer.tokens_per_step / t for t in v] for k, v in times.items()}
+    return _scaled(times, trainer.tokens_per_step, invert=True)
 
 
-def _table(values: dict[str, list[float]], unit: str, better_high: bool) -> dict[str, float]:
-    med = {k: statistics.median(v) for k, v in values.items()}
+def _table(values: dict[str, dict[str, list]], unit: str, better_high: bool) -> dict:
+    """Print and return the medians, wall and CPU, with each one's ratio to the reference."""
+    med = {n: {k: statistics.median(v) for k, v in kinds.items()} for n, kinds in values.items()}
     base = med["reference"]
-    for name, value in med.items():
-        ratio = value / base if better_high else base / value
-        print(f"   {name:>10}: median {value:,.1f} {unit}, speed-up {ratio:.3f} x the reference")
+    for name, kinds in med.items():
+        cells = []
+        for kind, value in kinds.items():
+            ratio = value / base[kind] if better_high else base[kind] / value
+            cells.append(f"{kind} {value:,.1f} {unit} ({ratio:.3f} x)")
+        print(f"   {name:>10}: " + ", ".join(cells))
     return med
 
 
@@ -165,19 +203,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="training steps per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per variant, training")
     parser.add_argument("--layer-rounds", type=int, default=9, help="rounds per variant, layer")
-    parser.add_argument("--part", choices=("1", "2", "all"), default="all")
+    parser.add_argument("--part", choices=("1", "2", "all"), default="all", help="1: parts 1-2")
     parser.add_argument("--out", default=str(ROOT / "runs" / "benchmarks" / "moe_dispatch.json"))
     args = parser.parse_args()
     result: dict = {"world": WORLD, "ep": WORLD, "variants": list(VARIANTS)}
     with tempfile.TemporaryDirectory() as tmp:
         data, root = repo_corpus(Path(tmp) / "data"), str(Path(tmp) / "runs")
         if args.part in ("1", "all"):
-            print(f"1. one MoE layer, forward + backward, {WORLD} ranks at ep = {WORLD}")
             ms = spawn(layer_worker, WORLD, data, root, args.layer_rounds, timeout_s=1800)
-            result["layer_ms"] = ms
-            result["layer_ms_median"] = _table(ms, "ms", better_high=False)
+            print(f"1. dispatch and combine alone, forward + backward, ep = {WORLD}")
+            print("   (wall ms per pass; CPU ms per pass, all ranks; the speed-up over reference)")
+            result["dispatch_ms"] = ms["dispatch_ms"]
+            result["dispatch_ms_median"] = _table(ms["dispatch_ms"], "ms", better_high=False)
+            print(f"2. one MoE layer, forward + backward, {WORLD} ranks at ep = {WORLD}")
+            result["layer_ms"] = ms["layer_ms"]
+            result["layer_ms_median"] = _table(ms["layer_ms"], "ms", better_high=False)
         if args.part in ("2", "all"):
-            print(f"2. training, {WORLD} ranks at ep = {WORLD}, global batch {GLOBAL} x 256")
+            print(f"3. training, {WORLD} ranks at ep = {WORLD}, global batch {GLOBAL} x 256")
+            print("   (tokens per wall second; tokens per CPU second of all ranks)")
             speeds = spawn(step_worker, WORLD, data, root, args.steps, args.rounds, timeout_s=1800)
             result["tokens_per_s"] = speeds
             result["tokens_per_s_median"] = _table(speeds, "tokens/s", better_high=True)
