@@ -113,11 +113,11 @@ def test_moe_model_state_per_rank_by_hand() -> None:
 
 def test_moe_activations_by_hand() -> None:
     # Per MoE layer and microbatch of 8 tokens, beyond the dense layer of width
-    # 2 x 12 + 20: the rows [t k, h] (bf16) and the combine's fp32 partial sums [t k, h],
-    # the router's fp32 input [t, h] and two fp32 [t, e] score tensors.
+    # 2 x 12 + 20: the rows [t k, h] (bf16) and the experts' outputs the combine weighs
+    # [t k, h] (bf16: no bias), the router's fp32 input [t, h] and two fp32 [t, e] scores.
     assert dense_equivalent(TINY).ffn_size == 44 and dense_equivalent(TINY).num_experts == 0
-    extra = 8 * (2 * 16 * (2 + 4) + 4 * 16 + 2 * 4 * 4)
-    assert extra == 2_304
+    extra = 8 * (2 * 16 * (2 + 2) + 4 * 16 + 2 * 4 * 4)
+    assert extra == 1_792
     kw = dict(micro_batch=1, precision=Precision.BF16)
     moe = layer_activation_bytes(TINY, moe=True, **kw)
     assert moe - layer_activation_bytes(dense_equivalent(TINY), **kw) == extra

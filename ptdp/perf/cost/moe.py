@@ -35,9 +35,10 @@ it streams are its e / ep experts'.
 Activations, memory-bound kernels and backward transients take the MoE layer as the
 dense layer of its active width (`dense_equivalent`: a token's k routed experts and the
 shared experts side by side), plus what dispatch and combine keep per layer and
-microbatch (`dispatch_bytes`): the rows gathered for the experts [t k, h], the fp32
-partial sums the combine weighs [t k, h], the router's fp32 input [t, h] and two fp32
-[t, e] score tensors. Every tensor rank routes the whole sequence (gathered under
+microbatch (`dispatch_bytes`): the rows gathered for the experts [t k, h], the experts'
+outputs the combine weighs [t k, h] (`ptdp.model.dispatch`: in their dtype, fp32 where the
+experts' fp32 bias promotes them, else the precision's), the router's fp32 input [t, h]
+and two fp32 [t, e] score tensors. Every tensor rank routes the whole sequence (gathered under
 sequence parallelism), so these are not divided by t.
 
 Letters: t = tokens of a microbatch (s b; s/cp per rank under context parallelism),
@@ -93,4 +94,5 @@ def dispatch_bytes(model: ModelConfig, *, micro_batch: int, recompute: Recompute
     if recompute is Recompute.FULL:
         return 0.0
     t, h = model.seq_length * micro_batch, model.hidden_size
-    return float(t * (model.moe_top_k * h * (e + 4) + 4 * h + 2 * 4 * model.num_experts))
+    combined = 4 if model.bias else e  # the experts' outputs: fp32 bias + rows is fp32
+    return float(t * (model.moe_top_k * h * (e + combined) + 4 * h + 2 * 4 * model.num_experts))
