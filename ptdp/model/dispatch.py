@@ -30,7 +30,11 @@ by local expert with one gather whose index comes from the exchanged counts (no 
 reference sorts twice), and sends the outputs back through the inverse gather; each
 gather's backward is the other gather (a permutation needs no zero-filled buffer).
 Rows are moved with index_select and index_add, whose sums run in a fixed order on a CPU
-(unlike advanced indexing's threaded `index_put_`), so runs repeat bitwise.
+(unlike advanced indexing's threaded `index_put_`), so runs repeat bitwise. On CUDA
+index_add adds with atomics: a token's first two choices add alike in either order, a
+third may round differently between runs (the reference's combine summed in choice order;
+its gather's backward was an index_add too) unless torch.use_deterministic_algorithms is
+on, under which PyTorch's index_add is deterministic.
 """
 
 from __future__ import annotations
