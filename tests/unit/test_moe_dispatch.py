@@ -180,3 +180,24 @@ def test_regrouping_from_the_counts_equals_a_stable_sort() -> None:
         order = torch.sort(arrival, stable=True).indices
         assert torch.equal(to_expert, order) and torch.equal(to_source, torch.argsort(order))
         assert torch.equal(counts, got.sum(0)) and torch.equal(expert, arrival[order])
+
+
+def test_the_benchmark_switches_the_dispatcher_and_the_kernel() -> None:
+    """benchmarks/parallelism/moe_dispatch.py's variants run what they name (the timing
+    itself is the benchmark's, never asserted)."""
+    from ptdp.parallel import wgrad
+    from ptdp.parallel.grouped import GemmKernel
+    from tests.helpers import load_benchmark
+
+    bench = load_benchmark("parallelism/moe_dispatch")
+    block = _blocks(BASE)[Dispatcher.FUSED]
+    x, w = torch.randn(4, 8), torch.randn(2, 8, 8)
+    want = {
+        "reference": (Dispatcher.REFERENCE, GemmKernel.LOOP),
+        "fused-loop": (Dispatcher.FUSED, GemmKernel.LOOP),
+        "fused": (Dispatcher.FUSED, GemmKernel.UNPADDED),
+    }
+    assert set(bench.VARIANTS) == set(want)
+    for name, (dispatcher, kernel) in want.items():
+        with bench.variant([block], name):
+            assert block.dispatcher is dispatcher and wgrad.choose_gemm(x, w) is kernel
