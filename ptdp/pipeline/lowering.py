@@ -19,29 +19,40 @@ def add_comms(plan: Plan, stages: StageMap) -> Plan:
     below the last; RECV_B/SEND_B do the same around each B or BW. Transfers whose two stages
     share a rank (pp == 1, or ZB-V's turn from stage pp - 1 to pp) stay in memory and get no
     action. Receives are placed as late as possible and sends as early as possible, so a rank
-    blocks only when it must.
+    blocks only when it must. A pair (`Action.paired`: two adjacent compute actions) is
+    lowered as one: both receives, both passes, both sends, as DualPipe does, so that neither
+    pass waits for a transfer between them.
     """
     apart_below, apart_above = apart(stages)
+
+    def before(a: Action) -> list[Action]:
+        if a.kind is Kind.F and apart_below[a.stage]:
+            return [Action(Kind.RECV_F, a.stage, a.mb)]
+        if a.kind in (Kind.B, Kind.BW) and apart_above[a.stage]:
+            return [Action(Kind.RECV_B, a.stage, a.mb)]
+        return []
+
+    def after(a: Action) -> list[Action]:
+        if a.kind is Kind.F and apart_above[a.stage]:
+            return [Action(Kind.SEND_F, a.stage, a.mb)]
+        if a.kind in (Kind.B, Kind.BW) and apart_below[a.stage]:
+            return [Action(Kind.SEND_B, a.stage, a.mb)]
+        return []
+
     lowered: Plan = {}
     for r, actions in plan.items():
         out: list[Action] = []
-        append = out.append
-        for a in actions:
-            kind, s = a.kind, a.stage
-            if kind is Kind.F:
-                if apart_below[s]:
-                    append(Action(Kind.RECV_F, s, a.mb))
-                append(a)
-                if apart_above[s]:
-                    append(Action(Kind.SEND_F, s, a.mb))
-            elif kind is Kind.B or kind is Kind.BW:
-                if apart_above[s]:
-                    append(Action(Kind.RECV_B, s, a.mb))
-                append(a)
-                if apart_below[s]:
-                    append(Action(Kind.SEND_B, s, a.mb))
-            else:
-                append(a)
+        i = 0
+        while i < len(actions):
+            a = actions[i]
+            paired = a.paired and i + 1 < len(actions) and actions[i + 1].paired
+            group = actions[i : i + 2] if paired else [a]
+            for x in group:
+                out += before(x)
+            out += group
+            for x in group:
+                out += after(x)
+            i += len(group)
         lowered[r] = out
     return lowered
 
