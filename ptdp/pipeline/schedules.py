@@ -237,8 +237,7 @@ def check_args(name: str, pp: int, m: int, vpp: int = 1, *, paired: bool = False
     if paired and not spec.can_pair:
         can = ", ".join(n for n, s in SCHEDULES.items() if s.can_pair)
         raise ValueError(
-            f"schedule {name!r} has no variant with paired forwards and backwards; use one "
-            f"of {can}"
+            f"schedule {name!r} has no variant with paired forwards and backwards; use one of {can}"
         )
 
 
