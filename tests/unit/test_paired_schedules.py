@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.config.sections import RunConfig
 from ptdp.config.files import apply_updates
+from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
 from ptdp.pipeline.actions import Action, Kind
 from ptdp.pipeline.classic import one_f_one_b
