@@ -251,11 +251,13 @@ def all_to_all(x: torch.Tensor, g: Group, send: list[int], recv: list[int]) -> t
 
 class AllToAllHandle:
     """An all-to-all in flight between `all_to_all_start` and `all_to_all_wait`, in forward
-    and again (its gradient) in backward. Holds the one `dist.Work` not yet waited on."""
+    and again (its gradient) in backward: the one `dist.Work` not yet waited on, and in
+    backward the buffer it fills."""
 
     def __init__(self, g: Group, send: list[int], recv: list[int]) -> None:
         self.g, self.send, self.recv = g, send, recv
         self.work: dist.Work | None = None
+        self.grad: torch.Tensor | None = None
 
     def wait(self) -> None:
         if self.work is not None:
@@ -266,7 +268,7 @@ class AllToAllHandle:
 class _AllToAllStart(torch.autograd.Function):
     """Forward posts the exchange and returns the receive buffer, to be read only after
     `_AllToAllWait`; backward waits for the gradient's exchange that `_AllToAllWait`'s
-    backward posted and returns its buffer."""
+    backward posted and returns its buffer, the gradient of the rows sent."""
 
     @staticmethod
     def forward(ctx, x, handle):
@@ -276,13 +278,16 @@ class _AllToAllStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.handle.wait()
-        return grad, None
+        h = ctx.handle
+        h.wait()
+        back, h.grad = h.grad, None
+        return back, None
 
 
 class _AllToAllWait(torch.autograd.Function):
     """Forward waits for the exchange (`out` is then filled); backward posts the gradient's
-    exchange back (splits swapped) and returns its buffer to `_AllToAllStart`'s backward."""
+    exchange back (splits swapped) into the handle and passes the gradient on unchanged to
+    `_AllToAllStart`'s backward, which waits for it."""
 
     @staticmethod
     def forward(ctx, out, handle):
@@ -293,8 +298,8 @@ class _AllToAllWait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         h = ctx.handle
-        back, h.work = _all_to_all_async(grad, h.g, h.recv, h.send)
-        return back, None
+        h.grad, h.work = _all_to_all_async(grad, h.g, h.recv, h.send)
+        return grad, None
 
 
 def all_to_all_start(
