@@ -216,8 +216,8 @@ class ParallelConfig:
     """How attention sees the other ranks' keys and values under cp > 1: ring (blocks rotated
     point to point, overlapped with compute) or allgather (gathered once per layer)."""
     vpp: int = 1
-    """Model chunks per pipeline rank: >= 2 for the interleaved schedule, 2 for zb-v (taken
-    when not given), 1 for the others."""
+    """Model chunks per pipeline rank: >= 2 for the interleaved schedule, 2 for zb-v and
+    dualpipev (taken when not given), 1 for the others."""
     pipeline_layers: tuple[int, ...] = ()
     """Layers of each virtual stage in stage order, pp * vpp entries summing to
     model.num_layers (e.g. 3,4,4,3 on the command line or [3, 4, 4, 3] in TOML, to give the

@@ -81,8 +81,9 @@ class PipelinePlan:
     def summary(self) -> str:
         """One log line: the schedule and its bubble under unit costs."""
         report = self.report
+        paired = " (paired)" if self.paired and not SCHEDULES[self.schedule].pairs else ""
         return (
-            f"pipeline | schedule {self.schedule} | {self.pp} stages x {self.vpp} chunks | "
+            f"pipeline | schedule {self.schedule}{paired} | {self.pp} stages x {self.vpp} chunks | "
             f"{self.num_microbatches} microbatches per pipeline per step | predicted bubble "
             f"{report.bubble_fraction:.3f} of the ideal time (unit costs) | peak stored "
             f"activations (microbatch x chunk) per rank {list(report.peak_in_flight)}"
