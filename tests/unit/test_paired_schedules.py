@@ -245,3 +245,26 @@ def test_schedule_report_shows_the_pairs() -> None:
     assert "0F3~" in text and "3BW1~" in text
     assert "dualpipev: pp=2 vpp=2 microbatches=4 | unit-cost makespan 26 (ideal 24)" in text
     assert "(theory 0.0833)" in text
+
+
+def test_the_simulator_replays_the_paired_plans() -> None:
+    from ptdp.perf.cost.hardware_file import load_system
+    from ptdp.perf.simulate.replay import PipelineCosts, replay
+    from ptdp.perf.simulate.simulator import simulate
+    from tests.helpers import PERF_MODEL
+
+    # At unit costs the replay is the verifier's dry run, pairs and all.
+    for name, paired in (("dualpipev", False), ("1f1b", True)):
+        plan = build_plan(name, 4, 8, 2 if name == "dualpipev" else 1, paired=paired)
+        run = replay(plan.lowered, plan.stages, PipelineCosts.unit(plan.stages.stages))
+        assert run.makespan == plan.report.makespan
+    system = load_system("a100-80gb")
+    train = {"micro_batch_size": 1, "global_batch_size": 16}
+    for parallel, model in (
+        ({"pp": 4, "vpp": 2, "schedule": "dualpipev"}, PERF_MODEL),
+        ({"pp": 4, "moe_overlap": True}, PERF_MODEL | MOE),
+    ):
+        updates = {"model": model, "parallel": parallel, "train": train}
+        prediction = simulate(apply_updates(RunConfig(), updates, "t"), system, 4)
+        assert prediction.layout.pipeline.compute[0][-1].kind in (Kind.W, Kind.BW)
+        assert prediction.pipeline_seconds > 0
