@@ -268,3 +268,18 @@ def test_the_simulator_replays_the_paired_plans() -> None:
         prediction = simulate(apply_updates(RunConfig(), updates, "t"), system, 4)
         assert prediction.layout.pipeline.compute[0][-1].kind in (Kind.W, Kind.BW)
         assert prediction.pipeline_seconds > 0
+
+
+def test_ptdp_schedule_command(capsys) -> None:
+    from ptdp.cli import main
+
+    args = ["schedule", "--parallel.schedule", "dualpipev", "--pp", "4", "--microbatches", "8"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "dualpipev: pp=4 vpp=2 microbatches=8 | unit-cost makespan 54 (ideal 48)" in out
+    assert "0SEND_F" in out and "~" in out
+    assert main([*args[:-1], "7"]) == 2
+    assert "use m = 8 or more" in capsys.readouterr().err
+    paired = ["schedule", "--pp", "2", "--microbatches", "4", "--moe-overlap", "--no-comms"]
+    assert main(paired) == 0
+    assert "1f1b (paired): pp=2" in capsys.readouterr().out
