@@ -23,38 +23,44 @@ def add_comms(plan: Plan, stages: StageMap) -> Plan:
     lowered as one: both receives, both passes, both sends, as DualPipe does, so that neither
     pass waits for a transfer between them.
     """
-    apart_below, apart_above = apart(stages)
-
-    def before(a: Action) -> list[Action]:
-        if a.kind is Kind.F and apart_below[a.stage]:
-            return [Action(Kind.RECV_F, a.stage, a.mb)]
-        if a.kind in (Kind.B, Kind.BW) and apart_above[a.stage]:
-            return [Action(Kind.RECV_B, a.stage, a.mb)]
-        return []
-
-    def after(a: Action) -> list[Action]:
-        if a.kind is Kind.F and apart_above[a.stage]:
-            return [Action(Kind.SEND_F, a.stage, a.mb)]
-        if a.kind in (Kind.B, Kind.BW) and apart_below[a.stage]:
-            return [Action(Kind.SEND_B, a.stage, a.mb)]
-        return []
-
+    below, above = apart(stages)
     lowered: Plan = {}
     for r, actions in plan.items():
         out: list[Action] = []
-        i = 0
-        while i < len(actions):
-            a = actions[i]
-            paired = a.paired and i + 1 < len(actions) and actions[i + 1].paired
-            group = actions[i : i + 2] if paired else [a]
-            for x in group:
-                out += before(x)
-            out += group
-            for x in group:
-                out += after(x)
-            i += len(group)
+        held: list[Action] = []  # the first pass's sends, while its pair is open
+        second = False  # `a` closes a pair
+        for i, a in enumerate(actions):
+            first = a.paired and not second and i + 1 < len(actions) and actions[i + 1].paired
+            if first:  # both receives before the pair
+                out += _receive(a, below, above) + _receive(actions[i + 1], below, above)
+            elif not second:
+                out += _receive(a, below, above)
+            out.append(a)
+            held += _send(a, below, above)
+            if not first:  # both sends after the pair
+                out += held
+                held = []
+            second = first
         lowered[r] = out
     return lowered
+
+
+def _receive(a: Action, below: list[bool], above: list[bool]) -> list[Action]:
+    """The receive that brings compute action `a` its input from another rank, if any."""
+    if a.kind is Kind.F:
+        return [Action(Kind.RECV_F, a.stage, a.mb)] if below[a.stage] else []
+    if a.kind is Kind.B or a.kind is Kind.BW:
+        return [Action(Kind.RECV_B, a.stage, a.mb)] if above[a.stage] else []
+    return []
+
+
+def _send(a: Action, below: list[bool], above: list[bool]) -> list[Action]:
+    """The send that carries compute action `a`'s result to another rank, if any."""
+    if a.kind is Kind.F:
+        return [Action(Kind.SEND_F, a.stage, a.mb)] if above[a.stage] else []
+    if a.kind is Kind.B or a.kind is Kind.BW:
+        return [Action(Kind.SEND_B, a.stage, a.mb)] if below[a.stage] else []
+    return []
 
 
 def apart(stages: StageMap) -> tuple[list[bool], list[bool]]:

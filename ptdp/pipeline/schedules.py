@@ -1,7 +1,8 @@
 """The pipeline schedules by name: each one's builder and what the rest of ptdp reads of it.
 
 A new schedule is one builder (in `ptdp.pipeline.classic` where the backward is one fused BW,
-in `ptdp.pipeline.zero_bubble` where it is split into B and W) plus its `ScheduleSpec` in
+in `ptdp.pipeline.zero_bubble` where it is split into B and W, in `ptdp.pipeline.paired`
+where forwards and backwards are paired) plus its `ScheduleSpec` in
 `SCHEDULES` here: chunks per rank and their placement, bubble formula, in-flight bound. The
 runtime never grows a branch for it (DESIGN invariant 1). `build` checks the arguments and
 returns the builder's compute-only plan; `ptdp.pipeline.lowering.add_comms` adds the sends
@@ -11,7 +12,8 @@ both once for every reader.
 Letters: pp = pipeline ranks, vpp = model chunks per rank, m = microbatches per pipeline per
 step, r = pipeline rank (0 first). Which rank holds a stage is the schedule's placement
 (`ptdp.pipeline.placement`): looped (rank r holds r, r + pp, r + 2 pp, ..., Megatron's
-interleaving) for all but ZB-V, whose two chunks per rank sit in a V (stages r and 2 pp - 1 - r).
+interleaving) for all but ZB-V and DualPipeV, whose two chunks per rank sit in a V (stages r
+and 2 pp - 1 - r).
 
 In flight: a microbatch holds its activations on a stage from its F until its BW, or until its W
 when the backward is split (B leaves the graph, or the weight-gradient inputs, for W), which is
@@ -104,7 +106,8 @@ class ScheduleSpec:
     placement: Placement = Placement.LOOPED
     """How its chunks sit on the ranks (`ptdp.pipeline.placement`)."""
     splits_backward: bool = False
-    """Runs B (input gradient) and W (weight gradient) apart instead of one fused BW."""
+    """Runs B (input gradient) and W (weight gradient) apart instead of one fused BW (all
+    its backwards; DualPipeV some, its paired ones fused)."""
     doc: str = ""
     """One line for `ptdp schedule --help`."""
     pairs: bool = False
