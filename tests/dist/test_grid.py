@@ -187,6 +187,7 @@ GRID = [
     Layout(pp=2, vpp=2, schedule="dualpipev", moe="moe"),
     Layout(pp=2, moe="moe", overlap=True),  # 1F1B paired
     Layout(dp=2, moe="moe-shared-bias", ep=2, overlap=True),  # no pipeline: paired accumulation
+    Layout(tp=2, sp=True, moe="moe-shared-bias", ep=2, overlap=True),  # folded: tp's MLP in flight
     Layout(pp=4, vpp=2, schedule="dualpipev", moe="moe-shared-bias"),
     Layout(pp=2, dp=2, moe="moe-shared-bias", ep=2, overlap=True),
     Layout(pp=2, dp=2, vpp=2, schedule="dualpipev", moe="moe-shared-bias", ep=2, overlap=True),
