@@ -197,8 +197,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         chunks=2,
         placement=Placement.V,
         splits_backward=True,
-        doc="DeepSeek's DualPipeV on ZB-V's V: steady-state forward and backward pairs overlap "
-        "all-to-all with compute",
+        doc="DeepSeek's DualPipeV on ZB-V's V: steady-state forwards paired with backwards",
         pairs=True,
         min_microbatches=lambda pp: 2 * pp,
     ),
