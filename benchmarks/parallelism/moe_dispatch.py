@@ -159,7 +159,7 @@ def layer_worker(rank: int, world: int, data: str, root: str, rounds: int) -> di
     def move(name: str, ep: Group = block.ctx.ep) -> None:
         dispatcher = Dispatcher(name)
         plan = PLANS[dispatcher](routing, m.num_experts, cap)
-        out = dispatch_combine(tokens, plan, weights, scaled, ep, dispatcher)
+        out, _ = dispatch_combine(tokens, plan, weights, scaled, ep, dispatcher)
         out.backward(dy.view_as(out))
 
     def alone(name: str) -> None:  # every rank all the experts: no all-to-all

@@ -8,15 +8,17 @@ a member's experts receive.
 Interface (`ptdp.model.moe.MoE` calls it so; any caller that has routed its tokens can):
 
     plan = plan_dispatch(routing, num_experts, cap)  # routing.experts, .weights [t, k]
-    out = dispatch_combine(tokens, plan, routing.weights, experts, ep)  # [t, h]
+    out, _ = dispatch_combine(tokens, plan, routing.weights, experts, ep)  # [t, h]
 
 `experts(rows [m, h], counts [l], expert [m]) -> [m, h]` computes rows grouped by local
 expert (`GroupedExperts.forward`); `ep` is the expert-parallel group (`Group.single()`:
-none). `plan.routed` and `plan.dropped` are the figures the balancing loss and the log
-read. `Dispatcher.REFERENCE` selects the earlier path, kept as the oracle the fused one is
-tested against (tests/unit/test_moe_dispatch.py, tests/dist/test_moe.py) and measured
-against (benchmarks/parallelism/moe_dispatch.py): `PLANS[dispatcher](...)` plans, and
-`dispatch_combine(..., dispatcher)` moves the rows, either way (`MoE(dispatch=...)`).
+none); `during=` runs a function while the dispatch is in flight (moe_overlap: the shared
+experts) and its result is the second value. `plan.routed` and `plan.dropped` are the
+figures the balancing loss and the log read. `Dispatcher.REFERENCE` selects the earlier
+path, kept as the oracle the fused one is tested against (tests/unit/test_moe_dispatch.py,
+tests/dist/test_moe.py) and measured against (benchmarks/parallelism/moe_dispatch.py):
+`PLANS[dispatcher](...)` plans, and `dispatch_combine(..., dispatcher)` moves the rows,
+either way (`MoE(dispatch=...)`).
 
 The fused path (`Dispatcher.FUSED`, the default) makes one pass over the token rows in
 and one out: `_Permute` gathers each kept choice's token row in expert order (the send
@@ -263,20 +265,44 @@ def dispatch_combine(
     experts: Experts,
     ep: Group,
     dispatcher: Dispatcher = Dispatcher.FUSED,
-) -> torch.Tensor:
-    """tokens [t, h] -> [t, h]: each token's sum of its kept choices' expert outputs times
-    their weights [t, k] (the experts of all of them split over `ep`)."""
+    during: Callable[[], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """tokens [t, h] -> ([t, h]: each token's sum of its kept choices' expert outputs times
+    their weights [t, k], the experts of all of them split over `ep`; what `during`
+    returned). `during` (moe_overlap: the shared experts) runs while the dispatch's
+    all-to-all is in flight, posted asynchronously; with nothing in flight (ep = 1) it is
+    not run and None comes back."""
     if dispatcher is Dispatcher.REFERENCE:
-        return _reference(tokens, plan, weights, experts, ep)
+        return _reference(tokens, plan, weights, experts, ep, during)
     top_k = weights.shape[1]
     rows = permute(tokens, plan, top_k)
     if ep.size == 1:
-        return unpermute(experts(rows, plan.counts, plan.expert), plan, weights)
+        return unpermute(experts(rows, plan.counts, plan.expert), plan, weights), None
     x = plan_exchange(plan.counts, ep)
-    arrived = comm.all_to_all(rows, ep, x.send, x.recv)  # by source, then expert
+    arrived, extra = _send(rows, ep, x.send, x.recv, during)  # by source, then expert
     grouped = _Reorder.apply(arrived, x.to_expert, x.to_source)  # by expert, then source
     out = _Reorder.apply(experts(grouped, x.counts, x.expert), x.to_source, x.to_expert)
-    return unpermute(comm.all_to_all(out, ep, x.recv, x.send), plan, weights)
+    return unpermute(comm.all_to_all(out, ep, x.recv, x.send), plan, weights), extra
+
+
+def _send(
+    rows: torch.Tensor,
+    ep: Group,
+    send: list[int],
+    recv: list[int],
+    during: Callable[[], torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The dispatch's all-to-all; `during` runs while it is in flight. In backward the
+    exchange of the rows' gradients is posted likewise and `during`'s backward runs while
+    it is in flight (`comm.all_to_all_start`: autograd runs the nodes made between start
+    and wait between their backwards). The combine's exchange is waited for at once: the
+    experts need the rows, and a forward of one microbatch cannot run inside another's
+    backward without an own autograd engine."""
+    if during is None:
+        return comm.all_to_all(rows, ep, send, recv), None
+    posted, handle = comm.all_to_all_start(rows, ep, send, recv)
+    extra = during()  # while the rows travel
+    return comm.all_to_all_wait(posted, handle), extra
 
 
 def combine(rows: torch.Tensor, plan: Dispatch, weights: torch.Tensor) -> torch.Tensor:
@@ -290,23 +316,33 @@ def combine(rows: torch.Tensor, plan: Dispatch, weights: torch.Tensor) -> torch.
 
 
 def _reference(
-    tokens: torch.Tensor, plan: Dispatch, weights: torch.Tensor, experts: Experts, ep: Group
-) -> torch.Tensor:
+    tokens: torch.Tensor,
+    plan: Dispatch,
+    weights: torch.Tensor,
+    experts: Experts,
+    ep: Group,
+    during: Callable[[], torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The path first written: gather, (all-to-all, sort, compute, unsort, all-to-all),
     index_copy into a [t * k, h] buffer and a weighted sum over k."""
-    rows = tokens.index_select(0, plan.choice // weights.shape[1])
+    rows, extra = tokens.index_select(0, plan.choice // weights.shape[1]), None
     if ep.size > 1:
-        rows = _reference_expert_parallel(rows, plan, experts, ep)
+        rows, extra = _reference_expert_parallel(rows, plan, experts, ep, during)
     else:
         rows = experts(rows, plan.counts, plan.expert)
-    return combine(rows, plan, weights)
+    return combine(rows, plan, weights), extra
 
 
 def _reference_expert_parallel(
-    rows: torch.Tensor, plan: Dispatch, experts: Experts, ep: Group
-) -> torch.Tensor:
+    rows: torch.Tensor,
+    plan: Dispatch,
+    experts: Experts,
+    ep: Group,
+    during: Callable[[], torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows [n, h] grouped by expert -> their experts' outputs [n, h], in the same order,
-    the experts living on the members of the expert-parallel group.
+    the experts living on the members of the expert-parallel group (and what `during`
+    returned, run while the dispatch is in flight).
 
     Each member sends every expert's rows to the member holding it (members hold
     consecutive experts, so the rows for one member are contiguous), computes what it
@@ -317,10 +353,10 @@ def _reference_expert_parallel(
     sent = plan.counts.view(ep.size, local)  # [member, its expert]: rows sent
     got = comm.exchange_counts(sent, ep)  # [source member, my expert]: rows received
     send, recv = sent.sum(1).tolist(), got.sum(1).tolist()
-    arrived = comm.all_to_all(rows, ep, send, recv)  # by source, then expert
+    arrived, extra = _send(rows, ep, send, recv, during)  # by source, then expert
     expert = torch.arange(local, device=rows.device).repeat(ep.size)
     expert = expert.repeat_interleave(got.reshape(-1))
     order = torch.sort(expert, stable=True).indices  # by expert, then source
     out = experts(arrived.index_select(0, order), got.sum(0), expert[order])
     back = out.index_select(0, torch.argsort(order))  # by source again
-    return comm.all_to_all(back, ep, recv, send)
+    return comm.all_to_all(back, ep, recv, send), extra

@@ -181,14 +181,18 @@ class MoE(nn.Module):
             weights = comm.gather_from_sp(weights, etp)
         cap = capacity(self.capacity_factor, len(tokens), self.top_k, self.num_experts)
         plan = PLANS[self.dispatcher](Routing(chosen, weights, None, None), self.num_experts, cap)
-        out = dispatch_combine(tokens, plan, weights, self.experts, self.ctx.ep, self.dispatcher)
+        overlap = self.ctx.moe_overlap and self.shared is not None
+        during = (lambda: self.shared(x)) if overlap else None  # while the rows travel
+        out, shared = dispatch_combine(
+            tokens, plan, weights, self.experts, self.ctx.ep, self.dispatcher, during
+        )
         out = comm.reduce_scatter_to_sp(out, etp).view(s, b, h)  # partial sums over etp
         if self.training:
             out = self._balance(out, routing, plan)
         if not sp:
             out = comm.gather_seq_from_tp(out, tp)
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + (self.shared(x) if shared is None else shared)
         return out
 
     def _replicated(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,7 +210,7 @@ class MoE(nn.Module):
         routing = self.router(tokens)
         cap = capacity(self.capacity_factor, s * b, self.top_k, self.num_experts)
         plan = PLANS[self.dispatcher](routing, self.num_experts, cap)
-        out = dispatch_combine(
+        out, _ = dispatch_combine(
             tokens, plan, routing.weights, self.experts, self.ctx.ep, self.dispatcher
         )
         out = comm.reduce_from_tp(out, etp).view(s, b, h)
