@@ -82,7 +82,7 @@ def sharded_passes(
     group = layout.dp * layout.cp
     if layout.zero < 2 or group == 1:
         return passes, 0.0
-    split = (layout.pp, layout.vpp, layout.stage_layers, layout.ep)
+    split = (layout.pp, layout.vpp, layout.stage_layers, layout.ep, layout.etp)
     params = parameters_per_stage(cfg.model, layout.tp, *split)
     experts = expert_parameters_per_stage(cfg.model, layout.tp, *split)
     regather = reshard_after_forward(cfg)
@@ -92,7 +92,7 @@ def sharded_passes(
         reduce = gather = 0.0
         fp8 = fp8_gathered_weights(cfg, layout)
         for part, size, stride in reduction_groups(
-            n, experts[stage], tp=layout.tp, dp_cp=group, ep=layout.ep
+            n, experts[stage], tp=layout.tp, dp_cp=group, ep=layout.ep, etp=layout.etp
         ):
             link = _sharded_link(c, size, stride)
             reduce += gather_seconds(
