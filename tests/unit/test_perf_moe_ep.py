@@ -48,7 +48,8 @@ def _mixtral(ep: int, gpus: int = 64, **parallel: object) -> RunConfig:
     """Mixtral at 4096 tokens on tp = 4, pp = 4 (d = gpus / 16), its experts over ep ranks."""
     sections = {
         "model": MODEL_PRESETS["mixtral-8x7b"] | {"seq_length": 4096},
-        "parallel": {"tp": 4, "pp": 4, "sequence_parallel": True, "ep": ep} | parallel,
+        # etp = tp: the experts split like the dense layers, ep over dp * cp (before folding)
+        "parallel": {"tp": 4, "etp": 4, "pp": 4, "sequence_parallel": True, "ep": ep} | parallel,
         "train": {"global_batch_size": 64, "micro_batch_size": 1, "precision": "bf16"},
     }
     return apply_updates(RunConfig(), sections, "test")
