@@ -65,10 +65,10 @@ from dataclasses import dataclass
 from ptdp.config.enums import Activation, Precision, Recompute
 from ptdp.config.sections import ModelConfig
 from ptdp.perf.cost.collectives import all_reduce_seconds, gather_seconds, group_link
+from ptdp.perf.cost.folding import Experts
 from ptdp.perf.cost.hardware import System
 from ptdp.perf.cost.kernels import Call, layer_traffic
 from ptdp.perf.cost.layer_bytes import head_activation_bytes, layer_activation_bytes
-from ptdp.perf.cost.folding import Experts
 from ptdp.perf.cost.moe import dense_equivalent, permute_bytes, routed_rows
 from ptdp.perf.cost.parameters import attention_width, element_bytes
 from ptdp.perf.cost.software import Software

@@ -17,6 +17,11 @@ ep etp fits in it (NVLink/NVSwitch). Across nodes
 each GPU sends its rows for the peers on other nodes through its own network card while
 those for its node's peers go over NVLink, at once: the GPU with the fewest group members
 on its node (k) sends (ep - k)/(ep - 1) of its bytes over the network (`alltoall_link`).
+A deduplicating dispatch (`Software.moe_node_dedup`, DeepEP) sends a token over the network
+once per other node holding any of its experts (of the N nodes' e / N experts each, a node
+is hit with probability 1 - C(e - e/N, k) / C(e, k)) and fans it out over NVLink there:
+the slower of the network's bytes and NVLink's (every row bound to another GPU crosses
+NVLink once, from its sender or from the node's receiving GPU), `dedup_seconds`.
 
 Letters: t = tokens of a microbatch on a rank (s b / cp), k = experts per token, h =
 hidden, e = bytes per element.
@@ -32,8 +37,8 @@ from ptdp.config.enums import Recompute
 from ptdp.config.sections import ModelConfig
 from ptdp.perf.cost.collectives import all_to_all_seconds, group_members
 from ptdp.perf.cost.costs import Compute, Passes, sync_seconds
-from ptdp.perf.cost.hardware import Link, System
 from ptdp.perf.cost.folding import Experts
+from ptdp.perf.cost.hardware import Link, System
 from ptdp.perf.cost.moe import alltoall_bytes
 
 
@@ -43,14 +48,9 @@ def alltoall_link(system: System, size: int, stride: int) -> Link:
     in-node link, or for a group across nodes one whose bandwidth takes each GPU's bytes
     split between its network card and NVLink, at the all-to-all figures of each
     (`Link.collective`), with the network's latencies."""
-    per_node = system.gpus_per_node
     if size <= 1:
         return system.intra
-    period = math.lcm(size * stride, per_node)
-    local = min(
-        min(Counter(system.node_of(gpu) for gpu in group).values())
-        for group in group_members(size, stride, period)
-    )
+    local = _members_per_node(system, size, stride)
     if local == size:
         return system.intra
     _, intra = system.intra.collective("all_to_all")
@@ -60,6 +60,33 @@ def alltoall_link(system: System, size: int, stride: int) -> Link:
     name = f"{size - local} of {size - 1} peers over {system.inter.name}"
     step = system.inter.step_latency
     return Link(name, bandwidth, 1.0, latency, step, ops=(("all_to_all", latency, bandwidth),))
+
+
+def _members_per_node(system: System, size: int, stride: int) -> int:
+    """The fewest members of one group of `size` GPUs `stride` apart on any node it spans."""
+    period = math.lcm(size * stride, system.gpus_per_node)
+    return min(
+        min(Counter(system.node_of(gpu) for gpu in group).values())
+        for group in group_members(size, stride, period)
+    )
+
+
+def dedup_seconds(
+    system: System, *, rows: float, tokens: float, experts: int, top_k: int, ep: int, stride: int
+) -> float | None:
+    """One deduplicating all-to-all (module doc) of `rows` bytes of token-choice rows from
+    `tokens` bytes of tokens, over ep GPUs `stride` apart; None inside one node (a plain
+    all-to-all there)."""
+    local = _members_per_node(system, ep, stride)
+    if local == ep:
+        return None
+    nodes = ep // local
+    held = experts * local // ep  # a node's experts
+    hit = 1.0 - math.comb(experts - held, top_k) / math.comb(experts, top_k)
+    latency, inter = system.inter.collective("all_to_all")
+    _, intra = system.intra.collective("all_to_all")
+    wire = max(tokens * (nodes - 1) * hit / inter, rows * (ep - 1) / ep / intra)
+    return latency + (ep - 1) * system.inter.step_latency + wire
 
 
 def alltoall_seconds(
@@ -72,8 +99,21 @@ def alltoall_seconds(
         return 0.0
     split = Experts.of(tp, 1, ep, etp)
     tokens = split.routed_tokens(model.seq_length * micro_batch)
-    sent = alltoall_bytes(tokens, model.moe_top_k, model.hidden_size, ep, c.e)
-    sent *= c.software.moe_load_imbalance
+    load = c.software.moe_load_imbalance
+    sent = alltoall_bytes(tokens, model.moe_top_k, model.hidden_size, ep, c.e) * load
+    if c.software.moe_node_dedup:
+        row = tokens * model.hidden_size * c.e * load
+        seconds = dedup_seconds(
+            c.system,
+            rows=row * model.moe_top_k,
+            tokens=row,
+            experts=model.num_experts,
+            top_k=model.moe_top_k,
+            ep=ep,
+            stride=split.ep_stride,
+        )
+        if seconds is not None:
+            return seconds
     return all_to_all_seconds(sent, ep, alltoall_link(c.system, ep, split.ep_stride))
 
 

@@ -96,6 +96,7 @@ from dataclasses import dataclass, replace
 from ptdp.config.enums import Recompute
 from ptdp.config.sections import RunConfig
 from ptdp.perf.cost import context
+from ptdp.perf.cost.folding import Experts
 from ptdp.perf.cost.layer_bytes import (
     fp32_norm_inputs,
     head_activation_bytes,
@@ -103,7 +104,6 @@ from ptdp.perf.cost.layer_bytes import (
     layer_activation_bytes,
     layer_backward_bytes,
 )
-from ptdp.perf.cost.folding import Experts
 from ptdp.perf.cost.moe import dense_equivalent, moe_layers_per_stage
 from ptdp.perf.cost.parameters import (
     bytes_per_parameter,

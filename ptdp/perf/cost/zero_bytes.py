@@ -80,5 +80,6 @@ def gathered_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
         return [e * count - saved * n + cast * bool(n) for count, n in zip(per_rank, layers)]
     rows = model.padded_vocab_size(tp) // tp * model.hidden_size
     units = range(model.num_layers) if model.num_experts else [None]
-    unit = max(*(e * layer_parameters(model, tp, i, layout.ep, layout.etp) - saved for i in units), e * rows)
+    sizes = [e * layer_parameters(model, tp, i, layout.ep, layout.etp) - saved for i in units]
+    unit = max(*sizes, e * rows)
     return [2.0 * min(unit, e * count) + cast for count in per_rank]

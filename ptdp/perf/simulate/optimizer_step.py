@@ -38,7 +38,8 @@ def optimizer_seconds(
     edp ranks under expert parallelism (`experts.reduction_groups`). A file that measured the step's
     own overhead (`optimizer_overhead`, CPUs) adds it per step and per parameter tensor.
     """
-    split = (layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement, layout.ep, layout.etp)
+    split = (layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement)
+    split += (layout.ep, layout.etp)
     counts = parameters_per_rank(cfg.model, layout.tp, *split)
     busiest = max(range(layout.pp), key=lambda r: counts[r])
     per_rank = counts[busiest]
