@@ -138,10 +138,12 @@ def ep_comm_seconds(
     return Passes(pair, pair + again, 0.0)
 
 
-def overlapped(a2a: Passes, compute: Passes) -> Passes:
-    """`parallel.moe_overlap`: each pass's all-to-alls behind the paired microbatch's other
-    pass of the same layer (F's behind B + W, B's behind F); what is left is exposed."""
-    return Passes(max(0.0, a2a.f - compute.b - compute.w), max(0.0, a2a.b - compute.f), a2a.w)
+def overlapped(a2a: Passes, compute: Passes, fraction: float = 1.0) -> Passes:
+    """`parallel.moe_overlap`: each pass's all-to-alls behind `fraction` of the paired
+    microbatch's other pass of the same layer (F's behind B + W, B's behind F; `compute`
+    without the all-to-alls); what is left is exposed."""
+    behind_f, behind_b = fraction * (compute.b + compute.w), fraction * compute.f
+    return Passes(max(0.0, a2a.f - behind_f), max(0.0, a2a.b - behind_b), a2a.w)
 
 
 def reduction_groups(

@@ -32,6 +32,7 @@ def layer_activation_bytes(
     native_gqa: bool = False,
     fused_swiglu: bool = False,
     etp: int | None = None,
+    discards_outputs: bool = False,
 ) -> float:
     """Bytes one layer stores for backward per microbatch (Korthikanti et al.).
 
@@ -43,7 +44,10 @@ def layer_activation_bytes(
     makes, 4 bytes where the paper has 2. `moe`: a mixture-of-experts layer: attention and
     the shared experts' MLP as a dense layer's (its MLP input: the router's and the
     dispatch's), plus what the routed experts on the rank keep (`moe.expert_bytes`, their
-    split over `etp`: `ptdp.perf.cost.folding`).
+    split over `etp`: `ptdp.perf.cost.folding`). `discards_outputs` (`Software`): the two
+    norms' outputs (the QKV linear's and the MLP's input) and the routed experts'
+    activation output are recomputed in backward, not kept (Megatron-Core's
+    output-discarding recomputation).
     """
     if fused_attention and recompute is Recompute.NONE:
         recompute = Recompute.SELECTIVE  # no s x s tensor is kept: the core recomputes
@@ -51,12 +55,24 @@ def layer_activation_bytes(
     if moe:
         e = element_bytes(precision)
         kw = dict(micro_batch=micro_batch, recompute=recompute, e=e, tp=tp, etp=etp)
-        extra = expert_bytes(model, fused_swiglu=fused_swiglu, **kw)
+        extra = expert_bytes(
+            model, fused_swiglu=fused_swiglu, discards_outputs=discards_outputs, **kw
+        )
         width = model.moe_shared_ffn_size
     f = width * (2 if model.activation is Activation.SWIGLU else 1)
     if fused_swiglu and model.activation is Activation.SWIGLU and recompute is not Recompute.FULL:
         extra -= element_bytes(precision) * model.seq_length * micro_batch * width / tp
     kv = model.query_groups * model.head_dim if native_gqa else None
+    if discards_outputs and recompute is not Recompute.FULL:
+        shard = tp if sequence_parallel else 1
+        extra -= (
+            2
+            * element_bytes(precision)
+            * model.seq_length
+            * micro_batch
+            * model.hidden_size
+            / shard
+        )
     return extra + activation_bytes_per_layer(
         seq=model.seq_length,
         micro_batch=micro_batch,

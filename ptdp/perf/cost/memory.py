@@ -194,6 +194,7 @@ def estimate_memory(
     fused_swiglu: bool = False,
     gemm_accumulates: bool = False,
     math_kernel: bool | None = None,
+    discards_outputs: bool = False,
 ) -> list[MemoryEstimate]:
     """Per pipeline rank (all tensor and data-parallel ranks alike), for the config's layout.
 
@@ -208,6 +209,8 @@ def estimate_memory(
     16-bit inputs, its attention grouped K and V, its SwiGLU gate and up alone).
     `math_kernel`: PyTorch's math attention runs the core (`Software.math_kernel`); None: where
     `train.attention_backend = math` on a software with fused attention.
+    `discards_outputs`: the norms' and experts' activation outputs are recomputed, not kept
+    (`Software.discards_outputs`).
     """
     layout = layout or validate(cfg, world_size)
     if math_kernel is None:
@@ -233,6 +236,7 @@ def estimate_memory(
         autocast_norms=eager_norms,
         native_gqa=native_gqa,
         fused_swiglu=fused_swiglu,
+        discards_outputs=discards_outputs,
         **kw,
     )
     layer = layer_activation_bytes(local, recompute=par.recompute, **kw_layer)

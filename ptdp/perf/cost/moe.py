@@ -106,10 +106,12 @@ def expert_bytes(
     etp: int | None = None,
     fused_swiglu: bool = False,
     load: float = 1.0,
+    discards_outputs: bool = False,
 ) -> float:
     """What a rank keeps for backward of one MoE layer's routed experts and router, one
     microbatch (module doc); `model` is the rank's (s/cp tokens); `load` scales the rows
-    to the busiest rank's. None under full recomputation."""
+    to the busiest rank's; `discards_outputs` (`Software`): the activation's output (fc2's
+    input) is recomputed in backward, not kept. None under full recomputation."""
     if recompute is Recompute.FULL:
         return 0.0
     split = Experts.of(tp, 1, 1, etp)
@@ -119,6 +121,7 @@ def expert_bytes(
         inner = 3 if fused_swiglu else 4  # gate and up, (silu(gate),) the product
     else:
         inner = 2  # the activation's input and output
+    inner -= discards_outputs
     kept = rows * (2 * h * e + inner * width / split.etp * e + 4)
     return float(kept + 2 * 4 * routed * model.num_experts)
 

@@ -91,6 +91,16 @@ class Software:
     fans it out over NVLink there (DeepEP: Megatron-Core's --moe-enable-deepep, DeepSeek-V3
     section 3.2.2); false: one row per token-choice, as ptdp's all-to-all
     (`ptdp.perf.cost.experts.dedup_seconds`)."""
+    moe_a2a_overlap: bool = False
+    """The expert-parallel all-to-alls of one microbatch run behind the compute of another,
+    as `parallel.moe_overlap` makes ptdp's 1f1b and dualpipev do, under any schedule
+    (Megatron-Core's --overlap-moe-expert-parallel-comm, interleaved included)."""
+    moe_overlap_fraction: float = 0.2
+    """Of the paired pass's compute, the part the all-to-alls hide behind when overlapped
+    (`experts.overlapped`): 0.2 reproduces the one published pair with and without the
+    overlap (Megatron-MoE-ModelZoo, Qwen3-235B on 256 H100: 19.7 s a step, 17.6 s with it;
+    `ptdp.perf.validate.published_moe`), the comm kernels taking SMs and only parts of a
+    pass lining up with the other's; unmeasured for ptdp's runtime."""
     discards_outputs: bool = False
     """The norms' and the routed experts' activation outputs are not kept but recomputed in
     backward (Megatron-Core's output-discarding --recompute-modules layernorm moe_act;

@@ -59,8 +59,8 @@ def layer_costs(cfg: RunConfig, layout: Layout, c: Compute, moe: bool = False) -
     if not moe:
         return passes
     a2a = ep_passes(cfg, layout, c)
-    if getattr(par, "moe_overlap", False):  # behind the paired microbatch's other pass
-        a2a = overlapped(a2a, passes)
+    if getattr(par, "moe_overlap", False) or c.software.moe_a2a_overlap:  # paired passes
+        a2a = overlapped(a2a, passes, c.software.moe_overlap_fraction)
     return passes + a2a
 
 

@@ -140,6 +140,7 @@ def predicted_memory(
         fused_swiglu=software.fused_swiglu,
         gemm_accumulates=software.accumulation_bytes == 0,
         math_kernel=software.math_kernel,
+        discards_outputs=software.discards_outputs,
         layout=layout,
         gloo_sends=system.device.gloo,  # a CPU's pipeline holds its sends until the step ends
     )
