@@ -145,6 +145,8 @@ def plan(
     micro_batch: int | None = None,
     recompute: Recompute | None = None,
     sequence_parallel: bool | None = None,
+    etp: int | None = None,
+    moe_overlap: bool | None = None,
     schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"),
     max_micro_batch: int = 16,
     tolerance: float = 0.06,
@@ -154,8 +156,8 @@ def plan(
 ) -> PlanResult:
     """Rank the layouts of `base.model` for `gpus` devices and `base.train.global_batch_size`.
 
-    Fixed arguments (tp, pp, cp, cp_comm, ep, zero, vpp, micro_batch, recompute,
-    sequence_parallel) restrict the search; precision, optimizer and the other parallel
+    Fixed arguments (tp, pp, cp, cp_comm, ep, etp, moe_overlap, zero, vpp, micro_batch,
+    recompute, sequence_parallel) restrict the search; precision, optimizer and the other parallel
     options come from `base`, train.cuda_graphs and train.attention_backend too: they are
     priced as set (`ptdp.perf.cost.switches`), not searched. Schedules that split the
     backward are searched only if `software.split_backward`, ZeRO levels up to
@@ -214,6 +216,8 @@ def plan(
         vpp=vpp,
         micro_batch=micro_batch,
         sequence_parallel=sequence_parallel,
+        etp=etp,
+        moe_overlap=moe_overlap,
     )
     found = search(base, gpus, c, space, plans)
     rejected, eq1 = found.rejected, found.eq1
@@ -235,6 +239,6 @@ def plan(
         return PlanResult((), 0, tuple(rejected), (), tuple(refusal(rejected, system.name, limits)))
     chosen = recommend(options, tolerance)
     lay = options[chosen].prediction.layout
-    table = tuple(eq1.get((lay.tp, lay.cp, lay.pp, lay.ep, lay.zero), ()))
+    table = tuple(eq1.get((lay.tp, lay.cp, lay.pp, lay.ep, lay.etp, lay.zero), ()))
     lines = explain(options, chosen, table, system, tolerance, unranked)
     return PlanResult(tuple(options), chosen, tuple(rejected), table, tuple(lines), unranked)
