@@ -77,6 +77,7 @@ def test_gradients_and_zero_shards_go_over_edp() -> None:
     assert reduction_groups(100, 40, tp=2, dp_cp=4, ep=1) == [(100, 4, 2)]  # like the dense
     # ep = 1, etp = 1 at t = 2: every rank of the stage holds every whole expert.
     assert reduction_groups(100, 40, tp=2, dp_cp=4, ep=1, etp=1) == [(60, 4, 2), (40, 8, 1)]
+    assert reduction_groups(100, 0, tp=2, dp_cp=4, ep=1, etp=1) == [(100, 4, 2)]  # dense
 
 
 def test_the_all_to_all_sends_the_rows_of_the_rank_s_shard_once() -> None:

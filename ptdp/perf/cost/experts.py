@@ -155,6 +155,6 @@ def reduction_groups(
     layers (ep = 1, etp = t); else the routed experts' over their edp ranks etp ep apart
     (`folding.Experts`), the rest over dp cp."""
     split = Experts.of(tp, dp_cp, ep, etp)
-    if ep <= 1 and split.etp == tp:
+    if not experts or (ep <= 1 and split.etp == tp):
         return [(params, dp_cp, tp)]
     return [(params - experts, dp_cp, tp), (experts, split.edp, split.edp_stride)]
