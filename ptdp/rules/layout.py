@@ -62,7 +62,13 @@ class Layout:
     ep: int = 1
     """Expert-parallel size: ranks of one stage's tp*cp*dp that split each layer's experts."""
     etp: int = 1
-    """Expert tensor-parallel size: ranks that split each expert's matrices."""
+    """Expert tensor-parallel size: ranks that split each expert's matrices; a dense
+    model's is tp (no expert layout apart from attention's)."""
+
+    @property
+    def folded(self) -> bool:
+        """The experts are laid out apart from attention (their own etp, ep, edp groups)."""
+        return self.ep > 1 or self.etp != self.tp
 
     @cached_property
     def pipeline(self) -> PipelinePlan:
@@ -79,7 +85,7 @@ class Layout:
         sp = " sp=on" if self.sequence_parallel else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         cp += f" ep={self.ep}" if self.ep > 1 else ""
-        cp += f" etp={self.etp}" if self.etp > 1 else ""
+        cp += f" etp={self.etp}" if self.etp != self.tp else ""
         uneven = len(set(self.stage_layers)) > 1
         split = f" layers={','.join(map(str, self.stage_layers))}" if uneven else ""
         zero = f" zero={self.zero}" if self.zero else ""  # absent at 0, as before the levels
@@ -149,5 +155,5 @@ def validate(cfg: RunConfig, world_size: int = 1, *, gpus: bool = False) -> Layo
         zero_level(cfg),
         p.cp,
         p.ep,
-        p.etp if cfg.model.num_experts else 1,
+        p.etp if cfg.model.num_experts else p.tp,
     )

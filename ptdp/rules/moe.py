@@ -106,6 +106,15 @@ def _layout_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
             "routing of the whole sequence, which reaches one expert group only when etp = "
             f"tp; use dropless routing (--model.moe_capacity_factor 0) or --parallel.etp {p.tp}"
         )
+    local = m.seq_length // p.cp  # a rank's part of the sequence
+    if p.tp > 1 and not p.sequence_parallel and local % p.tp and not m.seq_length % p.cp:
+        errors.append(
+            f"model.seq_length = {m.seq_length}"
+            + (f" / parallel.cp = {local}" if p.cp > 1 else "")
+            + f" is not divisible by parallel.tp = {p.tp}: each tensor rank routes its own "
+            f"slice of the sequence to the experts; use a sequence length that is a multiple "
+            f"of {p.tp * p.cp * (2 if p.cp > 1 else 1)}"
+        )
     widths = (
         ("routed expert", "moe_ffn_hidden_size", m.moe_ffn_size, "etp", p.etp),
         ("shared expert", "moe_shared_ffn_hidden_size", m.moe_shared_ffn_size, "tp", p.tp),
@@ -143,12 +152,12 @@ def expert_rules(cfg: RunConfig, dp: int, errors: list[str]) -> None:
     if p.ep < 1 or p.etp < 1 or (p.ep == 1 and p.etp == 1):
         return
     if m.num_experts == 0:
-        keys = " and ".join(
-            f"parallel.{k} = {v}" for k, v in (("ep", p.ep), ("etp", p.etp)) if v > 1
-        )
+        given = [(k, v) for k, v in (("ep", p.ep), ("etp", p.etp)) if v > 1]
+        keys = " and ".join(f"parallel.{k} = {v}" for k, v in given)
+        fix = " ".join(f"--parallel.{k} 1" for k, _ in given)
         errors.append(
-            f"{keys} split{'s' if ' and ' not in keys else ''} experts, but model.num_experts = "
-            "0 (a dense model); set them to 1, or --model.num_experts (e.g. 8) for a mixture of "
+            f"{keys} split{'s' if len(given) == 1 else ''} experts, but model.num_experts = 0 "
+            f"(a dense model); set {fix}, or --model.num_experts (e.g. 8) for a mixture of "
             "experts"
         )
         return
