@@ -64,7 +64,7 @@ def test_simulate_prices_the_all_to_alls_only_under_expert_parallelism() -> None
         # bytes, on the ep group's link: 4 ranks apart, in one node at ep = 2, over two at 4.
         sent = 4096 * 2 * 4096 * 2 * (ep - 1) / ep
         link = alltoall_link(H100, ep, 4)
-        assert (link is H100.intra) == (ep == 2)
+        assert (link == H100.intra) == (ep == 2)  # equal: the cache may hold another copy
         assert got.ep_seconds == pytest.approx(4 * all_to_all_seconds(sent, ep, link))
         # The experts' rows per rank are t k whatever ep (one GEMM's worth of work on the
         # calibrated curve): the layer differs by its all-to-alls alone.

@@ -211,7 +211,7 @@ def layer_gemms(
     etp: int | None = None,
 ) -> list[Gemm]:
     """The four linear layers of a transformer layer on one tensor rank (forward); `moe`:
-    with a mixture-of-experts block for the MLP, its router on the tokens the rank routes,
+    with a mixture-of-experts block for the MLP, its router on the rank's own tokens,
     the GEMMs of the rank's e / ep routed experts at the busiest expert's rows (`load`: over
     the mean; the rows of ep ranks' routed tokens, `folding.Experts.routed_tokens`), each
     expert 1/etp of its width (None: etp = t), and the shared experts' MLP."""
@@ -225,7 +225,8 @@ def layer_gemms(
     split = Experts.of(tp, 1, ep, etp)
     routed = math.ceil(split.routed_tokens(tokens))
     rows, e, fe = routed_rows(model, routed, load, ep), model.num_experts, model.moe_ffn_size
-    gemms = [*attention, Gemm(routed, e, h)]  # the router, on the tokens the rank routes
+    own = math.ceil(tokens / tp) if split.etp != tp else tokens  # routed before the gather
+    gemms = [*attention, Gemm(own, e, h)]  # the router, on the rank's own tokens
     held, et = e // ep, split.etp  # the rank's experts, the ranks splitting each
     gemms += [Gemm(rows, fe * parts // et, h, held), Gemm(rows, h, fe // et, held)]
     if fs := model.moe_shared_ffn_size:

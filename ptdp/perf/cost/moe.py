@@ -39,12 +39,13 @@ r k routed rows: the permuted rows, the grouped GEMMs' inputs (fc1's: the rows; 
 the activation's output [r k, f/etp]) and the activation's input (SwiGLU's gate and up,
 2f/etp; ptdp's unfused SwiGLU also silu's output), the combine's expert outputs [r k, h]
 (the weights' gradient needs them) and fp32 weights [r k], and the router's two fp32
-[r, e] score tensors; none under full recomputation, which keeps the layer's input. The
-dispatch's permutation reads and writes the routed rows once in (a gather) and once out
-(a scatter), again in backward (`permute_bytes`). Memory-bound kernels and backward
-transients take the MoE layer as the dense layer of its active width (`dense_equivalent`:
-a token's k routed experts and the shared experts side by side), whose per-rank work the
-folded experts' equals (r k rows of f/etp = t k f / tp).
+[t/tp, e] score tensors of the rank's own tokens (routed before the etp gather); none
+under full recomputation, which keeps the layer's input. The dispatch's permutation
+reads and writes the routed rows once in (a gather) and once out (a scatter), again in
+backward (`permute_bytes`). Memory-bound kernels and backward transients take the MoE
+layer as the dense layer of its active width (`dense_equivalent`: a token's k routed
+experts and the shared experts side by side), whose per-rank work the folded experts'
+equals (r k rows of f/etp = t k f / tp).
 
 Letters: t = tokens of a microbatch (s b; s/cp per rank under context parallelism),
 h = hidden, e = routed experts, k = experts per token, ep = expert-parallel size.
@@ -123,7 +124,8 @@ def expert_bytes(
         inner = 2  # the activation's input and output
     inner -= discards_outputs
     kept = rows * (2 * h * e + inner * width / split.etp * e + 4)
-    return float(kept + 2 * 4 * routed * model.num_experts)
+    own = routed / split.etp if split.etp != tp else routed  # scored before the etp gather
+    return float(kept + 2 * 4 * own * model.num_experts)
 
 
 def permute_bytes(
