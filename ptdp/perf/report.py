@@ -267,7 +267,7 @@ def overrides(o: Option) -> str:
     p, t, lay = o.config.parallel, o.config.train, o.prediction.layout
     cp = f"--parallel.cp {p.cp} --parallel.cp_comm {p.cp_comm.value} " if p.cp > 1 else ""
     cp += f"--parallel.ep {p.ep} " if p.ep > 1 else ""
-    cp += f"--parallel.etp {p.etp} " if lay.etp > 1 else ""
+    cp += f"--parallel.etp {p.etp} " if o.config.model.num_experts and p.etp != 1 else ""
     cp += "--parallel.moe_overlap true " if getattr(p, "moe_overlap", False) else ""
     split = ",".join(map(str, p.pipeline_layers))
     layers = f"--parallel.pipeline_layers {split} " if split else ""

@@ -97,7 +97,7 @@ def explain(
     if lay.ep > 1:
         e = cfg.model.num_experts
         folded = Experts.of(lay.tp, lay.dp * lay.cp, lay.ep, lay.etp)
-        split = f", each split over etp={lay.etp}" if lay.etp > 1 else ""
+        split = f", each split over etp={lay.etp}" if lay.etp > 1 else ", each whole"
         hidden = " (overlapped with another microbatch)" if overlap else ""
         lines.append(
             f"expert parallel ep={lay.ep}: each rank holds {e // lay.ep} of a layer's {e} "

@@ -239,6 +239,7 @@ def plan(
         return PlanResult((), 0, tuple(rejected), (), tuple(refusal(rejected, system.name, limits)))
     chosen = recommend(options, tolerance)
     lay = options[chosen].prediction.layout
-    table = tuple(eq1.get((lay.tp, lay.cp, lay.pp, lay.ep, lay.etp, lay.zero), ()))
+    etp = options[chosen].config.parallel.etp  # as searched (a dense layout's Layout has t)
+    table = tuple(eq1.get((lay.tp, lay.cp, lay.pp, lay.ep, etp, lay.zero), ()))
     lines = explain(options, chosen, table, system, tolerance, unranked)
     return PlanResult(tuple(options), chosen, tuple(rejected), table, tuple(lines), unranked)
