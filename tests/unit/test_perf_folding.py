@@ -192,3 +192,18 @@ def test_the_planner_tries_the_overlap_where_the_schedule_pairs() -> None:
     result = plan(cfg, gpus=8, system=H100, pp=1, tp=1, ep=4, top=20, prune=False)
     overlaps = {getattr(o.config.parallel, "moe_overlap", False) for o in result.options}
     assert overlaps == {False, True}
+
+
+def test_the_planner_searches_etp_and_the_train_command_sets_it() -> None:
+    from ptdp.perf.plan.planner import plan
+    from ptdp.perf.report import overrides
+
+    cfg = _run(2, 4, 2, 1)
+    cfg = replace(cfg, train=replace(cfg.train, global_batch_size=32))
+    result = plan(cfg, gpus=8, system=H100, tp=2, pp=1, top=50, prune=False)
+    pairs = {(o.prediction.layout.ep, o.prediction.layout.etp) for o in result.options}
+    assert {(2, 1), (2, 2), (4, 1)} <= pairs  # ep over tensor ranks (etp 1), or etp = t
+    split = next(o for o in result.options if o.prediction.layout.etp == 2)
+    assert "--parallel.etp 2 " in overrides(split)  # the runtime's default is 1
+    whole = next(o for o in result.options if o.prediction.layout.etp == 1)
+    assert "--parallel.etp" not in overrides(whole)
