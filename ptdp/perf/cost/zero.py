@@ -27,8 +27,8 @@ gradients), so the pipeline replay places them per microbatch; levels 0 and 1 ke
 simulator's reduction after the last backward.
 
 The ZeRO group is the dp cp ranks that reduce the gradients (tp apart; `cost.context`);
-under expert parallelism the routed experts' state is sharded over their edp = dp cp / ep
-ranks (tp ep apart; `cost.experts`), each group's collectives one after the other,
+under expert parallelism the routed experts' state is sharded over their edp = tp cp dp /
+(ep etp) ranks (etp ep apart; `cost.folding`), each group's collectives one after the other,
 on `collectives.group_link` (at `Software.sharded_comm_efficiency` of its bandwidth: the paper's
 DeepSpeed reached a tenth, `software.DEEPSPEED_2021`). Weights move in the training
 precision's element size (the linear layers' weights 1 byte each under ZeRO-3's fp8

@@ -8,10 +8,12 @@ The search follows the paper's guidelines (Narayanan et al., section 3 and takea
    powers of 2 that leave each rank at least `MIN_CP_TOKENS` tokens of a sequence divisible
    by 2 cp (cp = 1 for short sequences), pipeline size p among the divisors of the layer
    count, data parallel d = n / (t cp p) dividing the global batch B; for a mixture of
-   experts, expert parallel size ep among the divisors of the expert count that divide
-   d cp (ep = 1 for a dense model), each ep a layout of its own (its memory and speed
-   differ: e / ep experts per rank, the all-to-alls);
-2. for each (t, cp, p, ep), the least recomputation whose model state and activations fit in
+   experts, each folded expert layout (`ptdp.perf.cost.folding`): etp among the divisors
+   of t, ep among the divisors of the expert count with ep etp dividing t cp d ((1, 1) for
+   a dense model), each a layout of its own (its memory and speed differ: e / ep experts
+   per rank at 1/etp of their width, the all-to-alls' rows and links), and each schedule
+   candidate again with `parallel.moe_overlap` where the schedule pairs passes;
+2. for each (t, cp, p, ep, etp), the least recomputation whose model state and activations fit in
    memory (1F1B's in-flight bound), at ZeRO level 0, or a higher level (1, 2, 3: the
    layouts of d, up to `Software.max_zero`) where it lets less recomputation fit, the
    level whose best micro-batch equation (1) finds fastest; with cp > 1 the faster
