@@ -37,19 +37,22 @@ class Plans:
     invariant 1 holds: a layout's plan is still `build_plan`'s)."""
 
     def __init__(self) -> None:
-        self._built: dict[tuple[str, int, int, int], PipelinePlan] = {}
+        self._built: dict[tuple[str, int, int, int, bool], PipelinePlan] = {}
 
-    def __call__(self, schedule: str, pp: int, m: int, vpp: int) -> PipelinePlan:
-        key = (schedule, pp, m, vpp)
+    def __call__(
+        self, schedule: str, pp: int, m: int, vpp: int, *, paired: bool = False
+    ) -> PipelinePlan:
+        key = (schedule, pp, m, vpp, paired)
         if key not in self._built:
-            self._built[key] = build_plan(schedule, pp, m, vpp)
+            self._built[key] = build_plan(schedule, pp, m, vpp, paired=paired)
         return self._built[key]
 
     def layout(self, cfg: RunConfig, gpus: int) -> Layout:
         """`validate(cfg, gpus)` with its `pipeline` taken from here."""
         lay = validate(cfg, gpus, gpus=True)
         # Layout.pipeline is a cached_property: its cache is the instance's __dict__.
-        lay.__dict__["pipeline"] = self(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
+        plan = self(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp, paired=lay.moe_overlap)
+        lay.__dict__["pipeline"] = plan
         return lay
 
 
