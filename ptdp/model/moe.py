@@ -185,6 +185,7 @@ class MoE(nn.Module):
             bias=cfg.bias,
             wgrad=ctx.wgrad,
             ep=ctx.ep,
+            fp8=ctx.fp8,
         )
         self.shared = None
         if cfg.moe_shared_experts:  # a dense MLP every token goes through
