@@ -115,6 +115,7 @@ def capacity(factor: float, tokens: int, top_k: int, num_experts: int) -> int:
     return math.ceil(factor * tokens * top_k / num_experts) if factor > 0 else 0
 
 
+@torch.compiler.disable  # data-dependent: ptdp.model.compile
 def plan_dispatch(routing: Routing, num_experts: int, cap: int = 0) -> Dispatch:
     """Sort the token-choices by expert, in token order within an expert. With a capacity
     `cap` > 0 an expert keeps its `cap` choices of highest weight (equal weights: the
@@ -222,6 +223,7 @@ class MoE(nn.Module):
             out = out + self.shared(x)
         return out
 
+    @torch.compiler.disable  # data-dependent: ptdp.model.compile
     def _expert_parallel(self, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
         """Rows [n, h] grouped by expert -> their experts' outputs [n, h], in the same order,
         the experts living on the members of the expert-parallel group.
@@ -244,6 +246,7 @@ class MoE(nn.Module):
         back = out.index_select(0, torch.argsort(order))  # by source again
         return comm.all_to_all(back, ep, recv, send)
 
+    @torch.compiler.disable  # MoEState's figures, a Python side effect: ptdp.model.compile
     def _balance(self, out: torch.Tensor, routing: Routing, plan: Dispatch) -> torch.Tensor:
         """Record the figures; attach the balancing losses' gradient to `out`."""
         aux = z = None
