@@ -25,7 +25,8 @@
    run eager for a like-for-like pair. Reported: total and active parameters
    (`ptdp.perf.cost.parameters`), tokens/s, model TFLOP/s (`model_flops_per_iteration`,
    which counts the k experts a token goes through and the router), MFU against the
-   device's dense peak as mfu.py reads it, and peak allocated memory. On out-of-memory the micro-batch is halved.
+   device's dense peak as mfu.py reads it, and peak allocated memory. On out-of-memory
+   the micro-batch is halved.
 
 Prints markdown tables; `--json PATH` writes the rows. Writes no tracked file.
 
