@@ -22,7 +22,9 @@ plain `F.linear`, so a backward that is not split is autograd's own, bit for bit
 Python side effect in backward): compiled layers compute their weight gradients in B.
 With float8 GEMMs (precision = fp8, `ptdp.parallel.fp8`) every forward goes through
 `_Fp8Linear`, deferrable or not, and a deferred W GEMM runs in float8 too (torchao's own
-function under `torch.compile`).
+function under `torch.compile`); the experts' `grouped_linear` likewise
+(`ptdp.parallel.fp8_grouped`). `grouped_linear` always runs eager, compiled layer or not
+(its shapes are the routing's), so its weight gradients stay deferrable under compile.
 
 No global state: each model chunk owns its store and hands it to its layers; the pipeline
 runtime receives the same stores. The store keeps a plain attribute, not a thread-local,
@@ -113,12 +115,10 @@ class WeightGradStore:
         autograd would accumulate it (the GEMM runs in the forward's compute dtype)."""
         grads = []
         for param, x, dy, counts, fp8 in self._pending.pop(key, []):
-            if counts is not None:
-                grad = (
-                    grouped_wgrad(dy, x, counts)
-                    if fp8 is None
-                    else fp8.grouped_wgrad(dy, x, counts)
-                )
+            if counts is not None and fp8 is not None:
+                grad = fp8.grouped_wgrad(dy, x, counts)
+            elif counts is not None:
+                grad = grouped_wgrad(dy, x, counts)
             else:
                 grad = dy.t().mm(x) if fp8 is None else fp8.grad_weight(dy, x)
             grads.append((param, grad.to(param.dtype)))
