@@ -28,9 +28,9 @@ zero-bubble W may take their weight gradients), expert parallelism's exchange of
 and all-to-alls (`MoE._expert_parallel`: split sizes on the host) and `MoE._balance` (the
 step's figures in `MoEState`, a Python side effect, and a scale that changes with the fp16
 loss scale). The router, the gather of the rows, the combine, the shared experts and the
-rest of the layer are compiled: a few graphs per layer, the same for every layer. Rows
-that change in number between microbatches (a capacity cut, an ep exchange) make Dynamo
-compile the graph after them once more, with a dynamic row count.
+rest of the layer are compiled: a few graphs per layer, the same for every layer. A
+capacity cut keeps a number of rows that varies between microbatches; the graphs after the
+dispatch take it as a size Dynamo may make dynamic (its automatic dynamic shapes).
 
 Numerics: the compiled layer computes the same function; on CPU float32 the losses agree
 with eager to float32 rounding (reductions may be ordered differently). Dropout draws its
