@@ -51,6 +51,8 @@ import benchmarks.speed.moe_gpu as moe_gpu
 from ptdp.config.enums import Fp8Recipe
 from ptdp.model.moe import MoE, MoEState
 from ptdp.model.parts import TPContext
+from ptdp.parallel import fp8_grouped, wgrad
+from ptdp.parallel.fp8_grouped import fp8_gemm_for_cuda
 from ptdp.parallel.grouped import GemmKernel, gemm_for_cuda
 
 
@@ -74,16 +76,16 @@ VARIANTS = (
 @contextlib.contextmanager
 def forced(variant: Variant) -> Iterator[None]:
     """Every expert product run inside uses `variant.kernel`: bf16 products through
-    moe_gpu's `forced_kernel`, float8 ones by replacing `choose_fp8_gemm`."""
+    moe_gpu's `forced_kernel`, float8 ones by replacing `choose_fp8_gemm` where
+    `grouped_linear` (forward) and `fp8_grouped_wgrad` (a deferred W) ask it."""
     if variant.recipe is None:
         with moe_gpu.forced_kernel(variant.kernel):
             yield
         return
-    from ptdp.parallel import fp8_grouped
-
     choose = lambda recipe, x, weight: variant.kernel  # noqa: E731
-    with mock.patch.object(fp8_grouped, "choose_fp8_gemm", choose):
-        yield
+    with mock.patch.object(wgrad, "choose_fp8_gemm", choose):
+        with mock.patch.object(fp8_grouped, "choose_fp8_gemm", choose):
+            yield
 
 
 def skip_reason(variant: Variant, device: torch.device, shape: moe_gpu.LayerShape) -> str:
@@ -104,8 +106,6 @@ def skip_reason(variant: Variant, device: torch.device, shape: moe_gpu.LayerShap
         if variant.recipe is None:
             fits = gemm_for_cuda(torch.bfloat16, capability, (shape.hidden, shape.ffn))
             return "" if fits is GemmKernel.GROUPED else "no fused bf16 grouped_mm here"
-        from ptdp.parallel.fp8_grouped import fp8_gemm_for_cuda
-
         dims = (shape.hidden, shape.ffn)
         fits = fp8_gemm_for_cuda(variant.recipe, torch.bfloat16, capability, dims)
         return "" if fits is GemmKernel.GROUPED else "torchao's fp8 grouped GEMM needs sm90"

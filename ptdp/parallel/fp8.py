@@ -13,8 +13,9 @@ the kept high-precision X and dY (`ptdp.parallel.wgrad`), and so that the tensor
 layers keep their own collectives: each rank scales its own shard. Weights, activations,
 gradients and everything outside these GEMMs stay in the run's 16-bit dtype.
 
-Only this module imports torchao (an optional dependency: pip install torchao); it is
-imported only when a run asks for fp8.
+Only this module imports torchao (an optional dependency: pip install torchao), and
+`ptdp.parallel.fp8_grouped`'s GPU kernel, inside its function; it is imported only when a
+run asks for fp8. The experts' float8 GEMMs (`fp8_grouped`) are per expert this module's.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from torchao.float8.float8_utils import amax_to_scale
 
 from ptdp.config.enums import Fp8Recipe
 from ptdp.errors import ConfigError
-from ptdp.parallel import fp8_grouped
-from ptdp.parallel.grouped import GemmKernel
 
 _ROLE = {"x": GemmInputRole.INPUT, "w": GemmInputRole.WEIGHT, "dy": GemmInputRole.GRAD_OUTPUT}
 
@@ -114,24 +113,6 @@ class Fp8Gemms:
             return torch.mm(dyq, w8)
         wq = self._cast(weight.t(), c.cast_config_weight_for_grad_input, "w", -1)
         return torch.mm(dyq, wq.t())
-
-    # ------------------------------------ the experts' grouped GEMMs (`fp8_grouped`)
-
-    def grouped_kernel(self, x: torch.Tensor, weight: torch.Tensor) -> GemmKernel:
-        """What computes x [n, k] times the experts' weight [e, m, k] in this recipe."""
-        return fp8_grouped.choose_fp8_gemm(self.recipe, x, weight)
-
-    def grouped_mm(self, x, weight, counts, kernel: GemmKernel | None = None) -> torch.Tensor:
-        """x [n, k] -> [n, m], expert i's rows (`counts` [e]) times weight[i]^T [e, m, k]."""
-        return fp8_grouped.fp8_grouped_mm(self, x, weight, counts, kernel)
-
-    def grouped_grad_input(self, dy, weight, counts, kernel=None) -> torch.Tensor:
-        """dy [n, m] -> dX [n, k], expert i's rows times weight[i]."""
-        return fp8_grouped.fp8_grouped_grad_input(self, dy, weight, counts, kernel)
-
-    def grouped_wgrad(self, dy, x, counts, kernel=None) -> torch.Tensor:
-        """dy [n, m], x [n, k] -> dW [e, m, k]: now, or at a zero-bubble W action."""
-        return fp8_grouped.fp8_grouped_wgrad(self, dy, x, counts, kernel)
 
     # ----------------------------------------------- ZeRO-3's fp8 all-gather (tensorwise)
 

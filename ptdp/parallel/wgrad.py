@@ -41,6 +41,12 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ptdp.parallel.fp8_grouped import (
+    choose_fp8_gemm,
+    fp8_grouped_grad_input,
+    fp8_grouped_mm,
+    fp8_grouped_wgrad,
+)
 from ptdp.parallel.grouped import GemmKernel, choose_gemm, grouped_mm, grouped_wgrad
 
 if TYPE_CHECKING:  # torchao is optional: only an fp8 run imports ptdp.parallel.fp8
@@ -116,7 +122,7 @@ class WeightGradStore:
         grads = []
         for param, x, dy, counts, fp8 in self._pending.pop(key, []):
             if counts is not None and fp8 is not None:
-                grad = fp8.grouped_wgrad(dy, x, counts)
+                grad = fp8_grouped_wgrad(fp8, dy, x, counts)
             elif counts is not None:
                 grad = grouped_wgrad(dy, x, counts)
             else:
@@ -253,7 +259,7 @@ class _DeferrableGroupedLinear(torch.autograd.Function):
         (ctx.param,) = param
         ctx.store, ctx.kernel, ctx.fp8 = store, kernel, fp8
         if fp8 is not None:
-            return fp8.grouped_mm(x, weight, counts, kernel)
+            return fp8_grouped_mm(fp8, x, weight, counts, kernel)
         return grouped_mm(x, weight.transpose(1, 2), counts, kernel)
 
     @staticmethod
@@ -263,7 +269,7 @@ class _DeferrableGroupedLinear(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if fp8 is not None:
-                dx = fp8.grouped_grad_input(dy, weight, counts, kernel)
+                dx = fp8_grouped_grad_input(fp8, dy, weight, counts, kernel)
             else:
                 dx = grouped_mm(dy, weight, counts, kernel)
         if ctx.needs_input_grad[1]:
@@ -271,7 +277,7 @@ class _DeferrableGroupedLinear(torch.autograd.Function):
             if store is not None and store.deferring_key is not None:
                 store.put(ctx.param, x, dy, counts, fp8)
             elif fp8 is not None:
-                dw = fp8.grouped_wgrad(dy, x, counts, kernel)
+                dw = fp8_grouped_wgrad(fp8, dy, x, counts, kernel)
             else:
                 dw = grouped_wgrad(dy, x, counts, kernel)
         return dx, dw, None, None, None, None, None
@@ -305,5 +311,7 @@ def _grouped_linear(x, weight, counts, store, kernel, fp8):
         x, weight = x.to(dtype), weight.to(dtype)
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         if kernel is None:
-            kernel = choose_gemm(x, weight) if fp8 is None else fp8.grouped_kernel(x, weight)
+            kernel = (
+                choose_gemm(x, weight) if fp8 is None else choose_fp8_gemm(fp8.recipe, x, weight)
+            )
         return _DeferrableGroupedLinear.apply(x, weight, counts, (param,), store, kernel, fp8)

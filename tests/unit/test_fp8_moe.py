@@ -22,6 +22,7 @@ from ptdp.config.enums import Fp8Recipe  # noqa: E402
 from ptdp.config.sections import ModelConfig  # noqa: E402
 from ptdp.model.gpt import GPT  # noqa: E402
 from ptdp.parallel.fp8 import Fp8Gemms  # noqa: E402
+from ptdp.parallel.fp8_grouped import choose_fp8_gemm  # noqa: E402
 from ptdp.parallel.grouped import GemmKernel  # noqa: E402
 from ptdp.parallel.wgrad import WeightGradStore, accumulate_grads, grouped_linear  # noqa: E402
 from ptdp.train.run import train  # noqa: E402
@@ -167,6 +168,6 @@ def test_grouped_rowwise_kernel_matches_the_loop() -> None:
         y = grouped_linear(x, w, counts, kernel=kernel, fp8=fp8)
         y.backward(dy)
         got[kernel] = (y.detach(), x.grad.clone(), w.grad.clone())
-    assert fp8.grouped_kernel(x, w) is GemmKernel.GROUPED
+    assert choose_fp8_gemm(fp8.recipe, x, w) is GemmKernel.GROUPED
     for a, b in zip(got[GemmKernel.LOOP], got[GemmKernel.GROUPED]):
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
