@@ -42,13 +42,16 @@ def full_model_state(
     tp: Group,
     weights: dict[nn.Parameter, torch.Tensor] | None = None,
     ep: Group | None = None,
+    etp: Group | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full fp32 tensors by global name: `weights` (the optimizer's fp32 master weights, by
-    parameter) where given, else the parameters themselves; `ep`: the expert-parallel group
-    (collective over it when experts are split)."""
+    parameter) where given, else the parameters themselves; `ep`, `etp`: the expert-parallel
+    and expert tensor-parallel groups (collective over them when experts are split)."""
     weights, roles = weights or {}, rank_roles(chunks)
     return {
-        name: full_tensor(weights.get(p, p), shard_spec(p), tp, ep, expert_split(p)).float().clone()
+        name: full_tensor(weights.get(p, p), shard_spec(p), tp, ep, expert_split(p), etp)
+        .float()
+        .clone()
         for name, p in named_parameters(chunks)
         if not roles.is_tied_copy(name)
     }

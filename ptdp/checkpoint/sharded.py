@@ -39,7 +39,14 @@ from ptdp.checkpoint.keys import (
 )
 from ptdp.errors import CheckpointError
 from ptdp.parallel.comm import has_process_group
-from ptdp.parallel.init import ShardSpec, expert_split, global_shape, local_part, shard_spec
+from ptdp.parallel.init import (
+    ShardSpec,
+    expert_split,
+    global_shape,
+    local_part,
+    shard_spec,
+    split_rank,
+)
 from ptdp.parallel.mesh import ParallelMesh
 from ptdp.parallel.roles import rank_roles
 
@@ -96,7 +103,7 @@ def tensor_place(p: torch.Tensor, sub: DeviceMesh | None, tp_rank: int) -> tuple
     """The key suffix ("" or `@parts...`) and the place in the global tensor of this
     rank's tensor-local `p`, for the boxes a save writes: its tensor-parallel place, and
     under expert parallelism its block of experts along dim 0 (`ExpertSplit`)."""
-    suffix, place = _tensor_place(p, sub, tp_rank)
+    suffix, place = _tensor_place(p, sub, split_rank(p, tp_rank))
     split = expert_split(p)
     if split is None or split.size == 1:
         return suffix, place

@@ -203,9 +203,15 @@ class ParallelConfig:
     chunks i and 2*cp-1-i so causal attention work is balanced)."""
     ep: int = 1
     """Expert-parallel size (mixture-of-experts models): each MoE layer's routed experts are
-    split over ep ranks taken from the data- and context-parallel ranks (ep divides dp * cp
-    and model.num_experts), tokens reaching their experts by all-to-all; 1 = every rank
-    holds every expert."""
+    split over ep ranks, tokens reaching their experts by one all-to-all; 1 = every rank
+    holds every expert. The experts are laid out apart from attention ("parallel folding"):
+    over one pipeline stage's tp * cp * dp ranks, etp fastest, then ep, then the expert
+    data-parallel replicas (ep * etp divides tp * cp * dp, ep divides model.num_experts)."""
+    etp: int = 1
+    """Expert tensor-parallel size: ranks that split each routed expert's matrices (as tp
+    splits the dense MLP's), taken from the same ranks as attention's, fastest first; 1 =
+    every expert whole on its rank. parallel.etp = parallel.tp with ep over dp * cp is the
+    layout of experts split like the dense layers."""
     cp_comm: CpComm = CpComm.RING
     """How attention sees the other ranks' keys and values under cp > 1: ring (blocks rotated
     point to point, overlapped with compute) or allgather (gathered once per layer)."""

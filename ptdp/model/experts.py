@@ -1,9 +1,9 @@
 """The routed experts of a mixture-of-experts layer as grouped weights, split over the
-tensor group like the dense MLP.
+expert tensor-parallel group (`parallel.etp`) as the dense MLP is over the tensor group.
 
 Shapes: n = rows (token-choices sorted by expert), e = experts on this rank (all of them,
 or under expert parallelism its num_experts / ep), h = hidden, f = one expert's inner
-width, t = tp.
+width, t = etp.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ def _param(shape: tuple[int, ...], spec: ShardSpec | None, split: ExpertSplit) -
     param = nn.Parameter(torch.empty(shape))
     if spec is not None and spec.size > 1:
         param.tp_shard = spec  # ptdp.parallel.init: how to slice and gather it
-    if split.size > 1:
-        param.ep_split = split  # this rank's experts of all of them
+    param.ep_split = split  # this rank's experts of all of them, its place in their etp group
     return param
 
 
@@ -90,7 +89,7 @@ class GroupedExperts(nn.Module):
         self.swiglu, self.wgrad, self.fp8 = swiglu, wgrad, fp8
         parts = 2 if swiglu else 1
         ep = ep or Group.single()
-        split = ExpertSplit(num_experts, ep.size, ep.rank)
+        split = ExpertSplit(num_experts, ep.size, ep.rank, etp_rank=tp.rank)
         e, h, f = split.local, hidden_size, ffn_size
         kw = {"tp": tp, "bias": bias, "experts": split}
         self.fc1 = GroupedLinear(e, parts * f, h, split=1, parts=parts, **kw)

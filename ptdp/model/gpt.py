@@ -123,7 +123,8 @@ class GPT(nn.Module):
         cp, cp_comm: this rank's context-parallel group (it holds part of each sequence;
             `ptdp.parallel.context`) and how attention exchanges keys and values.
         ep: this rank's expert-parallel group (its members split each MoE layer's experts;
-            `ptdp.model.moe`).
+            `ptdp.model.moe`); etp: its expert tensor-parallel group (its members split each
+            expert's matrices).
         sequence_parallel: split norm/dropout activations along the sequence over `tp`.
         layers: the global indices of the layers this chunk holds (default: all).
         has_embedding / has_head: whether this chunk holds the input embedding /
@@ -142,6 +143,7 @@ class GPT(nn.Module):
         cp: Group | None = None,
         cp_comm: CpComm = CpComm.RING,
         ep: Group | None = None,
+        etp: Group | None = None,
         sequence_parallel: bool = False,
         layers: range | None = None,
         has_embedding: bool = True,
@@ -162,6 +164,7 @@ class GPT(nn.Module):
             cp or Group.single(),
             cp_comm,
             ep or Group.single(),
+            etp or Group.single(),
             fp8,
         )
         self.has_embedding, self.has_head = has_embedding, has_head

@@ -181,7 +181,7 @@ class MoE(nn.Module):
             cfg.num_experts,
             cfg.hidden_size,
             cfg.moe_ffn_size,
-            tp=ctx.tp,
+            tp=ctx.etp,
             swiglu=cfg.activation is Activation.SWIGLU,
             bias=cfg.bias,
             wgrad=ctx.wgrad,
@@ -193,20 +193,63 @@ class MoE(nn.Module):
             self.shared = MLP(cfg, ctx, ffn_size=cfg.moe_shared_ffn_size)
 
     def param_roles(self) -> ParamRoles:
-        """Replicated weights whose gradient is a partial sum per tensor rank (the shared
-        MLP's layers name their own)."""
-        if self.ctx.tp.size == 1 and not self.ctx.sequence_parallel:
+        """Replicated weights whose gradient is a partial sum per rank of a group: the
+        router's over the tensor group (each tensor rank routes its own tokens), fc2's bias
+        over the expert tensor group (the shared MLP's layers name their own)."""
+        if self.ctx.tp.size == 1 and self.ctx.etp.size == 1:
             return NO_ROLES
-        names = {"router.weight"}
-        if self.experts.fc2.bias is not None:
-            names.add("experts.fc2.bias")
+        names = {"router.weight"} if self.ctx.tp.size > 1 else set()
+        if self.experts.fc2.bias is not None and self.ctx.etp.size > 1:
+            names.add("experts.fc2.bias")  # summed by the experts' buffers over etp
         return ParamRoles(sequence_parallel=frozenset(names))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tp, sp = self.ctx.tp, self.ctx.sequence_parallel
-        full = comm.gather_from_sp(x, tp) if sp else comm.copy_to_tp(x, tp)  # [s, b, h]
-        s, b, h = full.shape
-        tokens = full.reshape(s * b, h)
+        """Each tensor rank routes its own 1/tp of the sequence (the slice sequence
+        parallelism gives it, or its slice of the replicated input), the expert tensor
+        group gathers its members' tokens, the ep group exchanges the rows, and the path
+        back returns each rank its own tokens (gathered over tp again without sequence
+        parallelism)."""
+        tp, etp, sp = self.ctx.tp, self.ctx.etp, self.ctx.sequence_parallel
+        if not sp and x.shape[0] % tp.size:
+            return self._replicated(x)
+        own = x if sp else comm.scatter_to_sp(x, tp)  # [s/tp, b, h]: this rank's tokens
+        s, b, h = own.shape
+        tokens = own.reshape(s * b, h)
+        routing = self.router(tokens)
+        chosen, weights = routing.experts, routing.weights
+        if etp.size > 1:  # the expert tensor group computes its members' tokens together
+            tokens = comm.gather_from_sp(tokens, etp)
+            chosen = comm.gather_full(chosen, etp, 0)
+            weights = comm.gather_from_sp(weights, etp)
+        cap = capacity(self.capacity_factor, len(tokens), self.top_k, self.num_experts)
+        plan = plan_dispatch(Routing(chosen, weights, None, None), self.num_experts, cap)
+        rows = tokens.index_select(0, plan.choice // self.top_k)
+        if self.ctx.ep.size > 1:
+            rows = self._expert_parallel(rows, plan)
+        else:
+            rows = self.experts(rows, plan.counts, plan.expert)
+        out = combine(rows, plan, weights)
+        out = comm.reduce_scatter_to_sp(out, etp).view(s, b, h)  # partial sums over etp
+        if self.training:
+            out = self._balance(out, routing, plan)
+        if not sp:
+            out = comm.gather_seq_from_tp(out, tp)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+    def _replicated(self, x: torch.Tensor) -> torch.Tensor:
+        """Generation's sequences that do not split over tp (a decoded token, a prompt):
+        every tensor rank computes every token, reducing the experts' partial sums over
+        etp, without gradients (training splits the sequence: `forward`)."""
+        tp, etp = self.ctx.tp, self.ctx.etp
+        if torch.is_grad_enabled() or tp.size % etp.size:
+            raise ValueError(
+                f"a mixture-of-experts layer splits the sequence over the tensor group: "
+                f"{x.shape[0]} tokens do not split over tp = {tp.size}"
+            )
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)
         routing = self.router(tokens)
         cap = capacity(self.capacity_factor, s * b, self.top_k, self.num_experts)
         plan = plan_dispatch(routing, self.num_experts, cap)
@@ -215,13 +258,8 @@ class MoE(nn.Module):
             rows = self._expert_parallel(rows, plan)
         else:
             rows = self.experts(rows, plan.counts, plan.expert)
-        out = combine(rows, plan, routing.weights).view(s, b, h)
-        out = comm.reduce_scatter_to_sp(out, tp) if sp else comm.reduce_from_tp(out, tp)
-        if self.training:
-            out = self._balance(out, routing, plan)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return out
+        out = comm.reduce_from_tp(combine(rows, plan, routing.weights), etp).view(s, b, h)
+        return out if self.shared is None else out + self.shared(x)
 
     @torch.compiler.disable  # data-dependent: ptdp.model.compile
     def _expert_parallel(self, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
@@ -248,18 +286,23 @@ class MoE(nn.Module):
 
     @torch.compiler.disable  # MoEState's figures, a Python side effect: ptdp.model.compile
     def _balance(self, out: torch.Tensor, routing: Routing, plan: Dispatch) -> torch.Tensor:
-        """Record the figures; attach the balancing losses' gradient to `out`."""
+        """Record the figures; attach the balancing losses' gradient to `out`. `routing`:
+        this rank's own tokens'; `plan`: its expert tensor group's (the dropped choices are
+        counted on the group's first member only)."""
         aux = z = None
+        routed = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts)
         if self.aux_coeff:
-            probs, cp = routing.probs, self.ctx.cp
-            aux = self.aux_coeff * balancing_loss(probs, plan.routed, self.top_k, cp)
+            groups = (self.ctx.tp, self.ctx.cp)  # a microbatch's sequence: one process's
+            aux = self.aux_coeff * balancing_loss(routing.probs, routed, self.top_k, groups)
         if self.z_coeff:
             z = self.z_coeff * z_loss(routing.logits)
-        self.state.record(self.layer, plan.routed, plan.dropped, aux, z)
+        dropped = plan.dropped if self.ctx.etp.rank == 0 else torch.zeros_like(plan.dropped)
+        self.state.record(self.layer, routed, dropped, aux, z)
         losses = [loss for loss in (aux, z) if loss is not None and loss.requires_grad]
         if not losses:
             return out
-        # Every tensor rank holds the same losses; each sends 1/tp of their gradient, which
-        # the reductions over the group (input, router weight) add up to the whole.
+        # Every tensor rank holds the whole sequence's aux and its own tokens' z; each
+        # sends 1/tp of their gradient: the sums over the group (aux's statistics, the
+        # router weight) add up to the one-process gradient, z as the mean of the tp means.
         scale = self.state.grad_scale / self.ctx.tp.size
         return _BalancingGrad.apply(out, sum(losses), scale)

@@ -37,6 +37,8 @@ class TPContext:
     cp_comm: CpComm = CpComm.RING
     ep: Group = Group(None, 1, 0)
     """The expert-parallel group: its members hold different experts of each MoE layer."""
+    etp: Group = Group(None, 1, 0)
+    """The expert tensor-parallel group: its members split each expert's matrices."""
     fp8: Fp8Gemms | None = None
     """precision = fp8: the float8 recipe of the linear layers' GEMMs (`ptdp.parallel.fp8`)."""
 

@@ -13,6 +13,7 @@ the lower expert index.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -126,16 +127,19 @@ class Router(nn.Module):
 
 
 def balancing_loss(
-    probs: torch.Tensor, routed: torch.Tensor, top_k: int, cp: Group
+    probs: torch.Tensor, routed: torch.Tensor, top_k: int, groups: tuple[Group, ...]
 ) -> torch.Tensor:
     """Switch's load-balancing loss without its coefficient: e * sum_i f_i P_i over the
     microbatch's tokens, f_i the share of the t * k token-choices routed to expert i
-    (`routed` [e], before any capacity cut) and P_i its mean probability. Under context
-    parallelism the tokens are the whole sequence's: the sums are taken over the cp group
-    (P's differentiably), so every member holds the one-process value."""
-    tokens = probs.shape[0] * cp.size
-    share = comm.all_reduce_value(routed.to(probs.dtype), cp) / (tokens * top_k)
-    mean_probs = comm.sum_across(probs.sum(0), cp) / tokens
+    (`routed` [e], before any capacity cut) and P_i its mean probability. The tokens are
+    the whole sequence's, which tensor and context parallelism split over the ranks of
+    `groups`: the sums are taken over them (P's differentiably), so every member holds the
+    one-process value."""
+    tokens = probs.shape[0] * math.prod(g.size for g in groups)
+    share, mean_probs = routed.to(probs.dtype), probs.sum(0)
+    for g in groups:
+        share, mean_probs = comm.all_reduce_value(share, g), comm.sum_across(mean_probs, g)
+    share, mean_probs = share / (tokens * top_k), mean_probs / tokens
     return probs.shape[1] * (share * mean_probs).sum()
 
 

@@ -160,6 +160,20 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return _all_gather(grad, ctx.g, dim=0), None
 
 
+class _GatherSeqFromTP(torch.autograd.Function):
+    """All-gather along the sequence (dim 0) forward; keep this rank's slice backward: the
+    output feeds a region replicated over the group, whose gradient every member holds."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _all_gather(x, g, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.g, dim=0), None
+
+
 class _ScatterToSP(torch.autograd.Function):
     """Keep this rank's sequence slice forward; all-gather backward."""
 
@@ -282,6 +296,10 @@ def gather_from_sp(x: torch.Tensor, g: Group) -> torch.Tensor:
 
 def reduce_scatter_to_sp(x: torch.Tensor, g: Group) -> torch.Tensor:
     return x if g.size == 1 else _ReduceScatterToSP.apply(x, g)
+
+
+def gather_seq_from_tp(x: torch.Tensor, g: Group) -> torch.Tensor:
+    return x if g.size == 1 else _GatherSeqFromTP.apply(x, g)
 
 
 def scatter_to_sp(x: torch.Tensor, g: Group) -> torch.Tensor:

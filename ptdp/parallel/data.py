@@ -38,14 +38,15 @@ last allocated; which microbatch a gradient belongs to does not matter for the s
 backward's B and W may interleave). A tied embedding's bucket (deferred) and, without
 overlap, every bucket stay full over the step and are reduced in `finish`.
 
-Under expert parallelism a mixture-of-experts layer's experts differ between the members of
-the expert-parallel group and are replicated only over the members a stride of ep apart
-("edp", `ptdp.parallel.mesh`). Their parameters live in buffers of their own, a second
-`GradBuffers` (`experts`) reduced and sharded over that group instead: the same buckets,
-overlap and ZeRO levels, with the gradients still divided by dp*cp, the replicas the loss
-is averaged over (each expert's gradient already sums the tokens of its ep group, which the
-all-to-all brought to it). The first instance drives the second: every method below that
-the trainer calls also runs on `experts`.
+When the experts are laid out apart from attention (expert parallelism, or an expert
+tensor split other than tp: parallel folding, `ptdp.parallel.mesh`), a mixture-of-experts
+layer's experts are replicated only over the "edp" group of a stage's ranks. Their
+parameters live in buffers of their own, a second `GradBuffers` (`experts`) reduced and
+sharded over that group instead: the same buckets, overlap and ZeRO levels, with the
+gradients still divided by dp*cp, the replicas the loss is averaged over (each expert's
+gradient already sums the tokens that the all-to-all brought to it, and edp adds those of
+the other tensor ranks, which routed other tokens). The first instance drives the second:
+every method below that the trainer calls also runs on `experts`.
 
 ZeRO-3 (`shard_params`) also keeps only each rank's 1/dp of the parameters: `params` holds
 the shards, buckets never span two units (a transformer layer, or a chunk's other
@@ -135,9 +136,11 @@ class GradBuffers:
     `shard_params`: and of the parameters (ZeRO-3, `ptdp.parallel.zero3`; implies both),
     re-gathered before each backward unless `reshard_after_forward` is off; `fp8_gather`:
     the fp8 linear weights gathered in float8 (`ptdp.parallel.zero3_fp8`). `expert_dp`
-    (expert parallelism): the group over which the expert parameters, kept in an instance of
-    their own (`experts`), are reduced and sharded; `ep`: the group holding the other
-    experts. `_experts_only` and `_divisor` build that instance.
+    (experts laid out apart from attention): the group over which the expert parameters,
+    kept in an instance of their own (`experts`), are reduced and sharded; `ep`: the group
+    holding the other experts; `expert_tp`: the one splitting each expert (that instance's
+    `tp`, over which its replicated weights' partial gradients are summed). `_experts_only`
+    and `_divisor` build that instance.
     """
 
     def __init__(
@@ -157,6 +160,7 @@ class GradBuffers:
         overlap: bool = True,
         expert_dp: Group | None = None,
         ep: Group | None = None,
+        expert_tp: Group | None = None,
         _experts_only: bool = False,
         _divisor: int = 0,
     ) -> None:
@@ -236,7 +240,7 @@ class GradBuffers:
                 chunks,
                 roles=roles,
                 dp=expert_dp,
-                tp=tp,
+                tp=expert_tp or tp,
                 embedding=embedding,
                 bucket_mb=bucket_mb,
                 shard=shard,

@@ -83,11 +83,14 @@ class ShardSpec:
 @dataclass(frozen=True)
 class ExpertSplit:
     """Dim 0 of a tensor of `num_experts` experts split over `size` expert-parallel ranks:
-    rank `rank` holds experts [rank * local, (rank + 1) * local)."""
+    rank `rank` holds experts [rank * local, (rank + 1) * local). Every routed expert's
+    tensor carries one (size 1 too): its tensor split (`ShardSpec`, over the expert
+    tensor-parallel group) is taken at `etp_rank`, not at the rank's tensor-parallel one."""
 
     num_experts: int
     size: int
     rank: int
+    etp_rank: int = 0
 
     @property
     def local(self) -> int:
@@ -116,11 +119,17 @@ def global_shape(param: torch.Tensor) -> tuple[int, ...]:
     return split.full_shape(shape) if split else shape
 
 
+def split_rank(param: torch.Tensor, tp_rank: int) -> int:
+    """The rank along `param`'s tensor split: an expert's in its expert tensor group."""
+    split = expert_split(param)
+    return split.etp_rank if split is not None else tp_rank
+
+
 def local_part(full: torch.Tensor, param: torch.Tensor, tp_rank: int) -> torch.Tensor:
     """This rank's part of the single-process tensor `full` of `param` (tensor, expert)."""
     spec, split = shard_spec(param), expert_split(param)
     if spec is not None:
-        full = spec.shard(full, tp_rank)  # pads, at any tp
+        full = spec.shard(full, split_rank(param, tp_rank))  # pads, at any tp
     return split.take(full) if split is not None else full
 
 
@@ -135,17 +144,23 @@ def full_tensor(
     tp: Group,
     ep: Group | None = None,
     split: ExpertSplit | None = None,
+    etp: Group | None = None,
 ) -> torch.Tensor:
     """Gather a (possibly sharded) tensor back to its full single-process shape; `ep`: the
     expert-parallel group, to gather the experts of an expert-split one (`split`, by default
-    the tensor's own `ep_split`: pass the parameter's for its gradient)."""
+    the tensor's own `ep_split`: pass the parameter's for its gradient), whose tensor split
+    is gathered over `etp` (the expert tensor-parallel group) instead of `tp`."""
     out = param.detach()
+    split = split or expert_split(param)
+    if split is not None and spec is not None:
+        if etp is None and spec.size > 1 and spec.size != tp.size:
+            raise ValueError("an expert's tensor split needs its expert tensor group to gather")
+        tp = etp if etp is not None else tp
     if spec is not None and tp.size == 1:
         out = spec.unshard([out])  # drops padded rows, if any
     elif spec is not None:
         gathered = gather_full(out, tp, spec.dim)
         out = spec.unshard(list(gathered.chunk(tp.size, dim=spec.dim)))
-    split = split or expert_split(param)
     if split is not None and split.size > 1:
         if ep is None or ep.size != split.size:
             raise ValueError("an expert-split tensor needs its expert-parallel group to gather")

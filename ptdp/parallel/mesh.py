@@ -31,8 +31,14 @@ class MeshShape:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    """Expert-parallel size: splits each dp_cp group (`ptdp.rules.layout.EXPERT_AXES`), adds
-    no rank."""
+    """Expert-parallel size (`ptdp.rules.layout.EXPERT_AXES`): adds no rank."""
+    etp: int = 1
+    """Expert tensor-parallel size: with ep, folds over each stage's tp*cp*dp ranks."""
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage (tp*cp*dp): what the experts' axes split."""
+        return self.tp * self.cp * self.dp
 
     @property
     def world_size(self) -> int:
@@ -74,16 +80,27 @@ class MeshShape:
             groups.append(sorted(self.rank_of(**base, **dict(zip(inner, c))) for c in members))
         return sorted(groups)
 
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """`rank`'s place in its stage's expert layout: etp fastest, then ep, then edp."""
+        i = rank % self.stage_size  # pp is the slowest axis: a stage's ranks are contiguous
+        return {
+            "etp": i % self.etp,
+            "ep": i // self.etp % self.ep,
+            "edp": i // (self.etp * self.ep),
+        }
+
+    def expert_size(self, axis: str) -> int:
+        return {"etp": self.etp, "ep": self.ep}.get(axis) or self.stage_size // (self.etp * self.ep)
+
     def expert_group_ranks(self, axis: str) -> list[list[int]]:
-        """Every "ep" group (ep consecutive members of a dp_cp group: different experts) or
-        "edp" group (members ep apart: the same experts)."""
-        groups = []
-        for members in self.group_ranks("dp_cp"):
-            if axis == "ep":
-                groups += [members[i : i + self.ep] for i in range(0, len(members), self.ep)]
-            else:
-                groups += [members[i :: self.ep] for i in range(self.ep)]
-        return sorted(groups)
+        """Every "etp", "ep" or "edp" group: the ranks of a stage that differ only in that
+        coordinate of `expert_coords`."""
+        groups: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.expert_coords(rank)
+            key = (rank // self.stage_size, *(v for a, v in c.items() if a != axis))
+            groups.setdefault(key, []).append(rank)
+        return sorted(groups.values())
 
     def embedding_group_ranks(self) -> list[list[int]]:
         """Pairs of ranks holding the first and last pipeline stage at the same (tp, dp):
@@ -116,10 +133,12 @@ class ParallelMesh:
         axes = {axis: shape.group_ranks(axis) for axis in (*ORDER, *COMBINED)}
         axes.update({axis: shape.expert_group_ranks(axis) for axis in EXPERT_AXES})
         axes["embedding"] = shape.embedding_group_ranks()
+        made: dict[str, list[list[int]]] = {}
         for axis, all_ranks in axes.items():
-            same = {"dp_cp": shape.cp == 1, "edp": shape.ep == 1}  # as the group before it
-            if same.get(axis):
-                groups[axis] = groups["dp" if axis == "dp_cp" else "dp_cp"]
+            same = next((a for a, r in made.items() if r == all_ranks), None)
+            made[axis] = all_ranks
+            if same is not None:  # e.g. edp = dp_cp when the experts are not folded
+                groups[axis] = groups[same]
                 continue
             groups[axis] = None
             for ranks in all_ranks:
@@ -139,8 +158,7 @@ class ParallelMesh:
         if axis in COMBINED:
             return next(g.index(self.rank) for g in self.shape.group_ranks(axis) if self.rank in g)
         if axis in EXPERT_AXES:
-            dp_cp = self.coord("dp_cp")
-            return dp_cp % self.shape.ep if axis == "ep" else dp_cp // self.shape.ep
+            return self.shape.expert_coords(self.rank)[axis]
         return self.shape.coords(self.rank)[axis]
 
     def size(self, axis: str) -> int:
@@ -148,8 +166,7 @@ class ParallelMesh:
             pp = self.shape.coords(self.rank)["pp"]
             return 2 if self.shape.pp > 1 and pp in (0, self.shape.pp - 1) else 1
         if axis in EXPERT_AXES:
-            ep = self.shape.ep
-            return ep if axis == "ep" else self.shape.size_of("dp_cp") // ep
+            return self.shape.expert_size(axis)
         return self.shape.size_of(axis)
 
     def axis(self, axis: str) -> Group:

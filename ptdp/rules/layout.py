@@ -30,10 +30,11 @@ ORDER = ("tp", "cp", "dp", "pp")
 """How ranks are laid out, fastest-varying first (`ptdp.parallel.mesh` builds the groups)."""
 COMBINED = {"dp_cp": ("cp", "dp")}
 """Groups over several adjacent axes (fastest first); a member's index is its rank in it."""
-EXPERT_AXES = ("ep", "edp")
-"""The two splits of a dp_cp group under expert parallelism: "ep", ep consecutive members
-that hold different experts (tokens travel between them), and "edp", the members a stride
-of ep apart that hold the same experts (their gradients are reduced over it)."""
+EXPERT_AXES = ("etp", "ep", "edp")
+"""The mixture-of-experts layers' own split of one pipeline stage's tp*cp*dp ranks (parallel
+folding, fastest first): "etp", consecutive ranks that split each expert's matrices; "ep",
+ranks etp apart that hold different experts (tokens travel between them); "edp", ranks
+etp*ep apart that hold the same experts (their gradients are reduced over it)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,15 @@ class Layout:
     cp: int = 1
     """Context-parallel size: ranks that split each sequence."""
     ep: int = 1
-    """Expert-parallel size: ranks of one dp*cp group that split each layer's experts."""
+    """Expert-parallel size: ranks of one stage's tp*cp*dp that split each layer's experts."""
+    etp: int = 1
+    """Expert tensor-parallel size: ranks that split each expert's matrices; a dense
+    model's is tp (no expert layout apart from attention's)."""
+
+    @property
+    def folded(self) -> bool:
+        """The experts are laid out apart from attention (their own etp, ep, edp groups)."""
+        return self.ep > 1 or self.etp != self.tp
 
     @cached_property
     def pipeline(self) -> PipelinePlan:
@@ -76,6 +85,7 @@ class Layout:
         sp = " sp=on" if self.sequence_parallel else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         cp += f" ep={self.ep}" if self.ep > 1 else ""
+        cp += f" etp={self.etp}" if self.etp != self.tp else ""
         uneven = len(set(self.stage_layers)) > 1
         split = f" layers={','.join(map(str, self.stage_layers))}" if uneven else ""
         zero = f" zero={self.zero}" if self.zero else ""  # absent at 0, as before the levels
@@ -145,4 +155,5 @@ def validate(cfg: RunConfig, world_size: int = 1, *, gpus: bool = False) -> Layo
         zero_level(cfg),
         p.cp,
         p.ep,
+        p.etp if cfg.model.num_experts else p.tp,
     )

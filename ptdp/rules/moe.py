@@ -99,15 +99,33 @@ def _layout_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
             "sequence, which context parallelism splits over ranks; use dropless routing "
             "(--model.moe_capacity_factor 0) or --parallel.cp 1"
         )
+    if m.moe_capacity_factor and p.cp == 1 and p.etp != p.tp:
+        errors.append(
+            f"model.moe_capacity_factor = {m.moe_capacity_factor} with parallel.etp = {p.etp} "
+            f"and parallel.tp = {p.tp}: which token-choices an expert drops depends on the "
+            "routing of the whole sequence, which reaches one expert group only when etp = "
+            f"tp; use dropless routing (--model.moe_capacity_factor 0) or --parallel.etp {p.tp}"
+        )
+    local = m.seq_length // p.cp  # a rank's part of the sequence
+    if p.tp > 1 and not p.sequence_parallel and local % p.tp and not m.seq_length % p.cp:
+        errors.append(
+            f"model.seq_length = {m.seq_length}"
+            + (f" / parallel.cp = {local}" if p.cp > 1 else "")
+            + f" is not divisible by parallel.tp = {p.tp}: each tensor rank routes its own "
+            f"slice of the sequence to the experts; use a sequence length that is a multiple "
+            f"of {p.tp * p.cp * (2 if p.cp > 1 else 1)}"
+        )
     widths = (
-        ("routed expert", "moe_ffn_hidden_size", m.moe_ffn_size),
-        ("shared expert", "moe_shared_ffn_hidden_size", m.moe_shared_ffn_size),
+        ("routed expert", "moe_ffn_hidden_size", m.moe_ffn_size, "etp", p.etp),
+        ("shared expert", "moe_shared_ffn_hidden_size", m.moe_shared_ffn_size, "tp", p.tp),
     )
-    for what, key, width in widths:
-        if width % p.tp:
+    for what, key, width, axis, size in widths:
+        if size > 0 and width % size:
+            fits = max(d for d in range(1, size + 1) if width % d == 0 and size % d == 0)
             errors.append(
-                f"the {what} width {width} (model.{key}) is not divisible by parallel.tp = "
-                f"{p.tp}; choose a width that is a multiple of {p.tp}"
+                f"the {what} width {width} (model.{key}) is not divisible by parallel.{axis} = "
+                f"{size}; choose a width that is a multiple of {size}"
+                + (f", or --parallel.etp {fits}" if axis == "etp" else "")
             )
 
 
@@ -116,37 +134,47 @@ def _show(value: object) -> str:
 
 
 def expert_rules(cfg: RunConfig, dp: int, errors: list[str]) -> None:
-    """parallel.ep against the model and the layout (`dp`: the derived data-parallel size,
-    0 when it could not be derived)."""
+    """parallel.ep and parallel.etp against the model and the layout (`dp`: the derived
+    data-parallel size, 0 when it could not be derived). The experts fold over one stage's
+    tp * cp * dp ranks (`ptdp.parallel.mesh`): ep * etp must divide them."""
     m, p = cfg.model, cfg.parallel
-    if p.ep < 1:
-        errors.append(f"parallel.ep = {p.ep} must be >= 1 (1 = no expert parallelism)")
-        return
-    if p.ep == 1:
+    for key, size, what in (
+        ("ep", p.ep, "expert parallelism"),
+        ("etp", p.etp, "expert tensor parallelism"),
+    ):
+        if size < 1:
+            errors.append(f"parallel.{key} = {size} must be >= 1 (1 = no {what})")
+    if p.ep < 1 or p.etp < 1 or (p.ep == 1 and p.etp == 1):
         return
     if m.num_experts == 0:
+        given = [(k, v) for k, v in (("ep", p.ep), ("etp", p.etp)) if v > 1]
+        keys = " and ".join(f"parallel.{k} = {v}" for k, v in given)
+        fix = " ".join(f"--parallel.{k} 1" for k, _ in given)
         errors.append(
-            f"parallel.ep = {p.ep} splits experts, but model.num_experts = 0 (a dense model); "
-            "set --parallel.ep 1, or --model.num_experts (e.g. 8) for a mixture of experts"
+            f"{keys} split{'s' if len(given) == 1 else ''} experts, but model.num_experts = 0 "
+            f"(a dense model); set {fix}, or --model.num_experts (e.g. 8) for a mixture of "
+            "experts"
         )
         return
-    replicas = dp * p.cp
+    folded = dp * p.cp * p.tp  # one stage's ranks, 0: unknown
     # The largest ep below the asked one that meets both rules: never a fix that fails.
     fits = max(
         e
         for e in range(1, p.ep + 1)
-        if m.num_experts % e == 0 and (replicas == 0 or replicas % e == 0)
+        if m.num_experts % e == 0 and (folded == 0 or folded % (e * p.etp) == 0)
     )
     if m.num_experts % p.ep:
         errors.append(
             f"model.num_experts = {m.num_experts} is not divisible by parallel.ep = {p.ep}: "
             f"every expert-parallel rank holds the same number of experts; use --parallel.ep "
-            f"{fits} (a divisor of {m.num_experts}{' and of dp * cp' if replicas else ''})"
+            f"{fits} (a divisor of {m.num_experts}{' that fits the ranks' if folded else ''})"
         )
-    if replicas and replicas % p.ep:
+    if folded and folded % (p.ep * p.etp):
+        etp_fits = max(e for e in range(1, p.etp + 1) if folded % e == 0 and p.etp % e == 0)
         errors.append(
-            f"parallel.ep = {p.ep} does not divide dp * cp = {dp} * {p.cp} = {replicas}: "
-            "expert-parallel ranks are taken from the data- and context-parallel ranks; use "
-            f"--parallel.ep {fits}, or launch a multiple of {p.ep} data- and context-parallel "
-            "ranks"
+            f"parallel.ep * parallel.etp = {p.ep} * {p.etp} = {p.ep * p.etp} does not divide "
+            f"tp * cp * dp = {p.tp} * {p.cp} * {dp} = {folded}: the experts are laid out over "
+            f"one pipeline stage's ranks; use --parallel.ep {fits}"
+            + (f" or --parallel.etp {etp_fits}" if etp_fits != p.etp else "")
+            + f", or launch a multiple of {p.ep * p.etp} ranks per stage"
         )

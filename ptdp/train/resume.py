@@ -12,6 +12,7 @@ so the batches, their order and the schedule do not change (ptdp/train/step/trai
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Callable
@@ -106,15 +107,16 @@ def plan_resume(cfg: RunConfig, resume: bool, restart: bool = False) -> ResumePl
 
 def check_world(cfg: RunConfig, world_size: int) -> None:
     """Before validation, for a run that resumes: a new world that cannot hold the config's
-    tp*cp*pp, that a fixed dp no longer matches, or whose replicas (dp*cp) ep no longer
-    divides, is refused naming the checkpoint and the fix (files are read only when the
-    world does not fit). Experts saved at any ep load at the new one."""
+    tp*cp*pp, that a fixed dp no longer matches, or whose stage ranks (tp*cp*dp) ep*etp no
+    longer divides, is refused naming the checkpoint and the fix (files are read only when the
+    world does not fit). Experts saved at any ep and etp load at the new ones."""
     p = cfg.parallel
     model_ranks = p.tp * p.cp * p.pp
     if world_size == 1 or model_ranks <= 0:
         return
-    replicas = world_size // model_ranks * p.cp
-    ep_fits = p.ep <= 1 or (replicas and not replicas % p.ep)
+    stage = world_size // model_ranks * p.cp * p.tp  # the ranks the experts fold over
+    folds = p.ep * p.etp
+    ep_fits = folds <= 1 or (stage and not stage % folds)
     if not world_size % model_ranks and (not p.dp or p.dp * model_ranks == world_size) and ep_fits:
         return
     run_dir = Path(cfg.train.run_dir)
@@ -124,7 +126,9 @@ def check_world(cfg: RunConfig, world_size: int) -> None:
     if newest is None:
         return  # a fresh start: validation's own message
     saved = ckpt.load_config(newest).parallel
-    extra = "".join(f" {k}={getattr(saved, k)}" for k in ("cp", "ep") if getattr(saved, k) > 1)
+    extra = "".join(
+        f" {k}={getattr(saved, k)}" for k in ("cp", "ep", "etp") if getattr(saved, k) > 1
+    )
     was = f"{newest} (saved with tp={saved.tp} pp={saved.pp}{extra})"
     if world_size % model_ranks:
         axes = ("tp", "pp") if p.cp == 1 else ("tp", "cp", "pp")
@@ -137,12 +141,13 @@ def check_world(cfg: RunConfig, world_size: int) -> None:
             f"change {' and '.join(f'parallel.{a}' for a in axes)}"
         )
     if not ep_fits and (not p.dp or p.dp * model_ranks == world_size):
-        fits = max(e for e in range(1, p.ep + 1) if not replicas % e and not p.ep % e)
+        fits = max(e for e in range(1, p.ep + 1) if not stage % (e * p.etp) and not p.ep % e)
         raise ConfigError(
-            f"cannot resume {was} with {world_size} processes: parallel.ep = {p.ep} does not "
-            f"divide the {replicas} data- and context-parallel replicas (dp*cp) this world "
-            f"holds; resume with --parallel.ep {fits} (the experts are re-split on load), or "
-            f"launch a multiple of {model_ranks * p.ep} processes"
+            f"cannot resume {was} with {world_size} processes: parallel.ep * parallel.etp = "
+            f"{p.ep} * {p.etp} does not divide the {stage} ranks of a pipeline stage "
+            f"(tp*cp*dp) this world holds; resume with --parallel.ep {fits} (the experts "
+            f"are re-split on load), or launch a multiple of "
+            f"{model_ranks * folds // math.gcd(folds, p.tp * p.cp)} processes"
         )
     raise ConfigError(
         f"cannot resume {was} with {world_size} processes: parallel.dp = {p.dp} is fixed "

@@ -184,14 +184,15 @@ MOE = {
 [e, 2f] alike, fc2 [e, h, f] split on dim 2; the routers' balancing biases (buffers)."""
 
 
-def _moe_save(rank: int, world: int, data: str, root: str) -> None:
-    env = LaunchEnv(rank, world, rank)
-    cfg = _config(data, Path(root) / "ref", 4, {"tp": 2}, MOE, train={"save_interval": 3})
+def _moe_save(rank: int, world: int, data: str, root: str, par: dict | None = None) -> None:
+    env, par = LaunchEnv(rank, world, rank), par or {"tp": 2, "etp": 2}
+    cfg = _config(data, Path(root) / "ref", 4, par, MOE, train={"save_interval": 3})
     _write(root, "ref", rank, train(cfg, env=env).losses)
 
 
 def test_moe_experts_and_biases_reshard(tiny_data: str, tmp_path: Path) -> None:
-    """Grouped expert weights saved at tp=2 restore in one process and at pp=2, and a
+    """Grouped expert weights saved at tp=2 (each expert split like the MLP) restore in one
+    process, at pp=2 and folded (experts whole, ep over the tensor ranks), and a
     one-process checkpoint at tp=2, each to the saving layout's next loss (the routing, and
     so the loss, depends on the restored balancing biases)."""
     run_ranks(_moe_save, 2, tiny_data, str(tmp_path))
@@ -202,9 +203,19 @@ def test_moe_experts_and_biases_reshard(tiny_data: str, tmp_path: Path) -> None:
     full = ckpt.load_checkpoint(step_dir)["model"]
     assert full["layers.0.mlp.experts.fc2.weight"].shape == (4, 32, 128)
     assert full["layers.0.mlp.router.expert_bias"].abs().sum() > 0
-    targets = {"one": (1, {}), "pp2": (2, {"pp": 2})}
+    targets = {"one": (1, {}), "pp2": (2, {"pp": 2}), "folded": (2, {"tp": 2, "ep": 2})}
     _check_resharding(tmp_path, tiny_data, tmp_path / "ref", targets, MOE)
-    _check_resharding(tmp_path, tiny_data, tmp_path / "one", {"from-one": (2, {"tp": 2})}, MOE)
+    targets = {"from-one": (2, {"tp": 2, "etp": 2})}
+    _check_resharding(tmp_path, tiny_data, tmp_path / "one", targets, MOE)
+
+
+def test_folded_experts_reshard_to_unfolded(tiny_data: str, tmp_path: Path) -> None:
+    """Experts saved folded (ep = 2 over the two tensor ranks, each expert whole, its state
+    and the shared MLP's split differently) restore split like the MLP (etp = tp = 2) and
+    whole on both tensor ranks (etp = 1, ep = 1), each to the saving layout's next loss."""
+    run_ranks(_moe_save, 2, tiny_data, str(tmp_path), {"tp": 2, "ep": 2})
+    targets = {"unfolded": (2, {"tp": 2, "etp": 2}), "replicated": (2, {"tp": 2})}
+    _check_resharding(tmp_path, tiny_data, tmp_path / "ref", targets, MOE)
 
 
 def _ep_save(rank: int, world: int, data: str, root: str) -> None:

@@ -44,7 +44,9 @@ class Layout:
     moe: str = ""
     """A key of MOE: the MLPs become mixture-of-experts blocks of that variant."""
     ep: int = 1
-    """Expert parallelism: the experts split over ep of the dp*cp ranks."""
+    """Expert parallelism: the experts split over ep of a stage's tp*cp*dp ranks."""
+    etp: int = 1
+    """Expert tensor parallelism: each expert split over etp ranks (1: whole, folded)."""
     layers: tuple[int, ...] = ()
     """parallel.pipeline_layers: each stage's layers (empty: an even split)."""
     fp8: bool = False
@@ -64,7 +66,7 @@ class Layout:
         parts += ["sp"] * self.sp + [f"zero{self.zero}"] * (self.zero > 0)
         parts += [f"rc-{self.recompute}"] * (self.recompute != "none") + ["llama"] * self.llama
         parts += ["keep"] * self.keep + [self.moe] * bool(self.moe)
-        parts += [f"ep{self.ep}"] * (self.ep > 1)
+        parts += [f"ep{self.ep}"] * (self.ep > 1) + [f"etp{self.etp}"] * (self.etp > 1)
         parts += [f"L{'-'.join(map(str, self.layers))}"] * bool(self.layers)
         return "-".join(parts + ["fp8"] * self.fp8)
 
@@ -149,7 +151,8 @@ GRID = [
     Layout(cp=2, pp=2, schedule="zb-h1", layers=(0, 8), llama=True),
     # mixture of experts, world 2 and 4
     Layout(tp=2, sp=True, moe="moe"),
-    Layout(tp=2, recompute="full", llama=True, moe="moe"),  # SwiGLU experts split over tp
+    Layout(tp=2, recompute="full", llama=True, moe="moe", etp=2),  # SwiGLU experts split as MLPs
+    Layout(tp=2, sp=True, moe="moe", ep=2),  # folded: ep over the tensor ranks, experts whole
     Layout(pp=2, moe="moe"),
     Layout(pp=2, schedule="zb-h1", moe="moe"),  # expert weight gradients deferred to W
     Layout(dp=2, zero=1, moe="moe", ep=2),  # experts split over the 2 replicas
@@ -161,7 +164,10 @@ GRID = [
     Layout(dp=2, recompute="full", llama=True, moe="moe", ep=2),
     Layout(pp=2, vpp=2, schedule="zb-v", moe="moe-shared-bias"),
     Layout(tp=2, dp=2, sp=True, zero=1, moe="moe-shared-bias", ep=2),
-    Layout(tp=2, pp=2, schedule="zb-h1", sp=True, llama=True, moe="moe-capacity"),
+    Layout(tp=2, pp=2, schedule="zb-h1", sp=True, llama=True, moe="moe-capacity", etp=2),
+    Layout(tp=2, pp=2, zero=1, moe="moe-shared-bias"),  # expert state sharded over tp ranks
+    Layout(tp=2, dp=2, moe="moe", ep=2, etp=2),  # ep over dp, each expert split over tp
+    Layout(tp=2, dp=2, sp=True, moe="moe", ep=4),  # ep over tp * dp
     Layout(cp=2, pp=2, recompute="full", moe="moe-shared-bias"),
     Layout(pp=2, dp=2, vpp=2, schedule=I, zero=2, moe="moe-capacity", ep=2),
     Layout(dp=4, moe="moe", ep=4),
@@ -171,6 +177,7 @@ GRID = [
     Layout(cp=2, dp=2, zero=1, llama=True, moe="moe", ep=2),  # edp = 2, over dp
     # world 8
     Layout(tp=2, pp=2, dp=2, sp=True, zero=1),
+    Layout(tp=2, pp=2, dp=2, sp=True, zero=1, moe="moe", ep=2),  # folded, pp and ZeRO-1
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule=I, sp=True, zero=1, recompute="full"),
     Layout(tp=2, pp=2, dp=2, schedule="zb-h1", recompute="selective", zero=2, llama=True),
     Layout(pp=4, dp=2, vpp=2, schedule=I, zero=1),
@@ -219,6 +226,7 @@ def _config(
             "cp": layout.cp,
             "cp_comm": layout.cp_comm,
             "ep": layout.ep,
+            "etp": layout.etp,
             "pipeline_layers": layout.layers,
         }
     return tiny_config(

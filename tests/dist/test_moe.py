@@ -40,32 +40,42 @@ def _routes(model: GPT) -> dict[int, list]:
     return seen
 
 
-def _check_block(tp: Group, options: dict, sp: bool) -> None:
-    cfg = replace(CFG, **options)
-    ref, model = GPT(cfg, seed=3), GPT(cfg, seed=3, tp=tp, sequence_parallel=sp)
+def _check_block(tp: Group, options: dict, sp: bool, folded: bool) -> None:
+    """`folded`: the experts whole on every tensor rank (etp = 1, dropless), each rank
+    computing its own tokens'; else split over the tensor group like the MLP (etp = tp)."""
+    cfg = replace(CFG, **options, **({"moe_capacity_factor": 0.0} if folded else {}))
+    etp = Group.single() if folded else tp
+    ref, model = GPT(cfg, seed=3), GPT(cfg, seed=3, tp=tp, etp=etp, sequence_parallel=sp)
     ref_routes, routes = _routes(ref), _routes(model)
     torch.manual_seed(11)
     tokens = torch.randint(0, cfg.vocab_size, (2, 17))
     loss_ref = ref(tokens[:, :-1], tokens[:, 1:])
     loss = model(tokens[:, :-1], tokens[:, 1:])
-    # Every tensor rank routes the whole sequence, exactly as one process does.
+    # Each tensor rank routes its own slice of the sequence, exactly as one process does.
     assert sorted(routes) == sorted(ref_routes) == [1, 2]
     for i in routes:
-        assert torch.equal(routes[i][0], ref_routes[i][0]), (i, sp)
-        both = comm.all_gather_objects(routes[i][0].tolist(), tp.group, tp.size)
-        assert both[0] == both[1]
+        mine = routes[i][0]
+        every = comm.all_gather_objects(mine.tolist(), tp.group, tp.size)
+        assert torch.equal(torch.tensor(sum(every, [])), ref_routes[i][0]), (i, sp)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
     loss_ref.backward()
     loss.backward()
     reduce_sequence_parallel_grads(model, model.roles, tp)
+    if folded:  # replicated experts: each tensor rank's gradient holds its own tokens'
+        for p in model.parameters():
+            if expert_split(p) is not None:
+                comm.all_reduce_sum_(p.grad, tp)
     one = Group.single()  # drops the vocabulary padding of the reference's embedding too
     grads = {n: full_tensor(p.grad, shard_spec(p), one) for n, p in ref.named_parameters()}
     for name, p in model.named_parameters():
-        got = full_tensor(p.grad, shard_spec(p), tp)
+        got = full_tensor(p.grad, shard_spec(p), tp, etp=etp)
         torch.testing.assert_close(got, grads[name], rtol=1e-5, atol=1e-6, msg=f"{name} sp={sp}")
-    for i, block in model.moe_layers().items():  # the same figures on every rank
+    for i, block in model.moe_layers().items():  # summed over the tensor ranks: one process's
         stats, want = block.state.stats[i], ref.moe.stats[i]
-        assert torch.equal(stats.routed, want.routed) and torch.equal(stats.dropped, want.dropped)
+        routed, dropped = stats.routed.clone(), stats.dropped.clone()
+        comm.all_reduce_sum_(routed, tp)
+        comm.all_reduce_sum_(dropped, tp)
+        assert torch.equal(routed, want.routed) and torch.equal(dropped, want.dropped)
         torch.testing.assert_close(stats.aux, want.aux)
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(tokens[:1, :-1]), ref.eval()(tokens[:1, :-1]))
@@ -177,7 +187,8 @@ def _check(rank: int, world_size: int) -> None:
     _check_sum_across(tp)
     for options in ({}, SWIGLU):
         for sp in (False, True):
-            _check_block(tp, options, sp)
+            for folded in (False, True):
+                _check_block(tp, options, sp, folded)
 
 
 def test_tensor_parallel_moe_routes_and_computes_as_one_process() -> None:

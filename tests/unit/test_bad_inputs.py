@@ -369,10 +369,23 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         ("model.num_experts = 4 is not divisible by parallel.ep = 3", "--parallel.ep 1 (a"),
     ),
     (
-        "ep-not-dividing-dp-cp",
+        "ep-not-dividing-the-stage",
         lambda c: c.train(world=2, parallel={"ep": 4}, model={"num_experts": 8}),
         ConfigError,
-        ("parallel.ep = 4 does not divide dp * cp = 2 * 1 = 2", "use --parallel.ep 2,"),
+        (
+            "ep * parallel.etp = 4 * 1 = 4 does not divide tp * cp * dp = 1 * 1 * 2",
+            "use --parallel.ep 2,",
+        ),
+    ),
+    (
+        "etp-not-dividing-the-expert-width",
+        lambda c: c.train(
+            world=2,
+            parallel={"tp": 2, "etp": 2},
+            model={"num_experts": 4, "moe_ffn_hidden_size": 36 + 1},
+        ),
+        ConfigError,
+        ("(model.moe_ffn_hidden_size) is not divisible by parallel.etp = 2", "--parallel.etp 1"),
     ),
     (
         "fp8-without-torchao",

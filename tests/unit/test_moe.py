@@ -264,7 +264,11 @@ INVALID = [
         "--model.moe_score_function softmax",
     ),
     ({"num_experts": 4, "moe_shared_ffn_hidden_size": 64}, 1, "model.moe_shared_experts = 0"),
-    ({"num_experts": 4, "moe_ffn_hidden_size": 33}, 2, "routed expert width 33"),
+    (
+        {"num_experts": 4, "moe_shared_experts": 1, "moe_shared_ffn_hidden_size": 33},
+        2,
+        "shared expert width 33",
+    ),
 ]
 
 
@@ -333,8 +337,13 @@ def test_router_and_expert_output_bias_are_summed_over_tp() -> None:
     from ptdp.parallel.comm import Group
 
     cfg = replace(BASE, moe_shared_experts=1)
-    names = GPT(cfg, tp=Group.single(), sequence_parallel=True).roles.sequence_parallel
+    two = Group(None, 2, 0)  # sizes only: building a model runs no collective
+    names = GPT(cfg, tp=two, etp=two, sequence_parallel=True).roles.sequence_parallel
     for i in (0, 1):
         assert {f"layers.{i}.mlp.{n}" for n in ("router.weight", "experts.fc2.bias")} <= names
         assert f"layers.{i}.mlp.shared.fc2.bias" in names  # a row-parallel layer's own
+    # Folded (experts whole): the router still routes 1/tp of the tokens per rank, the
+    # experts' bias has no partial sums over an expert tensor group of one.
+    names = GPT(cfg, tp=two, sequence_parallel=True).roles.sequence_parallel
+    assert "layers.0.mlp.router.weight" in names and "layers.0.mlp.experts.fc2.bias" not in names
     assert not GPT(cfg).roles.sequence_parallel  # one rank: nothing to sum

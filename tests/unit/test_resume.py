@@ -211,7 +211,12 @@ def test_an_unpublished_save_is_taken_only_when_whole(tiny_data: str, tmp_path: 
         ({"tp": 2}, 3, r"3 is not a multiple of 2; a restart may change"),
         ({"dp": 4}, 2, r"parallel.dp = 4 is fixed and needs 4; set --parallel.dp 0"),
         ({"cp": 2}, 3, r"tp\*cp\*pp = 1\*2\*1 = 2 processes .* change parallel.tp and par"),
-        ({"ep": 4}, 2, r"parallel.ep = 4 does not divide the 2 data- .* --parallel.ep 2 \(the"),
+        (
+            {"ep": 4},
+            2,
+            r"parallel.ep \* parallel.etp = 4 \* 1 does not divide the 2 ranks .* "
+            r"--parallel.ep 2 \(the",
+        ),
     ],
 )
 def test_a_new_world_that_cannot_hold_the_layout_is_refused(

@@ -25,8 +25,10 @@ class MoESteps:
     pipeline group) gives the figures since the last one.
     """
 
-    def __init__(self, chunks: list[GPT], *, dp_cp: Group, pp: Group, num_experts: int) -> None:
-        self.chunks, self.dp_cp, self.pp = chunks, dp_cp, pp
+    def __init__(
+        self, chunks: list[GPT], *, dp_cp: Group, pp: Group, num_experts: int, tp: Group
+    ) -> None:
+        self.chunks, self.dp_cp, self.pp, self.tp = chunks, dp_cp, pp, tp
         self.num_experts = num_experts
         self.layers = {i: b for chunk in chunks for i, b in chunk.moe_layers().items()}
         self.loads: dict[int, torch.Tensor] = {}
@@ -47,9 +49,13 @@ class MoESteps:
         stats = {i: s for chunk in self.chunks for i, s in chunk.moe.stats.items()}
         order = sorted(self.layers)
         rows = torch.stack([self._row(stats.get(i)) for i in order])  # [layers, e + 3]
+        # Each tensor rank routed its own tokens: the counts sum over tp and the replicas
+        # (float64: exact up to 2**53), the losses average over them, as the loss does.
+        all_reduce_sum_(rows, self.tp)
+        rows[:, -2:] /= self.tp.size
         loss = rows[:, -2:].sum().float()
-        all_reduce_sum_(rows, self.dp_cp)  # float64: counts stay exact up to 2**53
-        rows[:, -2:] /= self.dp_cp.size  # the losses: mean over the replicas, as the loss
+        all_reduce_sum_(rows, self.dp_cp)
+        rows[:, -2:] /= self.dp_cp.size
         self.loads = {i: rows[j, : self.num_experts] for j, i in enumerate(order)}
         for j, i in enumerate(order):
             self._interval[i] = self._interval.get(i, 0) + rows[j]

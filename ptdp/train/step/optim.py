@@ -133,15 +133,18 @@ class Optimizer:
         roles, device = self.buffers.roles, self.buffers.chunks[0].grads.device
         total = torch.zeros((), dtype=torch.float32, device=device)
         for part in self.buffers.parts():
-            counted = [
+            counted = [  # part.tp: the experts' own tensor group for theirs
                 x.master.grad
                 for x in self.pieces
-                if x.where[0] is part and counted_in_norm(x.name, x.param, roles, self.tp)
+                if x.where[0] is part and counted_in_norm(x.name, x.param, roles, part.tp)
             ]
             squares = squared_sum(counted, device)
             if part.shard:
                 all_reduce_sum_(squares, part.dp)
-            all_reduce_sum_(squares, part.ep)  # other members' experts (expert parallelism)
+            if part is not self.buffers:  # the experts, laid out apart: whole on every rank,
+                all_reduce_sum_(squares, part.ep)  # then counted on tensor rank 0 only
+                all_reduce_sum_(squares, part.tp)
+                squares = squares if self.tp.rank == 0 else torch.zeros_like(squares)
             total += squares
         all_reduce_sum_(total, self.tp)
         all_reduce_sum_(total, self.pp)

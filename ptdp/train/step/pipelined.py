@@ -70,6 +70,7 @@ def build_chunks(
             cp=mesh.axis("cp") if layout.cp > 1 else None,
             cp_comm=cp_comm,
             ep=mesh.axis("ep") if layout.ep > 1 else None,
+            etp=mesh.axis("etp") if layout.etp > 1 else None,  # a dense model reads none
             sequence_parallel=layout.sequence_parallel,
             layers=ranges[stage],
             has_embedding=stage == 0,

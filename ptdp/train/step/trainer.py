@@ -96,7 +96,7 @@ class Trainer:
         self.owns_process_group = store is not None
         self.mesh = (
             ParallelMesh.build(
-                MeshShape(layout.tp, layout.dp, layout.pp, layout.cp, layout.ep),
+                MeshShape(layout.tp, layout.dp, layout.pp, layout.cp, layout.ep, layout.etp),
                 env.rank,
                 timeout=timedelta(seconds=t.collective_timeout_s),
             )
@@ -136,6 +136,7 @@ class Trainer:
             apply_compile(by_stage.values(), cuda_graphs=t.cuda_graphs)
         self.chunks = list(by_stage.values())
         self.model = nn.ModuleList(self.chunks).to(self.device)
+        folded = layout.folded
         self.grads = GradBuffers(
             self.chunks,
             roles=rank_roles(self.chunks),
@@ -149,9 +150,10 @@ class Trainer:
             reshard_after_forward=cfg.parallel.zero3_reshard_after_forward,
             fp8_gather=fp8 if cfg.parallel.zero3_fp8_all_gather else None,
             overlap=cfg.parallel.overlap_grad_reduce,
-            # Expert parallelism: the experts' gradients over the replicas of each expert.
-            expert_dp=self.mesh.axis("edp") if layout.ep > 1 else None,
-            ep=self.mesh.axis("ep") if layout.ep > 1 else None,
+            # Experts laid out apart from attention: their gradients over their replicas.
+            expert_dp=self.mesh.axis("edp") if folded else None,
+            ep=self.mesh.axis("ep") if folded else None,
+            expert_tp=self.mesh.axis("etp") if folded else None,
         )
         dtype = PARAM_DTYPES[cfg.train.precision]
         # fp32 masters are taken from the fp32 initial weights, then the model is cast.
@@ -177,6 +179,7 @@ class Trainer:
             dp_cp=self.mesh.axis("dp_cp"),
             pp=self.pp,
             num_experts=cfg.model.num_experts,
+            tp=self.tp,
         )
         """The MoE layers' loss scale, loads, bias updates and log figures (none if dense)."""
         self.pipeline = self._pipeline_step(by_stage, dtype) if layout.pp > 1 else None
