@@ -5,8 +5,9 @@ fp8 runs the linear layers' GEMMs through `torch._scaled_mm` (torchao's float8 t
 `ptdp.parallel.fp8`), whose operands must have every dimension a multiple of 16 on a GPU:
 each rank's input and output features of every linear layer, and the tokens of a
 microbatch on a rank. A mixture-of-experts model's experts run theirs in float8 too
-(`ptdp.parallel.fp8_grouped`): each rank's features of every expert matrix must be
-multiples of 16 as well; their rows (an expert's share of the tokens) are padded to 16.
+(`ptdp.parallel.fp8_grouped`): each rank's features of every expert matrix (the routed
+experts' split over parallel.etp, the shared ones' over parallel.tp) must be multiples of
+16 as well; their rows (an expert's share of the tokens) are padded to 16.
 The same rules hold on a CPU (where the GEMMs are emulated), so that a run tried on a
 laptop does not fail on the cluster. Pure (no torch import).
 """
@@ -49,7 +50,7 @@ def fp8_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
             )
     if p.tp > 0 and m.num_heads > 0:
         _feature_rules(cfg, errors)
-    if p.tp > 0 and m.num_experts > 0:
+    if p.tp > 0 and p.etp > 0 and m.num_experts > 0:
         _expert_rules(cfg, errors)
 
 
@@ -79,12 +80,12 @@ def _expert_rules(cfg: RunConfig, errors: list[str]) -> None:
     """Each rank's inner features of the routed and the shared experts (fc1's rows and fc2's
     columns; SwiGLU's fc1 has twice as many, so they follow), each refused with a width
     that works: the next multiple of 16 times the ranks that split it."""
-    m, tp = cfg.model, cfg.parallel.tp
-    # The experts are split over parallel.tp today; once parallel.etp (expert tensor
-    # parallelism) exists, the routed experts' width per rank is moe_ffn_size / etp.
-    split = {"routed": ("moe_ffn_hidden_size", m.moe_ffn_size, tp, "parallel.tp")}
+    m, p = cfg.model, cfg.parallel
+    # The routed experts are split over the expert tensor group, the shared ones (a dense
+    # MLP) over the tensor group.
+    split = {"routed": ("moe_ffn_hidden_size", m.moe_ffn_size, p.etp, "parallel.etp")}
     if m.moe_shared_experts:
-        split["shared"] = ("moe_shared_ffn_hidden_size", m.moe_shared_ffn_size, tp, "parallel.tp")
+        split["shared"] = ("moe_shared_ffn_hidden_size", m.moe_shared_ffn_size, p.tp, "parallel.tp")
     for what, (key, width, ranks, axis) in split.items():
         if width % ranks or (width // ranks) % FP8_MULTIPLE:
             step = FP8_MULTIPLE * ranks

@@ -404,7 +404,7 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         ConfigError,
         (
             "fp8 needs the routed experts' inner features per rank (model.moe_ffn_hidden_size, "
-            "40, / parallel.tp = 1) to be a multiple of 16",
+            "40, / parallel.etp = 1) to be a multiple of 16",
             "use --model.moe_ffn_hidden_size 48",
         ),
     ),

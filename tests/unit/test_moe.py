@@ -297,32 +297,34 @@ def test_capacity_with_context_parallelism_is_refused_and_compile_is_not() -> No
 
 
 FP8_WIDTHS = [
-    # (model keys, tp, what is refused, the fix it names)
-    ({"moe_ffn_hidden_size": 48}, 2, "(model.moe_ffn_hidden_size, 48, / parallel.tp = 2)",
-     "use --model.moe_ffn_hidden_size 64"),
-    ({"moe_ffn_hidden_size": 40}, 1, "(model.moe_ffn_hidden_size, 40, / parallel.tp = 1)",
+    # (model keys, parallel keys, what is refused, the fix it names)
+    ({"moe_ffn_hidden_size": 48}, {"tp": 2, "etp": 2},
+     "(model.moe_ffn_hidden_size, 48, / parallel.etp = 2)", "use --model.moe_ffn_hidden_size 64"),
+    ({"moe_ffn_hidden_size": 40}, {}, "(model.moe_ffn_hidden_size, 40, / parallel.etp = 1)",
      "use --model.moe_ffn_hidden_size 48"),
-    ({"moe_shared_experts": 1, "moe_shared_ffn_hidden_size": 72}, 1,
-     "the shared experts' inner features per rank (model.moe_shared_ffn_hidden_size, 72,",
-     "use --model.moe_shared_ffn_hidden_size 80"),
+    ({"moe_shared_experts": 1, "moe_shared_ffn_hidden_size": 48}, {"tp": 2},
+     "the shared experts' inner features per rank (model.moe_shared_ffn_hidden_size, 48, / "
+     "parallel.tp = 2)", "use --model.moe_shared_ffn_hidden_size 64"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("model", "tp", "refused", "fix"), FP8_WIDTHS)
+@pytest.mark.parametrize(("model", "parallel", "refused", "fix"), FP8_WIDTHS)
 def test_fp8_expert_widths_are_refused_with_one_that_works(
-    model: dict, tp: int, refused: str, fix: str
+    model: dict, parallel: dict, refused: str, fix: str
 ) -> None:
-    """fp8 experts: each rank's expert widths a multiple of 16, refused before any process
-    group with the key and a width that passes (which then validates)."""
+    """fp8 experts: each rank's expert widths (the routed experts' over etp, the shared
+    ones' over tp) a multiple of 16, refused before any process group with the key and a
+    width that passes (which then validates)."""
     base = {"num_experts": 4, "hidden_size": 128, "num_heads": 4, "seq_length": 32}
-    updates = {"model": base | model, "parallel": {"tp": tp}, "train": {"precision": "fp8"}}
+    updates = {"model": base | model, "parallel": parallel, "train": {"precision": "fp8"}}
+    world = parallel.get("tp", 1)
     with pytest.raises(ConfigError) as info:
-        validate(apply_updates(RunConfig(), updates, "t"), tp, gpus=True)
+        validate(apply_updates(RunConfig(), updates, "t"), world, gpus=True)
     text = str(info.value)
     assert refused in text and fix in text, text
     key, value = fix.removeprefix("use --model.").split()
     updates["model"] = updates["model"] | {key: int(value)}
-    validate(apply_updates(RunConfig(), updates, "t"), tp, gpus=True)
+    validate(apply_updates(RunConfig(), updates, "t"), world, gpus=True)
 
 
 def test_moe_layers_follow_first_dense_and_frequency() -> None:
