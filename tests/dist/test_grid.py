@@ -197,6 +197,7 @@ FP8_GRID = [
     Layout(dp=2, zero=3, recompute="full", fp8=True),
     Layout(cp=2, llama=True, fp8=True),
     Layout(dp=2, moe="moe", ep=2, fp8=True),  # fp8 experts: rows of both replicas per expert
+    Layout(tp=2, sp=True, moe="moe", etp=2, fp8=True),  # each rank scales its expert shards
 ]
 """fp8 layouts, each against one fp8 process: each rank scales its own shard of a tensor
 (a tensor-parallel slice of a weight, a context-parallel slice of the tokens, an expert's
@@ -354,9 +355,10 @@ def test_every_layout_matches_one_process(
 def test_fp8_layouts_match_one_fp8_process(tiny_data: str, tmp_path: Path, references) -> None:
     """tp + sp, pp with the zero-bubble split (W in fp8), ZeRO-3 with full recomputation,
     cp, and an MoE model's experts split over ep = 2 (each expert's float8 casts over the
-    rows both replicas send it), each in fp8 against one fp8 process: losses and gradient
-    norms within `FP8_RTOL`. A pipeline splits no tensor, so there each rank's casts are one
-    process's and the run is one process's to float32 rounding, final weights included.
+    rows both replicas send it) and over etp = 2 (each rank's expert shards), each in fp8
+    against one fp8 process: losses and gradient norms within `FP8_RTOL`. A pipeline splits
+    no tensor, so there each rank's casts are one process's and the run is one process's to
+    float32 rounding, final weights included.
     (Elsewhere the weights are not compared: Adam moves a weight whose gradient is near zero
     by ~lr a step either way, and float8 rounding flips such signs.)"""
     pytest.importorskip("torchao")
