@@ -93,6 +93,7 @@ MOE = {"num_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01, "moe_shared
 MOE_LAYOUTS = {
     "ep2-moe": {"dp": 2, "ep": 2},  # the all-to-alls run eager between the compiled graphs
     "pp2-zb-moe": {"pp": 2, "schedule": "zb-h1"},  # the experts' weight gradients at W
+    "tp2-etp2-moe": {"tp": 2, "etp": 2, "sequence_parallel": True},  # the etp gathers traced
 }
 
 
@@ -110,15 +111,17 @@ def _check_compiled_moe(rank: int, world_size: int, data: str, root: str) -> Non
             (run_dir / "losses.json").write_text(json.dumps(result.losses))
 
 
+@pytest.mark.timeout(900)  # three compiled layouts: over pytest's 300 s when loaded
 def test_compiled_moe_layouts_match_eager_single_process(tiny_data: str, tmp_path: Path) -> None:
-    """A compiled MoE model under expert parallelism (ep = 2 over dp = 2) and under a
-    zero-bubble pipeline (the eager expert products defer their weight gradients to W):
+    """A compiled MoE model under expert parallelism (ep = 2 over dp = 2), under a
+    zero-bubble pipeline (the eager expert products defer their weight gradients to W) and
+    with its experts split over etp = tp = 2 (sequence parallelism):
     the eager single process's losses within 1e-5 relative and final weights within 1e-5
     absolute. (The compiled router's softmax rounds differently from eager's; Adam, at
     eps = 1e-6, turns that into ~1e-6 on a weight whose gradient is that small: seen on
     one expert element of 16,384 in the pipeline.)"""
     single = train(_moe_config(tiny_data, tmp_path / "single", {}, False))
-    run_ranks(_check_compiled_moe, 2, tiny_data, str(tmp_path), timeout_s=300)
+    run_ranks(_check_compiled_moe, 2, tiny_data, str(tmp_path), timeout_s=800)
     reference = {str(k): v for k, v in single.losses.items()}
     a = ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path / "single"))["model"]
     for name in MOE_LAYOUTS:

@@ -130,6 +130,7 @@ def test_compiled_training_matches_eager(tiny_data: str, tmp_path: Path) -> None
 
 
 @needs_cxx
+@pytest.mark.timeout(900)  # two runs and a compile: near pytest's 300 s on a loaded machine
 def test_compiled_moe_training_matches_eager(tiny_data: str, tmp_path: Path) -> None:
     """An MoE model (4 experts, top-2, balancing and z-losses, a shared expert) with full
     recomputation: routing's dispatch, the grouped products and the balancing figures run
