@@ -142,14 +142,14 @@ def _schedule_parser(sub: Subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.set_defaults(run=_cmd_schedule)
-    names = list(SCHEDULES)
-    _opt(p, "--schedule --parallel.schedule", "1f1b", "schedule name", choices=names)
+    _opt(p, "--schedule --parallel.schedule", "1f1b", "schedule name", choices=list(SCHEDULES))
     _opt(p, "--pp --parallel.pp", 4, "pipeline ranks")
-    vpp = "model chunks per rank; >= 2 for interleaved (default: 2 for zb-v, else 1)"
+    vpp = "model chunks per rank; >= 2 for interleaved (default: 2 for zb-v and dualpipev, else 1)"
     p.add_argument("--vpp", "--parallel.vpp", type=int, default=None, help=vpp)
     _opt(p, "--microbatches", 8, "microbatches per pipeline per step", metavar="M")
     no_comms = "show compute actions only (no SEND/RECV rows)"
     p.add_argument("--no-comms", action="store_true", help=no_comms)
+    p.add_argument("--moe-overlap", action="store_true", help="parallel.moe_overlap's pairs")
     layers = "each stage's layers (the first and last may be 0): a replay costing them"
     _opt(p, "--layers --parallel.pipeline_layers", "", layers, metavar="A,B,..")
     _opt(p, "--end-costs", "1,1", "with --layers: embedding, loss cost in layers", metavar="E,H")
@@ -372,8 +372,8 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
 
     a = args
     try:
-        sizes = (a.schedule, a.pp, a.microbatches, a.vpp)
-        print(schedule_report(*sizes, comms=not a.no_comms, layers=a.layers, ends=a.end_costs))
+        kw = dict(comms=not a.no_comms, layers=a.layers, ends=a.end_costs, paired=a.moe_overlap)
+        print(schedule_report(a.schedule, a.pp, a.microbatches, a.vpp, **kw))
     except ValueError as exc:  # a ScheduleError too
         print(f"ptdp schedule: error: {exc}", file=sys.stderr)
         return 2

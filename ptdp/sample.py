@@ -138,6 +138,7 @@ def load_model(step_dir: Path, device: str = "cpu", mesh: ParallelMesh | None = 
         cfg.model,
         seed=cfg.train.seed,
         tp=group,
+        etp=group,  # experts split like the MLPs: generation holds 1/tp of them per rank
         layers=ranges[stage],
         has_embedding=stage == 0,
         has_head=stage == pp - 1,

@@ -216,21 +216,31 @@ def _first_gap(busy: list[tuple[float, float]], ready: float, seconds: float) ->
 
 
 def reference_add_comms(plan: Plan, stages: StageMap) -> Plan:
-    """`ptdp.pipeline.lowering.add_comms` as it was before it read the ranks from a table."""
+    """`ptdp.pipeline.lowering.add_comms` as it was before it read the ranks from a table,
+    with a pair (two adjacent paired actions) lowered as one: both receives, both passes,
+    both sends."""
     last = stages.last
+
+    def around(a: Action) -> tuple[list[Action], list[Action]]:
+        if a.kind is Kind.F:
+            before = _comm(Kind.RECV_F, a, a.stage - 1, stages, a.stage > 0)
+            return before, _comm(Kind.SEND_F, a, a.stage + 1, stages, a.stage < last)
+        if a.kind in (Kind.B, Kind.BW):
+            before = _comm(Kind.RECV_B, a, a.stage + 1, stages, a.stage < last)
+            return before, _comm(Kind.SEND_B, a, a.stage - 1, stages, a.stage > 0)
+        return [], []
+
     lowered: Plan = {}
     for rank, actions in plan.items():
         out: list[Action] = []
-        for a in actions:
-            if a.kind is Kind.F:
-                before = _comm(Kind.RECV_F, a, a.stage - 1, stages, a.stage > 0)
-                after = _comm(Kind.SEND_F, a, a.stage + 1, stages, a.stage < last)
-            elif a.kind in (Kind.B, Kind.BW):
-                before = _comm(Kind.RECV_B, a, a.stage + 1, stages, a.stage < last)
-                after = _comm(Kind.SEND_B, a, a.stage - 1, stages, a.stage > 0)
-            else:
-                before = after = []
-            out += [*before, a, *after]
+        i = 0
+        while i < len(actions):
+            n = 2 if actions[i].paired and i + 1 < len(actions) and actions[i + 1].paired else 1
+            group = actions[i : i + n]
+            sides = [around(a) for a in group]
+            out += [x for before, _ in sides for x in before] + group
+            out += [x for _, after in sides for x in after]
+            i += n
         lowered[rank] = out
     return lowered
 

@@ -27,7 +27,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/<group>/<name>.py`: f
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common.corpus import repo_corpus
+from benchmarks.common.rounds import alternating_rounds
 from benchmarks.common.spawn import spawn
 from ptdp.config.files import apply_updates, load_toml
 from ptdp.parallel import comm
@@ -133,19 +133,7 @@ def speed_worker(rank: int, world: int, data: str, root: str, steps: int, rounds
         f"ep={ep}": _trainer(rank, world, f"{root}/speed-ep{ep}", data, {"ep": ep})[2]
         for ep in (1, 2)
     }
-    times: dict[str, list[float]] = {k: [] for k in trainers}
-    for trainer in trainers.values():  # warm-up
-        trainer.train_step()
-    for r in range(rounds):  # ABBA: neither goes first every round
-        for name, trainer in list(trainers.items())[:: 1 if r % 2 == 0 else -1]:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                trainer.train_step()
-            dist.barrier()
-            times[name].append((time.perf_counter() - start) / steps)
-    tokens = next(iter(trainers.values())).tokens_per_step
-    return {k: [tokens / t for t in v] for k, v in times.items()}
+    return alternating_rounds(trainers, steps, rounds)
 
 
 def main() -> None:

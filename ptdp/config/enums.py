@@ -39,6 +39,7 @@ class Schedule(str, enum.Enum):
     ZB_H1 = "zb-h1"
     ZB_H2 = "zb-h2"
     ZB_V = "zb-v"
+    DUALPIPEV = "dualpipev"
 
 
 class CpComm(str, enum.Enum):

@@ -216,8 +216,8 @@ class ParallelConfig:
     """How attention sees the other ranks' keys and values under cp > 1: ring (blocks rotated
     point to point, overlapped with compute) or allgather (gathered once per layer)."""
     vpp: int = 1
-    """Model chunks per pipeline rank: >= 2 for the interleaved schedule, 2 for zb-v (taken
-    when not given), 1 for the others."""
+    """Model chunks per pipeline rank: >= 2 for the interleaved schedule, 2 for zb-v and
+    dualpipev (taken when not given), 1 for the others."""
     pipeline_layers: tuple[int, ...] = ()
     """Layers of each virtual stage in stage order, pp * vpp entries summing to
     model.num_layers (e.g. 3,4,4,3 on the command line or [3, 4, 4, 3] in TOML, to give the
@@ -225,7 +225,15 @@ class ParallelConfig:
     may be 0 (a stage of the embedding alone, one of the final norm, output layer and loss
     alone: 0,7,7,0), every other is at least 1; empty = an even split."""
     schedule: Schedule = Schedule.ONE_F_ONE_B
-    """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2 or zb-v (vpp = 2)."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v (vpp = 2) or dualpipev
+    (vpp = 2, at least 2 * pp microbatches: DeepSeek's DualPipeV, whose steady state pairs a
+    forward with a backward)."""
+    moe_overlap: bool = False
+    """Mixture-of-experts models only, with pp = 1 or schedule 1f1b or dualpipev: pair each
+    steady-state forward with the backward of an earlier microbatch (1f1b then runs twice its
+    warm-up forwards, 2 (pp - rank) microbatches in flight) and issue the expert-parallel
+    dispatch all-to-all asynchronously, overlapped with the shared experts' compute (in
+    forward, and its gradient's in backward). Exact: the same losses and gradients."""
     sequence_parallel: bool = False
     """Split norm/dropout activations along the sequence over the tensor group."""
     recompute: Recompute = Recompute.NONE

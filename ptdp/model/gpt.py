@@ -131,6 +131,8 @@ class GPT(nn.Module):
             the final norm, output layer and loss.
         fp8: the float8 recipe of the linear layers' and the output layer's GEMMs
             (precision = fp8, `ptdp.parallel.fp8`); None: the parameters' dtype.
+        moe_overlap: MoE layers overlap their dispatch all-to-all with the shared experts
+            (`parallel.moe_overlap`, `ptdp.model.moe.MoE`); the same numbers either way.
     """
 
     def __init__(
@@ -149,6 +151,7 @@ class GPT(nn.Module):
         has_embedding: bool = True,
         has_head: bool = True,
         fp8: Fp8Gemms | None = None,
+        moe_overlap: bool = False,
     ) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:
@@ -166,6 +169,7 @@ class GPT(nn.Module):
             ep or Group.single(),
             etp or Group.single(),
             fp8,
+            moe_overlap,
         )
         self.has_embedding, self.has_head = has_embedding, has_head
         layers = range(cfg.num_layers) if layers is None else layers

@@ -224,8 +224,9 @@ class MoE(nn.Module):
         cap = capacity(self.capacity_factor, len(tokens), self.top_k, self.num_experts)
         plan = plan_dispatch(Routing(chosen, weights, None, None), self.num_experts, cap)
         rows = tokens.index_select(0, plan.choice // self.top_k)
+        shared = None
         if self.ctx.ep.size > 1:
-            rows = self._expert_parallel(rows, plan)
+            rows, shared = self._expert_parallel(rows, plan, x)
         else:
             rows = self.experts(rows, plan.counts, plan.expert)
         out = combine(rows, plan, weights)
@@ -235,7 +236,7 @@ class MoE(nn.Module):
         if not sp:
             out = comm.gather_seq_from_tp(out, tp)
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + (self.shared(x) if shared is None else shared)
         return out
 
     def _replicated(self, x: torch.Tensor) -> torch.Tensor:
@@ -255,34 +256,52 @@ class MoE(nn.Module):
         plan = plan_dispatch(routing, self.num_experts, cap)
         rows = tokens.index_select(0, plan.choice // self.top_k)
         if self.ctx.ep.size > 1:
-            rows = self._expert_parallel(rows, plan)
+            rows = self._expert_parallel(rows, plan, None)[0]
         else:
             rows = self.experts(rows, plan.counts, plan.expert)
         out = comm.reduce_from_tp(combine(rows, plan, routing.weights), etp).view(s, b, h)
         return out if self.shared is None else out + self.shared(x)
 
     @torch.compiler.disable  # data-dependent: ptdp.model.compile
-    def _expert_parallel(self, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+    def _expert_parallel(
+        self, rows: torch.Tensor, plan: Dispatch, x: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows [n, h] grouped by expert -> their experts' outputs [n, h], in the same order,
-        the experts living on the members of the expert-parallel group.
+        the experts living on the members of the expert-parallel group; and, under
+        `moe_overlap` with shared experts and an `x`, the shared experts' output on the
+        layer's input `x` (else None).
 
         Each member sends every expert's rows to the member holding it (members hold
         consecutive experts, so the rows for one member are contiguous), computes what it
         receives grouped by its own experts (source members in rank order within an
         expert: every source's rows keep their order) and sends the outputs back.
+
+        Under `moe_overlap` the dispatch is posted asynchronously and the shared experts
+        run while it is in flight; in backward the dispatch's gradient exchange is posted
+        likewise and the shared experts' backward runs while it is in flight (autograd
+        runs the nodes made between `all_to_all_start` and `all_to_all_wait` between their
+        backwards). The combine exchange, and everything of a model without shared experts,
+        is waited for at once: the expert GEMMs need the rows, and a forward of one
+        microbatch cannot run inside another's backward without an own autograd engine.
         """
         ep = self.ctx.ep
         local = self.num_experts // ep.size
         sent = plan.counts.view(ep.size, local)  # [member, its expert]: rows sent
         got = comm.exchange_counts(sent, ep)  # [source member, my expert]: rows received
         send, recv = sent.sum(1).tolist(), got.sum(1).tolist()
-        arrived = comm.all_to_all(rows, ep, send, recv)  # by source, then expert
+        shared = None
+        if self.ctx.moe_overlap and self.shared is not None and x is not None:
+            posted, handle = comm.all_to_all_start(rows, ep, send, recv)
+            shared = self.shared(x)  # while the rows travel
+            arrived = comm.all_to_all_wait(posted, handle)  # by source, then expert
+        else:
+            arrived = comm.all_to_all(rows, ep, send, recv)  # by source, then expert
         expert = torch.arange(local, device=rows.device).repeat(ep.size)
         expert = expert.repeat_interleave(got.reshape(-1))
         order = torch.sort(expert, stable=True).indices  # by expert, then source
         out = self.experts(arrived.index_select(0, order), got.sum(0), expert[order])
         back = out.index_select(0, torch.argsort(order))  # by source again
-        return comm.all_to_all(back, ep, recv, send)
+        return comm.all_to_all(back, ep, recv, send), shared
 
     @torch.compiler.disable  # MoEState's figures, a Python side effect: ptdp.model.compile
     def _balance(self, out: torch.Tensor, routing: Routing, plan: Dispatch) -> torch.Tensor:

@@ -41,6 +41,9 @@ class TPContext:
     """The expert tensor-parallel group: its members split each expert's matrices."""
     fp8: Fp8Gemms | None = None
     """precision = fp8: the float8 recipe of the linear layers' GEMMs (`ptdp.parallel.fp8`)."""
+    moe_overlap: bool = False
+    """`parallel.moe_overlap`: MoE layers post their dispatch all-to-all asynchronously and
+    run the shared experts while it is in flight (`ptdp.model.moe.MoE`)."""
 
 
 def build_norm(cfg: ModelConfig, size: int = 0) -> nn.Module:

@@ -7,7 +7,8 @@ Shapes: s = sequence, b = batch, h = hidden, t = tensor-parallel size; the body 
 sequence-first, so sequence parallelism splits dim 0.
 
 Every collective goes through the primitives below (`_all_reduce`, `_all_gather`,
-`_reduce_scatter`, `_split`, and expert parallelism's `_all_to_all`), which is where tests
+`_reduce_scatter`, `_split`, and expert parallelism's `_all_to_all` and
+`_all_to_all_async`), which is where tests
 count communication. gloo has no
 reduce-scatter, so on gloo it is an all-reduce followed by taking this rank's slice: the
 same numbers, more bytes on the wire (counted as a reduce-scatter all the same).
@@ -75,6 +76,15 @@ def _all_to_all(x: torch.Tensor, g: Group, send: list[int], recv: list[int]) -> 
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=g.group)
     return out
+
+
+def _all_to_all_async(
+    x: torch.Tensor, g: Group, send: list[int], recv: list[int]
+) -> tuple[torch.Tensor, dist.Work]:
+    """`_all_to_all` posted (async_op): the receive buffer, filled once the work is waited on."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x.contiguous(), recv, send, group=g.group, async_op=True)
+    return out, work
 
 
 # ----------------------------------------------------------------------------- tensor parallel
@@ -237,6 +247,81 @@ def all_to_all(x: torch.Tensor, g: Group, send: list[int], recv: list[int]) -> t
     """Expert parallelism's exchange of token rows (`_all_to_all`), differentiable; `send`
     and `recv`: rows to and from each member, which every member must agree on."""
     return x if g.size == 1 else _AllToAll.apply(x, g, send, recv)
+
+
+class AllToAllHandle:
+    """An all-to-all in flight between `all_to_all_start` and `all_to_all_wait`, in forward
+    and again (its gradient) in backward: the one `dist.Work` not yet waited on, and in
+    backward the buffer it fills."""
+
+    def __init__(self, g: Group, send: list[int], recv: list[int]) -> None:
+        self.g, self.send, self.recv = g, send, recv
+        self.work: dist.Work | None = None
+        self.grad: torch.Tensor | None = None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+class _AllToAllStart(torch.autograd.Function):
+    """Forward posts the exchange and returns the receive buffer, to be read only after
+    `_AllToAllWait`; backward waits for the gradient's exchange that `_AllToAllWait`'s
+    backward posted and returns its buffer, the gradient of the rows sent."""
+
+    @staticmethod
+    def forward(ctx, x, handle):
+        ctx.handle = handle
+        out, handle.work = _all_to_all_async(x, handle.g, handle.send, handle.recv)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        h = ctx.handle
+        h.wait()
+        back, h.grad = h.grad, None
+        return back, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    """Forward waits for the exchange (`out` is then filled); backward posts the gradient's
+    exchange back (splits swapped) into the handle and passes the gradient on unchanged to
+    `_AllToAllStart`'s backward, which waits for it."""
+
+    @staticmethod
+    def forward(ctx, out, handle):
+        ctx.handle = handle
+        handle.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h = ctx.handle
+        h.grad, h.work = _all_to_all_async(grad, h.g, h.recv, h.send)
+        return grad, None
+
+
+def all_to_all_start(
+    x: torch.Tensor, g: Group, send: list[int], recv: list[int]
+) -> tuple[torch.Tensor, AllToAllHandle]:
+    """`all_to_all`, posted without waiting: returns the receive buffer (not to be read yet)
+    and the handle that `all_to_all_wait` takes. Whatever runs between the two overlaps the
+    exchange: in forward, and in backward whatever autograd runs between the two functions'
+    backwards (nodes created between them in forward run between them in backward, the
+    engine taking ready nodes latest-created first). Every member must post its exchanges
+    in the same order."""
+    handle = AllToAllHandle(g, send, recv)
+    if g.size == 1:
+        return x, handle
+    return _AllToAllStart.apply(x, handle), handle
+
+
+def all_to_all_wait(out: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+    """The rows `all_to_all_start` posted, once they are in (differentiable)."""
+    if handle.g.size == 1:
+        return out
+    return _AllToAllWait.apply(out, handle)
 
 
 def exchange_counts(counts: torch.Tensor, g: Group) -> torch.Tensor:

@@ -6,6 +6,8 @@ actions.py      Action (kind, stage, mb) and Plan, a rank -> action list mapping
 placement.py    which rank holds each virtual stage; partition.py: each stage's layers
 classic.py      the builders of GPipe, 1F1B and interleaved 1F1B (one fused backward)
 zero_bubble.py  the builders of ZB-H1, ZB-H2 and ZB-V (backward split into B and W)
+paired.py       the builders whose steady state pairs a forward with a backward: DualPipeV,
+                and 1F1B paired for parallel.moe_overlap
 schedules.py    the registry: each schedule's builder, chunks, bubble and in-flight bound
 lowering.py     add_comms: a compute-only plan given its sends and receives
 verify.py       the rules and a unit-time dry run (dryrun.py, dryrun_engine.py) of all ranks

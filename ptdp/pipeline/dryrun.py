@@ -204,6 +204,10 @@ class Program:
         self._lowering = lowering or (lambda: plan)
         if lowering is None:
             self._lowered(plan, stages, keep_slots)
+        elif any(a.paired for actions in plan.values() for a in actions):
+            # A pair's lowering moves its transfers around both passes (`add_comms`), which
+            # `_compute` does not model: compile the lowering itself.
+            self._lowered(self.plan, stages, keep_slots)
         else:
             self._compute(plan, stages, keep_slots)
 

@@ -19,31 +19,48 @@ def add_comms(plan: Plan, stages: StageMap) -> Plan:
     below the last; RECV_B/SEND_B do the same around each B or BW. Transfers whose two stages
     share a rank (pp == 1, or ZB-V's turn from stage pp - 1 to pp) stay in memory and get no
     action. Receives are placed as late as possible and sends as early as possible, so a rank
-    blocks only when it must.
+    blocks only when it must. A pair (`Action.paired`: two adjacent compute actions) is
+    lowered as one: both receives, both passes, both sends, as DualPipe does, so that neither
+    pass waits for a transfer between them.
     """
-    apart_below, apart_above = apart(stages)
+    below, above = apart(stages)
     lowered: Plan = {}
     for r, actions in plan.items():
         out: list[Action] = []
-        append = out.append
-        for a in actions:
-            kind, s = a.kind, a.stage
-            if kind is Kind.F:
-                if apart_below[s]:
-                    append(Action(Kind.RECV_F, s, a.mb))
-                append(a)
-                if apart_above[s]:
-                    append(Action(Kind.SEND_F, s, a.mb))
-            elif kind is Kind.B or kind is Kind.BW:
-                if apart_above[s]:
-                    append(Action(Kind.RECV_B, s, a.mb))
-                append(a)
-                if apart_below[s]:
-                    append(Action(Kind.SEND_B, s, a.mb))
-            else:
-                append(a)
+        held: list[Action] = []  # the first pass's sends, while its pair is open
+        second = False  # `a` closes a pair
+        for i, a in enumerate(actions):
+            first = a.paired and not second and i + 1 < len(actions) and actions[i + 1].paired
+            if first:  # both receives before the pair
+                out += _receive(a, below, above) + _receive(actions[i + 1], below, above)
+            elif not second:
+                out += _receive(a, below, above)
+            out.append(a)
+            held += _send(a, below, above)
+            if not first:  # both sends after the pair
+                out += held
+                held = []
+            second = first
         lowered[r] = out
     return lowered
+
+
+def _receive(a: Action, below: list[bool], above: list[bool]) -> list[Action]:
+    """The receive that brings compute action `a` its input from another rank, if any."""
+    if a.kind is Kind.F:
+        return [Action(Kind.RECV_F, a.stage, a.mb)] if below[a.stage] else []
+    if a.kind is Kind.B or a.kind is Kind.BW:
+        return [Action(Kind.RECV_B, a.stage, a.mb)] if above[a.stage] else []
+    return []
+
+
+def _send(a: Action, below: list[bool], above: list[bool]) -> list[Action]:
+    """The send that carries compute action `a`'s result to another rank, if any."""
+    if a.kind is Kind.F:
+        return [Action(Kind.SEND_F, a.stage, a.mb)] if above[a.stage] else []
+    if a.kind is Kind.B or a.kind is Kind.BW:
+        return [Action(Kind.SEND_B, a.stage, a.mb)] if below[a.stage] else []
+    return []
 
 
 def apart(stages: StageMap) -> tuple[list[bool], list[bool]]:

@@ -36,6 +36,9 @@ class PipelinePlan:
     """Which rank holds each stage (`SCHEDULES[schedule].placement`)."""
     compute: Plan = field(repr=False, compare=False)
     """Compute actions only (F, B, W, BW) per rank."""
+    paired: bool = False
+    """Built as its variant whose steady state pairs forwards with backwards
+    (`parallel.moe_overlap`; DualPipeV pairs anyway)."""
 
     @cached_property
     def lowered(self) -> Plan:
@@ -55,7 +58,8 @@ class PipelinePlan:
     @property
     def in_flight_bound(self) -> list[int] | None:
         """Most activations each rank may stash; None where the schedule has no closed form."""
-        return in_flight_bound(self.schedule, self.pp, self.num_microbatches, self.vpp)
+        m, paired = self.num_microbatches, self.paired
+        return in_flight_bound(self.schedule, self.pp, m, self.vpp, paired=paired)
 
     @cached_property
     def program(self) -> Program:
@@ -77,8 +81,9 @@ class PipelinePlan:
     def summary(self) -> str:
         """One log line: the schedule and its bubble under unit costs."""
         report = self.report
+        paired = " (paired)" if self.paired and not SCHEDULES[self.schedule].pairs else ""
         return (
-            f"pipeline | schedule {self.schedule} | {self.pp} stages x {self.vpp} chunks | "
+            f"pipeline | schedule {self.schedule}{paired} | {self.pp} stages x {self.vpp} chunks | "
             f"{self.num_microbatches} microbatches per pipeline per step | predicted bubble "
             f"{report.bubble_fraction:.3f} of the ideal time (unit costs) | peak stored "
             f"activations (microbatch x chunk) per rank {list(report.peak_in_flight)}"
@@ -88,6 +93,8 @@ class PipelinePlan:
         """`ptdp schedule`'s verdict: the unit-cost dry run beside the schedule's formula."""
         r, name = self.report, self.schedule
         theory = theory_bubble(name, self.pp, self.num_microbatches, self.vpp)
+        if self.paired and not SCHEDULES[name].pairs:
+            name += " (paired)"
         return (
             f"{name}: pp={self.pp} vpp={self.vpp} microbatches={self.num_microbatches} | "
             f"unit-cost makespan {r.makespan} (ideal {r.ideal}) | bubble "
@@ -96,12 +103,15 @@ class PipelinePlan:
         )
 
 
-def build_plan(schedule: str, pp: int, num_microbatches: int, vpp: int = 1) -> PipelinePlan:
+def build_plan(
+    schedule: str, pp: int, num_microbatches: int, vpp: int = 1, *, paired: bool = False
+) -> PipelinePlan:
     """Build schedule `schedule` (lowered on first use); raises ValueError naming the fix on
-    bad sizes."""
-    compute = build(schedule, pp, num_microbatches, vpp)
+    bad sizes. `paired`: its variant with paired forwards and backwards (`build`)."""
+    compute = build(schedule, pp, num_microbatches, vpp, paired=paired)
     stages = SCHEDULES[schedule].stage_map(pp, vpp)
-    return PipelinePlan(schedule, pp, vpp, num_microbatches, stages.placement, compute)
+    m = num_microbatches
+    return PipelinePlan(schedule, pp, vpp, m, stages.placement, compute, paired)
 
 
 def build_forward_only(stages: StageMap, num_microbatches: int) -> PipelinePlan:

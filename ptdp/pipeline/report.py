@@ -26,12 +26,15 @@ def schedule_report(
     comms: bool = True,
     layers: str = "",
     ends: str = "1,1",
+    paired: bool = False,
 ) -> str:
     """The table (with sends and receives unless not `comms`) and the verdict of `schedule`;
     vpp None: the schedule's own (`implied_vpp`), else 1. `layers` and `ends` as given on the
-    command line ("0,4,4,0", "1,3"). Raises ValueError (`ScheduleError`) naming the fix."""
+    command line ("0,4,4,0", "1,3"); `paired`: the variant `parallel.moe_overlap` runs, a
+    paired action printed with a trailing `~`. Raises ValueError (`ScheduleError`) naming
+    the fix."""
     vpp = vpp if vpp is not None else implied_vpp(schedule) or 1
-    plan = build_plan(schedule, pp, num_microbatches, vpp)
+    plan = build_plan(schedule, pp, num_microbatches, vpp, paired=paired)
     lines = [format_table(plan.lowered if comms else plan.compute), "", plan.check_line()]
     if layers:
         costs = _numbers("--end-costs", ends, float)

@@ -3,7 +3,11 @@
 The runtime knows nothing of any particular schedule (DESIGN invariant 1): it dispatches
 each action through a {Kind: handler} table and keeps tensors keyed by (stage, mb).
 Consecutive communication actions are posted together; a receive is waited on when its
-tensor is first needed, sends when the step ends.
+tensor is first needed, sends when the step ends. A pair (`Action.paired`, DualPipeV and
+`parallel.moe_overlap`) needs no handler of its own: lowered, it is both receives, the two
+passes, both sends, so both transfers are posted together and in flight during both passes,
+which run in turn (what else overlaps inside a pass is the MoE layer's business,
+`ptdp.model.moe`).
 
 Backward: `BW` is the usual full backward of a microbatch. A zero-bubble schedule splits
 it (Qi et al. 2023, arXiv 2401.10241): `B` computes what the previous stage waits for and

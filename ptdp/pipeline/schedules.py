@@ -1,7 +1,8 @@
 """The pipeline schedules by name: each one's builder and what the rest of ptdp reads of it.
 
 A new schedule is one builder (in `ptdp.pipeline.classic` where the backward is one fused BW,
-in `ptdp.pipeline.zero_bubble` where it is split into B and W) plus its `ScheduleSpec` in
+in `ptdp.pipeline.zero_bubble` where it is split into B and W, in `ptdp.pipeline.paired`
+where forwards and backwards are paired) plus its `ScheduleSpec` in
 `SCHEDULES` here: chunks per rank and their placement, bubble formula, in-flight bound. The
 runtime never grows a branch for it (DESIGN invariant 1). `build` checks the arguments and
 returns the builder's compute-only plan; `ptdp.pipeline.lowering.add_comms` adds the sends
@@ -11,7 +12,8 @@ both once for every reader.
 Letters: pp = pipeline ranks, vpp = model chunks per rank, m = microbatches per pipeline per
 step, r = pipeline rank (0 first). Which rank holds a stage is the schedule's placement
 (`ptdp.pipeline.placement`): looped (rank r holds r, r + pp, r + 2 pp, ..., Megatron's
-interleaving) for all but ZB-V, whose two chunks per rank sit in a V (stages r and 2 pp - 1 - r).
+interleaving) for all but ZB-V and DualPipeV, whose two chunks per rank sit in a V (stages r
+and 2 pp - 1 - r).
 
 In flight: a microbatch holds its activations on a stage from its F until its BW, or until its W
 when the backward is split (B leaves the graph, or the weight-gradient inputs, for W), which is
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 from ptdp.pipeline.actions import Plan
 from ptdp.pipeline.classic import check_interleaved, gpipe, interleaved, one_f_one_b
+from ptdp.pipeline.paired import dualpipev, one_f_one_b_paired
 from ptdp.pipeline.placement import Placement, StageMap
 from ptdp.pipeline.zero_bubble import zb_h1, zb_h2, zb_v
 
@@ -61,6 +64,22 @@ def _twice_pp_each(pp: int, m: int) -> list[int]:
     return [2 * pp] * pp
 
 
+def _twice_pp_minus_rank(pp: int, m: int) -> list[int]:
+    return [2 * (pp - r) for r in range(pp)]
+
+
+def _twice_pp_plus_one_each(pp: int, m: int) -> list[int]:
+    return [2 * pp + 1] * pp
+
+
+def _dualpipev_bubble(pp: int, m: int, vpp: int) -> float:
+    """DualPipeV's unit-cost bubble, transfers free and a pair costing its two passes (no
+    credit for what it overlaps): makespan 6m + 2 (pp - 1), twice ZB-V's, as each pair sends
+    its forward's output only after its backward (the verifier's dry run, pp <= 8, m <= 6 pp).
+    """
+    return 2 * (pp - 1) / (6 * m)
+
+
 def _zero_bubble(pp: int, m: int, vpp: int) -> float:
     """ZB-H1's and ZB-H2's unit-cost bubble: makespan 3m + max(pp - 1, 2 pp - 1 - m)."""
     return max(pp - 1, 2 * pp - 1 - m) / (3 * m)
@@ -87,9 +106,24 @@ class ScheduleSpec:
     placement: Placement = Placement.LOOPED
     """How its chunks sit on the ranks (`ptdp.pipeline.placement`)."""
     splits_backward: bool = False
-    """Runs B (input gradient) and W (weight gradient) apart instead of one fused BW."""
+    """Runs B (input gradient) and W (weight gradient) apart instead of one fused BW (all
+    its backwards; DualPipeV some, its paired ones fused)."""
     doc: str = ""
     """One line for `ptdp schedule --help`."""
+    pairs: bool = False
+    """Its steady state pairs a forward with a backward (`Action.paired`), as DualPipeV's."""
+    paired: Builder | None = None
+    """The variant whose steady state pairs them (`parallel.moe_overlap`), for a schedule that
+    does not already: 1F1B's; None where there is none."""
+    paired_bound: Callable[[int, int], list[int]] | None = None
+    """`in_flight_bound` of the `paired` variant."""
+    min_microbatches: Callable[[int], int] = lambda pp: 1
+    """pp -> the fewest microbatches it runs (DualPipeV: 2 pp)."""
+
+    @property
+    def can_pair(self) -> bool:
+        """Runs with its forwards and backwards paired (`parallel.moe_overlap`)."""
+        return self.pairs or self.paired is not None
 
     @property
     def interleaved(self) -> bool:
@@ -118,6 +152,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         formula="(p-1)/m",
         in_flight_bound=_pp_minus_rank,
         doc="PipeDream-Flush: GPipe's bubble, at most pp - rank microbatches in flight",
+        paired=lambda pp, m, vpp: one_f_one_b_paired(pp, m),
+        paired_bound=_twice_pp_minus_rank,
     ),
     "interleaved": ScheduleSpec(
         build=interleaved,
@@ -153,6 +189,18 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         splits_backward=True,
         doc="two chunks per rank in a V (stages r, 2p-1-r): half ZB-H1's bubble at 1F1B's memory",
     ),
+    "dualpipev": ScheduleSpec(
+        build=lambda pp, m, vpp: dualpipev(pp, m),
+        bubble=_dualpipev_bubble,
+        formula="(p-1)/(3m) for m >= 2p",
+        in_flight_bound=_twice_pp_plus_one_each,
+        chunks=2,
+        placement=Placement.V,
+        splits_backward=True,
+        doc="DeepSeek's DualPipeV on ZB-V's V: steady-state forwards paired with backwards",
+        pairs=True,
+        min_microbatches=lambda pp: 2 * pp,
+    ),
 }
 """Schedules by the config's names (`ptdp.config.Schedule` values)."""
 
@@ -164,8 +212,9 @@ def implied_vpp(name: str) -> int | None:
     return SCHEDULES[name].chunks
 
 
-def check_args(name: str, pp: int, m: int, vpp: int = 1) -> None:
-    """Raise ValueError, naming the numbers and the fix, if `build` cannot make this plan."""
+def check_args(name: str, pp: int, m: int, vpp: int = 1, *, paired: bool = False) -> None:
+    """Raise ValueError, naming the numbers and the fix, if `build` cannot make this plan
+    (`paired`: its variant with forwards and backwards paired, `parallel.moe_overlap`)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if pp < 1:
@@ -181,25 +230,44 @@ def check_args(name: str, pp: int, m: int, vpp: int = 1) -> None:
             f"schedule {name!r} runs {what} per rank but vpp = {vpp}; set vpp = {spec.chunks}"
             + (" or use the interleaved schedule" if spec.chunks == 1 else "")
         )
+    least = spec.min_microbatches(pp)
+    if m < least:
+        raise ValueError(
+            f"schedule {name!r} needs at least 2 * pp = {least} microbatches with pp = {pp}, "
+            f"got m = {m}; use m = {least} or more"
+        )
+    if paired and not spec.can_pair:
+        can = ", ".join(n for n, s in SCHEDULES.items() if s.can_pair)
+        raise ValueError(
+            f"schedule {name!r} has no variant with paired forwards and backwards; use one of {can}"
+        )
 
 
-def build(name: str, pp: int, m: int, vpp: int = 1) -> Plan:
-    """Compute-only plan of schedule `name` (a `SCHEDULES` key) after checking the arguments."""
-    check_args(name, pp, m, vpp)
-    return SCHEDULES[name].build(pp, m, vpp)
+def build(name: str, pp: int, m: int, vpp: int = 1, *, paired: bool = False) -> Plan:
+    """Compute-only plan of schedule `name` (a `SCHEDULES` key) after checking the arguments;
+    `paired`: its variant whose steady state pairs forwards with backwards."""
+    check_args(name, pp, m, vpp, paired=paired)
+    spec = SCHEDULES[name]
+    if paired and spec.paired is not None:
+        return spec.paired(pp, m, vpp)
+    return spec.build(pp, m, vpp)
 
 
-def in_flight_bound(name: str, pp: int, m: int, vpp: int = 1) -> list[int] | None:
+def in_flight_bound(
+    name: str, pp: int, m: int, vpp: int = 1, *, paired: bool = False
+) -> list[int] | None:
     """Most activations each rank may stash under schedule `name`; None where only reported.
 
     Counted in (microbatch, chunk) pairs from F until BW, or until W when split. GPipe stashes
     all m, 1F1B at most pp - rank (the paper's p * M_B on rank 0), ZB-H1 pp and ZB-H2 2 pp - 1
     on every rank (the W's they defer hold their microbatches), ZB-V 2 pp half-size chunks.
     Interleaved has no simple closed form (Korthikanti et al. give the first stage's), so
-    `verify` only reports it.
+    `verify` only reports it. DualPipeV holds 2 pp + 1 on every rank, and paired 1F1B twice
+    1F1B's (2 (pp - rank)), the warm-up its pairs need (`one_f_one_b_paired`).
     """
-    check_args(name, pp, m, vpp)
-    bound = SCHEDULES[name].in_flight_bound
+    check_args(name, pp, m, vpp, paired=paired)
+    spec = SCHEDULES[name]
+    bound = spec.paired_bound if paired and spec.paired is not None else spec.in_flight_bound
     return None if bound is None else bound(pp, m)
 
 

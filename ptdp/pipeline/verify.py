@@ -9,11 +9,13 @@ failing cells marked `<<`, after PyTorch's `_format_pipeline_order`). Rules, in 
 3. every action comes after what it needs on its own rank (F(s) after F(s - 1), B/BW(s) after
    F(s) and B/BW(s + 1), W after its B, a SEND after the pass whose result it carries) and, in a
    plan with comms, F and B/BW after the RECV that brings their input;
-4. with comms, each SEND has its RECV on the peer and vice versa, and on each channel (sender,
+4. paired actions (`Action.paired`) come in couples of one F and one B or BW, with no other
+   compute action between them (only their transfers, in a plan with comms);
+5. with comms, each SEND has its RECV on the peer and vice versa, and on each channel (sender,
    receiver, F or B) the receiver receives in the order the sender sends, as point-to-point
    messages match in order;
-5. the dry run finishes (no deadlock);
-6. in-flight activations stay within a given bound: a microbatch is in flight on a stage from
+6. the dry run finishes (no deadlock);
+7. in-flight activations stay within a given bound: a microbatch is in flight on a stage from
    its F until its BW, or until its W when the backward is split, as the runtime holds it (B
    leaves the graph, or the stashed weight-gradient inputs, for W).
 
@@ -32,6 +34,7 @@ from typing import NoReturn
 from ptdp.pipeline.actions import BACKWARD_KINDS, RELEASE_KINDS, Action, Kind, Plan
 from ptdp.pipeline.dryrun import CommModel
 from ptdp.pipeline.dryrun_engine import dry_run
+from ptdp.pipeline.paired import pairs
 from ptdp.pipeline.placement import StageMap
 
 Cell = tuple[int, int]
@@ -98,6 +101,7 @@ def verify(
     lowered = any(a.kind.is_comm for actions in plan.values() for a in actions)
     needs = {rank: [_needs(a, stages, lowered) for a in actions] for rank, actions in plan.items()}
     _check_order(plan, where, needs)
+    _check_pairs(plan)
     if lowered:
         _check_channels(plan, stages)
     makespan, busy, span = _dry_run(plan, stages, where, needs)
@@ -253,6 +257,27 @@ def _check_order(plan: Plan, where: dict[Action, Cell], needs: dict[int, list[_N
                         f"which it needs first ({why})"
                     )
                     _fail(plan, text, [(rank, step), cell])
+
+
+def _check_pairs(plan: Plan) -> None:
+    """Each pair is one F and one B or BW, adjacent but for transfers."""
+    for rank in sorted(plan):
+        actions = plan[rank]
+        for first, second in pairs(actions):
+            a = actions[first]
+            if second < 0:
+                _fail(plan, f"{a} at {_at((rank, first))} is paired with nothing", [(rank, first)])
+            b = actions[second]
+            cells = [(rank, first), (rank, second)]
+            if a.kind.is_comm or b.kind.is_comm:
+                _fail(plan, f"{a} and {b} on rank {rank}: only compute actions pair", cells)
+            if {a.kind is Kind.F, b.kind is Kind.F} != {True, False} or Kind.W in (a.kind, b.kind):
+                text = f"{a} and {b} on rank {rank}: a pair is one F and one B or BW"
+                _fail(plan, text, cells)
+            between = [x for x in actions[first + 1 : second] if x.kind.is_compute]
+            if between:
+                text = f"{a} and {b} on rank {rank} are a pair but {between[0]} runs between them"
+                _fail(plan, text, cells)
 
 
 def _check_channels(plan: Plan, stages: StageMap) -> None:

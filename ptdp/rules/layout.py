@@ -21,7 +21,7 @@ from ptdp.rules.fp8 import fp8_rules
 from ptdp.rules.model import model_rules
 from ptdp.rules.moe import expert_rules, moe_rules
 from ptdp.rules.parallel import chunks_fit, parallel_rules
-from ptdp.rules.pipeline import stage_layers
+from ptdp.rules.pipeline import moe_overlap_rules, schedule_rules, stage_layers
 from ptdp.rules.speed import speed_rules
 from ptdp.rules.train import data_rules, train_rules
 from ptdp.rules.zero import zero_level
@@ -64,6 +64,8 @@ class Layout:
     etp: int = 1
     """Expert tensor-parallel size: ranks that split each expert's matrices; a dense
     model's is tp (no expert layout apart from attention's)."""
+    moe_overlap: bool = False
+    """`parallel.moe_overlap`: the schedule's variant with paired forwards and backwards."""
 
     @property
     def folded(self) -> bool:
@@ -74,7 +76,8 @@ class Layout:
     def pipeline(self) -> PipelinePlan:
         """The schedule built and lowered once for (pp, vpp, microbatches); every reader of the
         schedule (runtime, verifier, simulator, memory model, log) takes it from here."""
-        return build_plan(self.schedule, self.pp, self.num_microbatches, self.vpp)
+        m, paired = self.num_microbatches, self.moe_overlap
+        return build_plan(self.schedule, self.pp, m, self.vpp, paired=paired)
 
     @property
     def stages(self) -> StageMap:
@@ -130,9 +133,11 @@ def validate(cfg: RunConfig, world_size: int = 1, *, gpus: bool = False) -> Layo
     fp8_rules(cfg, errors, runtime=not gpus)
     data_rules(cfg, errors)
     p = cfg.parallel
-    if microbatches and p.pp > 1 and chunks_fit(p):  # a mismatch is _parallel_rules' error
+    moe_overlap_rules(cfg, errors)
+    few = chunks_fit(p) and schedule_rules(cfg, dp, microbatches, errors)
+    if microbatches and p.pp > 1 and chunks_fit(p) and not few:  # else an error above
         try:
-            check_args(p.schedule.value, p.pp, microbatches, p.vpp)
+            check_args(p.schedule.value, p.pp, microbatches, p.vpp, paired=p.moe_overlap)
         except ValueError as exc:
             per_mb = cfg.train.micro_batch_size * dp
             fits = -(-microbatches // p.pp) * p.pp * per_mb
@@ -156,4 +161,5 @@ def validate(cfg: RunConfig, world_size: int = 1, *, gpus: bool = False) -> Layo
         p.cp,
         p.ep,
         p.etp if cfg.model.num_experts else p.tp,
+        p.moe_overlap,
     )

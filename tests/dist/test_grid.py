@@ -51,6 +51,8 @@ class Layout:
     """parallel.pipeline_layers: each stage's layers (empty: an even split)."""
     fp8: bool = False
     """train.precision = fp8 (tensorwise), against one fp8 process (`FP8_GRID`)."""
+    overlap: bool = False
+    """parallel.moe_overlap: forwards paired with backwards, the dispatch all-to-all async."""
 
     @property
     def world(self) -> int:
@@ -68,7 +70,7 @@ class Layout:
         parts += ["keep"] * self.keep + [self.moe] * bool(self.moe)
         parts += [f"ep{self.ep}"] * (self.ep > 1) + [f"etp{self.etp}"] * (self.etp > 1)
         parts += [f"L{'-'.join(map(str, self.layers))}"] * bool(self.layers)
-        return "-".join(parts + ["fp8"] * self.fp8)
+        return "-".join(parts + ["fp8"] * self.fp8 + ["overlap"] * self.overlap)
 
 
 ROTARY_FAMILIES = {"qkv_bias": True, "sliding_window": 6}
@@ -112,6 +114,8 @@ GRID = [
     Layout(pp=2, layers=(0, 8)),
     Layout(pp=2, vpp=2, schedule=I, layers=(0, 4, 4, 0), llama=True),
     Layout(pp=2, vpp=2, schedule="zb-v", layers=(0, 3, 5, 0)),  # both ends on rank 0, tied
+    Layout(pp=2, vpp=2, schedule="dualpipev"),  # tied, in ZB-V's V; paired F and BW, B and W
+    Layout(pp=2, vpp=2, schedule="dualpipev", layers=(0, 4, 4, 0), llama=True),
     # world 4
     Layout(tp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, dp=2, recompute="selective", llama=True),
@@ -126,6 +130,8 @@ GRID = [
     Layout(pp=4, schedule="zb-h1", recompute="selective"),
     Layout(pp=4, schedule="zb-h2", recompute="full"),
     Layout(pp=4, vpp=2, schedule="zb-v", recompute="selective"),
+    Layout(pp=4, vpp=2, schedule="dualpipev", recompute="selective"),
+    Layout(pp=2, dp=2, vpp=2, schedule="dualpipev", zero=1),
     Layout(pp=2, dp=2, vpp=2, schedule="zb-v", zero=1),
     Layout(tp=2, pp=2, vpp=2, schedule="zb-v", sp=True, llama=True),
     Layout(dp=4),
@@ -168,6 +174,8 @@ GRID = [
     Layout(tp=2, pp=2, zero=1, moe="moe-shared-bias"),  # expert state sharded over tp ranks
     Layout(tp=2, dp=2, moe="moe", ep=2, etp=2),  # ep over dp, each expert split over tp
     Layout(tp=2, dp=2, sp=True, moe="moe", ep=4),  # ep over tp * dp
+    Layout(tp=2, dp=2, zero=3, sp=True, moe="moe", ep=2),  # folded ep, ZeRO-3 over edp = dp
+    Layout(tp=2, pp=2, zero=2, recompute="full", moe="moe-shared-bias"),  # edp = the tp ranks
     Layout(cp=2, pp=2, recompute="full", moe="moe-shared-bias"),
     Layout(pp=2, dp=2, vpp=2, schedule=I, zero=2, moe="moe-capacity", ep=2),
     Layout(dp=4, moe="moe", ep=4),
@@ -175,6 +183,14 @@ GRID = [
     Layout(pp=2, dp=2, schedule="zb-h1", moe="moe-shared-bias", ep=2),
     Layout(dp=4, zero=3, moe="moe", ep=2),  # expert shards over their 2 replicas
     Layout(cp=2, dp=2, zero=1, llama=True, moe="moe", ep=2),  # edp = 2, over dp
+    # DualPipeV and parallel.moe_overlap (the async dispatch needs ep > 1 and shared experts)
+    Layout(pp=2, vpp=2, schedule="dualpipev", moe="moe"),
+    Layout(pp=2, moe="moe", overlap=True),  # 1F1B paired
+    Layout(dp=2, moe="moe-shared-bias", ep=2, overlap=True),  # no pipeline: paired accumulation
+    Layout(tp=2, sp=True, moe="moe-shared-bias", ep=2, overlap=True),  # folded: tp's MLP in flight
+    Layout(pp=4, vpp=2, schedule="dualpipev", moe="moe-shared-bias"),
+    Layout(pp=2, dp=2, moe="moe-shared-bias", ep=2, overlap=True),
+    Layout(pp=2, dp=2, vpp=2, schedule="dualpipev", moe="moe-shared-bias", ep=2, overlap=True),
     # world 8
     Layout(tp=2, pp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, pp=2, dp=2, sp=True, zero=1, moe="moe", ep=2),  # folded, pp and ZeRO-1
@@ -229,6 +245,7 @@ def _config(
             "ep": layout.ep,
             "etp": layout.etp,
             "pipeline_layers": layout.layers,
+            "moe_overlap": layout.overlap,
         }
     return tiny_config(
         data,
@@ -296,7 +313,8 @@ def test_grid_covers_the_issue() -> None:
     assert all(x.world <= 8 for x in GRID)
     for attr, values in {
         "tp": {1, 2}, "pp": {1, 2, 4}, "dp": {1, 2}, "vpp": {1, 2},
-        "schedule": {"1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"}, "sp": {True, False},
+        "schedule": {"1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev"},
+        "sp": {True, False}, "overlap": {True, False},
         "zero": {0, 1, 2, 3}, "recompute": {"none", "selective", "full"}, "cp": {1, 2, 4},
         "cp_comm": {"ring", "allgather"}, "moe": {"", *MOE},
     }.items():  # fmt: skip

@@ -144,6 +144,55 @@ def _check_all_to_all(g: Group) -> None:
     assert x.grad.tolist() == back
 
 
+class _Mark(torch.autograd.Function):
+    """Identity that records when autograd runs it, forward and backward: a stand-in for
+    the shared experts that `parallel.moe_overlap` runs while the dispatch is in flight."""
+
+    @staticmethod
+    def forward(ctx, x, events):
+        ctx.events = events
+        events.append("compute")
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.events.append("compute backward")
+        return grad, None
+
+
+def _check_async_all_to_all(g: Group) -> None:
+    """`all_to_all_start`/`all_to_all_wait` exchange as `all_to_all` does, forward and
+    backward, and what is made between them runs while the exchange is in flight: in
+    forward between post and wait, and in backward between the gradient's post and wait."""
+    send = [g.rank + 1 + i for i in range(g.size)]
+    recv = [r + 1 + g.rank for r in range(g.size)]
+    x = (torch.arange(sum(send)) + 100.0 * g.rank).requires_grad_()
+    x_plain = x.detach().clone().requires_grad_()
+    side = torch.ones(3, requires_grad=True)
+    events: list[str] = []
+    plain = comm._all_to_all_async
+
+    def logged(*args):
+        events.append("post")
+        return plain(*args)
+
+    comm._all_to_all_async = logged
+    try:
+        posted, handle = comm.all_to_all_start(x.view(-1, 1), g, send, recv)
+        wait = handle.wait
+        handle.wait = lambda: (events.append("wait"), wait())[1]
+        marked = _Mark.apply(side * 2, events)
+        y = comm.all_to_all_wait(posted, handle).view(-1)
+        weights = torch.arange(len(y)) + 1000.0 * g.rank
+        ((y * weights).sum() + marked.sum()).backward()
+    finally:
+        comm._all_to_all_async = plain
+    y_plain = comm.all_to_all(x_plain.view(-1, 1), g, send, recv).view(-1)
+    (y_plain * weights).sum().backward()
+    assert torch.equal(y.detach(), y_plain.detach()) and torch.equal(x.grad, x_plain.grad)
+    assert events == ["post", "compute", "wait", "post", "compute backward", "wait"], events
+
+
 def _check_bytes(ep: Group) -> None:
     """Under uniform routing (token i's j-th choice: expert (k i + j) mod e) the rows the
     all-to-alls send to other members in one forward and backward are 4 x the performance
@@ -198,6 +247,7 @@ def test_tensor_parallel_moe_routes_and_computes_as_one_process() -> None:
 def _check_ep(rank: int, world_size: int) -> None:
     ep = Group(None, world_size, rank)
     _check_all_to_all(ep)
+    _check_async_all_to_all(ep)
     _check_bytes(ep)
     for options in ({}, SWIGLU):
         _check_expert_parallel(ep, options)

@@ -1,6 +1,7 @@
 """Pipeline schedules executed on real GPT chunks against one process (gloo on CPU).
 
-For p in {2, 4}, v in {1, 2}, m in {p, 2p}, tp in {1, 2} and every schedule: the loss
+For p in {2, 4}, v in {1, 2}, m in {p, 2p} (DualPipeV: {2p, 3p}), tp in {1, 2} and every
+schedule: the loss
 and every parameter's gradient (gathered over tensor and pipeline ranks to full shape)
 match the single-process model within 1e-5 relative; with pp = 2 also uneven stages
 (`parallel.pipeline_layers`), first and last stages without layers among them. Several
@@ -55,6 +56,7 @@ UNEVEN = [  # (schedule, vpp, layers per virtual stage) over pp = 2, 6 layers
     ("zb-h2", 1, (6, 0)),
     ("interleaved", 2, (0, 3, 3, 0)),
     ("zb-v", 2, (0, 3, 3, 0)),  # both on rank 0
+    ("dualpipev", 2, (0, 3, 3, 0)),
 ]
 
 
@@ -142,6 +144,8 @@ def _check_schedules(rank: int, world_size: int, tp: int, pp: int) -> None:
         for m in (pp, 2 * pp):
             for tied in (True, False):
                 _one_case(mesh, _config(tp, pp, schedule, vpp, m, tied), tokens)
+    for m, tied in ((2 * pp, True), (3 * pp, False)):  # DualPipeV takes m >= 2 pp
+        _one_case(mesh, _config(tp, pp, "dualpipev", 2, m, tied), tokens)
     if pp == 2:  # uneven stages (parallel.pipeline_layers)
         for schedule, vpp, layers in UNEVEN:
             _one_case(mesh, _config(tp, pp, schedule, vpp, 2 * pp, True, layers), tokens)

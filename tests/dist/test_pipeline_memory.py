@@ -146,7 +146,8 @@ def _check_held(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     for schedule, spec in SCHEDULES.items():
         vpp = spec.chunks or 2  # interleaved: two chunks per rank
-        for m in (world_size, 2 * world_size):
+        least = spec.min_microbatches(world_size)  # DualPipeV: 2 pp
+        for m in sorted({max(world_size, least), max(2 * world_size, least + 1)}):
             _one_case(mesh, schedule, vpp, m)
 
 

@@ -40,6 +40,7 @@ CASES = [  # (schedule, vpp, loss scale)
     ("zb-h1", 1, 1.0),
     ("zb-h2", 1, 1.0),
     ("zb-v", 2, 1.0),
+    ("dualpipev", 2, 1.0),  # m >= 2 pp: 2 pp and 2 pp + 1
 ]
 
 
@@ -163,7 +164,8 @@ def _one_case(mesh: ParallelMesh, schedule: str, vpp: int, m: int, scale: float)
 def _check_runtime(rank: int, world_size: int) -> None:
     mesh = ParallelMesh.build(MeshShape(tp=1, dp=1, pp=world_size), rank)
     for schedule, vpp, scale in CASES:
-        for m in (world_size, 2 * world_size):
+        least = SCHEDULES[schedule].min_microbatches(world_size)
+        for m in sorted({max(world_size, least), max(2 * world_size, least + 1)}):
             _one_case(mesh, schedule, vpp, m, scale)
 
 

@@ -33,7 +33,7 @@ def test_every_key_has_a_meaning_and_a_row() -> None:
 def test_rows_show_type_default_and_allowed_values() -> None:
     rows = {line.split(" | ")[0][3:-1]: line for line in render().splitlines() if "| `" in line}
     assert rows["model.num_layers"].startswith("| `model.num_layers` | int | `4` |  | ")
-    schedule = "`gpipe`, `1f1b`, `interleaved`, `zb-h1`, `zb-h2`, `zb-v`"
+    schedule = "`gpipe`, `1f1b`, `interleaved`, `zb-h1`, `zb-h2`, `zb-v`, `dualpipev`"
     assert f'| str | `"1f1b"` | {schedule} |' in rows["parallel.schedule"]
     assert "| list[str] | `[]` |  |" in rows["data.paths"]
     assert "| bool | `false` | `true`, `false` |" in rows["train.compile"]

@@ -51,7 +51,8 @@ def cases() -> list[tuple[str, int, int, int, int]]:
         vpp = rng.randint(2, 3) if chunks is None else chunks
         pp = rng.randint(1, 5)
         m = pp * rng.randint(1, 4) if name in ("interleaved", "zb-v") else rng.randint(1, 3 * pp)
-        out.append((name, pp, max(m, pp if name == "interleaved" else 1), vpp, seed))
+        least = pp if name == "interleaved" else SCHEDULES[name].min_microbatches(pp)
+        out.append((name, pp, max(m, least), vpp, seed))
     return out
 
 

@@ -75,10 +75,11 @@ def check(run: PipelineRun, bound) -> None:
 
 
 def sizes(name: str, pp: int, k: int) -> tuple[int, int]:
-    """(vpp, m) for schedule `name` on pp ranks: m = k pp (k in 1..8), vpp as it takes."""
+    """(vpp, m) for schedule `name` on pp ranks: m = k pp (k in 1..8, at least the schedule's
+    fewest), vpp as it takes."""
     spec = SCHEDULES[name]
     vpp = spec.chunks or (2 + (pp + k) % 7)  # interleaved: 2..8
-    return vpp, k * pp
+    return vpp, max(k * pp, spec.min_microbatches(pp))
 
 
 TABLE = [
@@ -107,6 +108,7 @@ def random_case(seed: int) -> tuple[str, int, int, int, PipelineCosts, bool]:
     pp = rng.randint(2, 12)
     vpp = SCHEDULES[name].chunks or rng.randint(2, 8)
     m = pp * rng.randint(1, 8) if name == "interleaved" else rng.randint(pp, 8 * pp)
+    m = max(m, SCHEDULES[name].min_microbatches(pp))
     split = SCHEDULES[name].splits_backward
     blocking = not split and rng.random() < 0.4
     costs = costs_for(rng, pp * vpp, split=split, hops=rng.random() < 0.8, gather=seed % 3 == 0)

@@ -54,6 +54,9 @@ PAPER_BUBBLE = {
     "zb-h2": lambda pp, m, vpp: (pp - 1 if m >= pp else 2 * pp - 1 - m) / (3 * m),
     # 6m passes per rank; the last rank waits pp - 1 for its first input (m = pp, m >= 2 pp).
     "zb-v": lambda pp, m, vpp: (pp - 1) / (6 * m),
+    # ZB-V's bound twice: each pair sends its forward's output only after its backward, and
+    # at unit costs with free transfers the pair gains nothing for it.
+    "dualpipev": lambda pp, m, vpp: (pp - 1) / (3 * m),
 }
 
 
@@ -78,6 +81,7 @@ def test_grid_covers_every_schedule() -> None:
         "zb-h2": 24,
         "zb-v": 24,
         "interleaved": 48,
+        "dualpipev": 16,  # m >= 2 pp only
     }
 
 
@@ -89,6 +93,10 @@ def test_schedule_verifies_with_paper_bubble(name: str, pp: int, m: int, vpp: in
     assert report.bubble_fraction == pytest.approx(theory)
     assert theory == pytest.approx(PAPER_BUBBLE[name](pp, m, vpp))
     assert report.busy == (m * vpp * 3,) * pp
+    spec = SCHEDULES[name]
+    if spec.pairs:  # a pair's sends wait for both passes, which only the lowering shows
+        _check_pairs_backwards(plan, m * vpp)
+        return
     # Comms take no time, so the compute-only dry run takes as long.
     assert verify(plan, SCHEDULES[name].stage_map(pp, vpp), m).makespan == report.makespan
     split = SCHEDULES[name].splits_backward
@@ -99,11 +107,21 @@ def test_schedule_verifies_with_paper_bubble(name: str, pp: int, m: int, vpp: in
         assert {a.stage for a in actions} == set(SCHEDULES[name].stage_map(pp, vpp).stages_of(rank))
 
 
+def _check_pairs_backwards(plan: Plan, passes: int) -> None:
+    """DualPipeV: every chunk's microbatches once forward, once backward (fused or split)."""
+    for actions in plan.values():
+        kinds = Counter(a.kind for a in actions)
+        assert kinds[Kind.F] == kinds[Kind.B] + kinds[Kind.BW] == passes
+        assert kinds[Kind.W] == kinds[Kind.B] > 0
+
+
 @pytest.mark.parametrize("name,pp,m,vpp", GRID)
 def test_peak_in_flight(name: str, pp: int, m: int, vpp: int) -> None:
     peaks = build_plan(name, pp, m, vpp).report.peak_in_flight
     if name == "gpipe":
         assert peaks == (m,) * pp
+    elif name == "dualpipev":  # DualPipeV's PP + 1 (its paper's count), in chunks
+        assert peaks == (2 * pp + 1,) * pp == tuple(in_flight_bound(name, pp, m, vpp))
     elif name in ("1f1b", "zb-h1", "zb-h2", "zb-v"):
         assert peaks == _expected_peaks(name, pp, m)
         assert peaks == tuple(min(b, m * vpp) for b in in_flight_bound(name, pp, m, vpp))
@@ -291,9 +309,11 @@ def test_registry_records() -> None:
     # One record per schedule: the chunk rule, the in-flight bound and the backward split
     # that check_args, in_flight_bound and the tests above read from it.
     assert [n for n, s in SCHEDULES.items() if s.interleaved] == ["interleaved"]
-    assert [n for n, s in SCHEDULES.items() if s.splits_backward] == ["zb-h1", "zb-h2", "zb-v"]
-    assert [n for n, s in SCHEDULES.items() if s.placement is Placement.V] == ["zb-v"]
-    assert [n for n, s in SCHEDULES.items() if s.chunks == 2] == ["zb-v"]
+    split = ["zb-h1", "zb-h2", "zb-v", "dualpipev"]
+    assert [n for n, s in SCHEDULES.items() if s.splits_backward] == split
+    assert [n for n, s in SCHEDULES.items() if s.placement is Placement.V] == ["zb-v", "dualpipev"]
+    assert [n for n, s in SCHEDULES.items() if s.chunks == 2] == ["zb-v", "dualpipev"]
+    assert [n for n, s in SCHEDULES.items() if s.can_pair] == ["1f1b", "dualpipev"]
     assert [n for n, s in SCHEDULES.items() if s.in_flight_bound is None] == ["interleaved"]
     assert SCHEDULES["zb-h1"].formula == "(p-1)/(3m)" and all(s.doc for s in SCHEDULES.values())
     assert theory_bubble("interleaved", 4, 8, 2) == 3 / 16

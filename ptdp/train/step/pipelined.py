@@ -76,6 +76,7 @@ def build_chunks(
             has_embedding=stage == 0,
             has_head=stage == last,
             fp8=fp8,
+            moe_overlap=layout.moe_overlap,
         )
         for stage in stages.stages_of(mesh.coord("pp"))
     }

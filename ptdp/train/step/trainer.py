@@ -39,6 +39,7 @@ from ptdp.parallel.mesh import MeshShape, ParallelMesh
 from ptdp.parallel.roles import rank_roles
 from ptdp.perf.cost.flops import flops_per_iteration, model_flops_per_iteration
 from ptdp.pipeline.actions import Action, Kind
+from ptdp.pipeline.schedules import build
 from ptdp.pipeline.timeline import TimelineRecorder
 from ptdp.rules.layout import Layout
 from ptdp.train.data_setup import RunData
@@ -292,17 +293,23 @@ class Trainer:
         return batch
 
     def _accumulate(self, batch, n: int, loss_scale: float) -> torch.Tensor:
-        """Forward and backward of n microbatches on the whole model (no pipeline)."""
+        """Forward and backward of n microbatches on the whole model (no pipeline): one after
+        the other, or under parallel.moe_overlap the forward of microbatch j + 1 paired with
+        the backward of microbatch j (`one_f_one_b_paired`; the backwards, hence the
+        gradient sums, in the same order)."""
         total = torch.zeros((), device=self.device)
-        timed = self.around
-        for j in range(n):
-            tokens, labels, positions = batch(j)
-            mark_step(self.cfg.train.cuda_graphs)
-            with timed(Action(Kind.F, 0, j)), self._autocast():
-                loss = self.chunks[0](tokens, labels, positions=positions) / n
-            if j == n - 1:  # its buckets reduce while the rest of this backward runs
+        timed, losses = self.around, {}
+        for a in build("1f1b", 1, n, paired=self.layout.moe_overlap)[0]:
+            if a.kind is Kind.F:
+                tokens, labels, positions = batch(a.mb)
+                mark_step(self.cfg.train.cuda_graphs)
+                with timed(a), self._autocast():
+                    losses[a.mb] = self.chunks[0](tokens, labels, positions=positions) / n
+                continue
+            loss = losses.pop(a.mb)
+            if a.mb == n - 1:  # its buckets reduce while the rest of this backward runs
                 self.grads.start_final(0)
-            with timed(Action(Kind.BW, 0, j)):
+            with timed(a):
                 (loss * loss_scale).backward()
             total += loss.detach().float()
         self.grads.finish()
