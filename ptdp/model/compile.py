@@ -25,7 +25,8 @@ tracing: `plan_dispatch` (bincounts and sorts of the token-choices; a capacity c
 rows are data-sized), the experts' products (`ptdp.parallel.wgrad.grouped_linear`: the loop
 reads the counts on the host, the grouped kernel's padded layout is sized by them, and a
 zero-bubble W may take their weight gradients), expert parallelism's exchange of counts
-and all-to-alls (`MoE._expert_parallel`: split sizes on the host) and `MoE._balance` (the
+and all-to-alls (`MoE._expert_parallel`: split sizes on the host; under moe_overlap the
+shared experts too, which run inside it while the rows travel) and `MoE._balance` (the
 step's figures in `MoEState`, a Python side effect, and a scale that changes with the fp16
 loss scale). The router, the gather of the rows, the combine, the shared experts and the
 rest of the layer are compiled: a few graphs per layer, the same for every layer. A
