@@ -115,6 +115,7 @@ def capacity(factor: float, tokens: int, top_k: int, num_experts: int) -> int:
     return math.ceil(factor * tokens * top_k / num_experts) if factor > 0 else 0
 
 
+@torch.compiler.disable  # data-dependent: ptdp.model.compile
 def plan_dispatch(routing: Routing, num_experts: int, cap: int = 0) -> Dispatch:
     """Sort the token-choices by expert, in token order within an expert. With a capacity
     `cap` > 0 an expert keeps its `cap` choices of highest weight (equal weights: the
@@ -185,6 +186,7 @@ class MoE(nn.Module):
             bias=cfg.bias,
             wgrad=ctx.wgrad,
             ep=ctx.ep,
+            fp8=ctx.fp8,
         )
         self.shared = None
         if cfg.moe_shared_experts:  # a dense MLP every token goes through
@@ -260,6 +262,7 @@ class MoE(nn.Module):
         out = comm.reduce_from_tp(combine(rows, plan, routing.weights), etp).view(s, b, h)
         return out if self.shared is None else out + self.shared(x)
 
+    @torch.compiler.disable  # data-dependent: ptdp.model.compile
     def _expert_parallel(
         self, rows: torch.Tensor, plan: Dispatch, x: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -300,6 +303,7 @@ class MoE(nn.Module):
         back = out.index_select(0, torch.argsort(order))  # by source again
         return comm.all_to_all(back, ep, recv, send), shared
 
+    @torch.compiler.disable  # MoEState's figures, a Python side effect: ptdp.model.compile
     def _balance(self, out: torch.Tensor, routing: Routing, plan: Dispatch) -> torch.Tensor:
         """Record the figures; attach the balancing losses' gradient to `out`. `routing`:
         this rank's own tokens'; `plan`: its expert tensor group's (the dropped choices are
