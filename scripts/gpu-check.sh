@@ -5,7 +5,8 @@
 # TorchTitan and Megatron-Core side by side in bf16, then the 1.3B in fp8 (tensorwise, rowwise)
 # for each (a row that cannot run says why), ptdp's own GPT rows, every CUDA-only test,
 # `ptdp calibrate` for the GPU, and as time allows the memory phases of a 1.3B and a 4B model
-# (benchmarks/memory/memory_phases.py), the MoE kernels and model (benchmarks/speed/moe_gpu.py) and a short
+# (benchmarks/memory/memory_phases.py), the MoE kernels and model (benchmarks/speed/moe_gpu.py), the
+# experts in bf16 and fp8 (benchmarks/speed/moe_layer.py) and a short
 # bf16 training demo on a local text corpus. Every figure goes into one results folder, with
 # BENCHMARKS-snippet.md, a markdown table for BENCHMARKS.md, and pip-freeze.txt (the
 # machine's packages: PTDP_PEER_HAVE for the next fetch).
@@ -113,6 +114,7 @@ elif [ "$CUDA" = 1 ]; then
   part memory 120 "$PY" benchmarks/memory/memory_phases.py --models 1.3b,4b --no-compile \
     --json "$OUT/memory.json"
   part moe 120 "$PY" benchmarks/speed/moe_gpu.py --reps 20 --steps 10 --warmup 3 --json "$OUT/moe.json"
+  part moe-fp8 60 "$PY" benchmarks/speed/moe_layer.py --reps 20 --json "$OUT/moe_layer.json"
   # The zero-bubble split's (B + W) / fused on the 1.3B layer phase by phase (calibrate
   # wrote the model's figure above), launch overhead at 125M (eager, fused AdamW, compile,
   # CUDA graphs; rows written as measured) and a profiler trace of the 1.3B step (eager +
@@ -137,6 +139,7 @@ else
     part moe 60 "$PY" benchmarks/speed/moe_gpu.py --device cpu --reps 3 --steps 2 --warmup 1 \
       --vocab-size 512 --json "$OUT/moe.json"
   fi
+  skip moe-fp8 "no CUDA: the experts' float8 kernels run on a GPU (tests/unit/test_fp8_moe.py checks the CPU emulation)"
   skip small-speed "no CUDA: fused AdamW, compile and CUDA graphs are measured on a GPU"
   skip profile-1.3b "no CUDA: the 1.3B step is profiled on a GPU"
   if [ "$QUICK" = 1 ]; then

@@ -21,11 +21,12 @@
    the same GPT whose MLPs are 8 experts of width 2,048, 2 per token (the same MLP
    parameters per token, plus a router), the Switch balancing loss at 0.01. Both train
    through ptdp's own Trainer (mfu.py's RunConfig, synthetic tokens) in bf16 without
-   torch.compile: train.compile is refused for MoE models, so the dense one runs eager too
-   for a fair pair. Reported: total and active parameters (`ptdp.perf.cost.parameters`),
-   tokens/s, model TFLOP/s (`model_flops_per_iteration`, which counts the k experts a
-   token goes through and the router), MFU against the device's dense peak as mfu.py
-   reads it, and peak allocated memory. On out-of-memory the micro-batch is halved.
+   torch.compile: an MoE model compiles with graph breaks around its routing, so both
+   run eager for a like-for-like pair. Reported: total and active parameters
+   (`ptdp.perf.cost.parameters`), tokens/s, model TFLOP/s (`model_flops_per_iteration`,
+   which counts the k experts a token goes through and the router), MFU against the
+   device's dense peak as mfu.py reads it, and peak allocated memory. On out-of-memory
+   the micro-batch is halved.
 
 Prints markdown tables; `--json PATH` writes the rows. Writes no tracked file.
 
@@ -383,7 +384,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=0.0, help="override the device peak")
     p.add_argument("--json", help="write the rows and the machine to this file")
     args = p.parse_args(argv)
-    # What benchmarks/speed/mfu.py's ptdp_config reads: no compilation (refused for MoE models).
+    # What benchmarks/speed/mfu.py's ptdp_config reads: no compilation (both eager, a pair).
     on_gpu = args.device.startswith("cuda")
     args.compile, args.grad_accum, args.precision = False, 1, "bf16" if on_gpu else "fp32"
     if unknown := set(args.parts.split(",")) - {"layer", "model"}:
@@ -421,7 +422,7 @@ def main(argv: list[str] | None = None) -> dict:
                 save()
         print("\n" + "\n".join(model_table([r for r in result["rows"] if r["part"] == "model"])))
         print(
-            f"both without torch.compile (train.compile is refused for MoE models); "
+            f"both without torch.compile (a like-for-like pair); "
             f"steps {args.steps} (+{args.warmup} warm-up); peak {args.peak_tflops or 'n/a'} TFLOP/s"
         )
     return result

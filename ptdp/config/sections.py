@@ -351,8 +351,8 @@ class TrainConfig:
     precision: Precision = Precision.FP32
     """fp32; bf16 (16-bit weights and compute, fp32 master weights and gradient
     accumulation); fp16 (the same with dynamic loss scaling); fp8 (bf16, with the
-    column- and row-parallel linears' and the output layer's GEMMs in float8 through
-    torchao: pip install torchao; MFU is still logged against the dense bf16 peak)."""
+    column- and row-parallel linears', the experts' and the output layer's GEMMs in float8
+    through torchao: pip install torchao; MFU is still logged against the dense bf16 peak)."""
     fp8_recipe: Fp8Recipe = Fp8Recipe.TENSORWISE
     """precision = fp8 only: how torchao scales each GEMM operand into float8: tensorwise
     (one scale per tensor, torchao's default recipe) or rowwise (one scale per row, powers of
@@ -410,7 +410,8 @@ class TrainConfig:
     """Compile each transformer layer and the loss with torch.compile (fused bias+GeLU,
     bias+dropout+residual and softmax kernels); the first steps are slower while it
     compiles. With parallel.tp > 1 it needs torch 2.13 or newer (2.11's compiled
-    tensor-parallel backward gives wrong gradients)."""
+    tensor-parallel backward gives wrong gradients). In an MoE layer the routing's dispatch,
+    the experts' products and the all-to-alls run eager between compiled graphs."""
     cuda_graphs: bool = False
     """With train.compile on a CUDA device: capture each compiled region in CUDA graphs
     (torch.compile's mode "reduce-overhead"), so a small model's step pays one launch per

@@ -19,6 +19,21 @@ around `dist.all_reduce` / `all_gather`) are traced by Dynamo as functional coll
 so a tensor-parallel layer is still one graph, forward and backward; tests/dist checks
 tp = 2 against the eager single-process model.
 
+Mixture-of-experts layers (`ptdp.model.moe`): what depends on the routing's values runs
+eager, each a `torch.compiler.disable` function that Dynamo calls between graphs instead of
+tracing: `plan_dispatch` (bincounts and sorts of the token-choices; a capacity cut's kept
+rows are data-sized), the experts' products (`ptdp.parallel.wgrad.grouped_linear`: the loop
+reads the counts on the host, the grouped kernel's padded layout is sized by them, and a
+zero-bubble W may take their weight gradients), the dispatch and combine
+(`ptdp.model.dispatch.dispatch_combine`: the rows' gather and weighted scatter-add by the
+plan's indices, expert parallelism's exchange of counts and all-to-alls with split sizes
+on the host; under moe_overlap the shared experts too, which run inside it while the rows
+travel) and `MoE._balance` (the step's figures in `MoEState`, a Python side effect, and a
+scale that changes with the fp16 loss scale). The router, the shared experts and the rest
+of the layer are compiled: a few graphs per layer, the same for every layer. A
+capacity cut keeps a number of rows that varies between microbatches; the graphs after the
+dispatch take it as a size Dynamo may make dynamic (its automatic dynamic shapes).
+
 Numerics: the compiled layer computes the same function; on CPU float32 the losses agree
 with eager to float32 rounding (reductions may be ordered differently). Dropout draws its
 masks from Inductor's own random stream, so with dropout > 0 a compiled run's masks differ

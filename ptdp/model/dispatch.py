@@ -87,6 +87,7 @@ def capacity(factor: float, tokens: int, top_k: int, num_experts: int) -> int:
 # ----------------------------------------------------------------------------- plans
 
 
+@torch.compiler.disable  # data-dependent: ptdp.model.compile
 def plan_dispatch(routing: Routing, num_experts: int, cap: int = 0) -> Dispatch:
     """Sort the token-choices by expert, in token order within an expert. With a capacity
     `cap` > 0 an expert keeps its `cap` choices of highest weight (equal weights: the
@@ -110,6 +111,7 @@ def plan_dispatch(routing: Routing, num_experts: int, cap: int = 0) -> Dispatch:
     return Dispatch(order[keep], expert[keep], counts, routed, len(flat) - counts.sum())
 
 
+@torch.compiler.disable  # data-dependent: ptdp.model.compile
 def plan_dispatch_reference(routing: Routing, num_experts: int, cap: int = 0) -> Dispatch:
     """`plan_dispatch` as first written: a sort by weight, then a stable sort by expert."""
     flat = routing.experts.reshape(-1)
@@ -258,6 +260,7 @@ def unpermute(rows: torch.Tensor, plan: Dispatch, weights: torch.Tensor) -> torc
 # ----------------------------------------------------------------------------- the two paths
 
 
+@torch.compiler.disable  # data-dependent: ptdp.model.compile
 def dispatch_combine(
     tokens: torch.Tensor,
     plan: Dispatch,

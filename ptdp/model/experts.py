@@ -8,6 +8,8 @@ width, t = etp.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,9 @@ from torch import nn
 from ptdp.parallel.comm import Group
 from ptdp.parallel.init import ExpertSplit, ShardSpec
 from ptdp.parallel.wgrad import WeightGradStore, grouped_linear
+
+if TYPE_CHECKING:  # torchao is optional: only an fp8 run imports ptdp.parallel.fp8
+    from ptdp.parallel.fp8 import Fp8Gemms
 
 
 def _param(shape: tuple[int, ...], spec: ShardSpec | None, split: ExpertSplit) -> nn.Parameter:
@@ -61,7 +66,8 @@ class GroupedExperts(nn.Module):
     reduces them once, after the combine (`ptdp.model.moe.MoE`). fc2's bias [e, h] is
     replicated and added on tensor rank 0 only (zero times it elsewhere, so every rank's
     parameter still receives a gradient); its gradient is summed over the group. The
-    products go through `grouped_linear`, whose weight gradients a zero-bubble W can take.
+    products go through `grouped_linear`, whose weight gradients a zero-bubble W can take,
+    in float8 when `fp8` is given (precision = fp8: `ptdp.parallel.fp8_grouped`).
     Rows are picked with `index_select`, whose backward (`index_add_`) sums in a fixed order
     on a CPU, unlike advanced indexing's (`index_put_`, threaded), so runs repeat bitwise.
     """
@@ -77,9 +83,10 @@ class GroupedExperts(nn.Module):
         bias: bool,
         wgrad: WeightGradStore | None = None,
         ep: Group | None = None,
+        fp8: Fp8Gemms | None = None,
     ) -> None:
         super().__init__()
-        self.swiglu, self.wgrad = swiglu, wgrad
+        self.swiglu, self.wgrad, self.fp8 = swiglu, wgrad, fp8
         parts = 2 if swiglu else 1
         ep = ep or Group.single()
         split = ExpertSplit(num_experts, ep.size, ep.rank, etp_rank=tp.rank)
@@ -92,7 +99,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """x [n, h] grouped by expert (`counts` [e] rows each; `expert` [n] of each row) ->
         this rank's partial sums [n, h]."""
-        y = grouped_linear(x, self.fc1.weight, counts, self.wgrad)
+        y = grouped_linear(x, self.fc1.weight, counts, self.wgrad, fp8=self.fp8)
         if self.fc1.bias is not None:
             y = y + self.fc1.bias.index_select(0, expert)
         if self.swiglu:
@@ -100,7 +107,7 @@ class GroupedExperts(nn.Module):
             y = F.silu(gate) * up
         else:
             y = F.gelu(y, approximate="tanh")
-        y = grouped_linear(y, self.fc2.weight, counts, self.wgrad)
+        y = grouped_linear(y, self.fc2.weight, counts, self.wgrad, fp8=self.fp8)
         if self.fc2.bias is not None:
             y = y + self.fc2.bias.index_select(0, expert) * self.bias_share
         return y

@@ -145,6 +145,7 @@ class MoE(nn.Module):
             bias=cfg.bias,
             wgrad=ctx.wgrad,
             ep=ctx.ep,
+            fp8=ctx.fp8,
         )
         self.shared = None
         if cfg.moe_shared_experts:  # a dense MLP every token goes through
@@ -216,6 +217,7 @@ class MoE(nn.Module):
         out = comm.reduce_from_tp(out, etp).view(s, b, h)
         return out if self.shared is None else out + self.shared(x)
 
+    @torch.compiler.disable  # MoEState's figures, a Python side effect: ptdp.model.compile
     def _balance(self, out: torch.Tensor, routing: Routing, plan: Dispatch) -> torch.Tensor:
         """Record the figures; attach the balancing losses' gradient to `out`. `routing`:
         this rank's own tokens'; `plan`: its expert tensor group's (the dropped choices are

@@ -13,8 +13,9 @@ the kept high-precision X and dY (`ptdp.parallel.wgrad`), and so that the tensor
 layers keep their own collectives: each rank scales its own shard. Weights, activations,
 gradients and everything outside these GEMMs stay in the run's 16-bit dtype.
 
-Only this module imports torchao (an optional dependency: pip install torchao); it is
-imported only when a run asks for fp8.
+Only this module imports torchao (an optional dependency: pip install torchao), and
+`ptdp.parallel.fp8_grouped`'s GPU kernel, inside its function; it is imported only when a
+run asks for fp8. The experts' float8 GEMMs (`fp8_grouped`) are per expert this module's.
 """
 
 from __future__ import annotations

@@ -66,26 +66,31 @@ def choose_gemm(x: torch.Tensor, weight: torch.Tensor) -> GemmKernel:
     return gemm_for_cuda(x.dtype, capability, (x.shape[-1], weight.shape[-1]))
 
 
-def _splits(counts: torch.Tensor) -> list[int]:
+def splits(counts: torch.Tensor) -> list[int]:
+    """Each expert's row count on the host, for a loop over experts."""
     return counts.tolist()  # a host sync on a GPU: what the grouped kernel avoids
 
 
-def _aligned_rows(counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def aligned_rows(
+    counts: torch.Tensor, n: int, align: int = _ALIGN
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(where each row goes, int32 group ends, padded row count) of a layout in which every
-    expert's group starts at a multiple of 8 rows (the grouped kernel's alignment; PyTorch
-    documents it for the weight gradient, torchtitan pads alike). The padded count is the
-    bound n + 8 e, so no size is read back to the host."""
-    padded = (counts + _ALIGN - 1) // _ALIGN * _ALIGN
+    expert's group starts at a multiple of `align` rows (8: the bf16 grouped kernel's
+    alignment, which PyTorch documents for the weight gradient, torchtitan pads alike; 16:
+    float8's, `ptdp.parallel.fp8_grouped`). The padded count is the bound n + align e, so
+    no size is read back to the host."""
+    padded = (counts + align - 1) // align * align
     ends = padded.cumsum(0)
     shift = (ends - padded) - (counts.cumsum(0) - counts)  # padded start - start, per expert
     expert = torch.repeat_interleave(
         torch.arange(len(counts), device=counts.device), counts, output_size=n
     )
     rows = torch.arange(n, device=counts.device) + shift[expert]
-    return rows, ends.to(torch.int32), n + _ALIGN * len(counts)
+    return rows, ends.to(torch.int32), n + align * len(counts)
 
 
-def _pad(x: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
+def pad_rows(x: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
+    """x [n, k] -> [total, k]: row i at rows[i], zeros between the groups."""
     return x.new_zeros(total, x.shape[-1]).index_copy(0, rows, x)
 
 
@@ -97,9 +102,9 @@ def grouped_mm(
     if kernel is GemmKernel.UNPADDED:
         return _GROUPED_MM(x, weight, offs=counts.cumsum(0).to(torch.int32))
     if kernel is GemmKernel.GROUPED:
-        rows, ends, total = _aligned_rows(counts, x.shape[0])
-        return _GROUPED_MM(_pad(x, rows, total), weight, offs=ends)[rows]
-    parts = [xi.mm(weight[i]) for i, xi in enumerate(x.split(_splits(counts)))]
+        rows, ends, total = aligned_rows(counts, x.shape[0])
+        return _GROUPED_MM(pad_rows(x, rows, total), weight, offs=ends)[rows]
+    parts = [xi.mm(weight[i]) for i, xi in enumerate(x.split(splits(counts)))]
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[-1])
 
 
@@ -112,7 +117,7 @@ def grouped_wgrad(
     if kernel is GemmKernel.UNPADDED:
         return _GROUPED_MM(dy.t(), x, offs=counts.cumsum(0).to(torch.int32))
     if kernel is GemmKernel.GROUPED:
-        rows, ends, total = _aligned_rows(counts, x.shape[0])
-        return _GROUPED_MM(_pad(dy, rows, total).t(), _pad(x, rows, total), offs=ends)
-    splits = _splits(counts)
-    return torch.stack([a.t().mm(b) for a, b in zip(dy.split(splits), x.split(splits))])
+        rows, ends, total = aligned_rows(counts, x.shape[0])
+        return _GROUPED_MM(pad_rows(dy, rows, total).t(), pad_rows(x, rows, total), offs=ends)
+    rows = splits(counts)
+    return torch.stack([a.t().mm(b) for a, b in zip(dy.split(rows), x.split(rows))])

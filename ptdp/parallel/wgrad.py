@@ -22,7 +22,9 @@ plain `F.linear`, so a backward that is not split is autograd's own, bit for bit
 Python side effect in backward): compiled layers compute their weight gradients in B.
 With float8 GEMMs (precision = fp8, `ptdp.parallel.fp8`) every forward goes through
 `_Fp8Linear`, deferrable or not, and a deferred W GEMM runs in float8 too (torchao's own
-function under `torch.compile`).
+function under `torch.compile`); the experts' `grouped_linear` likewise
+(`ptdp.parallel.fp8_grouped`). `grouped_linear` always runs eager, compiled layer or not
+(its shapes are the routing's), so its weight gradients stay deferrable under compile.
 
 No global state: each model chunk owns its store and hands it to its layers; the pipeline
 runtime receives the same stores. The store keeps a plain attribute, not a thread-local,
@@ -39,6 +41,12 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ptdp.parallel.fp8_grouped import (
+    choose_fp8_gemm,
+    fp8_grouped_grad_input,
+    fp8_grouped_mm,
+    fp8_grouped_wgrad,
+)
 from ptdp.parallel.grouped import GemmKernel, choose_gemm, grouped_mm, grouped_wgrad
 
 if TYPE_CHECKING:  # torchao is optional: only an fp8 run imports ptdp.parallel.fp8
@@ -113,7 +121,9 @@ class WeightGradStore:
         autograd would accumulate it (the GEMM runs in the forward's compute dtype)."""
         grads = []
         for param, x, dy, counts, fp8 in self._pending.pop(key, []):
-            if counts is not None:
+            if counts is not None and fp8 is not None:
+                grad = fp8_grouped_wgrad(fp8, dy, x, counts)
+            elif counts is not None:
                 grad = grouped_wgrad(dy, x, counts)
             else:
                 grad = dy.t().mm(x) if fp8 is None else fp8.grad_weight(dy, x)
@@ -240,27 +250,37 @@ def linear(
 
 class _DeferrableGroupedLinear(torch.autograd.Function):
     """Y_i = X_i W_i^T per expert i; backward: dX now, dW now or kept in the store. The
-    kernel chosen in forward (`choose_gemm`) runs the backward's products too."""
+    kernel chosen in forward (`choose_gemm`, or `choose_fp8_gemm` in float8) runs the
+    backward's products too; `fp8`: all three GEMMs in float8 (`ptdp.parallel.fp8_grouped`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, param, store, kernel):
+    def forward(ctx, x, weight, counts, param, store, kernel, fp8):
         ctx.save_for_backward(x, weight, counts)
         (ctx.param,) = param
-        ctx.store, ctx.kernel = store, kernel
+        ctx.store, ctx.kernel, ctx.fp8 = store, kernel, fp8
+        if fp8 is not None:
+            return fp8_grouped_mm(fp8, x, weight, counts, kernel)
         return grouped_mm(x, weight.transpose(1, 2), counts, kernel)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, counts = ctx.saved_tensors
-        dx = grouped_mm(dy, weight, counts, ctx.kernel) if ctx.needs_input_grad[0] else None
-        dw = None
+        fp8, kernel = ctx.fp8, ctx.kernel
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            if fp8 is not None:
+                dx = fp8_grouped_grad_input(fp8, dy, weight, counts, kernel)
+            else:
+                dx = grouped_mm(dy, weight, counts, kernel)
         if ctx.needs_input_grad[1]:
             store = ctx.store
             if store is not None and store.deferring_key is not None:
-                store.put(ctx.param, x, dy, counts)
+                store.put(ctx.param, x, dy, counts, fp8)
+            elif fp8 is not None:
+                dw = fp8_grouped_wgrad(fp8, dy, x, counts, kernel)
             else:
-                dw = grouped_wgrad(dy, x, counts, ctx.kernel)
-        return dx, dw, None, None, None, None
+                dw = grouped_wgrad(dy, x, counts, kernel)
+        return dx, dw, None, None, None, None, None
 
 
 def grouped_linear(
@@ -269,18 +289,29 @@ def grouped_linear(
     counts: torch.Tensor,
     store: WeightGradStore | None = None,
     kernel: GemmKernel | None = None,
+    fp8: Fp8Gemms | None = None,
 ) -> torch.Tensor:
     """x [n, k], rows grouped by expert (`counts` [e] each), times each expert's
     weight [e, m, k] transposed -> [n, m]: the experts' `linear`, whose weight gradient
-    `store` may defer to W as `linear`'s is. Computed in the autocast dtype under autocast,
-    as `linear` is. `weight` must be a leaf (a parameter)."""
+    `store` may defer to W as `linear`'s is, with its GEMMs in float8 when `fp8` is given
+    (a deferred W too). Computed in the autocast dtype under autocast, as `linear` is.
+    `weight` must be a leaf (a parameter). Under torch.compile it runs eager (a graph
+    break, `torch.compiler.disable`): the counts are data, the loop reads them on the host
+    and the grouped kernel's padded layout is sized by them."""
+    return _grouped_linear(x, weight, counts, store, kernel, fp8)
+
+
+@torch.compiler.disable
+def _grouped_linear(x, weight, counts, store, kernel, fp8):
     param, device = weight, x.device.type
     store = store if store is not None and store.active else None
-    if torch.is_autocast_enabled(device):
+    autocast = torch.is_autocast_enabled(device)
+    if autocast:
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
-        with torch.autocast(device, enabled=False):
-            kernel = kernel or choose_gemm(x, weight)
-            return _DeferrableGroupedLinear.apply(x, weight, counts, (param,), store, kernel)
-    kernel = kernel or choose_gemm(x, weight)
-    return _DeferrableGroupedLinear.apply(x, weight, counts, (param,), store, kernel)
+    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
+        if kernel is None:
+            kernel = (
+                choose_gemm(x, weight) if fp8 is None else choose_fp8_gemm(fp8.recipe, x, weight)
+            )
+        return _DeferrableGroupedLinear.apply(x, weight, counts, (param,), store, kernel, fp8)

@@ -69,6 +69,7 @@ def prediction_dict(p: Prediction) -> dict:
             "zero": lay.zero,
             "cp": lay.cp,
             "ep": lay.ep,
+            "etp": lay.etp,
         },
         **fit_dict(p),
         "iteration_seconds": p.iteration_seconds,
@@ -266,6 +267,8 @@ def overrides(o: Option) -> str:
     p, t, lay = o.config.parallel, o.config.train, o.prediction.layout
     cp = f"--parallel.cp {p.cp} --parallel.cp_comm {p.cp_comm.value} " if p.cp > 1 else ""
     cp += f"--parallel.ep {p.ep} " if p.ep > 1 else ""
+    cp += f"--parallel.etp {p.etp} " if o.config.model.num_experts and p.etp != 1 else ""
+    cp += "--parallel.moe_overlap true " if getattr(p, "moe_overlap", False) else ""
     split = ",".join(map(str, p.pipeline_layers))
     layers = f"--parallel.pipeline_layers {split} " if split else ""
     return (

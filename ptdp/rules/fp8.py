@@ -4,8 +4,12 @@ message naming the key and the fix.
 fp8 runs the linear layers' GEMMs through `torch._scaled_mm` (torchao's float8 training,
 `ptdp.parallel.fp8`), whose operands must have every dimension a multiple of 16 on a GPU:
 each rank's input and output features of every linear layer, and the tokens of a
-microbatch on a rank. The same rule holds on a CPU (where the GEMMs are emulated), so that
-a run tried on a laptop does not fail on the cluster. Pure (no torch import).
+microbatch on a rank. A mixture-of-experts model's experts run theirs in float8 too
+(`ptdp.parallel.fp8_grouped`): each rank's features of every expert matrix (the routed
+experts' split over parallel.etp, the shared ones' over parallel.tp) must be multiples of
+16 as well; their rows (an expert's share of the tokens) are padded to 16.
+The same rules hold on a CPU (where the GEMMs are emulated), so that a run tried on a
+laptop does not fail on the cluster. Pure (no torch import).
 """
 
 from __future__ import annotations
@@ -36,12 +40,6 @@ def fp8_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
             "train.precision = fp8 needs torchao's float8 training, which is not installed; "
             "pip install -e '.[fp8]' (or pip install torchao), or use --train.precision bf16"
         )
-    if m.num_experts > 0:
-        errors.append(
-            f"train.precision = fp8 with model.num_experts = {m.num_experts}: the experts' "
-            "grouped GEMMs have no fp8 path in ptdp; use --train.precision bf16 for a "
-            "mixture-of-experts model"
-        )
     if cfg.train.micro_batch_size > 0 and m.seq_length > 0 and p.cp > 0:
         tokens = cfg.train.micro_batch_size * m.seq_length // p.cp
         if tokens % FP8_MULTIPLE:
@@ -52,6 +50,8 @@ def fp8_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
             )
     if p.tp > 0 and m.num_heads > 0:
         _feature_rules(cfg, errors)
+    if p.tp > 0 and p.etp > 0 and m.num_experts > 0:
+        _expert_rules(cfg, errors)
 
 
 def _feature_rules(cfg: RunConfig, errors: list[str]) -> None:
@@ -73,6 +73,28 @@ def _feature_rules(cfg: RunConfig, errors: list[str]) -> None:
                 f"train.precision = fp8 needs {what} (= {width}) to be a multiple of "
                 f"{FP8_MULTIPLE} (torch._scaled_mm's operands); change the model's widths "
                 "or parallel.tp, or use --train.precision bf16"
+            )
+
+
+def _expert_rules(cfg: RunConfig, errors: list[str]) -> None:
+    """Each rank's inner features of the routed and the shared experts (fc1's rows and fc2's
+    columns; SwiGLU's fc1 has twice as many, so they follow), each refused with a width
+    that works: the next multiple of 16 times the ranks that split it."""
+    m, p = cfg.model, cfg.parallel
+    # The routed experts are split over the expert tensor group, the shared ones (a dense
+    # MLP) over the tensor group.
+    split = {"routed": ("moe_ffn_hidden_size", m.moe_ffn_size, p.etp, "parallel.etp")}
+    if m.moe_shared_experts:
+        split["shared"] = ("moe_shared_ffn_hidden_size", m.moe_shared_ffn_size, p.tp, "parallel.tp")
+    for what, (key, width, ranks, axis) in split.items():
+        if width % ranks or (width // ranks) % FP8_MULTIPLE:
+            step = FP8_MULTIPLE * ranks
+            fits = -(-width // step) * step
+            errors.append(
+                f"train.precision = fp8 needs the {what} experts' inner features per rank "
+                f"(model.{key}, {width}, / {axis} = {ranks}) to be a multiple of "
+                f"{FP8_MULTIPLE} (torch._scaled_mm's operands); use --model.{key} {fits}, "
+                "or --train.precision bf16"
             )
 
 

@@ -125,7 +125,7 @@ def validate(cfg: RunConfig, world_size: int = 1, *, gpus: bool = False) -> Layo
     check_config(cfg)  # NaN, infinities, ranges: the rules below assume them
     errors: list[str] = []
     model_rules(cfg, errors)
-    moe_rules(cfg, errors, runtime=not gpus)
+    moe_rules(cfg, errors)
     speed_rules(cfg, errors, runtime=not gpus)
     dp = parallel_rules(cfg, world_size, errors, gpus)
     expert_rules(cfg, dp, errors)

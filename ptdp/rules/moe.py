@@ -16,9 +16,10 @@ MOE_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name.startswith("moe_"
 """The keys that only a mixture-of-experts model reads (num_experts > 0)."""
 
 
-def moe_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
-    """Append what is wrong with the MoE settings of `cfg` to `errors`. `runtime`: also what
-    ptdp's MoE layers lack at run time (compile), which a modelled run need not."""
+def moe_rules(cfg: RunConfig, errors: list[str]) -> None:
+    """Append what is wrong with the MoE settings of `cfg` to `errors` (train.compile and
+    train.precision = fp8 are built for MoE models: `ptdp.model.compile`,
+    `ptdp.rules.fp8`)."""
     m = cfg.model
     if m.num_experts < 0:
         errors.append(f"model.num_experts = {m.num_experts} must be >= 0 (0 = a dense model)")
@@ -58,7 +59,7 @@ def moe_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
             "experts, but model.moe_shared_experts = 0; set --model.moe_shared_experts 1 or "
             "drop moe_shared_ffn_hidden_size"
         )
-    _layout_rules(cfg, errors, runtime)
+    _layout_rules(cfg, errors)
 
 
 def _dense_rules(m: ModelConfig, errors: list[str]) -> None:
@@ -90,7 +91,7 @@ def _value_rules(m: ModelConfig, errors: list[str]) -> None:
             errors.append(f"model.{name} = {value} must be >= 0")
 
 
-def _layout_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
+def _layout_rules(cfg: RunConfig, errors: list[str]) -> None:
     m, p = cfg.model, cfg.parallel
     if m.moe_capacity_factor and p.cp > 1:
         errors.append(
@@ -127,11 +128,6 @@ def _layout_rules(cfg: RunConfig, errors: list[str], runtime: bool) -> None:
                 f"{size}; choose a width that is a multiple of {size}"
                 + (f", or --parallel.etp {fits}" if axis == "etp" else "")
             )
-    if runtime and cfg.train.compile:
-        errors.append(
-            f"train.compile with model.num_experts = {m.num_experts} is not built (each "
-            "expert's batch size depends on the routing); set --train.compile false"
-        )
 
 
 def _show(value: object) -> str:

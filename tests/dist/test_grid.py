@@ -212,10 +212,13 @@ FP8_GRID = [
     Layout(pp=2, schedule="zb-h1", recompute="selective", llama=True, fp8=True),
     Layout(dp=2, zero=3, recompute="full", fp8=True),
     Layout(cp=2, llama=True, fp8=True),
+    Layout(dp=2, moe="moe", ep=2, fp8=True),  # fp8 experts: rows of both replicas per expert
+    Layout(tp=2, sp=True, moe="moe", etp=2, fp8=True),  # each rank scales its expert shards
 ]
 """fp8 layouts, each against one fp8 process: each rank scales its own shard of a tensor
-(a tensor-parallel slice of a weight, a context-parallel slice of the tokens), so they agree
-to float8's rounding, not float32's (`FP8_RTOL`)."""
+(a tensor-parallel slice of a weight, a context-parallel slice of the tokens, an expert's
+rows from several replicas), so they agree to float8's rounding, not float32's
+(`FP8_RTOL`)."""
 FP8_RTOL = 0.01
 """Relative tolerance of fp8 layouts' losses and gradient norms against one fp8 process."""
 
@@ -369,18 +372,20 @@ def test_every_layout_matches_one_process(
 
 def test_fp8_layouts_match_one_fp8_process(tiny_data: str, tmp_path: Path, references) -> None:
     """tp + sp, pp with the zero-bubble split (W in fp8), ZeRO-3 with full recomputation,
-    and cp, each in fp8 against one fp8 process: losses and gradient norms within
-    `FP8_RTOL`. A pipeline splits no tensor, so there each rank's casts are one process's
-    and the run is one process's to float32 rounding, final weights included. (Elsewhere the
-    weights are not compared: Adam moves a weight whose gradient is near zero by ~lr a step
-    either way, and float8 rounding flips such signs.)"""
+    cp, and an MoE model's experts split over ep = 2 (each expert's float8 casts over the
+    rows both replicas send it) and over etp = 2 (each rank's expert shards), each in fp8
+    against one fp8 process: losses and gradient norms within `FP8_RTOL`. A pipeline splits
+    no tensor, so there each rank's casts are one process's and the run is one process's to
+    float32 rounding, final weights included.
+    (Elsewhere the weights are not compared: Adam moves a weight whose gradient is near zero
+    by ~lr a step either way, and float8 rounding flips such signs.)"""
     pytest.importorskip("torchao")
     assert {2} == {x.world for x in FP8_GRID}  # one spawn
-    refs = {llama: references(llama, fp8=True) for llama in (False, True)}
+    refs = {(x.llama, x.moe): references(x.llama, x.moe, fp8=True) for x in FP8_GRID}
     names = [x.name for x in FP8_GRID]
     run_ranks(_run_layouts, 2, tiny_data, str(tmp_path), names, timeout_s=120 * len(names))
     for layout in FP8_GRID:
-        single, losses, norms = refs[layout.llama]
+        single, losses, norms = refs[(layout.llama, layout.moe)]
         got = json.loads((tmp_path / layout.name / "result.json").read_text())
         assert got["losses"].keys() == losses.keys() == {"1", "2", "3"}, layout.name
         for step in losses:

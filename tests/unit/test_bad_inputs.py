@@ -397,10 +397,16 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         ("fp8 needs torchao's float8 training, which is not installed", "pip install -e '.[fp8]'"),
     ),
     (
-        "fp8-with-experts",
-        lambda c: c.train(model={"num_experts": 2}, train={"precision": "fp8"}),
+        "fp8-expert-width-not-a-multiple-of-16",
+        lambda c: c.train(
+            model={"num_experts": 2, "moe_ffn_hidden_size": 40}, train={"precision": "fp8"}
+        ),
         ConfigError,
-        ("train.precision = fp8 with model.num_experts = 2", "--train.precision bf16"),
+        (
+            "fp8 needs the routed experts' inner features per rank (model.moe_ffn_hidden_size, "
+            "40, / parallel.etp = 1) to be a multiple of 16",
+            "use --model.moe_ffn_hidden_size 48",
+        ),
     ),
     (
         "fp8-width-not-a-multiple-of-16",

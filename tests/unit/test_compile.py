@@ -7,6 +7,7 @@ CPU tests compare `train.compile = true` with eager training of the same tiny mo
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -126,6 +127,41 @@ def test_compiled_training_matches_eager(tiny_data: str, tmp_path: Path) -> None
     _assert_close(eager.losses, compiled.losses, 1e-5)
     _assert_close(eager.grad_norms, compiled.grad_norms, 1e-4)
     _assert_close(eager.val_losses, compiled.val_losses, 1e-5)
+
+
+@needs_cxx
+@pytest.mark.timeout(900)  # two runs and a compile: near pytest's 300 s on a loaded machine
+def test_compiled_moe_training_matches_eager(tiny_data: str, tmp_path: Path) -> None:
+    """An MoE model (4 experts, top-2, balancing and z-losses, a shared expert) with full
+    recomputation: routing's dispatch, the grouped products and the balancing figures run
+    eager between the layer's compiled graphs (`ptdp.model.compile`); the same losses and
+    gradient norms as eager to float32 rounding, and the same expert loads every step."""
+    model = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 16}
+    model |= {"num_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01}
+    model |= {"moe_z_loss_coeff": 0.001, "moe_shared_experts": 1}
+    runs = {}
+    for compile in (False, True):
+        counters.clear()
+        run_dir = tmp_path / f"run-{compile}"
+        runs[compile] = train(
+            tiny_config(
+                tiny_data,
+                run_dir,
+                model=model,
+                parallel={"recompute": "full"},
+                train={"steps": 3, "micro_batch_size": 2, "compile": compile},
+            )
+        )
+    eager, compiled = runs[False], runs[True]
+    _assert_close(eager.losses, compiled.losses, 1e-5)
+    _assert_close(eager.grad_norms, compiled.grad_norms, 1e-4)
+    assert counters["stats"]["unique_graphs"] > 0  # it did compile
+    loads = [
+        [json.loads(line).get("moe_load") for line in (tmp_path / f"run-{c}" / "metrics.jsonl")
+         .read_text().splitlines()]
+        for c in (False, True)
+    ]  # fmt: skip
+    assert loads[0] == loads[1] and any(loads[0])
 
 
 # ---------------------------------------------------------------------------- CUDA only

@@ -287,7 +287,7 @@ def test_moe_configs_are_refused(model: dict, world: int, message: str) -> None:
     assert message in str(info.value)
 
 
-def test_capacity_with_context_parallelism_and_compile_are_refused() -> None:
+def test_capacity_with_context_parallelism_is_refused_and_compile_is_not() -> None:
     updates = {
         "model": {"num_experts": 4, "moe_capacity_factor": 1.25, "seq_length": 32},
         "parallel": {"cp": 2},
@@ -297,7 +297,40 @@ def test_capacity_with_context_parallelism_and_compile_are_refused() -> None:
         validate(apply_updates(RunConfig(), updates, "t"), 2)
     text = str(info.value)
     assert "the routing of the whole sequence" in text and "--model.moe_capacity_factor 0" in text
-    assert "train.compile with model.num_experts = 4 is not built" in text
+    assert "model.num_experts" not in text.split("train.compile")[-1]  # cp's refusal only
+    compiled = {"model": {"num_experts": 4, "seq_length": 32}, "train": {"compile": True}}
+    validate(apply_updates(RunConfig(), compiled, "t"), 1)  # compiled MoE: ptdp.model.compile
+
+
+FP8_WIDTHS = [
+    # (model keys, parallel keys, what is refused, the fix it names)
+    ({"moe_ffn_hidden_size": 48}, {"tp": 2, "etp": 2},
+     "(model.moe_ffn_hidden_size, 48, / parallel.etp = 2)", "use --model.moe_ffn_hidden_size 64"),
+    ({"moe_ffn_hidden_size": 40}, {}, "(model.moe_ffn_hidden_size, 40, / parallel.etp = 1)",
+     "use --model.moe_ffn_hidden_size 48"),
+    ({"moe_shared_experts": 1, "moe_shared_ffn_hidden_size": 48}, {"tp": 2},
+     "the shared experts' inner features per rank (model.moe_shared_ffn_hidden_size, 48, / "
+     "parallel.tp = 2)", "use --model.moe_shared_ffn_hidden_size 64"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model", "parallel", "refused", "fix"), FP8_WIDTHS)
+def test_fp8_expert_widths_are_refused_with_one_that_works(
+    model: dict, parallel: dict, refused: str, fix: str
+) -> None:
+    """fp8 experts: each rank's expert widths (the routed experts' over etp, the shared
+    ones' over tp) a multiple of 16, refused before any process group with the key and a
+    width that passes (which then validates)."""
+    base = {"num_experts": 4, "hidden_size": 128, "num_heads": 4, "seq_length": 32}
+    updates = {"model": base | model, "parallel": parallel, "train": {"precision": "fp8"}}
+    world = parallel.get("tp", 1)
+    with pytest.raises(ConfigError) as info:
+        validate(apply_updates(RunConfig(), updates, "t"), world, gpus=True)
+    text = str(info.value)
+    assert refused in text and fix in text, text
+    key, value = fix.removeprefix("use --model.").split()
+    updates["model"] = updates["model"] | {key: int(value)}
+    validate(apply_updates(RunConfig(), updates, "t"), world, gpus=True)
 
 
 def test_moe_layers_follow_first_dense_and_frequency() -> None:

@@ -84,11 +84,12 @@ def test_moe_presets_cost_less_than_their_total(name: str) -> None:
 
 
 def _run(tp: int = 1, **model: object) -> RunConfig:
-    """TINY in a bf16 run of one microbatch per step on tp ranks."""
+    """TINY in a bf16 run of one microbatch per step on tp ranks, its experts split like the
+    dense layers (etp = tp)."""
     keys = {f.name: getattr(TINY, f.name) for f in fields(TINY)}
     keys = {k: getattr(v, "value", v) for k, v in keys.items()}
     keys |= {"make_vocab_size_divisible_by": 1} | model
-    sections = {"model": keys, "parallel": {"tp": tp}}
+    sections = {"model": keys, "parallel": {"tp": tp, "etp": tp}}
     sections["train"] = {"global_batch_size": 1, "micro_batch_size": 1, "precision": "bf16"}
     return apply_updates(RunConfig(), sections, "test")
 
@@ -112,18 +113,23 @@ def test_moe_model_state_per_rank_by_hand() -> None:
 
 
 def test_moe_activations_by_hand() -> None:
-    # Per MoE layer and microbatch of 8 tokens, beyond the dense layer of width
-    # 2 x 12 + 20: the rows [t k, h] (bf16) and the experts' outputs the combine weighs
-    # [t k, h] (bf16: no bias), the router's fp32 input [t, h] and two fp32 [t, e] scores.
+    # Per MoE layer and microbatch of 8 tokens, beside attention and the shared MLP (width
+    # 20) counted as a dense layer's: of the t k = 16 routed rows, the permuted rows and the
+    # combine's expert outputs [16, h] (bf16), SwiGLU's gate, up, silu and product [16, 4 x
+    # 12] (bf16) and the combine's fp32 weights [16]; the router's two fp32 [t, e] scores.
     assert dense_equivalent(TINY).ffn_size == 44 and dense_equivalent(TINY).num_experts == 0
-    extra = 8 * (2 * 16 * (2 + 2) + 4 * 16 + 2 * 4 * 4)
-    assert extra == 1_792
+    extra = 16 * (2 * 16 * 2 + 4 * 12 * 2 + 4) + 2 * 4 * 8 * 4
+    assert extra == 2_880
     kw = dict(micro_batch=1, precision=Precision.BF16)
     moe = layer_activation_bytes(TINY, moe=True, **kw)
-    assert moe - layer_activation_bytes(dense_equivalent(TINY), **kw) == extra
+    shared = replace(TINY, num_experts=0, ffn_hidden_size=20)
+    assert moe - layer_activation_bytes(shared, **kw) == extra
     assert layer_activation_bytes(TINY, moe=True, recompute=Recompute.FULL, **kw) == (
-        layer_activation_bytes(dense_equivalent(TINY), recompute=Recompute.FULL, **kw)
+        layer_activation_bytes(shared, recompute=Recompute.FULL, **kw)
     )
+    # Folded (etp = 1 at tp = 2): a rank routes its s/t tokens, whole experts.
+    half = layer_activation_bytes(TINY, moe=True, tp=2, etp=1, **kw)
+    assert half - layer_activation_bytes(shared, tp=2, **kw) == extra / 2
     cfg = _run()
     (rank,) = estimate_memory(cfg, 1, autocast_norms=False)
     dense = layer_activation_bytes(TINY, **kw)
@@ -149,7 +155,7 @@ def test_moe_expert_gemms_scale_with_the_load_imbalance() -> None:
 
 def test_simulate_and_plan_take_an_moe_preset(tmp_path, capsys) -> None:
     system = load_system("h100-sxm")
-    over = {"tp": 8, "pp": 4, "sequence_parallel": True}
+    over = {"tp": 8, "etp": 8, "pp": 4, "sequence_parallel": True}
     cfg = apply_updates(
         RunConfig(),
         {

@@ -27,7 +27,7 @@ from ptdp.perf.cost.parameters import (
 from ptdp.perf.cost.reserve import communicators
 from ptdp.perf.cost.software import PTDP
 from ptdp.perf.plan.planner import Plans, plan
-from ptdp.perf.plan.search import Space, expert_sizes, search
+from ptdp.perf.plan.search import Space, expert_layouts, search
 from ptdp.perf.simulate.reduction import stage_reductions
 from ptdp.perf.simulate.simulator import simulate
 from ptdp.rules.layout import validate
@@ -48,7 +48,8 @@ def _mixtral(ep: int, gpus: int = 64, **parallel: object) -> RunConfig:
     """Mixtral at 4096 tokens on tp = 4, pp = 4 (d = gpus / 16), its experts over ep ranks."""
     sections = {
         "model": MODEL_PRESETS["mixtral-8x7b"] | {"seq_length": 4096},
-        "parallel": {"tp": 4, "pp": 4, "sequence_parallel": True, "ep": ep} | parallel,
+        # etp = tp: the experts split like the dense layers, ep over dp * cp (before folding)
+        "parallel": {"tp": 4, "etp": 4, "pp": 4, "sequence_parallel": True, "ep": ep} | parallel,
         "train": {"global_batch_size": 64, "micro_batch_size": 1, "precision": "bf16"},
     }
     return apply_updates(RunConfig(), sections, "test")
@@ -63,7 +64,7 @@ def test_simulate_prices_the_all_to_alls_only_under_expert_parallelism() -> None
         # bytes, on the ep group's link: 4 ranks apart, in one node at ep = 2, over two at 4.
         sent = 4096 * 2 * 4096 * 2 * (ep - 1) / ep
         link = alltoall_link(H100, ep, 4)
-        assert (link is H100.intra) == (ep == 2)
+        assert (link == H100.intra) == (ep == 2)  # equal: the cache may hold another copy
         assert got.ep_seconds == pytest.approx(4 * all_to_all_seconds(sent, ep, link))
         # The experts' rows per rank are t k whatever ep (one GEMM's worth of work on the
         # calibrated curve): the layer differs by its all-to-alls alone.
@@ -140,12 +141,16 @@ def test_full_recomputation_repeats_the_forward_all_to_alls() -> None:
     assert (none.f, none.b, none.w) == (0.0, 0.0, 0.0)
 
 
-def test_expert_sizes_divide_the_experts_and_the_dp_cp_ranks() -> None:
-    assert expert_sizes(8, 16) == [1, 2, 4, 8]
-    assert expert_sizes(128, 12) == [1, 2, 4]
-    assert expert_sizes(6, 4) == [1, 2]
-    assert expert_sizes(0, 16) == [1]  # a dense model
-    assert expert_sizes(8, 16, pinned=4) == [4] and expert_sizes(8, 6, pinned=4) == []
+def test_expert_layouts_fold_ep_and_etp_over_the_stage_ranks() -> None:
+    # (ep, etp): ep divides the experts, ep * etp the stage's t * d * cp ranks, etp divides t.
+    assert expert_layouts(8, 1, 16) == [(1, 1), (2, 1), (4, 1), (8, 1)]
+    assert expert_layouts(128, 1, 12) == [(1, 1), (2, 1), (4, 1)]
+    assert expert_layouts(6, 1, 4) == [(1, 1), (2, 1)]
+    assert expert_layouts(0, 8, 16) == [(1, 1)]  # a dense model
+    assert expert_layouts(8, 1, 16, ep=4) == [(4, 1)] and expert_layouts(8, 1, 6, ep=4) == []
+    # Folded: at t = 2, d = 2 the experts take all four ranks, ep over tensor ranks too.
+    assert expert_layouts(8, 2, 2) == [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
+    assert expert_layouts(8, 2, 2, etp=2) == [(1, 2), (2, 2)]
 
 
 SMALL = {"num_layers": 4, "hidden_size": 512, "num_heads": 8, "num_query_groups": 4}
@@ -169,16 +174,18 @@ def test_the_planner_searches_every_valid_ep_and_only_those() -> None:
     c = Compute(H100, base.train.precision, PTDP)
     space = Space(tps=(1, 2), modes=tuple(Recompute), schedules=("1f1b",), max_micro_batch=1)
     found = search(base, 16, c, space, Plans())
-    seen: dict[int, set[int]] = {}
+    seen: dict[tuple[int, int], set[tuple[int, int]]] = {}
     for cfg in found.configs:
         layout = validate(cfg, 16, gpus=True)  # every candidate is a valid layout
-        d = layout.dp * layout.cp
-        assert 8 % layout.ep == 0 and d % layout.ep == 0
-        seen.setdefault(d, set()).add(layout.ep)
-    for d, eps in seen.items():  # every ep dividing both the 8 experts and d
-        assert eps == {e for e in (1, 2, 4, 8) if d % e == 0}, d
-    assert max(max(eps) for eps in seen.values()) == 8
-    assert any(k[3] > 1 for k in found.eq1)  # equation (1) per (t, cp, p, ep, zero)
+        ranks = layout.tp * layout.dp * layout.cp  # one stage's: the experts fold over them
+        assert 8 % layout.ep == 0 and ranks % (layout.ep * layout.etp) == 0
+        seen.setdefault((layout.tp, ranks), set()).add((layout.ep, layout.etp))
+    for (t, ranks), pairs in seen.items():  # every (ep, etp) the rules take: etp | t
+        etps = [x for x in (1, 2) if t % x == 0]
+        assert pairs == {(e, x) for x in etps for e in (1, 2, 4, 8) if ranks % (e * x) == 0}
+    assert max(ep for pairs in seen.values() for ep, _ in pairs) == 8
+    assert any(k[3] > 1 for k in found.eq1)  # equation (1) per (t, cp, p, ep, etp, zero)
+    assert any(k[4] > 1 for k in found.eq1)  # etp is searched too
     # A dense model: ep = 1 only.
     dense = search(_small("llama3-8b"), 16, c, space, Plans()).configs
     assert dense and {cfg.parallel.ep for cfg in dense} == {1}

@@ -48,7 +48,7 @@ def test_the_table_is_quoted_consistently() -> None:
 
 
 def test_h100_and_h200_files_hold_the_fitted_law() -> None:
-    for name in ("h100-sxm", "h200"):
+    for name in ("h100-sxm", "h200", "h800"):  # the H800: an H100 SXM's compute
         dev = load_system(name).device
         assert dev.gemm_curve == FITTED.knots()
         assert dev.attention_efficiency == FITTED.attention

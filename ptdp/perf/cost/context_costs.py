@@ -65,6 +65,7 @@ def cp_layer_seconds(
     comm: CpComm = CpComm.RING,
     moe: bool = False,
     ep: int = 1,
+    etp: int | None = None,
 ) -> Passes:
     """`costs.layer_seconds` of one cp rank: the s/cp-token layer, its attention the cp
     blocks of s/cp tokens the ring computes (all-gather: 1/cp of the whole sequence's
@@ -80,6 +81,7 @@ def cp_layer_seconds(
         c=c,
         moe=moe,
         ep=ep,
+        etp=etp,
     )
     if cp == 1:
         return passes

@@ -59,15 +59,17 @@ width, v = vocabulary, t = tensor-parallel size, e = bytes per element.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ptdp.config.enums import Activation, Precision, Recompute
 from ptdp.config.sections import ModelConfig
 from ptdp.perf.cost.collectives import all_reduce_seconds, gather_seconds, group_link
+from ptdp.perf.cost.folding import Experts
 from ptdp.perf.cost.hardware import System
 from ptdp.perf.cost.kernels import Call, layer_traffic
 from ptdp.perf.cost.layer_bytes import head_activation_bytes, layer_activation_bytes
-from ptdp.perf.cost.moe import dense_equivalent, routed_rows
+from ptdp.perf.cost.moe import dense_equivalent, permute_bytes, routed_rows
 from ptdp.perf.cost.parameters import attention_width, element_bytes
 from ptdp.perf.cost.software import Software
 
@@ -206,11 +208,13 @@ def layer_gemms(
     moe: bool = False,
     load: float = 1.0,
     ep: int = 1,
+    etp: int | None = None,
 ) -> list[Gemm]:
     """The four linear layers of a transformer layer on one tensor rank (forward); `moe`:
-    with a mixture-of-experts block for the MLP, its router, the GEMMs of the rank's e / ep
-    routed experts at the busiest expert's rows (`load`: over the mean; the rows of ep
-    ranks' tokens) and the shared experts' MLP."""
+    with a mixture-of-experts block for the MLP, its router on the rank's own tokens,
+    the GEMMs of the rank's e / ep routed experts at the busiest expert's rows (`load`: over
+    the mean; the rows of ep ranks' routed tokens, `folding.Experts.routed_tokens`), each
+    expert 1/etp of its width (None: etp = t), and the shared experts' MLP."""
     h, f, t, q = model.hidden_size, model.ffn_size, tp, attention_width(model)
     tokens = micro_batch * model.seq_length
     qkv = q + 2 * model.query_groups * model.head_dim
@@ -218,10 +222,13 @@ def layer_gemms(
     attention = [Gemm(tokens, qkv // t, h), Gemm(tokens, h, q // t)]
     if not moe:
         return [*attention, Gemm(tokens, f * parts // t, h), Gemm(tokens, h, f // t)]
-    rows, e, fe = routed_rows(model, tokens, load, ep), model.num_experts, model.moe_ffn_size
-    gemms = [*attention, Gemm(tokens, e, h)]  # the router, on every tensor rank
-    held = e // ep  # the rank's experts
-    gemms += [Gemm(rows, fe * parts // t, h, held), Gemm(rows, h, fe // t, held)]
+    split = Experts.of(tp, 1, ep, etp)
+    routed = math.ceil(split.routed_tokens(tokens))
+    rows, e, fe = routed_rows(model, routed, load, ep), model.num_experts, model.moe_ffn_size
+    own = math.ceil(tokens / tp) if split.etp != tp else tokens  # routed before the gather
+    gemms = [*attention, Gemm(own, e, h)]  # the router, on the rank's own tokens
+    held, et = e // ep, split.etp  # the rank's experts, the ranks splitting each
+    gemms += [Gemm(rows, fe * parts // et, h, held), Gemm(rows, h, fe // et, held)]
     if fs := model.moe_shared_ffn_size:
         gemms += [Gemm(tokens, fs * parts // t, h), Gemm(tokens, h, fs // t)]
     return gemms
@@ -281,17 +288,26 @@ def layer_seconds(
     c: Compute,
     moe: bool = False,
     ep: int = 1,
+    etp: int | None = None,
 ) -> Passes:
     """One transformer layer, one microbatch, on one GPU (tensor-parallel communication
     included); `moe`: one whose MLP is a mixture of experts (`ptdp.perf.cost.moe`), its
-    routed experts split over `ep` ranks (their all-to-alls: `ptdp.perf.cost.experts`)."""
-    gemms = layer_gemms(model, micro_batch, tp, moe, c.software.moe_load_imbalance, ep)
+    routed experts split over `ep` ranks and each over `etp` (`ptdp.perf.cost.folding`;
+    their all-to-alls: `ptdp.perf.cost.experts`), with the etp group's gather and
+    reduce-scatter, and the dispatch's permutation (`moe.permute_bytes`)."""
+    load = c.software.moe_load_imbalance
+    gemms = layer_gemms(model, micro_batch, tp, moe, load, ep, etp)
     linears = c.linears(gemms)
     core = attention_core(model, micro_batch, tp, c)
     kw = dict(micro_batch=micro_batch, tp=tp, sequence_parallel=sequence_parallel, moe=moe)
     fused = c.software.fused_attention
     stored = layer_activation_bytes(
-        model, recompute=Recompute.NONE, precision=c.precision, fused_attention=fused, **kw
+        model,
+        recompute=Recompute.NONE,
+        precision=c.precision,
+        fused_attention=fused,
+        etp=etp,
+        **kw,
     )
     del kw["moe"]
     fixed_f, fixed_b = c.system.device.layer_overhead  # measured: holds every launch
@@ -303,11 +319,19 @@ def layer_seconds(
     else:
         f = c.stream(c.software.elementwise_traffic * stored)
         b = ratio * f
+    if moe:  # the permutation's gather in and scatter out, again in backward
+        permuted = c.stream(permute_bytes(model, micro_batch, tp, etp, load, c.e))
+        f, b = f + permuted, b + permuted
     traffic, traffic_b = c.launched(f, launches), c.launched(b, ratio * launches)
     boundary = micro_batch * model.seq_length * model.hidden_size * c.e
     link = group_link(c.system, tp, 1)
-    pairs = 3 if moe and model.moe_shared_experts else 2  # the shared MLP reduces apart
+    # Attention's pair, the shared MLP's apart; the routed experts' over etp (below) unless
+    # they split like the dense MLP (etp = t), whose pair they then pay.
+    et = tp if etp is None else etp
+    pairs = 1 + (not moe or et == tp) + bool(moe and model.moe_shared_experts)
     comm = pairs * all_reduce_seconds(boundary, tp, link)
+    if moe and 1 < et != tp:  # the etp group's gather and reduce-scatter of its rows
+        comm += all_reduce_seconds(boundary * et / tp, et, group_link(c.system, et, 1))
     if sequence_parallel and c.system.device.gloo:  # reduce-scatters run as all-reduces
         comm += pairs * gather_seconds(boundary, tp, link)  # so the all-gathers come on top
     comm_f = comm_b = comm
@@ -328,6 +352,7 @@ def layer_seconds(
             precision=c.precision,
             fused_attention=fused,
             moe=moe,
+            etp=etp,
             **kw,
         )  # with fused attention nothing of the core is stored, so only the kernel reruns
         redo = core.f + c.stream(c.software.elementwise_traffic * (stored - kept))

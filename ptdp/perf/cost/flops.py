@@ -155,6 +155,7 @@ _DEVICE_NAMES: tuple[tuple[str, str], ...] = (
     (r"GH200", "h200"),
     (r"H200", "h200"),
     (r"H100", "h100-sxm"),
+    (r"H800", "h100-sxm"),  # H100 SXM compute, NVLink cut to 400 GB/s (hardware/h800.toml)
     (r"A100", "a100"),
     (r"A10", "a10"),
     (r"L40S", "l40s"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 from ptdp.config.enums import Activation, Precision, Recompute
 from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.perf.cost.activations import activation_bytes_per_layer
-from ptdp.perf.cost.moe import dense_equivalent, dispatch_bytes
+from ptdp.perf.cost.moe import expert_bytes
 from ptdp.perf.cost.parameters import attention_width, element_bytes
 
 
@@ -31,6 +31,8 @@ def layer_activation_bytes(
     moe: bool = False,
     native_gqa: bool = False,
     fused_swiglu: bool = False,
+    etp: int | None = None,
+    discards_outputs: bool = False,
 ) -> float:
     """Bytes one layer stores for backward per microbatch (Korthikanti et al.).
 
@@ -39,20 +41,38 @@ def layer_activation_bytes(
     function keeping only gate and up. `native_gqa` (`Software`): K and V kept at their
     groups' width, where ptdp keeps them repeated to every head. `autocast_norms`
     (`fp32_norm_inputs`): the two norms' inputs are kept as the fp32 copies CUDA autocast
-    makes, 4 bytes where the paper has 2. `moe`: a mixture-of-experts layer, its dense
-    equivalent plus what dispatch and combine keep (`ptdp.perf.cost.moe`).
+    makes, 4 bytes where the paper has 2. `moe`: a mixture-of-experts layer: attention and
+    the shared experts' MLP as a dense layer's (its MLP input: the router's and the
+    dispatch's), plus what the routed experts on the rank keep (`moe.expert_bytes`, their
+    split over `etp`: `ptdp.perf.cost.folding`). `discards_outputs` (`Software`): the two
+    norms' outputs (the QKV linear's and the MLP's input) and the routed experts'
+    activation output are recomputed in backward, not kept (Megatron-Core's
+    output-discarding recomputation).
     """
     if fused_attention and recompute is Recompute.NONE:
         recompute = Recompute.SELECTIVE  # no s x s tensor is kept: the core recomputes
-    extra = 0.0
+    extra, width = 0.0, model.ffn_size
     if moe:
         e = element_bytes(precision)
-        extra = dispatch_bytes(model, micro_batch=micro_batch, recompute=recompute, e=e)
-        model = dense_equivalent(model)
-    f = model.ffn_size * (2 if model.activation is Activation.SWIGLU else 1)
+        kw = dict(micro_batch=micro_batch, recompute=recompute, e=e, tp=tp, etp=etp)
+        extra = expert_bytes(
+            model, fused_swiglu=fused_swiglu, discards_outputs=discards_outputs, **kw
+        )
+        width = model.moe_shared_ffn_size
+    f = width * (2 if model.activation is Activation.SWIGLU else 1)
     if fused_swiglu and model.activation is Activation.SWIGLU and recompute is not Recompute.FULL:
-        extra -= element_bytes(precision) * model.seq_length * micro_batch * model.ffn_size / tp
+        extra -= element_bytes(precision) * model.seq_length * micro_batch * width / tp
     kv = model.query_groups * model.head_dim if native_gqa else None
+    if discards_outputs and recompute is not Recompute.FULL:
+        shard = tp if sequence_parallel else 1
+        extra -= (
+            2
+            * element_bytes(precision)
+            * model.seq_length
+            * micro_batch
+            * model.hidden_size
+            / shard
+        )
     return extra + activation_bytes_per_layer(
         seq=model.seq_length,
         micro_batch=micro_batch,

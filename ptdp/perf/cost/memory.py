@@ -16,8 +16,10 @@ embedding or output layer) twice, the next one being prefetched (`gathered_bytes
 between forward and backward (`parallel.zero3_reshard_after_forward = false`), the rank's
 whole chunk stays gathered. With context parallelism the state is sharded over the dp x cp
 ranks that reduce the gradients (`ptdp.perf.cost.context`). Expert parallelism
-(`parallel.ep`) leaves e / ep routed experts on a rank, whose state ZeRO shards over the
-edp = dp cp / ep ranks holding the same experts (`ptdp.perf.cost.moe`).
+(`parallel.ep`, `parallel.etp`) leaves e / ep routed experts on a rank at 1/etp of their
+width, whose state ZeRO shards over the edp = tp cp dp / (ep etp) ranks holding the same
+experts (`ptdp.perf.cost.folding`); their activations are the rows the rank routes
+(`ptdp.perf.cost.moe`), 1/tp of its microbatch's gathered over etp.
 
 Context parallelism (`ptdp.perf.cost.context`): activations are those of the s/cp-token model,
 plus all-gather's gathered K/V; the K/V blocks in flight are working memory.
@@ -94,6 +96,7 @@ from dataclasses import dataclass, replace
 from ptdp.config.enums import Recompute
 from ptdp.config.sections import RunConfig
 from ptdp.perf.cost import context
+from ptdp.perf.cost.folding import Experts
 from ptdp.perf.cost.layer_bytes import (
     fp32_norm_inputs,
     head_activation_bytes,
@@ -191,6 +194,7 @@ def estimate_memory(
     fused_swiglu: bool = False,
     gemm_accumulates: bool = False,
     math_kernel: bool | None = None,
+    discards_outputs: bool = False,
 ) -> list[MemoryEstimate]:
     """Per pipeline rank (all tensor and data-parallel ranks alike), for the config's layout.
 
@@ -205,6 +209,8 @@ def estimate_memory(
     16-bit inputs, its attention grouped K and V, its SwiGLU gate and up alone).
     `math_kernel`: PyTorch's math attention runs the core (`Software.math_kernel`); None: where
     `train.attention_backend = math` on a software with fused attention.
+    `discards_outputs`: the norms' and experts' activation outputs are recomputed, not kept
+    (`Software.discards_outputs`).
     """
     layout = layout or validate(cfg, world_size)
     if math_kernel is None:
@@ -218,7 +224,8 @@ def estimate_memory(
     last_held = stage_in_flight(layout.pipeline, stages.last)
     state = bytes_per_parameter(prec, zero=layout.zero, dp=layout.dp * cp)
     # The routed experts' state: sharded over the edp ranks holding the same experts.
-    expert_state = bytes_per_parameter(prec, zero=layout.zero, dp=layout.dp * cp // layout.ep)
+    folded = Experts.of(tp, layout.dp * cp, layout.ep, layout.etp)
+    expert_state = bytes_per_parameter(prec, zero=layout.zero, dp=folded.edp)
     buckets = grad_bucket_bytes(cfg, layout)
     gathered = gathered_bytes(cfg, layout)
     local = context.local_model(model, cp)  # activations: the s/cp tokens of one cp rank
@@ -229,6 +236,7 @@ def estimate_memory(
         autocast_norms=eager_norms,
         native_gqa=native_gqa,
         fused_swiglu=fused_swiglu,
+        discards_outputs=discards_outputs,
         **kw,
     )
     layer = layer_activation_bytes(local, recompute=par.recompute, **kw_layer)
@@ -248,8 +256,9 @@ def estimate_memory(
     )
     moe_layer = layer
     if model.num_experts:  # an MoE layer's (ptdp.perf.cost.moe); the larger transients
-        moe_layer = layer_activation_bytes(local, recompute=par.recompute, moe=True, **kw_layer)
-        moe_full = layer_activation_bytes(local, recompute=Recompute.NONE, moe=True, **kw_layer)
+        kw_moe = dict(moe=True, etp=layout.etp, **kw_layer)
+        moe_layer = layer_activation_bytes(local, recompute=par.recompute, **kw_moe)
+        moe_full = layer_activation_bytes(local, recompute=Recompute.NONE, **kw_moe)
         moe_working = {Recompute.NONE: 0.0, Recompute.FULL: moe_full}.get(
             par.recompute, moe_full - moe_layer
         )
@@ -309,8 +318,9 @@ def estimate_memory(
             split_peak(layout.pipeline, r, stored, kept, sent, sent_back) for r in range(pp)
         ]
     out = []
-    per_rank = parameters_per_rank(model, tp, pp, vpp, split, stages.placement, layout.ep)
-    routed = expert_parameters_per_rank(model, tp, pp, vpp, split, stages.placement, layout.ep)
+    where = (pp, vpp, split, stages.placement, layout.ep, layout.etp)
+    per_rank = parameters_per_rank(model, tp, *where)
+    routed = expert_parameters_per_rank(model, tp, *where)
     for rank, (count, experts) in enumerate(zip(per_rank, routed)):
         rest = count - experts
         with_head = rank == stages.rank(stages.last)

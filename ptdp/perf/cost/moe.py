@@ -4,17 +4,18 @@ beside what its attention shares with a dense layer. Without expert parallelism
 optimizer state are all on each rank (`ptdp.perf.cost.parameters`), and an MoE block's
 collectives are the dense MLP's (one more pair for the shared experts' MLP).
 
-Expert parallelism (`parallel.ep`): the e routed experts are split over ep ranks taken
-from the dp cp ranks (the ep group: ep consecutive members of a dp_cp group, so tp ranks
-apart in the global order tp, cp, dp, pp). A rank holds e / ep experts; the router, the
-attention, the shared experts and the dense layers stay replicated. Each MoE layer, per
-microbatch, sends every token-choice's row [h] to the rank holding its expert (dispatch)
-and the expert's output back (combine), an all-to-all each, in forward and again in
-backward: 4 all-to-alls. Under a uniform routing a rank keeps 1/ep of its t k rows and
-sends the rest (`alltoall_bytes`); every tensor rank routes its whole microbatch, so the
-rows are not divided by t. The routed experts' gradients are reduced over the edp =
-dp cp / ep ranks holding the same experts, and ZeRO shards their state over those; the
-rest of the model's over dp cp as before. The seconds are in `ptdp.perf.cost.experts`.
+Expert parallelism (`parallel.ep`, `parallel.etp`): the e routed experts are split over ep
+ranks, each over etp ranks, folded over one stage's tp cp dp ranks apart from attention
+(`ptdp.perf.cost.folding`). A rank holds e / ep experts at 1/etp of their width; the
+router, the attention, the shared experts and the dense layers stay as they were. Each
+MoE layer, per microbatch, sends every token-choice's row [h] to the rank holding its
+expert (dispatch) and the expert's output back (combine), an all-to-all each, in forward
+and again in backward: 4 all-to-alls. A rank routes r = t etp / tp tokens (its sequence
+shard gathered over etp; t under etp = tp, where every tensor rank routes its whole
+microbatch); under a uniform routing it keeps 1/ep of its r k rows and sends the rest
+(`alltoall_bytes`). The routed experts' gradients are reduced over the edp ranks holding
+the same experts, and ZeRO shards their state over those; the rest of the model's over
+dp cp as before. The seconds are in `ptdp.perf.cost.experts`.
 
 Compute (`ptdp.perf.cost.costs.layer_gemms`): the router's logits, a GEMM [t, h] x [h, e]
 (ptdp computes it in fp32; priced at the training precision), the routed experts as e / ep
@@ -32,14 +33,19 @@ GEMM of the rank's whole expert work, its tiles filling the device across expert
 efficiency follows the t k rows a rank computes, the same at every ep, while the weights
 it streams are its e / ep experts'.
 
-Activations, memory-bound kernels and backward transients take the MoE layer as the
-dense layer of its active width (`dense_equivalent`: a token's k routed experts and the
-shared experts side by side), plus what dispatch and combine keep per layer and
-microbatch (`dispatch_bytes`): the rows gathered for the experts [t k, h], the experts'
-outputs the combine weighs [t k, h] (`ptdp.model.dispatch`: in their dtype, fp32 where the
-experts' fp32 bias promotes them, else the precision's), the router's fp32 input [t, h]
-and two fp32 [t, e] score tensors. Every tensor rank routes the whole sequence (gathered under
-sequence parallelism), so these are not divided by t.
+Activations (`expert_bytes`, beside the attention and the shared experts' MLP counted as a
+dense layer's): what each MoE layer keeps for backward on a rank, per microbatch, of its
+r k routed rows: the permuted rows, the grouped GEMMs' inputs (fc1's: the rows; fc2's:
+the activation's output [r k, f/etp]) and the activation's input (SwiGLU's gate and up,
+2f/etp; ptdp's unfused SwiGLU also silu's output), the combine's expert outputs [r k, h]
+(the weights' gradient needs them) and fp32 weights [r k], and the router's two fp32
+[t/tp, e] score tensors of the rank's own tokens (routed before the etp gather); none
+under full recomputation, which keeps the layer's input. The dispatch's permutation
+reads and writes the routed rows once in (a gather) and once out (a scatter), again in
+backward (`permute_bytes`). Memory-bound kernels and backward transients take the MoE
+layer as the dense layer of its active width (`dense_equivalent`: a token's k routed
+experts and the shared experts side by side), whose per-rank work the folded experts'
+equals (r k rows of f/etp = t k f / tp).
 
 Letters: t = tokens of a microbatch (s b; s/cp per rank under context parallelism),
 h = hidden, e = routed experts, k = experts per token, ep = expert-parallel size.
@@ -50,8 +56,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ptdp.config.enums import Recompute
+from ptdp.config.enums import Activation, Recompute
 from ptdp.config.sections import ModelConfig
+from ptdp.perf.cost.folding import Experts
 
 
 def dense_equivalent(model: ModelConfig) -> ModelConfig:
@@ -76,23 +83,55 @@ def routed_rows(model: ModelConfig, tokens: int, load: float = 1.0, ep: int = 1)
     return math.ceil(tokens * ep * model.moe_top_k / model.num_experts * load)
 
 
-def alltoall_bytes(tokens: int, top_k: int, hidden: int, ep: int, bytes_per_element: int) -> float:
+def alltoall_bytes(
+    tokens: float, top_k: int, hidden: int, ep: int, bytes_per_element: int
+) -> float:
     """Bytes one rank sends to the other ranks of its ep group in ONE all-to-all (a dispatch
     or a combine) under a uniform routing:
 
         tokens * top_k * hidden * bytes_per_element * (ep - 1) / ep
 
-    `tokens`: the rank's tokens of one microbatch, seq_length / cp * micro_batch_size (every
-    tensor rank routes them all); of its tokens * top_k rows of `hidden` elements, the 1/ep
-    whose experts it holds stay. 0 at ep = 1."""
+    `tokens`: the tokens the rank routes of one microbatch (`folding.Experts.routed_tokens`:
+    seq_length / cp * micro_batch_size * etp / tp); of its tokens * top_k rows of `hidden`
+    elements, the 1/ep whose experts it holds stay. 0 at ep = 1."""
     return tokens * top_k * hidden * bytes_per_element * (ep - 1) / ep
 
 
-def dispatch_bytes(model: ModelConfig, *, micro_batch: int, recompute: Recompute, e: int) -> float:
-    """What an MoE block keeps for backward beyond its dense equivalent (module doc); none
-    under full recomputation, which keeps only the layer's input."""
+def expert_bytes(
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    recompute: Recompute,
+    e: int,
+    tp: int = 1,
+    etp: int | None = None,
+    fused_swiglu: bool = False,
+    load: float = 1.0,
+    discards_outputs: bool = False,
+) -> float:
+    """What a rank keeps for backward of one MoE layer's routed experts and router, one
+    microbatch (module doc); `model` is the rank's (s/cp tokens); `load` scales the rows
+    to the busiest rank's; `discards_outputs` (`Software`): the activation's output (fc2's
+    input) is recomputed in backward, not kept. None under full recomputation."""
     if recompute is Recompute.FULL:
         return 0.0
-    t, h = model.seq_length * micro_batch, model.hidden_size
-    combined = 4 if model.bias else e  # the experts' outputs: fp32 bias + rows is fp32
-    return float(t * (model.moe_top_k * h * (e + combined) + 4 * h + 2 * 4 * model.num_experts))
+    split = Experts.of(tp, 1, 1, etp)
+    routed = split.routed_tokens(model.seq_length * micro_batch)
+    rows, h, width = routed * model.moe_top_k * load, model.hidden_size, model.moe_ffn_size
+    if model.activation is Activation.SWIGLU:
+        inner = 3 if fused_swiglu else 4  # gate and up, (silu(gate),) the product
+    else:
+        inner = 2  # the activation's input and output
+    inner -= discards_outputs
+    kept = rows * (2 * h * e + inner * width / split.etp * e + 4)
+    own = routed / split.etp if split.etp != tp else routed  # scored before the etp gather
+    return float(kept + 2 * 4 * own * model.num_experts)
+
+
+def permute_bytes(
+    model: ModelConfig, micro_batch: int, tp: int, etp: int | None, load: float, e: int
+) -> float:
+    """Bytes the dispatch's permutation moves per pass (module doc): the r k routed rows
+    [h] read and written by the gather in and by the scatter out."""
+    routed = Experts.of(tp, 1, 1, etp).routed_tokens(model.seq_length * micro_batch)
+    return 4.0 * routed * model.moe_top_k * load * model.hidden_size * e

@@ -9,10 +9,12 @@ and model.qk_norm adds a norm over d for the queries and one for the keys.
 
 A mixture-of-experts layer (`ModelConfig.is_moe_layer`) holds, for its MLP, a router
 [e, h] (replicated), e routed experts of width moe_ffn and the shared experts' MLP, each
-split over t like the dense MLP. Expert parallelism (`parallel.ep`) leaves e / ep routed
-experts on a rank (`routed_parameters`); their gradients are reduced, and ZeRO shards
-their state, over the edp = dp cp / ep ranks holding the same experts
-(`expert_parameters_per_stage` gives that part apart). `model_size` gives the total and
+the shared experts' MLP split over t like the dense MLP. The routed experts follow their own
+layout (parallel folding, `ptdp.perf.cost.folding`): e / ep of them on a rank
+(`routed_parameters`), each split over etp (not t); their gradients are reduced, and ZeRO
+shards their state, over the edp = t cp d / (ep etp) ranks holding the same experts
+(`expert_parameters_per_stage` gives that part apart). `etp` None means etp = t: the
+experts split like the dense layers, as before folding. `model_size` gives the total and
 active (per token) parameters as publishers count them.
 
 Letters: h = hidden, a = heads, d = head size, g = key/value groups, f = MLP width,
@@ -66,7 +68,9 @@ def _norm_parameters(model: ModelConfig, size: int) -> int:
     return size * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
 
 
-def layer_parameters(model: ModelConfig, tp: int = 1, layer: int | None = None, ep: int = 1) -> int:
+def layer_parameters(
+    model: ModelConfig, tp: int = 1, layer: int | None = None, ep: int = 1, etp: int | None = None
+) -> int:
     """Parameters of one transformer layer on one tensor-parallel rank: of layer `layer`
     (global index), whose MLP may be a mixture of experts (its routed experts split over
     `ep` expert-parallel ranks); None = a dense layer.
@@ -79,7 +83,7 @@ def layer_parameters(model: ModelConfig, tp: int = 1, layer: int | None = None, 
     if layer is not None and model.is_moe_layer(layer):
         dense = layer_parameters(model, tp)
         experts = model.num_experts // ep
-        moe = moe_parameters(model, tp, experts)
+        moe = moe_parameters(model, tp, experts, etp)
         return dense - mlp_parameters(model, model.ffn_size, tp) + moe
     h, f, t, q = model.hidden_size, model.ffn_size, tp, attention_width(model)
     qkv = q + 2 * model.query_groups * model.head_dim
@@ -111,29 +115,34 @@ def mlp_parameters(model: ModelConfig, width: int, tp: int = 1) -> int:
     return count + (width * parts // t + h if model.bias else 0)
 
 
-def moe_parameters(model: ModelConfig, tp: int = 1, experts: int | None = None) -> int:
+def moe_parameters(
+    model: ModelConfig, tp: int = 1, experts: int | None = None, etp: int | None = None
+) -> int:
     """Parameters of one mixture-of-experts block on one tensor rank: the router [e, h]
-    (replicated), `experts` routed experts (None = all e) and the shared experts' MLP. The
-    router's balancing bias is a buffer, not a parameter."""
+    (replicated), `experts` routed experts (None = all e) split over `etp` (None = t) and
+    the shared experts' MLP. The router's balancing bias is a buffer, not a parameter."""
     routed = model.num_experts if experts is None else experts
     count = model.num_experts * model.hidden_size
-    count += routed * mlp_parameters(model, model.moe_ffn_size, tp)
+    count += routed * mlp_parameters(model, model.moe_ffn_size, tp if etp is None else etp)
     if model.moe_shared_experts:
         count += mlp_parameters(model, model.moe_shared_ffn_size, tp)
     return count
 
 
-def routed_parameters(model: ModelConfig, tp: int = 1, ep: int = 1) -> int:
+def routed_parameters(model: ModelConfig, tp: int = 1, ep: int = 1, etp: int | None = None) -> int:
     """Routed-expert parameters of one MoE layer on one rank: its e / ep experts, split over
-    t (what expert parallelism divides; reduced and ZeRO-sharded over the edp ranks)."""
-    return model.num_experts // ep * mlp_parameters(model, model.moe_ffn_size, tp)
+    etp (None = t; what expert parallelism divides; reduced and ZeRO-sharded over edp)."""
+    width = tp if etp is None else etp
+    return model.num_experts // ep * mlp_parameters(model, model.moe_ffn_size, width)
 
 
-def _layers_parameters(model: ModelConfig, tp: int, first: int, count: int, ep: int = 1) -> int:
+def _layers_parameters(
+    model: ModelConfig, tp: int, first: int, count: int, ep: int = 1, etp: int | None = None
+) -> int:
     """Parameters of the `count` layers from global index `first` on one tensor rank."""
     if not model.num_experts:
         return count * layer_parameters(model, tp)
-    return sum(layer_parameters(model, tp, i, ep) for i in range(first, first + count))
+    return sum(layer_parameters(model, tp, i, ep, etp) for i in range(first, first + count))
 
 
 def _starts(layers: tuple[int, ...]) -> list[int]:
@@ -174,17 +183,19 @@ def parameters_per_stage(
     vpp: int = 1,
     layers: tuple[int, ...] = (),
     ep: int = 1,
+    etp: int | None = None,
 ) -> list[int]:
     """Local parameters of each virtual stage on one tensor-parallel rank.
 
     `layers`: each stage's layer count (`Layout.stage_layers`); empty = an even split.
     Stage 0 holds the embedding; the last stage the final norm and the output layer,
     which with pp * vpp > 1 is a separate copy even when tied to the embedding. `ep`: the
-    routed experts split over that many expert-parallel ranks.
+    routed experts split over that many expert-parallel ranks, each over `etp` (None = t).
     """
     h, v, stages = model.hidden_size, model.padded_vocab_size(tp), pp * vpp
     layers = layers or (model.num_layers // stages,) * stages
-    counts = [_layers_parameters(model, tp, a, n, ep) for a, n in zip(_starts(layers), layers)]
+    starts = _starts(layers)
+    counts = [_layers_parameters(model, tp, a, n, ep, etp) for a, n in zip(starts, layers)]
     counts[0] += v // tp * h
     if model.position_embedding is PositionEmbedding.LEARNED:
         counts[0] += model.seq_length * h
@@ -249,9 +260,10 @@ def parameters_per_rank(
     layers: tuple[int, ...] = (),
     placement: Placement = Placement.LOOPED,
     ep: int = 1,
+    etp: int | None = None,
 ) -> list[int]:
     """Local parameters on one tensor rank of each pipeline rank (its stages by `placement`)."""
-    per_stage = parameters_per_stage(model, tp, pp, vpp, layers, ep)
+    per_stage = parameters_per_stage(model, tp, pp, vpp, layers, ep, etp)
     return _by_rank(per_stage, StageMap(pp, vpp, placement))
 
 
@@ -262,12 +274,13 @@ def expert_parameters_per_stage(
     vpp: int = 1,
     layers: tuple[int, ...] = (),
     ep: int = 1,
+    etp: int | None = None,
 ) -> list[int]:
     """The routed-expert part of `parameters_per_stage` (`routed_parameters` per MoE layer):
     the parameters whose gradients go over the edp ranks rather than all of dp x cp."""
     stages = pp * vpp
     layers = layers or (model.num_layers // stages,) * stages
-    per_layer = routed_parameters(model, tp, ep) if model.num_experts else 0
+    per_layer = routed_parameters(model, tp, ep, etp) if model.num_experts else 0
     return [per_layer * n for n in moe_layers_per_stage(model, layers)]
 
 
@@ -279,9 +292,10 @@ def expert_parameters_per_rank(
     layers: tuple[int, ...] = (),
     placement: Placement = Placement.LOOPED,
     ep: int = 1,
+    etp: int | None = None,
 ) -> list[int]:
     """The routed-expert part of `parameters_per_rank`."""
-    per_stage = expert_parameters_per_stage(model, tp, pp, vpp, layers, ep)
+    per_stage = expert_parameters_per_stage(model, tp, pp, vpp, layers, ep, etp)
     return _by_rank(per_stage, StageMap(pp, vpp, placement))
 
 

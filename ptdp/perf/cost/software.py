@@ -86,6 +86,25 @@ class Software:
     """Mixture of experts: the busiest routed expert's token-choices over the mean, scaling
     the routed experts' GEMM time (`ptdp.perf.cost.moe`); 1.0 = a perfect balance, or
     ptdp's grouped GEMM on a rank holding every expert."""
+    moe_node_dedup: bool = False
+    """The dispatch sends a token once to each other node holding any of its experts, which
+    fans it out over NVLink there (DeepEP: Megatron-Core's --moe-enable-deepep, DeepSeek-V3
+    section 3.2.2); false: one row per token-choice, as ptdp's all-to-all
+    (`ptdp.perf.cost.experts.dedup_seconds`)."""
+    moe_a2a_overlap: bool = False
+    """The expert-parallel all-to-alls of one microbatch run behind the compute of another,
+    as `parallel.moe_overlap` makes ptdp's 1f1b and dualpipev do, under any schedule
+    (Megatron-Core's --overlap-moe-expert-parallel-comm, interleaved included)."""
+    moe_overlap_fraction: float = 0.2
+    """Of the paired pass's compute, the part the all-to-alls hide behind when overlapped
+    (`experts.overlapped`): 0.2 reproduces the one published pair with and without the
+    overlap (Megatron-MoE-ModelZoo, Qwen3-235B on 256 H100: 19.7 s a step, 17.6 s with it;
+    `ptdp.perf.validate.published_moe`), the comm kernels taking SMs and only parts of a
+    pass lining up with the other's; unmeasured for ptdp's runtime."""
+    discards_outputs: bool = False
+    """The norms' and the routed experts' activation outputs are not kept but recomputed in
+    backward (Megatron-Core's output-discarding --recompute-modules layernorm moe_act;
+    `ptdp.perf.cost.layer_bytes`); ptdp keeps them."""
     captures_graphs: bool = True
     """The runtime can replay its compiled regions from CUDA graphs (ptdp's
     `train.cuda_graphs`); the other profiles' codes are modelled without, and a config
@@ -147,6 +166,7 @@ SOFTWARE: dict[str, Software] = {
     "ptdp": PTDP,
     "megatron-2021": MEGATRON_2021,
     "megatron-core": MEGATRON_CORE,
+    "megatron-core-deepep": replace(MEGATRON_CORE, moe_node_dedup=True),
     "deepspeed-2021": DEEPSPEED_2021,
 }
 """The runtimes by name, as `--software` of `ptdp simulate` and `ptdp plan` takes them."""

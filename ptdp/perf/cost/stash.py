@@ -73,7 +73,8 @@ def stage_stash_bytes(cfg: RunConfig, tp: int, pp: int, vpp: int, stage: int) ->
     split = cfg.parallel.pipeline_layers
     layers = len(layer_ranges(model.num_layers, pp, vpp, split or None)[stage])
     if cfg.train.compile:  # plain F.linear: every gradient is computed in B and held
-        return e * parameters_per_stage(model, tp, pp, vpp, split, cfg.parallel.ep)[stage]
+        experts = (cfg.parallel.ep, cfg.parallel.etp)
+        return e * parameters_per_stage(model, tp, pp, vpp, split, *experts)[stage]
     kw = dict(
         micro_batch=cfg.train.micro_batch_size,
         tp=tp,

@@ -27,8 +27,8 @@ gradients), so the pipeline replay places them per microbatch; levels 0 and 1 ke
 simulator's reduction after the last backward.
 
 The ZeRO group is the dp cp ranks that reduce the gradients (tp apart; `cost.context`);
-under expert parallelism the routed experts' state is sharded over their edp = dp cp / ep
-ranks (tp ep apart; `cost.experts`), each group's collectives one after the other,
+under expert parallelism the routed experts' state is sharded over their edp = tp cp dp /
+(ep etp) ranks (etp ep apart; `cost.folding`), each group's collectives one after the other,
 on `collectives.group_link` (at `Software.sharded_comm_efficiency` of its bandwidth: the paper's
 DeepSpeed reached a tenth, `software.DEEPSPEED_2021`). Weights move in the training
 precision's element size (the linear layers' weights 1 byte each under ZeRO-3's fp8
@@ -82,7 +82,7 @@ def sharded_passes(
     group = layout.dp * layout.cp
     if layout.zero < 2 or group == 1:
         return passes, 0.0
-    split = (layout.pp, layout.vpp, layout.stage_layers, layout.ep)
+    split = (layout.pp, layout.vpp, layout.stage_layers, layout.ep, layout.etp)
     params = parameters_per_stage(cfg.model, layout.tp, *split)
     experts = expert_parameters_per_stage(cfg.model, layout.tp, *split)
     regather = reshard_after_forward(cfg)
@@ -92,7 +92,7 @@ def sharded_passes(
         reduce = gather = 0.0
         fp8 = fp8_gathered_weights(cfg, layout)
         for part, size, stride in reduction_groups(
-            n, experts[stage], tp=layout.tp, dp_cp=group, ep=layout.ep
+            n, experts[stage], tp=layout.tp, dp_cp=group, ep=layout.ep, etp=layout.etp
         ):
             link = _sharded_link(c, size, stride)
             reduce += gather_seconds(

@@ -23,7 +23,7 @@ def grad_bucket_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
     if not layout.shards_grads or layout.dp * layout.cp == 1:
         return [0.0] * layout.pp
     model, tp, pp, vpp, split = cfg.model, layout.tp, layout.pp, layout.vpp, layout.stage_layers
-    per_stage = parameters_per_stage(model, tp, pp, vpp, split, layout.ep)
+    per_stage = parameters_per_stage(model, tp, pp, vpp, split, layout.ep, layout.etp)
     whole = not cfg.parallel.overlap_grad_reduce or SCHEDULES[layout.schedule].splits_backward
     bucket = max(1, int(cfg.parallel.bucket_mb * 2**20 / 4))
     tied = model.tie_embeddings and pp * vpp > 1
@@ -61,7 +61,14 @@ def gathered_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
         return [0.0] * layout.pp
     model, tp, e = cfg.model, layout.tp, element_bytes(cfg.train.precision)
     per_rank = parameters_per_rank(
-        model, tp, layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement, layout.ep
+        model,
+        tp,
+        layout.pp,
+        layout.vpp,
+        layout.stage_layers,
+        layout.stages.placement,
+        layout.ep,
+        layout.etp,
     )
     fp8 = fp8_gathered_weights(cfg, layout)
     saved = (e - 1) * fp8  # bytes fewer a gathered layer
@@ -73,5 +80,6 @@ def gathered_bytes(cfg: RunConfig, layout: Layout) -> list[float]:
         return [e * count - saved * n + cast * bool(n) for count, n in zip(per_rank, layers)]
     rows = model.padded_vocab_size(tp) // tp * model.hidden_size
     units = range(model.num_layers) if model.num_experts else [None]
-    unit = max(*(e * layer_parameters(model, tp, i, layout.ep) - saved for i in units), e * rows)
+    sizes = [e * layer_parameters(model, tp, i, layout.ep, layout.etp) - saved for i in units]
+    unit = max(*sizes, e * rows)
     return [2.0 * min(unit, e * count) + cast for count in per_rank]

@@ -5,6 +5,7 @@ micro-batch from equation (1), the schedule's bubble, and the runners-up.
 
 from __future__ import annotations
 
+from ptdp.perf.cost.folding import Experts
 from ptdp.perf.cost.hardware import GIB, System
 from ptdp.perf.cost.reserve import fit
 from ptdp.perf.plan.ranking import Option, Unranked, close_to_fastest
@@ -27,6 +28,7 @@ def explain(
     (`ptdp.perf.plan.ranking`): the fastest of each t among them is replayed."""
     best = options[chosen]
     lay, cfg, pred = best.prediction.layout, best.config, best.prediction
+    overlap = getattr(cfg.parallel, "moe_overlap", False)
     node = system.gpus_per_node
     need, usable = (x / GIB for x in fit(pred.memory, system.device))
     lines = []
@@ -93,12 +95,16 @@ def explain(
             f"and 1/{lay.cp} of its activations"
         )
     if lay.ep > 1:
-        e, edp = cfg.model.num_experts, lay.dp * lay.cp // lay.ep
+        e = cfg.model.num_experts
+        folded = Experts.of(lay.tp, lay.dp * lay.cp, lay.ep, lay.etp)
+        split = f", each split over etp={lay.etp}" if lay.etp > 1 else ", each whole"
+        hidden = " (overlapped with another microbatch)" if overlap else ""
         lines.append(
             f"expert parallel ep={lay.ep}: each rank holds {e // lay.ep} of a layer's {e} "
-            f"experts, their tokens sent and returned by all-to-all "
-            f"({1e3 * pred.ep_seconds:.3g} ms per MoE layer and microbatch, F + B); their "
-            f"gradients reduced over the {edp} ranks holding the same experts"
+            f"experts{split}, their tokens sent and returned by all-to-all over ranks "
+            f"{folded.ep_stride} apart ({1e3 * pred.ep_seconds:.3g} ms per MoE layer and "
+            f"microbatch, F + B){hidden}; their gradients reduced over the {folded.edp} "
+            "ranks holding the same experts"
         )
     if lay.zero:
         lines.append(

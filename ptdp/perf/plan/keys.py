@@ -19,6 +19,8 @@ SEARCHED: dict[str, str] = {
     "parallel.cp": "cp",
     "parallel.cp_comm": "cp_comm",
     "parallel.ep": "ep",
+    "parallel.etp": "etp",
+    "parallel.moe_overlap": "moe_overlap",
     "parallel.zero": "zero",
     "parallel.vpp": "vpp",
     "parallel.schedule": "schedules",

@@ -8,10 +8,12 @@ The search follows the paper's guidelines (Narayanan et al., section 3 and takea
    powers of 2 that leave each rank at least `MIN_CP_TOKENS` tokens of a sequence divisible
    by 2 cp (cp = 1 for short sequences), pipeline size p among the divisors of the layer
    count, data parallel d = n / (t cp p) dividing the global batch B; for a mixture of
-   experts, expert parallel size ep among the divisors of the expert count that divide
-   d cp (ep = 1 for a dense model), each ep a layout of its own (its memory and speed
-   differ: e / ep experts per rank, the all-to-alls);
-2. for each (t, cp, p, ep), the least recomputation whose model state and activations fit in
+   experts, each folded expert layout (`ptdp.perf.cost.folding`): etp among the divisors
+   of t, ep among the divisors of the expert count with ep etp dividing t cp d ((1, 1) for
+   a dense model), each a layout of its own (its memory and speed differ: e / ep experts
+   per rank at 1/etp of their width, the all-to-alls' rows and links), and each schedule
+   candidate again with `parallel.moe_overlap` where the schedule pairs passes;
+2. for each (t, cp, p, ep, etp), the least recomputation whose model state and activations fit in
    memory (1F1B's in-flight bound), at ZeRO level 0, or a higher level (1, 2, 3: the
    layouts of d, up to `Software.max_zero`) where it lets less recomputation fit, the
    level whose best micro-batch equation (1) finds fastest; with cp > 1 the faster
@@ -145,6 +147,8 @@ def plan(
     micro_batch: int | None = None,
     recompute: Recompute | None = None,
     sequence_parallel: bool | None = None,
+    etp: int | None = None,
+    moe_overlap: bool | None = None,
     schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"),
     max_micro_batch: int = 16,
     tolerance: float = 0.06,
@@ -154,8 +158,8 @@ def plan(
 ) -> PlanResult:
     """Rank the layouts of `base.model` for `gpus` devices and `base.train.global_batch_size`.
 
-    Fixed arguments (tp, pp, cp, cp_comm, ep, zero, vpp, micro_batch, recompute,
-    sequence_parallel) restrict the search; precision, optimizer and the other parallel
+    Fixed arguments (tp, pp, cp, cp_comm, ep, etp, moe_overlap, zero, vpp, micro_batch,
+    recompute, sequence_parallel) restrict the search; precision, optimizer and the other parallel
     options come from `base`, train.cuda_graphs and train.attention_backend too: they are
     priced as set (`ptdp.perf.cost.switches`), not searched. Schedules that split the
     backward are searched only if `software.split_backward`, ZeRO levels up to
@@ -214,6 +218,8 @@ def plan(
         vpp=vpp,
         micro_batch=micro_batch,
         sequence_parallel=sequence_parallel,
+        etp=etp,
+        moe_overlap=moe_overlap,
     )
     found = search(base, gpus, c, space, plans)
     rejected, eq1 = found.rejected, found.eq1
@@ -235,6 +241,7 @@ def plan(
         return PlanResult((), 0, tuple(rejected), (), tuple(refusal(rejected, system.name, limits)))
     chosen = recommend(options, tolerance)
     lay = options[chosen].prediction.layout
-    table = tuple(eq1.get((lay.tp, lay.cp, lay.pp, lay.ep, lay.zero), ()))
+    etp = options[chosen].config.parallel.etp  # as searched (a dense layout's Layout has t)
+    table = tuple(eq1.get((lay.tp, lay.cp, lay.pp, lay.ep, etp, lay.zero), ()))
     lines = explain(options, chosen, table, system, tolerance, unranked)
     return PlanResult(tuple(options), chosen, tuple(rejected), table, tuple(lines), unranked)

@@ -42,6 +42,8 @@ def describe(config: RunConfig, layout: Layout) -> str:
     b = config.train.micro_batch_size
     cp = f" cp={layout.cp} {p.cp_comm.value}" if layout.cp > 1 else ""
     cp += f" ep={layout.ep}" if layout.ep > 1 else ""
+    cp += f" etp={layout.etp}" if layout.etp != layout.tp else ""  # as Layout.describe
+    cp += " overlap" if getattr(p, "moe_overlap", False) else ""
     zero = f" zero={layout.zero}" if layout.zero else ""
     split = f" layers={','.join(map(str, p.pipeline_layers))}" if p.pipeline_layers else ""
     return (

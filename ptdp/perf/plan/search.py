@@ -2,9 +2,10 @@
 
 Steps 1-3 of `ptdp.perf.plan.planner`'s search, up to the candidates it replays: (t, cp, p) from
 the GPUs per node, the sequence and the layers (`sizes`), and for a mixture of experts each
-ep that splits its experts over d cp ranks (`expert_sizes`); for each, the least recomputation
-that fits at the ZeRO level whose best micro-batch equation (1) finds fastest
-(`fitting_micro_batches`, `equation_1`); for that micro-batch, every schedule and
+folded expert layout (ep, etp) over a stage's t d cp ranks (`expert_layouts`), each also
+with the all-to-alls overlapped where the schedule pairs passes (`overlap_variants`); for
+each, the least recomputation that fits at the ZeRO level whose best micro-batch equation (1)
+finds fastest (`fitting_micro_batches`, `equation_1`); for that micro-batch, every schedule and
 interleaving v that validates (`schedule_candidates`), each also with lighter first and last
 stages where they help (`ptdp.perf.plan.ends`). What does not qualify is kept as a
 `Rejected` with the reason and the constraint that binds (`ptdp.perf.plan.refusal`).
@@ -12,10 +13,10 @@ stages where they help (`ptdp.perf.plan.ends`). What does not qualify is kept as
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from ptdp.config.enums import CpComm, Recompute, Schedule
-from ptdp.config.sections import RunConfig
+from ptdp.config.sections import ParallelConfig, RunConfig
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.context_costs import MIN_CP_TOKENS, best_comm
 from ptdp.perf.cost.costs import Compute
@@ -36,19 +37,22 @@ class Plans:
     invariant 1 holds: a layout's plan is still `build_plan`'s)."""
 
     def __init__(self) -> None:
-        self._built: dict[tuple[str, int, int, int], PipelinePlan] = {}
+        self._built: dict[tuple[str, int, int, int, bool], PipelinePlan] = {}
 
-    def __call__(self, schedule: str, pp: int, m: int, vpp: int) -> PipelinePlan:
-        key = (schedule, pp, m, vpp)
+    def __call__(
+        self, schedule: str, pp: int, m: int, vpp: int, *, paired: bool = False
+    ) -> PipelinePlan:
+        key = (schedule, pp, m, vpp, paired)
         if key not in self._built:
-            self._built[key] = build_plan(schedule, pp, m, vpp)
+            self._built[key] = build_plan(schedule, pp, m, vpp, paired=paired)
         return self._built[key]
 
     def layout(self, cfg: RunConfig, gpus: int) -> Layout:
         """`validate(cfg, gpus)` with its `pipeline` taken from here."""
         lay = validate(cfg, gpus, gpus=True)
         # Layout.pipeline is a cached_property: its cache is the instance's __dict__.
-        lay.__dict__["pipeline"] = self(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
+        plan = self(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp, paired=lay.moe_overlap)
+        lay.__dict__["pipeline"] = plan
         return lay
 
 
@@ -70,10 +74,11 @@ def layout_config(
     zero: int | None = None,
     cp_comm: CpComm | None = None,
     ep: int = 1,
+    etp: int = 1,
 ) -> RunConfig:
     """`base` with a layout filled in (dp derived from the world size). A given split of
     layers (parallel.pipeline_layers) is kept where it has pp*vpp stages; every other layout
-    gets the even split. zero and cp_comm default to `base`'s, cp and ep to 1."""
+    gets the even split. zero and cp_comm default to `base`'s, cp, ep and etp to 1."""
     if schedule is None:
         schedule = Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B
     split = base.parallel.pipeline_layers
@@ -90,6 +95,7 @@ def layout_config(
         pipeline_layers=split if len(split) == pp * vpp else (),
         cp=cp,
         ep=ep,
+        etp=etp if base.model.num_experts else 1,
         zero=level,
         cp_comm=cp_comm or base.parallel.cp_comm,
         # keeping gathered parameters is ZeRO-3's option; other levels are refused with it
@@ -131,6 +137,9 @@ class Space:
     vpp: int | None = None
     micro_batch: int | None = None
     sequence_parallel: bool | None = None
+    etp: int | None = None
+    moe_overlap: bool | None = None
+    """None: each layout with and without (where the runtime has `parallel.moe_overlap`)."""
 
 
 @dataclass(frozen=True)
@@ -139,15 +148,16 @@ class Candidates:
 
     configs: list[RunConfig]
     rejected: list[Rejected]
-    eq1: dict[tuple[int, int, int, int, int], list[tuple[int, float]]]
-    """For each (t, cp, p, ep, zero) chosen: equation (1)'s seconds for each b that fits."""
+    eq1: dict[tuple[int, ...], list[tuple[int, float]]]
+    """For each (t, cp, p, ep, etp, zero) chosen: equation (1)'s seconds for each b that
+    fits."""
 
 
 def search(base: RunConfig, gpus: int, c: Compute, space: Space, plans: Plans) -> Candidates:
     """The layouts of `base.model` on `gpus` devices worth replaying (module doc)."""
     rejected: list[Rejected] = []
     candidates: list[RunConfig] = []
-    eq1: dict[tuple[int, int, int, int, int], list[tuple[int, float]]] = {}
+    eq1: dict[tuple[int, ...], list[tuple[int, float]]] = {}
     model, batch, software = base.model, base.train.global_batch_size, c.software
     sequence_parallel, zero = space.sequence_parallel, space.zero
     for t, k, p in sizes(model.num_layers, model.seq_length, gpus, space):
@@ -161,17 +171,21 @@ def search(base: RunConfig, gpus: int, c: Compute, space: Space, plans: Plans) -
             reason = f"batch {batch} not divisible by d = {d}"
             rejected.append(Rejected(where, reason, Constraint.BATCH, dp=d))
             continue
-        eps = expert_sizes(model.num_experts, d * k, space.ep)
+        eps = expert_layouts(model.num_experts, t, d * k, space.ep, space.etp)
         if not eps:
-            reason = f"ep = {space.ep} does not divide both {model.num_experts} experts and d*cp"
-            rejected.append(Rejected(where, f"{reason} = {d * k}", Constraint.EXPERTS))
+            reason = (
+                f"ep = {space.ep}, etp = {space.etp}: ep divides no {model.num_experts} experts "
+                "with ep*etp dividing t*d*cp"
+            )
+            rejected.append(Rejected(where, f"{reason} = {t * d * k}", Constraint.EXPERTS))
         sp = (t > 1) if sequence_parallel is None else sequence_parallel
         lowest = 1 if base.optim.distributed else 0  # its old spelling of zero = 1
         top = software.max_zero if d * k > 1 else 0
         levels = [zero] if zero is not None else list(range(lowest, max(lowest, top) + 1))
-        for ep in eps:
+        for ep, etp in eps:
             at = f"{where} ep={ep}" if ep > 1 else where
-            dims = (t, k, p, ep)
+            at += f" etp={etp}" if etp > 1 else ""
+            dims = (t, k, p, ep, etp)
             least, best = len(Recompute), None
             for level in levels:
                 fitting, why = fitting_micro_batches(
@@ -188,18 +202,48 @@ def search(base: RunConfig, gpus: int, c: Compute, space: Space, plans: Plans) -
             if best is not None:
                 eq1[(*dims, best[1])] = best[3]
                 found = schedule_candidates(best[2], gpus, space, rejected)
+                found += overlap_variants(found, gpus, space)
                 candidates += found + lighter_ends(found, gpus, c)  # first and last stages lighter
             else:
                 rejected.append(replace(why, layout=at))
     return Candidates(candidates, rejected, eq1)
 
 
-def expert_sizes(experts: int, dp_cp: int, pinned: int | None = None) -> list[int]:
-    """ep sizes to search: the divisors of the routed experts that divide d cp (the ranks
-    they are split over; `ptdp.rules.moe.expert_rules`), or `pinned` where it is one;
-    [1] for a dense model."""
-    found = [e for e in divisors(experts) if dp_cp % e == 0] if experts else [1]
-    return [pinned] if pinned and pinned in found else [] if pinned else found
+def expert_layouts(
+    experts: int, tp: int, dp_cp: int, ep: int | None = None, etp: int | None = None
+) -> list[tuple[int, int]]:
+    """(ep, etp) to search (`ptdp.perf.cost.folding`): etp among the divisors of t (or
+    `etp` pinned), ep among the divisors of the routed experts with ep etp dividing the
+    stage's t d cp ranks (`ptdp.rules.moe.expert_rules`; or `ep` pinned); [(1, 1)] for a
+    dense model. Every one is a layout of its own: its memory, its all-to-alls' links."""
+    if not experts:
+        return [(1, 1)]
+    etps = [etp] if etp else divisors(tp)
+    eps = [ep] if ep else divisors(experts)
+    ranks = tp * dp_cp
+    return [(e, x) for x in etps for e in eps if experts % e == 0 and ranks % (e * x) == 0]
+
+
+def overlap_variants(found: list[RunConfig], gpus: int, space: Space) -> list[RunConfig]:
+    """The candidates with expert parallelism again with `parallel.moe_overlap` (the
+    all-to-alls behind the paired microbatch's compute), where the runtime has the key, the
+    search does not pin it off, and the schedule pairs passes (`validate` says which)."""
+    if space.moe_overlap is False or "moe_overlap" not in _PARALLEL_KEYS:
+        return []
+    out = []
+    for cfg in found:
+        if cfg.parallel.ep <= 1 or getattr(cfg.parallel, "moe_overlap", False):
+            continue
+        paired = replace(cfg, parallel=replace(cfg.parallel, moe_overlap=True))
+        try:
+            validate(paired, gpus, gpus=True)
+        except ConfigError:
+            continue
+        out.append(paired)
+    return out
+
+
+_PARALLEL_KEYS = {f.name for f in fields(ParallelConfig)}
 
 
 def context_sizes(seq_length: int, most: int) -> list[int]:
@@ -228,16 +272,16 @@ def sizes(layers: int, seq_length: int, gpus: int, space: Space) -> list[tuple[i
 def fitting_micro_batches(
     base: RunConfig,
     gpus: int,
-    dims: tuple[int, int, int, int, int],
+    dims: tuple[int, ...],
     sp: bool,
     space: Space,
     c: Compute,
     plans: Plans,
 ) -> tuple[list[RunConfig], Rejected]:
     """1F1B configs of each micro-batch that fits, at the least recomputation that fits any,
-    for (t, cp, p, ep, zero) = `dims`; under cp > 1 each at the faster cp_comm that fits.
-    Where none fits, why (its `layout` left for the caller to name)."""
-    t, k, p, ep, zero = dims
+    for (t, cp, p, ep, etp, zero) = `dims`; under cp > 1 each at the faster cp_comm that
+    fits. Where none fits, why (its `layout` left for the caller to name)."""
+    t, k, p, ep, etp, zero = dims
     d = gpus // (t * k * p)
     per_rank = base.train.global_batch_size // d
     micro_batch, cp_comm = space.micro_batch, space.cp_comm
@@ -261,6 +305,7 @@ def fitting_micro_batches(
                 cp=k,
                 zero=zero,
                 ep=ep,
+                etp=etp,
             )
             comms = [cp_comm] if cp_comm or k == 1 else _comm_order(cfg, c)
             variants = [replace_comm(cfg, comm) for comm in comms]

@@ -38,7 +38,8 @@ def optimizer_seconds(
     edp ranks under expert parallelism (`experts.reduction_groups`). A file that measured the step's
     own overhead (`optimizer_overhead`, CPUs) adds it per step and per parameter tensor.
     """
-    split = (layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement, layout.ep)
+    split = (layout.pp, layout.vpp, layout.stage_layers, layout.stages.placement)
+    split += (layout.ep, layout.etp)
     counts = parameters_per_rank(cfg.model, layout.tp, *split)
     busiest = max(range(layout.pp), key=lambda r: counts[r])
     per_rank = counts[busiest]
@@ -46,7 +47,9 @@ def optimizer_seconds(
     fp32 = cfg.train.precision is Precision.FP32
     group = layout.dp * layout.cp
     shard = group if layout.shards_optimizer else 1
-    groups = reduction_groups(per_rank, routed, tp=layout.tp, dp_cp=group, ep=layout.ep)
+    groups = reduction_groups(
+        per_rank, routed, tp=layout.tp, dp_cp=group, ep=layout.ep, etp=layout.etp
+    )
     state = 28 if fp32 else 30
     step = Call("adamw", sum(n * state / (size if shard > 1 else 1) for n, size, _ in groups))
     seconds = step.seconds(c.system.device) + Call("add", 8 * per_rank).seconds(c.system.device)

@@ -28,7 +28,7 @@ from ptdp.perf.cost.costs import (
     head_seconds,
     sync_seconds,
 )
-from ptdp.perf.cost.experts import ep_comm_seconds
+from ptdp.perf.cost.experts import ep_comm_seconds, overlapped
 from ptdp.perf.cost.hardware import System
 from ptdp.perf.cost.moe import moe_layers_per_stage
 from ptdp.perf.cost.parameters import parameters_per_stage, tensors_per_stage
@@ -54,8 +54,14 @@ def layer_costs(cfg: RunConfig, layout: Layout, c: Compute, moe: bool = False) -
         comm=par.cp_comm,
         moe=moe,
         ep=layout.ep if moe else 1,
+        etp=layout.etp if moe else None,
     )
-    return passes + (ep_passes(cfg, layout, c) if moe else Passes())
+    if not moe:
+        return passes
+    a2a = ep_passes(cfg, layout, c)
+    if getattr(par, "moe_overlap", False) or c.software.moe_a2a_overlap:  # paired passes
+        a2a = overlapped(a2a, passes, c.software.moe_overlap_fraction)
+    return passes + a2a
 
 
 def ep_passes(cfg: RunConfig, layout: Layout, c: Compute) -> Passes:
@@ -67,6 +73,7 @@ def ep_passes(cfg: RunConfig, layout: Layout, c: Compute) -> Passes:
         ep=layout.ep,
         recompute=cfg.parallel.recompute,
         c=c,
+        etp=layout.etp,
     )
 
 
@@ -100,7 +107,7 @@ def accumulation(cfg: RunConfig, layout: Layout, c: Compute) -> list[float]:
     as autograd writes them (`costs.accumulation_seconds`), a part of W."""
     model, stages = cfg.model, layout.pp * layout.vpp
     params = parameters_per_stage(
-        model, layout.tp, layout.pp, layout.vpp, layout.stage_layers, layout.ep
+        model, layout.tp, layout.pp, layout.vpp, layout.stage_layers, layout.ep, layout.etp
     )
     tensors = tensors_per_stage(model, stages, layout.stage_layers)
     return [accumulation_seconds(n, k, c) for n, k in zip(params, tensors)]

@@ -65,7 +65,7 @@ def stage_reductions(cfg: RunConfig, layout: Layout, c: Compute) -> list[tuple[f
     Under expert parallelism the routed experts' gradients go over their edp group
     (`experts.reduction_groups`), after the rest."""
     model, par, d, t = cfg.model, cfg.parallel, layout.dp * layout.cp, layout.tp
-    split = (layout.pp, layout.vpp, layout.stage_layers, layout.ep)
+    split = (layout.pp, layout.vpp, layout.stage_layers, layout.ep, layout.etp)
     params = parameters_per_stage(model, t, *split)
     experts = expert_parameters_per_stage(model, t, *split)
     bucket = par.bucket_mb * 2**20
@@ -74,7 +74,8 @@ def stage_reductions(cfg: RunConfig, layout: Layout, c: Compute) -> list[tuple[f
     for stage, (count, routed) in enumerate(zip(params, experts)):
         nbytes = float(c.software.grad_reduce_bytes * count)
         seconds = 0.0  # ZeRO-2 and 3: per microbatch, in the passes
-        for n, size, stride in reduction_groups(count, routed, tp=t, dp_cp=d, ep=layout.ep):
+        groups = reduction_groups(count, routed, tp=t, dp_cp=d, ep=layout.ep, etp=layout.etp)
+        for n, size, stride in groups:
             part, link = float(c.software.grad_reduce_bytes * n), group_link(c.system, size, stride)
             if layout.shards_optimizer and not layout.shards_grads:
                 seconds += gather_seconds(part, size, link, "reduce_scatter")

@@ -140,14 +140,16 @@ def predicted_memory(
         fused_swiglu=software.fused_swiglu,
         gemm_accumulates=software.accumulation_bytes == 0,
         math_kernel=software.math_kernel,
+        discards_outputs=software.discards_outputs,
         layout=layout,
         gloo_sends=system.device.gloo,  # a CPU's pipeline holds its sends until the step ends
     )
     return tuple(with_reserve(memory, cfg, layout, system))
 
 
-PlanSource = Callable[[str, int, int, int], PipelinePlan]
-"""(schedule, pp, m, vpp) -> the plan: `build_plan`, or the planner's cache of it."""
+PlanSource = Callable[..., PipelinePlan]
+"""(schedule, pp, m, vpp, paired=) -> the plan: `build_plan`, or the planner's cache of it
+(`paired`: `parallel.moe_overlap`'s variant)."""
 
 
 def _replay(
@@ -159,7 +161,8 @@ def _replay(
     spec, pp, vpp = SCHEDULES[layout.schedule], layout.pp, layout.vpp
     megatron = blocking and megatron_order(layout)
     # each m's plan compiled once for the dry-run engine, or the 2021 code's own order
-    source = lambda m: plans(layout.schedule, pp, m, vpp).program  # noqa: E731
+    paired = layout.moe_overlap
+    source = lambda m: plans(layout.schedule, pp, m, vpp, paired=paired).program  # noqa: E731
     if megatron:
         source = functools.partial(megatron_2021_interleaved, layout.stages)
     if not timeline and layout.schedule != "zb-v":
