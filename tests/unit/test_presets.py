@@ -124,8 +124,11 @@ def test_the_count_is_the_models_own(name: str) -> None:
         cfg = replace(cfg, num_layers=3, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32)
         cfg = replace(cfg, moe_first_dense_layers=first)
     assert sum(parameters_per_stage(cfg)) == count_parameters(GPT(cfg))
-    rank0 = GPT(cfg, tp=Group(None, 2, 0))  # builds its shards only: no collective runs
+    two = Group(None, 2, 0)  # GPT builds its shards only: no collective runs
+    rank0 = GPT(cfg, tp=two, etp=two)  # experts split like the MLP (etp = tp)
     assert parameters_per_stage(cfg, tp=2)[0] == count_parameters(rank0, full=False)
+    folded = GPT(cfg, tp=two)  # experts whole on each tensor rank (etp = 1)
+    assert parameters_per_stage(cfg, tp=2, etp=1)[0] == count_parameters(folded, full=False)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -142,8 +145,11 @@ def test_an_moe_count_is_the_models_own(bias: bool) -> None:
     assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
     assert sum(parameters_per_stage(cfg)) == count_parameters(GPT(cfg))
     assert model_size(cfg).total == count_parameters(GPT(cfg))
-    rank0 = GPT(cfg, tp=Group(None, 2, 0))
+    two = Group(None, 2, 0)
+    rank0 = GPT(cfg, tp=two, etp=two)
     assert parameters_per_stage(cfg, tp=2)[0] == count_parameters(rank0, full=False)
+    folded = GPT(cfg, tp=two)
+    assert parameters_per_stage(cfg, tp=2, etp=1)[0] == count_parameters(folded, full=False)
     stages = (
         GPT(cfg, layers=range(0, 2), has_embedding=True, has_head=False),
         GPT(cfg, layers=range(2, 4), has_embedding=False, has_head=True),
