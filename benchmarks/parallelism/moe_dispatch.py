@@ -49,9 +49,9 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as `python benchmarks/<group>/<name>.py`: from the root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import benchmarks.parallelism.expert_parallel as ep_bench
 from benchmarks.common.corpus import repo_corpus
 from benchmarks.common.spawn import spawn
-from ptdp.config.files import apply_updates, load_toml
 from ptdp.model.dispatch import PLANS, Dispatcher, capacity, dispatch_combine
 from ptdp.model.moe import MoE, MoEState
 from ptdp.model.parts import TPContext
@@ -63,8 +63,7 @@ from ptdp.train.run import prepare
 from ptdp.train.step.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
-MOE = {"num_experts": 8, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01}
-MICRO, GLOBAL, WORLD = 4, 16, 4
+MICRO, GLOBAL, WORLD = ep_bench.MICRO, ep_bench.GLOBAL, 4
 VARIANTS = {
     "reference": (Dispatcher.REFERENCE, GemmKernel.LOOP),
     "fused-loop": (Dispatcher.FUSED, GemmKernel.LOOP),
@@ -73,20 +72,8 @@ VARIANTS = {
 
 
 def _config(data: str, run_dir: str):
-    cfg = load_toml(ROOT / "configs" / "demo.toml")
-    return apply_updates(
-        cfg,
-        {
-            "model": MOE,
-            "data": {"path": data},
-            "parallel": {"ep": WORLD},
-            "train": {
-                "micro_batch_size": MICRO, "global_batch_size": GLOBAL, "progress": False,
-                "device": "cpu", "run_dir": run_dir, "log_interval": 1000,
-            },
-        },
-        "benchmark",
-    )  # fmt: skip
+    """expert_parallel.py's MoE demo model (the same model and batch) at ep = WORLD."""
+    return ep_bench._config(data, run_dir, {"ep": WORLD})
 
 
 @contextlib.contextmanager
