@@ -247,8 +247,9 @@ def _convert_parser(sub: Subparsers) -> None:
         help="convert a checkpoint to or from a Hugging Face transformers model",
         description=(
             "--to hf CKPT OUT: write a checkpoint (run or step directory) as a transformers "
-            "GPT-2, Llama, Mistral or Qwen2 model directory (config.json, model.safetensors, "
-            "tokenizer.json). --from hf DIR OUT: make OUT a run directory whose step-0 "
+            "model directory (config.json, the weights in safetensors files of at most "
+            "--max-shard-size with their index, tokenizer.json), reading one layer at a time. "
+            "--from hf DIR OUT: make OUT a run directory whose step-0 "
             "checkpoint holds the model, with no optimizer state; train from it in any layout "
             "with `ptdp train --config OUT/config.toml --resume --data.path PREFIX`."
         ),
@@ -262,6 +263,28 @@ def _convert_parser(sub: Subparsers) -> None:
     seq = "--from: training context length (default: the model's maximum positions)"
     p.add_argument("--seq-length", type=int, default=0, metavar="N", help=seq)
     p.add_argument("--overwrite", action="store_true", help="--to: into an OUT holding files")
+    shard = "--to: the most bytes of one weights file, e.g. 500MB (default 5GB, as transformers)"
+    p.add_argument("--max-shard-size", type=parse_bytes, default="5GB", metavar="SIZE", help=shard)
+
+
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A size such as 5GB, 500MB, 2GiB or 1000000 (bytes), as transformers' max_shard_size."""
+    number = text.strip().upper()
+    digits = number.rstrip("KMGTIB ")
+    unit = number[len(digits) :].strip()
+    try:
+        value = float(digits) * SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: write a number with a unit, e.g. 5GB, 500MB or 2GiB"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a shard holds at least one byte")
+    return int(value)
 
 
 def _config_reference_parser(sub: Subparsers) -> None:
@@ -402,7 +425,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from ptdp.convert import export_hf, import_hf
 
     if args.to:
-        result = export_hf(args.src, args.out, overwrite=args.overwrite)
+        result = export_hf(
+            args.src, args.out, overwrite=args.overwrite, shard_bytes=args.max_shard_size
+        )
         print(f"wrote {result.family} model to {result.path} (transformers format)")
     else:
         result = import_hf(args.src, args.out, seq_length=args.seq_length)

@@ -14,6 +14,7 @@ from it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,16 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ptdp.checkpoint.keys import MODEL, MOMENTS, RNG, named_buffers, named_parameters, unview_parts
+from ptdp.checkpoint.keys import (
+    MODEL,
+    MOMENTS,
+    RNG,
+    named_buffers,
+    named_parameters,
+    parts_dim,
+    unview_parts,
+)
+from ptdp.checkpoint.lazy import Lazy
 from ptdp.checkpoint.store import (
     STATE_FILE,
     damaged_advice,
@@ -33,7 +43,14 @@ from ptdp.checkpoint.writer import start_checkpoint
 from ptdp.config.sections import RunConfig
 from ptdp.errors import CheckpointError
 from ptdp.parallel.comm import Group
-from ptdp.parallel.init import expert_split, full_tensor, global_shape, local_part, shard_spec
+from ptdp.parallel.init import (
+    expert_split,
+    full_tensor,
+    global_shape,
+    local_part,
+    read_local,
+    shard_spec,
+)
 from ptdp.parallel.roles import rank_roles
 
 
@@ -57,9 +74,11 @@ def full_model_state(
     }
 
 
-def _local(value: torch.Tensor, p: torch.Tensor, tp: Group, name: str) -> torch.Tensor:
+def _local(value: torch.Tensor | Lazy, p: torch.Tensor, tp: Group, name: str) -> torch.Tensor:
     if tuple(value.shape) != global_shape(p):
         local = value  # not this model's: refused below with both shapes
+    elif isinstance(value, Lazy):
+        local = read_local(value.read, p, tp.rank)  # reads this rank's regions alone
     else:
         local = local_part(value, p, tp.rank)  # pads, at any tp; this rank's experts
     if local.shape != p.shape:
@@ -71,9 +90,10 @@ def _local(value: torch.Tensor, p: torch.Tensor, tp: Group, name: str) -> torch.
 
 
 def local_model_state(
-    chunks: list[nn.Module], state: dict[str, torch.Tensor], tp: Group
+    chunks: list[nn.Module], state: Mapping[str, torch.Tensor | Lazy], tp: Group
 ) -> dict[nn.Parameter, torch.Tensor]:
-    """This rank's slice of each of its parameters, from a full name-keyed state."""
+    """This rank's slice of each of its parameters, from a full name-keyed state (a `Lazy`
+    tensor read only where this rank's slice lies)."""
     params, roles = named_parameters(chunks), rank_roles(chunks)
     missing = sorted({roles.original(n) for n, p in params} - state.keys())
     if missing:
@@ -117,8 +137,9 @@ def flatten_state(state: dict[str, Any]) -> dict[str, Any]:
     """A full single-process state dict (load_checkpoint's form) as flat DCP entries."""
     flat: dict[str, Any] = {}
     for key, value in state.items():
-        if key == "model":
-            flat.update({MODEL + k: v.detach() for k, v in value.items()})
+        if key == "model":  # a Lazy value is read when written (checkpoint/writer.py)
+            for k, v in value.items():
+                flat[MODEL + k] = v if isinstance(v, Lazy) else v.detach()
         elif key == "optimizer":
             steps = [int(e["step"]) for e in value.get("state", {}).values() if "step" in e]
             flat["optimizer/step"] = steps[0] if steps else 0
@@ -167,6 +188,52 @@ def load_checkpoint(step_dir: Path, map_location: str | torch.device = "cpu") ->
             flat[key] = None
     load_entries(step_dir, flat)
     return _unflatten(flat, map_location)
+
+
+def model_entries(step_dir: Path) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
+    """The checkpoint's model tensors, read from its metadata alone, by global name: the
+    DCP key, full shape and dtype of each; its files checked first (sizes and checksums),
+    a damaged one named. For reading the model a few tensors at a time (the export)."""
+    metadata = read_metadata(step_dir)
+    problems = verify_files(step_dir, metadata)
+    if problems:
+        raise CheckpointError(f"{'; '.join(problems)}; {damaged_advice(step_dir)}")
+    entries = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(MODEL) and isinstance(md, TensorStorageMetadata):
+            view = torch.empty(md.size, dtype=md.properties.dtype, device="meta")
+            name, full = unview_parts(key[len(MODEL) :], view)
+            entries[name] = (key, tuple(full.shape), md.properties.dtype)
+    return entries
+
+
+def read_model_tensors(
+    step_dir: Path, entries: dict[str, tuple[str, tuple[int, ...], torch.dtype]], names: list[str]
+) -> dict[str, torch.Tensor]:
+    """The full float32 tensors of `names` (keys of `model_entries`), nothing else read."""
+    flat = {}
+    for name in names:
+        key, shape, dtype = entries[name]
+        flat[key] = torch.empty(read_shape(key, shape), dtype=dtype)
+    load_entries(step_dir, flat)
+    keys = {name: entries[name][0] for name in names}
+    return {name: unview_parts(key, flat[key])[1].float() for name, key in keys.items()}
+
+
+def read_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The stored shape of a tensor of full `shape` under `key` (a `@parts` view)."""
+    dim = parts_dim(key)
+    if dim is None:
+        return shape
+    parts = int(key.partition("@parts")[2].split("dim")[0])
+    return (*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1 :])
+
+
+def read_entry(step_dir: Path, key: str) -> Any:
+    """One non-tensor entry of the checkpoint (e.g. "tokenizer"), or None without it."""
+    if key not in read_metadata(step_dir).state_dict_metadata:
+        return None
+    return load_entries(step_dir, {key: None})[key]
 
 
 def _unflatten(flat: dict[str, Any], map_location) -> dict[str, Any]:

@@ -11,7 +11,7 @@ whatever the saving ranks wrote, so the layout may change between runs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ptdp.checkpoint.full import load_checkpoint, local_model_state, local_optimizer_state
 from ptdp.checkpoint.keys import MODEL, RNG, named_buffers, named_parameters
+from ptdp.checkpoint.lazy import Lazy
 from ptdp.checkpoint.sharded import (
     Slice,
     buffer_entries,
@@ -316,9 +317,9 @@ class CheckpointManager:
         copy_buffers(self.chunks, entries)
         self.optimizer.load(masters, {}, 0)
 
-    def load_model_state(self, model: dict[str, torch.Tensor]) -> None:
-        """Model weights from a full-shape state by global name (a converted Hugging Face
-        model), each rank taking its shards; the optimizer starts fresh."""
+    def load_model_state(self, model: Mapping[str, torch.Tensor | Lazy]) -> None:
+        """Model weights from a full-shape state by global name (a Hugging Face model's
+        lazy tensors), each rank reading its shards alone; the optimizer starts fresh."""
         masters = local_model_state(self.chunks, model, self.mesh.axis("tp"))
         self.optimizer.load(masters, {}, 0)
 

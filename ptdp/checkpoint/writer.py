@@ -23,17 +23,19 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.tensor import DTensor
 
 from ptdp.checkpoint.boxes import Boxes
+from ptdp.checkpoint.lazy import Lazy
 from ptdp.checkpoint.retention import prune, set_aside_after
 from ptdp.checkpoint.store import CHECKSUMS, LATEST, checkpoint_root, checksum, step_dir_name
 from ptdp.config.files import write_config
@@ -41,6 +43,8 @@ from ptdp.config.sections import RunConfig
 from ptdp.errors import CheckpointError
 from ptdp.files import FULL, free_bytes, replacing, size_text, write_file
 from ptdp.parallel.comm import Group, barrier, world_group
+
+E = TypeVar("E", bound=BaseException)
 
 SUMMED_BESIDE = ("tokenizer.json",)
 """Files written beside the shards whose size and checksum checksums.json holds too."""
@@ -107,9 +111,10 @@ def start_checkpoint(
         with _write_errors(pending):  # a full disk already here: the same message
             _write_beside(pending.tmp, cfg, tokenizer_file)
     barrier(world.group, world.size)
+    state, lazy = _placeholders(state)
     kwargs = {
         "storage_writer": dcp.FileSystemWriter(pending.tmp, thread_count=1),
-        "planner": DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        "planner": LazySavePlanner(lazy, flatten_state_dict=False, flatten_sharded_tensors=False),
         "no_dist": not distributed,
     }
     # "assuming the intent is to save in a single process"
@@ -125,6 +130,31 @@ def start_checkpoint(
             dcp.save(state, **kwargs)
             record_written(pending.tmp, world.rank, world.size)
     return pending
+
+
+class LazySavePlanner(DefaultSavePlanner):
+    """DCP's planner, reading each `Lazy` value (ptdp/checkpoint/lazy.py) only when the
+    writer asks for its bytes, so a conversion holds about one tensor at a time."""
+
+    def __init__(self, lazy: dict[str, Lazy], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.lazy = lazy
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        source = self.lazy.get(write_item.index.fqn)
+        if source is None:
+            return super().resolve_data(write_item)
+        return source.full()
+
+
+def _placeholders(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Lazy]]:
+    """`state` with each `Lazy` value replaced, for planning, by a float32 tensor of its
+    shape that holds no memory (one element, expanded), and the lazy values by key."""
+    lazy = {k: v for k, v in state.items() if isinstance(v, Lazy)}
+    if not lazy:
+        return state, lazy
+    held = {k: torch.zeros(()).expand(v.shape) for k, v in lazy.items()}
+    return state | held, lazy
 
 
 class BoxesStager(BlockingAsyncStager):
@@ -147,6 +177,8 @@ def _state_bytes(state: dict[str, Any]) -> int:
             total += value.to_local().numel() * value.element_size()
         elif torch.is_tensor(value):
             total += value.numel() * value.element_size()
+        elif isinstance(value, Lazy):
+            total += value.nbytes
     return total
 
 
@@ -193,7 +225,12 @@ def _then_record(written: Future, tmp: Path, rank: int, world: int) -> Future:
 
 
 def _os_error(exc: BaseException) -> OSError | None:
-    """The OSError behind a failed write: DCP wraps each rank's error (as a pair with its
+    """The OSError behind a failed write."""
+    return find_cause(exc, OSError)
+
+
+def find_cause(exc: BaseException, kind: type[E]) -> E | None:
+    """The first `kind` error behind `exc`: DCP wraps each rank's error (as a pair with its
     traceback) in a CheckpointException, itself maybe the cause of another error."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
@@ -202,7 +239,7 @@ def _os_error(exc: BaseException) -> OSError | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError):
+        if isinstance(e, kind):
             return e
         if isinstance(e, CheckpointException):
             todo.extend(pair[0] for pair in e.failures.values())

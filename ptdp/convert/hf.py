@@ -34,12 +34,17 @@ is needed to load the result.
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ptdp import checkpoint as ckpt
+from ptdp.checkpoint.full import model_entries, read_entry, read_model_tensors
+from ptdp.checkpoint.lazy import Held, Joined, Lazy, Narrowed, Stacked, Transposed
+from ptdp.checkpoint.writer import find_cause
 from ptdp.config.enums import PositionEmbedding
 from ptdp.config.files import to_dict, to_toml
 from ptdp.config.sections import ModelConfig, RunConfig
@@ -47,15 +52,21 @@ from ptdp.convert.hf_check import check_config_numbers, check_hf_shapes
 from ptdp.convert.hf_config import family, hf_config, model_config_from_hf
 from ptdp.convert.hf_files import (
     INDEX_FILE,
-    WEIGHTS_FILE,
+    HfWeights,
     check_export_dir,
     read_hf_config,
     read_hf_json,
-    weight_files,
     weight_shapes,
 )
+from ptdp.convert.safetensors_out import (
+    DEFAULT_SHARD_BYTES,
+    Entry,
+    ShardWriter,
+    plan_shards,
+    stale_weight_files,
+)
 from ptdp.errors import CheckpointError, ConfigError
-from ptdp.files import replacing, write_file
+from ptdp.files import size_text, write_file
 from ptdp.outputs import check_output_dir, make_output_dir, refuse_empty
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -117,29 +128,71 @@ published checkpoints (and `save_pretrained`) name them."""
 
 def to_hf_state(cfg: ModelConfig, model: Tensors) -> Tensors:
     """ptdp's full model state -> `transformers` tensor names and layouts."""
+    out: Tensors = {}
+    for part in hf_parts(cfg):
+        out |= part.convert(model)
+    return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
+
+
+@dataclass(frozen=True)
+class HfPart:
+    """One piece of the export, converted on its own so an export holds one piece at a
+    time: the embeddings, one layer, or the final norm and output layer. `prefixes`: the
+    ptdp names it reads start with one of them."""
+
+    prefixes: tuple[str, ...]
+    convert: Callable[[Tensors], Tensors]
+
+    def takes(self, name: str) -> bool:
+        return name.startswith(self.prefixes)
+
+
+def hf_parts(cfg: ModelConfig) -> list[HfPart]:
+    """The export's pieces in `transformers`' order (embeddings, layers, head)."""
     kind = family(cfg)
     gpt2 = kind == "gpt2"
-    out: Tensors = {}
     pre = "transformer." if gpt2 else "model."
-    out[pre + ("wte.weight" if gpt2 else "embed_tokens.weight")] = model["embedding.weight"]
-    if gpt2:
-        out["transformer.wpe.weight"] = model["position.weight"]
-    for i in range(cfg.num_layers):
-        src = f"layers.{i}."
-        dst = f"transformer.h.{i}." if gpt2 else f"model.layers.{i}."
+
+    def head(model: Tensors) -> Tensors:
+        out = {pre + ("wte.weight" if gpt2 else "embed_tokens.weight"): model["embedding.weight"]}
         if gpt2:
-            _gpt2_layer_to_hf(cfg, model, src, dst, out)
-        else:
-            _rotary_layer_to_hf(cfg, kind, i, model, src, dst, out)
-        norms = ("ln_1", "ln_2") if gpt2 else ("input_layernorm", "post_attention_layernorm")
-        for ours, theirs in zip(("norm1", "norm2"), norms):
-            for sfx in (".weight", ".bias") if gpt2 else (".weight",):
-                out[dst + theirs + sfx] = model[src + ours + sfx]
-    for sfx in (".weight", ".bias") if gpt2 else (".weight",):
-        out[pre + ("ln_f" if gpt2 else "norm") + sfx] = model["final_norm" + sfx]
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = model["output.weight"]
-    return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
+            out["transformer.wpe.weight"] = model["position.weight"]
+        return out
+
+    def layer(i: int) -> Callable[[Tensors], Tensors]:
+        return lambda model: _layer_to_hf(cfg, kind, i, model)
+
+    def tail(model: Tensors) -> Tensors:
+        out = {
+            pre + ("ln_f" if gpt2 else "norm") + sfx: model["final_norm" + sfx]
+            for sfx in ((".weight", ".bias") if gpt2 else (".weight",))
+        }
+        if not cfg.tie_embeddings:
+            out["lm_head.weight"] = model["output.weight"]
+        return out
+
+    layers = [HfPart((f"layers.{i}.",), layer(i)) for i in range(cfg.num_layers)]
+    return [
+        HfPart(("embedding.", "position."), head),
+        *layers,
+        HfPart(("final_norm.", "output."), tail),
+    ]
+
+
+def _layer_to_hf(cfg: ModelConfig, kind: str, i: int, model: Tensors) -> Tensors:
+    gpt2 = kind == "gpt2"
+    src = f"layers.{i}."
+    dst = f"transformer.h.{i}." if gpt2 else f"model.layers.{i}."
+    out: Tensors = {}
+    if gpt2:
+        _gpt2_layer_to_hf(cfg, model, src, dst, out)
+    else:
+        _rotary_layer_to_hf(cfg, kind, i, model, src, dst, out)
+    norms = ("ln_1", "ln_2") if gpt2 else ("input_layernorm", "post_attention_layernorm")
+    for ours, theirs in zip(("norm1", "norm2"), norms):
+        for sfx in (".weight", ".bias") if gpt2 else (".weight",):
+            out[dst + theirs + sfx] = model[src + ours + sfx]
+    return out
 
 
 def _gpt2_layer_to_hf(cfg: ModelConfig, model: Tensors, src: str, dst: str, out: Tensors) -> None:
@@ -181,17 +234,18 @@ def _rotary_layer_to_hf(
 
 
 class _Taker:
-    """Reads tensors by name, remembering which were used, to report any left over."""
+    """Takes source tensors by name (lazily: nothing is read here), remembering which
+    were used, to report any left over."""
 
-    def __init__(self, tensors: Tensors, strip: str) -> None:
+    def __init__(self, tensors: Mapping[str, Lazy], strip: str) -> None:
         self.tensors = {k.removeprefix(strip): v for k, v in tensors.items()}
         self.used: set[str] = set()
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def __call__(self, name: str) -> Lazy:
         if name not in self.tensors:
             raise CheckpointError(f"the Hugging Face weights lack {name!r}")
         self.used.add(name)
-        return self.tensors[name].float()
+        return self.tensors[name]
 
     def check_all_used(self, tied: bool) -> None:
         left = [
@@ -208,14 +262,16 @@ class _Taker:
             )
 
 
-def from_hf_state(cfg: ModelConfig, tensors: Tensors) -> Tensors:
-    """`transformers` weights -> ptdp's full model state (inverse of `to_hf_state`)."""
+def hf_sources(cfg: ModelConfig, tensors: Mapping[str, Lazy]) -> dict[str, Lazy]:
+    """ptdp's full model state as lazy tensors over the `transformers` ones (inverse of
+    `to_hf_state`): every name mapped, nothing read, so each rank then reads only its own
+    regions (ptdp/checkpoint/lazy.py)."""
     gpt2 = cfg.position_embedding is PositionEmbedding.LEARNED
     take = _Taker(tensors, "transformer." if gpt2 else "")
-    model: Tensors = {}
+    model: dict[str, Lazy] = {}
     if gpt2:
         model["embedding.weight"] = take("wte.weight")
-        model["position.weight"] = take("wpe.weight")[: cfg.seq_length]
+        model["position.weight"] = Narrowed(take("wpe.weight"), 0, 0, cfg.seq_length)
     else:
         model["embedding.weight"] = take("model.embed_tokens.weight")
     for i in range(cfg.num_layers):
@@ -223,11 +279,12 @@ def from_hf_state(cfg: ModelConfig, tensors: Tensors) -> Tensors:
         dst = f"layers.{i}."
         if gpt2:
             for sfx in _suffixes(cfg, "attn.qkv"):
-                q, k, v = _conv1d(take(src + "attn.c_attn" + sfx), sfx).chunk(3)
-                model[dst + "attn.qkv" + sfx] = fuse_qkv(q, k, v, cfg)
+                qkv = _conv1d_lazy(take(src + "attn.c_attn" + sfx), sfx)
+                q, k, v = (Narrowed(qkv, 0, j * cfg.hidden_size, cfg.hidden_size) for j in range(3))
+                model[dst + "attn.qkv" + sfx] = fuse_qkv_lazy(q, k, v, cfg)
             for sfx in _suffixes(cfg, "attn.proj"):
                 for ours, theirs in GPT2_LINEARS:
-                    model[dst + ours + sfx] = _conv1d(take(src + theirs + sfx), sfx)
+                    model[dst + ours + sfx] = _conv1d_lazy(take(src + theirs + sfx), sfx)
         else:
             _rotary_layer_from_hf(cfg, i, take, src, dst, model)
         norms = ("ln_1", "ln_2") if gpt2 else ("input_layernorm", "post_attention_layernorm")
@@ -239,15 +296,37 @@ def from_hf_state(cfg: ModelConfig, tensors: Tensors) -> Tensors:
     if not cfg.tie_embeddings:
         model["output.weight"] = take("lm_head.weight")
     take.check_all_used(cfg.tie_embeddings)
-    return {k: v.contiguous().clone() for k, v in model.items()}
+    return model
+
+
+def from_hf_state(cfg: ModelConfig, tensors: Tensors) -> Tensors:
+    """`transformers` weights in memory -> ptdp's full model state, every tensor whole
+    (the single-process view; loading reads each rank's slices of `hf_sources` instead)."""
+    lazy = hf_sources(cfg, {k: Held(v) for k, v in tensors.items()})
+    return {k: v.full() for k, v in lazy.items()}
+
+
+def fuse_qkv_lazy(q: Lazy, k: Lazy, v: Lazy, cfg: ModelConfig) -> Lazy:
+    """`fuse_qkv` without reading: the rows of each key/value group in turn."""
+    g, d = cfg.query_groups, cfg.head_dim
+    r = cfg.num_heads // g
+    rows: list[Lazy] = []
+    for j in range(g):
+        rows.append(Narrowed(q, 0, j * r * d, r * d))
+        rows += [Narrowed(k, 0, j * d, d), Narrowed(v, 0, j * d, d)]
+    return Joined(tuple(rows))
+
+
+def _conv1d_lazy(x: Lazy, suffix: str) -> Lazy:
+    return Transposed(x) if suffix == ".weight" else x
 
 
 def _rotary_layer_from_hf(
-    cfg: ModelConfig, i: int, take: _Taker, src: str, dst: str, model: Tensors
+    cfg: ModelConfig, i: int, take: _Taker, src: str, dst: str, model: dict[str, Lazy]
 ) -> None:
     for sfx in _suffixes(cfg, "attn.qkv"):
         q, k, v = (take(src + "self_attn." + m + sfx) for m in ("q_proj", "k_proj", "v_proj"))
-        model[dst + "attn.qkv" + sfx] = fuse_qkv(q, k, v, cfg)
+        model[dst + "attn.qkv" + sfx] = fuse_qkv_lazy(q, k, v, cfg)
     if cfg.qk_norm:
         for name in ("q_norm", "k_norm"):
             model[dst + f"attn.{name}.weight"] = take(src + f"self_attn.{name}.weight")
@@ -258,11 +337,11 @@ def _rotary_layer_from_hf(
         return
     for sfx in _suffixes(cfg, "mlp.fc1"):
         gate, up, down = (take(f"{src}mlp.{m}{sfx}") for m in ("gate_proj", "up_proj", "down_proj"))
-        model[dst + "mlp.fc1" + sfx] = torch.cat([gate, up])
+        model[dst + "mlp.fc1" + sfx] = Joined((gate, up))
         model[dst + "mlp.fc2" + sfx] = down
 
 
-def _experts_from_hf(cfg: ModelConfig, take: _Taker, src: str, dst: str) -> Tensors:
+def _experts_from_hf(cfg: ModelConfig, take: _Taker, src: str, dst: str) -> dict[str, Lazy]:
     """One MoE block: the router, and the experts either one module each (published
     checkpoints) or fused [e, 2f, h] `gate_up_proj` and [e, h, f] `down_proj` tensors
     (`transformers` 5's own modules, the layout of ptdp's fc1 and fc2)."""
@@ -273,10 +352,9 @@ def _experts_from_hf(cfg: ModelConfig, take: _Taker, src: str, dst: str) -> Tens
         fc1, fc2 = take(src + "mlp.experts.gate_up_proj"), take(src + "mlp.experts.down_proj")
     else:
         experts = [f"{src}{block}.experts.{j}." for j in range(cfg.num_experts)]
-        fc1 = torch.stack(
-            [torch.cat([take(e + w_gate + ".weight"), take(e + w_up + ".weight")]) for e in experts]
-        )
-        fc2 = torch.stack([take(e + w_down + ".weight") for e in experts])
+        pairs = ((take(e + w_gate + ".weight"), take(e + w_up + ".weight")) for e in experts)
+        fc1 = Stacked(tuple(Joined(pair) for pair in pairs))
+        fc2 = Stacked(tuple(take(e + w_down + ".weight") for e in experts))
     return {
         dst + "mlp.router.weight": take(src + f"{block}.gate.weight"),
         dst + "mlp.experts.fc1.weight": fc1,
@@ -285,16 +363,6 @@ def _experts_from_hf(cfg: ModelConfig, take: _Taker, src: str, dst: str) -> Tens
 
 
 # ---------------------------------------------------------------------- files
-
-
-def _safetensors():  # noqa: ANN202 - a module
-    try:
-        import safetensors.torch
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ConfigError(
-            "converting to or from Hugging Face needs safetensors: pip install 'ptdp[hf]'"
-        ) from exc
-    return safetensors.torch
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -318,26 +386,17 @@ def check_hf_model(directory: Path, config: dict) -> None:
 
 
 def read_hf_weights(directory: Path) -> Tensors:
-    """A `transformers` model directory's weights: safetensors (one file or an index),
-    each checked whole first (convert/hf_files.py), or pytorch_model.bin."""
-    files = weight_files(directory)
-    if files:
-        tensors: Tensors = {}
-        for file in files:
-            try:
-                tensors |= _safetensors().load_file(file)
-            except Exception as exc:  # safetensors raises its own error types
-                raise CheckpointError(
-                    f"cannot read Hugging Face weights file {file} ({exc}); the file is "
-                    "damaged: download or export the model again"
-                ) from None
-        return tensors
-    if (directory / "pytorch_model.bin").is_file():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise CheckpointError(
-        f"{directory} holds no {WEIGHTS_FILE}, {INDEX_FILE} or pytorch_model.bin: "
-        "is it a Hugging Face model directory (save_pretrained output)?"
-    )
+    """A `transformers` model directory's weights, whole, in float32: safetensors (one
+    file or an index), each checked whole first (convert/hf_files.py), or
+    pytorch_model.bin. The single-process view; a load reads `HfWeights` by region."""
+    with HfWeights(directory) as weights:
+        return {name: lazy.full() for name, lazy in weights.tensors.items()}
+
+
+def _read_error(exc: BaseException) -> BaseException:
+    """The CheckpointError naming a damaged source file behind a failed write (DCP wraps
+    the errors of its writer threads), else `exc` itself."""
+    return find_cause(exc, CheckpointError) or exc
 
 
 def _export_tokenizer(step_dir: Path, entry: str, out: Path, cfg: ModelConfig) -> list[str]:
@@ -367,19 +426,46 @@ def _export_tokenizer(step_dir: Path, entry: str, out: Path, cfg: ModelConfig) -
     return []
 
 
-def export_hf(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> ConvertResult:
+def export_hf(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> ConvertResult:
     """Write a ptdp checkpoint (run, checkpoints or step directory) as a `transformers`
-    model directory: config.json, model.safetensors (fp32), tokenizer.json when it has one.
-    A directory that holds files is refused unless `overwrite`."""
+    model directory: config.json, the fp32 weights in files of at most `shard_bytes`
+    (model.safetensors, or model-0000k-of-0000n.safetensors with their index), and
+    tokenizer.json when it has one. Streams: the model's tensors are read a layer at a
+    time (never the optimizer's moments), converted and written, so the export holds
+    about one layer whatever the model's size. A directory that holds files is refused
+    unless `overwrite`; then an earlier export's weight files there are replaced."""
     refuse_empty(out, "OUT")
     check_export_dir(Path(out), overwrite)
     step_dir = ckpt.find_checkpoint(checkpoint)
     cfg = ckpt.load_config(step_dir).model
     kind = family(cfg)  # refuse before reading the weights
-    state = ckpt.load_checkpoint(step_dir)
-    tensors = to_hf_state(cfg, state["model"])
+    entries = model_entries(step_dir)  # its files checked
+    parts = [(part, [n for n in entries if part.takes(n)]) for part in hf_parts(cfg)]
+    meta = {n: torch.empty(shape, device="meta") for n, (_, shape, _) in entries.items()}
+    plan = [
+        Entry(name, tuple(t.shape))
+        for part, names in parts
+        for name, t in part.convert({n: meta[n] for n in names}).items()
+    ]
     out = make_output_dir(out, "OUT")
-    entry = state.get("tokenizer", "")
+    with ShardWriter(out, plan_shards(plan, shard_bytes)) as writer:
+        for part, names in parts:  # one layer in memory at a time
+            for name, tensor in part.convert(read_model_tensors(step_dir, entries, names)).items():
+                writer.write(name, tensor)
+    index = writer.index()
+    written = list(writer.names)
+    if index is not None:
+        write_file(out / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+        written.append(INDEX_FILE)
+    for stale in stale_weight_files(out, written):  # an earlier export's, with --overwrite
+        stale.unlink()
+    entry = read_entry(step_dir, "tokenizer") or ""
     notes = _export_tokenizer(step_dir, entry, out, cfg)
     if cfg.moe_capacity_factor:
         notes.append(
@@ -391,11 +477,10 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, overwrite: bool = Fals
         from ptdp.data.tokenizers import load_tokenizer
 
         eod_id = load_tokenizer("bytes" if entry == "bytes" else step_dir / entry).eod_id
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    with replacing(out / WEIGHTS_FILE, nbytes) as tmp:
-        _safetensors().save_file(tensors, tmp, metadata={"format": "pt"})
     config = hf_config(cfg, eod_id)
     write_file(out / "config.json", json.dumps(config, indent=2) + "\n")
+    if len(written) > 1:
+        notes.append(f"weights in {len(writer.names)} files of at most {size_text(shard_bytes)}")
     return ConvertResult(out, kind, tuple(notes))
 
 
@@ -421,23 +506,28 @@ def import_hf(directory: str | Path, run_dir: str | Path, *, seq_length: int = 0
         )
     check_output_dir(run_dir, "OUT")  # made only once the model has converted
     check_hf_model(directory, config)  # before any conversion
-    model = from_hf_state(cfg, read_hf_weights(directory))
-    make_output_dir(run_dir, "OUT")
     base = RunConfig()
     run_cfg = replace(base, model=cfg, train=replace(base.train, run_dir=str(run_dir)))
     tokenizer = directory / TOKENIZER_FILE
     tokenizer = tokenizer if tokenizer.is_file() else None
-    state = {
-        "model": model,
-        "optimizer": {"state": {}, "param_groups": []},  # AdamW starts fresh
-        "loss_scaler": None,
-        "step": 0,
-        "consumed_samples": 0,
-        "rng": {"cpu": torch.Generator().manual_seed(run_cfg.train.seed).get_state()},
-        "config": to_dict(run_cfg),
-        "tokenizer": TOKENIZER_FILE if tokenizer else "",
-    }
-    step_dir = ckpt.save_checkpoint(run_dir, 0, state, run_cfg, tokenizer)
+    with HfWeights(directory) as weights:  # each tensor read as it is written
+        model = hf_sources(cfg, weights.tensors)  # every name mapped before OUT is made
+        state = {
+            "model": model,
+            "optimizer": {"state": {}, "param_groups": []},  # AdamW starts fresh
+            "loss_scaler": None,
+            "step": 0,
+            "consumed_samples": 0,
+            "rng": {"cpu": torch.Generator().manual_seed(run_cfg.train.seed).get_state()},
+            "config": to_dict(run_cfg),
+            "tokenizer": TOKENIZER_FILE if tokenizer else "",
+        }
+        make_output_dir(run_dir, "OUT")
+        try:
+            step_dir = ckpt.save_checkpoint(run_dir, 0, state, run_cfg, tokenizer)
+        except BaseException as exc:
+            shutil.rmtree(run_dir, ignore_errors=True)  # new or empty: nothing of the user's
+            raise _read_error(exc) from None
     write_file(run_dir / "config.toml", to_toml(run_cfg))
     notes = [] if tokenizer else [f"{directory} has no {TOKENIZER_FILE}; none recorded"]
     return ConvertResult(step_dir, family(cfg), tuple(notes))

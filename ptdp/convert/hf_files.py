@@ -13,12 +13,15 @@ also compare the tensors' shapes in the headers with what config.json implies
 from __future__ import annotations
 
 import json
+import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
+from ptdp.checkpoint.lazy import Held, Lazy, Region, Stored
 from ptdp.config.sections import ModelConfig
 from ptdp.convert.hf_check import check_config_numbers
 from ptdp.convert.hf_config import model_config_from_hf
@@ -27,13 +30,20 @@ from ptdp.outputs import check_output_dir
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = f"{WEIGHTS_FILE}.index.json"
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 MAX_HEADER_BYTES = 100_000_000
 """The safetensors format's own limit on the JSON header."""
 FIX = "download or export the model again"
 
 
-EXPORTED = (WEIGHTS_FILE, "config.json", "tokenizer.json", "tokenizer_config.json")
-"""The files `ptdp convert --to hf` writes (with --overwrite, only these are replaced)."""
+EXPORTED = (
+    f"{WEIGHTS_FILE} (or model-0000k-of-0000n.safetensors and {INDEX_FILE})",
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+"""The files `ptdp convert --to hf` writes (with --overwrite, only these are replaced, and
+an earlier export's weight files that this one does not write are removed)."""
 
 
 def check_export_dir(out: Path, overwrite: bool) -> None:
@@ -43,11 +53,18 @@ def check_export_dir(out: Path, overwrite: bool) -> None:
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and not overwrite:
         shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        model = (out / "config.json").is_file() or bool(weight_names(held))
+        what = "files of another model" if model else "files"
         raise ConfigError(
-            f"OUT = '{out}' already holds files ({shown}), which an export would replace or "
+            f"OUT = '{out}' already holds {what} ({shown}), which an export would replace or "
             "mix with; choose a new or empty directory, or pass --overwrite to replace "
             f"{', '.join(EXPORTED)} there (other files are left alone)"
         )
+
+
+def weight_names(names: list[str]) -> list[str]:
+    """Which of `names` are a model's weight files, as ptdp and transformers name them."""
+    return [n for n in names if n in (WEIGHTS_FILE, INDEX_FILE) or SHARD_NAME.fullmatch(n)]
 
 
 def read_hf_json(directory: Path) -> dict[str, Any]:
@@ -110,16 +127,48 @@ def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape, from the safetensors headers (files checked whole first) or
     pytorch_model.bin (mapped, not read); {} when there are no weights."""
     files = weight_files(directory)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        with file.open("rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        shapes |= {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
-    if not files and (directory / "pytorch_model.bin").is_file():
+    if files:
+        places = tensor_files(directory, files)
+        return {name: tuple(info["shape"]) for name, (_, info) in places.items()}
+    if (directory / "pytorch_model.bin").is_file():
         state = torch.load(directory / "pytorch_model.bin", mmap=True, weights_only=True)
-        shapes = {k: tuple(v.shape) for k, v in state.items()}
-    return shapes
+        return {k: tuple(v.shape) for k, v in state.items()}
+    return {}
+
+
+def read_header(file: Path) -> dict[str, Any]:
+    """A safetensors file's header: each tensor's dtype, shape and data offsets."""
+    with file.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def tensor_files(directory: Path, files: list[Path]) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """Each tensor's file and header entry. A tensor two files hold, or one the index
+    places in a file that lacks it, is refused: which copy is the model's is unknown."""
+    places: dict[str, tuple[Path, dict[str, Any]]] = {}
+    for file in files:
+        for name, info in read_header(file).items():
+            if name in places:
+                raise CheckpointError(
+                    f"Hugging Face weights tensor {name!r} is held by two files, "
+                    f"{places[name][0]} and {file}, so which is the model's is unknown: "
+                    f"the shards are from different exports; {FIX}"
+                )
+            places[name] = (file, info)
+    index = directory / INDEX_FILE
+    if not (directory / WEIGHTS_FILE).is_file():  # the files came from the index
+        for name, shard in json.loads(index.read_text())["weight_map"].items():
+            held = places.get(name, (None,))[0]
+            if held is None or held.name != str(shard):
+                where = f"it is in {held}" if held else "no file holds it"
+                raise CheckpointError(
+                    f"the weights index {index} places tensor {name!r} in {shard}, but "
+                    f"{where}: the index and the shards are from different exports; {FIX}"
+                )
+    return places
 
 
 def check_safetensors(file: Path) -> None:
@@ -159,3 +208,65 @@ def _truncated(file: Path, size: int, want: int, what: str) -> NoReturn:
 
 def _malformed(file: Path, problem: str) -> NoReturn:
     raise CheckpointError(f"Hugging Face weights file {file} is damaged: {problem}; {FIX}")
+
+
+class HfWeights:
+    """A model directory's tensors, opened lazily: safetensors files memory-mapped
+    (`safe_open`, read by slice), or pytorch_model.bin mapped by `torch.load(mmap=True)`,
+    so a reader of one region reads that region's bytes alone (ptdp/checkpoint/lazy.py).
+    Use as a context manager; the files close on exit."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._open: dict[Path, Any] = {}
+        files = weight_files(directory)
+        if files:
+            self.tensors: dict[str, Lazy] = {
+                name: Stored(name, tuple(info["shape"]), self._fetcher(file, name))
+                for name, (file, info) in tensor_files(directory, files).items()
+            }
+        elif (directory / "pytorch_model.bin").is_file():
+            file = directory / "pytorch_model.bin"
+            try:
+                state = torch.load(file, mmap=True, weights_only=True)
+            except Exception as exc:  # torch raises several types for damaged archives
+                problem = f"cannot read Hugging Face weights file {file} ({exc})"
+                raise CheckpointError(f"{problem}; {FIX}") from None
+            self.tensors = {k: Held(v) for k, v in state.items()}
+        else:
+            raise CheckpointError(
+                f"{directory} holds no {WEIGHTS_FILE}, {INDEX_FILE} or pytorch_model.bin: "
+                "is it a Hugging Face model directory (save_pretrained output)?"
+            )
+
+    def _fetcher(self, file: Path, name: str) -> Callable[[Region], torch.Tensor]:
+        def fetch(region: Region) -> torch.Tensor:
+            try:
+                return self._handle(file).get_slice(name)[region]
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(
+                    f"cannot read tensor {name!r} of Hugging Face weights file {file} "
+                    f"({exc}); the file is damaged: {FIX}"
+                ) from None
+
+        return fetch
+
+    def _handle(self, file: Path) -> Any:
+        if file not in self._open:
+            try:
+                from safetensors import safe_open
+            except ImportError as exc:  # pragma: no cover - depends on the environment
+                raise ConfigError(
+                    "reading Hugging Face weights needs safetensors: pip install 'ptdp[hf]'"
+                ) from exc
+            self._open[file] = safe_open(str(file), framework="pt")
+        return self._open[file]
+
+    def close(self) -> None:
+        self._open.clear()  # safe_open handles unmap when dropped
+
+    def __enter__(self) -> HfWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -12,7 +12,7 @@ consecutive experts, a split independent of the tensor one (a later dim).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +131,35 @@ def local_part(full: torch.Tensor, param: torch.Tensor, tp_rank: int) -> torch.T
     if spec is not None:
         full = spec.shard(full, split_rank(param, tp_rank))  # pads, at any tp
     return split.take(full) if split is not None else full
+
+
+def read_local(
+    read: Callable[[tuple[slice, ...]], torch.Tensor], param: torch.Tensor, tp_rank: int
+) -> torch.Tensor:
+    """`local_part` of a tensor never held whole: `read(region)` gives that region of the
+    single-process tensor (ptdp/checkpoint/lazy.py), and only this rank's regions are
+    asked for: its experts, and its rows of each block of the tensor split (one region per
+    SwiGLU block), padded as `ShardSpec.shard` pads."""
+    spec, split = shard_spec(param), expert_split(param)
+    region = [slice(0, n) for n in global_shape(param)]
+    if split is not None:
+        region[0] = slice(split.first, split.first + split.local)
+    if spec is None:
+        return read(tuple(region))
+    rank = split_rank(param, tp_rank)
+    if spec.padded_size != spec.full_size:
+        region[spec.dim] = slice(spec.start(rank), spec.start(rank) + spec.rows(rank))
+        piece = read(tuple(region))
+        pad = spec.local_size - piece.shape[spec.dim]
+        return nn.functional.pad(piece, [0, 0] * (piece.dim() - 1 - spec.dim) + [0, pad])
+    block = spec.full_size // spec.parts
+    chunk = block // spec.size
+    pieces = []
+    for b in range(spec.parts):
+        lo = b * block + rank * chunk
+        region[spec.dim] = slice(lo, lo + chunk)
+        pieces.append(read(tuple(region)))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.dim)
 
 
 def padded(n: int, size: int) -> int:

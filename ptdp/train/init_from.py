@@ -23,8 +23,8 @@ from ptdp import checkpoint as ckpt
 from ptdp.checkpoint.store import load_entries
 from ptdp.config.enums import PositionEmbedding
 from ptdp.config.sections import LAYOUT_ONLY_MODEL_KEYS, DataConfig, ModelConfig, RunConfig
-from ptdp.convert.hf import TOKENIZER_FILE, check_hf_model, from_hf_state, read_hf_weights
-from ptdp.convert.hf_files import read_hf_config, read_hf_json, weight_files
+from ptdp.convert.hf import TOKENIZER_FILE, check_hf_model, hf_sources
+from ptdp.convert.hf_files import HfWeights, read_hf_config, read_hf_json, weight_files
 from ptdp.data.preprocess import read_metadata
 from ptdp.errors import CheckpointError, ConfigError
 from ptdp.train.data_setup import tokenizer_spec_for
@@ -100,7 +100,7 @@ def _check_weight_files(directory: Path) -> None:
     """The safetensors files are there, whole, and their headers read (before launch)."""
     files = weight_files(directory)  # each named if missing or truncated
     if not files:
-        read_hf_weights(directory)  # pytorch_model.bin, or the error naming what is missing
+        HfWeights(directory)  # pytorch_model.bin mapped, or the error naming what is missing
         return
     from safetensors import safe_open
 
@@ -246,14 +246,5 @@ def load_initial_weights(
     if not source.hf:
         manager.load_weights(source.path)
         return
-    try:
-        tensors = read_hf_weights(source.path)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # safetensors and torch.load raise their own types
-        raise CheckpointError(
-            f"cannot read the Hugging Face weights in {source.path} ({exc}); export or "
-            "download the model again"
-        ) from None
-    with torch.no_grad():
-        manager.load_model_state(from_hf_state(model, tensors))
+    with HfWeights(source.path) as weights, torch.no_grad():  # each rank its regions
+        manager.load_model_state(hf_sources(model, weights.tensors))
