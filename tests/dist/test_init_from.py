@@ -29,7 +29,7 @@ LAYOUTS = {
     "dp2": ({}, {"distributed": True}),
     "ep2": ({"ep": 2}, {"distributed": True}),
 }
-LAYOUTS_OF = {"ptdp": ("tp2", "pp2", "dp2"), "hf": ("tp2",), "mixtral": ("ep2",)}
+LAYOUTS_OF = {"ptdp": ("tp2", "pp2", "dp2"), "hf": ("tp2", "pp2"), "mixtral": ("ep2",)}
 """The Hugging Face path shards the same way in every layout; experts split only with MoE."""
 STEPS = {"steps": 3, "micro_batch_size": 2}
 
