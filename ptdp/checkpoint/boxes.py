@@ -80,8 +80,11 @@ class TensorPlace:
 def placed_boxes(
     place: TensorPlace, values: torch.Tensor, lo: int
 ) -> list[tuple[Box, torch.Tensor]]:
-    """(global box, its values as a new contiguous fp32 tensor) for the flat slice
-    `values` of the tensor-local elements starting at `lo`, padding left out."""
+    """(global box, its values as a view of `values`, fp32) for the flat slice `values` of
+    the tensor-local elements starting at `lo`, padding left out. A view: a synchronous
+    save writes the live tensors (DCP's writer copies a view of a larger storage, one box
+    at a time, rather than write the whole storage) and an asynchronous one copies each
+    box once (`Boxes.snapshot`)."""
     out = []
     for box in flat_boxes(place.shape, lo, lo + values.numel()):
         data = values[box.start - lo : box.start - lo + math.prod(box.sizes)].view(box.sizes)
@@ -94,8 +97,7 @@ def placed_boxes(
         if min(sizes, default=1) <= 0:
             continue
         offsets = tuple(a + o for a, o in zip(box.offsets, place.offsets))
-        # a copy of its own: a view would write (or snapshot) its whole storage
-        out.append((Box(offsets, tuple(sizes), 0), data.to(torch.float32, copy=True)))
+        out.append((Box(offsets, tuple(sizes), 0), data.to(torch.float32)))
     return out
 
 
@@ -146,6 +148,14 @@ class Boxes(torch.Tensor):
                 return data
         raise ValueError(f"no box at {tuple(index.offset)} of {index.fqn}")
 
-    def to_cpu(self) -> Boxes:
-        """The same boxes in CPU memory: a snapshot for an asynchronous save."""
-        return Boxes(tuple(self.shape), [(b, d.to("cpu", copy=True)) for b, d in self.boxes])
+    def snapshot(self, *, pinned: bool = False) -> Boxes:
+        """The same boxes copied once into host memory of their own (`pinned`: page-locked,
+        copied asynchronously from a GPU): the snapshot an asynchronous save writes."""
+        return Boxes(tuple(self.shape), [(b, host_copy(d, pinned=pinned)) for b, d in self.boxes])
+
+
+def host_copy(t: torch.Tensor, *, pinned: bool = False) -> torch.Tensor:
+    """A compact host copy of `t` (a view too: only its elements); `pinned` copies from a
+    GPU into page-locked memory without waiting (record an event to know when it is done)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
+    return out.copy_(t, non_blocking=pinned)

@@ -11,6 +11,7 @@ whatever the saving ranks wrote, so the layout may change between runs.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ from ptdp.checkpoint.store import (
     read_metadata,
     verify_files,
 )
+from ptdp.checkpoint.summed import BackgroundCheck
 from ptdp.checkpoint.writer import PendingCheckpoint, start_checkpoint
 from ptdp.config.files import to_dict
 from ptdp.config.sections import RunConfig
@@ -121,6 +123,9 @@ class CheckpointManager:
     _dcp_mesh: DeviceMesh | None = field(default=None, init=False)
     _dcp_mesh_built: bool = field(default=False, init=False)
     _tok_json: bytes | None = field(default=None, init=False)
+    last_stall_s: float = field(default=0.0, init=False)
+    """Seconds the training thread spent in the last `save` (with an asynchronous save:
+    waiting for the previous one, the finite check and the one copy; the write is hidden)."""
     restored_layout: str = field(default="", init=False)
     """The layout (Layout.describe()) the last restored checkpoint was saved in."""
 
@@ -131,11 +136,13 @@ class CheckpointManager:
     def state(self, step: int) -> dict[str, Any]:
         """This rank's checkpoint entries at `step`: its shards of the fp32 master weights
         and AdamW moments as DCP tensors, its random state, and the run's scalars (the same
-        on every rank; DCP writes them once)."""
+        on every rank; DCP writes them once). The tensors are views of the live ones (no
+        copy): a synchronous save writes them as they are, an asynchronous one snapshots
+        them once (ptdp/checkpoint/writer.py)."""
         slices = self.optimizer.owned_slices()  # fp32, also under 16-bit training
         state = sharded_state(self.chunks, slices, self._stage_mesh(), self.tp_rank)
         for name, b in named_buffers(self.chunks):  # replicated: DCP writes one copy
-            state[MODEL + name] = b.detach().clone()
+            state[MODEL + name] = b.detach()  # live: an asynchronous save copies it once
         opt_step = self.optimizer.step_count()
         rng = f"{RNG}rank{self.world.rank}/"
         state[rng + "cpu"] = torch.get_rng_state()
@@ -181,9 +188,17 @@ class CheckpointManager:
     def save(self, step: int) -> Path:
         """Every rank writes its own shards (no gather); rank 0 publishes the result.
 
-        With `train.async_save`, the state is copied to CPU memory and written in the
-        background; it is published by the next `save` or `finish_save` (all ranks call
-        both at the same steps), so `latest` names it only then."""
+        With `train.async_save`, the state is copied once to host memory and planned and
+        written in the background; it is published by the next `save` or `finish_save`
+        (all ranks call both at the same steps), so `latest` names it only then. The time
+        spent here is `last_stall_s`."""
+        start = time.perf_counter()
+        try:
+            return self._save(step)
+        finally:
+            self.last_stall_s = time.perf_counter() - start
+
+    def _save(self, step: int) -> Path:
         self.finish_save()  # the previous asynchronous save first
         if not self.state_is_finite():
             raise NonFiniteState(step, self.run_dir)
@@ -199,6 +214,7 @@ class CheckpointManager:
             distributed=self.world.size > 1,
             asynchronous=asynchronous,
             process_group=self._save_group() if asynchronous else None,
+            threads=self.cfg.checkpoint.writer_threads,
         )
         if not asynchronous:
             return pending.finish()
@@ -254,8 +270,8 @@ class CheckpointManager:
         the checkpoint's step."""
         if (step_dir / STATE_FILE).is_file():  # the earlier single-file format
             return self._restore_full(load_checkpoint(step_dir))
-        distributed = self.world.size > 1
-        keys = self._verified_metadata(step_dir).state_dict_metadata
+        metadata = self._verified_metadata(step_dir)
+        keys = metadata.state_dict_metadata
         entries, plan = load_plan(self.chunks, keys, self._stage_mesh(), self.tp_rank)
         entries |= buffer_entries(self.chunks, keys)
         scalars = ("step", "loss_scaler", "layout", "optimizer/step")
@@ -264,7 +280,7 @@ class CheckpointManager:
         for key in (k for k in keys if k.startswith(rng)):
             md = keys[key]
             entries[key] = torch.empty(md.size, dtype=md.properties.dtype)
-        load_entries(step_dir, entries, distributed=distributed)
+        self._load_checked(step_dir, metadata, entries)
         masters, moments = unpack(plan, self.tp_rank)
         copy_buffers(self.chunks, entries)
         self.optimizer.load(masters, moments, int(entries.get("optimizer/step") or 0))
@@ -281,15 +297,37 @@ class CheckpointManager:
         return step
 
     def _verified_metadata(self, step_dir: Path):
-        """The DCP metadata, once every rank has checked its share of the files (missing,
-        truncated, checksum) and all agree."""
+        """The DCP metadata, once every rank has checked its share of the files by name and
+        size (missing, truncated) and all agree; checksums are checked while loading
+        (`_load_checked`)."""
         metadata = read_metadata(step_dir)
-        problems = verify_files(step_dir, metadata, self.world.rank, self.world.size)
+        share = verify_files(step_dir, metadata, self.world.rank, self.world.size, checksums=False)
+        self._raise_any(share)
+        return metadata
+
+    def _raise_any(self, problems: list[str], cause: BaseException | None = None) -> None:
+        """Collective: raise every rank's problems as one CheckpointError, if any."""
         parts = all_gather_objects(problems, self.world.group, self.world.size)
         problems = [p for part in parts for p in part]
         if problems:
-            raise CheckpointError("; ".join(problems))
-        return metadata
+            raise CheckpointError("; ".join(problems)) from cause
+
+    def _load_checked(self, step_dir: Path, metadata, entries: dict[str, Any]) -> None:
+        """dcp.load into `entries` while this rank's share of the files is checksummed in a
+        background thread (no separate full read before the load); every rank's checksum
+        problems are raised, naming the damaged files, before anything loaded is used, and
+        in place of DCP's own error when the damage made the load fail."""
+        rank, size = self.world.rank, self.world.size
+        failure: CheckpointError | None = None
+        with BackgroundCheck(lambda: verify_files(step_dir, metadata, rank, size)) as check:
+            try:
+                load_entries(step_dir, entries, distributed=size > 1)
+            except CheckpointError as exc:  # on every rank (DCP gathers its errors)
+                failure = exc
+            problems = check.problems()
+        self._raise_any(problems, failure)
+        if failure is not None:
+            raise failure
 
     def load_weights(self, step_dir: Path) -> None:
         """Only the model weights of a checkpoint saved in any layout, resharded as in
@@ -298,7 +336,8 @@ class CheckpointManager:
         if (step_dir / STATE_FILE).is_file():  # the earlier single-file format
             self.load_model_state(load_checkpoint(step_dir)["model"])
             return
-        metadata = self._verified_metadata(step_dir).state_dict_metadata
+        checkpoint = self._verified_metadata(step_dir)
+        metadata = checkpoint.state_dict_metadata
         keys = {k: v for k, v in metadata.items() if k.startswith(MODEL)}
         mine = dict(named_parameters(self.chunks)).get(POSITIONS)
         saved = keys.get(MODEL + POSITIONS)
@@ -310,7 +349,7 @@ class CheckpointManager:
         if longer:
             rows = entries[MODEL + POSITIONS]
             entries[MODEL + POSITIONS] = torch.empty(saved.size, dtype=torch.float32)
-        load_entries(step_dir, entries, distributed=self.world.size > 1)
+        self._load_checked(step_dir, checkpoint, entries)
         if longer:
             rows.copy_(entries[MODEL + POSITIONS][: rows.shape[0]])
         masters, _ = unpack(plan, self.tp_rank)

@@ -12,6 +12,8 @@ the current layout, whatever stored boxes overlap each rank's tensors, described
 DTensors over the ("dp", "tp") sub-mesh of its pipeline stage, so a checkpoint saved in one
 layout or ZeRO level restores in any other (tests/dist/test_zero.py compares the moments
 tensor by tensor).
+An expert-split tensor is read by slice instead: one box of this rank's experts (dim 0),
+so no rank reads the experts it does not keep.
 
 Keys are layout-free (ptdp/checkpoint/keys.py). The last pipeline stage's copy of a tied
 embedding is not saved; it loads from `embedding.weight`.
@@ -27,7 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ptdp.checkpoint.boxes import Boxes, TensorPlace, placed_boxes
+from ptdp.checkpoint.boxes import Box, Boxes, TensorPlace, placed_boxes
 from ptdp.checkpoint.keys import (
     MODEL,
     MOMENTS,
@@ -40,6 +42,7 @@ from ptdp.checkpoint.keys import (
 from ptdp.errors import CheckpointError
 from ptdp.parallel.comm import has_process_group
 from ptdp.parallel.init import (
+    ExpertSplit,
     ShardSpec,
     expert_split,
     global_shape,
@@ -173,13 +176,17 @@ class _Target:
     value: torch.Tensor
     p: torch.Tensor
     local: torch.Tensor | None  # the padded tensor-local tensor a DTensor fills
+    experts: torch.Tensor | None = None  # this rank's experts only, read by slice
 
     def result(self, tp_rank: int) -> torch.Tensor:
         if self.local is not None:
             return self.local
-        full, dim = self.value, parts_dim(self.key)
+        full, dim = self.value if self.experts is None else self.experts, parts_dim(self.key)
         if dim is not None:
             full = full.flatten(dim, dim + 1)
+        if self.experts is not None:  # its experts already: only the tensor split is left
+            spec = shard_spec(self.p)
+            return spec.shard(full, split_rank(self.p, tp_rank)) if spec is not None else full
         return local_part(full, self.p, tp_rank)  # pads; takes this rank's experts
 
 
@@ -201,14 +208,29 @@ def _target(key: str, stored: str, shape, p: torch.Tensor, sub, tp_rank: int, na
             f"model's {full_shape} ({name}); is it the same model?"
         )
     parts_stored = dim is not None
-    # An expert-split tensor is read whole and sliced (`_Target.result`): the ("dp", "tp")
-    # mesh of the DTensor read cannot say which experts a rank holds.
-    whole = expert_split(p) is not None
-    if _sharded(spec, sub) and parts_stored == (spec.parts > 1) and not whole:
+    split = expert_split(p)
+    if split is not None and split.size > 1:
+        return _expert_target(stored, tuple(shape), p, split)
+    if _sharded(spec, sub) and parts_stored == (spec.parts > 1) and split is None:
         local = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         return _Target(stored, _dtensor(local, spec, sub, tp_rank), p, local)
     value = torch.empty(tuple(shape), dtype=torch.float32, device=p.device)
     return _Target(stored, value, p, None)
+
+
+def _expert_target(
+    stored: str, shape: tuple[int, ...], p: torch.Tensor, split: ExpertSplit
+) -> _Target:
+    """An expert-split tensor is read by slice: only this rank's experts (rows
+    [first, first + local) of dim 0), whole along the other dims, described to DCP as one
+    box of the global tensor (`Boxes`), so no rank reads the experts it does not keep
+    (DESIGN invariant 5). The ("dp", "tp") mesh of a DTensor read cannot say which
+    experts a rank holds; `_Target.result` then takes the expert tensor-parallel slice."""
+    rows = (split.local, *shape[1:])
+    value = torch.empty(rows, dtype=torch.float32, device=p.device)
+    offsets = (split.first,) + (0,) * (len(shape) - 1)
+    box = Boxes(shape, [(Box(offsets, rows, 0), value)])
+    return _Target(stored, box, p, None, experts=value)
 
 
 def load_plan(

@@ -5,19 +5,24 @@ once, so nothing is gathered to rank 0); each rank then records the size and che
 the files it wrote (`written.rank<r>.json`); rank 0 merges those records into
 `checksums.json` and renames the directory when every rank is done, and only then does
 `latest` move (written to a temporary file and `os.replace`d), so a crash or a failed
-save leaves the previous checkpoint as the latest. An asynchronous save
-(`start_checkpoint(asynchronous=True)`) copies the state to CPU memory, writes it (and
-its record) in a background thread and publishes it in `finish()`; if the run fails
-first, the records tell the next start that it was complete on every rank
+save leaves the previous checkpoint as the latest. The files are written by several
+writer threads per rank and checksummed as they are written (ptdp/checkpoint/summed.py),
+so no file is read back. A synchronous save writes from the live tensors (DCP copies only
+a box that is a view of a larger storage, one at a time). An asynchronous save
+(`start_checkpoint(asynchronous=True)`) makes exactly one copy on the training thread
+(`snapshot`: device to pinned host memory on a GPU, a CPU copy on a CPU), and plans,
+writes and records it in a background thread; it is published in `finish()`; if the run
+fails first, the records tell the next start that it was complete on every rank
 (ptdp/checkpoint/recover.py). The directory format is ptdp/checkpoint/store.py's.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
-import warnings
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -31,13 +36,13 @@ from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import WriteItem
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.tensor import DTensor
 
-from ptdp.checkpoint.boxes import Boxes
+from ptdp.checkpoint.boxes import Boxes, host_copy
 from ptdp.checkpoint.lazy import Lazy
 from ptdp.checkpoint.retention import prune, set_aside_after
 from ptdp.checkpoint.store import CHECKSUMS, LATEST, checkpoint_root, checksum, step_dir_name
+from ptdp.checkpoint.summed import SummingWriter
 from ptdp.config.files import write_config
 from ptdp.config.sections import RunConfig
 from ptdp.errors import CheckpointError
@@ -84,15 +89,17 @@ def start_checkpoint(
     distributed: bool = False,
     asynchronous: bool = False,
     process_group: ProcessGroup | None = None,
+    threads: int = 1,
 ) -> PendingCheckpoint:
     """Start writing this rank's flat DCP `state` (all ranks call this together when
     `distributed`) as the checkpoint of `step`, under `step_X.tmp`.
 
-    Synchronous: the shards are written when this returns. `asynchronous`: DCP copies the
-    tensors to new CPU memory (a snapshot; training may change its own tensors at once)
-    and writes them in a background thread, coordinating over `process_group` (a group of
-    its own, so its collectives never interleave with training's). Either way nothing is
-    published until `finish()`.
+    Synchronous: the shards are written, from `state`'s own tensors, when this returns.
+    `asynchronous`: the tensors are copied once to host memory (`snapshot`; training may
+    change its own tensors at once) and planned and written in a background thread,
+    coordinating over `process_group` (a group of its own, so its collectives never
+    interleave with training's). `threads` writer threads per rank write a file each.
+    Either way nothing is published until `finish()`.
     """
     world = world_group() if distributed else Group.single()
     root = checkpoint_root(run_dir)
@@ -111,24 +118,14 @@ def start_checkpoint(
         with _write_errors(pending):  # a full disk already here: the same message
             _write_beside(pending.tmp, cfg, tokenizer_file)
     barrier(world.group, world.size)
-    state, lazy = _placeholders(state)
-    kwargs = {
-        "storage_writer": dcp.FileSystemWriter(pending.tmp, thread_count=1),
-        "planner": LazySavePlanner(lazy, flatten_state_dict=False, flatten_sharded_tensors=False),
-        "no_dist": not distributed,
-    }
-    # "assuming the intent is to save in a single process"
-    with warnings.catch_warnings(), _write_errors(pending):
-        warnings.simplefilter("ignore", UserWarning)
+    write = _Write(pending.tmp, world.rank, world.size, threads, not distributed)
+    with _write_errors(pending):
         if asynchronous:
-            stager = BoxesStager()
-            written = dcp.async_save(
-                state, process_group=process_group, async_stager=stager, **kwargs
-            )
-            pending.future = _then_record(written, pending.tmp, world.rank, world.size)
+            copy, ready = snapshot(state)  # the one copy the training thread makes
+            del state
+            pending.future = _in_background(write, copy, process_group, ready)
         else:
-            dcp.save(state, **kwargs)
-            record_written(pending.tmp, world.rank, world.size)
+            write(state, None)
     return pending
 
 
@@ -157,14 +154,84 @@ def _placeholders(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Lazy
     return state | held, lazy
 
 
-class BoxesStager(BlockingAsyncStager):
-    """Stages an asynchronous save in CPU memory as torch's blocking stager does, and the
-    optimizer's `Boxes` (which it cannot copy) by copying each box."""
+@dataclass(frozen=True)
+class _Write:
+    """One rank's DCP write of a checkpoint's tensors into `tmp` and its record."""
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        boxes = {k: v.to_cpu() for k, v in state_dict.items() if isinstance(v, Boxes)}
-        rest = {k: v for k, v in state_dict.items() if k not in boxes}
-        return super().stage(rest) | boxes
+    tmp: Path
+    rank: int
+    world: int
+    threads: int
+    no_dist: bool
+
+    def __call__(self, state: dict[str, Any], process_group: ProcessGroup | None) -> None:
+        writer = SummingWriter(self.tmp, self.threads)
+        state, lazy = _placeholders(state)
+        planner = LazySavePlanner(lazy, flatten_state_dict=False, flatten_sharded_tensors=False)
+        # No warnings.catch_warnings here: it is not thread-safe, and store.py filters
+        # DCP's "assuming the intent is to save in a single process" for every thread.
+        dcp.save(
+            state,
+            storage_writer=writer,
+            planner=planner,
+            process_group=process_group,
+            no_dist=self.no_dist,
+        )
+        record_written(self.tmp, self.rank, self.world, writer.sums)
+
+
+def snapshot(state: dict[str, Any]) -> tuple[dict[str, Any], torch.cuda.Event | None]:
+    """A copy of `state` that training cannot change: every tensor (and every box of the
+    optimizer's `Boxes`) copied once into host memory (pinned, asynchronously, from a GPU:
+    the event says when the copies are done), other entries deep-copied (they are small).
+    The only copy an asynchronous save makes, so its memory is about 1x the rank's state."""
+    on_gpu = any(_device(v).type == "cuda" for v in state.values() if torch.is_tensor(v))
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, Boxes):
+            out[key] = value.snapshot(pinned=on_gpu)
+        elif isinstance(value, DTensor):
+            out[key] = value  # not written by ptdp's saves; DCP copies its local shard
+        elif torch.is_tensor(value):
+            out[key] = host_copy(value.detach(), pinned=on_gpu)
+        else:
+            out[key] = copy.deepcopy(value)
+    if not on_gpu:
+        return out, None
+    ready = torch.cuda.Event()
+    ready.record()
+    return out, ready
+
+
+def _device(value: torch.Tensor) -> torch.device:
+    if isinstance(value, Boxes):
+        return value.boxes[0][1].device if value.boxes else torch.device("cpu")
+    return value.device
+
+
+def _in_background(
+    write: _Write,
+    state: dict[str, Any],
+    process_group: ProcessGroup | None,
+    ready: torch.cuda.Event | None,
+) -> Future:
+    """Plan, write and record `state` in a thread of its own (DCP's planning collectives
+    over `process_group`, never training's); the future is done once the record is on
+    disk. The thread holds the only reference to the copy, freed when it ends."""
+    done: Future = Future()
+
+    def run(state: dict[str, Any]) -> None:
+        try:
+            if ready is not None:
+                ready.synchronize()  # the device-to-host copies have landed
+            write(state, process_group)
+            done.set_result(None)
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    thread = threading.Thread(target=run, args=(state,), name="ptdp-checkpoint-save")
+    thread.start()
+    return done
 
 
 def _state_bytes(state: dict[str, Any]) -> int:
@@ -198,30 +265,20 @@ def written_record(rank: int) -> str:
     return f"{WRITTEN_PREFIX}{rank}.json"
 
 
-def record_written(tmp: Path, rank: int, world: int) -> None:
+def record_written(
+    tmp: Path, rank: int, world: int, sums: dict[str, dict[str, int]] | None = None
+) -> None:
     """This rank's shards are on disk (DCP names them `__<rank>_<i>.distcp`): record their
     sizes and CRC-32s and the saving world size, atomically (a record that exists is
-    whole)."""
-    files = {f.name: checksum(f) for f in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+    whole). `sums`: those computed as the files were written (`SummingWriter`); a file
+    they lack is read back for its sum."""
+    sums = sums or {}
+    files = {
+        f.name: sums[f.name] if f.name in sums else checksum(f)
+        for f in sorted(tmp.glob(f"__{rank}_*.distcp"))
+    }
     record = json.dumps({"world": world, "files": files}, sort_keys=True)
     write_file(tmp / written_record(rank), record)
-
-
-def _then_record(written: Future, tmp: Path, rank: int, world: int) -> Future:
-    """A future done once the background write is done and recorded (the record is written
-    in DCP's thread, before `finish` can see the write as done)."""
-    done: Future = Future()
-
-    def record(future: Future) -> None:
-        try:
-            future.result()
-            record_written(tmp, rank, world)
-            done.set_result(None)
-        except BaseException as exc:
-            done.set_exception(exc)
-
-    written.add_done_callback(record)
-    return done
 
 
 def _os_error(exc: BaseException) -> OSError | None:

@@ -426,14 +426,20 @@ class TrainConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
-    """Which weights a run starts from; saving and keeping checkpoints is set under [train]
-    (save_interval, keep_checkpoints, async_save)."""
+    """Which weights a run starts from and how checkpoint files are written; when to save
+    and how many to keep is set under [train] (save_interval, keep_checkpoints,
+    async_save)."""
 
     init_from: str = ""
     """Start from these weights: a ptdp run or step directory (any layout) or a Hugging
     Face model directory (config.json + safetensors); fresh optimizer, step 0, data from
     the start; the model settings come from it. A run that already has checkpoints
     continues from its own with --resume instead. Empty = a fresh initialisation."""
+    writer_threads: int = 2
+    """Threads per rank writing a checkpoint's files, each its own file
+    (`__<rank>_<i>.distcp`), checksummed as written. 2 measured fastest on a 2-core VM
+    (BENCHMARKS.md, "Checkpoint bandwidth and async save"); more help on a parallel file
+    system or several NVMe drives."""
 
 
 @dataclass(kw_only=True, frozen=True)

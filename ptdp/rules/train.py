@@ -15,6 +15,7 @@ def train_rules(cfg: RunConfig, dp: int, errors: list[str]) -> int:
         require_positive(errors, f"train.{name}", getattr(t, name))
     for name in ("eval_interval", "eval_iters", "save_interval", "keep_checkpoints"):
         require_positive(errors, f"train.{name}", getattr(t, name), zero_ok=True)
+    require_positive(errors, "checkpoint.writer_threads", cfg.checkpoint.writer_threads)
     if t.wandb_run_name and not t.wandb_project:
         errors.append(
             "train.wandb_run_name is set but train.wandb_project is empty; set "

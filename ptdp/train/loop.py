@@ -97,6 +97,21 @@ class TrainResult:
     """The signal (SIGINT, SIGTERM) the run stopped for after saving; 0 if none."""
 
 
+def _report_save(
+    trainer: Trainer, step_dir: Path, writer: MetricsWriter | None, *, background: bool
+) -> None:
+    """Say a save and how long it stalled training (the time the training thread spent in
+    it: with train.async_save, waiting for the previous save, the finite check and the one
+    copy of the state), and write that as `save_stall_s` to the metrics file."""
+    stall = trainer.checkpoints.last_stall_s
+    if trainer.cfg.train.async_save and background:
+        trainer.say(f"saving checkpoint {step_dir} in the background (stall {stall:.3f} s)")
+    elif not trainer.cfg.train.async_save:
+        trainer.say(f"saved checkpoint {step_dir} (stall {stall:.3f} s)")
+    if writer:
+        writer.write({"step": trainer.step, "save_stall_s": round(stall, 6)})
+
+
 def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) -> TrainResult:
     """Train to train.steps; `on_first_step` runs once, after this run's first step (the
     record of a resumed run, with its time from the fault to that step)."""
@@ -185,10 +200,7 @@ def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) 
                     saving = stopping
                     with trainer.around("checkpoint save"):
                         step_dir = trainer.save()
-                    if t.async_save and not stopping:
-                        trainer.say(f"saving checkpoint {step_dir} in the background")
-                    elif not t.async_save:
-                        trainer.say(f"saved checkpoint {step_dir}")
+                    _report_save(trainer, step_dir, writer, background=not stopping)
                     timer.resume()
                 if stopping:
                     trainer.finish_save()

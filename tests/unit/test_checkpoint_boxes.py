@@ -39,7 +39,9 @@ def test_placed_boxes_leave_padding_out_and_move_to_the_shard() -> None:
     for lo, hi in [(0, 12), (2, 11), (4, 5), (9, 12)]:
         full.fill_(-1.0)
         for box, data in placed_boxes(place, local.reshape(-1)[lo:hi], lo):
-            assert data.is_contiguous() and data.untyped_storage().nbytes() == data.nbytes
+            assert data.untyped_storage().data_ptr() == local.data_ptr()  # a view: no copy
+            copy = Boxes(place.size, [(box, data)]).snapshot().boxes[0][1]
+            assert copy.untyped_storage().nbytes() == data.nbytes  # its elements alone
             full[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))] = data
         want = torch.full((9, 3), -1.0)
         mask = torch.zeros(12, dtype=torch.bool)

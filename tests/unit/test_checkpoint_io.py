@@ -1,0 +1,106 @@
+"""Checkpoint file I/O (ptdp/checkpoint/summed.py, writer.py): the CRC-32 computed as the
+files are written equals the one read back from disk, with several writer threads; an
+asynchronous save writes one snapshot copy made before `start_checkpoint` returns, and
+nothing else; a synchronous save writes the live tensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ptdp.checkpoint import writer
+from ptdp.checkpoint.boxes import Boxes, TensorPlace, placed_boxes
+from ptdp.checkpoint.store import CHECKSUMS, checksum
+from ptdp.config.sections import RunConfig
+
+
+def _state() -> dict:
+    """Plain tensors, the optimizer's boxes of a flat range (views of `flat`), scalars."""
+    flat = torch.arange(40 * 30, dtype=torch.float32)
+    place = TensorPlace((40, 30), (40, 30), (0, 0), (40, 30))
+    return {
+        "model/a": torch.randn(64, 32),
+        "model/b": torch.arange(1000, dtype=torch.float32),
+        "model/c": torch.randn(7, 3, 5),
+        "optimizer/state/w/exp_avg": Boxes((40, 30), placed_boxes(place, flat[5:1100], 5)),
+        "step": 3,
+        "config": {"a": [1, 2]},
+    }
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_crc_on_write_equals_the_files_crc(
+    tmp_path: Path, threads: int, asynchronous: bool
+) -> None:
+    pending = writer.start_checkpoint(
+        tmp_path, 3, _state(), RunConfig(), b"{}", threads=threads, asynchronous=asynchronous
+    )
+    step_dir = pending.finish()
+    sums = json.loads((step_dir / CHECKSUMS).read_text())
+    shards = sorted(step_dir.glob("__0_*.distcp"))
+    assert len(shards) == threads  # one file per writer thread
+    for f in shards:
+        assert sums[f.name] == checksum(f), f.name
+
+
+def test_sums_come_from_the_writes_not_a_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recording a save reads no shard back for its checksum (only tokenizer.json)."""
+    read: list[str] = []
+
+    def counted(path: Path) -> dict[str, int]:
+        read.append(Path(path).name)
+        return checksum(path)
+
+    monkeypatch.setattr(writer, "checksum", counted)
+    writer.start_checkpoint(tmp_path, 1, _state(), RunConfig(), b"{}", threads=2).finish()
+    assert read == ["tokenizer.json"]
+
+
+def test_async_save_writes_one_snapshot_taken_before_it_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The background thread writes exactly the tensors of the one copy made on the
+    training thread: changing the live tensors at once changes nothing saved."""
+    state = _state()
+    live = state["model/a"].clone()
+    written: list[dict] = []
+    call = writer._Write.__call__
+
+    def spy(self, s: dict, group) -> None:
+        written.append(s)
+        call(self, s, group)
+
+    monkeypatch.setattr(writer._Write, "__call__", spy)
+    pending = writer.start_checkpoint(
+        tmp_path, 2, state, RunConfig(), None, asynchronous=True, threads=2
+    )
+    state["model/a"].add_(1.0)  # training goes on
+    for _, data in state["optimizer/state/w/exp_avg"].boxes:
+        data.zero_()
+    step_dir = pending.finish()
+    (copy,) = written
+    assert copy["model/a"].untyped_storage().data_ptr() != state["model/a"].data_ptr()
+    for (_, a), (_, b) in zip(
+        copy["optimizer/state/w/exp_avg"].boxes, state["optimizer/state/w/exp_avg"].boxes
+    ):
+        assert a.untyped_storage().nbytes() == a.nbytes  # compact: only the box's elements
+        assert a.data_ptr() != b.data_ptr()
+    loaded = {"model/a": torch.empty(64, 32), "model/b": torch.empty(1000)}
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(step_dir), no_dist=True)
+    assert torch.equal(loaded["model/a"], live)
+    assert torch.equal(loaded["model/b"], torch.arange(1000, dtype=torch.float32))
+
+
+def test_sync_save_boxes_are_views_of_the_live_tensor() -> None:
+    """No copy on the training thread for a synchronous save: the boxes view the range."""
+    flat = torch.arange(40 * 30, dtype=torch.float32)
+    place = TensorPlace((40, 30), (40, 30), (0, 0), (40, 30))
+    for _, data in placed_boxes(place, flat[5:1100], 5):
+        assert data.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
