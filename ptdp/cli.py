@@ -175,6 +175,13 @@ def _perf_parser(sub: Subparsers, name: str, **kw: str) -> argparse.ArgumentPars
     _opt(p, "--software", "ptdp", software, choices=list(SOFTWARE))
     load = "mixture of experts: the busiest expert's load over the mean, scaling expert GEMMs"
     _opt(p, "--moe-load-imbalance", 1.0, load, metavar="X")
+    start = (
+        "the start whose host memory is checked: Hugging Face weights, a ptdp checkpoint, "
+        "fresh weights, or any (the larger of hf and resume); train.async_save counts too"
+    )
+    _opt(p, "--start", "any", start, choices=["any", "hf", "resume", "scratch"])
+    host = "the node's host memory in GiB, shared by its GPUs (default: the hardware file's)"
+    p.add_argument("--host-memory-gib", type=float, default=None, metavar="GIB", help=host)
     p.add_argument("--json", action="store_true", help=f"print the {name} result as JSON")
     return p
 

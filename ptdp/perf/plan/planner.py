@@ -54,6 +54,7 @@ from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import System
+from ptdp.perf.cost.host_memory import Start
 from ptdp.perf.cost.software import PTDP, Software
 from ptdp.perf.cost.switches import run_software
 from ptdp.perf.plan.explain import explain
@@ -155,6 +156,7 @@ def plan(
     progress: Progress | None = None,
     top: int = 5,
     prune: bool = True,
+    start: Start = Start.ANY,
 ) -> PlanResult:
     """Rank the layouts of `base.model` for `gpus` devices and `base.train.global_batch_size`.
 
@@ -168,6 +170,10 @@ def plan(
     Layouts are replayed in order of a proven lower bound on their step time, only as far as
     the `top` fastest, the recommendation and the explanation need (`ptdp.perf.plan.ranking`);
     `prune=False` replays every layout that fits (the same output, slower).
+
+    On a GPU cluster a layout must also fit in the node's host memory as the run starts
+    (`start`: from Hugging Face weights, resuming, from scratch, or ANY, the larger of the
+    first two) and saves (`base.train.async_save`), `ptdp.perf.cost.host_memory`.
     """
     if not software.split_backward:
         schedules = tuple(s for s in schedules if not SCHEDULES[s].splits_backward)
@@ -234,6 +240,7 @@ def plan(
         top=top,
         tolerance=tolerance,
         prune=prune,
+        start=start,
     )
     options, unranked = ranking.options, tuple(ranking.unranked)
     if not options:  # what binds, by constraint (`ptdp.perf.plan.refusal`)
