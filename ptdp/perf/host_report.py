@@ -9,6 +9,7 @@ from ptdp.perf.cost.host_memory import (
     Start,
     applies,
     node_fit,
+    ranks,
 )
 from ptdp.perf.simulate.simulator import Prediction
 
@@ -54,16 +55,16 @@ def host_fit_line(fit: NodeFit, start: Start) -> str:
     """The verdict on the fullest node, naming the start checked (`--start`)."""
     checked = "the larger of HF and resume" if start is Start.ANY else start.value
     what = (
-        f"{fit.phase} needs {fit.per_rank / GIB:.1f} GiB per rank, {fit.ranks} ranks per node "
+        f"{fit.phase} needs {fit.per_rank / GIB:.1f} GiB per rank, {ranks(fit.ranks)} per node "
         f"= {fit.need / GIB:.1f} GiB"
     )
     head = f"host memory (--start {start.value}: {checked})"
     if fit.usable is None:
         return f"{head}: {what}; not checked: give {HOST_FLAG}"
     room = f"the node's {fit.usable / GIB:.0f} GiB usable (of {fit.capacity / GIB:.0f} GiB)"
-    verdict = "fits" if fit.fits else "does not fit"
-    sign = "<=" if fit.fits else ">"
-    return f"{head} {verdict}: {what} {sign} {room}"
+    if fit.fits:
+        return f"{head}: {what}, within {room}"
+    return f"{head}: {what}, over {room} by {(fit.need - fit.usable) / GIB:.1f} GiB"
 
 
 def host_dict(p: Prediction, system: System, start: Start, async_save: bool) -> dict:

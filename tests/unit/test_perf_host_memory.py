@@ -204,9 +204,12 @@ def test_simulate_reports_host_memory(tmp_path: Path, capsys) -> None:
         "  pp rank | baseline | from HF | scratch | resume |  save | async save"
     )
     assert [x.split()[0] for x in lines[at + 2 : at + 6]] == ["0", "1", "2", "3"]
-    assert lines[at + 6].startswith("host memory (--start any: the larger of HF and resume) fits")
+    head = "host memory (--start any: the larger of HF and resume): resuming from a checkpoint"
+    assert lines[at + 6].startswith(head)
+    assert "GiB, within the node's 1843 GiB usable" in lines[at + 6]
     small = _simulate(tmp_path, capsys, "--host-memory-gib", "64", "--start", "hf")
-    assert "host memory (--start hf: hf) does not fit: starting from Hugging Face" in small
+    assert "host memory (--start hf: hf): starting from Hugging Face weights needs" in small
+    assert ", over the node's 58 GiB usable (of 64 GiB) by " in small
     out = json.loads(_simulate(tmp_path, capsys, "--json", "--train.async_save", "true"))
     assert [r["pp_rank"] for r in out["host_memory_gib"]] == [0, 1, 2, 3]
     assert out["host_fit"]["fits"] and out["host_fit"]["node_capacity_gib"] == 2048

@@ -240,11 +240,16 @@ def node_fit(
     return NodeFit(phase, needs[fullest], count, total, system.host_memory_bytes)
 
 
+def ranks(n: int) -> str:
+    return f"{n} rank{'' if n == 1 else 's'}"
+
+
 def refusal_reason(fit: NodeFit) -> str:
     """Why a layout does not fit in host memory, with the numbers."""
     usable, capacity = fit.usable or 0.0, fit.capacity or 0.0
     return (
-        f"host memory: {fit.phase} needs {fit.per_rank / GIB:.1f} GiB per rank, {fit.ranks} "
-        f"ranks per node = {fit.need / GIB:.1f} GiB > the node's {usable / GIB:.0f} GiB "
-        f"usable (of {capacity / GIB:.0f} GiB, {100 * HOST_RESERVE_FRACTION:.0f}% reserved)"
+        f"host memory: {fit.phase} needs {fit.per_rank / GIB:.1f} GiB per rank, "
+        f"{ranks(fit.ranks)} per node = {fit.need / GIB:.1f} GiB > the node's "
+        f"{usable / GIB:.0f} GiB usable (of {capacity / GIB:.0f} GiB, "
+        f"{100 * HOST_RESERVE_FRACTION:.0f}% reserved)"
     )
