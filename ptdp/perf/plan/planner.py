@@ -57,9 +57,9 @@ from ptdp.perf.cost.hardware import System
 from ptdp.perf.cost.host_memory import Start
 from ptdp.perf.cost.software import PTDP, Software
 from ptdp.perf.cost.switches import run_software
-from ptdp.perf.plan.explain import explain
+from ptdp.perf.plan.explain import explain, host_memory_line
 from ptdp.perf.plan.ranking import Option, Progress, Unranked, rank, recommend
-from ptdp.perf.plan.refusal import Rejected, Search, refusal
+from ptdp.perf.plan.refusal import Constraint, Rejected, Search, refusal
 from ptdp.perf.plan.search import Plans, Space, divisors, search
 from ptdp.perf.simulate.simulator import require_software, require_vocab
 from ptdp.pipeline.schedules import SCHEDULES
@@ -251,4 +251,6 @@ def plan(
     etp = options[chosen].config.parallel.etp  # as searched (a dense layout's Layout has t)
     table = tuple(eq1.get((lay.tp, lay.cp, lay.pp, lay.ep, etp, lay.zero), ()))
     lines = explain(options, chosen, table, system, tolerance, unranked)
+    refused = sum(r.kind is Constraint.HOST_MEMORY for r in rejected)
+    lines += host_memory_line(options[chosen], system, start, refused)
     return PlanResult(tuple(options), chosen, tuple(rejected), table, tuple(lines), unranked)
