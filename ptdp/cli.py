@@ -175,6 +175,10 @@ def _perf_parser(sub: Subparsers, name: str, **kw: str) -> argparse.ArgumentPars
     _opt(p, "--software", "ptdp", software, choices=list(SOFTWARE))
     load = "mixture of experts: the busiest expert's load over the mean, scaling expert GEMMs"
     _opt(p, "--moe-load-imbalance", 1.0, load, metavar="X")
+    start = "the start whose host memory is checked (any: the larger of hf and resume)"
+    _opt(p, "--start", "any", start, choices=["any", "hf", "resume", "scratch"])
+    host = "the node's host memory in GiB, shared by its GPUs (default: the hardware file's)"
+    p.add_argument("--host-memory-gib", type=float, metavar="GIB", help=host)
     p.add_argument("--json", action="store_true", help=f"print the {name} result as JSON")
     return p
 
@@ -192,7 +196,7 @@ def _simulate_parser(sub: Subparsers) -> None:
         ),
         epilog=PERF_EPILOG,
     )
-    p.set_defaults(run=_cmd_simulate, overrides_ok=True)
+    p.set_defaults(run=_cmd_perf, overrides_ok=True)
     gpus = "world size (default: tp * cp * pp * dp, with dp = 1 if it is 0)"
     p.add_argument("--gpus", type=int, default=None, metavar="N", help=gpus)
     out = "where timeline.png and trace.json go (default: train.run_dir/simulation)"
@@ -215,7 +219,7 @@ def _plan_parser(sub: Subparsers) -> None:
         ),
         epilog=PERF_EPILOG + PLAN_EPILOG,
     )
-    p.set_defaults(run=_cmd_plan, overrides_ok=True)
+    p.set_defaults(run=_cmd_perf, overrides_ok=True)
     p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
     _opt(p, "--top", 5, "layouts to list")
     mine = "rank this layout too (a TOML file; alone: --config's and the overrides') with the gain"
@@ -403,16 +407,10 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_simulate(args: argparse.Namespace) -> int:
-    from ptdp.perf.commands import run_simulate
+def _cmd_perf(args: argparse.Namespace) -> int:  # simulate and plan
+    from ptdp.perf.commands import run_plan, run_simulate
 
-    return run_simulate(args)
-
-
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from ptdp.perf.commands import run_plan
-
-    return run_plan(args)
+    return run_simulate(args) if args.command == "simulate" else run_plan(args)
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:

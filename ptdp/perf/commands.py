@@ -12,11 +12,12 @@ from ptdp.config.enums import Precision
 from ptdp.config.files import given_keys
 from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
-from ptdp.perf.cost.hardware import System
+from ptdp.perf.cost.hardware import GIB, System
 from ptdp.perf.cost.hardware_file import load_system
+from ptdp.perf.cost.host_memory import Start
 from ptdp.perf.cost.software import SOFTWARE, Software
 from ptdp.perf.validate.paper import ALL_PRESETS, perf_config
-from ptdp.rules.domains import Rule, number_problem
+from ptdp.rules.domains import POSITIVE, Rule, number_problem
 
 
 def modelled_config(
@@ -45,16 +46,33 @@ def software_of(args: argparse.Namespace) -> Software:
     return replace(SOFTWARE[args.software], moe_load_imbalance=load)
 
 
+def system_of(args: argparse.Namespace) -> System:
+    """The cluster `--device` names, with the node's host memory of `--host-memory-gib`."""
+    system = load_system(args.device)
+    gib = getattr(args, "host_memory_gib", None)
+    if gib is None:
+        return system
+    if problem := number_problem("--host-memory-gib", gib, POSITIVE):
+        raise ConfigError(problem)
+    return replace(system, host_memory_bytes=gib * GIB)
+
+
+def start_of(args: argparse.Namespace) -> Start:
+    """The start `--start` names, whose host memory is checked."""
+    return Start(getattr(args, "start", "any"))
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     from ptdp.perf.report import simulation_output
     from ptdp.perf.simulate.simulator import default_world_size, simulate
 
-    system = load_system(args.device)
+    system = system_of(args)
     cfg = modelled_config(args.model, args.config, args.overrides, system)
     gpus = default_world_size(cfg) if args.gpus is None else args.gpus
     prediction = simulate(cfg, system, gpus, software=software_of(args))
     out = Path(args.out or Path(cfg.train.run_dir) / "simulation")
-    print(simulation_output(prediction, system, out, args.json, cfg, args.software))
+    text = simulation_output(prediction, system, out, args.json, cfg, args.software, start_of(args))
+    print(text)
     return 0
 
 
@@ -68,7 +86,7 @@ def run_plan(args: argparse.Namespace) -> int:
     old = {k: v for k, v in vars(args).items() if "." in k and v not in (None, "0", "auto")}
     overrides = [text for key, value in old.items() for text in (f"--{key}", str(value))]
     overrides += args.overrides
-    system, software = load_system(args.device), software_of(args)
+    system, software = system_of(args), software_of(args)
     base, pins = plan_request(
         modelled_config(args.model, args.config, overrides, system), overrides, args.top
     )
@@ -80,6 +98,7 @@ def run_plan(args: argparse.Namespace) -> int:
             software=software,
             progress=progress,
             top=args.top,
+            start=start_of(args),
             **pins,
         )
     mine = None

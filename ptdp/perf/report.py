@@ -15,8 +15,10 @@ from ptdp.config.files import to_dict
 from ptdp.config.sections import RunConfig
 from ptdp.outputs import make_output_dir
 from ptdp.perf.cost.hardware import GIB, System
+from ptdp.perf.cost.host_memory import Start
 from ptdp.perf.cost.memory import MemoryEstimate
 from ptdp.perf.cost.reserve import fit
+from ptdp.perf.host_report import host_dict, host_lines
 from ptdp.perf.plan.compare import Comparison
 from ptdp.perf.plan.planner import Option, PlanResult, Progress
 from ptdp.perf.simulate.plot import plot_timelines, write_chrome_trace
@@ -101,10 +103,17 @@ def prediction_dict(p: Prediction) -> dict:
 
 
 def format_prediction(
-    p: Prediction, system: System, precision: Precision, software: str = "ptdp"
+    p: Prediction,
+    system: System,
+    precision: Precision,
+    software: str = "ptdp",
+    *,
+    start: Start = Start.ANY,
+    async_save: bool = False,
 ) -> str:
     """A human summary: time, model TFLOP/s and MFU first (what a layout achieves), executed
-    FLOPs apart, bubble, per-pass costs and memory per rank."""
+    FLOPs apart, bubble, per-pass costs and memory per rank; then host memory per rank, the
+    node checked for `start` and the run's saves (`ptdp.perf.host_report`)."""
     lay = p.layout
     usable = fit(p.memory, system.device)[1] / GIB
     lines = [
@@ -158,7 +167,8 @@ def format_prediction(
             f"{m.working / GIB:7.2f} | {m.stash / GIB:5.2f} | {m.total / GIB:5.2f} | "
             f"{m.reserved / GIB:7.2f}"
         )
-    return "\n".join([*lines, fit_line(p, system)])
+    host = host_lines(p, system, start, async_save) if p.host else []
+    return "\n".join([*lines, fit_line(p, system), *host])
 
 
 def fit_line(p: Prediction, system: System) -> str:
@@ -192,16 +202,24 @@ def write_timeline(p: Prediction, out: Path, title: str) -> tuple[Path | None, P
 
 
 def simulation_output(
-    p: Prediction, system: System, out: Path, as_json: bool, cfg: RunConfig, software: str
+    p: Prediction,
+    system: System,
+    out: Path,
+    as_json: bool,
+    cfg: RunConfig,
+    software: str,
+    start: Start = Start.ANY,
 ) -> str:
-    """Write the timeline under `out`; the prediction as text (or JSON) naming the files."""
+    """Write the timeline under `out`; the prediction as text (or JSON) naming the files;
+    host memory checked for `start` (`--start`) and the config's saves."""
     title = f"{system.name}: {p.layout.describe()} ({p.layout.schedule})"
     png, trace = write_timeline(p, out, title)
-    precision = cfg.train.precision
+    precision, async_save = cfg.train.precision, cfg.train.async_save
     if as_json:
         return json.dumps(
             {
                 **prediction_dict(p),
+                **host_dict(p, system, start, async_save),
                 "precision": precision.value,
                 "software": software,
                 "png": png and str(png),
@@ -210,7 +228,7 @@ def simulation_output(
         )
     png_text = str(png) if png else "not drawn (pip install matplotlib)"
     return (
-        f"{format_prediction(p, system, precision, software)}\n"
+        f"{format_prediction(p, system, precision, software, start=start, async_save=async_save)}\n"
         f"timeline: {png_text} | trace: {trace} (open in https://ui.perfetto.dev)"
     )
 

@@ -186,6 +186,9 @@ class System:
     gpus_per_node: int
     intra: Link
     inter: Link
+    host_memory_bytes: float | None = None
+    """The node's host (CPU) memory, shared by its `gpus_per_node` ranks (`[node]
+    host_memory_gib`; `ptdp.perf.cost.host_memory`); None: not given, not checked."""
 
     def node_of(self, gpu: int) -> int:
         return gpu // self.gpus_per_node

@@ -9,9 +9,10 @@ kernel launch cost, and optionally `reserved_gib`, memory held beside the model'
 GEMM efficiency curve over size, `gemm_curve_flops` and `gemm_curve_efficiency`, the fused
 attention kernel's own efficiency and backward / forward ratio, and on CPUs the per-layer
 framework cost and `collective_sync_us`, what each blocking collective costs beyond its
-bytes), `[node]` (GPUs per node and their NVLink/NVSwitch link) and `[network]` (the
-inter-node link per GPU, e.g. one InfiniBand HCA each). Bandwidths are per GPU and per
-direction, in GB/s (1e9 bytes); `latency_us` per message or collective call,
+bytes), `[node]` (GPUs per node, their NVLink/NVSwitch link and optionally
+`host_memory_gib`, the node's host memory its GPUs' ranks share, `ptdp.perf.cost.host_memory`)
+and `[network]` (the inter-node link per GPU, e.g. one InfiniBand HCA each). Bandwidths
+are per GPU and per direction, in GB/s (1e9 bytes); `latency_us` per message or collective call,
 `step_latency_us` per step of a ring collective; `p2p_latency_us` and `p2p_bandwidth_gb_s`
 (from `ptdp calibrate`) price point-to-point messages apart from the collectives, and
 `<op>_latency_us` / `<op>_bandwidth_gb_s` (op: all_reduce, all_gather, reduce_scatter,
@@ -85,6 +86,7 @@ NUMBERS: tuple[tuple[str, str, str, bool], ...] = (
     ("device.achieved", "ring_sync_us", "non-negative", False),
     ("device.achieved", "split_backward_ratio", "positive", False),
     ("node", "gpus", "count", True),
+    ("node", "host_memory_gib", "positive", False),
     *(
         (link, key, kind, key == "bandwidth_gb_s")
         for link in ("node", "network")
@@ -202,7 +204,12 @@ def _parse(data: dict[str, Any], default_name: str) -> System:
         gpus_per_node=int(data["node"]["gpus"]),
         intra=_link(data["node"]),
         inter=_link(data["network"]),
+        host_memory_bytes=_gib(data["node"].get("host_memory_gib")),
     )
+
+
+def _gib(value: float | None) -> float | None:
+    return None if value is None else float(value) * GIB
 
 
 def _pair(

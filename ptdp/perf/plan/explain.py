@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ptdp.perf.cost.folding import Experts
 from ptdp.perf.cost.hardware import GIB, System
+from ptdp.perf.cost.host_memory import Start, applies, node_fit, ranks
 from ptdp.perf.cost.reserve import fit
 from ptdp.perf.plan.ranking import Option, Unranked, close_to_fastest
 from ptdp.pipeline.schedules import SCHEDULES
@@ -120,6 +121,22 @@ def explain(
             "(smallest t*p that fits, then tensor parallelism up to the node) decide"
         )
     return lines
+
+
+def host_memory_line(best: Option, system: System, start: Start, refused: int) -> list[str]:
+    """The recommended layout's fullest node in host memory (`ptdp.perf.cost.host_memory`)
+    and how many layouts host memory refused; nothing on a CPU or where the node's host
+    memory is not given."""
+    if not applies(system) or system.host_memory_bytes is None or not best.prediction.host:
+        return []
+    pred, async_save = best.prediction, best.config.train.async_save
+    fit = node_fit(pred.host, pred.layout, system, start, async_save)
+    more = f"; {refused} layouts refused for host memory" if refused else ""
+    return [
+        f"host memory (--start {start.value}): {fit.phase} needs {fit.per_rank / GIB:.1f} GiB "
+        f"per rank, {ranks(fit.ranks)} per node = {fit.need / GIB:.1f} GiB of the node's "
+        f"{(fit.usable or 0.0) / GIB:.0f} GiB usable{more}"
+    ]
 
 
 def _model_parallel_sizes(

@@ -54,11 +54,12 @@ from ptdp.config.sections import RunConfig
 from ptdp.errors import ConfigError
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import System
+from ptdp.perf.cost.host_memory import Start
 from ptdp.perf.cost.software import PTDP, Software
 from ptdp.perf.cost.switches import run_software
-from ptdp.perf.plan.explain import explain
+from ptdp.perf.plan.explain import explain, host_memory_line
 from ptdp.perf.plan.ranking import Option, Progress, Unranked, rank, recommend
-from ptdp.perf.plan.refusal import Rejected, Search, refusal
+from ptdp.perf.plan.refusal import Constraint, Rejected, Search, refusal
 from ptdp.perf.plan.search import Plans, Space, divisors, search
 from ptdp.perf.simulate.simulator import require_software, require_vocab
 from ptdp.pipeline.schedules import SCHEDULES
@@ -155,6 +156,7 @@ def plan(
     progress: Progress | None = None,
     top: int = 5,
     prune: bool = True,
+    start: Start = Start.ANY,
 ) -> PlanResult:
     """Rank the layouts of `base.model` for `gpus` devices and `base.train.global_batch_size`.
 
@@ -168,6 +170,10 @@ def plan(
     Layouts are replayed in order of a proven lower bound on their step time, only as far as
     the `top` fastest, the recommendation and the explanation need (`ptdp.perf.plan.ranking`);
     `prune=False` replays every layout that fits (the same output, slower).
+
+    On a GPU cluster a layout must also fit in the node's host memory as the run starts
+    (`start`: from Hugging Face weights, resuming, from scratch, or ANY, the larger of the
+    first two) and saves (`base.train.async_save`), `ptdp.perf.cost.host_memory`.
     """
     if not software.split_backward:
         schedules = tuple(s for s in schedules if not SCHEDULES[s].splits_backward)
@@ -234,6 +240,7 @@ def plan(
         top=top,
         tolerance=tolerance,
         prune=prune,
+        start=start,
     )
     options, unranked = ranking.options, tuple(ranking.unranked)
     if not options:  # what binds, by constraint (`ptdp.perf.plan.refusal`)
@@ -244,4 +251,6 @@ def plan(
     etp = options[chosen].config.parallel.etp  # as searched (a dense layout's Layout has t)
     table = tuple(eq1.get((lay.tp, lay.cp, lay.pp, lay.ep, etp, lay.zero), ()))
     lines = explain(options, chosen, table, system, tolerance, unranked)
+    refused = sum(r.kind is Constraint.HOST_MEMORY for r in rejected)
+    lines += host_memory_line(options[chosen], system, start, refused)
     return PlanResult(tuple(options), chosen, tuple(rejected), table, tuple(lines), unranked)

@@ -10,8 +10,9 @@ size t until its fastest layout is known (`explain` quotes it). A layout not rep
 be faster than those: its bound says so. `--compare` replays the rest of what it needs
 (`faster_than`).
 
-Memory fit does not need the replay (`simulator.predicted_memory`), so every candidate is
-still checked, and the count of layouts that fit is exact.
+Memory fit does not need the replay (`simulator.predicted_memory`, and host memory,
+`ptdp.perf.cost.host_memory`), so every candidate is still checked, and the count of
+layouts that fit is exact.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from ptdp.config.sections import RunConfig
 from ptdp.perf.cost.costs import Compute
 from ptdp.perf.cost.hardware import GIB, System
+from ptdp.perf.cost.host_memory import Start, applies, host_memory, node_fit, refusal_reason
 from ptdp.perf.cost.reserve import fit
 from ptdp.perf.cost.software import Software
 from ptdp.perf.plan.refusal import Constraint, Rejected
@@ -120,10 +122,12 @@ def rank(
     top: int,
     tolerance: float,
     prune: bool = True,
+    start: Start = Start.ANY,
 ) -> Ranking:
     """The candidates that fit in memory, ranked (module doc); those that do not go to
     `rejected`, in candidate order. `prune=False` replays every one (then nothing is
-    unranked)."""
+    unranked). A GPU cluster's candidates must also fit in host memory as they start
+    (`start`) and save (`host_memory.node_fit`)."""
     weighed = []
     for i, cfg in enumerate(candidates):
         layout = plans.layout(cfg, gpus)
@@ -137,6 +141,15 @@ def rank(
             why = f"needs {need / GIB:.1f} GiB, {room / GIB:.1f} usable"
             rejected.append(Rejected(what, why, Constraint.MEMORY, need=need, usable=room))
             continue
+        if applies(system):
+            host = host_memory(cfg, layout)
+            node = node_fit(host, layout, system, start, cfg.train.async_save)
+            if not node.fits:
+                why, usable = refusal_reason(node), node.usable or 0.0
+                rejected.append(
+                    Rejected(what, why, Constraint.HOST_MEMORY, need=node.need, usable=usable)
+                )
+                continue
         c = Compute(system, cfg.train.precision, software)
         bound = step_lower_bound(cfg, layout, c) if prune else 0.0
         weighed.append(_Weighed(bound, i, cfg, layout))

@@ -30,6 +30,7 @@ class Constraint(Enum):
     EXPERTS = "the experts"
     SCHEDULE = "the schedule"
     MEMORY = "memory"
+    HOST_MEMORY = "host memory"
     OTHER = "the config"
 
 
@@ -41,9 +42,11 @@ class Rejected:
     reason: str
     kind: Constraint = Constraint.OTHER
     need: float = 0.0
-    """Memory: the bytes the model counts on the rank nearest its limit (`reserve.fit`)."""
+    """Memory: the bytes the model counts on the rank nearest its limit (`reserve.fit`); host
+    memory: the fullest node's ranks' (`host_memory.node_fit`)."""
     usable: float = 0.0
-    """Memory: the bytes that rank has beside its reserve."""
+    """Memory: the bytes that rank has beside its reserve; host memory: the node's beside
+    its reserve."""
     dp: int = 0
     """Global batch: the data-parallel size d that does not divide it."""
     product: int = 0
@@ -106,8 +109,8 @@ def refusal(rejected: Sequence[Rejected], system: str, search: Search) -> list[s
         groups.setdefault(r.kind, []).append(r)
     order = [k for k in Constraint if k in groups]
     where = f"{_count(search.gpus, 'GPU')} of {system}"
-    if order == [Constraint.MEMORY]:
-        head = f"no layout fits in memory on {where}:"
+    if order in ([Constraint.MEMORY], [Constraint.HOST_MEMORY]):
+        head = f"no layout fits in {order[0].value} on {where}:"
     elif not order:
         head = f"nothing to search on {where}:"
     else:
@@ -123,6 +126,8 @@ def refusal(rejected: Sequence[Rejected], system: str, search: Search) -> list[s
 def _summary(kind: Constraint, group: list[Rejected], search: Search, alone: bool) -> str:
     if kind is Constraint.MEMORY:
         return _memory(group, search)
+    if kind is Constraint.HOST_MEMORY:
+        return _host_memory(group)
     if kind is Constraint.BATCH and any(r.dp for r in group):
         return _batch(group, search, alone)
     if kind is Constraint.WORLD and any(r.product for r in group):
@@ -148,6 +153,23 @@ def _memory(group: list[Rejected], search: Search) -> str:
         f"{best.reason}: over by {(best.need - best.usable) / GIB:.1f} GiB, {ratio:.1f}x. "
         f"The model state per GPU shrinks at best as 1 / GPUs (over t*p, and with ZeRO over "
         f"d): at least {ratio:.1f}x the GPUs (e.g. --gpus {more}), or a device with more memory"
+    )
+
+
+def _host_memory(group: list[Rejected]) -> str:
+    """The closest layout's node need against the node's usable host memory, and what lowers
+    it (`ptdp.perf.cost.host_memory`: a start reads about the rank's own shard, a resume its
+    own state)."""
+    best = min(group, key=lambda r: r.need / r.usable if r.usable > 0 else math.inf)
+    if best.usable <= 0:
+        return best.reason
+    over = (best.need - best.usable) / GIB
+    return (
+        f"each node's ranks need more host memory than it holds; the closest, {best.layout}, "
+        f"{best.reason.removeprefix('host memory: ')}: over by {over:.1f} GiB, "
+        f"{best.need / best.usable:.1f}x. A rank's start shrinks with its shard (over t, p and "
+        "ep; a resume's also with ZeRO over d): more GPUs, a node with more host memory "
+        "(--host-memory-gib), or --start for how the run starts"
     )
 
 

@@ -17,7 +17,8 @@ Each part has its own module: the stages' durations and transfers that the repla
 (`pipeline_costs`), the replay (`replay`; under blocking transfers an interleaved layout in
 the 2021 code's own order, `megatron2021`), the gradient reduction (`reduction`) and the end
 of the step (`optimizer_step`). This one holds the `Prediction`, the checks a config must
-pass first, and `simulate`, which ties the parts together.
+pass first, and `simulate`, which ties the parts together; host memory per rank is
+`ptdp.perf.cost.host_memory`'s.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ptdp.perf.cost.context_costs import cp_comm_seconds
 from ptdp.perf.cost.costs import Compute, Passes
 from ptdp.perf.cost.flops import flops_per_iteration, utilisation
 from ptdp.perf.cost.hardware import System
+from ptdp.perf.cost.host_memory import HostMemory, host_memory
 from ptdp.perf.cost.memory import MemoryEstimate, estimate_memory
 from ptdp.perf.cost.reserve import with_reserve
 from ptdp.perf.cost.software import PTDP, Software
@@ -98,6 +100,9 @@ class Prediction:
     ep_seconds: float = 0.0
     """Expert parallelism, one MoE layer and microbatch, forward + backward: seconds of its
     all-to-alls (dispatch and combine each way, none hidden; in `layer` too)."""
+    host: tuple[HostMemory, ...] = ()
+    """Host memory per rank of each pipeline rank: starting, resuming, saving
+    (`ptdp.perf.cost.host_memory`)."""
 
     @property
     def idle(self) -> tuple[float, ...]:
@@ -281,6 +286,7 @@ def simulate(
         device_memory=system.device.memory_bytes,
         cp_seconds=_cp_seconds(cfg, layout, c),
         ep_seconds=sum(astuple(ep_passes(cfg, layout, c))) if cfg.model.num_experts else 0.0,
+        host=host_memory(cfg, layout),
     )
 
 
