@@ -14,6 +14,7 @@ regions). The checkpoint writer reads a `Lazy` value when it writes its bytes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -45,10 +46,7 @@ class Lazy:
     @property
     def nbytes(self) -> int:
         """Its bytes in float32, as read."""
-        n = 4
-        for size in self.shape:
-            n *= size
-        return n
+        return 4 * math.prod(self.shape)
 
 
 @dataclass(frozen=True, eq=False)

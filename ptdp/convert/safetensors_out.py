@@ -16,6 +16,7 @@ whole, so a failed export leaves no file of it (ptdp/files.py `replacing`).
 from __future__ import annotations
 
 import json
+import math
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +40,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        n = 4
-        for size in self.shape:
-            n *= size
-        return n
+        return 4 * math.prod(self.shape)
 
 
 def plan_shards(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
