@@ -29,6 +29,15 @@ PERF_EPILOG = (
     "overrides, with the keys of `ptdp train --help`."
 )
 
+CONVERT_DESCRIPTION = (
+    "--to hf CKPT OUT: write a checkpoint (run or step directory) as a transformers model "
+    "directory (config.json, the weights in safetensors files of at most --max-shard-size "
+    "with their index, tokenizer.json), reading one layer at a time. --from hf DIR OUT: make "
+    "OUT a run directory whose step-0 checkpoint holds the model, with no optimizer state; "
+    "train from it in any layout with `ptdp train --config OUT/config.toml --resume "
+    "--data.path PREFIX`."
+)
+
 CHECKPOINT_HELP = "a run directory (uses its latest checkpoint) or a step directory"
 
 
@@ -204,19 +213,13 @@ def _simulate_parser(sub: Subparsers) -> None:
 
 
 def _plan_parser(sub: Subparsers) -> None:
-    from ptdp.perf.plan.keys import OLD_PLAN_FLAGS, PLAN_EPILOG
+    from ptdp.perf.plan.keys import OLD_PLAN_FLAGS, PLAN_DESCRIPTION, PLAN_EPILOG
 
     p = _perf_parser(
         sub,
         "plan",
         help="search the parallel layouts that fit and rank them by predicted throughput",
-        description=(
-            "Search tensor, pipeline and data-parallel sizes, micro-batch, schedule and "
-            "recomputation for a model on N GPUs, keep the layouts that fit in memory, "
-            "simulate each and rank them; explains the choice with the paper's guidelines "
-            "(tensor parallel inside a node, pipeline across nodes, micro-batch from its "
-            "equation (1))."
-        ),
+        description=PLAN_DESCRIPTION,
         epilog=PERF_EPILOG + PLAN_EPILOG,
     )
     p.set_defaults(run=_cmd_perf, overrides_ok=True)
@@ -246,18 +249,8 @@ def _calibrate_parser(sub: Subparsers) -> None:
 
 
 def _convert_parser(sub: Subparsers) -> None:
-    p = sub.add_parser(
-        "convert",
-        help="convert a checkpoint to or from a Hugging Face transformers model",
-        description=(
-            "--to hf CKPT OUT: write a checkpoint (run or step directory) as a transformers "
-            "model directory (config.json, the weights in safetensors files of at most "
-            "--max-shard-size with their index, tokenizer.json), reading one layer at a time. "
-            "--from hf DIR OUT: make OUT a run directory whose step-0 "
-            "checkpoint holds the model, with no optimizer state; train from it in any layout "
-            "with `ptdp train --config OUT/config.toml --resume --data.path PREFIX`."
-        ),
-    )
+    help = "convert a checkpoint to or from a Hugging Face transformers model"
+    p = sub.add_parser("convert", help=help, description=CONVERT_DESCRIPTION)
     p.set_defaults(run=_cmd_convert)
     way = p.add_mutually_exclusive_group(required=True)
     way.add_argument("--to", choices=["hf"], help="export a ptdp checkpoint")
@@ -268,27 +261,16 @@ def _convert_parser(sub: Subparsers) -> None:
     p.add_argument("--seq-length", type=int, default=0, metavar="N", help=seq)
     p.add_argument("--overwrite", action="store_true", help="--to: into an OUT holding files")
     shard = "--to: the most bytes of one weights file, e.g. 500MB (default 5GB, as transformers)"
-    p.add_argument("--max-shard-size", type=parse_bytes, default="5GB", metavar="SIZE", help=shard)
+    p.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE", help=shard)
 
 
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+def _size(text: str) -> int:
+    from ptdp.convert.safetensors_out import parse_size
 
-
-def parse_bytes(text: str) -> int:
-    """A size such as 5GB, 500MB, 2GiB or 1000000 (bytes), as transformers' max_shard_size."""
-    number = text.strip().upper()
-    digits = number.rstrip("KMGTIB ")
-    unit = number[len(digits) :].strip()
     try:
-        value = float(digits) * SIZE_UNITS[unit]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size: write a number with a unit, e.g. 5GB, 500MB or 2GiB"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a shard holds at least one byte")
-    return int(value)
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _config_reference_parser(sub: Subparsers) -> None:
@@ -354,10 +336,7 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
         workers=args.workers,
         text_key=args.text_key,
     )
-    print(
-        f"wrote {result.prefix}.bin/.idx: {result.num_docs:,} documents, "
-        f"{result.num_tokens:,} tokens, vocabulary {result.vocab_size}"
-    )
+    print(result)
     return 0
 
 
@@ -366,15 +345,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from ptdp.sample import launch_generation, sample_from_checkpoint
 
     mesh, device = launch_generation(Path(args.checkpoint), args.device, args.pp)
+    sampling = ("max_new_tokens", "temperature", "top_k", "top_p", "num_samples", "seed")
     texts = sample_from_checkpoint(
         Path(args.checkpoint),
         args.prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        num_samples=args.num_samples,
-        seed=args.seed,
+        **{key: getattr(args, key) for key in sampling},
         device=str(device),
         use_cache=not args.no_kv_cache,
         mesh=mesh,
@@ -408,9 +383,9 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def _cmd_perf(args: argparse.Namespace) -> int:  # simulate and plan
-    from ptdp.perf.commands import run_plan, run_simulate
+    from ptdp.perf import commands
 
-    return run_simulate(args) if args.command == "simulate" else run_plan(args)
+    return (commands.run_simulate if args.command == "simulate" else commands.run_plan)(args)
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -423,9 +398,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from ptdp.convert import export_hf, import_hf
 
     if args.to:
-        result = export_hf(
-            args.src, args.out, overwrite=args.overwrite, shard_bytes=args.max_shard_size
-        )
+        sizes = {"overwrite": args.overwrite, "shard_bytes": args.max_shard_size}
+        result = export_hf(args.src, args.out, **sizes)
         print(f"wrote {result.family} model to {result.path} (transformers format)")
     else:
         result = import_hf(args.src, args.out, seq_length=args.seq_length)

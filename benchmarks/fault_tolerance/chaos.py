@@ -151,13 +151,13 @@ def _inject(faults: list[Fault], marks: Path) -> None:
                 next(iter(self.model.parameters())).main_grad.view(-1)[0] = float("nan")
         return loss
 
-    def chaos_record(tmp: Path, rank: int, world: int) -> None:
+    def chaos_record(tmp: Path, rank: int, world: int, sums=None) -> None:
         step = int(re.findall(r"\d+", tmp.name)[0])
         for i, f in enumerate(faults):
             if f.kind == "save" and f.step == step and f.rank % world == rank:
                 if claim(marks / f"fault{i}"):
                     os.kill(os.getpid(), signal.SIGKILL)  # shards written, record not
-        record(tmp, rank, world)
+        record(tmp, rank, world, sums)
 
     Trainer.around, Trainer.forward_backward = chaos_around, chaos_forward_backward
     writer.record_written = chaos_record

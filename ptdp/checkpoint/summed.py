@@ -46,31 +46,69 @@ class _SummedFile:
 
 class _SummingFileSystem(FileSystem):
     """DCP's local file system, recording {file name: {"bytes", "crc32"}} of what it writes
-    (each file is written by one writer thread; the lock guards the shared record)."""
+    (each file is written by one writer thread; the lock guards the shared record).
+
+    DCP's extra writer threads are neither joined when the calling thread fails nor heard
+    from when they fail themselves (their exception is only printed). So every stream
+    keeps the error that ended it in `errors`, and `close()` refuses new streams and waits
+    for open ones: after it no thread writes into the directory being cleaned up."""
 
     def __init__(self) -> None:
         self.sums: dict[str, dict[str, int]] = {}
-        self._lock = threading.Lock()
+        self.errors: list[BaseException] = []
+        self._open = 0
+        self._closed = False
+        self._lock = threading.Condition()
 
     @contextmanager
     def create_stream(self, path, mode: str) -> Iterator:
-        with super().create_stream(path, mode) as raw:
-            if "w" not in mode:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as raw:
                 yield raw
-                return
-            summed = _SummedFile(raw)
-            yield summed
+            return
         with self._lock:
-            self.sums[Path(path).name] = {"bytes": summed.nbytes, "crc32": summed.crc}
+            if self._closed:
+                raise OSError(f"checkpoint write to {path} stopped: another writer failed")
+            self._open += 1
+        try:
+            with super().create_stream(path, mode) as raw:
+                summed = _SummedFile(raw)
+                yield summed
+            with self._lock:
+                self.sums[Path(path).name] = {"bytes": summed.nbytes, "crc32": summed.crc}
+        except BaseException as exc:
+            with self._lock:
+                self.errors.append(exc)
+            raise
+        finally:
+            with self._lock:
+                self._open -= 1
+                self._lock.notify_all()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.wait_for(lambda: self._open == 0)
 
 
 class SummingWriter(dcp.FileSystemWriter):
     """DCP's file-system writer with `threads` writer threads (one file each) whose files
-    are checksummed as they are written (`sums`)."""
+    are checksummed as they are written (`sums`). A write fails if any thread's did, and
+    returns (or raises) only once no thread writes any more."""
 
     def __init__(self, path: Path, threads: int) -> None:
         super().__init__(path, thread_count=threads)
         self.fs = _SummingFileSystem()
+
+    def write_data(self, plan, planner):
+        try:
+            written = super().write_data(plan, planner)
+        except BaseException:
+            self.fs.close()  # the other threads were not joined: stop them and wait
+            raise
+        if self.fs.errors:  # every thread was joined; one of them failed
+            raise self.fs.errors[0]
+        return written
 
     @property
     def sums(self) -> dict[str, dict[str, int]]:

@@ -28,6 +28,26 @@ from ptdp.convert.hf_files import WEIGHTS_FILE, weight_names
 from ptdp.files import replacing
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """A size such as 5GB, 500MB, 2GiB or 1000000 (bytes), as transformers' max_shard_size."""
+    number = text.strip().upper()
+    digits = number.rstrip("KMGTIB ")
+    unit = number[len(digits) :].strip()
+    try:
+        value = float(digits) * SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise ValueError(
+            f"{text!r} is not a size: write a number with a unit, e.g. 5GB, 500MB or 2GiB"
+        ) from None
+    if value < 1:
+        raise ValueError(f"{text!r}: a shard holds at least one byte")
+    return int(value)
+
+
 """`save_pretrained`'s default max_shard_size, "5GB"."""
 
 

@@ -54,6 +54,12 @@ class PreprocessResult:
     tokenizer: str
     """Path of the tokenizer.json beside the data (the byte tokenizer's too)."""
 
+    def __str__(self) -> str:  # what `ptdp preprocess` prints
+        return (
+            f"wrote {self.prefix}.bin/.idx: {self.num_docs:,} documents, "
+            f"{self.num_tokens:,} tokens, vocabulary {self.vocab_size}"
+        )
+
 
 def sidecar_path(prefix: str | Path) -> Path:
     """``PREFIX.json``."""

@@ -53,12 +53,12 @@ def host_lines(p: Prediction, system: System, start: Start, async_save: bool) ->
 
 def host_fit_line(fit: NodeFit, start: Start) -> str:
     """The verdict on the fullest node, naming the start checked (`--start`)."""
-    checked = "the larger of HF and resume" if start is Start.ANY else start.value
     what = (
         f"{fit.phase} needs {fit.per_rank / GIB:.1f} GiB per rank, {ranks(fit.ranks)} per node "
         f"= {fit.need / GIB:.1f} GiB"
     )
-    head = f"host memory (--start {start.value}: {checked})"
+    any_start = ": the larger of HF and resume" if start is Start.ANY else ""
+    head = f"host memory (--start {start.value}{any_start})"
     if fit.usable is None:
         return f"{head}: {what}; not checked: give {HOST_FLAG}"
     room = f"the node's {fit.usable / GIB:.0f} GiB usable (of {fit.capacity / GIB:.0f} GiB)"

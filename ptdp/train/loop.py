@@ -97,19 +97,21 @@ class TrainResult:
     """The signal (SIGINT, SIGTERM) the run stopped for after saving; 0 if none."""
 
 
-def _report_save(
-    trainer: Trainer, step_dir: Path, writer: MetricsWriter | None, *, background: bool
-) -> None:
+def _report_save(trainer: Trainer, step_dir: Path, *, background: bool) -> None:
     """Say a save and how long it stalled training (the time the training thread spent in
     it: with train.async_save, waiting for the previous save, the finite check and the one
-    copy of the state), and write that as `save_stall_s` to the metrics file."""
+    copy of the state), and record that as a `checkpoint` event (events.jsonl)."""
     stall = trainer.checkpoints.last_stall_s
-    if trainer.cfg.train.async_save and background:
+    in_background = trainer.cfg.train.async_save and background
+    if in_background:
         trainer.say(f"saving checkpoint {step_dir} in the background (stall {stall:.3f} s)")
     elif not trainer.cfg.train.async_save:
         trainer.say(f"saved checkpoint {step_dir} (stall {stall:.3f} s)")
-    if writer:
-        writer.write({"step": trainer.step, "save_stall_s": round(stall, 6)})
+    if trainer.is_main:
+        append_event(
+            trainer.run_dir, "checkpoint", step=trainer.step, checkpoint=str(step_dir),
+            stall_s=round(stall, 6), background=bool(in_background),
+        )  # fmt: skip
 
 
 def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) -> TrainResult:
@@ -200,7 +202,7 @@ def run_loop(trainer: Trainer, on_first_step: Callable[[], None] | None = None) 
                     saving = stopping
                     with trainer.around("checkpoint save"):
                         step_dir = trainer.save()
-                    _report_save(trainer, step_dir, writer, background=not stopping)
+                    _report_save(trainer, step_dir, background=not stopping)
                     timer.resume()
                 if stopping:
                     trainer.finish_save()

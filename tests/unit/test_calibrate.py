@@ -34,6 +34,8 @@ def test_the_file_loads_and_holds_what_was_measured(calibrated: Path) -> None:
     raw = tomllib.loads(calibrated.read_text())
     dev = system.device
     assert dev.kind == "cpu" and system.gpus_per_node == 1
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's
+    assert abs(system.host_memory_bytes - physical) <= 0.05 * 2**30  # written to 0.1 GiB
     assert raw["calibration"]["sweep"] == "quick"
     assert raw["calibration"]["threads"] == str(__import__("torch").get_num_threads())
     # The peak of a CPU is its best measured GEMM, so the curve tops out at 1.

@@ -5,7 +5,10 @@ nothing else; a synchronous save writes the live tensors."""
 
 from __future__ import annotations
 
+import errno
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from ptdp.checkpoint import writer
 from ptdp.checkpoint.boxes import Boxes, TensorPlace, placed_boxes
 from ptdp.checkpoint.store import CHECKSUMS, checksum
 from ptdp.config.sections import RunConfig
+from ptdp.errors import CheckpointError
 
 
 def _state() -> dict:
@@ -104,3 +108,75 @@ def test_sync_save_boxes_are_views_of_the_live_tensor() -> None:
     place = TensorPlace((40, 30), (40, 30), (0, 0), (40, 30))
     for _, data in placed_boxes(place, flat[5:1100], 5):
         assert data.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_failing_writer_thread_fails_the_save_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, asynchronous: bool
+) -> None:
+    """DCP's extra writer threads only print their exceptions: a disk full in one of them
+    (not the thread that called the save) must still fail the save, name the disk, and
+    leave no step directory or .tmp behind."""
+    real_save = torch.save
+    caller: list[threading.Thread] = []
+
+    def save(obj, f, *args, **kwargs):
+        if threading.current_thread() is not caller[0] and hasattr(f, "write"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    pending = writer.start_checkpoint(
+        tmp_path, 3, {}, RunConfig(), b"{}", threads=1, asynchronous=False
+    )
+    pending.finish()  # one thread: the caller's, so it writes
+    caller.append(threading.main_thread())
+    with pytest.raises(CheckpointError, match="disk is full"):
+        writer.start_checkpoint(
+            tmp_path, 4, _state(), RunConfig(), b"{}", threads=3, asynchronous=asynchronous
+        ).finish()
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000003"]
+
+
+def test_no_writer_thread_writes_after_a_failed_save_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The calling thread fails while another writer thread is still writing: the save
+    waits for that thread before it removes the .tmp, so nothing is left (or re-made)."""
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if hasattr(f, "write"):
+            if threading.current_thread() is threading.main_thread():
+                raise OSError(errno.ENOSPC, "No space left on device")
+            time.sleep(0.3)  # a slow disk for the other writers
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(CheckpointError, match="disk is full"):
+        writer.start_checkpoint(tmp_path, 4, _state(), RunConfig(), b"{}", threads=3).finish()
+    time.sleep(0.5)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_each_save_records_its_stall_as_a_checkpoint_event(
+    tiny_data: str, tmp_path: Path, asynchronous: bool
+) -> None:
+    """Every save is a `checkpoint` event (events.jsonl) with the training thread's stall;
+    metrics.jsonl keeps one record per logged step."""
+    from ptdp.train.faults.events import read_events
+    from ptdp.train.run import train
+    from tests.helpers import tiny_config
+
+    train_section = {"steps": 4, "save_interval": 2, "async_save": asynchronous}
+    train(tiny_config(tiny_data, tmp_path / "run", train=train_section))
+    saves = [e for e in read_events(tmp_path / "run") if e["event"] == "checkpoint"]
+    assert [e["step"] for e in saves] == [2, 4]
+    assert all(0 < e["stall_s"] < 60 for e in saves)
+    # With async_save both writes run in a thread (the run waits for the last at its end).
+    assert [e["background"] for e in saves] == [asynchronous, asynchronous]
+    assert saves[-1]["checkpoint"].endswith("step_00000004")
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics] == [1, 2, 3, 4]

@@ -26,6 +26,7 @@ from ptdp.perf.cost.host_memory import (
     largest_tensor,
     node_fit,
 )
+from ptdp.perf.plan.explain import host_memory_line
 from ptdp.perf.plan.planner import plan
 from ptdp.perf.plan.refusal import Constraint
 from ptdp.perf.report import format_prediction
@@ -78,7 +79,7 @@ def test_each_phase_of_a_dense_model_at_t2_p2_by_hand() -> None:
     assert first.scratch == 4 * largest  # one full master value at a time
     assert first.resume == pytest.approx(1.6 * 12 * FIRST)  # fp32 weights and two moments
     assert first.async_save == 12 * FIRST
-    assert first.save == 2 * 4 * (512 // 2 * 64)  # two of its largest tensor (its vocab half)
+    assert first.save == 3 * 4 * (512 // 2 * 64)  # writer threads + 1 of its largest (vocab half)
     # ZeRO-1 over d = 2: each rank owns, saves and resumes half of its pipeline rank's state
     cfg = run(LLAMA, tp=2, pp=2, zero=1)
     sharded = host_memory(cfg, validate(cfg, 8, gpus=True))[0]
@@ -101,7 +102,7 @@ def test_an_moe_at_ep4_by_hand() -> None:
     owned = rest / 4 + routed / 2  # ZeRO: the rest over d = 4, the experts over edp = 2
     assert rank.resume == pytest.approx(1.6 * 12 * owned)
     assert rank.async_save == pytest.approx(12 * owned)
-    assert rank.save == 2 * 4 * (4 * 2 * 64 * 64)  # its four experts' fc1
+    assert rank.save == 3 * 4 * (4 * 2 * 64 * 64)  # its four experts' fc1, 2 threads + 1
 
 
 def test_the_node_sums_its_ranks_and_the_start_and_saves_count() -> None:
@@ -153,6 +154,19 @@ def test_the_planner_keeps_a_layout_that_fits() -> None:
     result = _plan(30)  # 24.0 GiB <= 27 GiB usable
     assert result.best is not None
     assert not [r for r in result.rejected if r.kind is Constraint.HOST_MEMORY]
+
+
+def test_the_plans_why_names_the_recommended_layouts_host_memory() -> None:
+    """The 'why' line of a plan: the recommended layout's fullest node, and the count of
+    layouts that host memory refused."""
+    kept = _plan(30)
+    line = "host memory (--start any): resuming from a checkpoint needs 3.0 GiB per rank, "
+    line += "8 ranks per node = 24.0 GiB of the node's 27 GiB usable"
+    assert [x for x in kept.explanation if "host memory" in x] == [line]
+    system = replace(H100, host_memory_bytes=30 * GIB)
+    refused = host_memory_line(kept.best, system, Start.ANY, refused=3)
+    assert refused == [line + "; 3 layouts refused for host memory"]
+    assert host_memory_line(kept.best, replace(H100, host_memory_bytes=None), Start.ANY, 0) == []
 
 
 def test_the_built_in_nodes_host_memory() -> None:
@@ -208,7 +222,7 @@ def test_simulate_reports_host_memory(tmp_path: Path, capsys) -> None:
     assert lines[at + 6].startswith(head)
     assert "GiB, within the node's 1843 GiB usable" in lines[at + 6]
     small = _simulate(tmp_path, capsys, "--host-memory-gib", "64", "--start", "hf")
-    assert "host memory (--start hf: hf): starting from Hugging Face weights needs" in small
+    assert "host memory (--start hf): starting from Hugging Face weights needs" in small
     assert ", over the node's 58 GiB usable (of 64 GiB) by " in small
     out = json.loads(_simulate(tmp_path, capsys, "--json", "--train.async_save", "true"))
     assert [r["pp_rank"] for r in out["host_memory_gib"]] == [0, 1, 2, 3]

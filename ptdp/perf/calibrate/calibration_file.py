@@ -84,6 +84,8 @@ class Calibration:
     split_ratio: float | None = None
     """(B + W) / fused seconds of ptdp's zero-bubble split backward
     (`wgrad_cost.split_backward_ratio`; on GPUs two layers of the 1.3B GPT)."""
+    host_memory_bytes: float | None = None
+    """This machine's host memory (written as `[node] host_memory_gib`; None: unknown)."""
     ring: tuple[float, float] | None = None
     """(per key/value shift of ring attention beyond what the fitted point-to-point link
     charges it, per cp = 2 layer forward and backward against none) seconds
@@ -285,11 +287,17 @@ def render_toml(cal: Calibration, name: str) -> str:
             {k: [[b, bw / GB] for b, bw in c] for k, c in cal.kernel_curves.items()},
             "[bytes moved per call, GB/s], growing sizes (ptdp/perf/cost/kernels.py)",
         ),
-        *_table("node", {"gpus": cal.gpus_per_node, **node}),
+        *_table("node", {"gpus": cal.gpus_per_node, **_host(cal), **node}),
         *_table("network", network),
         *_calibration_tables(cal),
     ]
     return "\n".join(lines)
+
+
+def _host(cal: Calibration) -> dict[str, float]:
+    """The node's host memory in GiB: this machine's, else the base file's, else none."""
+    gib = cal.host_memory_bytes or (cal.base.host_memory_bytes if cal.base else None)
+    return {"host_memory_gib": round(gib / GIB, 1)} if gib else {}
 
 
 def _calibration_tables(cal: Calibration) -> list[str]:

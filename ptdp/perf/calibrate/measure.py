@@ -210,6 +210,7 @@ def calibrate(
         nominal_bandwidth=base.device.memory_bandwidth if base else 0.0,
         ranks=world.size,
         gpus_per_node=per_node if world.size > 1 else (base.gpus_per_node if base else 1),
+        host_memory_bytes=host_memory_bytes(),
         collectives=tuple(collectives),
         links=links,
         base=base,
@@ -296,6 +297,14 @@ def write_calibration(cal: Calibration, path: Path) -> System:
     except ConfigError:
         path.rename(path.with_suffix(".broken.toml"))
         raise
+
+
+def host_memory_bytes() -> float | None:
+    """This machine's physical memory (POSIX sysconf); None where it cannot be read."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def run_calibrate(out: str, *, quick: bool, base: str, precision: str) -> int:

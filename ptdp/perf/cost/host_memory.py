@@ -17,8 +17,9 @@ parameter, an expert's 1/edp, as the optimizer state is sharded), in bytes:
 - from scratch: 4 T, the seeded full master value of one tensor at a time, sliced
   (`ptdp.model.init.init_tensor`, in fp32 on the host);
 - resuming a ptdp checkpoint (`--resume`, or init_from a ptdp run): `RESUME_FACTOR` x S;
-- a synchronous save, written from the live tensors: `SYNC_SAVE_TENSORS` x 4 L, L the
-  rank's largest local tensor, staged from the device tensor by tensor;
+- a synchronous save, written from the live tensors: (`checkpoint.writer_threads` +
+  `SYNC_SAVE_EXTRA_TENSORS`) x 4 L, L the rank's largest local tensor, staged from the
+  device tensor by tensor;
 - an asynchronous save (`train.async_save`): `ASYNC_SAVE_FACTOR` x S, the host copy of
   the whole state that the writer thread writes while training goes on.
 
@@ -57,10 +58,10 @@ way to the device (the loader's figure, issue 52 item 6)."""
 RESUME_FACTOR = 1.6
 """Host bytes per byte of the rank's saved state while it resumes: DCP's read buffers and
 the state they fill before it moves to the device (the loader's figure, issue 52 item 6)."""
-SYNC_SAVE_TENSORS = 2
-"""Largest local tensors in host memory at once during a synchronous save: ptdp's writer
-has one thread (`thread_count=1`, ptdp/checkpoint/writer.py) holding the device-to-host
-copy of the tensor it writes and its serialised bytes."""
+SYNC_SAVE_EXTRA_TENSORS = 1
+"""Largest local tensors in host memory during a synchronous save beside one per writer
+thread (`checkpoint.writer_threads`, each holding the device-to-host copy of the tensor it
+writes): the serialised bytes of the one being written."""
 ASYNC_SAVE_FACTOR = 1.0
 """Host bytes per byte of saved state during an asynchronous save: one (pinned) host copy
 of the whole state, written by a background thread while training goes on."""
@@ -185,7 +186,7 @@ def host_memory(cfg: RunConfig, layout: Layout) -> tuple[HostMemory, ...]:
                 hf_start=HF_START_FACTOR * FP32 * count + full,
                 scratch=full,
                 resume=RESUME_FACTOR * saved,
-                save=SYNC_SAVE_TENSORS * local,
+                save=(cfg.checkpoint.writer_threads + SYNC_SAVE_EXTRA_TENSORS) * local,
                 async_save=ASYNC_SAVE_FACTOR * saved,
             )
         )

@@ -79,6 +79,14 @@ def pinned(cfg: RunConfig, given: dict[str, dict[str, str]]) -> dict[str, object
     return values
 
 
+PLAN_DESCRIPTION = (
+    "Search tensor, pipeline and data-parallel sizes, micro-batch, schedule and "
+    "recomputation for a model on N GPUs, keep the layouts that fit in memory, "
+    "simulate each and rank them; explains the choice with the paper's guidelines "
+    "(tensor parallel inside a node, pipeline across nodes, micro-batch from its "
+    "equation (1))."
+)
+
 PLAN_EPILOG = (
     " A searched key ({searched}) given on the command line fixes it: --parallel.tp 8 "
     "searches only t = 8 (0 = search); keys not given, and a TOML file's layout, are "

@@ -4,6 +4,9 @@
   gone), its error, the step in progress, `done` (the steps completed: a failure during
   the save of step k comes after k), `time` (when it was recorded) and `fault_time`
   (when it happened: for a silent rank, its last heartbeat);
+- `checkpoint`: a save of step `step` into `checkpoint`, and `stall_s`, the seconds the
+  training thread spent in it (`background`: the write went on in a thread,
+  train.async_save; it is published at the next save or at the end);
 - `interrupted`: the run stopped for SIGINT/SIGTERM after saving (a preemption notice);
 - `rollback`: a non-finite step under `train.on_nan = rollback`: the bad step, the step
   restored and the completed steps lost (their batches are skipped);
