@@ -4,7 +4,8 @@ The multi-process benchmarks (data_parallel, tensor_parallel, pipeline_efficienc
 checkpoint) share this launcher. Rendezvous goes through a file in a fresh temporary
 directory, so there are no port races; each rank runs one thread, so ranks share the cores
 evenly instead of oversubscribing them; rank 0's return value comes back as JSON through a
-file, because spawned processes cannot return values. tests/dist/harness.py is the tests'
+file, because spawned processes cannot return values. `timed(fn)` is a figure of the
+slowest rank. tests/dist/harness.py is the tests'
 counterpart: benchmarks must not import tests, and want a result rather than pass/fail.
 
 Import it as `benchmarks.common.spawn`: a benchmark run as `python benchmarks/<group>/x.py`
@@ -17,6 +18,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -79,3 +81,13 @@ def spawn(fn: Callable[..., object], world: int, *args: object, timeout_s: float
     finally:
         if old is None:
             os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def timed(fn) -> float:
+    """Seconds of `fn()` on the slowest rank (barriers on both sides)."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()

@@ -27,7 +27,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -36,7 +35,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as `python benchmarks/<group>/<name>.py`: from the root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common.spawn import spawn
+from benchmarks.common.spawn import spawn, timed
 from ptdp import checkpoint as ckpt
 from ptdp.config.files import apply_updates, load_toml
 from ptdp.parallel.env import LaunchEnv
@@ -70,16 +69,6 @@ def build(rank: int, world: int, run_dir: str, parallel: dict, async_save: bool)
     env = LaunchEnv(rank, world, rank)
     cfg, layout, data = prepare(apply_updates(cfg, updates, "benchmark"), env)
     return Trainer(cfg, layout, env, data)
-
-
-def timed(fn) -> float:
-    """Seconds of `fn()` on the slowest rank (barriers on both sides)."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
 
 
 def worker(rank: int, world: int, args, parallel: dict, root: str) -> dict:

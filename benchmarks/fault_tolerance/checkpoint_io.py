@@ -16,9 +16,9 @@ at worlds 1, 2 and 4 and writer threads 1, 2 and 4:
    cannot be dropped without root, so the read figure is the page cache's, and so is the
    checkpoint load's (its files were just written too).
 4. the stall: a synthetic step (a matmul, then an in-place update of all the state, as an
-   optimizer step does) saved every 2nd step with no save, a synchronous save and an
-   asynchronous one: the median time in the save call, the median step time, and the peak
-   resident memory above the state while saving (sampled every 5 ms).
+   optimizer step does) saved every --save-every steps (40) with no save, a synchronous
+   save and an asynchronous one: the median time in the save call, the median step time,
+   and the peak resident memory above the state while saving (sampled every 5 ms).
 
 Files go to a temporary directory under --run-dir (removed afterwards). Medians over
 --repeats. The results are printed, and written as JSON to --out when given.
@@ -48,7 +48,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as `python benchmarks/<group>/<name>.py`: from the root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common.spawn import spawn
+from benchmarks.common.spawn import spawn, timed
 from ptdp.checkpoint.boxes import Boxes, TensorPlace, placed_boxes
 from ptdp.checkpoint.store import find_checkpoint, load_entries, read_metadata, verify_files
 from ptdp.checkpoint.summed import BackgroundCheck
@@ -69,16 +69,6 @@ def build_state(rank: int, world: int, mib: int) -> tuple[torch.Tensor, dict]:
         part = flat[i * ROWS * COLS : (i + 1) * ROWS * COLS]
         state[f"optimizer/state/p{i}/exp_avg"] = Boxes(place.size, placed_boxes(place, part, 0))
     return flat, state | {"step": 1}
-
-
-def timed(fn) -> float:
-    """Seconds of `fn()` on the slowest rank (barriers on both sides)."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
 
 
 def load_targets(state: dict) -> dict:
@@ -165,7 +155,8 @@ class PeakRss:
 
 def stall(rank: int, world: int, args, root: str) -> dict:
     """The save call's time, the step time and the peak memory above the state, for no
-    save, a synchronous save and an asynchronous one every 2nd of 2 * repeats + 2 steps."""
+    save, a synchronous save and an asynchronous one every --save-every steps (repeats + 1
+    saves), so that a background write can end before the next save is asked for."""
     flat, state = build_state(rank, world, args.state_mib)
     x = torch.randn(256, 256)
     group = dist.new_group(backend="gloo") if world > 1 else None
@@ -175,13 +166,13 @@ def stall(rank: int, world: int, args, root: str) -> dict:
         steps, stalls, pending = [], [], None
         base = PeakRss.now()
         with PeakRss() as rss:
-            for step in range(1, 2 * args.repeats + 3):
+            for step in range(1, args.save_every * (args.repeats + 1) + 1):
                 start = time.perf_counter()
                 for _ in range(20):
                     x = torch.tanh(x @ x) * 0.5
                 flat.add_(1e-6)  # the optimizer's update of every element of the state
                 steps.append(time.perf_counter() - start)
-                if mode == "none" or step % 2:
+                if mode == "none" or step % args.save_every:
                     continue
                 start = time.perf_counter()
                 if pending is not None:
@@ -234,6 +225,8 @@ def main() -> None:
     parser.add_argument("--worlds", default="1,2,4", help="rank counts, comma-separated")
     parser.add_argument("--threads", default="1,2,4", help="writer threads, comma-separated")
     parser.add_argument("--stall-threads", type=int, default=2, help="writer threads, stall")
+    every = "steps between saves in the stall figures (a background write must fit in them)"
+    parser.add_argument("--save-every", type=int, default=40, help=every)
     parser.add_argument("--run-dir", default="runs/bench-checkpoint-io", help="files go here")
     parser.add_argument("--out", default="", help="write the results as JSON here")
     args = parser.parse_args()

@@ -97,7 +97,8 @@ class SummingWriter(dcp.FileSystemWriter):
     returns (or raises) only once no thread writes any more."""
 
     def __init__(self, path: Path, threads: int) -> None:
-        super().__init__(path, thread_count=threads)
+        # No read-ahead: items are resolved one at a time (LazySavePlanner frees each copy).
+        super().__init__(path, thread_count=threads, per_thread_copy_ahead=0)
         self.fs = _SummingFileSystem()
 
     def write_data(self, plan, planner):

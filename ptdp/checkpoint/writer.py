@@ -131,17 +131,39 @@ def start_checkpoint(
 
 class LazySavePlanner(DefaultSavePlanner):
     """DCP's planner, reading each `Lazy` value (ptdp/checkpoint/lazy.py) only when the
-    writer asks for its bytes, so a conversion holds about one tensor at a time."""
+    writer asks for its bytes, so a conversion holds about one tensor at a time.
+
+    DCP's writer keeps every tensor it wrote to a file referenced until the file is closed
+    (torch/distributed/checkpoint/filesystem.py `tensor_dict`), so the copies a save makes
+    (a `Lazy` value read, or the compact copy of a view such as one of `Boxes`' chunks)
+    would pile up to the whole file. So each writer thread's copy is freed when that thread
+    asks for its next tensor: its writer reads items one at a time (`SummingWriter` sets no
+    read-ahead), so by then the copy is in the file. A whole host tensor is neither copied
+    nor freed: a synchronous save on a CPU writes the live tensors as they are; from a GPU
+    it holds one host copy per writer thread."""
 
     def __init__(self, lazy: dict[str, Lazy], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.lazy = lazy
+        self._last = threading.local()
 
     def resolve_data(self, write_item: WriteItem) -> Any:
+        previous = getattr(self._last, "copy", None)
+        if previous is not None:
+            previous.untyped_storage().resize_(0)  # written: its file holds it now
+            self._last.copy = None
         source = self.lazy.get(write_item.index.fqn)
-        if source is None:
-            return super().resolve_data(write_item)
-        return source.full()
+        data = super().resolve_data(write_item) if source is None else source.full()
+        if not isinstance(data, torch.Tensor):
+            return data  # bytes
+        if data.device.type != "cpu":
+            data = data.to("cpu")  # the host copy, ours alone
+        elif source is not None or data.untyped_storage().nbytes() != data.nbytes:
+            data = data.clone()  # ours alone: a view's compact copy, or a read's
+        else:
+            return data  # a whole live (or snapshot) tensor: written as it is
+        self._last.copy = data
+        return data
 
 
 def _placeholders(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Lazy]]:

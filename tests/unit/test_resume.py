@@ -100,7 +100,7 @@ def test_a_restarted_launch_resumes_by_itself_and_records_why(
         _raise_at(m, 4)
         with pytest.raises(RuntimeError, match="injected"):
             train(cfg)
-    failure = read_events(tmp_path / "run")[-1]
+    failure = [e for e in read_events(tmp_path / "run") if e["event"] != "checkpoint"][-1]
     assert failure["event"] == "failure" and failure["rank"] == 0 and failure["step"] == 4
     with pytest.raises(CheckpointError, match="already holds checkpoints"):
         train(cfg, env=ONE)  # a first launch: today's meaning
@@ -111,7 +111,7 @@ def test_a_restarted_launch_resumes_by_itself_and_records_why(
     resumed = train(cfg, env=LaunchEnv(0, 1, 0, restart=1))
     assert resumed.start_step == 2
     assert {s: resumed.losses[s] for s in range(3, 7)} == {s: full.losses[s] for s in range(3, 7)}
-    record = read_events(tmp_path / "run")[-1]
+    record = [e for e in read_events(tmp_path / "run") if e["event"] != "checkpoint"][-1]
     assert record["event"] == "restart" and record["launch"] == "torchrun restart 1"
     assert record["failed_rank"] == 0 and "RuntimeError: injected fault" in record["cause"]
     assert record["fault_step"] == 4 and record["step"] == 2 and record["steps_lost"] == 1
@@ -241,11 +241,11 @@ def test_a_requeue_after_sigterm_resumes_and_loses_nothing(
     with monkeypatch.context() as m:
         _signal_during(m, 3)
         assert train(cfg).interrupted
-    stop = read_events(tmp_path / "run")[-1]
+    stop = [e for e in read_events(tmp_path / "run") if e["event"] != "checkpoint"][-1]
     assert (stop["event"], stop["signal"], stop["step"]) == ("interrupted", "SIGTERM", 3)
     resumed = train(cfg, env=LaunchEnv(0, 1, 0, requeue=1))
     assert resumed.start_step == 3 and resumed.final_step == 6
-    record = read_events(tmp_path / "run")[-1]
+    record = [e for e in read_events(tmp_path / "run") if e["event"] != "checkpoint"][-1]
     assert record["event"] == "restart" and record["launch"] == "SLURM requeue 1"
     assert record["cause"] == "interrupted by SIGTERM" and record["failed_rank"] is None
     assert record["steps_lost"] == 0
@@ -274,6 +274,6 @@ def test_a_restart_continues_from_the_checkpoint_before_a_damaged_latest(
     assert {s: resumed.losses[s] for s in range(3, 7)} == {s: full.losses[s] for s in range(3, 7)}
     out = capsys.readouterr().out
     assert "the latest checkpoint is damaged: continuing from step_00000002 instead" in out
-    record = read_events(tmp_path / "run")[-1]
+    record = [e for e in read_events(tmp_path / "run") if e["event"] != "checkpoint"][-1]
     assert record["event"] == "restart" and record["step"] == 2 and record["steps_lost"] == 2
     assert f"{shard} is truncated (100 of" in record["skipped"][0]

@@ -54,10 +54,12 @@ index. An estimate (about 3 GB per rank on a GPU node), not measured by ptdp."""
 HF_START_FACTOR = 1.5
 """Host bytes per byte of the rank's fp32 shard while it starts from Hugging Face weights:
 its slices read from the memory-mapped safetensors, cast to fp32, and the copies on their
-way to the device (the loader's figure, issue 52 item 6)."""
+way to the device. A bound: on CPU ranks the loader's extra peak was at most 0.83 x (shard +
+largest tensor) (BENCHMARKS.md, host memory of loading); the GPU path is unmeasured."""
 RESUME_FACTOR = 1.6
 """Host bytes per byte of the rank's saved state while it resumes: DCP's read buffers and
-the state they fill before it moves to the device (the loader's figure, issue 52 item 6)."""
+the state they fill before it moves to the device. A bound: on CPU ranks a resume's extra
+peak was at most 0.97 x the state (BENCHMARKS.md); the GPU path is unmeasured."""
 SYNC_SAVE_EXTRA_TENSORS = 1
 """Largest local tensors in host memory during a synchronous save beside one per writer
 thread (`checkpoint.writer_threads`, each holding the device-to-host copy of the tensor it

@@ -270,11 +270,20 @@ class Optimizer:
                         float(step), device=x.master.device if self.fused else "cpu"
                     ),
                     **{
-                        k: moments[x.param][k].reshape(-1)[x.lo : x.hi].clone().to(x.master)
-                        for k in STATE_KEYS
+                        k: _own_range(moments[x.param][k], x.lo, x.hi, x.master) for k in STATE_KEYS
                     },
                 }
         self.buffers.gather_params()
+
+
+def _own_range(loaded: torch.Tensor, lo: int, hi: int, like: torch.Tensor) -> torch.Tensor:
+    """Elements lo:hi of a tensor just loaded, as `like`'s dtype and device: the tensor
+    itself where the range is all of it (it is nobody else's), else a compact copy, so that
+    the rest of the loaded tensor can be freed."""
+    flat = loaded.reshape(-1)
+    if lo == 0 and hi == flat.numel():
+        return flat.to(like)
+    return flat[lo:hi].clone().to(like)
 
 
 def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
