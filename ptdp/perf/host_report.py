@@ -11,6 +11,7 @@ from ptdp.perf.cost.host_memory import (
     node_fit,
     ranks,
 )
+from ptdp.perf.rank_rows import shown_ranks
 from ptdp.perf.simulate.simulator import Prediction
 
 HOST_FLAG = "[node] host_memory_gib in the hardware file, or --host-memory-gib"
@@ -36,11 +37,11 @@ def host_lines(p: Prediction, system: System, start: Start, async_save: bool) ->
         "training state in device memory:",
         "  pp rank | baseline | from HF | scratch | resume |  save | async save",
     ]
-    n, fullest = len(p.host), max(p.host, key=lambda h: h.need(start, async_save)).rank
-    shown = sorted({*range(3), n - 2, n - 1, fullest}) if n > 8 else range(n)
-    for before, r in zip([-1, *shown], shown):
-        if r > before + 1:
+    fullest = max(p.host, key=lambda h: h.need(start, async_save)).rank
+    for r in shown_ranks(len(p.host), fullest):
+        if r is None:
             lines.append("      ... |")
+            continue
         h = p.host[r]
         lines.append(
             f"  {h.rank:7d} | {h.baseline / GIB:8.2f} | {h.hf_start / GIB:7.2f} | "

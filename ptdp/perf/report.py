@@ -21,6 +21,7 @@ from ptdp.perf.cost.reserve import fit
 from ptdp.perf.host_report import host_dict, host_lines
 from ptdp.perf.plan.compare import Comparison
 from ptdp.perf.plan.planner import Option, PlanResult, Progress
+from ptdp.perf.rank_rows import shown_ranks
 from ptdp.perf.simulate.plot import plot_timelines, write_chrome_trace
 from ptdp.perf.simulate.simulator import Prediction
 
@@ -153,12 +154,10 @@ def format_prediction(
         lines.append("  (grads: ZeRO-2/3's 1/dp plus its full-size buckets in flight)")
     if any(m.gathered for m in p.memory):
         lines.append("  (params: ZeRO-3's 1/dp plus the layers gathered for compute and prefetch)")
-    n, limiting = len(p.memory), p.limiting.rank
-    # long pipelines: the first ranks (most in flight), the last and the limiting one
-    shown = sorted({*range(3), n - 2, n - 1, limiting}) if n > 8 else range(n)
-    for before, r in zip([-1, *shown], shown):
-        if r > before + 1:
+    for r in shown_ranks(len(p.memory), p.limiting.rank):
+        if r is None:
             lines.append("      ... |")
+            continue
         m = p.memory[r]
         lines.append(
             f"  {m.rank:7d} | {(m.params + m.gathered) / GIB:6.2f} | "
