@@ -15,6 +15,7 @@ regions). The checkpoint writer reads a `Lazy` value when it writes its bytes
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,13 +33,13 @@ def _span(s: slice) -> int:
     return s.stop - s.start
 
 
-class Lazy:
+class Lazy(ABC):
     """A float32 tensor of `shape`, read by region (`read`), never held whole."""
 
     shape: tuple[int, ...]
 
-    def read(self, region: Region) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def read(self, region: Region) -> torch.Tensor: ...
 
     def full(self) -> torch.Tensor:
         return self.read(whole(self.shape)).contiguous()

@@ -102,7 +102,7 @@ def _report_save(trainer: Trainer, step_dir: Path, *, background: bool) -> None:
     it: with train.async_save, waiting for the previous save, the finite check and the one
     copy of the state), and record that as a `checkpoint` event (events.jsonl)."""
     stall = trainer.checkpoints.last_stall_s
-    in_background = trainer.cfg.train.async_save and background
+    in_background = bool(trainer.cfg.train.async_save and background)
     if in_background:
         trainer.say(f"saving checkpoint {step_dir} in the background (stall {stall:.3f} s)")
     elif not trainer.cfg.train.async_save:
@@ -110,7 +110,7 @@ def _report_save(trainer: Trainer, step_dir: Path, *, background: bool) -> None:
     if trainer.is_main:
         append_event(
             trainer.run_dir, "checkpoint", step=trainer.step, checkpoint=str(step_dir),
-            stall_s=round(stall, 6), background=bool(in_background),
+            stall_s=round(stall, 6), background=in_background,
         )  # fmt: skip
 
 

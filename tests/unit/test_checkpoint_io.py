@@ -8,14 +8,13 @@ from __future__ import annotations
 import errno
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ptdp.checkpoint import writer
+from ptdp.checkpoint import summed, writer
 from ptdp.checkpoint.boxes import Boxes, TensorPlace, placed_boxes
 from ptdp.checkpoint.store import CHECKSUMS, checksum
 from ptdp.config.sections import RunConfig
@@ -139,25 +138,33 @@ def test_a_failing_writer_thread_fails_the_save_and_leaves_nothing(
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000003"]
 
 
-def test_no_writer_thread_writes_after_a_failed_save_returns(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The calling thread fails while another writer thread is still writing: the save
-    waits for that thread before it removes the .tmp, so nothing is left (or re-made)."""
-    real_save = torch.save
+def test_after_close_no_writer_stream_is_open_or_opened(tmp_path: Path) -> None:
+    """The mechanism a failed save relies on before it removes its .tmp: `close()` waits
+    for a stream another thread still writes, and refuses any new one."""
+    fs = summed._SummingFileSystem()
+    opened, release = threading.Event(), threading.Event()
 
-    def save(obj, f, *args, **kwargs):
-        if hasattr(f, "write"):
-            if threading.current_thread() is threading.main_thread():
-                raise OSError(errno.ENOSPC, "No space left on device")
-            time.sleep(0.3)  # a slow disk for the other writers
-        return real_save(obj, f, *args, **kwargs)
+    def slow_writer() -> None:
+        with fs.create_stream(tmp_path / "a.distcp", "wb") as f:
+            opened.set()
+            release.wait(5)
+            f.write(b"x" * 10)
 
-    monkeypatch.setattr(torch, "save", save)
-    with pytest.raises(CheckpointError, match="disk is full"):
-        writer.start_checkpoint(tmp_path, 4, _state(), RunConfig(), b"{}", threads=3).finish()
-    time.sleep(0.5)
-    assert list((tmp_path / "checkpoints").iterdir()) == []
+    writer_thread = threading.Thread(target=slow_writer)
+    writer_thread.start()
+    opened.wait(5)
+    closer = threading.Thread(target=fs.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # waiting for the open stream
+    release.set()
+    closer.join(5)
+    writer_thread.join(5)
+    assert not closer.is_alive() and fs.sums["a.distcp"]["bytes"] == 10
+    with pytest.raises(OSError, match="another writer failed"):
+        with fs.create_stream(tmp_path / "b.distcp", "wb"):
+            pass
+    assert not (tmp_path / "b.distcp").exists()
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
@@ -174,7 +181,7 @@ def test_each_save_records_its_stall_as_a_checkpoint_event(
     train(tiny_config(tiny_data, tmp_path / "run", train=train_section))
     saves = [e for e in read_events(tmp_path / "run") if e["event"] == "checkpoint"]
     assert [e["step"] for e in saves] == [2, 4]
-    assert all(0 < e["stall_s"] < 60 for e in saves)
+    assert all(e["stall_s"] > 0 for e in saves)  # measured, not asserted against a time
     # With async_save both writes run in a thread (the run waits for the last at its end).
     assert [e["background"] for e in saves] == [asynchronous, asynchronous]
     assert saves[-1]["checkpoint"].endswith("step_00000004")
