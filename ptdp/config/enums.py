@@ -15,6 +15,7 @@ class PositionEmbedding(str, enum.Enum):
 class RopeScaling(str, enum.Enum):
     NONE = "none"
     LLAMA3 = "llama3"
+    YARN = "yarn"
 
 
 class Normalization(str, enum.Enum):

@@ -20,10 +20,10 @@ differs:
 - deepseek-v3-moe is DeepSeek-V3's mixture of experts (61 layers, h 7168, 256 routed
   experts of width 2048, top-8, one shared expert, 3 dense layers of width 18432, sigmoid
   scores renormalised and scaled by 2.5, the bias update of its auxiliary-loss-free
-  balancing) with ordinary multi-head attention (128 heads of 56, its config.json's
-  128 key/value heads) standing in for Multi-head Latent Attention, and without its
-  node-limited group routing (n_group 8, topk_group 4), its sequence-wise balancing loss
-  and its multi-token-prediction module. Its attention holds 205,520,896 parameters a
+  balancing, its node-limited group routing: 8 groups, 4 per token) with ordinary
+  multi-head attention (128 heads of 56, its config.json's 128 key/value heads) standing
+  in for Multi-head Latent Attention, and without its sequence-wise balancing loss and its
+  multi-token-prediction module. Its attention holds 205,520,896 parameters a
   layer against MLA's 187,107,328, so it counts 672.1B total and 38.7B active against the
   published 671B and 37B (MLA's count gives 671.0B and 37.6B).
 """
@@ -102,7 +102,8 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     | {"vocab_size": 129280, "rope_theta": 10000.0, "norm_eps": 1e-6, "seq_length": 4096}
     | _moe(256, 8, 2048, moe_score_function="sigmoid", moe_renormalize=True)
     | {"moe_routed_scaling": 2.5, "moe_bias_update_rate": 0.001}
-    | {"moe_shared_experts": 1, "moe_first_dense_layers": 3},
+    | {"moe_shared_experts": 1, "moe_first_dense_layers": 3}
+    | {"moe_router_groups": 8, "moe_router_group_top_k": 4},
 }
 """name -> model section, as a TOML file would spell it."""
 

@@ -70,16 +70,31 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """Rotary base frequency (Llama 3: 500000, Qwen2.5: 1000000)."""
     rope_scaling: RopeScaling = RopeScaling.NONE
-    """Rotary frequency scaling for a longer context: none, or llama3 (Llama 3.1+, the four
-    keys below: slow rotations turn slower, fast ones are kept, the band between blends)."""
+    """Rotary frequency scaling for a longer context: none, llama3 (Llama 3.1+, the four
+    keys below: slow rotations turn slower, fast ones are kept, the band between blends),
+    or yarn (DeepSeek-V3, Qwen3 and Kimi K2 long-context configs: the factor, the original
+    context and the beta and mscale keys below)."""
     rope_scaling_factor: float = 8.0
-    """llama3: how many times slower the slow rotations turn."""
+    """llama3 and yarn: how many times slower the slow rotations turn (yarn: the context
+    is stretched this many times, DeepSeek-V3 40, Qwen3 4)."""
     rope_low_freq_factor: float = 1.0
     """llama3: rotations with a wavelength over rope_original_max_positions / this are slowed."""
     rope_high_freq_factor: float = 4.0
     """llama3: rotations with a wavelength under rope_original_max_positions / this are kept."""
     rope_original_max_positions: int = 8192
-    """llama3: the context length the model was first trained at."""
+    """llama3 and yarn: the context length the model was first trained at."""
+    rope_beta_fast: float = 32.0
+    """yarn: pairs turning more than this many times over the original context are kept."""
+    rope_beta_slow: float = 1.0
+    """yarn: pairs turning fewer than this many times are slowed by the factor (between
+    the two betas the frequency blends linearly in the pair index)."""
+    rope_mscale: float = 0.0
+    """yarn: the attention temperature's coefficient; with rope_mscale_all_dim both set,
+    the rotated queries and keys are scaled by m(mscale) / m(mscale_all_dim), m(c) =
+    0.1 c ln(factor) + 1 (DeepSeek-V3: 1 and 1, so 1); 0 = scaled by m(1) as YaRN's
+    paper (Peng et al. 2023, arXiv 2309.00071) and `transformers`."""
+    rope_mscale_all_dim: float = 0.0
+    """yarn: see rope_mscale (0 = not set)."""
     normalization: Normalization = Normalization.LAYERNORM
     """layernorm (GPT-2) or rmsnorm (Llama)."""
     norm_eps: float = 1e-5
@@ -122,6 +137,13 @@ class ModelConfig:
     DeepSeek-V3)."""
     moe_routed_scaling: float = 1.0
     """Multiplier of the routed experts' weights (DeepSeek-V3: 2.5)."""
+    moe_router_groups: int = 0
+    """Group-limited routing (DeepSeek-V3: 8): the experts split into this many equal
+    groups of consecutive experts, and each token picks its top-k only among its
+    moe_router_group_top_k best groups, a group scored by the sum of its two best
+    choice scores (bias included); 0 = no groups."""
+    moe_router_group_top_k: int = 0
+    """Groups a token's experts may come from (DeepSeek-V3: 4); needs moe_router_groups."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing loss (Switch/GShard): coeff * E * sum_e f_e * P_e per microbatch, f_e the
     share of the token-choices routed to expert e and P_e its mean router probability; 0 =

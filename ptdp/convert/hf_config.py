@@ -65,6 +65,15 @@ LLAMA3_KEYS = {
     "original_max_position_embeddings": "rope_original_max_positions",
 }
 """`transformers`' llama3 rope_scaling keys -> ptdp's model keys."""
+YARN_KEYS = {
+    "factor": "rope_scaling_factor",
+    "original_max_position_embeddings": "rope_original_max_positions",
+    "beta_fast": "rope_beta_fast",
+    "beta_slow": "rope_beta_slow",
+    "mscale": "rope_mscale",
+    "mscale_all_dim": "rope_mscale_all_dim",
+}
+"""`transformers`' yarn rope_scaling keys -> ptdp's model keys."""
 
 
 def family(cfg: ModelConfig) -> str:
@@ -105,6 +114,7 @@ def _moe_family(cfg: ModelConfig) -> str:
         "moe_routed_scaling": 1.0,
         "moe_shared_experts": 0,
         "moe_bias_update_rate": 0.0,
+        "moe_router_groups": 0,
     }
     if cfg.qk_norm:
         kind, why = "qwen3_moe", f"model.num_experts = {cfg.num_experts} with model.qk_norm"
@@ -204,9 +214,9 @@ def hf_config(cfg: ModelConfig, eod_id: int | None = None) -> dict[str, Any]:
 
 
 def _max_positions(cfg: ModelConfig) -> int:
-    """The training context, or the context llama3 scaling stretches the model to (Llama
-    3.1: 8192 x 8 = 131072), whichever is longer."""
-    if cfg.rope_scaling is RopeScaling.LLAMA3:
+    """The training context, or the context llama3 or yarn scaling stretches the model to
+    (Llama 3.1: 8192 x 8 = 131072), whichever is longer."""
+    if cfg.rope_scaling is not RopeScaling.NONE:
         stretched = round(cfg.rope_original_max_positions * cfg.rope_scaling_factor)
         return max(cfg.seq_length, stretched)
     return cfg.seq_length
@@ -216,7 +226,8 @@ def _rope_scaling(cfg: ModelConfig) -> dict[str, Any]:
     """The `rope_scaling` entry (the spelling both transformers 4 and 5 read), if any."""
     if cfg.rope_scaling is RopeScaling.NONE:
         return {}
-    scaling = {theirs: getattr(cfg, ours) for theirs, ours in LLAMA3_KEYS.items()}
+    keys = YARN_KEYS if cfg.rope_scaling is RopeScaling.YARN else LLAMA3_KEYS
+    scaling = {theirs: getattr(cfg, ours) for theirs, ours in keys.items()}
     return {"rope_scaling": {"rope_type": cfg.rope_scaling.value, **scaling}}
 
 
@@ -393,9 +404,33 @@ def _rope_options(c: dict[str, Any], bad: dict[str, object]) -> dict[str, Any]:
             bad[f"rope_type = 'llama3' without {', '.join(missing)}"] = rope
         options["rope_scaling"] = RopeScaling.LLAMA3
         options |= {ours: rope[theirs] for theirs, ours in LLAMA3_KEYS.items() if theirs in rope}
+    elif kind == "yarn":
+        options |= _yarn_options(c, rope, bad)
     elif kind != "default":
         bad["rope_type"] = kind
     return options
+
+
+def _yarn_options(c: dict[str, Any], rope: dict[str, Any], bad: dict[str, object]) -> dict:
+    """ptdp's yarn keys, read as `transformers` reads them: the original context defaults to
+    max_position_embeddings, a missing factor is their ratio, a missing or null beta or
+    mscale takes its default; an explicit attention_factor or truncate = false has no ptdp
+    equivalent."""
+    if rope.get("attention_factor") is not None:
+        bad["rope_scaling attention_factor (ptdp derives it from factor and mscale)"] = rope
+    if rope.get("truncate", True) is not True:
+        bad["rope_scaling truncate = false"] = rope
+    original = rope.get("original_max_position_embeddings") or c["max_position_embeddings"]
+    factor = rope.get("factor") or c["max_position_embeddings"] / original
+    return {
+        "rope_scaling": RopeScaling.YARN,
+        "rope_scaling_factor": float(factor),
+        "rope_original_max_positions": int(original),
+        "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+        "rope_mscale": float(rope.get("mscale") or 0.0),
+        "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
+    }
 
 
 def _sliding_window(c: dict[str, Any], bad: dict[str, object]) -> int:

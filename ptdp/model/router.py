@@ -36,6 +36,8 @@ class RouterOptions:
     softmax_after_topk: bool = False
     renormalize: bool = False
     scaling: float = 1.0
+    groups: int = 0
+    group_top_k: int = 0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> RouterOptions:
@@ -46,6 +48,8 @@ class RouterOptions:
             cfg.moe_softmax_after_topk,
             cfg.moe_renormalize,
             cfg.moe_routed_scaling,
+            cfg.moe_router_groups,
+            cfg.moe_router_group_top_k,
         )
 
 
@@ -80,7 +84,10 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, opts: RouterOptions) 
         scores = probs = logits.softmax(-1)
     if opts.softmax_after_topk:  # Mixtral: the top-k logits, then a softmax over them
         scores = logits
-    chosen = top_k(scores if bias is None else scores + bias, opts.top_k)
+    choice = scores if bias is None else scores + bias
+    if opts.groups > 1:
+        choice = limit_to_groups(choice, opts.groups, opts.group_top_k)
+    chosen = top_k(choice, opts.top_k)
     weights = scores.gather(1, chosen)
     if opts.softmax_after_topk:
         weights = weights.softmax(-1)
@@ -89,6 +96,22 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, opts: RouterOptions) 
     if opts.scaling != 1.0:
         weights = weights * opts.scaling
     return Routing(chosen, weights, logits, probs)
+
+
+def limit_to_groups(choice: torch.Tensor, groups: int, group_top_k: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: the choice scores [t, e] with every expert
+    outside a token's `group_top_k` best groups set to -inf, so the top-k comes only from
+    those. A group's score is the sum of its two best choice scores (its best alone when a
+    group holds one expert); equal group scores go to the lower group, as `top_k` does.
+    `transformers` fills the left-out experts with 0 instead, the same whenever the kept
+    scores are positive (sigmoid scores without a large negative bias)."""
+    t, e = choice.shape
+    per_group = choice.view(t, groups, e // groups)
+    best = torch.sort(per_group, dim=-1, descending=True).values[..., : min(2, e // groups)]
+    kept = top_k(best.sum(-1), group_top_k)  # [t, group_top_k]
+    mask = torch.zeros(t, groups, dtype=torch.bool, device=choice.device)
+    mask.scatter_(1, kept, True)
+    return per_group.masked_fill(~mask[..., None], float("-inf")).view(t, e)
 
 
 class Router(nn.Module):

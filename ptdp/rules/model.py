@@ -7,6 +7,8 @@ from ptdp.config.enums import PositionEmbedding, RopeScaling
 from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.rules.domains import require_positive
 
+_DEFAULTS = ModelConfig()
+
 
 def model_rules(cfg: RunConfig, errors: list[str]) -> None:
     m, before = cfg.model, len(errors)
@@ -41,7 +43,18 @@ def model_rules(cfg: RunConfig, errors: list[str]) -> None:
         )
 
 
+_YARN_KEYS = ("rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim")
+
+
 def _rope_scaling_rules(m: ModelConfig, errors: list[str]) -> None:
+    if m.rope_scaling is not RopeScaling.YARN:
+        changed = [k for k in _YARN_KEYS if getattr(m, k) != getattr(_DEFAULTS, k)]
+        if changed:
+            keys = ", ".join(f"model.{k} = {getattr(m, k)}" for k in changed)
+            errors.append(
+                f"{keys} set but model.rope_scaling = {m.rope_scaling.value}, which reads no "
+                "yarn key; set --model.rope_scaling yarn or drop them"
+            )
     if m.rope_scaling is RopeScaling.NONE:
         return
     if m.position_embedding is not PositionEmbedding.ROPE:
@@ -51,7 +64,18 @@ def _rope_scaling_rules(m: ModelConfig, errors: list[str]) -> None:
             "model.rope_scaling = none"
         )
     require_positive(errors, "model.rope_original_max_positions", m.rope_original_max_positions)
-    if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+    if m.rope_scaling is RopeScaling.YARN:
+        for key in ("rope_beta_fast", "rope_beta_slow"):
+            require_positive(errors, f"model.{key}", getattr(m, key))
+        if m.rope_beta_fast <= m.rope_beta_slow:
+            errors.append(
+                f"model.rope_beta_fast = {m.rope_beta_fast} must exceed model.rope_beta_slow "
+                f"= {m.rope_beta_slow} (rotations over the original context; YaRN: 32 and 1)"
+            )
+        for key in ("rope_mscale", "rope_mscale_all_dim"):
+            if getattr(m, key) < 0:
+                errors.append(f"model.{key} = {getattr(m, key)} must be >= 0 (0 = not set)")
+    elif m.rope_high_freq_factor <= m.rope_low_freq_factor:
         errors.append(
             f"model.rope_high_freq_factor = {m.rope_high_freq_factor} must exceed "
             f"model.rope_low_freq_factor = {m.rope_low_freq_factor} (Llama 3.1: 4 and 1)"

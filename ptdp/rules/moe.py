@@ -36,6 +36,7 @@ def moe_rules(cfg: RunConfig, errors: list[str]) -> None:
             f"model.moe_top_k = {m.moe_top_k} exceeds model.num_experts = {m.num_experts}: a "
             f"token cannot pick more experts than there are; use a top_k <= {m.num_experts}"
         )
+    _group_rules(m, errors)
     if m.moe_first_dense_layers >= m.num_layers > 0:
         errors.append(
             f"model.moe_first_dense_layers = {m.moe_first_dense_layers} leaves no MoE layer in "
@@ -60,6 +61,42 @@ def moe_rules(cfg: RunConfig, errors: list[str]) -> None:
             "drop moe_shared_ffn_hidden_size"
         )
     _layout_rules(cfg, errors)
+
+
+def _group_rules(m: ModelConfig, errors: list[str]) -> None:
+    """Group-limited routing: groups that divide the experts, a group top-k among them that
+    leaves at least top_k experts to choose from."""
+    groups, pick = m.moe_router_groups, m.moe_router_group_top_k
+    if pick and not groups:
+        errors.append(
+            f"model.moe_router_group_top_k = {pick} limits a token to its best expert "
+            "groups, but model.moe_router_groups = 0; set --model.moe_router_groups (e.g. "
+            "8, a divisor of model.num_experts) or drop moe_router_group_top_k"
+        )
+        return
+    if not groups:
+        return
+    divisors = [d for d in range(1, m.num_experts + 1) if m.num_experts % d == 0]
+    if groups < 0 or m.num_experts % groups:
+        errors.append(
+            f"model.moe_router_groups = {groups} does not divide model.num_experts = "
+            f"{m.num_experts} into equal groups; use one of {divisors}"
+        )
+        return
+    if not 1 <= pick <= groups:
+        errors.append(
+            f"model.moe_router_group_top_k = {pick} must be between 1 and "
+            f"model.moe_router_groups = {groups} (the groups a token may use; DeepSeek-V3: "
+            "4 of 8)"
+        )
+        return
+    if pick * (m.num_experts // groups) < m.moe_top_k:
+        need = -(-m.moe_top_k // (m.num_experts // groups))
+        errors.append(
+            f"model.moe_router_group_top_k = {pick} groups of {m.num_experts // groups} "
+            f"experts leave fewer than model.moe_top_k = {m.moe_top_k} to choose from; use "
+            f"--model.moe_router_group_top_k {need} or more"
+        )
 
 
 def _dense_rules(m: ModelConfig, errors: list[str]) -> None:

@@ -490,6 +490,20 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
         ),
     ),
     (
+        "yarn-betas-inverted",
+        lambda c: c.train(
+            model={"position_embedding": "rope", "rope_scaling": "yarn", "rope_beta_fast": 0.5}
+        ),
+        ConfigError,
+        ("model.rope_beta_fast = 0.5 must exceed model.rope_beta_slow = 1.0", "32 and 1"),
+    ),
+    (
+        "yarn-keys-without-yarn",
+        lambda c: c.train(model={"position_embedding": "rope", "rope_mscale": 1.0}),
+        ConfigError,
+        ("model.rope_mscale = 1.0 set but model.rope_scaling = none", "--model.rope_scaling yarn"),
+    ),
+    (
         "negative-sliding-window",
         lambda c: c.train(model={"sliding_window": -4}),
         ConfigError,

@@ -30,6 +30,10 @@ SHAPE = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 16, "
 LLAMA31 = {"rope_scaling": "llama3", "rope_theta": 500.0, "rope_original_max_positions": 32}
 """Llama 3.1's scaling on a context where every band shows: head size 8, theta 500 gives
 wavelengths 6.3 (kept: < 32/4), 30 (blended) and 140, 660 (slowed: > 32/1)."""
+YARN = {"rope_scaling": "yarn", "rope_theta": 500.0, "rope_original_max_positions": 32}
+YARN |= {"rope_scaling_factor": 4.0}
+"""YaRN on the same context: of the 4 pairs, the first kept, the second blended, the last
+two slowed 4x; the rotated queries and keys scaled by 0.1 ln 4 + 1."""
 MOE = LLAMA | {"num_experts": 4, "moe_top_k": 2, "moe_softmax_after_topk": True}
 MOE |= {"ffn_hidden_size": 24}
 """Mixtral: four experts of width 24, two per token, softmax over the chosen logits."""
@@ -47,6 +51,8 @@ FAMILIES = {
     "qwen2-tied-window": LLAMA | {"qkv_bias": True, "tie_embeddings": True, "sliding_window": 5},
     "qwen3": LLAMA | {"qk_norm": True, "head_size": 12},  # 4 heads of 12 in a 32-wide model
     "qwen3-window": LLAMA | {"qk_norm": True, "sliding_window": 5},
+    "qwen3-yarn": LLAMA | {"qk_norm": True} | YARN,
+    "llama-yarn-mscale": LLAMA | YARN | {"rope_mscale": 1.0, "rope_mscale_all_dim": 0.5},
     "mixtral": MOE,
     "mixtral-renormalize": MOE | {"moe_softmax_after_topk": False, "moe_renormalize": True},
     "qwen3_moe": QWEN3_MOE,
@@ -123,6 +129,12 @@ LLAMA3_SCALING = {
     "original_max_position_embeddings": 32,
     "rope_theta": 500.0,
 }
+YARN_SCALING = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "rope_theta": 500.0,
+}
 HF_FAMILIES = {
     "gpt2": lambda v: transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=24, vocab_size=v,
@@ -150,6 +162,13 @@ HF_FAMILIES = {
     ),
     "qwen3": lambda v: transformers.Qwen3ForCausalLM(
         transformers.Qwen3Config(**ROTARY, vocab_size=v, head_dim=12)
+    ),
+    "qwen3-yarn": lambda v: transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(**ROTARY, vocab_size=v, head_dim=12, rope_scaling=YARN_SCALING)
+    ),
+    "llama-yarn-mscale": lambda v: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**ROTARY, vocab_size=v, rope_scaling=YARN_SCALING
+                                 | {"mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16.0})
     ),
     "mixtral": lambda v: transformers.MixtralForCausalLM(
         transformers.MixtralConfig(**ROTARY, vocab_size=v, num_local_experts=4,
@@ -201,6 +220,8 @@ def test_import_matches_transformers(family: str, tmp_path: Path) -> None:
     own = {"llama3.1": {"rope_scaling": "none"}, "mistral": {"sliding_window": 0}}
     own |= {"qwen2-window": {"sliding_window": 0}, "mixtral-window": {"sliding_window": 0}}
     own |= {"qwen3": {"qk_norm": False}, "qwen3_moe": {"moe_renormalize": False}}
+    own |= {"qwen3-yarn": {"rope_scaling": "llama3"}}
+    own |= {"llama-yarn-mscale": {"rope_mscale": 0.0, "rope_mscale_all_dim": 0.0}}
     if family in own:
         plain = apply_updates(RunConfig(model=cfg), {"model": own[family]}, "a test").model
         other = GPT(plain)
@@ -316,7 +337,9 @@ def test_export_refuses_options_without_equivalent(
 @pytest.mark.parametrize(
     "family,change,named",
     [
-        ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+        ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type"),
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                       "attention_factor": 1.5}}, "attention_factor"),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
                    "layer_types": ["full_attention", "sliding_attention"]}, "layer_types mixing"),
     ],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from ptdp.config.files import apply_updates
 from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.model.generate import filter_logits, generate
 from ptdp.model.gpt import GPT, Rotary, count_parameters
-from ptdp.model.rope import inverse_frequencies, llama3_scaled
+from ptdp.model.rope import inverse_frequencies, llama3_scaled, yarn_attention_factor
 from ptdp.perf.cost.flops import paper_parameter_count
 from tests.helpers import LLAMA
 
@@ -141,6 +142,33 @@ def test_llama3_rope_scaling_bands() -> None:
     a, b = GPT(plain, seed=1), GPT(cfg, seed=1)
     tokens = torch.randint(0, 50, (1, 16))
     assert not torch.allclose(a(tokens), b(tokens))  # the scaled rotation reaches the logits
+
+
+def test_yarn_rope_scaling_ramp_and_attention_factor() -> None:
+    """Head size 16, theta 500, original context 64: pairs turning over 4 times in 64
+    positions are kept, under once are slowed by the factor, a linear ramp in the pair
+    index between; the tables are scaled by 0.1 ln(factor) + 1 (or the mscale ratio)."""
+    plain = model_cfg(**LLAMA, rope_theta=500.0, num_heads=2)
+    yarn = {"rope_scaling": "yarn", "rope_original_max_positions": 64, "rope_scaling_factor": 4.0}
+    yarn |= {"rope_beta_fast": 4.0}
+    cfg = apply_updates(RunConfig(model=plain), {"model": yarn}, "test").model
+    w, scaled = inverse_frequencies(plain), inverse_frequencies(cfg)
+    turns = 64 * w / (2 * math.pi)
+    fast, slow = turns > 4, turns < 1
+    assert fast.any() and slow.any() and (~fast & ~slow).any()
+    torch.testing.assert_close(scaled[fast], w[fast], rtol=0, atol=0)
+    torch.testing.assert_close(scaled[slow], w[slow] / 4, rtol=1e-12, atol=0)
+    mid = ~fast & ~slow
+    assert ((scaled[mid] <= w[mid]) & (scaled[mid] >= w[mid] / 4)).all()
+    assert yarn_attention_factor(plain) == 1.0
+    assert yarn_attention_factor(cfg) == pytest.approx(0.1 * math.log(4) + 1)
+    both = replace(cfg, rope_mscale=1.0, rope_mscale_all_dim=1.0)
+    assert yarn_attention_factor(both) == 1.0  # DeepSeek-V3's: the scale goes to softmax
+    table = Rotary.from_config(cfg)
+    torch.testing.assert_close(
+        table.cos.square() + table.sin.square(),
+        torch.full_like(table.cos, yarn_attention_factor(cfg) ** 2),
+    )
 
 
 def test_rotary_is_relative() -> None:

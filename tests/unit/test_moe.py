@@ -60,7 +60,14 @@ def _naive_choice(cfg: ModelConfig, logits: torch.Tensor, bias) -> tuple[list[in
     pick = logits if cfg.moe_softmax_after_topk else scores
     shift = [0.0] * E if bias is None else bias.tolist()
     key = [float(v) + shift[i] for i, v in enumerate(pick.detach())]
-    chosen = sorted(range(E), key=lambda i: (-key[i], i))[: cfg.moe_top_k]
+    allowed = range(E)
+    if cfg.moe_router_groups:  # DeepSeek-V3: the best groups by their two best scores
+        size = E // cfg.moe_router_groups
+        members = [range(g * size, (g + 1) * size) for g in range(cfg.moe_router_groups)]
+        score = [sum(sorted((key[i] for i in m), reverse=True)[:2]) for m in members]
+        best = sorted(range(len(members)), key=lambda g: (-score[g], g))
+        allowed = [i for g in best[: cfg.moe_router_group_top_k] for i in members[g]]
+    chosen = sorted(allowed, key=lambda i: (-key[i], i))[: cfg.moe_top_k]
     w = pick[chosen]
     if cfg.moe_softmax_after_topk:
         w = w.softmax(-1)
@@ -125,6 +132,11 @@ VARIANTS = {
         "activation": Activation.SWIGLU, "bias": False, "moe_shared_experts": 2,
         "moe_shared_ffn_hidden_size": 20, "moe_ffn_hidden_size": 12,
     },
+    "deepseek-groups": {
+        "moe_score_function": ScoreFunction.SIGMOID, "moe_renormalize": True,
+        "moe_bias_update_rate": 0.001, "moe_router_groups": 2, "moe_router_group_top_k": 1,
+    },
+    "softmax-groups": {"moe_router_groups": 4, "moe_router_group_top_k": 3},
     "capacity": {"moe_capacity_factor": 1.0},
     "capacity-top1": {"moe_capacity_factor": 1.5, "moe_top_k": 1},
     "losses": {"moe_aux_loss_coeff": 0.3, "moe_z_loss_coeff": 0.05},
@@ -187,6 +199,26 @@ def test_ties_go_to_the_lower_index() -> None:
     tied = route(torch.zeros(3, E), None, RouterOptions(E, 1))
     plan = plan_dispatch(tied, E, cap=2)
     assert plan.choice.tolist() == [0, 1] and int(plan.dropped) == 1
+
+
+def test_group_limited_routing_picks_within_the_best_groups() -> None:
+    """8 experts in 4 groups, 2 groups per token: the two best single scores (experts 0 and
+    7) lie in groups 0 and 3, but groups 1 and 2 win by the sum of their two best, so the
+    top-2 comes from experts 2-5; equal group sums go to the lower group."""
+    scores = torch.tensor([[0.9, 0.0, 0.5, 0.5, 0.6, 0.45, 0.0, 0.8]])
+    logits = torch.logit(scores.clamp(1e-4, 1 - 1e-4))
+    plain = RouterOptions(8, 2, ScoreFunction.SIGMOID)
+    assert route(logits, None, plain).experts.tolist() == [[0, 7]]
+    grouped = replace(plain, groups=4, group_top_k=2)
+    assert route(logits, None, grouped).experts.tolist() == [[4, 2]]
+    tied = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    softmax = RouterOptions(8, 3, groups=4, group_top_k=2)
+    assert route(tied, None, softmax).experts.tolist() == [[4, 0, 1]]
+    # The bias counts in the group scores as in the choice, never in the weights.
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    r = route(logits, bias, grouped)
+    assert r.experts.tolist() == [[7, 4]]
+    torch.testing.assert_close(r.weights, scores[:, [7, 4]], rtol=1e-3, atol=1e-4)
 
 
 def test_recomputation_counts_a_layer_once() -> None:
@@ -270,6 +302,16 @@ INVALID = [
         "--model.moe_score_function softmax",
     ),
     ({"num_experts": 4, "moe_shared_ffn_hidden_size": 64}, 1, "model.moe_shared_experts = 0"),
+    ({"num_experts": 6, "moe_router_groups": 4, "moe_router_group_top_k": 1}, 1, "[1, 2, 3, 6]"),
+    ({"num_experts": 8, "moe_router_groups": 4, "moe_router_group_top_k": 5}, 1, "between 1"),
+    ({"num_experts": 8, "moe_router_groups": 4}, 1, "model.moe_router_group_top_k = 0 must"),
+    ({"num_experts": 8, "moe_router_group_top_k": 2}, 1, "--model.moe_router_groups (e.g."),
+    (
+        {"num_experts": 8, "moe_top_k": 4, "moe_router_groups": 4, "moe_router_group_top_k": 1},
+        1,
+        "--model.moe_router_group_top_k 2 or more",
+    ),
+    ({"moe_router_groups": 2}, 1, "model.moe_router_groups = 2 set but model.num_experts = 0"),
     (
         {"num_experts": 4, "moe_shared_experts": 1, "moe_shared_ffn_hidden_size": 33},
         2,
