@@ -65,16 +65,11 @@ def _rope_scaling_rules(m: ModelConfig, errors: list[str]) -> None:
         )
     require_positive(errors, "model.rope_original_max_positions", m.rope_original_max_positions)
     if m.rope_scaling is RopeScaling.YARN:
-        for key in ("rope_beta_fast", "rope_beta_slow"):
-            require_positive(errors, f"model.{key}", getattr(m, key))
-        if m.rope_beta_fast <= m.rope_beta_slow:
+        if m.rope_beta_fast <= m.rope_beta_slow:  # each > 0: ptdp/rules/domains.py
             errors.append(
                 f"model.rope_beta_fast = {m.rope_beta_fast} must exceed model.rope_beta_slow "
                 f"= {m.rope_beta_slow} (rotations over the original context; YaRN: 32 and 1)"
             )
-        for key in ("rope_mscale", "rope_mscale_all_dim"):
-            if getattr(m, key) < 0:
-                errors.append(f"model.{key} = {getattr(m, key)} must be >= 0 (0 = not set)")
     elif m.rope_high_freq_factor <= m.rope_low_freq_factor:
         errors.append(
             f"model.rope_high_freq_factor = {m.rope_high_freq_factor} must exceed "

@@ -81,10 +81,12 @@ _MOE = {"num_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01, "moe_z_los
 MOE = {
     "moe": _MOE,
     # DeepSeek-V3's options: sigmoid scores renormalised, a shared expert, the balancing bias
-    # moved by the global batch's loads, a dense first layer.
+    # moved by the global batch's loads, a dense first layer, group-limited routing (each
+    # token's two experts from the better of two groups).
     "moe-shared-bias": _MOE | {
         "moe_score_function": "sigmoid", "moe_renormalize": True, "moe_routed_scaling": 2.5,
         "moe_shared_experts": 1, "moe_bias_update_rate": 0.01, "moe_first_dense_layers": 1,
+        "moe_router_groups": 2, "moe_router_group_top_k": 1,
     },
     # Capacity drops (per microbatch, so with dp the same samples drop the same choices),
     # every other layer MoE.
