@@ -18,6 +18,11 @@ class RopeScaling(str, enum.Enum):
     YARN = "yarn"
 
 
+class AttentionKind(str, enum.Enum):
+    MHA = "mha"
+    MLA = "mla"
+
+
 class Normalization(str, enum.Enum):
     LAYERNORM = "layernorm"
     RMSNORM = "rmsnorm"

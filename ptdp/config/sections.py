@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from ptdp.config.enums import (
     Activation,
     AttentionBackend,
+    AttentionKind,
     CpComm,
     Fp8Recipe,
     Normalization,
@@ -114,6 +115,23 @@ class ModelConfig:
     sliding_window: int = 0
     """Sliding-window attention (Mistral): a position attends to itself and the
     sliding_window - 1 positions before it; 0 = every earlier position."""
+    attention: AttentionKind = AttentionKind.MHA
+    """mha: multi-head attention with num_query_groups key/value heads (grouped-query);
+    mla: DeepSeek's multi-head latent attention (DeepSeek-V2/V3, Kimi K2), keys and values
+    up-projected from a shared latent of kv_lora_rank per token, with a rotary key of
+    qk_rope_head_dim shared by all heads (`ptdp.model.latent_attention`)."""
+    q_lora_rank: int = 0
+    """mla: width of the queries' latent (DeepSeek-V3 1536); 0 = queries projected from
+    the hidden state directly (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 0
+    """mla: width of the keys' and values' shared latent (DeepSeek-V3 512)."""
+    qk_nope_head_dim: int = 0
+    """mla: per head, the query and key features without rotary positions (DeepSeek-V3 128)."""
+    qk_rope_head_dim: int = 0
+    """mla: per head, the query and key features with rotary positions (DeepSeek-V3 64);
+    the key's are one vector shared by all heads."""
+    v_head_dim: int = 0
+    """mla: width of one head's value (DeepSeek-V3 128)."""
     dropout: float = 0.0
     """Dropout on attention probabilities and residual branches."""
     init_std: float = 0.02
@@ -177,6 +195,24 @@ class ModelConfig:
     @property
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_heads
+
+    @property
+    def is_mla(self) -> bool:
+        return self.attention is AttentionKind.MLA
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one query (and key) head: nope + rope features under mla."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of a head that rotary positions turn: the rope part under mla."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Rows of the embedding and output layer across tp ranks (see

@@ -43,7 +43,94 @@ def attention_mask(q_len: int, k_len: int, window: int, device: torch.device) ->
     return mask.triu(offset - window + 1) if window else mask
 
 
-class Attention(nn.Module):
+class AttentionCore(nn.Module):
+    """What every attention layer shares once its queries, keys and values are made: the
+    masks, dropout, kernels, selective recomputation and the context-parallel exchange.
+
+    `scale` is the softmax's (None: 1 / sqrt of the query width, as the kernels default).
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, ctx: TPContext, recompute_core: bool, scale: float | None = None
+    ) -> None:
+        super().__init__()
+        self.dropout = cfg.dropout
+        self.window = cfg.sliding_window
+        self.recompute_core = recompute_core
+        self.scale = scale
+        self.tp, self.cp, self.cp_comm = ctx.tp, ctx.cp, ctx.cp_comm
+        if self.cp.size > 1 and self.dropout:
+            raise ValueError("context parallelism has no attention dropout; set model.dropout 0")
+
+    def _core(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: TokenPositions | None = None,
+    ) -> torch.Tensor:
+        s = q.shape[2]
+        if positions is not None:  # documents or a split window: the mask says who reads whom
+            mask = positions.allowed(positions, self.window)
+        elif 0 < self.window < s:
+            mask = attention_mask(s, s, self.window, q.device)
+        else:  # a window as long as the sequence is plain causal attention: the flash path
+            mask = None
+        p = self.dropout if self.training else 0.0
+        causal = mask is None
+        if p == 0.0:
+            return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=self.scale)
+        with rank_rng(self.tp, q.device):  # heads are split: a different mask per rank
+            return F.scaled_dot_product_attention(
+                q, k, v, mask, dropout_p=p, is_causal=causal, scale=self.scale
+            )
+
+    def _recomputable(self, core, q, k, v, positions: TokenPositions | None) -> torch.Tensor:
+        if self.recompute_core and self.training:
+            # Selective recomputation (Korthikanti et al. 2022): keep only q, k, v.
+            return checkpoint(core, q, k, v, positions, use_reentrant=False)
+        return core(q, k, v, positions)
+
+    def _context_core(self, q, k, v, positions: TokenPositions | None) -> torch.Tensor:
+        """This rank's part of the window against all of it (`ptdp.parallel.context`)."""
+        if positions is None:
+            raise ValueError("context-parallel attention needs the tokens' positions")
+        return context_attention(
+            q, k, v, positions, self.cp, comm=self.cp_comm, window=self.window, scale=self.scale
+        )
+
+    def _cached_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [b, n, s, d] for the last s of the k/v positions [b, n, offset + s, d]."""
+        s, total = q.shape[2], k.shape[2]
+        if s == 1:  # one new token sees every cached position (in its window)
+            if 0 < self.window < total:
+                k, v = k[:, :, -self.window :], v[:, :, -self.window :]
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        # is_causal aligns the mask top-left; new positions need it bottom-right.
+        mask = attention_mask(s, total, self.window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        offset: int,
+        positions: TokenPositions | None,
+    ) -> torch.Tensor:
+        """q [b, n, s, d] against k [b, g, offset + s, d] and v [b, g, offset + s, dv] (g
+        divides n) -> [b, n, s, dv]."""
+        if self.cp.size > 1:  # k/v cross the cp group with their g heads (fewer bytes, GQA)
+            return self._recomputable(self._context_core, q, k, v, positions)
+        if k.shape[1] != q.shape[1]:  # each group's k/v serve n / g query heads
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        if offset:
+            return self._cached_core(q, k, v)
+        return self._recomputable(self._core, q, k, v, positions)
+
+
+class Attention(AttentionCore):
     """Causal self-attention with grouped-query support and an optional sliding window.
 
     The fused QKV weight is laid out group by group, [q heads of group 0, k0, v0, q heads
@@ -56,7 +143,7 @@ class Attention(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, ctx: TPContext, recompute_core: bool) -> None:
-        super().__init__()
+        super().__init__(cfg, ctx, recompute_core)
         t = ctx.tp.size
         self.num_heads, self.groups = cfg.num_heads // t, cfg.query_groups // t  # local
         self.head_dim = cfg.head_dim
@@ -85,12 +172,6 @@ class Attention(nn.Module):
             wgrad=ctx.wgrad,
             fp8=ctx.fp8,
         )
-        self.dropout = cfg.dropout
-        self.window = cfg.sliding_window
-        self.recompute_core = recompute_core
-        self.tp, self.cp, self.cp_comm = ctx.tp, ctx.cp, ctx.cp_comm
-        if self.cp.size > 1 and self.dropout:
-            raise ValueError("context parallelism has no attention dropout; set model.dropout 0")
 
     def param_roles(self) -> ParamRoles:
         """The q/k norms' gains: replicated, with partial gradients per tensor rank."""
@@ -99,51 +180,6 @@ class Attention(nn.Module):
         norms = {"q_norm": self.q_norm, "k_norm": self.k_norm}
         names = {f"{n}.{leaf}" for n, norm in norms.items() for leaf, _ in norm.named_parameters()}
         return ParamRoles(sequence_parallel=frozenset(names))
-
-    def _core(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: TokenPositions | None = None,
-    ) -> torch.Tensor:
-        s = q.shape[2]
-        if positions is not None:  # documents or a split window: the mask says who reads whom
-            mask = positions.allowed(positions, self.window)
-        elif 0 < self.window < s:
-            mask = attention_mask(s, s, self.window, q.device)
-        else:  # a window as long as the sequence is plain causal attention: the flash path
-            mask = None
-        p = self.dropout if self.training else 0.0
-        if p == 0.0:
-            return F.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None)
-        with rank_rng(self.tp, q.device):  # heads are split: a different mask per rank
-            return F.scaled_dot_product_attention(
-                q, k, v, mask, dropout_p=p, is_causal=mask is None
-            )
-
-    def _recomputable(self, core, q, k, v, positions: TokenPositions | None) -> torch.Tensor:
-        if self.recompute_core and self.training:
-            # Selective recomputation (Korthikanti et al. 2022): keep only q, k, v.
-            return checkpoint(core, q, k, v, positions, use_reentrant=False)
-        return core(q, k, v, positions)
-
-    def _context_core(self, q, k, v, positions: TokenPositions | None) -> torch.Tensor:
-        """This rank's part of the window against all of it (`ptdp.parallel.context`)."""
-        if positions is None:
-            raise ValueError("context-parallel attention needs the tokens' positions")
-        return context_attention(q, k, v, positions, self.cp, comm=self.cp_comm, window=self.window)
-
-    def _cached_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [b, n, s, d] for the last s of the k/v positions [b, n, offset + s, d]."""
-        s, total = q.shape[2], k.shape[2]
-        if s == 1:  # one new token sees every cached position (in its window)
-            if 0 < self.window < total:
-                k, v = k[:, :, -self.window :], v[:, :, -self.window :]
-            return F.scaled_dot_product_attention(q, k, v)
-        # is_causal aligns the mask top-left; new positions need it bottom-right.
-        mask = attention_mask(s, total, self.window, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def forward(
         self,
@@ -169,15 +205,6 @@ class Attention(nn.Module):
             q, k = rotary(q, offset, ids), rotary(k, offset, ids)
         if cache is not None:
             k, v = cache.update(k, v)  # [b, g, offset + s, d]
-        if self.cp.size > 1:  # k/v cross the cp group with their g heads (fewer bytes, GQA)
-            out = self._recomputable(self._context_core, q, k, v, positions)
-        else:
-            if self.q_per_group > 1:  # each group's k/v serve q_per_group query heads
-                k = k.repeat_interleave(self.q_per_group, dim=1)
-                v = v.repeat_interleave(self.q_per_group, dim=1)
-            if offset:
-                out = self._cached_core(q, k, v)
-            else:
-                out = self._recomputable(self._core, q, k, v, positions)  # [b, n, s, d]
+        out = self.attend(q, k, v, offset, positions)  # [b, n, s, d]
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.proj(out)

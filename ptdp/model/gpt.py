@@ -10,7 +10,8 @@ index, final norm + output layer) so that a pipeline stage can hold a range of l
 (`layers=range(...)`, `has_embedding`, `has_head`). Its linear layers and embedding are
 the tensor-parallel ones of `ptdp.parallel.tensor`: given a tensor group of size t, each
 rank holds 1/t of the heads, the MLP width and the vocabulary; with t = 1 (no group) it
-is the single-process reference model. Attention is `ptdp.model.attention`'s.
+is the single-process reference model. Attention is `ptdp.model.attention`'s, or latent
+attention (`ptdp.model.latent_attention`) under model.attention = mla.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ptdp.config.sections import ModelConfig
 from ptdp.model.attention import Attention
 from ptdp.model.init import apply_init
 from ptdp.model.kv_cache import KVCache, LayerCache
+from ptdp.model.latent_attention import LatentAttention
 from ptdp.model.moe import MoE, MoEState
 from ptdp.model.parts import MLP, TPContext, build_norm
 from ptdp.model.positions import TokenPositions
@@ -62,7 +64,8 @@ class TransformerLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.norm1 = build_norm(cfg)
-        self.attn = Attention(cfg, ctx, recompute_core=recompute is Recompute.SELECTIVE)
+        kind = LatentAttention if cfg.is_mla else Attention
+        self.attn = kind(cfg, ctx, recompute_core=recompute is Recompute.SELECTIVE)
         self.norm2 = build_norm(cfg)
         if cfg.is_moe_layer(index):
             self.mlp: nn.Module = MoE(cfg, ctx, layer=index, state=moe or MoEState())

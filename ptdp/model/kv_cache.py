@@ -4,7 +4,10 @@ Shapes: b = batch, g = this rank's key/value groups, s = positions, d = head siz
 layer's keys and values are kept as attention consumes them, [b, g, s, d], after the
 rotary rotation and before the groups are repeated for their query heads: grouped-query
 attention caches g, not n, heads, and under tensor parallelism each rank caches its own
-groups. The buffers are allocated once, for the model's whole context (`max_length`).
+groups. Latent attention (`ptdp.model.latent_attention`) stores its normalised latent
+[b, 1, s, c] and rotary key [b, 1, s, r] in the two places instead: every head reads them,
+so each tensor rank holds them whole. The buffers are allocated once, for the model's
+whole context (`max_length`).
 Under a sliding window (model.sliding_window) the cache still holds every position; the
 attention reads only the window's (model/attention.py, `Attention._cached_core`).
 """
@@ -40,8 +43,9 @@ class KVCache:
         start, end = self.length, self.length + k.shape[2]
         self.check_room(k.shape[2])
         if name not in self._kv:
-            shape = (k.shape[0], k.shape[1], self.max_length, k.shape[3])
-            self._kv[name] = (k.new_empty(shape), v.new_empty(shape))
+            self._kv[name] = tuple(
+                x.new_empty(x.shape[0], x.shape[1], self.max_length, x.shape[3]) for x in (k, v)
+            )
         keys, values = self._kv[name]
         keys[:, :, start:end] = k
         values[:, :, start:end] = v

@@ -30,8 +30,8 @@ from ptdp.config.sections import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """w_i [d/2] in float64 for `cfg.head_dim`, `cfg.rope_theta` and `cfg.rope_scaling`."""
-    freq = plain_frequencies(cfg.head_dim, cfg.rope_theta)
+    """w_i [d/2] in float64 for `cfg.rotary_dim`, `cfg.rope_theta` and `cfg.rope_scaling`."""
+    freq = plain_frequencies(cfg.rotary_dim, cfg.rope_theta)
     if cfg.rope_scaling is RopeScaling.LLAMA3:
         freq = llama3_scaled(
             freq,
@@ -136,7 +136,7 @@ class Rotary(nn.Module):
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> Rotary:
         return cls(
-            cfg.head_dim,
+            cfg.rotary_dim,
             cfg.seq_length,
             cfg.rope_theta,
             inverse_frequencies(cfg),

@@ -95,8 +95,8 @@ def choose_kernel(block: Block, q, k, v, bias: torch.Tensor | None = None) -> Ke
     The kernels' causal flag aligns the diagonal top-left; CAUSAL blocks are square
     (`plan_block`), where that is the block's own diagonal."""
     masked, causal = block.kind is Kind.MASKED, block.kind is Kind.CAUSAL
-    if q.device.type == "cpu":
-        return Kernel.REFERENCE if masked else Kernel.CPU_FLASH
+    if q.device.type == "cpu":  # its flash kernel needs one width for q, k and v
+        return Kernel.REFERENCE if masked or v.shape[-1] != q.shape[-1] else Kernel.CPU_FLASH
     if q.device.type != "cuda":
         return Kernel.REFERENCE
     if q.shape[-1] % 8:  # PyTorch's own entry pads such head sizes before these kernels

@@ -137,12 +137,14 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, blocks, cp: Group, scale: float):
-        b, n, s, d = q.shape
-        # Laid out [b, s, n, d] as the fused kernels lay theirs: the layer's [s, b, n*d]
+        b, n, s, _ = q.shape
+        # Laid out [b, s, n, dv] as the fused kernels lay theirs: the layer's [s, b, n*dv]
         # view of it then needs no copy (b = 1).
-        out = torch.zeros(b, s, n, d, dtype=torch.float32, device=q.device).transpose(1, 2)
+        out = torch.zeros(b, s, n, v.shape[-1], dtype=torch.float32, device=q.device)
+        out = out.transpose(1, 2)
         lse = torch.full((b, n, s), float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
+        kv = torch.cat([k, v], -1)  # one buffer travels: [b, g, s, d + dv]
+        dk = k.shape[-1]
         runs: list = [None] * cp.size  # per source: the kernel and what its backward needs
         for step in range(cp.size):
             works, nxt = [], None
@@ -152,7 +154,7 @@ class _RingAttention(torch.autograd.Function):
             source = (cp.rank - step) % cp.size
             block = blocks[source]
             if block is not None:
-                kb, vb = (_repeat(x[:, :, block.cols], n) for x in kv)
+                kb, vb = (_repeat(x, n) for x in kv[:, :, block.cols].split([dk, v.shape[-1]], -1))
                 part_out, part_lse, runs[source] = block_forward(
                     q[:, :, block.rows], kb, vb, block, scale
                 )
@@ -170,8 +172,8 @@ class _RingAttention(torch.autograd.Function):
         cp, n, g = ctx.cp, q.shape[1], k.shape[1]
         dout = dout.float()
         delta = (dout * out).sum(-1)
-        dq = torch.zeros_like(out)
-        kv = torch.stack([k, v])
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv, dk = torch.cat([k, v], -1), k.shape[-1]
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         incoming: list = []  # the accumulator of this step's keys, on its way from rank i-1
         for step in range(cp.size):
@@ -184,7 +186,7 @@ class _RingAttention(torch.autograd.Function):
             grads = None
             if block is not None:  # computed while both transfers run
                 r, c = block.rows, block.cols
-                kb, vb = (_repeat(x[:, :, c], n) for x in kv)
+                kb, vb = (_repeat(x, n) for x in kv[:, :, c].split([dk, v.shape[-1]], -1))
                 grads = block_backward(
                     dout[:, :, r], q[:, :, r], kb, vb, out[:, :, r], lse[:, :, r],
                     delta[:, :, r], block, ctx.scale, ctx.runs[source],
@@ -193,8 +195,8 @@ class _RingAttention(torch.autograd.Function):
             for work in incoming:
                 work.wait()
             if grads is not None:
-                dkv[0, :, :, c] += _fold(grads[1], g)
-                dkv[1, :, :, c] += _fold(grads[2], g)
+                dkv[:, :, c, :dk] += _fold(grads[1], g)
+                dkv[:, :, c, dk:] += _fold(grads[2], g)
             arrived = torch.empty_like(dkv)
             incoming = ring_shift_async(dkv, arrived, cp)  # on to the next rank
             for work in works:
@@ -204,7 +206,8 @@ class _RingAttention(torch.autograd.Function):
         for work in incoming:  # after c shifts: this rank's own keys' gradients
             work.wait()
         del sending
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        dk_, dv_ = dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype)
+        return dq.to(q.dtype), dk_, dv_, None, None, None
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -238,12 +241,14 @@ def context_attention(
     *,
     comm: CpComm = CpComm.RING,
     window: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries q [b, n, s, d] over the keys and values of the
-    whole window, k, v [b, g, s, d] being this rank's (g divides n: GQA). `positions`
-    are this rank's tokens' facts from `split_sequence`, with every rank's part as `keys`;
-    returns [b, n, s, d]."""
-    scale = 1.0 / q.shape[-1] ** 0.5
+    whole window, k [b, g, s, d] and v [b, g, s, dv] being this rank's (g divides n: GQA;
+    dv = d but for latent attention). `positions` are this rank's tokens' facts from
+    `split_sequence`, with every rank's part as `keys`; returns [b, n, s, dv]. `scale`:
+    the softmax's, default 1 / sqrt(d)."""
+    scale = scale if scale is not None else 1.0 / q.shape[-1] ** 0.5
     keys = positions.keys
     if len(keys) != cp.size:
         raise ValueError("context attention needs the positions of `split_sequence` (their keys)")

@@ -132,6 +132,41 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class ReplicatedLinear(nn.Module):
+    """Y = X A with A whole on every rank of the tensor group: a small projection ahead of
+    column-parallel ones (latent attention's down-projections, `ptdp.model.latent_attention`).
+
+    Input and output as the input's layout: replicated [s, b, in] or this rank's sequence
+    slice [s/t, b, in]. No communication: the column-parallel layer after it gathers (or
+    copies) its output, so backward hands it the whole gradient of its own rows. Under
+    sequence parallelism each rank computes the weight's gradient from its slice alone: a
+    partial sum over the tensor group (`param_roles`).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        wgrad: WeightGradStore | None = None,
+        fp8: Fp8Gemms | None = None,
+    ) -> None:
+        super().__init__()
+        self.sequence_parallel, self.wgrad, self.fp8 = sequence_parallel, wgrad, fp8
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def param_roles(self) -> ParamRoles:
+        if not self.sequence_parallel:
+            return NO_ROLES
+        return ParamRoles(sequence_parallel=frozenset(n for n, _ in self.named_parameters()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.wgrad, self.fp8)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows.
 

@@ -21,9 +21,11 @@ def model_rules(cfg: RunConfig, errors: list[str]) -> None:
         "ffn_hidden_size",
         "vocab_size",
         "sliding_window",
+        *_MLA_KEYS,
     ):
         require_positive(errors, f"model.{name}", getattr(m, name), zero_ok=True)
     _rope_scaling_rules(m, errors)
+    _latent_attention_rules(m, errors)
     if len(errors) > before:
         return
     if m.hidden_size % m.num_heads and not m.head_size:
@@ -31,15 +33,55 @@ def model_rules(cfg: RunConfig, errors: list[str]) -> None:
             f"model.hidden_size = {m.hidden_size} is not divisible by model.num_heads = "
             f"{m.num_heads}; choose heads that divide the width (e.g. {_divisor(m.hidden_size)})"
         )
-    elif m.position_embedding is PositionEmbedding.ROPE and m.head_dim % 2:
+    elif m.position_embedding is PositionEmbedding.ROPE and m.rotary_dim % 2:
         errors.append(
-            f"rotary positions need an even head size, got {m.head_dim}; change "
-            "model.head_size, or model.num_heads or model.hidden_size"
+            f"rotary positions need an even head size, got {m.rotary_dim}; change "
+            + ("model.qk_rope_head_dim" if m.is_mla else
+               "model.head_size, or model.num_heads or model.hidden_size")
         )
     if m.num_heads % m.query_groups:
         errors.append(
             f"model.num_query_groups = {m.num_query_groups} does not divide model.num_heads = "
             f"{m.num_heads}; use a divisor of the head count (1 = multi-query)"
+        )
+
+
+_MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _latent_attention_rules(m: ModelConfig, errors: list[str]) -> None:
+    """MLA's widths, and the MHA keys it has no use for."""
+    if not m.is_mla:
+        changed = [k for k in _MLA_KEYS if getattr(m, k)]
+        if changed:
+            keys = ", ".join(f"model.{k} = {getattr(m, k)}" for k in changed)
+            errors.append(
+                f"{keys} set but model.attention = mha, which reads no latent-attention key; "
+                "set --model.attention mla or drop them"
+            )
+        return
+    for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+        if not getattr(m, name):
+            errors.append(
+                f"model.attention = mla needs model.{name} > 0 (DeepSeek-V3: kv_lora_rank 512, "
+                "qk_rope_head_dim 64, v_head_dim 128)"
+            )
+    if m.position_embedding is not PositionEmbedding.ROPE:
+        errors.append(
+            "model.attention = mla carries its positions in the rotary key; set "
+            "model.position_embedding = rope"
+        )
+    unread = {
+        "num_query_groups": m.num_query_groups not in (0, m.num_heads),
+        "head_size": m.head_size != 0,
+        "qk_norm": m.qk_norm,
+        "qkv_bias": m.qkv_bias,
+    }
+    for name in (n for n, bad in unread.items() if bad):
+        errors.append(
+            f"model.{name} = {getattr(m, name)} has no meaning under model.attention = mla "
+            "(its heads' widths are qk_nope_head_dim, qk_rope_head_dim and v_head_dim, and "
+            "every head has its own key and value); drop it"
         )
 
 
