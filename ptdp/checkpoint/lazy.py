@@ -156,3 +156,50 @@ class Stacked(Lazy):
         if not chosen:
             return torch.empty([0, *(_span(s) for s in region[1:])])
         return torch.stack([p.read(region[1:]) for p in chosen])
+
+
+@dataclass(frozen=True, eq=False)
+class Permuted(Lazy):
+    """`inner.index_select(dim, index)` for a permutation `index` that moves rows only within
+    blocks (DeepSeek's interleaved rotary rows within a head): a region reads the span of
+    source rows its own rows come from."""
+
+    inner: Lazy
+    dim: int
+    index: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:  # type: ignore[override]
+        return self.inner.shape
+
+    def read(self, region: Region) -> torch.Tensor:
+        want = self.index[region[self.dim]]
+        if not want:
+            return self.inner.read(region)
+        lo, hi = min(want), max(want) + 1
+        span = self.inner.read(region[: self.dim] + (slice(lo, hi),) + region[self.dim + 1 :])
+        return span.index_select(self.dim, torch.tensor([i - lo for i in want]))
+
+
+@dataclass(frozen=True, eq=False)
+class BlockScaled(Lazy):
+    """A float8 weight times its per-block scales (DeepSeek-V3's published checkpoints: e4m3
+    values, one `weight_scale_inv` per 128 x 128 block, the last blocks partial): the
+    float32 weight, read by region as any other."""
+
+    weight: Lazy
+    scale: Lazy
+    block: tuple[int, int] = (128, 128)
+
+    @property
+    def shape(self) -> tuple[int, ...]:  # type: ignore[override]
+        return self.weight.shape
+
+    def read(self, region: Region) -> torch.Tensor:
+        values = self.weight.read(region)
+        spans = [slice(s.start // b, -(-s.stop // b)) for s, b in zip(region, self.block)]
+        scale = self.scale.read(tuple(spans))
+        for dim, (s, b) in enumerate(zip(region, self.block)):
+            scale = scale.repeat_interleave(b, dim)
+            scale = scale.narrow(dim, s.start - spans[dim].start * b, s.stop - s.start)
+        return values * scale

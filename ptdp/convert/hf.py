@@ -48,6 +48,7 @@ from ptdp.checkpoint.writer import find_cause
 from ptdp.config.enums import PositionEmbedding
 from ptdp.config.files import to_dict, to_toml
 from ptdp.config.sections import ModelConfig, RunConfig
+from ptdp.convert import hf_deepseek as deepseek
 from ptdp.convert.hf_check import check_config_numbers, check_hf_shapes
 from ptdp.convert.hf_config import family, hf_config, model_config_from_hf
 from ptdp.convert.hf_files import (
@@ -121,6 +122,8 @@ GPT2_LINEARS = (("attn.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2
 EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 """Per family: the MoE block's module and each expert's gate, up and down projections, as
 published checkpoints (and `save_pretrained`) name them."""
@@ -207,16 +210,20 @@ def _gpt2_layer_to_hf(cfg: ModelConfig, model: Tensors, src: str, dst: str, out:
 def _rotary_layer_to_hf(
     cfg: ModelConfig, kind: str, i: int, model: Tensors, src: str, dst: str, out: Tensors
 ) -> None:
-    for sfx in _suffixes(cfg, "attn.qkv"):
+    if cfg.is_mla:
+        out |= deepseek.attention_to_hf(cfg, model, src, dst)
+    for sfx in () if cfg.is_mla else _suffixes(cfg, "attn.qkv"):
         q, k, v = split_qkv(model[src + "attn.qkv" + sfx], cfg)
         for name, x in zip(("q_proj", "k_proj", "v_proj"), (q, k, v)):
             out[dst + "self_attn." + name + sfx] = x
     if cfg.qk_norm:
         for name in ("q_norm", "k_norm"):
             out[dst + f"self_attn.{name}.weight"] = model[src + f"attn.{name}.weight"]
-    for sfx in _suffixes(cfg, "attn.proj"):
+    for sfx in () if cfg.is_mla else _suffixes(cfg, "attn.proj"):
         out[dst + "self_attn.o_proj" + sfx] = model[src + "attn.proj" + sfx]
     if cfg.is_moe_layer(i):
+        if kind in deepseek.MLA_TYPES:
+            out |= deepseek.moe_extras_to_hf(cfg, kind, model, src, dst)
         block, (w_gate, w_up, w_down) = EXPERT_NAMES[kind]
         out[dst + f"{block}.gate.weight"] = model[src + "mlp.router.weight"]
         fc1, fc2 = model[src + "mlp.experts.fc1.weight"], model[src + "mlp.experts.fc2.weight"]
@@ -262,10 +269,15 @@ class _Taker:
             )
 
 
-def hf_sources(cfg: ModelConfig, tensors: Mapping[str, Lazy]) -> dict[str, Lazy]:
+def hf_sources(
+    cfg: ModelConfig, tensors: Mapping[str, Lazy], config: dict | None = None
+) -> dict[str, Lazy]:
     """ptdp's full model state as lazy tensors over the `transformers` ones (inverse of
     `to_hf_state`): every name mapped, nothing read, so each rank then reads only its own
-    regions (ptdp/checkpoint/lazy.py)."""
+    regions (ptdp/checkpoint/lazy.py). `config`: the model's config.json, which says
+    whether the weights are float8 (DeepSeek-V3's, `ptdp.convert.hf_deepseek`)."""
+    if config is not None:
+        tensors = deepseek.loadable(tensors, config)
     gpt2 = cfg.position_embedding is PositionEmbedding.LEARNED
     take = _Taker(tensors, "transformer." if gpt2 else "")
     model: dict[str, Lazy] = {}
@@ -324,16 +336,20 @@ def _conv1d_lazy(x: Lazy, suffix: str) -> Lazy:
 def _rotary_layer_from_hf(
     cfg: ModelConfig, i: int, take: _Taker, src: str, dst: str, model: dict[str, Lazy]
 ) -> None:
-    for sfx in _suffixes(cfg, "attn.qkv"):
+    if cfg.is_mla:
+        model |= deepseek.attention_from_hf(cfg, take, src, dst)
+    for sfx in () if cfg.is_mla else _suffixes(cfg, "attn.qkv"):
         q, k, v = (take(src + "self_attn." + m + sfx) for m in ("q_proj", "k_proj", "v_proj"))
         model[dst + "attn.qkv" + sfx] = fuse_qkv_lazy(q, k, v, cfg)
     if cfg.qk_norm:
         for name in ("q_norm", "k_norm"):
             model[dst + f"attn.{name}.weight"] = take(src + f"self_attn.{name}.weight")
-    for sfx in _suffixes(cfg, "attn.proj"):
+    for sfx in () if cfg.is_mla else _suffixes(cfg, "attn.proj"):
         model[dst + "attn.proj" + sfx] = take(src + "self_attn.o_proj" + sfx)
     if cfg.is_moe_layer(i):
         model |= _experts_from_hf(cfg, take, src, dst)
+        if cfg.is_mla:
+            model |= deepseek.moe_extras_from_hf(cfg, take, src, dst)
         return
     for sfx in _suffixes(cfg, "mlp.fc1"):
         gate, up, down = (take(f"{src}mlp.{m}{sfx}") for m in ("gate_proj", "up_proj", "down_proj"))
@@ -511,7 +527,7 @@ def import_hf(directory: str | Path, run_dir: str | Path, *, seq_length: int = 0
     tokenizer = directory / TOKENIZER_FILE
     tokenizer = tokenizer if tokenizer.is_file() else None
     with HfWeights(directory) as weights:  # each tensor read as it is written
-        model = hf_sources(cfg, weights.tensors)  # every name mapped before OUT is made
+        model = hf_sources(cfg, weights.tensors, config)  # every name mapped before OUT is made
         state = {
             "model": model,
             "optimizer": {"state": {}, "param_groups": []},  # AdamW starts fresh
@@ -530,4 +546,5 @@ def import_hf(directory: str | Path, run_dir: str | Path, *, seq_length: int = 0
             raise _read_error(exc) from None
     write_file(run_dir / "config.toml", to_toml(run_cfg))
     notes = [] if tokenizer else [f"{directory} has no {TOKENIZER_FILE}; none recorded"]
-    return ConvertResult(step_dir, family(cfg), tuple(notes))
+    kind = config["model_type"] if config["model_type"] in deepseek.MLA_TYPES else family(cfg)
+    return ConvertResult(step_dir, kind, tuple(notes))

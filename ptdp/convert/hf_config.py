@@ -20,6 +20,7 @@ from ptdp.config.enums import (
     ScoreFunction,
 )
 from ptdp.config.sections import ModelConfig
+from ptdp.convert import hf_deepseek as deepseek
 from ptdp.errors import ConfigError
 
 TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
@@ -33,6 +34,9 @@ NAMES = {
     "qwen3": "Qwen3",
     "mixtral": "Mixtral",
     "qwen3_moe": "Qwen3-MoE",
+    "deepseek_v3": "DeepSeek-V3",
+    "kimi_k2": "Kimi K2",
+    "deepseek_v2": "DeepSeek-V2",
 }
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -41,14 +45,14 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 SHARED_GATE = "a shared expert scaled by a sigmoid gate (shared_expert_gate), which ptdp's lack"
 UNCONVERTED_MOE = {
     "qwen2_moe": SHARED_GATE,
     "qwen3_next": SHARED_GATE + ", and linear attention",
-    "deepseek_v2": "grouped top-k routing and multi-head latent attention",
-    "deepseek_v3": "grouped top-k routing and multi-head latent attention",
     "gpt_oss": "a router with a bias, and biased, clamped experts",
     "olmoe": "per-layer q/k norms over the whole width",
     "phimoe": "sparse-mixer routing",
@@ -78,6 +82,10 @@ YARN_KEYS = {
 
 def family(cfg: ModelConfig) -> str:
     """The family (a key of NAMES) that `cfg` exports to; refuses what it lacks."""
+    if cfg.is_mla:
+        kind, why = deepseek.export_family(cfg)
+        _check(cfg, kind, why, deepseek.export_family_checks(cfg, kind))
+        return kind
     if cfg.num_experts:
         return _moe_family(cfg)
     if cfg.position_embedding is PositionEmbedding.LEARNED:
@@ -200,6 +208,8 @@ def hf_config(cfg: ModelConfig, eod_id: int | None = None) -> dict[str, Any]:
         rotary |= {"max_window_layers": 0, "layer_types": [layer] * cfg.num_layers}
     if kind in ("qwen3", "qwen3_moe"):
         rotary["attention_bias"] = False
+    if kind in deepseek.MLA_TYPES:
+        rotary |= deepseek.hf_options(cfg, kind)
     if kind == "mixtral":
         rotary |= {"num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_top_k}
         rotary |= {"intermediate_size": cfg.moe_ffn_size, "router_jitter_noise": 0.0}
@@ -244,7 +254,7 @@ def model_config_from_hf(config: dict[str, Any], seq_length: int = 0) -> ModelCo
         why = f" (a mixture of experts with {moe})" if moe else ""
         raise ConfigError(
             f"cannot import model_type {kind!r}{why}: ptdp converts {known}; its mixtures of "
-            "experts are 'mixtral' and 'qwen3_moe'"
+            "experts are 'mixtral', 'qwen3_moe' and the DeepSeek ones"
         )
     cfg = (_gpt2_config if kind == "gpt2" else _rotary_config)(config, seq_length)
     # Leave widths that equal ptdp's defaults at 0 (automatic), as a hand-written config would.
@@ -313,6 +323,7 @@ def _rotary_config(c: dict[str, Any], seq_length: int) -> ModelConfig:
     if kind == "llama" and c.get("attention_bias", False) != c.get("mlp_bias", False):
         bad["attention_bias != mlp_bias"] = (c["attention_bias"], c["mlp_bias"])
     qwen3 = kind in ("qwen3", "qwen3_moe")
+    mla = deepseek.model_options(c, bad) if kind in deepseek.MLA_TYPES else {}
     if qwen3 and c.get("attention_bias", False):
         bad["attention_bias"] = True  # biases on q, k, v and o but not the MLP
     rope = _rope_options(c, bad)
@@ -323,8 +334,8 @@ def _rotary_config(c: dict[str, Any], seq_length: int) -> ModelConfig:
         num_layers=c["num_hidden_layers"],
         hidden_size=h,
         num_heads=n,
-        num_query_groups=c.get("num_key_value_heads") or n,
-        head_size=0 if head * n == h else head,
+        num_query_groups=0 if mla else c.get("num_key_value_heads") or n,
+        head_size=0 if mla or head * n == h else head,
         qk_norm=qwen3,
         ffn_hidden_size=c["intermediate_size"],
         vocab_size=c["vocab_size"],
@@ -341,6 +352,7 @@ def _rotary_config(c: dict[str, Any], seq_length: int) -> ModelConfig:
         init_std=c.get("initializer_range", 0.02),
         **rope,
         **moe,
+        **mla,
     )
 
 

@@ -70,15 +70,32 @@ def pick_backend(
     dtype: torch.dtype,
     device: torch.device,
     timer: Timer = time_kernel,
+    value_dim: int = 0,
 ) -> AttentionBackend | None:
     """The kernel the run asks for; None leaves PyTorch's own choice (`auto` off CUDA, or
-    where no fused kernel ran the shape)."""
+    where no fused kernel ran the shape). `value_dim`: the values' width where it is not
+    the queries' (latent attention): FlashAttention then runs nothing and is not timed; the
+    others are timed at the queries' width."""
     if choice is not AttentionBackend.AUTO:
         return choice
     if device.type != "cuda":
         return None
-    ran = {c: t for c in CANDIDATES if (t := timer(c, shape, dtype, device)) is not None}
+    candidates = list(CANDIDATES)
+    if value_dim and value_dim != shape[-1]:
+        candidates.remove(AttentionBackend.FLASH)
+    ran = {c: t for c in candidates if (t := timer(c, shape, dtype, device)) is not None}
     return min(ran, key=ran.__getitem__) if ran else None
+
+
+def unequal_widths_note(query_dim: int, value_dim: int) -> str:
+    """Why FlashAttention does not run latent attention's heads (none where it can)."""
+    if query_dim == value_dim:
+        return ""
+    return (
+        f"attention: queries and keys {query_dim} wide, values {value_dim}: FlashAttention "
+        "needs one width, so the memory-efficient or cuDNN kernel runs (on a CPU, PyTorch's "
+        "reference)"
+    )
 
 
 FALLBACK = (

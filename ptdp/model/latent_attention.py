@@ -25,16 +25,21 @@ as the norms'.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ptdp.config.enums import RopeScaling
 from ptdp.config.sections import ModelConfig
 from ptdp.model.attention import AttentionCore
 from ptdp.model.kv_cache import LayerCache
-from ptdp.model.parts import TPContext, build_norm
+from ptdp.model.parts import TPContext
 from ptdp.model.positions import TokenPositions
 from ptdp.model.rope import Rotary, yarn_mscale
 from ptdp.parallel import comm
 from ptdp.parallel.tensor import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+
+LATENT_NORM_EPS = 1e-6
+"""The latents' RMSNorms' epsilon, whatever model.norm_eps says: DeepSeek's code and
+`transformers` build them with the default 1e-6."""
 
 
 def latent_softmax_scale(cfg: ModelConfig) -> float:
@@ -67,12 +72,12 @@ class LatentAttention(AttentionCore):
             self.q_down = ReplicatedLinear(
                 h, cfg.q_lora_rank, bias=cfg.bias, sequence_parallel=sp, **gemms
             )
-            self.q_norm = build_norm(cfg, cfg.q_lora_rank)
+            self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=LATENT_NORM_EPS)
         self.q_up = ColumnParallelLinear(cfg.q_lora_rank or h, queries, **column)
         self.kv_down = ReplicatedLinear(
             h, self.latent + self.rope, bias=cfg.bias, sequence_parallel=sp, **gemms
         )
-        self.kv_norm = build_norm(cfg, self.latent)
+        self.kv_norm = nn.RMSNorm(self.latent, eps=LATENT_NORM_EPS)
         self.kv_up = ColumnParallelLinear(
             self.latent, cfg.num_heads * (self.nope + self.dv), **column
         )

@@ -36,8 +36,11 @@ def model_rules(cfg: RunConfig, errors: list[str]) -> None:
     elif m.position_embedding is PositionEmbedding.ROPE and m.rotary_dim % 2:
         errors.append(
             f"rotary positions need an even head size, got {m.rotary_dim}; change "
-            + ("model.qk_rope_head_dim" if m.is_mla else
-               "model.head_size, or model.num_heads or model.hidden_size")
+            + (
+                "model.qk_rope_head_dim"
+                if m.is_mla
+                else "model.head_size, or model.num_heads or model.hidden_size"
+            )
         )
     if m.num_heads % m.query_groups:
         errors.append(
@@ -107,10 +110,11 @@ def _rope_scaling_rules(m: ModelConfig, errors: list[str]) -> None:
         )
     require_positive(errors, "model.rope_original_max_positions", m.rope_original_max_positions)
     if m.rope_scaling is RopeScaling.YARN:
-        if m.rope_beta_fast <= m.rope_beta_slow:  # each > 0: ptdp/rules/domains.py
+        if m.rope_beta_fast < m.rope_beta_slow:  # each > 0: ptdp/rules/domains.py
             errors.append(
-                f"model.rope_beta_fast = {m.rope_beta_fast} must exceed model.rope_beta_slow "
-                f"= {m.rope_beta_slow} (rotations over the original context; YaRN: 32 and 1)"
+                f"model.rope_beta_fast = {m.rope_beta_fast} must be at least "
+                f"model.rope_beta_slow = {m.rope_beta_slow} (rotations over the original "
+                "context; YaRN: 32 and 1, Kimi K2: 1 and 1)"
             )
     elif m.rope_high_freq_factor <= m.rope_low_freq_factor:
         errors.append(

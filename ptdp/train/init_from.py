@@ -247,4 +247,5 @@ def load_initial_weights(
         manager.load_weights(source.path)
         return
     with HfWeights(source.path) as weights, torch.no_grad():  # each rank its regions
-        manager.load_model_state(hf_sources(model, weights.tensors))
+        config = read_hf_json(source.path)
+        manager.load_model_state(hf_sources(model, weights.tensors, config))

@@ -44,6 +44,11 @@ def _greedy(rank: int, world_size: int, options: dict) -> None:
 WINDOW = {**LLAMA, "qkv_bias": True, "sliding_window": 5}  # Qwen2's bias, Mistral's window
 MOE = {**LLAMA, "num_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1}
 """A mixture of experts (SwiGLU experts split over tp like the MLP, a shared expert)."""
+MLA = {
+    **LLAMA, "attention": "mla", "q_lora_rank": 12, "kv_lora_rank": 10, "qk_nope_head_dim": 6,
+    "qk_rope_head_dim": 4, "v_head_dim": 5, "num_query_groups": 0,
+}  # fmt: skip
+"""Latent attention: heads split over tp, each rank's cache the whole latent and rotary key."""
 
 
 @pytest.mark.parametrize(
@@ -53,6 +58,7 @@ MOE = {**LLAMA, "num_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1}
         pytest.param(LLAMA, id="llama"),
         pytest.param(WINDOW, id="window"),
         pytest.param(MOE, id="moe"),
+        pytest.param(MLA, id="mla"),
     ],
 )
 def test_tp2_greedy_generation_equals_single_process(options: dict) -> None:
@@ -119,6 +125,7 @@ def _pipeline(rank: int, world_size: int, tp: int, run_dir: Path, expected: dict
         pytest.param(1, 2, {}, 3, id="pp2-gpt2"),  # tied embedding: the last stage loads a copy
         pytest.param(2, 2, LLAMA, 3, id="tp2xpp2-llama"),
         pytest.param(1, 2, MOE, 3, id="pp2-moe"),
+        pytest.param(2, 2, MLA, 3, id="tp2xpp2-mla"),
         # 0,1,1,0: the embedding alone, then the output layer alone
         pytest.param(1, 4, LLAMA, 2, id="pp4-ends-without-layers"),
     ],

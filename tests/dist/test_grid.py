@@ -88,6 +88,15 @@ MOE = {
         "moe_shared_experts": 1, "moe_bias_update_rate": 0.01, "moe_first_dense_layers": 1,
         "moe_router_groups": 2, "moe_router_group_top_k": 1,
     },
+    # DeepSeek-V3 whole: those options under multi-head latent attention (llama layouts:
+    # rotary, with their sliding window; no QKV bias, no key/value groups under MLA).
+    "deepseek": _MOE | {
+        "moe_score_function": "sigmoid", "moe_renormalize": True, "moe_routed_scaling": 2.5,
+        "moe_shared_experts": 1, "moe_bias_update_rate": 0.01, "moe_first_dense_layers": 1,
+        "moe_router_groups": 2, "moe_router_group_top_k": 1,
+        "attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 6,
+        "qk_rope_head_dim": 4, "v_head_dim": 10, "qkv_bias": False, "num_query_groups": 0,
+    },
     # Capacity drops (per microbatch, so with dp the same samples drop the same choices),
     # every other layer MoE.
     "moe-capacity": _MOE | {"moe_capacity_factor": 1.0, "moe_layer_freq": 2},
@@ -118,6 +127,13 @@ GRID = [
     Layout(pp=2, vpp=2, schedule="zb-v", layers=(0, 3, 5, 0)),  # both ends on rank 0, tied
     Layout(pp=2, vpp=2, schedule="dualpipev"),  # tied, in ZB-V's V; paired F and BW, B and W
     Layout(pp=2, vpp=2, schedule="dualpipev", layers=(0, 4, 4, 0), llama=True),
+    # latent attention: heads split, latents gathered under sp, keys and values of two widths
+    # across the cp ring or gathered, the down-projections' weight gradients put off to W
+    Layout(tp=2, sp=True, recompute="selective", llama=True, moe="deepseek"),
+    Layout(cp=2, llama=True, moe="deepseek"),
+    Layout(cp=2, cp_comm="allgather", recompute="full", llama=True, moe="deepseek"),
+    Layout(pp=2, schedule="zb-h1", llama=True, moe="deepseek"),
+    Layout(dp=2, zero=1, llama=True, moe="deepseek", ep=2),
     # world 4
     Layout(tp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, dp=2, recompute="selective", llama=True),
@@ -193,6 +209,8 @@ GRID = [
     Layout(pp=4, vpp=2, schedule="dualpipev", moe="moe-shared-bias"),
     Layout(pp=2, dp=2, moe="moe-shared-bias", ep=2, overlap=True),
     Layout(pp=2, dp=2, vpp=2, schedule="dualpipev", moe="moe-shared-bias", ep=2, overlap=True),
+    Layout(tp=2, dp=2, sp=True, zero=3, llama=True, moe="deepseek", ep=2),
+    Layout(tp=2, pp=2, vpp=2, schedule="zb-v", llama=True, moe="deepseek"),
     # world 8
     Layout(tp=2, pp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, pp=2, dp=2, sp=True, zero=1, moe="moe", ep=2),  # folded, pp and ZeRO-1
@@ -207,6 +225,7 @@ GRID = [
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule=I, sp=True, zero=3, recompute="full"),
     Layout(tp=2, cp=2, pp=2, schedule="zb-h1", sp=True, llama=True, zero=1),
     Layout(cp=2, pp=2, dp=2, vpp=2, schedule="zb-v", cp_comm="allgather"),
+    Layout(tp=2, cp=2, pp=2, sp=True, llama=True, moe="deepseek", ep=2),
 ]
 
 FP8_GRID = [

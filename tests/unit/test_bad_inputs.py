@@ -495,7 +495,42 @@ CASES: list[tuple[str, Callable[[Ctx], None], type[PtdpError], tuple[str, ...]]]
             model={"position_embedding": "rope", "rope_scaling": "yarn", "rope_beta_fast": 0.5}
         ),
         ConfigError,
-        ("model.rope_beta_fast = 0.5 must exceed model.rope_beta_slow = 1.0", "32 and 1"),
+        ("model.rope_beta_fast = 0.5 must be at least model.rope_beta_slow = 1.0", "32 and 1"),
+    ),
+    (
+        "mla-keys-under-mha",
+        lambda c: c.train(model={"position_embedding": "rope", "kv_lora_rank": 16}),
+        ConfigError,
+        ("model.kv_lora_rank = 16 set but model.attention = mha", "--model.attention mla"),
+    ),
+    (
+        "mla-without-widths",
+        lambda c: c.train(model={"position_embedding": "rope", "attention": "mla"}),
+        ConfigError,
+        ("model.attention = mla needs model.kv_lora_rank > 0", "qk_rope_head_dim 64"),
+    ),
+    (
+        "mla-with-groups",
+        lambda c: c.train(
+            model={
+                "position_embedding": "rope",
+                "attention": "mla",
+                "kv_lora_rank": 16,
+                "qk_rope_head_dim": 4,
+                "v_head_dim": 8,
+                "num_query_groups": 2,
+            }
+        ),
+        ConfigError,
+        ("model.num_query_groups = 2 has no meaning under model.attention = mla", "drop it"),
+    ),  # fmt: skip
+    (
+        "mla-learned-positions",
+        lambda c: c.train(
+            model={"attention": "mla", "kv_lora_rank": 16, "qk_rope_head_dim": 4, "v_head_dim": 8}
+        ),
+        ConfigError,
+        ("model.attention = mla carries its positions in the rotary key", "rope"),
     ),
     (
         "yarn-keys-without-yarn",

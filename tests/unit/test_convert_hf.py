@@ -40,6 +40,17 @@ MOE |= {"ffn_hidden_size": 24}
 QWEN3_MOE = LLAMA | {"qk_norm": True, "head_size": 12, "num_experts": 4, "moe_top_k": 3}
 QWEN3_MOE |= {"moe_renormalize": True, "moe_ffn_hidden_size": 16, "moe_first_dense_layers": 1}
 """Qwen3-MoE: a dense first layer (mlp_only_layers), then experts of width 16."""
+MLA = LLAMA | {"attention": "mla", "q_lora_rank": 12, "kv_lora_rank": 16}
+MLA |= {"qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 10}
+"""Latent attention: queries from a 12-wide latent, keys and values from a 16-wide one,
+heads of 6 + 4 query/key features and 10 value features."""
+DEEPSEEK_V3 = MLA | {"num_experts": 8, "moe_top_k": 2, "moe_ffn_hidden_size": 12}
+DEEPSEEK_V3 |= {"moe_score_function": "sigmoid", "moe_renormalize": True}
+DEEPSEEK_V3 |= {"moe_routed_scaling": 2.5, "moe_shared_experts": 1, "moe_first_dense_layers": 1}
+DEEPSEEK_V3 |= {"moe_router_groups": 4, "moe_router_group_top_k": 2}
+DEEPSEEK_V3 |= {"moe_bias_update_rate": 0.001}
+"""DeepSeek-V3: a dense first layer, then sigmoid routing in 4 groups (2 per token) with
+its balancing bias, one shared expert."""
 FAMILIES = {
     "gpt2": {},
     "gpt2-untied": {"tie_embeddings": False},
@@ -57,8 +68,14 @@ FAMILIES = {
     "mixtral-renormalize": MOE | {"moe_softmax_after_topk": False, "moe_renormalize": True},
     "qwen3_moe": QWEN3_MOE,
     "qwen3_moe-softmax-after": QWEN3_MOE | {"moe_softmax_after_topk": True},
+    "deepseek_v3": DEEPSEEK_V3,
+    "deepseek_v3-dense-yarn": MLA | {"q_lora_rank": 0} | YARN | {"rope_mscale_all_dim": 1.0},
+    "deepseek_v2": DEEPSEEK_V3
+    | {"moe_score_function": "softmax", "moe_router_groups": 0}
+    | {"moe_router_group_top_k": 0, "moe_bias_update_rate": 0.0, "moe_renormalize": False},
 }
 KINDS = {k: k for k in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")}
+KINDS |= {"deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v2"}
 TOL = 1e-5
 
 
@@ -135,6 +152,9 @@ YARN_SCALING = {
     "original_max_position_embeddings": 32,
     "rope_theta": 500.0,
 }
+DEEPSEEK = ROTARY | {"num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 6}
+DEEPSEEK |= {"qk_rope_head_dim": 4, "v_head_dim": 10, "n_routed_experts": 8, "n_shared_experts": 1}
+DEEPSEEK |= {"num_experts_per_tok": 2, "moe_intermediate_size": 12, "first_k_dense_replace": 1}
 HF_FAMILIES = {
     "gpt2": lambda v: transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=24, vocab_size=v,
@@ -183,6 +203,16 @@ HF_FAMILIES = {
                                     num_experts_per_tok=3, moe_intermediate_size=16,
                                     norm_topk_prob=True, mlp_only_layers=[0])
     ),
+    "deepseek_v3": lambda v: transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(**DEEPSEEK, vocab_size=v, q_lora_rank=12, n_group=4,
+                                      topk_group=2, routed_scaling_factor=2.5,
+                                      rope_scaling=YARN_SCALING | {"mscale": 1.0,
+                                                                   "mscale_all_dim": 1.0})
+    ),
+    "deepseek_v2": lambda v: transformers.DeepseekV2ForCausalLM(
+        transformers.DeepseekV2Config(**DEEPSEEK, vocab_size=v, q_lora_rank=None,
+                                      topk_method="greedy", norm_topk_prob=False)
+    ),
     "qwen3_moe-step": lambda v: transformers.Qwen3MoeForCausalLM(
         transformers.Qwen3MoeConfig(**ROTARY | {"num_hidden_layers": 4}, vocab_size=v,
                                     num_experts=4, num_experts_per_tok=2,
@@ -222,6 +252,7 @@ def test_import_matches_transformers(family: str, tmp_path: Path) -> None:
     own |= {"qwen3": {"qk_norm": False}, "qwen3_moe": {"moe_renormalize": False}}
     own |= {"qwen3-yarn": {"rope_scaling": "llama3"}}
     own |= {"llama-yarn-mscale": {"rope_mscale": 0.0, "rope_mscale_all_dim": 0.0}}
+    own |= {"deepseek_v3": {"rope_mscale": 0.0, "rope_mscale_all_dim": 0.0}}
     if family in own:
         plain = apply_updates(RunConfig(model=cfg), {"model": own[family]}, "a test").model
         other = GPT(plain)
@@ -321,6 +352,8 @@ def test_tokenizer_is_exported(tmp_path: Path) -> None:
         (MOE | {"moe_first_dense_layers": 1}, "Mixtral, .*model.moe_first_dense_layers = 1"),
         (MOE | {"bias": True}, "model.bias = true"),
         ({"head_size": 4}, "GPT-2, .*model.head_size = 4"),
+        (DEEPSEEK_V3 | {"tie_embeddings": True}, "DeepSeek-V3, .*model.tie_embeddings = true"),
+        (DEEPSEEK_V3 | {"moe_shared_experts": 0}, "DeepSeek-V3, .*model.moe_shared_experts = 0"),
         (LLAMA | {"qk_norm": True, "qkv_bias": True}, "Qwen3, .*model.qkv_bias = true"),
     ],
 )
@@ -400,7 +433,11 @@ def test_imported_moe_generates_as_transformers(family: str, tmp_path: Path) -> 
     "family,change,named",
     [
         ("mixtral", {"model_type": "qwen2_moe"}, "'qwen2_moe' .*shared_expert_gate"),
-        ("mixtral", {"model_type": "deepseek_v3"}, "'deepseek_v3' .*converts .*'mixtral'"),
+        ("mixtral", {"model_type": "phimoe"}, "'phimoe' .*converts .*'mixtral'"),
+        ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func = 'softmax'"),
+        ("deepseek_v3", {"rope_interleave": False}, "rope_interleave = false"),
+        ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1},
+         "topk_method = 'group_limited_greedy'"),
         ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise = 0.1"),
         ("qwen3_moe", {"attention_bias": True}, "attention_bias = True"),
         ("qwen3_moe-step", {"mlp_only_layers": [2], "decoder_sparse_step": 1},
@@ -427,3 +464,52 @@ def test_import_refuses_a_router_bias(tmp_path: Path) -> None:
     safetensors.torch.save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(ConfigError, match="router with a bias.*gate.bias"):
         import_hf(tmp_path / "hf", tmp_path / "run")
+
+
+def _block_quantized(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, per-block scales) as DeepSeek-V3's published weights hold them."""
+    rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+    padded = torch.zeros(rows * block, cols * block)
+    padded[: w.shape[0], : w.shape[1]] = w
+    amax = padded.view(rows, block, cols, block).abs().amax((1, 3)).clamp_min(1e-6)
+    scale = amax / 448.0
+    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[: w.shape[0], : w.shape[1]]
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+def test_import_reads_float8_blocks_the_bias_and_skips_mtp(tmp_path: Path) -> None:
+    """A DeepSeek-V3 checkpoint as published: float8 weights with 8 x 8 block scales here
+    (128 x 128 there), the routers' balancing bias, and a multi-token-prediction layer after
+    the last; ptdp's import computes what transformers computes on the dequantized weights."""
+    import safetensors.torch
+
+    hf = _hf_model("deepseek_v3")
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        hf.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.randn(8, generator=gen))
+    hf.save_pretrained(tmp_path / "ref")
+    tensors = safetensors.torch.load_file(tmp_path / "ref" / "model.safetensors")
+    quantized, dequantized = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if name.endswith("proj.weight") and w.dim() == 2:
+            values, scale = _block_quantized(w, 8)
+            quantized[name], quantized[name + "_scale_inv"] = values, scale
+            full = scale.repeat_interleave(8, 0).repeat_interleave(8, 1)
+            dequantized[name] = values.float() * full[: w.shape[0], : w.shape[1]]
+    quantized["model.layers.2.eh_proj.weight"] = torch.zeros(32, 64)  # the MTP layer
+    config = json.loads((tmp_path / "ref" / "config.json").read_text())
+    (tmp_path / "fp8").mkdir()
+    safetensors.torch.save_file(quantized, tmp_path / "fp8" / "model.safetensors")
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [8, 8]}
+    config |= {"quantization_config": fp8, "num_nextn_predict_layers": 1}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    safetensors.torch.save_file(dequantized, tmp_path / "ref" / "model.safetensors")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref").eval()
+    model = load_model(import_hf(tmp_path / "fp8", tmp_path / "run").path).eval()
+    bias = model.layers["1"].mlp.router.expert_bias
+    assert torch.equal(bias, hf.model.layers[1].mlp.gate.e_score_correction_bias)
+    tokens = _tokens(64, 16)
+    with torch.no_grad():
+        ours = model(tokens)
+        _compare(ours, reference(tokens).logits)
+        assert (ours - hf(tokens).logits).abs().max() > 100 * TOL  # float8 is not lossless

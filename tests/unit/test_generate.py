@@ -12,6 +12,10 @@ from ptdp.model.gpt import GPT
 from ptdp.model.kv_cache import KVCache
 from tests.helpers import LLAMA
 
+MLA = {
+    "attention": "mla", "q_lora_rank": 12, "kv_lora_rank": 10, "qk_nope_head_dim": 6,
+    "qk_rope_head_dim": 4, "v_head_dim": 5, "num_query_groups": 0,
+}  # fmt: skip
 FAMILIES = [
     pytest.param({}, id="gpt2"),
     pytest.param(LLAMA, id="llama"),
@@ -19,6 +23,11 @@ FAMILIES = [
     # A window shorter than the prefill and the chunk: the cache path must mask it too.
     pytest.param({**LLAMA, "sliding_window": 3}, id="mistral-window"),
     pytest.param({**LLAMA, "qkv_bias": True, "rope_scaling": "llama3"}, id="qwen2-llama3"),
+    # Latent attention: the cache holds the normalised latent and the rotary key, and the
+    # cached path absorbs the key/value up-projection (queries and values of two widths),
+    # once with compressed queries under YaRN and once without (DeepSeek-V2-Lite).
+    pytest.param({**LLAMA, **MLA, "rope_scaling": "yarn"}, id="mla-yarn"),
+    pytest.param({**LLAMA, **MLA, "q_lora_rank": 0, "sliding_window": 3}, id="mla-lite-window"),
 ]
 
 

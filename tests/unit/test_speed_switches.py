@@ -43,6 +43,11 @@ def test_auto_keeps_the_fastest_kernel_that_ran_and_a_named_one_as_asked() -> No
     asked.clear()
     assert pick_backend(AB.AUTO, device=cpu, **kw) is None and asked == []  # nothing timed
     assert pick_backend(AB.FLASH, device=cpu, **kw) is AB.FLASH and asked == []
+    # Latent attention's values narrower than its queries: FlashAttention is not timed.
+    times.update({AB.FLASH: 1e-3, AB.CUDNN: 2e-3, AB.EFFICIENT: 4e-3})
+    assert pick_backend(AB.AUTO, device=cuda, value_dim=6, **kw) is AB.CUDNN
+    assert asked == [AB.CUDNN, AB.EFFICIENT]
+    assert pick_backend(AB.AUTO, device=cuda, value_dim=8, **kw) is AB.FLASH  # one width
 
 
 def test_the_chosen_kernel_goes_first_and_the_others_stay_behind_it() -> None:

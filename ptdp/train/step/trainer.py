@@ -28,7 +28,7 @@ from ptdp.config.enums import AttentionBackend, Precision, Recovery
 from ptdp.config.sections import RunConfig
 from ptdp.data.documents import microbatch_positions
 from ptdp.errors import ConfigError
-from ptdp.model.attention_backend import attention_context, pick_backend
+from ptdp.model.attention_backend import attention_context, pick_backend, unequal_widths_note
 from ptdp.model.compile import apply_compile, mark_step
 from ptdp.model.gpt import count_parameters
 from ptdp.parallel.comm import Group, all_reduce_mean_, all_reduce_sum_
@@ -220,8 +220,13 @@ class Trainer:
         """train.attention_backend, `auto` timed once on this rank's attention shape."""
         m, t = self.cfg.model, self.cfg.train
         heads = max(1, m.num_heads // self.layout.tp)
-        shape = (t.micro_batch_size, heads, m.seq_length // self.layout.cp, m.head_dim)
-        kernel = pick_backend(t.attention_backend, shape=shape, dtype=dtype, device=self.device)
+        shape = (t.micro_batch_size, heads, m.seq_length // self.layout.cp, m.qk_head_dim)
+        if note := unequal_widths_note(m.qk_head_dim, m.value_head_dim):
+            self.say(note)
+        kernel = pick_backend(
+            t.attention_backend, shape=shape, dtype=dtype, device=self.device,
+            value_dim=m.value_head_dim,
+        )  # fmt: skip
         if t.attention_backend is AttentionBackend.AUTO and kernel is not None:
             self.say(f"attention kernel: {kernel.value} (the fastest on {list(shape)})")
         return kernel
