@@ -10,22 +10,33 @@ was pretrained at (Llama 3: 8192; Qwen2.5: 4096 before its long-context stage; M
 Mixtures of experts, from their `config.json` likewise: Mixtral 8x7B (Jiang et al. 2024,
 arXiv 2401.04088; 32768-token context), Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen3
 technical report, arXiv 2505.09388; 4096 tokens in its first two pretraining stages)
-and DeepSeek-V3 (arXiv 2412.19437; 4096 tokens before its context extension). The Qwen3
+and the DeepSeek-V3 family below. The Qwen3
 presets take the published head_dim = 128 (model.head_size, apart from hidden / heads)
 and the per-head q/k RMSNorm (model.qk_norm): 30.53B total and 3.35B active parameters
 for qwen3-30b-a3b, 235.09B and 22.19B for qwen3-235b-a22b, as published (30.5B and 3.3B,
-235B and 22B). Where ptdp's model cannot express a published shape, the preset says what
-differs:
+235B and 22B).
 
-- deepseek-v3-moe is DeepSeek-V3's mixture of experts (61 layers, h 7168, 256 routed
-  experts of width 2048, top-8, one shared expert, 3 dense layers of width 18432, sigmoid
-  scores renormalised and scaled by 2.5, the bias update of its auxiliary-loss-free
-  balancing, its node-limited group routing: 8 groups, 4 per token) with ordinary
-  multi-head attention (128 heads of 56, its config.json's 128 key/value heads) standing
-  in for Multi-head Latent Attention, and without its sequence-wise balancing loss and its
-  multi-token-prediction module. Its attention holds 205,520,896 parameters a
-  layer against MLA's 187,107,328, so it counts 672.1B total and 38.7B active against the
-  published 671B and 37B (MLA's count gives 671.0B and 37.6B).
+Multi-head latent attention (model.attention = mla), each with its YaRN rotary scaling as
+published and 4096 tokens, the context each was pretrained at before its extension:
+
+- deepseek-v3 (arXiv 2412.19437; DeepSeek-R1 and V3.1 share the shape): 61 layers, h 7168,
+  128 heads, q_lora 1536, kv_lora 512, keys of 128 + 64, values of 128; 256 routed experts
+  of width 2048, 8 per token from 4 of 8 groups, one shared, 3 dense layers of width
+  18432; sigmoid scores renormalised and scaled by 2.5, the auxiliary-loss-free balancing's
+  bias update at the paper's 0.001. 671.0B total and 37.6B active (published: 671B, 37B),
+  without the 14B of its multi-token-prediction module, which ptdp does not build.
+- kimi-k2 (Kimi K2 technical report, arXiv 2507.20534): DeepSeek-V3's shape with 64 heads,
+  384 experts, one dense layer, no groups, scaling 2.827, rope_theta 50000, yarn 32x;
+  1026.4B total and 32.9B active (the model card: 1T and 32B; some accounts give 1.04T,
+  which this count does not reach); the bias update rate is DeepSeek-V3's (its config does
+  not give one).
+- deepseek-v2-lite (arXiv 2405.04434): 27 layers, h 2048, 16 heads, queries not compressed
+  (q_lora 0), kv_lora 512; 64 experts of width 1408, 6 per token, two shared, one dense
+  layer of width 10944, softmax scores, the auxiliary loss at 0.001. 15.7B total and 2.7B
+  active (published: 15.7B, and 2.4B, which leaves out the embedding's 0.2B).
+
+Their multi-token-prediction modules, DeepSeek-V3's sequence-wise balancing loss and the
+device-limited routing of DeepSeek-V2 are not built.
 """
 
 from __future__ import annotations
@@ -67,6 +78,39 @@ def _moe(experts: int, top_k: int, width: int, **keys: Any) -> dict[str, Any]:
     return {"num_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden_size": width} | keys
 
 
+def _mla(q_lora: int, kv_lora: int) -> dict[str, Any]:
+    """DeepSeek's latent attention: keys of 128 position-free and 64 rotary features."""
+    return {"attention": "mla", "q_lora_rank": q_lora, "kv_lora_rank": kv_lora} | {
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    }
+
+
+def _yarn(factor: float, beta_fast: float, mscale: float, mscale_all_dim: float) -> dict[str, Any]:
+    return {
+        "rope_scaling": "yarn",
+        "rope_scaling_factor": factor,
+        "rope_original_max_positions": 4096,
+        "rope_beta_fast": beta_fast,
+        "rope_beta_slow": 1.0,
+        "rope_mscale": mscale,
+        "rope_mscale_all_dim": mscale_all_dim,
+    }
+
+
+_DEEPSEEK_V3 = (
+    _LLAMA
+    | _shape(61, 7168, 128, 0, 18432)
+    | _mla(1536, 512)
+    | {"vocab_size": 129280, "rope_theta": 10000.0, "norm_eps": 1e-6, "seq_length": 4096}
+    | _yarn(40.0, 32.0, 1.0, 1.0)
+    | _moe(256, 8, 2048, moe_score_function="sigmoid", moe_renormalize=True)
+    | {"moe_routed_scaling": 2.5, "moe_bias_update_rate": 0.001}
+    | {"moe_shared_experts": 1, "moe_first_dense_layers": 3}
+    | {"moe_router_groups": 8, "moe_router_group_top_k": 4}
+)
+
 _QWEN3 = _LLAMA | {"vocab_size": 151936, "rope_theta": 1e6, "norm_eps": 1e-6, "seq_length": 4096}
 _QWEN3_MOE = _moe(128, 8, 0, moe_renormalize=True, moe_aux_loss_coeff=0.001)
 
@@ -97,13 +141,19 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     | {"head_size": 128, "qk_norm": True}
     | _QWEN3_MOE
     | {"moe_ffn_hidden_size": 1536},
-    "deepseek-v3-moe": _LLAMA
-    | _shape(61, 7168, 128, 128, 18432)
-    | {"vocab_size": 129280, "rope_theta": 10000.0, "norm_eps": 1e-6, "seq_length": 4096}
-    | _moe(256, 8, 2048, moe_score_function="sigmoid", moe_renormalize=True)
-    | {"moe_routed_scaling": 2.5, "moe_bias_update_rate": 0.001}
-    | {"moe_shared_experts": 1, "moe_first_dense_layers": 3}
-    | {"moe_router_groups": 8, "moe_router_group_top_k": 4},
+    "deepseek-v3": _DEEPSEEK_V3,
+    "kimi-k2": _DEEPSEEK_V3
+    | {"num_heads": 64, "vocab_size": 163840, "rope_theta": 50000.0}
+    | _yarn(32.0, 1.0, 1.0, 1.0)
+    | {"num_experts": 384, "moe_first_dense_layers": 1, "moe_routed_scaling": 2.827}
+    | {"moe_router_groups": 0, "moe_router_group_top_k": 0},
+    "deepseek-v2-lite": _LLAMA
+    | _shape(27, 2048, 16, 0, 10944)
+    | _mla(0, 512)
+    | {"vocab_size": 102400, "rope_theta": 10000.0, "norm_eps": 1e-6, "seq_length": 4096}
+    | _yarn(40.0, 32.0, 0.707, 0.707)
+    | _moe(64, 6, 1408, moe_aux_loss_coeff=0.001)
+    | {"moe_shared_experts": 2, "moe_first_dense_layers": 1},
 }
 """name -> model section, as a TOML file would spell it."""
 

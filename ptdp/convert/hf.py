@@ -546,5 +546,6 @@ def import_hf(directory: str | Path, run_dir: str | Path, *, seq_length: int = 0
             raise _read_error(exc) from None
     write_file(run_dir / "config.toml", to_toml(run_cfg))
     notes = [] if tokenizer else [f"{directory} has no {TOKENIZER_FILE}; none recorded"]
+    notes += deepseek.import_notes(config)
     kind = config["model_type"] if config["model_type"] in deepseek.MLA_TYPES else family(cfg)
     return ConvertResult(step_dir, kind, tuple(notes))

@@ -270,5 +270,29 @@ def loadable(tensors: Mapping[str, Lazy], config: dict[str, Any]) -> dict[str, L
     return {k: v for k, v in tensors.items() if not (extra and k.startswith(extra))}
 
 
+def import_notes(config: dict[str, Any]) -> list[str]:
+    """What an import of this config.json changes or leaves out, to be said to the user."""
+    notes = []
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") == "fp8":
+        block = "x".join(str(n) for n in quant.get("weight_block_size") or (128, 128))
+        notes.append(
+            f"the float8 weights were dequantized to float32 with their {block} block "
+            "scales (weight_scale_inv)"
+        )
+    if config.get("model_type") in MLA_TYPES and (mtp := _mtp_layers(config)):
+        first = config["num_hidden_layers"]
+        notes.append(
+            f"the {mtp} multi-token-prediction layer(s) from model.layers.{first} were not "
+            "imported: ptdp does not build multi-token prediction"
+        )
+    if config.get("model_type") in ("deepseek_v3", "kimi_k2"):
+        notes.append(
+            f"model.moe_bias_update_rate = {V3_BIAS_RATE} (DeepSeek-V3's) keeps the imported "
+            "balancing bias and trains it; set the rate your run wants"
+        )
+    return notes
+
+
 def _mtp_layers(config: dict[str, Any]) -> int:
     return int(config.get("num_nextn_predict_layers") or config.get("num_mtp_layers") or 0)

@@ -18,6 +18,7 @@ import importlib.util
 
 from ptdp.config.enums import Activation, Fp8Recipe, Precision
 from ptdp.config.sections import RunConfig
+from ptdp.config.shapes import attention_linears
 
 FP8_MULTIPLE = 16
 """What each dimension of a float8 GEMM's operands must be a multiple of."""
@@ -58,11 +59,18 @@ def _feature_rules(cfg: RunConfig, errors: list[str]) -> None:
     """Each rank's input and output features of each linear layer."""
     m, tp = cfg.model, cfg.parallel.tp
     parts = 2 if m.activation is Activation.SWIGLU else 1
-    qkv = m.query_groups * (m.num_heads // m.query_groups + 2) * m.head_dim
-    widths = {
-        "model.hidden_size": m.hidden_size,
-        "the attention's query/key/value features per tensor-parallel rank": qkv // tp,
-        "the attention's head features per tensor-parallel rank": m.num_heads * m.head_dim // tp,
+    widths = {"model.hidden_size": m.hidden_size}
+    if m.is_mla:  # each of its linears' features on a rank (`ptdp.config.shapes`)
+        for x in attention_linears(m):
+            widths[f"MLA's {x.name} input features per tensor-parallel rank"] = x.local_inputs(tp)
+            widths[f"MLA's {x.name} output features per tensor-parallel rank"] = x.local_outputs(tp)
+    else:
+        qkv = m.query_groups * (m.num_heads // m.query_groups + 2) * m.head_dim
+        widths["the attention's query/key/value features per tensor-parallel rank"] = qkv // tp
+        widths["the attention's head features per tensor-parallel rank"] = (
+            m.num_heads * m.head_dim // tp
+        )
+    widths |= {
         "the MLP's inner features per tensor-parallel rank": m.ffn_size // tp,
         "the MLP's first-layer features per tensor-parallel rank": m.ffn_size * parts // tp,
         "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,

@@ -24,6 +24,7 @@ from ptdp.checkpoint.store import load_entries
 from ptdp.config.enums import PositionEmbedding
 from ptdp.config.sections import LAYOUT_ONLY_MODEL_KEYS, DataConfig, ModelConfig, RunConfig
 from ptdp.convert.hf import TOKENIZER_FILE, check_hf_model, hf_sources
+from ptdp.convert.hf_deepseek import import_notes as deepseek_import_notes
 from ptdp.convert.hf_files import HfWeights, read_hf_config, read_hf_json, weight_files
 from ptdp.data.preprocess import read_metadata
 from ptdp.errors import CheckpointError, ConfigError
@@ -240,12 +241,13 @@ def resolve_init(
 
 def load_initial_weights(
     manager: ckpt.CheckpointManager, source: InitSource, model: ModelConfig
-) -> None:
+) -> list[str]:
     """Every rank loads its shards of the source's weights into its chunks, with a fresh
-    optimizer (collective)."""
+    optimizer (collective); returns what the import changed or left out, to be said."""
     if not source.hf:
         manager.load_weights(source.path)
-        return
+        return []
     with HfWeights(source.path) as weights, torch.no_grad():  # each rank its regions
         config = read_hf_json(source.path)
         manager.load_model_state(hf_sources(model, weights.tensors, config))
+    return deepseek_import_notes(config)

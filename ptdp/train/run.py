@@ -152,7 +152,8 @@ def _run(
                     "continues this run from its own checkpoint"
                 )
         elif source is not None:
-            load_initial_weights(trainer.checkpoints, source, cfg.model)
+            for note in load_initial_weights(trainer.checkpoints, source, cfg.model):
+                trainer.say(f"checkpoint.init_from: {note}")
             trainer.say(
                 f"initialised the weights from {source.describe()}: fresh optimizer, step 0, "
                 "data from the start" + (f" (--resume: no checkpoint in {run_dir} yet)" * resume)

@@ -505,7 +505,12 @@ def test_import_reads_float8_blocks_the_bias_and_skips_mtp(tmp_path: Path) -> No
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
     safetensors.torch.save_file(dequantized, tmp_path / "ref" / "model.safetensors")
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref").eval()
-    model = load_model(import_hf(tmp_path / "fp8", tmp_path / "run").path).eval()
+    result = import_hf(tmp_path / "fp8", tmp_path / "run")
+    said = "\n".join(result.notes)  # what `ptdp convert` prints as notes
+    assert "float8 weights were dequantized to float32 with their 8x8 block scales" in said
+    assert "1 multi-token-prediction layer(s) from model.layers.2 were not imported" in said
+    assert "model.moe_bias_update_rate = 0.001" in said
+    model = load_model(result.path).eval()
     bias = model.layers["1"].mlp.router.expert_bias
     assert torch.equal(bias, hf.model.layers[1].mlp.gate.e_score_correction_bias)
     tokens = _tokens(64, 16)

@@ -75,7 +75,7 @@ def test_moe_flops_are_those_of_the_active_parameters() -> None:
     assert flops_per_iteration(llama, 8) == flops_per_iteration(replace(llama, num_experts=0), 8)
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3-moe"])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3", "kimi-k2", "deepseek-v2-lite"])
 def test_moe_presets_cost_less_than_their_total(name: str) -> None:
     # The active count per token is far under what all the experts would cost.
     cfg = model_preset(name)

@@ -18,6 +18,7 @@ from ptdp.perf.cost.experts import (
     alltoall_link,
     alltoall_seconds,
     dedup_seconds,
+    node_hit,
     overlapped,
     reduction_groups,
 )
@@ -108,6 +109,29 @@ def test_deduplicated_dispatch_crosses_the_network_once_a_node() -> None:
     wire = max(3 * hit * token / inter, 8 * token * 31 / 32 / intra)
     assert got == pytest.approx(latency + 31 * H100.inter.step_latency + wire)
     assert dedup_seconds(H100, rows=1.0, tokens=1.0, experts=8, top_k=2, ep=8, stride=1) is None
+
+
+def test_group_limited_routing_bounds_the_nodes_a_token_reaches() -> None:
+    # DeepSeek-V3 on ep = 64 over 8 nodes: a node's 32 experts are one of its 8 groups, and
+    # a token's 8 experts come from its best 4 groups, so a node is hit when its group is
+    # among the 4: 1 - C(7, 4) / C(8, 4) = 1/2, against 1 - C(224, 8) / C(256, 8) at random.
+    assert node_hit(256, 8, 32, groups=8, group_top_k=4) == pytest.approx(0.5)
+    assert node_hit(256, 8, 32) == pytest.approx(1 - math.comb(224, 8) / math.comb(256, 8))
+    assert node_hit(256, 8, 32) > 0.65
+    # Two groups a node: hit when either is among the 4 of 8.
+    assert node_hit(256, 8, 64, groups=8, group_top_k=4) == pytest.approx(1 - 15 / 70)
+    # A group over two nodes of 16 experts: the group chosen (4/8), then 2 of its 32
+    # experts, either on this node: 1 - C(16, 2) / C(32, 2).
+    inside = 1 - math.comb(16, 2) / math.comb(32, 2)
+    assert node_hit(256, 8, 16, groups=8, group_top_k=4) == pytest.approx(0.5 * inside)
+    token = 4096 * 7168 * 2.0
+    kw = dict(rows=8 * token, tokens=token, experts=256, top_k=8, ep=64, stride=1)
+    latency, inter = H100.inter.collective("all_to_all")
+    _, intra = H100.intra.collective("all_to_all")
+    wire = max(7 * 0.5 * token / inter, 8 * token * 63 / 64 / intra)
+    want = latency + 63 * H100.inter.step_latency + wire
+    assert dedup_seconds(H100, groups=8, group_top_k=4, **kw) == pytest.approx(want)
+    assert dedup_seconds(H100, **kw) > want  # no groups: more nodes a token
 
 
 def test_the_overlap_hides_the_all_to_alls_behind_the_paired_pass() -> None:

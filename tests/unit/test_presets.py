@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.config.enums import Activation, RopeScaling
+from ptdp.config.enums import Activation, AttentionKind, RopeScaling
 from ptdp.config.presets import MODEL_PRESETS, model_preset
+from ptdp.config.sections import ModelConfig
 from ptdp.model.gpt import GPT, count_parameters
 from ptdp.parallel.comm import Group
 from ptdp.perf.cost.flops import flops_per_token, layer_forward_flops_per_token
@@ -40,22 +41,19 @@ ROUNDED = {
     "mixtral-8x7b": ("46.7", "12.9"),
     "qwen3-30b-a3b": ("30.5", "3.3"),
     "qwen3-235b-a22b": ("235", "22"),
-    "deepseek-v3-moe": ("671", "37"),
+    "deepseek-v3": ("671", "37"),
+    "kimi-k2": ("1.0T", "32"),
+    "deepseek-v2-lite": ("15.7", "2.4"),
 }
-"""Total and active parameters in billions as the model cards and papers give them."""
+"""Total and active parameters in billions (T: trillions) as the model cards and papers
+give them."""
 
 
-def _published_attention(name: str) -> int:
-    """Parameters the published attention holds beyond the preset's (the presets' doc):
-    DeepSeek-V3's Multi-head Latent Attention."""
+def _unpublished_active(name: str) -> int:
+    """Parameters a publisher's active count leaves out (the presets' doc): DeepSeek-V2-Lite's
+    2.4B does not count the embedding."""
     m = model_preset(name)
-    h, heads, groups = m.hidden_size, m.num_heads, m.query_groups
-    ours = 2 * h * h + 2 * h * groups * m.head_dim
-    if name == "deepseek-v3-moe":  # q_lora 1536, kv_lora 512, rope 64, nope 128, v 128
-        q = h * 1536 + 1536 + 1536 * heads * (128 + 64)
-        kv = h * (512 + 64) + 512 + 512 * heads * (128 + 128)
-        return m.num_layers * (q + kv + heads * 128 * h - ours)
-    return 0
+    return m.vocab_size * m.hidden_size if name == "deepseek-v2-lite" else 0
 
 
 def test_every_preset_has_its_published_size() -> None:
@@ -68,15 +66,14 @@ def test_every_preset_has_its_published_size() -> None:
 
 @pytest.mark.parametrize("name", ROUNDED)
 def test_moe_presets_have_their_published_total_and_active(name: str) -> None:
-    size, extra = model_size(model_preset(name)), _published_attention(name)
-    for ours, published in zip((size.total + extra, size.active + extra), ROUNDED[name]):
+    size = model_size(model_preset(name))
+    counts = (size.total, size.active - _unpublished_active(name))
+    for ours, published in zip(counts, ROUNDED[name]):
+        scale = 1e12 if published.endswith("T") else 1e9
+        published = published.removesuffix("T")
         unit = 10.0 ** -len(published.partition(".")[2])  # the last digit they print
-        assert abs(ours / 1e9 - float(published)) < unit, (name, ours, published)
+        assert abs(ours / scale - float(published)) < unit, (name, ours, published)
     assert sum(parameters_per_stage(model_preset(name))) == size.total
-    # What ptdp's attention lacks (doc of ptdp.config.presets): DeepSeek-V3's stand-in holds more
-    # than MLA; Qwen3's 128-wide heads and q/k norms are the presets' own.
-    expected = {"deepseek-v3-moe": -61 * (205_520_896 - 187_107_328)}
-    assert extra == expected.get(name, 0)
 
 
 def test_qwen3_presets_count_their_128_wide_heads_and_qk_norms() -> None:
@@ -119,6 +116,8 @@ def test_the_count_is_the_models_own(name: str) -> None:
         seq_length=16,
         sliding_window=min(model_preset(name).sliding_window, 8),
     )
+    if cfg.is_mla:
+        cfg = _small_latents(cfg, min(cfg.q_lora_rank, 16))
     if cfg.num_experts:  # a first dense layer where the family has them, then MoE layers
         first = min(cfg.moe_first_dense_layers, 1)
         cfg = replace(cfg, num_layers=3, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32)
@@ -131,17 +130,30 @@ def test_the_count_is_the_models_own(name: str) -> None:
     assert parameters_per_stage(cfg, tp=2, etp=1)[0] == count_parameters(folded, full=False)
 
 
+def _small_latents(cfg: ModelConfig, q_lora: int) -> ModelConfig:
+    """Multi-head latent attention of a tiny width (the presets' own mla with no groups)."""
+    return replace(
+        cfg, num_query_groups=0, q_lora_rank=q_lora, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla", "mla-no-q-lora"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_an_moe_count_is_the_models_own(bias: bool) -> None:
-    # Biases on the experts and the shared MLP, GeLU and SwiGLU, every other layer MoE.
+def test_an_moe_count_is_the_models_own(bias: bool, attention: str) -> None:
+    # Biases on the experts and the shared MLP (and MLA's down- and output projections),
+    # GeLU and SwiGLU, every other layer MoE; MLA with and without the queries' latent.
     act = "gelu" if bias else "swiglu"
     cfg = replace(
-        model_preset("deepseek-v3-moe"),
+        model_preset("deepseek-v3"), attention=AttentionKind.MHA,
         num_layers=4, hidden_size=64, num_heads=4, num_query_groups=2, ffn_hidden_size=96,
         vocab_size=100, make_vocab_size_divisible_by=1, seq_length=16, bias=bias,
         num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32, moe_shared_ffn_hidden_size=48,
         moe_first_dense_layers=1, moe_layer_freq=2, activation=Activation(act),
     )  # fmt: skip
+    if attention != "mha":
+        mla = replace(cfg, attention=AttentionKind.MLA)
+        cfg = _small_latents(mla, 0 if attention == "mla-no-q-lora" else 16)
     assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
     assert sum(parameters_per_stage(cfg)) == count_parameters(GPT(cfg))
     assert model_size(cfg).total == count_parameters(GPT(cfg))

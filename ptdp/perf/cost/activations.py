@@ -79,6 +79,8 @@ def paper_terms(
     norm_input_bytes: float | None = None,
     attention_width: int | None = None,
     kv_width: int | None = None,
+    value_width: int | None = None,
+    latent_width: int = 0,
 ) -> list[Term]:
     """Korthikanti et al.'s per-layer components (Section 4.1-4.2), one Term each.
 
@@ -93,6 +95,10 @@ def paper_terms(
     `attention_width` (default h): the heads' a d, the width of Q, K, V and the projection
     input where model.head_size sets the heads apart from h; `kv_width` (default the same):
     K's and V's, grouped-query attention's groups x d where its kernel keeps them ungrouped.
+    `value_width` (default: V as K, the projection input as Q): V's and the projection
+    input's, multi-head latent attention's a dv; `latent_width`: its latents' features per
+    token (the down-projections' and their norms' outputs), kept as the replicated tensors
+    are. The latent terms are ptdp's estimate, not measured.
     """
     s, b, h, a, t, e = seq, micro_batch, hidden, heads, tp, bytes_per_element
     norm = e if norm_input_bytes is None else norm_input_bytes
@@ -101,18 +107,23 @@ def paper_terms(
     n, scores, inner = s * b * h, a * s * s * b, s * b * f
     heads_n = n if attention_width is None else s * b * attention_width
     kv_n = heads_n if kv_width is None else s * b * kv_width
+    v_n = kv_n if value_width is None else s * b * value_width
+    out_n = heads_n if value_width is None else v_n
     mode = _mode(recompute)
     if mode is Recompute.FULL:
         return [Term("input", "layer input", n / rep, e)]
     terms = [
         Term("norm_inputs", "LayerNorm 1 and 2 inputs", 2 * n / rep, norm),
         Term("qkv_input", "QKV linear input", n / rep, e),
-        Term("qkv", "Q, K (QK^T inputs) and V", (heads_n + 2 * kv_n) / t, e),
-        Term("proj_input", "attention output projection input", heads_n / t, e),
+        Term("qkv", "Q, K (QK^T inputs) and V", (heads_n + kv_n + v_n) / t, e),
+        Term("proj_input", "attention output projection input", out_n / t, e),
         Term("fc1_input", "fc1 input", n / rep, e),
         Term("gelu_input", "GeLU input (fc1 output)", inner / t, e),
         Term("fc2_input", "fc2 input (GeLU output)", inner / t, e),
     ]
+    if latent_width:
+        latents = s * b * latent_width / rep
+        terms.append(Term("latents", "MLA's latents and their norms' outputs", latents, e))
     if dropout:
         terms += [
             Term("attn_mask", "attention residual dropout mask", n / rep, 1),
@@ -143,6 +154,8 @@ def activation_bytes_per_layer(
     norm_input_bytes: float | None = None,
     attention_width: int | None = None,
     kv_width: int | None = None,
+    value_width: int | None = None,
+    latent_width: int = 0,
 ) -> float:
     """Bytes one layer keeps for backward, after Korthikanti et al. 2022 (arXiv 2205.05198).
 
@@ -150,8 +163,9 @@ def activation_bytes_per_layer(
     s b h (34 + 5 a s / h) for t = 1 and no recomputation; `bytes_per_element` = 4 gives
     fp32 activations (masks stay 1 byte), `dropout=False` drops the masks and the dropout
     output, `ffn_hidden` sets the MLP width and `attention_width` the heads' a d (default
-    h). `recompute` is "none", "selective" (drop the attention core's s x s tensors) or
-    "full" (keep only the layer input).
+    h; `value_width` and `latent_width`: `paper_terms`). `recompute` is "none",
+    "selective" (drop the attention core's s x s tensors) or "full" (keep only the layer
+    input).
     """
     terms = paper_terms(
         seq=seq,
@@ -167,6 +181,8 @@ def activation_bytes_per_layer(
         norm_input_bytes=norm_input_bytes,
         attention_width=attention_width,
         kv_width=kv_width,
+        value_width=value_width,
+        latent_width=latent_width,
     )
     return sum(term.bytes for term in terms)
 

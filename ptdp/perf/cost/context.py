@@ -56,9 +56,11 @@ def local_model(model: ModelConfig, cp: int) -> ModelConfig:
 
 
 def kv_block_bytes(model: ModelConfig, *, micro_batch: int, tp: int, cp: int, e: int) -> float:
-    """kv: keys and values of one rank's s/cp tokens on its g/t key/value heads (module doc)."""
+    """kv: keys and values of one rank's s/cp tokens on its g/t key/value heads (module doc);
+    under mla every head's key (p + r) and value (dv): the ring exchanges them, not latents."""
     tokens = micro_batch * model.seq_length // cp
-    return 2.0 * tokens * model.query_groups * model.head_dim * e / tp
+    width = model.qk_head_dim + model.value_head_dim
+    return 1.0 * tokens * model.query_groups * width * e / tp
 
 
 def ring_bytes(kv: float, cp: int) -> tuple[float, float]:

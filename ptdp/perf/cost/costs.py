@@ -64,13 +64,14 @@ from dataclasses import dataclass
 
 from ptdp.config.enums import Activation, Precision, Recompute
 from ptdp.config.sections import ModelConfig
+from ptdp.config.shapes import Split, attention_linears
 from ptdp.perf.cost.collectives import all_reduce_seconds, gather_seconds, group_link
 from ptdp.perf.cost.folding import Experts
 from ptdp.perf.cost.hardware import System
 from ptdp.perf.cost.kernels import Call, layer_traffic
 from ptdp.perf.cost.layer_bytes import head_activation_bytes, layer_activation_bytes
 from ptdp.perf.cost.moe import dense_equivalent, permute_bytes, routed_rows
-from ptdp.perf.cost.parameters import attention_width, element_bytes
+from ptdp.perf.cost.parameters import element_bytes
 from ptdp.perf.cost.software import Software
 
 
@@ -209,17 +210,24 @@ def layer_gemms(
     load: float = 1.0,
     ep: int = 1,
     etp: int | None = None,
+    sequence_parallel: bool = False,
 ) -> list[Gemm]:
-    """The four linear layers of a transformer layer on one tensor rank (forward); `moe`:
+    """The linear layers of a transformer layer on one tensor rank (forward): the
+    attention's (`ptdp.config.shapes`: QKV and projection, or MLA's five, whose replicated
+    down-projections run on the rank's sequence slice under `sequence_parallel` and on every
+    token elsewhere) and the MLP's two; `moe`:
     with a mixture-of-experts block for the MLP, its router on the rank's own tokens,
     the GEMMs of the rank's e / ep routed experts at the busiest expert's rows (`load`: over
     the mean; the rows of ep ranks' routed tokens, `folding.Experts.routed_tokens`), each
     expert 1/etp of its width (None: etp = t), and the shared experts' MLP."""
-    h, f, t, q = model.hidden_size, model.ffn_size, tp, attention_width(model)
+    h, f, t = model.hidden_size, model.ffn_size, tp
     tokens = micro_batch * model.seq_length
-    qkv = q + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
-    attention = [Gemm(tokens, qkv // t, h), Gemm(tokens, h, q // t)]
+    sliced = math.ceil(tokens / t) if sequence_parallel else tokens
+    attention = [
+        Gemm(sliced if x.split is Split.NONE else tokens, x.local_outputs(t), x.local_inputs(t))
+        for x in attention_linears(model)
+    ]
     if not moe:
         return [*attention, Gemm(tokens, f * parts // t, h), Gemm(tokens, h, f // t)]
     split = Experts.of(tp, 1, ep, etp)
@@ -240,9 +248,9 @@ def attention_core(model: ModelConfig, micro_batch: int, tp: int, c: Compute) ->
     A sliding window shorter than the sequence needs an explicit mask, with which the
     fused kernels compute every s x s block (none is skipped as causal ones are).
     """
-    s, d = model.seq_length, model.head_dim
+    s, d, dv = model.seq_length, model.qk_head_dim, model.value_head_dim
     heads = micro_batch * model.num_heads // tp
-    scores, values = Gemm(s, s, d, heads), Gemm(s, d, s, heads)
+    scores, values = Gemm(s, s, d, heads), Gemm(s, dv, s, heads)
     if c.software.fused_attention:
         masked = 0 < model.sliding_window < s
         flops = (scores.flops + values.flops) * (1.0 if masked else c.software.causal_fraction)
@@ -296,7 +304,7 @@ def layer_seconds(
     their all-to-alls: `ptdp.perf.cost.experts`), with the etp group's gather and
     reduce-scatter, and the dispatch's permutation (`moe.permute_bytes`)."""
     load = c.software.moe_load_imbalance
-    gemms = layer_gemms(model, micro_batch, tp, moe, load, ep, etp)
+    gemms = layer_gemms(model, micro_batch, tp, moe, load, ep, etp, sequence_parallel)
     linears = c.linears(gemms)
     core = attention_core(model, micro_batch, tp, c)
     kw = dict(micro_batch=micro_batch, tp=tp, sequence_parallel=sequence_parallel, moe=moe)

@@ -22,6 +22,11 @@ once per other node holding any of its experts (of the N nodes' e / N experts ea
 is hit with probability 1 - C(e - e/N, k) / C(e, k)) and fans it out over NVLink there:
 the slower of the network's bytes and NVLink's (every row bound to another GPU crosses
 NVLink once, from its sender or from the node's receiving GPU), `dedup_seconds`.
+Group-limited routing (model.moe_router_groups, DeepSeek-V3's node-limited routing) takes a
+token's experts from its best G = moe_router_group_top_k groups only; where a node holds
+whole groups (DeepSeek-V3 on 8 nodes: one group of 32 experts each) a node is hit when one
+of its groups is chosen, 1 - C(groups - its groups, G) / C(groups, G), which bounds the
+nodes a token crosses to by G (`node_hit`).
 
 Letters: t = tokens of a microbatch on a rank (s b / cp), k = experts per token, h =
 hidden, e = bytes per element.
@@ -71,18 +76,45 @@ def _members_per_node(system: System, size: int, stride: int) -> int:
     )
 
 
+def node_hit(experts: int, top_k: int, held: int, groups: int = 0, group_top_k: int = 0) -> float:
+    """The probability that a token sends one of its top_k choices to a given node holding
+    `held` of the `experts`, routed at random among them, or among its best `group_top_k`
+    of `groups` groups (module doc); where a group spans several nodes, each chosen group
+    takes top_k / group_top_k of the token's experts."""
+    uniform = 1.0 - math.comb(experts - held, top_k) / math.comb(experts, top_k)
+    if not groups or not group_top_k:
+        return uniform
+    size = experts // groups
+    if held % size == 0:  # the node holds whole groups
+        return 1.0 - math.comb(groups - held // size, group_top_k) / math.comb(groups, group_top_k)
+    if size % held == 0:  # a group over size / held nodes
+        picks = max(1, round(top_k / group_top_k))
+        inside = 1.0 - math.comb(size - held, picks) / math.comb(size, picks)
+        return group_top_k / groups * inside
+    return uniform
+
+
 def dedup_seconds(
-    system: System, *, rows: float, tokens: float, experts: int, top_k: int, ep: int, stride: int
+    system: System,
+    *,
+    rows: float,
+    tokens: float,
+    experts: int,
+    top_k: int,
+    ep: int,
+    stride: int,
+    groups: int = 0,
+    group_top_k: int = 0,
 ) -> float | None:
     """One deduplicating all-to-all (module doc) of `rows` bytes of token-choice rows from
-    `tokens` bytes of tokens, over ep GPUs `stride` apart; None inside one node (a plain
-    all-to-all there)."""
+    `tokens` bytes of tokens, over ep GPUs `stride` apart, routed among `group_top_k` of
+    `groups` groups where those are set; None inside one node (a plain all-to-all there)."""
     local = _members_per_node(system, ep, stride)
     if local == ep:
         return None
     nodes = ep // local
     held = experts * local // ep  # a node's experts
-    hit = 1.0 - math.comb(experts - held, top_k) / math.comb(experts, top_k)
+    hit = node_hit(experts, top_k, held, groups, group_top_k)
     latency, inter = system.inter.collective("all_to_all")
     _, intra = system.intra.collective("all_to_all")
     wire = max(tokens * (nodes - 1) * hit / inter, rows * (ep - 1) / ep / intra)
@@ -111,6 +143,8 @@ def alltoall_seconds(
             top_k=model.moe_top_k,
             ep=ep,
             stride=split.ep_stride,
+            groups=model.moe_router_groups,
+            group_top_k=model.moe_router_group_top_k,
         )
         if seconds is not None:
             return seconds

@@ -14,7 +14,10 @@ widths and grouped-query attention.
 
 The attention's GEMMs and score/value products take the queries' width a d (heads times
 head size), which model.head_size may set apart from h (Qwen3: 32 heads of 128 in a
-2048-wide model); for the paper's GPTs a d = h.
+2048-wide model); for the paper's GPTs a d = h. Multi-head latent attention
+(model.attention = mla) has its five linears (`ptdp.config.shapes`), queries and keys
+a (p + r) wide against values a dv wide; training computes the attention over whole heads,
+not over the latents.
 
 A mixture-of-experts layer (`ModelConfig.is_moe_layer`) counts, for its MLP, what a token
 goes through: the router's logits (2 h e), its k routed experts of width moe_ffn and the
@@ -33,7 +36,8 @@ import re
 
 from ptdp.config.enums import Activation, Recompute
 from ptdp.config.sections import ModelConfig
-from ptdp.perf.cost.parameters import attention_width
+from ptdp.config.shapes import attention_linears
+from ptdp.perf.cost.parameters import attention_width, value_width
 
 
 def mlp_forward_flops_per_token(cfg: ModelConfig, moe: bool = False) -> float:
@@ -51,14 +55,12 @@ def layer_forward_flops_per_token(
 ) -> tuple[float, float]:
     """(GEMM FLOPs, attention-core FLOPs) of one layer's forward, per token: of layer
     `layer` (global index), a mixture of experts where the config says; None = dense."""
-    h, s, q = cfg.hidden_size, cfg.seq_length, attention_width(cfg)
-    kv = cfg.query_groups * cfg.head_dim
-    qkv = 2 * h * (q + 2 * kv)
-    proj = 2 * q * h
+    s, q, v = cfg.seq_length, attention_width(cfg), value_width(cfg)
+    attention = 2 * sum(x.weights for x in attention_linears(cfg))
     mlp = mlp_forward_flops_per_token(cfg, layer is not None and cfg.is_moe_layer(layer))
     span = min(s, cfg.sliding_window) if cfg.sliding_window else s  # keys a query may read
-    core = 4 * span * q  # scores QK^T and the weighted sum over V, 2 span a d each
-    return qkv + proj + mlp, core
+    core = 2 * span * (q + v)  # scores QK^T (2 span a d) and the weighted sum over V
+    return attention + mlp, core
 
 
 def flops_per_token(cfg: ModelConfig, recompute: Recompute = Recompute.NONE) -> float:

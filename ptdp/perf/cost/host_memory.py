@@ -38,10 +38,10 @@ from enum import Enum
 
 from ptdp.config.enums import Activation, PositionEmbedding
 from ptdp.config.sections import ModelConfig, RunConfig
+from ptdp.config.shapes import Split, attention_linears
 from ptdp.perf.cost.folding import Experts
 from ptdp.perf.cost.hardware import GIB, System
 from ptdp.perf.cost.parameters import (
-    attention_width,
     expert_parameters_per_rank,
     parameters_per_rank,
 )
@@ -134,9 +134,9 @@ def largest_tensor(model: ModelConfig) -> int:
     the MLP's fc1 (SwiGLU's gate and up together), the shared experts' and all routed
     experts' fc1 of a layer in one (as ptdp builds them, and as `transformers` 5 stores
     them: gate_up_proj [e, 2f, h]). Checkpoints that keep them apart read less."""
-    h, q = model.hidden_size, attention_width(model)
+    h = model.hidden_size
     parts = 2 if model.activation is Activation.SWIGLU else 1
-    sizes = [model.vocab_size * h, h * (q + 2 * model.query_groups * model.head_dim)]
+    sizes = [model.vocab_size * h, *(x.weights for x in attention_linears(model))]
     sizes.append(parts * model.ffn_size * h)
     if model.position_embedding is PositionEmbedding.LEARNED:
         sizes.append(model.seq_length * h)
@@ -151,10 +151,10 @@ def largest_local_tensor(model: ModelConfig, tp: int, ep: int = 1, etp: int | No
     """Elements of a rank's largest tensor after the splits: `largest_tensor`'s over t (the
     vocabulary padded), the routed experts' e / ep over etp (a bound for every pipeline
     rank: each has its layers' and maybe the embedding's)."""
-    h, q = model.hidden_size, attention_width(model)
+    h = model.hidden_size
     parts = 2 if model.activation is Activation.SWIGLU else 1
     sizes = [model.padded_vocab_size(tp) // tp * h]
-    sizes.append(h * (q + 2 * model.query_groups * model.head_dim) // tp)
+    sizes += [x.weights // (1 if x.split is Split.NONE else tp) for x in attention_linears(model)]
     sizes.append(parts * model.ffn_size * h // tp)
     if model.num_experts:
         width = tp if etp is None else etp

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from ptdp.config.enums import Activation, Normalization
 from ptdp.config.sections import ModelConfig
 from ptdp.perf.cost.hardware import Device
+from ptdp.perf.cost.parameters import attention_width, value_width
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,10 @@ def layer_calls(
     local = n // tp if sequence_parallel else n  # tokens of the norms, adds and dropouts
     h, t = model.hidden_size, tp
     x = local * h * e  # one [n', h] tensor
-    q = model.num_heads * model.head_dim  # the queries' width (`attention_width`)
+    q = attention_width(model)
     kv = model.query_groups * model.head_dim
     heads = n * q // t * e  # q, or the attention output
-    qkv = n * (q + 2 * kv) // t * e
+    qkv = n * (2 * q + value_width(model) if model.is_mla else q + 2 * kv) // t * e
     f = n * model.ffn_size // t * e
     norm = "rms_norm" if model.normalization is Normalization.RMSNORM else "layer_norm"
     forward = [Call(norm, 2 * x, 2), Call("add", 3 * x, 2), Call("add", 2 * heads, 2)]
@@ -94,6 +95,10 @@ def layer_calls(
         keys = n * kv // t * e
         forward += [Call(norm, 2 * heads), Call(norm, 2 * keys)]
         backward += [Call(f"{norm}_backward", 3 * heads), Call(f"{norm}_backward", 3 * keys)]
+    if model.is_mla:  # the latents' two RMSNorms, on the rank's tokens
+        latents = local * (model.q_lora_rank + model.kv_lora_rank) * e
+        forward.append(Call("rms_norm", 2 * latents))
+        backward.append(Call("rms_norm_backward", 3 * latents))
     if model.activation is Activation.SWIGLU:
         forward += [Call("silu", 2 * f), Call("add", 3 * f)]
         backward += [Call("silu_backward", 3 * f), Call("add", 3 * f, 2)]

@@ -15,7 +15,7 @@ from ptdp.config.enums import Activation, Precision, Recompute
 from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.perf.cost.activations import activation_bytes_per_layer
 from ptdp.perf.cost.moe import expert_bytes
-from ptdp.perf.cost.parameters import attention_width, element_bytes
+from ptdp.perf.cost.parameters import attention_width, element_bytes, value_width
 
 
 def layer_activation_bytes(
@@ -87,7 +87,18 @@ def layer_activation_bytes(
         norm_input_bytes=_norm_input_bytes(precision, autocast_norms),
         attention_width=attention_width(model),
         kv_width=kv,
+        value_width=value_width(model) if model.is_mla else None,
+        latent_width=_latent_activations(model),
     )
+
+
+def _latent_activations(model: ModelConfig) -> int:
+    """Features per token MLA keeps of its latents: the queries' latent and its norm's
+    output (2 q_lora), the keys' and values' latent with the rotary key (c + r) and the
+    latent's norm output (c); 0 for multi-head attention."""
+    if not model.is_mla:
+        return 0
+    return 2 * model.q_lora_rank + 2 * model.kv_lora_rank + model.qk_rope_head_dim
 
 
 def fp32_norm_inputs(cfg: RunConfig) -> bool:
@@ -148,14 +159,14 @@ def layer_backward_bytes(
     inner tensors are freed (measured on CPU ranks, BENCHMARKS.md). `weight_gradient` False:
     the GEMM accumulates into the gradient buffer itself (Megatron-Core), no [h, f/t] tensor."""
     h, t, e, q = model.hidden_size, tp, element_bytes(precision), attention_width(model)
-    n = model.seq_length * micro_batch
-    qkv = q + 2 * model.query_groups * model.head_dim
+    n, v = model.seq_length * micro_batch, value_width(model)
+    kv = q + v if model.is_mla else 2 * model.query_groups * model.head_dim  # dK and dV
     parts = 2 if model.activation is Activation.SWIGLU else 1
     if eager:
         wgrad = h * model.ffn_size // t if weight_gradient else 0
         return e * (n * (h + parts * model.ffn_size // t) + wgrad)
     mlp = model.ffn_size * (1 + parts) // t
-    attention = (qkv + q) // t
+    attention = (q + kv + v) // t  # dQ, dK, dV and dO
     return e * n * (2 * h + max(mlp, attention))
 
 

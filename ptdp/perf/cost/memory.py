@@ -109,9 +109,10 @@ from ptdp.perf.cost.parameters import (
     bytes_per_parameter,
     element_bytes,
     expert_parameters_per_rank,
+    linear_weights,
     parameters_per_rank,
 )
-from ptdp.perf.cost.stash import linear_weights, split_peak, stage_stash_bytes
+from ptdp.perf.cost.stash import split_peak, stage_stash_bytes
 from ptdp.perf.cost.switch_bytes import graph_input_bytes, math_attention, math_copies_bytes
 from ptdp.perf.cost.zero_bytes import gathered_bytes, grad_bucket_bytes
 from ptdp.pipeline.actions import RELEASE_KINDS, Kind

@@ -27,6 +27,12 @@ from dataclasses import dataclass
 
 from ptdp.config.enums import Activation, Normalization, PositionEmbedding, Precision
 from ptdp.config.sections import ModelConfig
+from ptdp.config.shapes import (
+    attention_linears,
+    attention_replicated_weights,
+    attention_split_weights,
+    latent_widths,
+)
 from ptdp.perf.cost.moe import moe_layers_per_stage
 from ptdp.pipeline.placement import Placement, StageMap
 
@@ -57,10 +63,15 @@ def element_bytes(precision: Precision) -> int:
 
 
 def attention_width(model: ModelConfig) -> int:
-    """Width of the queries and of the output projection's input, a d: the hidden size
-    unless model.head_size sets the heads apart (Qwen3: 32 heads of 128 in a 2048-wide
-    model), so the attention's weights and FLOPs scale with it, not with h."""
-    return model.num_heads * model.head_dim
+    """Width of the queries (and keys), a d: the hidden size unless model.head_size sets the
+    heads apart (Qwen3: 32 heads of 128 in a 2048-wide model), so the attention's weights
+    and FLOPs scale with it, not with h; a (p + r) under mla."""
+    return model.num_heads * model.qk_head_dim
+
+
+def value_width(model: ModelConfig) -> int:
+    """Width of the values and of the output projection's input: a d, or a dv under mla."""
+    return model.num_heads * model.value_head_dim
 
 
 def _norm_parameters(model: ModelConfig, size: int) -> int:
@@ -78,7 +89,9 @@ def layer_parameters(
     Column-parallel weights and biases (QKV, fc1) and row-parallel weights (projection,
     fc2) are split over t; row-parallel biases and the norms are replicated. With
     model.qkv_bias alone (Qwen2) only QKV has a bias. The queries are a d wide
-    (`attention_width`); model.qk_norm adds two norms over d (replicated).
+    (`attention_width`); model.qk_norm adds two norms over d (replicated). Under mla
+    (`ptdp.config.shapes`) the down-projections, their biases (model.bias) and the latents'
+    two RMSNorms are replicated and the up-projections column-parallel.
     """
     if layer is not None and model.is_moe_layer(layer):
         dense = layer_parameters(model, tp)
@@ -89,6 +102,11 @@ def layer_parameters(
     qkv = q + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
     weights = linear_weights(model, tp)
+    if model.is_mla:
+        latents = latent_widths(model)
+        biases = latents + 2 * h + f * parts // t if model.bias else 0
+        norms = latents - model.qk_rope_head_dim  # nn.RMSNorm gains over q_lora and c
+        return weights + biases + norms + 2 * _norm_parameters(model, h)
     if model.bias:
         biases = (qkv + f * parts) // t + 2 * h
     else:
@@ -98,12 +116,12 @@ def layer_parameters(
 
 
 def linear_weights(model: ModelConfig, tp: int = 1) -> int:
-    """Weights of one dense layer's linear layers (QKV, projection, fc1, fc2) on one tensor
+    """Weights of one dense layer's linear layers (the attention's, fc1, fc2) on one tensor
     rank: the operands of its GEMMs, float8 under precision = fp8."""
-    h, f, q = model.hidden_size, model.ffn_size, attention_width(model)
-    qkv = q + 2 * model.query_groups * model.head_dim
+    h, f = model.hidden_size, model.ffn_size
     parts = 2 if model.activation is Activation.SWIGLU else 1
-    return (h * qkv + q * h + h * f * parts + f * h) // tp
+    split = attention_split_weights(model) + h * f * parts + f * h
+    return split // tp + attention_replicated_weights(model)
 
 
 def mlp_parameters(model: ModelConfig, width: int, tp: int = 1) -> int:
@@ -210,10 +228,17 @@ def layer_tensors(model: ModelConfig, layer: int | None = None) -> int:
     """Parameter tensors of one transformer layer: the fused QKV, projection, fc1 (SwiGLU's
     gate and up in one) and fc2 weights, their biases, and two norms. A mixture-of-experts
     layer (`layer`, a global index) adds its router and the shared experts' MLP (its routed
-    experts' fc1 and fc2 are one grouped tensor each, as the dense MLP's are)."""
-    biases = 4 if model.bias else 1 if model.qkv_bias else 0
+    experts' fc1 and fc2 are one grouped tensor each, as the dense MLP's are). Under mla
+    the attention has five linears (four at q_lora_rank = 0), biases on the down- and output
+    projections, and a norm per latent."""
     norm = 2 if model.normalization is Normalization.LAYERNORM and model.bias else 1
-    count = 4 + biases + (4 if model.qk_norm else 2) * norm  # q/k norms: two more
+    if model.is_mla:
+        linears = len(attention_linears(model))
+        biases = linears if model.bias else 0  # the down and output projections', fc1, fc2
+        count = linears + 2 + biases + (linears - 3) + 2 * norm
+    else:
+        biases = 4 if model.bias else 1 if model.qkv_bias else 0
+        count = 4 + biases + (4 if model.qk_norm else 2) * norm  # q/k norms: two more
     if layer is not None and model.is_moe_layer(layer):
         count += 1 + (2 + (2 if model.bias else 0) if model.moe_shared_experts else 0)
     return count

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from ptdp.config.enums import Activation, Normalization, PositionEmbedding, Precision, Recompute
 from ptdp.config.sections import ModelConfig, RunConfig
+from ptdp.config.shapes import Split, attention_linears
 from ptdp.perf.cost.moe import dense_equivalent
 from ptdp.perf.cost.parameters import (
-    attention_width,
     element_bytes,
     layer_parameters,
+    linear_weights,
     parameters_per_stage,
 )
 from ptdp.pipeline.actions import Kind
@@ -42,26 +43,20 @@ def stash_bytes_per_layer(
     all-gathered, under sequence parallelism), projection [n, h/t], fc2 [n, f/t]; B frees
     the rest of the layer's activations, so these are all it keeps of them (measured on CPU
     ranks, BENCHMARKS.md). Plus the gradients of the layer's biases and norms, in the
-    weights' dtype.
+    weights' dtype. MLA's linears (`ptdp.config.shapes`) keep theirs alike, the replicated
+    down-projections on the rank's sequence slice under sequence parallelism.
     """
-    h, t, e, q = model.hidden_size, tp, element_bytes(precision), attention_width(model)
+    h, t, e = model.hidden_size, tp, element_bytes(precision)
     n = model.seq_length * micro_batch
-    qkv = q + 2 * model.query_groups * model.head_dim
     parts = 2 if model.activation is Activation.SWIGLU else 1
     f = model.ffn_size
-    dy = n * (qkv // t + f * parts // t + 2 * h)
-    x = n * (2 * h + q // t + f // t)  # B frees the layer's other stored tensors
+    dy = n * (f * parts // t + h)
+    x = n * (h + f // t)  # B frees the layer's other stored tensors
+    for linear in attention_linears(model):
+        rows = n // t if sequence_parallel and linear.split is Split.NONE else n
+        dy += rows * linear.local_outputs(t)
+        x += rows * linear.local_inputs(t)
     return e * (dy + x + layer_parameters(model, tp) - linear_weights(model, tp))
-
-
-def linear_weights(model: ModelConfig, tp: int) -> int:
-    """Elements of one layer's four linear weights on a tensor rank: W computes their
-    gradients for a whole (stage, microbatch) before accumulating them (`parallel/wgrad.py`)."""
-    h, q = model.hidden_size, attention_width(model)
-    qkv = q + 2 * model.query_groups * model.head_dim
-    parts = 2 if model.activation is Activation.SWIGLU else 1
-    f = model.ffn_size
-    return (h * qkv + q * h + h * f * parts + f * h) // tp
 
 
 def stage_stash_bytes(cfg: RunConfig, tp: int, pp: int, vpp: int, stage: int) -> float:
