@@ -24,7 +24,7 @@ published and 4096 tokens, the context each was pretrained at before its extensi
   of width 2048, 8 per token from 4 of 8 groups, one shared, 3 dense layers of width
   18432; sigmoid scores renormalised and scaled by 2.5, the auxiliary-loss-free balancing's
   bias update at the paper's 0.001. 671.0B total and 37.6B active (published: 671B, 37B),
-  without the 14B of its multi-token-prediction module, which ptdp does not build.
+  without the 14B of its multi-token-prediction module (below).
 - kimi-k2 (Kimi K2 technical report, arXiv 2507.20534): DeepSeek-V3's shape with 64 heads,
   384 experts, one dense layer, no groups, scaling 2.827, rope_theta 50000, yarn 32x;
   1026.4B total and 32.9B active (the model card: 1T and 32B; some accounts give 1.04T,
@@ -35,8 +35,9 @@ published and 4096 tokens, the context each was pretrained at before its extensi
   layer of width 10944, softmax scores, the auxiliary loss at 0.001. 15.7B total and 2.7B
   active (published: 15.7B, and 2.4B, which leaves out the embedding's 0.2B).
 
-Their multi-token-prediction modules, DeepSeek-V3's sequence-wise balancing loss and the
-device-limited routing of DeepSeek-V2 are not built.
+Their multi-token-prediction modules are left out (model.mtp_depth = 0, as the published
+counts are); --model.mtp_depth 1 adds DeepSeek-V3's (682.6B). DeepSeek-V3's sequence-wise
+balancing loss and the device-limited routing of DeepSeek-V2 are not built.
 """
 
 from __future__ import annotations

@@ -187,6 +187,15 @@ class ModelConfig:
     ceil(factor * tokens * top_k / num_experts) token-choices per microbatch and layer,
     keeping the highest-weighted (ties: the earlier token) and dropping the rest, which then
     pass through the residual alone."""
+    mtp_depth: int = 0
+    """Multi-token prediction (DeepSeek-V3: 1; `ptdp.model.mtp`): modules after the last
+    layer, module k predicting the token k + 1 positions ahead from module k - 1's hidden
+    state and the embedding of the token k positions ahead, each with one transformer
+    layer (dense or MoE as the last layer) and the shared output layer; 0 = off. Training
+    only: evaluation and generation ignore them."""
+    mtp_loss_weight: float = 0.1
+    """The step's loss adds this times the mean of the depths' losses (DeepSeek-V3: 0.3 for
+    its first 10T tokens, then 0.1)."""
 
     @property
     def head_dim(self) -> int:

@@ -50,7 +50,7 @@ from ptdp.config.files import to_dict, to_toml
 from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.convert import hf_deepseek as deepseek
 from ptdp.convert.hf_check import check_config_numbers, check_hf_shapes
-from ptdp.convert.hf_config import family, hf_config, model_config_from_hf
+from ptdp.convert.hf_config import family, hf_config
 from ptdp.convert.hf_files import (
     INDEX_FILE,
     HfWeights,
@@ -174,18 +174,52 @@ def hf_parts(cfg: ModelConfig) -> list[HfPart]:
             out["lm_head.weight"] = model["output.weight"]
         return out
 
+    def mtp(k: int) -> Callable[[Tensors], Tensors]:
+        return lambda model: _mtp_to_hf(cfg, kind, k, model)
+
     layers = [HfPart((f"layers.{i}.",), layer(i)) for i in range(cfg.num_layers)]
+    # DeepSeek's multi-token-prediction layers follow the model's, each with copies of the
+    # embedding and output layer.
+    depths = [HfPart((f"mtp.{k}.", "embedding.", "output."), mtp(k)) for k in _depths(cfg)]
     return [
         HfPart(("embedding.", "position."), head),
         *layers,
         HfPart(("final_norm.", "output."), tail),
+        *depths,
     ]
 
 
-def _layer_to_hf(cfg: ModelConfig, kind: str, i: int, model: Tensors) -> Tensors:
+def _depths(cfg: ModelConfig) -> range:
+    return range(1, cfg.mtp_depth + 1)
+
+
+MTP_PARTS = (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"))
+"""ptdp's and DeepSeek's names of an MTP module's own weights (besides its layer)."""
+
+
+def _mtp_to_hf(cfg: ModelConfig, kind: str, k: int, model: Tensors) -> Tensors:
+    """Depth k's module as DeepSeek's layer num_layers + k - 1 (`ptdp.model.mtp`)."""
+    i = cfg.num_layers + k - 1
+    out = _layer_to_hf(cfg, kind, cfg.num_layers - 1, model, f"mtp.{k}.layer.", i)
+    dst = f"model.layers.{i}."
+    for ours, theirs in MTP_PARTS:
+        out[dst + theirs + ".weight"] = model[f"mtp.{k}.{ours}.weight"]
+    out[dst + "shared_head.norm.weight"] = model[f"mtp.{k}.norm.weight"]
+    # Copies, as DeepSeek's checkpoints hold them (a file may not hold one tensor twice).
+    out[dst + "embed_tokens.weight"] = model["embedding.weight"].clone()
+    out[dst + "shared_head.head.weight"] = model["output.weight"].clone()
+    return out
+
+
+def _layer_to_hf(
+    cfg: ModelConfig, kind: str, i: int, model: Tensors, src: str = "", at: int | None = None
+) -> Tensors:
+    """Layer i (`src`: its ptdp prefix, default layers.i.) as `transformers`' layer `at`
+    (default i); multi-token prediction's are the last layer's kind, at their own index."""
     gpt2 = kind == "gpt2"
-    src = f"layers.{i}."
-    dst = f"transformer.h.{i}." if gpt2 else f"model.layers.{i}."
+    src = src or f"layers.{i}."
+    at = i if at is None else at
+    dst = f"transformer.h.{at}." if gpt2 else f"model.layers.{at}."
     out: Tensors = {}
     if gpt2:
         _gpt2_layer_to_hf(cfg, model, src, dst, out)
@@ -277,7 +311,7 @@ def hf_sources(
     regions (ptdp/checkpoint/lazy.py). `config`: the model's config.json, which says
     whether the weights are float8 (DeepSeek-V3's, `ptdp.convert.hf_deepseek`)."""
     if config is not None:
-        tensors = deepseek.loadable(tensors, config)
+        tensors = deepseek.loadable(tensors, config, cfg.mtp_depth)
     gpt2 = cfg.position_embedding is PositionEmbedding.LEARNED
     take = _Taker(tensors, "transformer." if gpt2 else "")
     model: dict[str, Lazy] = {}
@@ -307,6 +341,19 @@ def hf_sources(
         model["final_norm" + sfx] = take(("ln_f" if gpt2 else "model.norm") + sfx)
     if not cfg.tie_embeddings:
         model["output.weight"] = take("lm_head.weight")
+    for k in _depths(cfg):  # DeepSeek's layer num_layers + k - 1 (`_mtp_to_hf`)
+        src, dst = f"model.layers.{cfg.num_layers + k - 1}.", f"mtp.{k}."
+        _rotary_layer_from_hf(cfg, cfg.num_layers - 1, take, src, dst + "layer.", model)
+        for ours, theirs in zip(
+            ("norm1", "norm2"), ("input_layernorm", "post_attention_layernorm")
+        ):
+            model[f"{dst}layer.{ours}.weight"] = take(f"{src}{theirs}.weight")
+        for ours, theirs in MTP_PARTS:
+            model[f"{dst}{ours}.weight"] = take(f"{src}{theirs}.weight")
+        model[f"{dst}norm.weight"] = take(f"{src}shared_head.norm.weight")
+        for shared in ("embed_tokens.weight", "shared_head.head.weight"):  # the model's own
+            if src + shared in take.tensors:
+                take(src + shared)
     take.check_all_used(cfg.tie_embeddings)
     return model
 
@@ -397,7 +444,8 @@ def check_hf_model(directory: Path, config: dict) -> None:
     """A model directory's config.json against its weights' shapes, before any conversion
     (`convert --from hf` and `checkpoint.init_from`; ptdp/convert/hf_check.py)."""
     check_config_numbers(directory, config)
-    want = expected_hf_shapes(model_config_from_hf(config))  # every position, as stored
+    # Every position, as stored; the multi-token-prediction layers the weights hold.
+    want = expected_hf_shapes(read_hf_config(directory))
     check_hf_shapes(directory, config, weight_shapes(directory), want)
 
 

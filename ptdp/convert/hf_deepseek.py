@@ -110,6 +110,7 @@ def model_options(c: dict[str, Any], bad: dict[str, object]) -> dict[str, Any]:
         "moe_top_k": c["num_experts_per_tok"],
         "moe_ffn_hidden_size": c["moe_intermediate_size"],
         "moe_shared_experts": c.get("n_shared_experts") or 0,
+        "mtp_depth": _mtp_layers(c),
         "moe_first_dense_layers": first,
         "moe_renormalize": bool(c.get("norm_topk_prob", v3)),
         "moe_routed_scaling": float(c.get("routed_scaling_factor", 1.0)),
@@ -162,7 +163,7 @@ def hf_options(cfg: ModelConfig, kind: str) -> dict[str, Any]:
         "norm_topk_prob": cfg.moe_renormalize,
         "n_group": cfg.moe_router_groups or 1,
         "topk_group": cfg.moe_router_group_top_k or 1,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp_depth,
     }
 
 
@@ -258,15 +259,17 @@ def moe_extras_to_hf(
     return out
 
 
-def loadable(tensors: Mapping[str, Lazy], config: dict[str, Any]) -> dict[str, Lazy]:
+def loadable(
+    tensors: Mapping[str, Lazy], config: dict[str, Any], depth: int = 0
+) -> dict[str, Lazy]:
     """A DeepSeek checkpoint's tensors as the mapping reads them: float8 weights scaled to
-    float32, and without the multi-token-prediction layers the published checkpoints
-    append after the last layer (not imported, as `transformers` skips them)."""
+    float32, and without the multi-token-prediction layers after the first `depth` (the
+    run's model.mtp_depth) of those the published checkpoints append after the last."""
     tensors = dequantized(tensors, config)
     if config.get("model_type") not in MLA_TYPES:
         return tensors
     layers = config["num_hidden_layers"]
-    extra = tuple(f"model.layers.{layers + k}." for k in range(_mtp_layers(config)))
+    extra = tuple(f"model.layers.{layers + k}." for k in range(depth, _mtp_layers(config)))
     return {k: v for k, v in tensors.items() if not (extra and k.startswith(extra))}
 
 
@@ -283,8 +286,8 @@ def import_notes(config: dict[str, Any]) -> list[str]:
     if config.get("model_type") in MLA_TYPES and (mtp := _mtp_layers(config)):
         first = config["num_hidden_layers"]
         notes.append(
-            f"the {mtp} multi-token-prediction layer(s) from model.layers.{first} were not "
-            "imported: ptdp does not build multi-token prediction"
+            f"the {mtp} multi-token-prediction layer(s) from model.layers.{first} became "
+            f"model.mtp_depth = {mtp}; --model.mtp_depth 0 trains without them"
         )
     if config.get("model_type") in ("deepseek_v3", "kimi_k2"):
         notes.append(

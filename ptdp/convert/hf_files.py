@@ -16,6 +16,7 @@ import json
 import re
 import struct
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -87,11 +88,24 @@ def read_hf_config(directory: Path, seq_length: int = 0) -> ModelConfig:
     config = read_hf_json(directory)
     check_config_numbers(directory, config)
     try:
-        return model_config_from_hf(config, seq_length)
+        cfg = model_config_from_hf(config, seq_length)
+        if cfg.mtp_depth:  # transformers writes num_nextn_predict_layers without the layers
+            cfg = replace(cfg, mtp_depth=_mtp_layers_held(directory, cfg))
+        return cfg
     except ConfigError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
         raise _unreadable(directory / "config.json", exc) from None
+
+
+def _mtp_layers_held(directory: Path, cfg: ModelConfig) -> int:
+    """How many of the multi-token-prediction layers config.json names the weights hold
+    (`transformers` saves none), each after the last layer (`ptdp.convert.hf._mtp_to_hf`)."""
+    held = set(weight_shapes(directory)) if weight_files(directory) else set()
+    depth = 0
+    while depth < cfg.mtp_depth and f"model.layers.{cfg.num_layers + depth}.eh_proj.weight" in held:
+        depth += 1
+    return depth
 
 
 def _unreadable(file: Path, exc: Exception) -> CheckpointError:

@@ -31,6 +31,7 @@ from ptdp.model.init import apply_init
 from ptdp.model.kv_cache import KVCache, LayerCache
 from ptdp.model.latent_attention import LatentAttention
 from ptdp.model.moe import MoE, MoEState
+from ptdp.model.mtp import MtpModule, MtpState, shifted, valid_positions
 from ptdp.model.parts import MLP, TPContext, build_norm
 from ptdp.model.positions import TokenPositions
 from ptdp.model.rope import Rotary
@@ -50,8 +51,8 @@ __all__ = ["GPT", "MLP", "TPContext", "TransformerLayer", "build_norm"]
 
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the mlp is a
-    mixture-of-experts block (`ptdp.model.moe`) where `cfg.is_moe_layer(index)`, its
-    figures kept in `moe` (the chunk's; a new one if None)."""
+    mixture-of-experts block (`ptdp.model.moe`) where `cfg.is_moe_layer(index)` (or
+    `moe_block` says), its figures kept in `moe` (the chunk's; a new one if None)."""
 
     def __init__(
         self,
@@ -61,13 +62,14 @@ class TransformerLayer(nn.Module):
         *,
         index: int = 0,
         moe: MoEState | None = None,
+        moe_block: bool | None = None,
     ) -> None:
         super().__init__()
         self.norm1 = build_norm(cfg)
         kind = LatentAttention if cfg.is_mla else Attention
         self.attn = kind(cfg, ctx, recompute_core=recompute is Recompute.SELECTIVE)
         self.norm2 = build_norm(cfg)
-        if cfg.is_moe_layer(index):
+        if cfg.is_moe_layer(index) if moe_block is None else moe_block:
             self.mlp: nn.Module = MoE(cfg, ctx, layer=index, state=moe or MoEState())
         else:
             self.mlp = MLP(cfg, ctx)
@@ -208,6 +210,25 @@ class GPT(nn.Module):
                     wgrad=self.wgrad,
                     fp8=fp8,
                 )
+        self.mtp_state = MtpState()
+        """The step's multi-token-prediction losses by depth (`ptdp.model.mtp`)."""
+        if has_head and cfg.mtp_depth:
+            last = cfg.num_layers - 1  # each module's layer is dense or MoE as the last one
+            self.mtp = nn.ModuleDict()
+            for k in range(1, cfg.mtp_depth + 1):
+                layer = TransformerLayer(
+                    cfg, ctx, recompute, index=last + k, moe=self.moe,
+                    moe_block=cfg.is_moe_layer(last),
+                )  # fmt: skip
+                self.mtp[str(k)] = MtpModule(cfg, ctx, recompute, k, layer)
+            if not has_embedding:  # a later stage: its copy of stage 0's embedding
+                self.mtp_embedding = VocabParallelEmbedding(
+                    cfg.vocab_size,
+                    cfg.hidden_size,
+                    tp=ctx.tp,
+                    sequence_parallel=ctx.sequence_parallel,
+                    divisible_by=cfg.make_vocab_size_divisible_by,
+                )
         self.roles = self._param_roles()
         """Which parameters are tied copies or sequence-parallel (`ptdp.parallel.roles`)."""
         apply_init(
@@ -226,6 +247,8 @@ class GPT(nn.Module):
             # The last pipeline stage's copy of the embedding shared with stage 0: same
             # initial value, gradients summed over the embedding group.
             tied["output.weight"] = "embedding.weight"
+        if hasattr(self, "mtp_embedding"):  # the last stage's for multi-token prediction
+            tied["mtp_embedding.weight"] = "embedding.weight"
         records = [ParamRoles(tied=tied)]
         # Layers that name their own: the biases of row-parallel layers (sequence
         # parallelism), an MoE block's router (tensor parallelism).
@@ -249,8 +272,13 @@ class GPT(nn.Module):
         return {name: b for name, b in self.named_buffers() if name in saved}
 
     def moe_layers(self) -> dict[int, MoE]:
-        """This chunk's mixture-of-experts blocks by global layer index."""
-        return {int(i): layer.mlp for i, layer in self.layers.items() if isinstance(layer.mlp, MoE)}
+        """This chunk's mixture-of-experts blocks by global layer index (multi-token
+        prediction's after the model's: num_layers - 1 + depth)."""
+        blocks = [(int(i), layer.mlp) for i, layer in self.layers.items()]
+        if hasattr(self, "mtp"):
+            mtp = [m.layer.mlp for m in self.mtp.values()]
+            blocks += [(block.layer, block) for block in mtp if isinstance(block, MoE)]
+        return {i: block for i, block in blocks if isinstance(block, MoE)}
 
     def output_weight(self) -> torch.Tensor:
         """[v/t, h]: the output layer's weight, the embedding's when they are tied."""
@@ -319,6 +347,8 @@ class GPT(nn.Module):
         if not self.has_head:
             return x
         if labels is not None:
+            if hasattr(self, "mtp") and self.training and cache is None:
+                return self.loss(x, labels) + self.mtp_loss(x, labels, positions)
             return self.loss(x, labels)
         tp = self.ctx.tp
         logits = comm.gather_from_tp(self.head(x), tp)  # [s, b, t * padded/t]
@@ -335,6 +365,28 @@ class GPT(nn.Module):
         """
         logits = self.head(x)
         return vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp, self.cfg.vocab_size)
+
+    def mtp_loss(
+        self, x: torch.Tensor, labels: torch.Tensor, positions: TokenPositions | None = None
+    ) -> torch.Tensor:
+        """model.mtp_loss_weight x the mean over depths of each depth's mean token loss, from
+        the main model's last hidden state x [s, b, h] (`ptdp.model.mtp`)."""
+        embedding = self.mtp_embedding if hasattr(self, "mtp_embedding") else self.embedding
+        losses, hidden = [], x
+        for k, module in self.mtp.items():
+            depth = int(k)
+            hidden = module(hidden, embedding(shifted(labels, depth - 1)), self.rotary, positions)
+            y = module.norm(hidden)
+            if self.ctx.sequence_parallel:
+                y = comm.gather_from_sp(y, self.ctx.tp)
+            else:
+                y = comm.copy_to_tp(y, self.ctx.tp)
+            logits = linear(y, self.output_weight(), None, self.wgrad, self.ctx.fp8)
+            target, keep = shifted(labels, depth).t(), valid_positions(labels, depth)
+            tp, vocab = self.ctx.tp, self.cfg.vocab_size
+            losses.append(vocab_parallel_cross_entropy(logits, target, tp, vocab, keep))
+        self.mtp_state.record(losses)
+        return self.cfg.mtp_loss_weight * torch.stack(losses).mean()
 
 
 def count_parameters(model: GPT, *, full: bool = True, skip_tied_copies: bool = False) -> int:

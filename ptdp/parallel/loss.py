@@ -40,10 +40,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, tp: Group, vocab_size: int
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    tp: Group,
+    vocab_size: int,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean token loss. logits: [s, b, padded/t] on each rank (rank i: vocabulary ids from
-    i * ceil(v/t), then padding); target: [s, b] global ids.
+    i * ceil(v/t), then padding); target: [s, b] global ids; `mask` [s, b] (bool): the
+    mean over its true tokens only (multi-token prediction's last positions have no target).
 
     Padded columns (model.make_vocab_size_divisible_by) take no probability and get no
     gradient, so the loss equals the unpadded model's: at tp = 1 they are sliced off (a
@@ -53,8 +58,17 @@ def vocab_parallel_cross_entropy(
     split = ShardSpec(dim=0, full_size=vocab_size, padded_size=width * tp.size, size=tp.size)
     start, rows = split.start(tp.rank), split.rows(tp.rank)
     if tp.size == 1:
-        return F.cross_entropy(logits[..., :rows].float().flatten(0, 1), target.flatten())
+        flat = logits[..., :rows].float().flatten(0, 1)
+        if mask is None:
+            return F.cross_entropy(flat, target.flatten())
+        losses = F.cross_entropy(flat, target.flatten(), reduction="none")
+        return _masked_mean(losses, mask.flatten())
     if rows < width:
         columns = torch.arange(width, device=logits.device)
         logits = logits.masked_fill(columns >= rows, float("-inf"))
-    return _VocabParallelCrossEntropy.apply(logits, target, tp, start, start + rows).mean()
+    losses = _VocabParallelCrossEntropy.apply(logits, target, tp, start, start + rows)
+    return losses.mean() if mask is None else _masked_mean(losses, mask)
+
+
+def _masked_mean(losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (losses * mask).sum() / mask.sum().clamp(min=1)

@@ -68,6 +68,7 @@ CONFIG_RULES: dict[str, Rule] = {
     "model.moe_z_loss_coeff": NON_NEGATIVE.meaning("0 = off"),
     "model.moe_bias_update_rate": NON_NEGATIVE.meaning("0 = off"),
     "model.moe_capacity_factor": NON_NEGATIVE.meaning("0 = dropless"),
+    "model.mtp_loss_weight": NON_NEGATIVE,
     "parallel.bucket_mb": POSITIVE,
     "data.valid_fraction": BELOW_ONE,
     "optim.lr": POSITIVE,

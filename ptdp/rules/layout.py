@@ -18,7 +18,7 @@ from ptdp.pipeline.plan import PipelinePlan, build_plan
 from ptdp.pipeline.schedules import SCHEDULES, check_args
 from ptdp.rules.domains import check_config, refuse
 from ptdp.rules.fp8 import fp8_rules
-from ptdp.rules.model import model_rules
+from ptdp.rules.model import model_rules, mtp_rules
 from ptdp.rules.moe import expert_rules, moe_rules
 from ptdp.rules.parallel import chunks_fit, parallel_rules
 from ptdp.rules.pipeline import moe_overlap_rules, schedule_rules, stage_layers
@@ -125,6 +125,7 @@ def validate(cfg: RunConfig, world_size: int = 1, *, gpus: bool = False) -> Layo
     check_config(cfg)  # NaN, infinities, ranges: the rules below assume them
     errors: list[str] = []
     model_rules(cfg, errors)
+    mtp_rules(cfg, errors)
     moe_rules(cfg, errors)
     speed_rules(cfg, errors, runtime=not gpus)
     dp = parallel_rules(cfg, world_size, errors, gpus)

@@ -10,6 +10,32 @@ from ptdp.rules.domains import require_positive
 _DEFAULTS = ModelConfig()
 
 
+def mtp_rules(cfg: RunConfig, errors: list[str]) -> None:
+    """Multi-token prediction's depth against the sequence, and the layouts it runs in."""
+    m, p = cfg.model, cfg.parallel
+    require_positive(errors, "model.mtp_depth", m.mtp_depth, zero_ok=True)
+    if m.mtp_depth <= 0:
+        return
+    if m.seq_length > 0 and m.mtp_depth + 1 >= m.seq_length:
+        errors.append(
+            f"model.mtp_depth = {m.mtp_depth} leaves no token to predict in a sequence of "
+            f"model.seq_length = {m.seq_length} (depth k predicts the token k + 1 ahead); "
+            f"use --model.mtp_depth {max(1, m.seq_length - 2)} or less"
+        )
+    if p.cp > 1:
+        errors.append(
+            f"model.mtp_depth = {m.mtp_depth} with parallel.cp = {p.cp}: multi-token "
+            "prediction under context parallelism is not built (its shifted tokens cross the "
+            "ranks' chunks); use --parallel.cp 1 or --model.mtp_depth 0"
+        )
+    if m.tie_embeddings and p.pp > 1:
+        errors.append(
+            f"model.mtp_depth = {m.mtp_depth} with model.tie_embeddings and parallel.pp = "
+            f"{p.pp}: the last stage would hold two copies of the embedding, which is not "
+            "built; use --model.tie_embeddings false (as DeepSeek-V3) or --parallel.pp 1"
+        )
+
+
 def model_rules(cfg: RunConfig, errors: list[str]) -> None:
     m, before = cfg.model, len(errors)
     positive = ("num_layers", "hidden_size", "num_heads", "seq_length")

@@ -137,6 +137,10 @@ def _conflict(key: str, mine: Any, saved: ModelConfig) -> str | None:
         if saved.position_embedding is PositionEmbedding.LEARNED and mine > theirs:
             return f"model.seq_length = {mine} exceeds its {theirs} learned positions"
         return None
+    if key == "mtp_depth":  # fewer multi-token-prediction modules: the rest are not read
+        if mine > theirs:
+            return f"model.mtp_depth = {mine} where it has {theirs} modules (at most {theirs})"
+        return None
     if _effective(saved, key, mine) != _effective(saved, key, theirs):
         return f"model.{key} = {_show(mine)} where it has {_show(theirs)}"
     return None
@@ -168,7 +172,7 @@ def merge_model(
         elif (why := _conflict(key, mine, saved)) is not None:
             conflicts.append(why)
         else:
-            free = key in FREE_MODEL_KEYS or key == "seq_length"
+            free = key in FREE_MODEL_KEYS or key in ("seq_length", "mtp_depth")
             values[key] = mine if free else getattr(saved, key)
     if conflicts:
         raise ConfigError(

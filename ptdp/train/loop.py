@@ -356,6 +356,7 @@ def _log(trainer: Trainer, pending, elapsed: float, result: TrainResult, peak: P
     m = trainer.cfg.model
     if m.num_experts:  # collective over the pipeline group: every rank logs at this step
         record |= trainer.moe.log_record(m.moe_capacity_factor > 0, m.moe_z_loss_coeff > 0)
+    record |= trainer.mtp_log_record()
     if trainer.scaler:
         record |= {"loss_scale": trainer.scaler.scale, "skipped_steps": trainer.scaler.skipped}
         result.skipped_steps = trainer.scaler.skipped

@@ -124,6 +124,7 @@ def format_line(r: dict[str, Any]) -> str:
             else ""
         )
         + _moe_part(r)
+        + (" | mtp " + " ".join(f"{x:.4f}" for x in r["mtp_loss"]) if "mtp_loss" in r else "")
     )
 
 

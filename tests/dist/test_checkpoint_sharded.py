@@ -257,3 +257,28 @@ def test_expert_parallel_checkpoints_reshard(tiny_data: str, tmp_path: Path) -> 
         (root / "latest").write_text(saved + "\n")
         run_ranks(_ep_resume, 4, tiny_data, str(tmp_path), name, par)
         assert _read(tmp_path, name) == {5: pytest.approx(ref[5], rel=1e-5)}, name
+
+
+MTP = MOE | {"bias": False, "mtp_depth": 2, "mtp_loss_weight": 0.3, "moe_first_dense_layers": 1}
+"""Two depths of multi-token prediction after the last layer (MoE layers, as the last)."""
+
+
+def _mtp_save(rank: int, world: int, data: str, root: str) -> None:
+    env = LaunchEnv(rank, world, rank)
+    cfg = _config(data, Path(root) / "ref", 4, {"pp": 2}, MTP, train={"save_interval": 3})
+    _write(root, "ref", rank, train(cfg, env=env).losses)
+
+
+def test_multi_token_prediction_reshards(tiny_data: str, tmp_path: Path) -> None:
+    """Multi-token prediction's modules saved at pp = 2 (on the last stage, beside its copy
+    of the embedding, which is not saved) restore in one process, at tp = 2 and with the
+    experts over ep = 2, each to the saving layout's next loss (its MTP losses included)."""
+    run_ranks(_mtp_save, 2, tiny_data, str(tmp_path))
+    step_dir = tmp_path / "ref" / "checkpoints" / SAVED
+    keys = ckpt.read_metadata(step_dir).state_dict_metadata
+    assert (
+        "model/mtp.2.eh_proj.weight" in keys and "model/mtp.1.layer.mlp.router.expert_bias" in keys
+    )
+    assert not any("mtp_embedding" in k for k in keys)  # a tied copy: loads from stage 0's
+    targets = {"one": (1, {}), "tp2": (2, {"tp": 2}), "ep2": (2, {"ep": 2})}
+    _check_resharding(tmp_path, tiny_data, tmp_path / "ref", targets, MTP)

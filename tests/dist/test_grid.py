@@ -97,6 +97,15 @@ MOE = {
         "attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 6,
         "qk_rope_head_dim": 4, "v_head_dim": 10, "qkv_bias": False, "num_query_groups": 0,
     },
+    # DeepSeek-V3 with multi-token prediction: two depths after the last layer (MoE layers, as
+    # the last), the shared embedding's copy on the last stage under pipelines.
+    "deepseek-mtp": _MOE | {
+        "moe_score_function": "sigmoid", "moe_renormalize": True, "moe_routed_scaling": 2.5,
+        "moe_shared_experts": 1, "moe_bias_update_rate": 0.01, "moe_first_dense_layers": 1,
+        "attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 6,
+        "qk_rope_head_dim": 4, "v_head_dim": 10, "qkv_bias": False, "num_query_groups": 0,
+        "mtp_depth": 2, "mtp_loss_weight": 0.3,
+    },
     # Capacity drops (per microbatch, so with dp the same samples drop the same choices),
     # every other layer MoE.
     "moe-capacity": _MOE | {"moe_capacity_factor": 1.0, "moe_layer_freq": 2},
@@ -134,6 +143,12 @@ GRID = [
     Layout(cp=2, cp_comm="allgather", recompute="full", llama=True, moe="deepseek"),
     Layout(pp=2, schedule="zb-h1", llama=True, moe="deepseek"),
     Layout(dp=2, zero=1, llama=True, moe="deepseek", ep=2),
+    # multi-token prediction: its layers split over tp, on the last stage (its copy of the
+    # embedding summed with stage 0's), its experts over ep
+    Layout(tp=2, sp=True, recompute="selective", llama=True, moe="deepseek-mtp"),
+    Layout(pp=2, llama=True, moe="deepseek-mtp"),
+    Layout(pp=2, vpp=2, schedule=I, recompute="full", llama=True, moe="deepseek-mtp"),
+    Layout(dp=2, zero=3, llama=True, moe="deepseek-mtp", ep=2),
     # world 4
     Layout(tp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, dp=2, recompute="selective", llama=True),
@@ -211,6 +226,7 @@ GRID = [
     Layout(pp=2, dp=2, vpp=2, schedule="dualpipev", moe="moe-shared-bias", ep=2, overlap=True),
     Layout(tp=2, dp=2, sp=True, zero=3, llama=True, moe="deepseek", ep=2),
     Layout(tp=2, pp=2, vpp=2, schedule="zb-v", llama=True, moe="deepseek"),
+    Layout(tp=2, pp=2, vpp=2, schedule="zb-v", llama=True, moe="deepseek-mtp"),  # ends on rank 0
     # world 8
     Layout(tp=2, pp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, pp=2, dp=2, sp=True, zero=1, moe="moe", ep=2),  # folded, pp and ZeRO-1

@@ -69,6 +69,7 @@ FAMILIES = {
     "qwen3_moe": QWEN3_MOE,
     "qwen3_moe-softmax-after": QWEN3_MOE | {"moe_softmax_after_topk": True},
     "deepseek_v3": DEEPSEEK_V3,
+    "deepseek_v3-mtp": DEEPSEEK_V3 | {"mtp_depth": 2},  # layers 2 and 3: transformers skips
     "deepseek_v3-dense-yarn": MLA | {"q_lora_rank": 0} | YARN | {"rope_mscale_all_dim": 1.0},
     "deepseek_v2": DEEPSEEK_V3
     | {"moe_score_function": "softmax", "moe_router_groups": 0}
@@ -290,15 +291,21 @@ def test_training_starts_from_an_import(tiny_data: str, tmp_path: Path, capsys) 
         assert 0 < (after[name] - before[name]).abs().max() < 0.01, name
 
 
-def test_round_trip_keeps_weights(tmp_path: Path) -> None:
-    cfg = _model_config(**LLAMA)
+@pytest.mark.parametrize(
+    "options", [LLAMA, DEEPSEEK_V3 | {"mtp_depth": 2, "num_query_groups": 0}], ids=["llama", "mtp"]
+)
+def test_round_trip_keeps_weights(tmp_path: Path, options: dict) -> None:
+    # DeepSeek-V3 with two multi-token-prediction modules, written as its layers 2 and 3
+    # (each with copies of the embedding and output layer) and read back.
+    cfg = _model_config(**options)
     model = GPT(cfg, seed=4)
     _write_checkpoint(tmp_path / "a", cfg, model, "bytes")
     export_hf(tmp_path / "a", tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "b")
     back = ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path / "b"))["model"]
-    assert back.keys() == full_state(model).keys()
-    for name, value in full_state(model).items():
+    want = full_state(model) | model.state_buffers()  # the routers' balancing biases
+    assert back.keys() == want.keys()
+    for name, value in want.items():
         torch.testing.assert_close(back[name], value, rtol=0, atol=0)
     assert ckpt.load_config(ckpt.find_checkpoint(tmp_path / "b")).model == cfg
 
@@ -477,7 +484,7 @@ def _block_quantized(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
     return (w / full).to(torch.float8_e4m3fn), scale
 
 
-def test_import_reads_float8_blocks_the_bias_and_skips_mtp(tmp_path: Path) -> None:
+def test_import_reads_float8_blocks_the_bias_and_mtp(tmp_path: Path) -> None:
     """A DeepSeek-V3 checkpoint as published: float8 weights with 8 x 8 block scales here
     (128 x 128 there), the routers' balancing bias, and a multi-token-prediction layer after
     the last; ptdp's import computes what transformers computes on the dequantized weights."""
@@ -489,6 +496,17 @@ def test_import_reads_float8_blocks_the_bias_and_skips_mtp(tmp_path: Path) -> No
         hf.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.randn(8, generator=gen))
     hf.save_pretrained(tmp_path / "ref")
     tensors = safetensors.torch.load_file(tmp_path / "ref" / "model.safetensors")
+    # The MTP layer after the last (layer 2): an MoE layer like layer 1, its norms, its
+    # projection [2h -> h] and its copies of the embedding and output layer.
+    for name, w in list(tensors.items()):
+        if name.startswith("model.layers.1."):
+            tensors[name.replace("layers.1.", "layers.2.")] = w.clone()
+    mtp = "model.layers.2."
+    tensors[mtp + "eh_proj.weight"] = torch.randn(32, 64, generator=gen)
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{mtp}{name}.weight"] = 1 + 0.1 * torch.randn(32, generator=gen)
+    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     quantized, dequantized = dict(tensors), dict(tensors)
     for name, w in tensors.items():
         if name.endswith("proj.weight") and w.dim() == 2:
@@ -496,7 +514,6 @@ def test_import_reads_float8_blocks_the_bias_and_skips_mtp(tmp_path: Path) -> No
             quantized[name], quantized[name + "_scale_inv"] = values, scale
             full = scale.repeat_interleave(8, 0).repeat_interleave(8, 1)
             dequantized[name] = values.float() * full[: w.shape[0], : w.shape[1]]
-    quantized["model.layers.2.eh_proj.weight"] = torch.zeros(32, 64)  # the MTP layer
     config = json.loads((tmp_path / "ref" / "config.json").read_text())
     (tmp_path / "fp8").mkdir()
     safetensors.torch.save_file(quantized, tmp_path / "fp8" / "model.safetensors")
@@ -508,9 +525,12 @@ def test_import_reads_float8_blocks_the_bias_and_skips_mtp(tmp_path: Path) -> No
     result = import_hf(tmp_path / "fp8", tmp_path / "run")
     said = "\n".join(result.notes)  # what `ptdp convert` prints as notes
     assert "float8 weights were dequantized to float32 with their 8x8 block scales" in said
-    assert "1 multi-token-prediction layer(s) from model.layers.2 were not imported" in said
+    assert "1 multi-token-prediction layer(s) from model.layers.2 became model.mtp_depth" in said
     assert "model.moe_bias_update_rate = 0.001" in said
     model = load_model(result.path).eval()
+    assert model.cfg.mtp_depth == 1
+    torch.testing.assert_close(model.mtp["1"].eh_proj.weight, dequantized[mtp + "eh_proj.weight"])
+    torch.testing.assert_close(model.mtp["1"].norm.weight, tensors[mtp + "shared_head.norm.weight"])
     bias = model.layers["1"].mlp.router.expert_bias
     assert torch.equal(bias, hf.model.layers[1].mlp.gate.e_score_correction_bias)
     tokens = _tokens(64, 16)

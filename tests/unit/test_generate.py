@@ -76,3 +76,15 @@ def test_each_step_logits_match_and_cache_stays_small() -> None:
     # Grouped-query attention caches the 2 key/value groups, not the 4 query heads.
     cfg = model.cfg
     assert cache.nbytes() == cfg.num_layers * 2 * (2 * 2 * 16 * cfg.head_dim) * 4
+
+
+def test_generation_leaves_multi_token_prediction_out() -> None:
+    # Weights are initialised by name, so the model with two MTP depths has the same main
+    # weights as the one without: it must generate the same tokens, the modules unused.
+    plain = GPT(model_cfg(**{**LLAMA, **MLA}), seed=3)
+    mtp = GPT(model_cfg(**{**LLAMA, **MLA, "mtp_depth": 2}), seed=3)
+    assert sum("mtp." in name for name, _ in mtp.named_parameters()) > 0
+    prompt = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(2))
+    want = generate(plain, prompt, 8, temperature=0)
+    assert torch.equal(generate(mtp, prompt, 8, temperature=0), want)
+    assert torch.equal(generate(mtp, prompt, 8, temperature=0, use_cache=False), want)

@@ -5,7 +5,7 @@ its five linears' (`ptdp.config.shapes`), and plan and simulate take the DeepSee
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import astuple, replace
 
 import pytest
 import torch
@@ -20,10 +20,19 @@ from ptdp.config.shapes import Split, attention_linears
 from ptdp.errors import ConfigError
 from ptdp.model.gpt import GPT
 from ptdp.perf.cost.context import kv_block_bytes
-from ptdp.perf.cost.costs import Gemm, layer_gemms
+from ptdp.perf.cost.costs import Compute, Gemm, head_seconds, layer_gemms
 from ptdp.perf.cost.flops import flops_per_token, layer_forward_flops_per_token
+from ptdp.perf.cost.hardware_file import load_system
 from ptdp.perf.cost.layer_bytes import layer_backward_bytes
-from ptdp.perf.cost.parameters import layer_parameters, linear_weights, parameters_per_rank
+from ptdp.perf.cost.memory import estimate_memory
+from ptdp.perf.cost.parameters import (
+    layer_parameters,
+    linear_weights,
+    mtp_parameters,
+    parameters_per_rank,
+)
+from ptdp.perf.cost.software import PTDP
+from ptdp.perf.simulate.pipeline_costs import compute_costs, layer_costs
 from ptdp.rules.layout import validate
 
 MLA = {
@@ -39,19 +48,23 @@ def _model(**keys: object) -> ModelConfig:
     return apply_updates(RunConfig(), {"model": MLA | keys}, "test").model
 
 
-@pytest.mark.parametrize("q_lora", [16, 0])
-def test_mla_flops_are_what_the_model_executes(q_lora: int) -> None:
+@pytest.mark.parametrize(("q_lora", "mtp"), [(16, 0), (0, 0), (16, 2)])
+def test_mla_flops_are_what_the_model_executes(q_lora: int, mtp: int) -> None:
     # PyTorch's FLOP counter over a forward and backward of the model (on CPU the attention
-    # runs as batched GEMMs over the full s x s square, as the count takes it).
-    cfg = _model(q_lora_rank=q_lora)
-    gpt, tokens = GPT(cfg), torch.randint(0, 64, (2, 8))
+    # of unequal widths runs as batched GEMMs over the full s x s square, as the count takes
+    # it), with two depths of multi-token prediction: each its projection, a layer and the
+    # output layer again.
+    cfg = _model(q_lora_rank=q_lora, mtp_depth=mtp)
+    gpt, tokens = GPT(cfg).train(), torch.randint(0, 64, (2, 8))
     with FlopCounterMode(display=False) as forward:
-        gpt(tokens)
+        gpt(tokens, tokens)
     gemm, core = layer_forward_flops_per_token(cfg)
-    logits = 2 * 32 * 64
-    assert forward.get_total_flops() == 16 * (2 * (gemm + core) + logits)
+    logits, mtp_layer = 2 * 32 * 64, 2 * 64 * 32 + gemm + core
+    assert forward.get_total_flops() == 16 * (
+        2 * (gemm + core) + logits + mtp * (mtp_layer + logits)
+    )
     with FlopCounterMode(display=False) as step:
-        gpt(tokens).float().sum().backward()
+        gpt(tokens, tokens).backward()
     assert step.get_total_flops() == 16 * flops_per_token(cfg)
 
 
@@ -135,3 +148,28 @@ def test_plan_lays_out_the_deepseek_family(name: str, batch: int, capsys) -> Non
     # dense layers' shares, 2 bytes each, and e / ep routed experts a layer.
     held = parameters_per_rank(model_preset(name), 4, 1, ep=layout["ep"], etp=1)[0]
     assert best["limiting_memory_gib"]["params"] == pytest.approx(2 * held / 2**30)
+
+
+def test_mtp_sits_on_the_last_stage_in_time_and_memory() -> None:
+    # Two depths of multi-token prediction on a dense MLA model, pp = 2: the last stage does
+    # two layers and two heads more, and holds their activations; the first is unchanged.
+    def run(mtp: int) -> RunConfig:
+        sections = {"model": MLA | {"num_layers": 4, "mtp_depth": mtp}, "parallel": {"pp": 2}}
+        sections["train"] = {"micro_batch_size": 1, "global_batch_size": 4, "precision": "bf16"}
+        return apply_updates(RunConfig(), sections, "test")
+
+    system = load_system("h100-sxm")
+    c = Compute(system, Precision.BF16, PTDP)
+    plain, mtp = run(0), run(2)
+    layout = validate(plain, 2, gpus=True)
+    before, after = compute_costs(plain, layout, c), compute_costs(mtp, layout, c)
+    layer = layer_costs(plain, layout, c)
+    head = head_seconds(plain.model, micro_batch=1, tp=1, c=c, compiled=False)
+    assert after[0] == before[0]
+    for got, want in zip(astuple(after[-1]), astuple(before[-1] + (layer + head).times(2))):
+        assert got == pytest.approx(want, rel=1e-12)
+    (first, last), (first2, last2) = estimate_memory(plain, 2), estimate_memory(mtp, 2)
+    assert first2.activations == first.activations and last2.activations > last.activations
+    assert last2.params - last.params == 2 * (
+        mtp_parameters(mtp.model) + mtp.model.padded_vocab_size() * 32
+    )  # bf16: the modules and the copy of the embedding

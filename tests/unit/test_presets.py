@@ -138,11 +138,13 @@ def _small_latents(cfg: ModelConfig, q_lora: int) -> ModelConfig:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("attention", ["mha", "mla", "mla-no-q-lora"])
+@pytest.mark.parametrize("attention", ["mha", "mla", "mla-no-q-lora", "mla-mtp"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_an_moe_count_is_the_models_own(bias: bool, attention: str) -> None:
     # Biases on the experts and the shared MLP (and MLA's down- and output projections),
-    # GeLU and SwiGLU, every other layer MoE; MLA with and without the queries' latent.
+    # GeLU and SwiGLU, every other layer MoE; MLA with and without the queries' latent, and
+    # with two depths of multi-token prediction (MoE layers as the last; on the last stage
+    # with its copy of the embedding).
     act = "gelu" if bias else "swiglu"
     cfg = replace(
         model_preset("deepseek-v3"), attention=AttentionKind.MHA,
@@ -154,6 +156,7 @@ def test_an_moe_count_is_the_models_own(bias: bool, attention: str) -> None:
     if attention != "mha":
         mla = replace(cfg, attention=AttentionKind.MLA)
         cfg = _small_latents(mla, 0 if attention == "mla-no-q-lora" else 16)
+        cfg = replace(cfg, mtp_depth=2 if attention == "mla-mtp" else 0)
     assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
     assert sum(parameters_per_stage(cfg)) == count_parameters(GPT(cfg))
     assert model_size(cfg).total == count_parameters(GPT(cfg))

@@ -73,7 +73,20 @@ def flops_per_token(cfg: ModelConfig, recompute: Recompute = Recompute.NONE) -> 
             extra = {Recompute.NONE: 0.0, Recompute.SELECTIVE: core, Recompute.FULL: gemm + core}
             layers += count * (3 * (gemm + core) + extra[recompute])
     logits = 3 * 2 * cfg.hidden_size * cfg.vocab_size  # never recomputed
-    return layers + logits
+    return layers + logits + mtp_flops_per_token(cfg, recompute)
+
+
+def mtp_flops_per_token(cfg: ModelConfig, recompute: Recompute = Recompute.NONE) -> float:
+    """Multi-token prediction's training FLOPs per token (model.mtp_depth): per depth the
+    projection [2h -> h], one layer of the last layer's kind and the output layer again."""
+    if not cfg.mtp_depth:
+        return 0.0
+    last = cfg.num_layers - 1
+    gemm, core = layer_forward_flops_per_token(cfg, last if cfg.is_moe_layer(last) else None)
+    extra = {Recompute.NONE: 0.0, Recompute.SELECTIVE: core, Recompute.FULL: gemm + core}
+    h = cfg.hidden_size
+    layer = 3 * (gemm + core) + extra[recompute] + 3 * 2 * (2 * h) * h
+    return cfg.mtp_depth * (layer + 3 * 2 * h * cfg.vocab_size)
 
 
 def _first_moe(cfg: ModelConfig) -> int | None:

@@ -282,6 +282,9 @@ def estimate_memory(
     head = head_activation_bytes(
         local, micro_batch=b, tp=tp, precision=prec, compiled=compiled, autocast_norms=eager_norms
     )
+    if model.mtp_depth:  # on the last stage: each depth's layer (the last one's kind), head
+        kind = moe_layer if model.is_moe_layer(model.num_layers - 1) else layer
+        head += model.mtp_depth * (kind + head)
     # Layers of the rank's largest chunk (exact for vpp = 1 or an even split, else a bound).
     split = layout.stage_layers or (model.num_layers // (pp * vpp),) * (pp * vpp)
     per_chunk = [max(split[s] for s in stages.stages_of(rank)) for rank in range(pp)]

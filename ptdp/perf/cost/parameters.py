@@ -147,6 +147,24 @@ def moe_parameters(
     return count
 
 
+def mtp_parameters(model: ModelConfig, tp: int = 1, ep: int = 1, etp: int | None = None) -> int:
+    """Parameters of the multi-token-prediction modules (model.mtp_depth, `ptdp.model.mtp`)
+    on one tensor rank: per depth two norms, the projection [2h -> h] (replicated), one
+    layer of the last layer's kind and a final norm. The embedding and output layer are
+    the model's (a later stage's copy of the embedding apart: `parameters_per_stage`)."""
+    if not model.mtp_depth:
+        return 0
+    h, last = model.hidden_size, _last_layer(model)
+    layer = layer_parameters(model, tp, last, ep, etp)
+    return model.mtp_depth * (3 * _norm_parameters(model, h) + 2 * h * h + layer)
+
+
+def _last_layer(model: ModelConfig) -> int | None:
+    """The last layer's index where it is a mixture of experts, else None (dense)."""
+    last = model.num_layers - 1
+    return last if model.is_moe_layer(last) else None
+
+
 def routed_parameters(model: ModelConfig, tp: int = 1, ep: int = 1, etp: int | None = None) -> int:
     """Routed-expert parameters of one MoE layer on one rank: its e / ep experts, split over
     etp (None = t; what expert parallelism divides; reduced and ZeRO-sharded over edp)."""
@@ -189,7 +207,9 @@ def model_size(model: ModelConfig) -> ModelSize:
     if model.position_embedding is PositionEmbedding.LEARNED:
         total += model.seq_length * h
     total += h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
+    total += mtp_parameters(model)
     moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    moe_layers += model.mtp_depth if _last_layer(model) is not None else 0
     idle = (model.num_experts - model.moe_top_k) * mlp_parameters(model, model.moe_ffn_size)
     return ModelSize(total, total - moe_layers * idle)
 
@@ -207,8 +227,10 @@ def parameters_per_stage(
 
     `layers`: each stage's layer count (`Layout.stage_layers`); empty = an even split.
     Stage 0 holds the embedding; the last stage the final norm and the output layer,
-    which with pp * vpp > 1 is a separate copy even when tied to the embedding. `ep`: the
-    routed experts split over that many expert-parallel ranks, each over `etp` (None = t).
+    which with pp * vpp > 1 is a separate copy even when tied to the embedding, and the
+    multi-token-prediction modules (`mtp_parameters`, with their copy of the embedding when
+    pp * vpp > 1). `ep`: the routed experts split over that many expert-parallel ranks,
+    each over `etp` (None = t).
     """
     h, v, stages = model.hidden_size, model.padded_vocab_size(tp), pp * vpp
     layers = layers or (model.num_layers // stages,) * stages
@@ -220,6 +242,9 @@ def parameters_per_stage(
     norm = h * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
     counts[-1] += norm
     if not (model.tie_embeddings and stages == 1):
+        counts[-1] += v // tp * h
+    counts[-1] += mtp_parameters(model, tp, ep, etp)
+    if model.mtp_depth and stages > 1:
         counts[-1] += v // tp * h
     return counts
 
@@ -274,6 +299,10 @@ def tensors_per_stage(
     counts[-1] += 2 if model.normalization is Normalization.LAYERNORM and model.bias else 1
     if not (model.tie_embeddings and stages == 1):
         counts[-1] += 1
+    if model.mtp_depth:  # norms, the projection and the layer of each depth
+        norms = 3 * (2 if model.normalization is Normalization.LAYERNORM and model.bias else 1)
+        per_depth = norms + 1 + layer_tensors(model, _last_layer(model))
+        counts[-1] += model.mtp_depth * per_depth + (1 if stages > 1 else 0)
     return counts
 
 
@@ -306,7 +335,10 @@ def expert_parameters_per_stage(
     stages = pp * vpp
     layers = layers or (model.num_layers // stages,) * stages
     per_layer = routed_parameters(model, tp, ep, etp) if model.num_experts else 0
-    return [per_layer * n for n in moe_layers_per_stage(model, layers)]
+    counts = [per_layer * n for n in moe_layers_per_stage(model, layers)]
+    if _last_layer(model) is not None:  # multi-token prediction's MoE layers
+        counts[-1] += per_layer * model.mtp_depth
+    return counts
 
 
 def expert_parameters_per_rank(

@@ -86,12 +86,12 @@ def compute_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
     stages = layout.pp * layout.vpp
     split = layout.stage_layers or (model.num_layers // stages,) * stages
     passes = [layer.times(n) for n in split]
+    moe = layer_costs(cfg, layout, c, moe=True) if model.num_experts else layer
     if model.num_experts:  # MoE layers at their own cost
-        moe = layer_costs(cfg, layout, c, moe=True)
         counts = moe_layers_per_stage(model, split)
         passes = [layer.times(n - m) + moe.times(m) for n, m in zip(split, counts)]
     passes[0] += embedding_seconds(model, micro_batch=b, tp=tp, c=c)
-    passes[-1] += head_seconds(
+    head = head_seconds(
         model,
         micro_batch=b,
         tp=tp,
@@ -99,6 +99,10 @@ def compute_costs(cfg: RunConfig, layout: Layout, c: Compute) -> list[Passes]:
         compiled=cfg.train.compile,
         sequence_parallel=cfg.parallel.sequence_parallel,
     )
+    passes[-1] += head
+    if model.mtp_depth:  # each depth: a layer of the last layer's kind and the head again
+        last = moe if model.is_moe_layer(model.num_layers - 1) else layer
+        passes[-1] += (last + head).times(model.mtp_depth)
     return passes
 
 

@@ -143,7 +143,9 @@ class Trainer:
             roles=rank_roles(self.chunks),
             dp=self.mesh.axis("dp_cp"),  # replicas over dp and cp: one reduction (README)
             tp=self.tp,
-            embedding=tied_embedding_group(self.mesh, layout, tied=cfg.model.tie_embeddings),
+            embedding=tied_embedding_group(
+                self.mesh, layout, tied=cfg.model.tie_embeddings or cfg.model.mtp_depth > 0
+            ),
             bucket_mb=cfg.parallel.bucket_mb,
             shard=layout.shards_optimizer,
             shard_grads=layout.shards_grads,
@@ -183,6 +185,8 @@ class Trainer:
             tp=self.tp,
         )
         """The MoE layers' loss scale, loads, bias updates and log figures (none if dense)."""
+        self._mtp_interval: torch.Tensor | float = 0.0
+        self._mtp_steps = 0
         self.pipeline = self._pipeline_step(by_stage, dtype) if layout.pp > 1 else None
         self.step = 0
         self.update_started = False
@@ -333,6 +337,8 @@ class Trainer:
             self.recorder.clear()  # keep the last step only
         # A microbatch's MoE balancing losses enter the step's loss as its own loss does.
         self.moe.begin_step(scale / self.layout.num_microbatches)
+        for chunk in self.chunks:
+            chunk.mtp_state.begin_step()
         if self.pipeline is None:
             total = self._accumulate(batch, self.layout.num_microbatches, scale)
         else:  # the runtime starts and finishes the gradient reduction
@@ -342,7 +348,30 @@ class Trainer:
             total = total + balancing
         all_reduce_sum_(total, self.pp)  # the loss lives on the last stage
         all_reduce_mean_(total, self.mesh.axis("dp_cp"))  # equal token counts: the mean
+        if self.cfg.model.mtp_depth:
+            self._mtp_step()
         return total
+
+    def _mtp_step(self) -> None:
+        """Add this step's multi-token-prediction loss of each depth (mean over the global
+        batch, as the loss) to the log interval's (`mtp_log_record`)."""
+        depths = torch.zeros(self.cfg.model.mtp_depth, device=self.device)
+        for state in (chunk.mtp_state for chunk in self.chunks):
+            if state.microbatches:
+                depths += torch.stack(state.losses) / state.microbatches
+        all_reduce_sum_(depths, self.pp)  # the last stage's
+        all_reduce_mean_(depths, self.mesh.axis("dp_cp"))
+        self._mtp_interval = self._mtp_interval + depths
+        self._mtp_steps += 1
+
+    def mtp_log_record(self) -> dict:
+        """mtp_loss: each depth's loss per step since the last call (not weighted; the
+        logged training `loss` holds model.mtp_loss_weight x their mean, `val_loss` none)."""
+        if not self._mtp_steps:
+            return {}
+        record = {"mtp_loss": (self._mtp_interval / self._mtp_steps).tolist()}
+        self._mtp_interval, self._mtp_steps = 0.0, 0
+        return record
 
     def optimizer_step(self, loss: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
         """Unscale, clip and apply the reduced gradients; returns (grad norm, skipped).
