@@ -106,6 +106,13 @@ MOE = {
         "qk_rope_head_dim": 4, "v_head_dim": 10, "qkv_bias": False, "num_query_groups": 0,
         "mtp_depth": 2, "mtp_loss_weight": 0.3,
     },
+    # Latent attention of widths float8 can run (every linear's features per rank a multiple
+    # of 16 at tp = 2), its experts too.
+    "deepseek-fp8": _MOE | {
+        "attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 16, "v_head_dim": 16, "qkv_bias": False, "num_query_groups": 0,
+        "moe_ffn_hidden_size": 32,
+    },
     # Capacity drops (per microbatch, so with dp the same samples drop the same choices),
     # every other layer MoE.
     "moe-capacity": _MOE | {"moe_capacity_factor": 1.0, "moe_layer_freq": 2},
@@ -149,6 +156,7 @@ GRID = [
     Layout(pp=2, llama=True, moe="deepseek-mtp"),
     Layout(pp=2, vpp=2, schedule=I, recompute="full", llama=True, moe="deepseek-mtp"),
     Layout(dp=2, zero=3, llama=True, moe="deepseek-mtp", ep=2),
+    Layout(dp=2, llama=True, moe="deepseek-fp8", ep=2),
     # world 4
     Layout(tp=2, dp=2, sp=True, zero=1),
     Layout(tp=2, dp=2, recompute="selective", llama=True),
@@ -251,6 +259,7 @@ FP8_GRID = [
     Layout(cp=2, llama=True, fp8=True),
     Layout(dp=2, moe="moe", ep=2, fp8=True),  # fp8 experts: rows of both replicas per expert
     Layout(tp=2, sp=True, moe="moe", etp=2, fp8=True),  # each rank scales its expert shards
+    Layout(tp=2, sp=True, llama=True, moe="deepseek-fp8", fp8=True),  # MLA's five linears
 ]
 """fp8 layouts, each against one fp8 process: each rank scales its own shard of a tensor
 (a tensor-parallel slice of a weight, a context-parallel slice of the tokens, an expert's

@@ -168,14 +168,28 @@ def test_scatter_gather_on_and_off_are_identical(tiny_data: str, tmp_path: Path)
     assert_same_run(tmp_path / "single", tmp_path / "sgTrue", single.losses, single.losses)
 
 
+DEEPSEEK = LLAMA | {
+    "attention": "mla", "num_query_groups": 0, "q_lora_rank": 16, "kv_lora_rank": 12,
+    "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 10, "mtp_depth": 1,
+}  # fmt: skip
+"""Latent attention with one depth of multi-token prediction, for the 16-bit runs."""
+
+
 def _bf16_config(
-    data: str, run_dir: Path, zero: int = 0, precision: str = "bf16", cp: int = 1, ep: int = 0
+    data: str,
+    run_dir: Path,
+    zero: int = 0,
+    precision: str = "bf16",
+    cp: int = 1,
+    ep: int = 0,
+    deepseek: bool = False,
 ):
     # No clipping: the norm's summation order differs between layouts, the update does not.
     optim = {"eps": 1e-6, "grad_clip": 0.0}
     train_ = {"precision": precision, "steps": 4}
     parallel = {"bucket_mb": 0.01, "zero": zero, "cp": cp, "ep": max(ep, 1)}
     model = {"num_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01} if ep else {}
+    model |= DEEPSEEK if deepseek else {}
     return tiny_config(data, run_dir, optim=optim, train=train_, parallel=parallel, model=model)
 
 
@@ -210,6 +224,8 @@ def _check_bf16_sharded(rank: int, world_size: int, data: str, root: str) -> Non
                 data, Path(root) / f"{precision}-moe-ep{ep}", precision=precision, ep=ep
             )
             out[f"{precision}-moe-ep{ep}"] = [train(cfg, env=env).losses, 0]
+    cfg = _bf16_config(data, Path(root) / "bf16-deepseek-zero1", 1, deepseek=True)
+    out["bf16-deepseek-zero1"] = [train(cfg, env=env).losses, 0]
     if rank == 0:
         (Path(root) / "losses.json").write_text(json.dumps(out))
 
@@ -226,7 +242,8 @@ def test_bf16_distributed_optimizer(tiny_data: str, tmp_path: Path) -> None:
     losses, bit for bit, in bf16 and fp16. Context parallelism (cp = 2, ring attention with
     its partial results merged in fp32) matches one process to 16-bit rounding, and a
     mixture of experts with its experts split over ep = 2 (16-bit rows through the
-    all-to-all) the same model at ep = 1."""
+    all-to-all) the same model at ep = 1. Latent attention with multi-token prediction,
+    ZeRO-1 over dp = 2, matches one process to 16-bit rounding too."""
     run_ranks(_check_bf16_sharded, 2, tiny_data, str(tmp_path))
     got = json.loads((tmp_path / "losses.json").read_text())
     (replicated, full_bytes), (sharded, shard_bytes) = got["bf16-zero0"], got["bf16-zero1"]
@@ -252,6 +269,9 @@ def test_bf16_distributed_optimizer(tiny_data: str, tmp_path: Path) -> None:
         assert sorted(split) == ["1", "2", "3", "4"] and split["1"] == whole["1"]
         for step, loss in whole.items():
             assert split[step] == pytest.approx(loss, rel=2e-3), (precision, step)
+    deepseek = train(_bf16_config(tiny_data, tmp_path / "single-deepseek", deepseek=True))
+    for step, loss in deepseek.losses.items():
+        assert got["bf16-deepseek-zero1"][0][str(step)] == pytest.approx(loss, rel=1e-4), step
     fp16 = train(_bf16_config(tiny_data, tmp_path / "single-fp16", precision="fp16"))
     for step, loss in fp16.losses.items():
         assert got["fp16-cp2"][0][str(step)] == pytest.approx(loss, rel=2e-3), step
