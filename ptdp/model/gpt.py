@@ -179,13 +179,7 @@ class GPT(nn.Module):
         self.has_embedding, self.has_head = has_embedding, has_head
         layers = range(cfg.num_layers) if layers is None else layers
         if has_embedding:
-            self.embedding = VocabParallelEmbedding(
-                cfg.vocab_size,
-                cfg.hidden_size,
-                tp=ctx.tp,
-                sequence_parallel=ctx.sequence_parallel,
-                divisible_by=cfg.make_vocab_size_divisible_by,
-            )
+            self.embedding = self._vocab_embedding()
             if cfg.position_embedding is PositionEmbedding.LEARNED:
                 self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
             self.embed_dropout = nn.Dropout(cfg.dropout)
@@ -222,13 +216,7 @@ class GPT(nn.Module):
                 )  # fmt: skip
                 self.mtp[str(k)] = MtpModule(cfg, ctx, recompute, k, layer)
             if not has_embedding:  # a later stage: its copy of stage 0's embedding
-                self.mtp_embedding = VocabParallelEmbedding(
-                    cfg.vocab_size,
-                    cfg.hidden_size,
-                    tp=ctx.tp,
-                    sequence_parallel=ctx.sequence_parallel,
-                    divisible_by=cfg.make_vocab_size_divisible_by,
-                )
+                self.mtp_embedding = self._vocab_embedding()
         self.roles = self._param_roles()
         """Which parameters are tied copies or sequence-parallel (`ptdp.parallel.roles`)."""
         apply_init(
@@ -238,6 +226,16 @@ class GPT(nn.Module):
             num_layers=cfg.num_layers,
             tp=ctx.tp,
             roles=self.roles,
+        )
+
+    def _vocab_embedding(self) -> VocabParallelEmbedding:
+        cfg, ctx = self.cfg, self.ctx
+        return VocabParallelEmbedding(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            tp=ctx.tp,
+            sequence_parallel=ctx.sequence_parallel,
+            divisible_by=cfg.make_vocab_size_divisible_by,
         )
 
     def _param_roles(self) -> ParamRoles:
@@ -303,9 +301,10 @@ class GPT(nn.Module):
                 return self.embed_dropout(x)
         return self.embed_dropout(x)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """hidden -> this rank's vocabulary slice of the logits, [s, b, v/t]."""
-        x = self.final_norm(x)
+    def head(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        """hidden -> this rank's vocabulary slice of the logits, [s, b, v/t], through the
+        final norm (or `norm`: a multi-token-prediction module's own)."""
+        x = (self.final_norm if norm is None else norm)(x)
         if self.ctx.sequence_parallel:
             x = comm.gather_from_sp(x, self.ctx.tp)
         else:
@@ -376,12 +375,7 @@ class GPT(nn.Module):
         for k, module in self.mtp.items():
             depth = int(k)
             hidden = module(hidden, embedding(shifted(labels, depth - 1)), self.rotary, positions)
-            y = module.norm(hidden)
-            if self.ctx.sequence_parallel:
-                y = comm.gather_from_sp(y, self.ctx.tp)
-            else:
-                y = comm.copy_to_tp(y, self.ctx.tp)
-            logits = linear(y, self.output_weight(), None, self.wgrad, self.ctx.fp8)
+            logits = self.head(hidden, module.norm)
             target, keep = shifted(labels, depth).t(), valid_positions(labels, depth)
             tp, vocab = self.ctx.tp, self.cfg.vocab_size
             losses.append(vocab_parallel_cross_entropy(logits, target, tp, vocab, keep))
