@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ptdp.cli import main
 from ptdp.config.enums import Precision
 from ptdp.config.files import apply_updates
-from ptdp.config.presets import model_preset
+from ptdp.config.presets import MODEL_PRESETS, model_preset
 from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.config.shapes import Split, attention_linears
 from ptdp.errors import ConfigError
@@ -32,6 +32,7 @@ from ptdp.perf.cost.parameters import (
     parameters_per_rank,
 )
 from ptdp.perf.cost.software import PTDP
+from ptdp.perf.plan.ends import best_ends
 from ptdp.perf.simulate.pipeline_costs import compute_costs, layer_costs
 from ptdp.rules.layout import validate
 
@@ -173,3 +174,18 @@ def test_mtp_sits_on_the_last_stage_in_time_and_memory() -> None:
     assert last2.params - last.params == 2 * (
         mtp_parameters(mtp.model) + mtp.model.padded_vocab_size() * 32
     )  # bf16: the modules and the copy of the embedding
+
+
+def test_the_planner_lightens_the_last_stage_for_mtp() -> None:
+    # Llama 3 8B on pp = 4 (t = 8): each depth of multi-token prediction adds about a layer
+    # to the last stage, and the lighter-ends search moves layers off it in step.
+    c = Compute(load_system("h100-sxm"), Precision.BF16, PTDP)
+    last = []
+    for mtp in (0, 1, 2, 4):
+        model = dict(MODEL_PRESETS["llama3-8b"], mtp_depth=mtp)
+        sections = {"model": model, "parallel": {"pp": 4, "tp": 8}}
+        sections["train"] = {"micro_batch_size": 1, "global_batch_size": 64}
+        split = best_ends(apply_updates(RunConfig(), sections, "test"), 32, c)
+        assert split is not None and sum(split) == 32
+        last.append(split[-1])
+    assert last == sorted(last, reverse=True) and last[0] - last[-1] >= 4
