@@ -50,7 +50,7 @@ from ptdp.config.files import to_dict, to_toml
 from ptdp.config.sections import ModelConfig, RunConfig
 from ptdp.convert import hf_deepseek as deepseek
 from ptdp.convert.hf_check import check_config_numbers, check_hf_shapes
-from ptdp.convert.hf_config import family, hf_config
+from ptdp.convert.hf_config import family, hf_config, model_config_from_hf
 from ptdp.convert.hf_files import (
     INDEX_FILE,
     HfWeights,
@@ -58,6 +58,7 @@ from ptdp.convert.hf_files import (
     read_hf_config,
     read_hf_json,
     weight_shapes,
+    with_held_mtp,
 )
 from ptdp.convert.safetensors_out import (
     DEFAULT_SHARD_BYTES,
@@ -193,8 +194,8 @@ def _depths(cfg: ModelConfig) -> range:
     return range(1, cfg.mtp_depth + 1)
 
 
-MTP_PARTS = (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"))
-"""ptdp's and DeepSeek's names of an MTP module's own weights (besides its layer)."""
+MTP_OWN = ("enorm", "hnorm", "eh_proj")
+"""An MTP module's own weights (besides its layer), named alike by ptdp and DeepSeek."""
 
 
 def _mtp_to_hf(cfg: ModelConfig, kind: str, k: int, model: Tensors) -> Tensors:
@@ -202,8 +203,8 @@ def _mtp_to_hf(cfg: ModelConfig, kind: str, k: int, model: Tensors) -> Tensors:
     i = cfg.num_layers + k - 1
     out = _layer_to_hf(cfg, kind, cfg.num_layers - 1, model, f"mtp.{k}.layer.", i)
     dst = f"model.layers.{i}."
-    for ours, theirs in MTP_PARTS:
-        out[dst + theirs + ".weight"] = model[f"mtp.{k}.{ours}.weight"]
+    for name in MTP_OWN:
+        out[f"{dst}{name}.weight"] = model[f"mtp.{k}.{name}.weight"]
     out[dst + "shared_head.norm.weight"] = model[f"mtp.{k}.norm.weight"]
     # Copies, as DeepSeek's checkpoints hold them (a file may not hold one tensor twice).
     out[dst + "embed_tokens.weight"] = model["embedding.weight"].clone()
@@ -348,8 +349,8 @@ def hf_sources(
             ("norm1", "norm2"), ("input_layernorm", "post_attention_layernorm")
         ):
             model[f"{dst}layer.{ours}.weight"] = take(f"{src}{theirs}.weight")
-        for ours, theirs in MTP_PARTS:
-            model[f"{dst}{ours}.weight"] = take(f"{src}{theirs}.weight")
+        for name in MTP_OWN:
+            model[f"{dst}{name}.weight"] = take(f"{src}{name}.weight")
         model[f"{dst}norm.weight"] = take(f"{src}shared_head.norm.weight")
         for shared in ("embed_tokens.weight", "shared_head.head.weight"):  # the model's own
             if src + shared in take.tensors:
@@ -444,9 +445,10 @@ def check_hf_model(directory: Path, config: dict) -> None:
     """A model directory's config.json against its weights' shapes, before any conversion
     (`convert --from hf` and `checkpoint.init_from`; ptdp/convert/hf_check.py)."""
     check_config_numbers(directory, config)
+    have = weight_shapes(directory)
     # Every position, as stored; the multi-token-prediction layers the weights hold.
-    want = expected_hf_shapes(read_hf_config(directory))
-    check_hf_shapes(directory, config, weight_shapes(directory), want)
+    want = expected_hf_shapes(with_held_mtp(model_config_from_hf(config), have))
+    check_hf_shapes(directory, config, have, want)
 
 
 def read_hf_weights(directory: Path) -> Tensors:
@@ -594,6 +596,6 @@ def import_hf(directory: str | Path, run_dir: str | Path, *, seq_length: int = 0
             raise _read_error(exc) from None
     write_file(run_dir / "config.toml", to_toml(run_cfg))
     notes = [] if tokenizer else [f"{directory} has no {TOKENIZER_FILE}; none recorded"]
-    notes += deepseek.import_notes(config)
+    notes += deepseek.import_notes(config, cfg.mtp_depth)
     kind = config["model_type"] if config["model_type"] in deepseek.MLA_TYPES else family(cfg)
     return ConvertResult(step_dir, kind, tuple(notes))

@@ -273,8 +273,9 @@ def loadable(
     return {k: v for k, v in tensors.items() if not (extra and k.startswith(extra))}
 
 
-def import_notes(config: dict[str, Any]) -> list[str]:
-    """What an import of this config.json changes or leaves out, to be said to the user."""
+def import_notes(config: dict[str, Any], depth: int) -> list[str]:
+    """What an import of this config.json changes or leaves out, to be said to the user;
+    `depth`: the multi-token-prediction layers read (the run's model.mtp_depth)."""
     notes = []
     quant = config.get("quantization_config") or {}
     if quant.get("quant_method") == "fp8":
@@ -283,11 +284,17 @@ def import_notes(config: dict[str, Any]) -> list[str]:
             f"the float8 weights were dequantized to float32 with their {block} block "
             "scales (weight_scale_inv)"
         )
-    if config.get("model_type") in MLA_TYPES and (mtp := _mtp_layers(config)):
+    named = _mtp_layers(config) if config.get("model_type") in MLA_TYPES else 0
+    if depth:
         first = config["num_hidden_layers"]
         notes.append(
-            f"the {mtp} multi-token-prediction layer(s) from model.layers.{first} became "
-            f"model.mtp_depth = {mtp}; --model.mtp_depth 0 trains without them"
+            f"the {depth} multi-token-prediction layer(s) from model.layers.{first} became "
+            f"model.mtp_depth = {depth}; --model.mtp_depth 0 trains without them"
+        )
+    if named > depth:
+        notes.append(
+            f"config.json names {named} multi-token-prediction layer(s), of which "
+            f"{named - depth} were not read (not in the weights, or past model.mtp_depth)"
         )
     if config.get("model_type") in ("deepseek_v3", "kimi_k2"):
         notes.append(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -89,23 +89,21 @@ def read_hf_config(directory: Path, seq_length: int = 0) -> ModelConfig:
     check_config_numbers(directory, config)
     try:
         cfg = model_config_from_hf(config, seq_length)
-        if cfg.mtp_depth:  # transformers writes num_nextn_predict_layers without the layers
-            cfg = replace(cfg, mtp_depth=_mtp_layers_held(directory, cfg))
-        return cfg
+        return with_held_mtp(cfg, weight_shapes(directory)) if cfg.mtp_depth else cfg
     except ConfigError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
         raise _unreadable(directory / "config.json", exc) from None
 
 
-def _mtp_layers_held(directory: Path, cfg: ModelConfig) -> int:
-    """How many of the multi-token-prediction layers config.json names the weights hold
-    (`transformers` saves none), each after the last layer (`ptdp.convert.hf._mtp_to_hf`)."""
-    held = set(weight_shapes(directory)) if weight_files(directory) else set()
-    depth = 0
+def with_held_mtp(cfg: ModelConfig, names: Iterable[str]) -> ModelConfig:
+    """`cfg` with as many multi-token-prediction layers as config.json names and the weights
+    (tensor `names`) hold: `transformers` writes num_nextn_predict_layers but saves none.
+    Each follows the last layer (`ptdp.convert.hf._mtp_to_hf`)."""
+    held, depth = set(names), 0
     while depth < cfg.mtp_depth and f"model.layers.{cfg.num_layers + depth}.eh_proj.weight" in held:
         depth += 1
-    return depth
+    return replace(cfg, mtp_depth=depth)
 
 
 def _unreadable(file: Path, exc: Exception) -> CheckpointError:

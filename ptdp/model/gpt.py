@@ -214,7 +214,7 @@ class GPT(nn.Module):
                     cfg, ctx, recompute, index=last + k, moe=self.moe,
                     moe_block=cfg.is_moe_layer(last),
                 )  # fmt: skip
-                self.mtp[str(k)] = MtpModule(cfg, ctx, recompute, k, layer)
+                self.mtp[str(k)] = MtpModule(cfg, ctx, layer)
             if not has_embedding:  # a later stage: its copy of stage 0's embedding
                 self.mtp_embedding = self._vocab_embedding()
         self.roles = self._param_roles()

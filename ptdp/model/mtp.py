@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ptdp.config.enums import Recompute
 from ptdp.config.sections import ModelConfig
 from ptdp.model.parts import TPContext, build_norm
 from ptdp.model.positions import TokenPositions
@@ -55,11 +54,9 @@ class MtpState:
 
 
 class MtpModule(nn.Module):
-    """Depth `depth`'s norms, projection W_k (`eh_proj`), transformer layer and final norm."""
+    """One depth's norms, projection W_k (`eh_proj`), transformer layer and final norm."""
 
-    def __init__(
-        self, cfg: ModelConfig, ctx: TPContext, recompute: Recompute, depth: int, layer: nn.Module
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, layer: nn.Module) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.enorm, self.hnorm = build_norm(cfg), build_norm(cfg)
@@ -69,7 +66,6 @@ class MtpModule(nn.Module):
         )  # fmt: skip
         self.layer = layer
         self.norm = build_norm(cfg)
-        self.depth = depth
 
     def forward(
         self,

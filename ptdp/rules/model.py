@@ -16,11 +16,11 @@ def mtp_rules(cfg: RunConfig, errors: list[str]) -> None:
     require_positive(errors, "model.mtp_depth", m.mtp_depth, zero_ok=True)
     if m.mtp_depth <= 0:
         return
-    if m.seq_length > 0 and m.mtp_depth + 1 >= m.seq_length:
+    if m.seq_length > 0 and m.mtp_depth >= m.seq_length:
         errors.append(
             f"model.mtp_depth = {m.mtp_depth} leaves no token to predict in a sequence of "
             f"model.seq_length = {m.seq_length} (depth k predicts the token k + 1 ahead); "
-            f"use --model.mtp_depth {max(1, m.seq_length - 2)} or less"
+            f"use --model.mtp_depth {max(1, m.seq_length - 1)} or less"
         )
     if p.cp > 1:
         errors.append(

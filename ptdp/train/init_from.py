@@ -254,4 +254,4 @@ def load_initial_weights(
     with HfWeights(source.path) as weights, torch.no_grad():  # each rank its regions
         config = read_hf_json(source.path)
         manager.load_model_state(hf_sources(model, weights.tensors, config))
-    return deepseek_import_notes(config)
+    return deepseek_import_notes(config, model.mtp_depth)

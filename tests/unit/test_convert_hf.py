@@ -238,6 +238,11 @@ def test_import_matches_transformers(family: str, tmp_path: Path) -> None:
     assert result.family == family.split("-")[0].removesuffix("3.1")
     model = load_model(result.path).eval()
     assert model.cfg.seq_length == 16
+    if family == "deepseek_v3":  # transformers names an MTP layer it does not save
+        assert model.cfg.mtp_depth == 0
+        assert "names 1 multi-token-prediction layer(s), of which 1 were not read" in str(
+            result.notes
+        )
     tokens = _tokens(64, 16)
     with torch.no_grad():
         ours = model(tokens)

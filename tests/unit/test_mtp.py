@@ -97,7 +97,7 @@ def test_evaluation_is_the_language_model_loss_alone() -> None:
 @pytest.mark.parametrize(
     ("keys", "parallel", "says"),
     [
-        ({"mtp_depth": 7}, {}, "model.mtp_depth = 7 leaves no token to predict"),
+        ({"mtp_depth": 8}, {}, "model.mtp_depth = 8 leaves no token to predict"),
         ({"mtp_depth": -1}, {}, "model.mtp_depth"),
         ({}, {"cp": 2}, "under context parallelism is not built"),
         ({"tie_embeddings": True}, {"pp": 2}, "--model.tie_embeddings false"),
@@ -116,3 +116,15 @@ def test_a_negative_weight_is_refused() -> None:
     cfg = apply_updates(RunConfig(), {"model": MODEL | {"mtp_loss_weight": -0.1}}, "test")
     with pytest.raises(ConfigError, match="model.mtp_loss_weight"):
         validate(cfg)
+
+
+def test_the_deepest_depth_the_sequence_allows_trains() -> None:
+    # seq_length 8, depth 7: position 0 still has its token 8 ahead; one token per sequence.
+    sections = {"model": MODEL | {"mtp_depth": 7}}
+    sections["train"] = {"micro_batch_size": 1, "global_batch_size": 1}
+    validate(apply_updates(RunConfig(), sections, "test"))
+    gpt = _model(mtp_depth=7).train()
+    tokens = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(3))
+    loss, (ref, depths) = gpt(tokens, tokens), _reference(gpt, tokens, tokens)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    assert len(depths) == 7

@@ -69,9 +69,7 @@ def flops_per_token(cfg: ModelConfig, recompute: Recompute = Recompute.NONE) -> 
     layers = 0.0
     for count, layer in ((cfg.num_layers - moe_layers, None), (moe_layers, _first_moe(cfg))):
         if count:
-            gemm, core = layer_forward_flops_per_token(cfg, layer)
-            extra = {Recompute.NONE: 0.0, Recompute.SELECTIVE: core, Recompute.FULL: gemm + core}
-            layers += count * (3 * (gemm + core) + extra[recompute])
+            layers += count * _trained(*layer_forward_flops_per_token(cfg, layer), recompute)
     logits = 3 * 2 * cfg.hidden_size * cfg.vocab_size  # never recomputed
     return layers + logits + mtp_flops_per_token(cfg, recompute)
 
@@ -82,11 +80,16 @@ def mtp_flops_per_token(cfg: ModelConfig, recompute: Recompute = Recompute.NONE)
     if not cfg.mtp_depth:
         return 0.0
     last = cfg.num_layers - 1
-    gemm, core = layer_forward_flops_per_token(cfg, last if cfg.is_moe_layer(last) else None)
-    extra = {Recompute.NONE: 0.0, Recompute.SELECTIVE: core, Recompute.FULL: gemm + core}
+    forward = layer_forward_flops_per_token(cfg, last if cfg.is_moe_layer(last) else None)
     h = cfg.hidden_size
-    layer = 3 * (gemm + core) + extra[recompute] + 3 * 2 * (2 * h) * h
+    layer = _trained(*forward, recompute) + 3 * 2 * (2 * h) * h
     return cfg.mtp_depth * (layer + 3 * 2 * h * cfg.vocab_size)
+
+
+def _trained(gemm: float, core: float, recompute: Recompute) -> float:
+    """A layer's forward and backward (3x forward) and what recomputation runs again."""
+    extra = {Recompute.NONE: 0.0, Recompute.SELECTIVE: core, Recompute.FULL: gemm + core}
+    return 3 * (gemm + core) + extra[recompute]
 
 
 def _first_moe(cfg: ModelConfig) -> int | None:

@@ -346,23 +346,24 @@ class Trainer:
         balancing = self.moe.end_step()  # on every stage that holds MoE layers
         if balancing is not None:
             total = total + balancing
-        all_reduce_sum_(total, self.pp)  # the loss lives on the last stage
-        all_reduce_mean_(total, self.mesh.axis("dp_cp"))  # equal token counts: the mean
+        # The loss (and each multi-token-prediction depth's, for the log) lives on the last
+        # stage; equal token counts over dp x cp: the mean. One reduction for all of them.
+        figures = torch.cat([total.view(1), self._mtp_depths()])
+        all_reduce_sum_(figures, self.pp)
+        all_reduce_mean_(figures, self.mesh.axis("dp_cp"))
         if self.cfg.model.mtp_depth:
-            self._mtp_step()
-        return total
+            self._mtp_interval = self._mtp_interval + figures[1:]
+            self._mtp_steps += 1
+        return figures[0]
 
-    def _mtp_step(self) -> None:
-        """Add this step's multi-token-prediction loss of each depth (mean over the global
-        batch, as the loss) to the log interval's (`mtp_log_record`)."""
+    def _mtp_depths(self) -> torch.Tensor:
+        """This rank's multi-token-prediction loss of each depth this step ([mtp_depth],
+        a microbatch's mean; zeros on a stage without the modules)."""
         depths = torch.zeros(self.cfg.model.mtp_depth, device=self.device)
         for state in (chunk.mtp_state for chunk in self.chunks):
             if state.microbatches:
                 depths += torch.stack(state.losses) / state.microbatches
-        all_reduce_sum_(depths, self.pp)  # the last stage's
-        all_reduce_mean_(depths, self.mesh.axis("dp_cp"))
-        self._mtp_interval = self._mtp_interval + depths
-        self._mtp_steps += 1
+        return depths
 
     def mtp_log_record(self) -> dict:
         """mtp_loss: each depth's loss per step since the last call (not weighted; the
